@@ -1,0 +1,17 @@
+"""Test-wide settings applied before any package module is imported.
+
+Two cores are shared by everything on the CI box: a single intra-op thread keeps small
+torch ops from spending their time in thread hand-offs. Triton reads TRITON_INTERPRET when
+`@triton.jit` decorates, so the interpreter must be chosen before `pagemill.kernels`
+is imported; without a CUDA device the interpreter is the only way to run the kernels.
+"""
+
+import os
+import shutil
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
