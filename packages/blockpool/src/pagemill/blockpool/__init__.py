@@ -1,1 +1,36 @@
-"""blockpool"""
+"""pagemill.blockpool: paged KV-cache memory.
+
+Block pool with an O(1) intrusive free queue and ref counts, chained prefix-cache hashing,
+a per-request KV cache manager, CuPy/NumPy KV storage exported through DLPack, and sizing
+helpers. Depends on NumPy (and xxhash) only; never imports torch.
+"""
+
+from pagemill.blockpool.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pagemill.blockpool.hashing import (
+    BlockHash,
+    get_hash_fn,
+    hash_block_chain,
+    hash_block_tokens,
+)
+from pagemill.blockpool.kv_cache_manager import CacheRequest, KVCacheManager, PrefixCacheStats
+from pagemill.blockpool.kv_storage import KVStorage
+from pagemill.blockpool.sizing import DTYPE_BYTES, kv_bytes_per_token, num_blocks_for_budget
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTYPE_BYTES",
+    "BlockHash",
+    "BlockPool",
+    "CacheRequest",
+    "FreeBlockQueue",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "KVStorage",
+    "PrefixCacheStats",
+    "get_hash_fn",
+    "hash_block_chain",
+    "hash_block_tokens",
+    "kv_bytes_per_token",
+    "num_blocks_for_budget",
+]

@@ -1,1 +1,43 @@
-"""kernels"""
+"""pagemill.kernels: paged attention, KV cache writes and the Llama fused ops.
+
+Every op is one public name that dispatches on the tensors' device (CUDA → Triton kernel,
+anything else → torch path), plus ``<op>_torch`` and ``<op>_triton`` with the same
+signature for callers and tests that want one explicitly.
+"""
+
+from pagemill.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_and_mul_triton
+from pagemill.kernels.attention import (
+    paged_attention,
+    paged_attention_torch,
+    paged_attention_triton,
+)
+from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
+from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
+from pagemill.kernels.rotary import (
+    apply_rotary,
+    apply_rotary_torch,
+    apply_rotary_triton,
+    rope_cos_sin,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "apply_rotary",
+    "apply_rotary_torch",
+    "apply_rotary_triton",
+    "paged_attention",
+    "paged_attention_torch",
+    "paged_attention_triton",
+    "rms_norm",
+    "rms_norm_torch",
+    "rms_norm_triton",
+    "rope_cos_sin",
+    "silu_and_mul",
+    "silu_and_mul_torch",
+    "silu_and_mul_triton",
+    "write_kv_cache",
+    "write_kv_cache_torch",
+    "write_kv_cache_triton",
+]

@@ -1,0 +1,189 @@
+"""Paged-attention throughput: achieved memory bandwidth and TFLOP/s next to the device's peak.
+
+    python benchmarks/kernels.py            # CUDA: Triton kernel, Llama-3.1-8B heads (32/8/128, bf16)
+    python benchmarks/kernels.py --cpu      # torch path, SmolLM2 heads (9/3/64), CPU-sized batches
+
+Decode is memory-bound (every step reads each request's whole K/V once), so its figure of
+merit is GB/s against the memory bandwidth; prefill is compute-bound, so TFLOP/s against
+the dense bf16 peak. Bytes count K/V actually attended plus q and out; FLOPs count the two
+matmuls (4 * H * D per query-key pair) over the causal pairs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# (substring of the device name, memory bandwidth B/s, dense bf16 FLOP/s)
+GPU_PEAKS = [
+    ("H200", 4.8e12, 989e12),
+    ("H100 NVL", 3.9e12, 835e12),
+    ("H100 PCIe", 2.0e12, 756e12),
+    ("H100", 3.35e12, 989e12),
+    ("A100", 2.0e12, 312e12),
+    ("L40S", 0.864e12, 362e12),
+    ("4090", 1.0e12, 165e12),
+]
+
+
+@dataclass
+class Case:
+    name: str
+    q_lens: list[int]
+    ctx_lens: list[int]
+
+
+def build(case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int,
+          dtype: torch.dtype, device: str, seed: int = 0):
+    """A batch whose blocks are shuffled over the pool, as after a while of serving."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-c // block_size) for c in case.ctx_lens]
+    pool = sum(nblocks)
+    perm = torch.randperm(pool, generator=g)
+    tables = torch.zeros(len(nblocks), max(nblocks), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(nblocks):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    shape = (pool, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=dtype, device=device)
+    v_cache = torch.randn(shape, dtype=dtype, device=device)
+    q = torch.randn(sum(case.q_lens), heads, head_dim, dtype=dtype, device=device)
+    qsl = torch.zeros(len(case.q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(case.q_lens).cumsum(0)
+    seq_lens = torch.tensor(case.ctx_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, tables.to(device), qsl.to(device), seq_lens.to(device)
+
+
+def work(case: Case, heads: int, kv_heads: int, head_dim: int, elem: int) -> tuple[float, float]:
+    """(bytes moved, flops) of one call: K/V read once per request, causal pairs only."""
+    kv_bytes = 2 * sum(case.ctx_lens) * kv_heads * head_dim * elem
+    qo_bytes = 2 * sum(case.q_lens) * heads * head_dim * elem
+    pairs = sum(ql * (c - ql) + ql * (ql + 1) // 2 for ql, c in zip(case.q_lens, case.ctx_lens))
+    return kv_bytes + qo_bytes, 4.0 * pairs * heads * head_dim
+
+
+def time_cuda(fn: Callable[[], object], iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_cpu(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cpu_copy_bandwidth() -> float:
+    """A measured roofline for the CPU: read+write bytes/s of a large tensor copy."""
+    src = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src).fill_(0)
+    secs = time_cpu(lambda: dst.copy_(src), 5)
+    return 2 * src.numel() / secs
+
+
+def gpu_peaks(name: str) -> tuple[float | None, float | None]:
+    for key, bw, flops in GPU_PEAKS:
+        if key in name:
+            return bw, flops
+    return None, None
+
+
+def fmt(x: float | None, scale: float, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x / scale:.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="time the torch path on CPU with small shapes")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    ap.add_argument("--dtypes", default=None, help="comma list, e.g. bf16,fp32")
+    args = ap.parse_args()
+
+    cpu = args.cpu or not torch.cuda.is_available()
+    if cpu and args.threads:
+        torch.set_num_threads(args.threads)
+    if cpu:
+        # Without a GPU the Triton kernels only run in the interpreter: far too slow to time.
+        os.environ.pop("TRITON_INTERPRET", None)
+    from pagemill.kernels import paged_attention_torch, paged_attention_triton
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if cpu:
+        heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+        device, fn, timer = "cpu", paged_attention_torch, time_cpu
+        names = (args.dtypes or "bf16,fp32").split(",")
+        iters = args.iters or 5
+        cases = [Case(f"decode {n} x {c}", [1] * n, [c] * n)
+                 for n, c in ((1, 1000), (16, 500), (64, 300), (64, 1000), (256, 100), (256, 1000))]
+        cases.append(Case("prefill 4 x 512", [512] * 4, [512] * 4))
+        cases.append(Case("mixed 32 dec x 600 + 256 pf", [1] * 32 + [256], [600] * 32 + [256]))
+        bw_peak, flop_peak = cpu_copy_bandwidth(), None
+        label = f"CPU torch path, {torch.get_num_threads()} thread(s)"
+    else:
+        heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+        device, fn, timer = "cuda", paged_attention_triton, time_cuda
+        names = (args.dtypes or "bf16").split(",")
+        iters = args.iters or 20
+        cases = [
+            Case("decode 64 x 4096", [1] * 64, [4096] * 64),
+            Case("decode 256 x 1024", [1] * 256, [1024] * 256),
+            Case("prefill 4 x 4096", [4096] * 4, [4096] * 4),
+            Case("prefill 2k on 2k prefix x 4", [2048] * 4, [4096] * 4),
+            Case("mixed 64 dec x 4096 + 2048 pf", [1] * 64 + [2048], [4096] * 64 + [2048]),
+        ]
+        gpu_name = torch.cuda.get_device_name()
+        bw_peak, flop_peak = gpu_peaks(gpu_name)
+        label = f"{gpu_name}, Triton kernel"
+
+    print(f"# {label}; heads {heads}/{kv_heads}, head_dim {head_dim}, block {block_size}")
+    peak_note = "measured copy" if cpu else "spec"
+    print(f"# peak: {fmt(bw_peak, 1e9)} GB/s ({peak_note}), {fmt(flop_peak, 1e12, 0)} TFLOP/s dense bf16")
+    header = f"{'case':34s} {'dtype':5s} {'ms':>9s} {'GB/s':>9s} {'%bw':>6s} {'TFLOP/s':>9s} {'%flop':>6s}"
+    print(header)
+    print("-" * len(header))
+    for dname in names:
+        dtype = dtypes[dname]
+        for case in cases:
+            batch = build(case, heads, kv_heads, head_dim, block_size, dtype, device)
+            scale = head_dim**-0.5
+            if not cpu and case is cases[0]:
+                ref = paged_attention_torch(*batch, scale)
+                got = fn(*batch, scale)
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                print(f"# check vs torch path: relative error {err:.2e}")
+            out = torch.empty_like(batch[0])
+            secs = timer(lambda b=batch, o=out, s=scale: fn(*b, s, out=o), iters)
+            nbytes, flops = work(case, heads, kv_heads, head_dim, batch[0].element_size())
+            bw, fl = nbytes / secs, flops / secs
+            pct_bw = "" if bw_peak is None else f"{100 * bw / bw_peak:5.1f}%"
+            pct_fl = "" if flop_peak is None else f"{100 * fl / flop_peak:5.1f}%"
+            tflops = f"{fl / 1e12:9.3f}" if cpu else f"{fl / 1e12:9.1f}"
+            print(f"{case.name:34s} {dname:5s} {secs * 1e3:9.3f} {bw / 1e9:9.2f} {pct_bw:>6s} "
+                  f"{tflops} {pct_fl:>6s}")
+            del batch, out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Physical KV blocks, the O(1) free queue and the pool that hands them out.
+
+The free queue is intrusive (the links live in the blocks themselves) and bounded by two
+sentinel nodes, so popleft, append and removal from the middle (a prefix hit reviving a
+freed block) are a few pointer writes with no branches for the ends and no scan. A block is
+in the free queue exactly when its ref count is 0; the queue order is the eviction order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+from pagemill.blockpool.hashing import BlockHash
+
+
+class KVCacheBlock:
+    """One physical block: its id, how many requests hold it, its prefix hash, free links."""
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id: int = block_id
+        self.ref_cnt: int = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks between a head and a tail sentinel.
+
+    Membership is read off the links: a block is queued iff its prev_free is set (every
+    queued block has at least the head sentinel before it).
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.prev_free is not None
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the block evicted first (the head)."""
+        block = self._head.next_free
+        if block is self._tail or block is None:
+            raise ValueError("no free blocks left in the queue")
+        self.remove(block)
+        return block
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} in the queue")
+        return [self.popleft() for _ in range(n)]
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Queue `block` last (evicted after everything already queued)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink `block` from wherever it sits in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Queue contents head to tail (for tests and debugging; O(n))."""
+        return list(self)
+
+
+class BlockPool:
+    """All physical blocks, their ref counts, the free queue and the prefix-hash index.
+
+    The hash index maps each cached hash to exactly one block. A freed block keeps its hash
+    (it can still be hit) until get_new_blocks pops it for reuse, which evicts the hash.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_block_hash_to_block)
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Pop `n` blocks off the free queue head, evicting their hashes; each gets ref 1."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        queue = self.free_block_queue
+        if n > queue.num_free_blocks:
+            raise ValueError(
+                f"cannot allocate {n} blocks: only {queue.num_free_blocks} of "
+                f"{self.num_blocks} are free"
+            )
+        # Unlink the first n blocks in one splice rather than n separate removals.
+        popped: list[KVCacheBlock] = []
+        head = queue._head
+        node = head.next_free
+        index = self.cached_block_hash_to_block
+        for _ in range(n):
+            assert node is not None and node.ref_cnt == 0
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            h = node.block_hash
+            if h is not None:
+                if index.get(h) is node:
+                    del index[h]
+                node.block_hash = None
+            node.ref_cnt = 1
+            popped.append(node)
+            node = nxt
+        assert node is not None
+        head.next_free = node
+        node.prev_free = head
+        queue.num_free_blocks -= n
+        return popped
+
+    def _evict_hash(self, block: KVCacheBlock) -> None:
+        h = block.block_hash
+        if h is None:
+            return
+        if self.cached_block_hash_to_block.get(h) is block:
+            del self.cached_block_hash_to_block[h]
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        if not self.enable_caching:
+            return None
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix hit); revive freed ones."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_blocks(
+        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Register full blocks under their hashes.
+
+        A block that already has a hash is left alone, and so is a block whose hash another
+        block already holds: the index never has two blocks for one hash, and the duplicate
+        simply stays uncached (it is still valid for its own request).
+        """
+        if len(blocks) != len(block_hashes):
+            raise ValueError(
+                f"cache_full_blocks got {len(blocks)} blocks but {len(block_hashes)} hashes"
+            )
+        if not self.enable_caching:
+            return
+        index = self.cached_block_hash_to_block
+        for block, h in zip(blocks, block_hashes):
+            if block.block_hash is not None:
+                if block.block_hash != h:
+                    raise ValueError(
+                        f"block {block.block_id} is already cached under a different hash"
+                    )
+                continue
+            if h in index:
+                continue
+            block.block_hash = h
+            index[h] = block
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block; blocks reaching 0 join the queue tail in this order."""
+        queue = self.free_block_queue
+        done: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                # Undo this call's work so that a bad call changes nothing.
+                for prev in reversed(done):
+                    if prev.ref_cnt == 0:
+                        queue.remove(prev)
+                    prev.ref_cnt += 1
+                raise ValueError(
+                    f"block {block.block_id} freed more often than it was taken "
+                    f"(ref count {block.ref_cnt})"
+                )
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                queue.append(block)
+            done.append(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False, nothing changed) while a block is held."""
+        if self.free_block_queue.num_free_blocks != self.num_blocks:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    def get_usage(self) -> float:
+        """Fraction of blocks held by at least one request."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks

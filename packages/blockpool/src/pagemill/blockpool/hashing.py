@@ -1,0 +1,119 @@
+"""Prefix-cache block hashes.
+
+A block's hash chains its parent's hash, its token ids and its extra keys, so two blocks
+hash equal only when the whole token prefix up to and including them (and the extra keys,
+e.g. a tenant's cache salt) is equal. The byte serialization is length-prefixed and
+type-tagged so that no two different inputs serialize to the same bytes; equality of the
+digests then rests on the hash function alone. sha256 is the default because a collision
+across tenants would leak one tenant's KV into another's answer; xxh3-128 is the fast option
+for single-tenant deployments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+
+BlockHash = bytes
+HashFn = Callable[[bytes], bytes]
+
+HASH_ALGOS: tuple[str, ...] = ("sha256", "xxh3_128")
+
+_NO_PARENT = b"\x00"
+_HAS_PARENT = b"\x01"
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def get_hash_fn(name: str = "sha256") -> HashFn:
+    """Return the digest function for `name` ("sha256" or "xxh3_128")."""
+    if name == "sha256":
+        return _sha256
+    if name == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError as exc:  # pragma: no cover - xxhash is a declared dependency
+            raise ImportError("hash algorithm 'xxh3_128' needs the 'xxhash' package") from exc
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"unknown hash algorithm {name!r}; expected one of {HASH_ALGOS}")
+
+
+def _serialize_extra(key: object, out: list[bytes]) -> None:
+    # Type tag + length prefix: ("ab",) and ("a", "b") or 1 and "1" must never collide.
+    if key is None:
+        out.append(b"N")
+    elif isinstance(key, bool):
+        out.append(b"T" if key else b"F")
+    elif isinstance(key, int):
+        raw = str(key).encode()
+        out.append(b"i" + struct.pack("<I", len(raw)) + raw)
+    elif isinstance(key, str):
+        raw = key.encode("utf-8")
+        out.append(b"s" + struct.pack("<I", len(raw)) + raw)
+    elif isinstance(key, bytes | bytearray):
+        out.append(b"b" + struct.pack("<I", len(key)) + bytes(key))
+    elif isinstance(key, tuple):
+        out.append(b"t" + struct.pack("<I", len(key)))
+        for item in key:
+            _serialize_extra(item, out)
+    else:
+        raise TypeError(
+            f"extra key of type {type(key).__name__} cannot be hashed deterministically; "
+            "use str, int, bytes, bool, None or tuples of them"
+        )
+
+
+def serialize_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> bytes:
+    """Deterministic, unambiguous bytes for (parent, token ids, extra keys)."""
+    parts: list[bytes] = []
+    if parent is None:
+        parts.append(_NO_PARENT)
+    else:
+        parts.append(_HAS_PARENT + struct.pack("<I", len(parent)) + parent)
+    n = len(token_ids)
+    try:
+        parts.append(struct.pack(f"<I{n}q", n, *token_ids))
+    except struct.error as exc:
+        raise ValueError(f"token ids must be 64-bit integers: {exc}") from exc
+    parts.append(struct.pack("<I", len(extra_keys)))
+    for key in extra_keys:
+        _serialize_extra(key, parts)
+    return b"".join(parts)
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple = (),
+) -> BlockHash:
+    """Hash one block: H(parent hash, token ids, extra keys)."""
+    return hash_fn(serialize_block(parent, token_ids, extra_keys))
+
+
+def hash_block_chain(
+    hash_fn: HashFn,
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids` (a trailing partial block gets none).
+
+    `extra_keys` go into every block, so each hash stands on its own for isolation
+    rather than relying on the chain alone.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(
+            hash_fn, parent, token_ids[start : start + block_size], extra_keys
+        )
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,82 @@
+"""KV storage: shapes and dtypes, the NumPy fallback, and zero-copy DLPack export to torch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from pagemill.blockpool import KVStorage, kv_bytes_per_token
+
+HAS_CUPY_DEVICE = False
+if importlib.util.find_spec("cupy") is not None:  # pragma: no cover - only with a CUDA extra
+    import cupy
+
+    HAS_CUPY_DEVICE = bool(cupy.is_available())
+
+
+def test_cpu_storage_layout_and_size() -> None:
+    s = KVStorage(
+        num_layers=3, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, device="cpu"
+    )
+    assert s.backend == "numpy"
+    assert len(s.k_caches) == len(s.v_caches) == 3
+    for a in s.k_caches + s.v_caches:
+        assert isinstance(a, np.ndarray) and a.shape == (5, 4, 2, 8) and a.dtype == np.float16
+        assert not a.any()
+    # Every layer is its own buffer.
+    s.k_caches[0][0, 0, 0, 0] = 1
+    assert s.k_caches[1][0, 0, 0, 0] == 0 and s.v_caches[0][0, 0, 0, 0] == 0
+    assert s.nbytes == 5 * 4 * kv_bytes_per_token(3, 2, 8, "float16")
+
+
+def test_bf16_is_stored_in_uint16_containers() -> None:
+    s = KVStorage(1, 2, 4, 1, 8, dtype="bfloat16", device="cpu")
+    assert s.dtype == "bfloat16" and s.k_caches[0].dtype == np.uint16
+    assert s.nbytes == 2 * 4 * kv_bytes_per_token(1, 1, 8, "bfloat16")
+
+
+@pytest.mark.skipif(HAS_CUPY_DEVICE, reason="a CUDA device is present")
+def test_auto_falls_back_to_numpy_and_cuda_is_refused_without_a_device() -> None:
+    assert KVStorage(1, 1, 1, 1, 1).backend == "numpy"
+    with pytest.raises(RuntimeError, match="CuPy and a CUDA device"):
+        KVStorage(1, 1, 1, 1, 1, device="cuda")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_blocks": 0}, "num_blocks"),
+        ({"block_size": -1}, "block_size"),
+        ({"head_dim": 2.0}, "head_dim"),
+        ({"dtype": "float64"}, "unsupported KV dtype"),
+        ({"device": "tpu"}, "device must be"),
+    ],
+)
+def test_bad_input(kwargs: dict, match: str) -> None:
+    args = {"num_layers": 1, "num_blocks": 2, "block_size": 4, "num_kv_heads": 1, "head_dim": 8}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        KVStorage(**args)
+
+
+def test_dlpack_export_is_zero_copy_with_torch() -> None:
+    torch = pytest.importorskip("torch")
+    s = KVStorage(2, 3, 4, 2, 8, dtype="float16", device="cpu")
+    k = torch.from_dlpack(s.k_caches[1])
+    assert k.dtype == torch.float16 and tuple(k.shape) == (3, 4, 2, 8)
+    k[2, 1, 0, 3] = 1.5
+    assert s.k_caches[1][2, 1, 0, 3] == np.float16(1.5)
+    assert k.data_ptr() == s.k_caches[1].ctypes.data
+
+
+def test_dlpack_bf16_view_writes_through() -> None:
+    torch = pytest.importorskip("torch")
+    s = KVStorage(1, 2, 4, 1, 8, dtype="bfloat16", device="cpu")
+    v = torch.from_dlpack(s.v_caches[0]).view(torch.bfloat16)
+    assert v.dtype == torch.bfloat16
+    v[1, 3, 0, 7] = 2.0
+    bits = int(s.v_caches[0][1, 3, 0, 7])
+    # bf16 is the top half of the float32 bit pattern.
+    assert bits == np.array([2.0], dtype=np.float32).view(np.uint32)[0] >> 16

@@ -1,0 +1,131 @@
+"""Writing this step's K/V into the paged cache, one slot per token.
+
+The runtime computes ``slot = block_table[p // B] * B + p % B`` for every token it feeds;
+a slot of -1 marks a token whose K/V must not be stored (e.g. a padded row), so the op
+skips it rather than clobbering block 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagemill.kernels._dispatch import check_triton_device, next_pow2, use_triton
+
+
+def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"k and v must both be [num_tokens, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
+        raise ValueError(
+            f"k is [T, {k.shape[1]}, {k.shape[2]}] but the cache holds [.., .., {k_cache.shape[2]}, {k_cache.shape[3]}]"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+
+
+def write_kv_cache_torch(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        k, v, slots = k[keep], v[keep], slots[keep]
+    if slots.numel() == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    if int(slots.max()) >= num_slots:
+        raise ValueError(f"slot {int(slots.max())} is outside the cache ({num_slots} slots)")
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        src = src.to(cache.dtype)
+        try:
+            flat = cache.view(num_slots, cache.shape[2], cache.shape[3])
+        except RuntimeError:
+            # A cache whose block and slot axes cannot merge into one view: index both.
+            cache[slots // cache.shape[1], slots % cache.shape[1]] = src
+            continue
+        flat.index_copy_(0, slots, src)
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    kv = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    vv = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    kdst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    check_triton_device(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
+    _write_kv_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        H_PAD=next_pow2(num_kv_heads),
+        D_PAD=next_pow2(head_dim),
+    )
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    impl = write_kv_cache_triton if use_triton(k) else write_kv_cache_torch
+    impl(k, v, k_cache, v_cache, slot_mapping)

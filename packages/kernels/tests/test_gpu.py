@@ -1,0 +1,87 @@
+"""The compiled Triton kernels on a real GPU against the torch paths (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pagemill.kernels as K
+from pagemill.kernels.attention import _launch_paged_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        reason="needs a CUDA device and compiled (not interpreted) Triton",
+    ),
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def batch(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-c // block_size) for c in ctx_lens]
+    pool = sum(nblocks) + 3
+    perm = torch.randperm(pool, generator=g)
+    tables = torch.zeros(len(q_lens), max(nblocks) + 1, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(nblocks):
+        tables[s, :n] = perm[used : used + n]
+        used += n
+    kc = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    vc = torch.randn(pool, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    cpu = (q, kc, vc, tables, qsl, torch.tensor(ctx_lens, dtype=torch.int32))
+    return cpu, tuple(t.cuda() for t in cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (4, 4, 80)])
+def test_paged_attention(dtype, heads, kv_heads, head_dim):
+    q_lens = [1, 1, 300, 17, 1, 64]
+    ctx = [1, 2000, 300, 40, 513, 700]
+    cpu, gpu = batch(q_lens, ctx, heads, kv_heads, head_dim, dtype)
+    ref = K.paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in cpu), 0.1)
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert rel_err(K.paged_attention(*gpu, 0.1).cpu(), ref) < tol
+    dec_cpu, dec_gpu = batch([1] * 5, [1, 4000, 17, 900, 64], heads, kv_heads, head_dim, dtype)
+    dref = K.paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in dec_cpu), 0.1)
+    for splits in (1, 7):
+        out = _launch_paged_attention(*dec_gpu, 0.1, torch.empty_like(dec_gpu[0]), num_splits=splits)
+        assert rel_err(out.cpu(), dref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    r = torch.randn(37, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for got, ref in zip(K.rms_norm(x.cuda(), w.cuda(), 1e-5, r.cuda()), K.rms_norm_torch(x, w, 1e-5, r)):
+        assert rel_err(got.cpu(), ref) < tol
+    y = torch.randn(37, 2 * 1536, generator=g).to(dtype)
+    assert rel_err(K.silu_and_mul(y.cuda()).cpu(), K.silu_and_mul_torch(y)) < tol
+    q = torch.randn(37, 9, 64, generator=g).to(dtype)
+    k = torch.randn(37, 3, 64, generator=g).to(dtype)
+    pos = torch.randint(0, 8192, (37,), generator=g)
+    table = K.rope_cos_sin(64, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192})
+    for got, ref in zip(K.apply_rotary(pos.cuda(), q.cuda(), k.cuda(), table.cuda()),
+                        K.apply_rotary_torch(pos, q, k, table)):
+        assert rel_err(got.cpu(), ref) < tol
+    kc = torch.zeros(8, 16, 3, 64, dtype=dtype)
+    slots = torch.randperm(128, generator=g)[:37]
+    slots[::5] = -1
+    kc_gpu, vc_gpu = kc.cuda(), kc.clone().cuda()
+    K.write_kv_cache(k.cuda(), k.cuda(), kc_gpu, vc_gpu, slots.cuda())
+    K.write_kv_cache_torch(k, k, kc, kc.clone(), slots)
+    assert torch.equal(kc_gpu.cpu(), kc)

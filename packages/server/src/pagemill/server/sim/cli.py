@@ -1,0 +1,245 @@
+"""The `pagemill plan` and `pagemill simulate` subcommands.
+
+``register(subparsers)`` adds both to the `pagemill` CLI's subparsers; each sets
+``func`` to a handler taking the parsed namespace and returning the exit status, so the main
+CLI only does ``return args.func(args)``. ``main()`` runs them alone
+(``python -m pagemill.server.sim plan ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pagemill.server.sim.experiments import (
+    DEFAULT_BUDGETS,
+    EXPERIMENTS,
+    default_workloads,
+    run_experiments,
+)
+from pagemill.server.sim.hardware import Deployment
+from pagemill.server.sim.plan import DEFAULT_BATCH_SIZES, GIB, format_plan, make_plan
+from pagemill.server.sim.report import format_comparison
+from pagemill.server.sim.specs import known_gpus, known_models, load_gpu, load_model
+from pagemill.server.sim.workload import DISTRIBUTIONS, LengthDist
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0, got {text!r}")
+    return value
+
+
+def _experiments(text: str) -> tuple[str, ...]:
+    if text == "all":
+        return EXPERIMENTS
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in EXPERIMENTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"experiments: choose from {', '.join(EXPERIMENTS)} or 'all'")
+    return names
+
+
+def _add_hardware_args(p: argparse.ArgumentParser, gpu: str) -> None:
+    p.add_argument("--model", default="llama-3.1-8b",
+                   help=f"one of {', '.join(known_models())}, or a path to a HF config.json")
+    p.add_argument("--gpu", default=gpu,
+                   help=f"one of {', '.join(known_gpus())}, or a JSON file with memory_bytes, "
+                        "bandwidth_bytes_per_s, bf16_flops")
+    p.add_argument("--weight-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 | int8 | int4")
+    p.add_argument("--kv-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `plan` and `simulate` to a CLI's subparsers."""
+    plan = subparsers.add_parser(
+        "plan",
+        help="capacity plan: KV bytes, blocks, concurrent sequences, decode roofline",
+        description="How many requests fit on a GPU and how fast a decode step can be "
+        "(pure arithmetic; no GPU needed).",
+    )
+    _add_hardware_args(plan, gpu="h200")
+    plan.add_argument("--context-len", type=int, default=None,
+                      help="context length per sequence (default min(8192, model limit))")
+    plan.add_argument("--activation-reserve-gib", type=float, default=None,
+                      help="memory kept for activations (default: estimated from the token budget)")
+    plan.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES,
+                      help="comma-separated decode batch sizes of the roofline table")
+    plan.add_argument("--step-overhead-ms", type=float, default=0.0,
+                      help="fixed time added to every step")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--plot", type=Path, default=None, help="write the roofline as a PNG here")
+    plan.add_argument("--list", action="store_true", help="list the shipped models and GPUs")
+    plan.set_defaults(func=cmd_plan)
+
+    sim = subparsers.add_parser(
+        "simulate",
+        help="simulate serving on a GPU with the real scheduler and block pool",
+        description="Deterministic discrete-event simulation of pagemill's scheduler and block "
+        "pool with a roofline step-cost model: static vs paged batching, prefix caching, "
+        "token budget vs inter-token latency.",
+    )
+    _add_hardware_args(sim, gpu="h100")
+    sim.add_argument("--max-model-len", type=int, default=4096)
+    sim.add_argument("--num-blocks", type=int, default=None,
+                     help="KV pool size in blocks (default: what `plan` computes)")
+    sim.add_argument("--step-overhead-ms", type=float, default=1.0,
+                     help="fixed time added to every step (launches, scheduling, sampling)")
+    sim.add_argument("--experiments", type=_experiments, default=EXPERIMENTS,
+                     help=f"comma-separated subset of {', '.join(EXPERIMENTS)}, or 'all'")
+    sim.add_argument("--num-requests", type=int, default=600)
+    sim.add_argument("--request-rate", type=_rate, default=40.0,
+                     help="Poisson arrival rate in requests/s ('inf': all at t=0)")
+    sim.add_argument("--prompt-len", type=int, default=256, help="mean prompt length")
+    sim.add_argument("--output-len", type=int, default=256, help="mean output length")
+    sim.add_argument("--length-dist", choices=DISTRIBUTIONS, default="lognormal")
+    sim.add_argument("--length-spread", type=float, default=0.6,
+                     help="lognormal sigma / uniform relative half-width")
+    sim.add_argument("--system-prompt-len", type=int, default=1024,
+                     help="shared system prompt of the prefix-caching experiment")
+    sim.add_argument("--budgets", type=_int_list, default=DEFAULT_BUDGETS,
+                     help="token budgets of the chunked-prefill experiment")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--out-dir", type=Path, default=Path("pagemill-sim"),
+                     help="folder for the PNG plots and results.json")
+    sim.add_argument("--no-plots", action="store_true")
+    sim.set_defaults(func=cmd_simulate)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.list:
+        print("models:", ", ".join(known_models()))
+        print("gpus:  ", ", ".join(known_gpus()))
+        return 0
+    try:
+        reserve = None
+        if args.activation_reserve_gib is not None:
+            reserve = int(args.activation_reserve_gib * GIB)
+        plan = make_plan(
+            load_model(args.model),
+            load_gpu(args.gpu),
+            weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            context_len=args.context_len,
+            activation_reserve_bytes=reserve,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            step_overhead_s=args.step_overhead_ms / 1e3,
+            batch_sizes=args.batch_sizes,
+        )
+    except (ValueError, TypeError) as exc:
+        print(f"pagemill plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    if args.plot is not None:
+        from pagemill.server.sim.plots import plot_roofline
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {plot_roofline(plan, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _json_safe(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    try:
+        deployment = Deployment(
+            load_model(args.model),
+            load_gpu(args.gpu),
+            weight_dtype=args.weight_dtype,
+            kv_dtype=args.kv_dtype,
+            block_size=args.block_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            step_overhead_s=args.step_overhead_ms / 1e3,
+            num_blocks=args.num_blocks,
+        )
+        dist = {"kind": args.length_dist, "spread": args.length_spread}
+        workloads = default_workloads(
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            prompt_len=LengthDist(args.prompt_len, **dist),
+            output_len=LengthDist(args.output_len, **dist),
+            system_prompt_len=args.system_prompt_len,
+            seed=args.seed,
+        )
+        pool = deployment.pool_blocks
+    except (ValueError, TypeError) as exc:
+        print(f"pagemill simulate: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{deployment.model.name} ({args.weight_dtype}) on {deployment.gpu.name}: "
+        f"KV pool {pool:,} blocks x {args.block_size} = {deployment.kv_token_capacity:,} tokens, "
+        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
+        f"budget {args.max_num_batched_tokens} tokens/step\n"
+    )
+    started = time.perf_counter()
+    try:
+        comparisons = run_experiments(deployment, workloads, args.experiments, args.budgets)
+    except (ValueError, TypeError) as exc:
+        print(f"pagemill simulate: error: {exc}", file=sys.stderr)
+        return 2
+    for c in comparisons:
+        print(format_comparison(c))
+        print()
+    print(f"(simulated in {time.perf_counter() - started:.1f} s of wall time)")
+
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        c.key: {
+            "title": c.title,
+            "runs": [{k: _json_safe(v) for k, v in r.summary().items()} for r in c.runs],
+        }
+        for c in comparisons
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", "utf-8")
+    print(f"wrote {out_dir / 'results.json'}")
+    if not args.no_plots:
+        from pagemill.server.sim.plots import plot_comparison
+
+        for c in comparisons:
+            print(f"wrote {plot_comparison(c, out_dir / f'{c.key}.png')}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagemill", description="pagemill capacity tools")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,138 @@
+"""The roofline step-cost model shared by the planner and the simulator.
+
+One forward step streams every weight from HBM once whatever the batch, reads the KV cache of
+each scheduled request's context, and does 2 FLOPs per parameter per scheduled token plus the
+attention FLOPs. The step takes as long as the slower of the memory traffic and the arithmetic
+(they overlap on a GPU), plus a fixed per-step overhead (launch, scheduling, sampling). That
+single formula is why decode is memory bound at small batch and why batching is nearly free
+until the crossover batch, the number the whole design of a serving engine revolves around.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+from pagemill.blockpool import kv_bytes_per_token
+from pagemill.server.sim.specs import GPUSpec, ModelSpec, weight_dtype_bytes
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Where the time of one step goes; ``bound`` names the side of the roofline that won."""
+
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+    memory_time_s: float
+    compute_time_s: float
+    time_s: float
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_time_s > self.memory_time_s else "memory"
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Step time of one model on one GPU.
+
+    ``chunks`` handed to :meth:`step_cost` are ``(num_new_tokens, context_len)`` pairs, one per
+    scheduled request, ``context_len`` counting the new tokens. Attention reads a request's KV
+    context once per step (a FlashAttention-style kernel keeps the query tile on chip), not once
+    per query token, which would make prefill absurdly memory bound.
+    """
+
+    model: ModelSpec
+    gpu: GPUSpec
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    step_overhead_s: float = 0.0
+    bandwidth_efficiency: float = 1.0
+    flops_efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        weight_dtype_bytes(self.weight_dtype)  # validate early, with the clear message
+        if self.step_overhead_s < 0:
+            raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
+        for name in ("bandwidth_efficiency", "flops_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+    @cached_property
+    def weight_bytes(self) -> int:
+        return round(self.model.num_params * weight_dtype_bytes(self.weight_dtype))
+
+    @cached_property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, self.kv_dtype)
+
+    @cached_property
+    def bandwidth(self) -> float:
+        return self.gpu.bandwidth_bytes_per_s * self.bandwidth_efficiency
+
+    @cached_property
+    def peak_flops(self) -> float:
+        return self.gpu.bf16_flops * self.flops_efficiency
+
+    @cached_property
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs per token outside attention: 2 per parameter (multiply + add)."""
+        return 2.0 * self.model.num_params
+
+    def step_cost(self, chunks: Iterable[tuple[int, int]]) -> StepCost:
+        num_tokens = 0
+        kv_tokens = 0
+        attn_flops = 0.0
+        model = self.model
+        for q, c in chunks:
+            if q <= 0 or c < q:
+                raise ValueError(f"bad chunk (num_new_tokens={q}, context_len={c})")
+            num_tokens += q
+            kv_tokens += c  # context read once + new tokens written: c - q + q
+            attn_flops += model.attention_flops(q, c)
+        if num_tokens == 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        weight_bytes = float(self.weight_bytes)
+        kv_bytes = float(kv_tokens * self.kv_bytes_per_token)
+        flops = num_tokens * self.flops_per_token + attn_flops
+        memory_time = (weight_bytes + kv_bytes) / self.bandwidth
+        compute_time = flops / self.peak_flops
+        time = max(memory_time, compute_time) + self.step_overhead_s
+        return StepCost(weight_bytes, kv_bytes, flops, memory_time, compute_time, time)
+
+    def step_time(self, chunks: Iterable[tuple[int, int]]) -> float:
+        return self.step_cost(chunks).time_s
+
+    def decode_step(self, batch_size: int, context_len: int) -> StepCost:
+        """A pure decode step: ``batch_size`` sequences each adding one token at ``context_len``."""
+        if batch_size <= 0 or context_len <= 0:
+            raise ValueError("batch_size and context_len must be positive")
+        return self.step_cost([(1, context_len)] * batch_size)
+
+    def weight_stream_time_s(self) -> float:
+        return self.weight_bytes / self.bandwidth
+
+    def crossover_batch(self, context_len: int = 0) -> float | None:
+        """Decode batch size at which arithmetic time overtakes memory time.
+
+        With ``context_len == 0`` only weight streaming counts: B* = peak * W / (bw * 2P), i.e.
+        peak / (2 * bw) per weight byte of a parameter — about 206 for BF16 on an H200. With a
+        context, each sequence also reads its KV, which grows the memory side with the batch too;
+        if that per-sequence read outweighs the per-sequence arithmetic there is no crossover
+        (None): long-context decode stays memory bound at every batch size.
+        """
+        if context_len < 0:
+            raise ValueError("context_len must be >= 0")
+        per_seq_compute = self.flops_per_token / self.peak_flops
+        per_seq_memory = 0.0
+        if context_len:
+            per_seq_compute += self.model.attention_flops(1, context_len) / self.peak_flops
+            per_seq_memory = context_len * self.kv_bytes_per_token / self.bandwidth
+        slope = per_seq_compute - per_seq_memory
+        if slope <= 0:
+            return None
+        return self.weight_stream_time_s() / slope

@@ -1,0 +1,226 @@
+"""Model shapes and GPU datasheets, the only inputs of the capacity arithmetic.
+
+The well-known entries ship as JSON (``data/models.json``, ``data/gpus.json``) so a user can
+read and correct them without touching code; any Hugging Face ``config.json`` works as a model
+and any JSON file with the GPU fields works as a GPU. Parameter counts are derived from the
+shape rather than stored, so a planner number can always be traced back to the config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+# Bytes per weight element. int4 counts half a byte: group scales are ignored, they add ~3%.
+WEIGHT_DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "float32": 4.0,
+    "bf16": 2.0,
+    "bfloat16": 2.0,
+    "fp16": 2.0,
+    "float16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+}
+
+
+def weight_dtype_bytes(dtype: str) -> float:
+    """Element size of a weight dtype name; a clear error names the accepted spellings."""
+    key = str(dtype).removeprefix("torch.").lower()
+    if key not in WEIGHT_DTYPE_BYTES:
+        raise ValueError(
+            f"unknown weight dtype {dtype!r}; expected one of {sorted(WEIGHT_DTYPE_BYTES)}"
+        )
+    return WEIGHT_DTYPE_BYTES[key]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A dense decoder-only transformer (Llama family layout: GQA attention + gated MLP)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                      "intermediate_size", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def params_per_layer(self) -> int:
+        q = self.hidden_size * self.num_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * self.hidden_size
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.qkv_bias else 0
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size
+        return q + kv + o + bias + mlp + norms
+
+    @property
+    def num_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        lm_head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_layers * self.params_per_layer + self.hidden_size + lm_head
+
+    def attention_flops(self, num_queries: int, context_len: int) -> float:
+        """FLOPs of QK^T and PV for a chunk of ``num_queries`` tokens ending at ``context_len``.
+
+        Causal: query at position p sees p + 1 keys, so the chunk sees
+        q * c - q * (q - 1) / 2 key positions; each costs 2 matmul FLOPs for QK and 2 for PV
+        per head dimension, on every query head of every layer.
+        """
+        q, c = num_queries, context_len
+        keys = q * c - q * (q - 1) / 2
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * keys
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """What a roofline needs of a card: memory size, memory bandwidth, dense BF16 tensor rate."""
+
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    bf16_flops: float
+
+    def __post_init__(self) -> None:
+        for field in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPU {self.name!r}: {field} must be a positive number, got {value!r}")
+
+
+@cache
+def _load_data(filename: str) -> dict[str, dict[str, Any]]:
+    text = resources.files("pagemill.server.sim").joinpath("data", filename).read_text("utf-8")
+    raw = json.loads(text)
+    return {k: v for k, v in raw.items() if not k.startswith("_")}
+
+
+def known_models() -> list[str]:
+    return sorted(_load_data("models.json"))
+
+
+def known_gpus() -> list[str]:
+    return sorted(_load_data("gpus.json"))
+
+
+def _normalize(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def _model_from_entry(entry: dict[str, Any]) -> ModelSpec:
+    fields = {k: v for k, v in entry.items() if k != "display_name"}
+    return ModelSpec(name=entry.get("display_name", "model"), **fields)
+
+
+def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSpec:
+    """Read the fields of a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, ... layout)."""
+    if config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts"):
+        raise ValueError(
+            f"{name}: mixture-of-experts configs are not supported by the planner (dense models only)"
+        )
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict) and "hidden_size" not in config:
+        config = text_config
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise ValueError(f"{name}: config.json lacks {', '.join(missing)} (not a decoder-only LM?)")
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    model_type = str(config.get("model_type", ""))
+    qkv_bias = bool(config.get("attention_bias", False)) or model_type == "qwen2"
+    return ModelSpec(
+        name=name,
+        hidden_size=hidden,
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+    )
+
+
+def load_model(name_or_path: str | Path) -> ModelSpec:
+    """A shipped model by name (case and ``_``/``-`` insensitive), or a path to a config.json
+    (or to a folder holding one)."""
+    key = _normalize(str(name_or_path))
+    models = _load_data("models.json")
+    if key in models:
+        return _model_from_entry(models[key])
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text("utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return model_from_hf_config(config, name=path.parent.name or path.stem)
+    raise ValueError(
+        f"unknown model {str(name_or_path)!r}: not one of {known_models()} "
+        "and not a path to a Hugging Face config.json"
+    )
+
+
+def load_gpu(name_or_path: str | Path) -> GPUSpec:
+    """A shipped GPU by name, or a JSON file with ``memory_bytes``, ``bandwidth_bytes_per_s``
+    and ``bf16_flops``."""
+    key = _normalize(str(name_or_path))
+    gpus = _load_data("gpus.json")
+    aliases = {"a100": "a100-80g", "a100-80gb": "a100-80g", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
+    key = aliases.get(key, key)
+    if key in gpus:
+        entry = dict(gpus[key])
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(
+                f"unknown GPU {str(name_or_path)!r}: not one of {known_gpus()} and not a JSON file"
+            )
+        try:
+            entry = json.loads(path.read_text("utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        entry.setdefault("display_name", path.stem)
+    missing = [k for k in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops") if k not in entry]
+    if missing:
+        raise ValueError(f"GPU {str(name_or_path)!r} lacks {', '.join(missing)}")
+    return GPUSpec(
+        name=str(entry.get("display_name", key)),
+        memory_bytes=int(entry["memory_bytes"]),
+        bandwidth_bytes_per_s=float(entry["bandwidth_bytes_per_s"]),
+        bf16_flops=float(entry["bf16_flops"]),
+    )
