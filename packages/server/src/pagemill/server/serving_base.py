@@ -1,0 +1,285 @@
+"""What completions and chat share: prompt checks, sampling params, submission, text deltas.
+
+Every check that can fail because of the request runs before the first byte is sent, so a
+bad request is a clean 4xx even when it asked for a stream. Prompts are tokenized here
+(the tokenizer's encode is safe beside the engine thread's decode) so that context-length
+errors can name exact numbers and `max_tokens=None` can mean "the rest of the context".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from pagemill.runtime import SamplingParams
+
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .errors import APIError
+from .protocol import SamplingFields
+
+RETRY_AFTER_SECONDS = 1
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event carrying a JSON body (pydantic model or dict)."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def map_finish_reason(reason: str | None) -> str | None:
+    # "ignored" means the prompt never fit the KV pool: to a client that is a length cut.
+    if reason in ("ignored", "abort"):
+        return "length"
+    return reason
+
+
+@dataclass
+class PromptInfo:
+    token_ids: list[int]
+    max_tokens: int
+
+
+class ServingBase:
+    """Holds the engine client and the model facts every endpoint needs."""
+
+    def __init__(self, client: AsyncEngine, served_model_name: str, *,
+                 max_model_len: int, tokenizer: Any, vocab_limit: int | None = None) -> None:
+        self.client = client
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        if vocab_limit is None:
+            vocab_limit = len(tokenizer) if tokenizer is not None else 2**31
+        self.vocab_limit = vocab_limit
+
+    # ------------------------------------------------------------ checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.served_model_name}'.", param="model",
+                           code="model_not_found")
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
+                           param="prompt")
+        # The engine's own encoding, so counts match what it would compute from the text.
+        engine_encode = getattr(self.client.engine, "encode", None)
+        try:
+            ids = engine_encode(text) if callable(engine_encode) else self.tokenizer.encode(text)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+        return list(ids)
+
+    def check_prompt(self, token_ids: list[int], max_tokens: int | None,
+                     min_tokens: int = 0) -> PromptInfo:
+        n = len(token_ids)
+        # An id past the embedding table would crash the engine step, not just this request.
+        if token_ids and max(token_ids) >= self.vocab_limit:
+            raise APIError(400, f"prompt token id {max(token_ids)} is outside the vocabulary "
+                                f"({self.vocab_limit} tokens)", param="prompt")
+        if n == 0:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        if n >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, your prompt has {n} tokens, which leaves no "
+                                "room for a completion.", param="prompt")
+        if max_tokens is None:
+            max_tokens = self.max_model_len - n
+        elif n + max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens. However, you requested {n + max_tokens} tokens ({n} in "
+                                f"the prompt, {max_tokens} for the completion). Please reduce "
+                                "the prompt or max_tokens.", param="max_tokens")
+        if min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens "
+                                f"({max_tokens})", param="min_tokens")
+        return PromptInfo(token_ids, max_tokens)
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k in (None, -1) else req.top_k,
+                min_p=req.min_p,
+                seed=req.seed,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop_list or None,
+                stop_token_ids=list(req.stop_token_ids or ()),
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    # ------------------------------------------------------------ submission
+
+    async def submit(self, base_id: str, prompts: Sequence[PromptInfo],
+                     params: Sequence[SamplingParams], req: SamplingFields
+                     ) -> tuple[asyncio.Queue[Any], list[str]]:
+        """Add one engine request per prompt, all feeding one queue; errors become APIErrors."""
+        out_queue: asyncio.Queue[Any] = asyncio.Queue()
+        ids: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = f"{base_id}-{i}"
+                await self.client.add_request(rid, prompt.token_ids, sp, out_queue=out_queue,
+                                              priority=req.priority, cache_salt=req.cache_salt)
+                ids.append(rid)
+        except BaseException as exc:
+            for rid in ids:
+                self.client.release(rid, finished=False)
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, f"{exc}; retry shortly",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc)) from exc
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc)) from exc
+            raise
+        return out_queue, ids
+
+    async def collect(self, raw_request: Request, out_queue: asyncio.Queue[Any],
+                      ids: list[str]) -> list[Any]:
+        """Final outputs in prompt order; a client that hangs up aborts the requests.
+
+        A watcher waits for the connection's `http.disconnect` beside the collection, so a
+        request still queued (no outputs to notice it by) is aborted as soon as the client
+        leaves, the same as a stream.
+        """
+        async def gather() -> dict[str, Any]:
+            final: dict[str, Any] = {}
+            async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
+                async for out in stream:
+                    if out.finished:
+                        final[out.request_id] = out
+            return final
+
+        async def watch() -> None:
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+
+        collecting = asyncio.ensure_future(gather())
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({collecting, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collecting, watcher):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+        if not collecting.done() or collecting.cancelled():
+            raise APIError(499, "client disconnected")
+        try:
+            final = collecting.result()
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from exc
+        return [final[rid] for rid in ids]
+
+
+class ReleasingStream:
+    """An SSE body that returns its engine requests even if it is closed before it starts.
+
+    A never-started async generator runs no `finally` on close, so a client that hangs up
+    between the submit and the first chunk would otherwise leave its requests running.
+    """
+
+    def __init__(self, body: AsyncIterator[str], client: AsyncEngine, ids: list[str]) -> None:
+        self._body = body
+        self._client = client
+        self._ids = ids
+
+    def __aiter__(self) -> ReleasingStream:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._body.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._body.aclose()  # type: ignore[attr-defined]
+        finally:
+            for rid in self._ids:
+                self._client.release(rid, finished=False)
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative outputs into the new text and tokens of each choice.
+
+    Text that could still become part of a stop string is held back (the engine cuts stop
+    strings from its cumulative text; a stream must never have sent them), and so is a
+    trailing U+FFFD, the half of a character whose other bytes have not been sampled yet.
+    """
+
+    holdback: int = 0
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> DeltaTracker:
+        stops = params.stop_strings
+        hold = 0 if params.include_stop_str_in_output or not stops else max(map(len, stops)) - 1
+        return cls(holdback=hold)
+
+    def text_delta(self, key: int, text: str, finished: bool) -> str:
+        sent = self.sent_chars.get(key, 0)
+        upto = len(text) if finished else len(text) - self.holdback
+        if not finished:
+            while upto > sent and text[upto - 1] == "\ufffd":
+                upto -= 1
+        if upto <= sent:
+            return ""
+        self.sent_chars[key] = upto
+        return text[sent:upto]
+
+    def new_tokens(self, key: int, token_ids: list[int]) -> tuple[int, int]:
+        """(start, end) of the tokens not yet reported for this choice."""
+        start = self.sent_tokens.get(key, 0)
+        self.sent_tokens[key] = len(token_ids)
+        return start, len(token_ids)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def split_logprobs(entry: dict[int, float], num_top: int) -> tuple[float, list[tuple[int, float]]]:
+    """(sampled token's logprob, top-n [(id, logprob)]) from the runtime's per-token dict.
+
+    The runtime puts the sampled token first, then the top-n (without repeating it).
+    """
+    items = list(entry.items())
+    sampled_lp = items[0][1] if items else float("nan")
+    top = sorted(items, key=lambda kv: kv[1], reverse=True)[:num_top] if num_top else []
+    return sampled_lp, top
+
+
+def usage_counts(outputs: Sequence[Any]) -> tuple[int, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return prompt, completion

@@ -1,0 +1,136 @@
+"""POST /v1/chat/completions: messages through the model's chat template, whole or streamed."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from .async_engine import EngineDeadError
+from .errors import APIError, error_body
+from .protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from .serving_base import (
+    SSE_DONE,
+    DeltaTracker,
+    ReleasingStream,
+    ServingBase,
+    map_finish_reason,
+    split_logprobs,
+    sse,
+    token_text,
+    usage_counts,
+)
+
+
+class ChatServing(ServingBase):
+    def render(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.client.engine.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as exc:  # no template, or one that rejects e.g. this role order
+            raise APIError(400, f"the chat template could not render these messages: {exc}",
+                           param="messages") from exc
+        return list(ids)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request
+                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        prompt = self.check_prompt(self.render(req), req.effective_max_tokens, req.min_tokens)
+        params = self.sampling_params(req, prompt.max_tokens, req.num_logprobs)
+        request_id = random_id("chatcmpl")
+        out_queue, ids = await self.submit(request_id, [prompt], [params], req)
+        if req.stream:
+            return ReleasingStream(self._stream(req, request_id, out_queue, ids, DeltaTracker.for_params(params)),
+                                   self.client, ids)
+        (final,) = await self.collect(raw_request, out_queue, ids)
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            logprobs = None
+            if req.num_logprobs is not None:
+                logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                finish_reason=map_finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+        n_prompt, n_completion = usage_counts([final])
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=n_prompt,
+                                                      completion_tokens=n_completion,
+                                                      total_tokens=n_prompt + n_completion))
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
+                  num_top: int) -> ChatChoiceLogprobs:
+        content: list[ChatTokenLogprob] = []
+        for tid, entry in zip(token_ids, entries or []):
+            text = token_text(self.tokenizer, tid)
+            sampled_lp, top = split_logprobs(entry, num_top)
+            tops = []
+            for t, lp in top:
+                t_text = token_text(self.tokenizer, t)
+                tops.append(TopLogprob(token=t_text, logprob=lp, bytes=list(t_text.encode())))
+            content.append(ChatTokenLogprob(token=text, logprob=sampled_lp,
+                                            bytes=list(text.encode()), top_logprobs=tops))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, out_queue: Any,
+                      ids: list[str], tracker: DeltaTracker) -> AsyncIterator[str]:
+        created = int(time.time())
+        final: Any = None
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: ChatChoiceLogprobs | None = None,
+                  finish: str | None = None, stop_reason: Any = None) -> str:
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                        "model": self.served_model_name,
+                        "choices": [{"index": index, "delta": delta,
+                                     "logprobs": logprobs.model_dump() if logprobs else None,
+                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+
+        # The role comes first, once per choice, as OpenAI sends it.
+        for i in range(req.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        try:
+            async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
+                async for out in stream:
+                    for c in out.outputs:
+                        if c.index in tracker.finished:
+                            continue
+                        done = c.finish_reason is not None
+                        text = tracker.text_delta(c.index, c.text, done)
+                        start, end = tracker.new_tokens(c.index, c.token_ids)
+                        logprobs = None
+                        if req.num_logprobs is not None and c.logprobs is not None and end > start:
+                            logprobs = self._logprobs(c.token_ids[start:end], c.logprobs[start:end],
+                                                      req.num_logprobs)
+                        delta = {"content": text} if text else {}
+                        if done:
+                            tracker.finished.add(c.index)
+                            yield chunk(c.index, delta, logprobs,
+                                        map_finish_reason(c.finish_reason), c.stop_reason)
+                        elif text or logprobs:
+                            yield chunk(c.index, delta, logprobs)
+                    if out.finished:
+                        final = out
+        except EngineDeadError as exc:
+            yield sse(error_body(503, str(exc)))
+            yield SSE_DONE
+            return
+        if req.include_usage and final is not None:
+            n_prompt, n_completion = usage_counts([final])
+            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                       "model": self.served_model_name, "choices": [],
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                                 "total_tokens": n_prompt + n_completion}})
+        yield SSE_DONE

@@ -1,0 +1,128 @@
+"""POST /v1/completions: one or many prompts, n choices each, whole or streamed."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+
+from .async_engine import EngineDeadError
+from .errors import error_body
+from .protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from .serving_base import (
+    SSE_DONE,
+    DeltaTracker,
+    PromptInfo,
+    ReleasingStream,
+    ServingBase,
+    map_finish_reason,
+    split_logprobs,
+    sse,
+    token_text,
+    usage_counts,
+)
+
+
+class CompletionServing(ServingBase):
+    async def create(self, req: CompletionRequest, raw_request: Request
+                     ) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(req.model)
+        prompts: list[PromptInfo] = []
+        for p in req.prompts():
+            ids = self.encode(p) if isinstance(p, str) else list(p)
+            prompts.append(self.check_prompt(ids, req.max_tokens, req.min_tokens))
+        params = [self.sampling_params(req, p.max_tokens, req.logprobs) for p in prompts]
+        request_id = random_id("cmpl")
+        out_queue, ids = await self.submit(request_id, prompts, params, req)
+        if req.stream:
+            return ReleasingStream(self._stream(req, request_id, out_queue, ids, DeltaTracker.for_params(params[0])),
+                                   self.client, ids)
+        finals = await self.collect(raw_request, out_queue, ids)
+        choices: list[CompletionChoice] = []
+        for i, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                choices.append(CompletionChoice(
+                    index=i * req.n + c.index, text=c.text, logprobs=logprobs,
+                    finish_reason=map_finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+        n_prompt, n_completion = usage_counts(finals)
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=n_prompt,
+                                                  completion_tokens=n_completion,
+                                                  total_tokens=n_prompt + n_completion))
+
+    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
+                  num_top: int, text_offset: int) -> CompletionLogprobs:
+        result = CompletionLogprobs()
+        offset = text_offset
+        for tid, entry in zip(token_ids, entries or []):
+            text = token_text(self.tokenizer, tid)
+            sampled_lp, top = split_logprobs(entry, num_top)
+            result.tokens.append(text)
+            result.token_logprobs.append(sampled_lp)
+            result.top_logprobs.append({token_text(self.tokenizer, t): lp for t, lp in top})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    async def _stream(self, req: CompletionRequest, request_id: str, out_queue: Any,
+                      ids: list[str], tracker: DeltaTracker) -> AsyncIterator[str]:
+        created = int(time.time())
+        index_of = {rid: i for i, rid in enumerate(ids)}
+        finals: list[Any] = []
+
+        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
+                  finish: str | None = None, stop_reason: Any = None) -> str:
+            return sse({"id": request_id, "object": "text_completion", "created": created,
+                        "model": self.served_model_name,
+                        "choices": [{"index": index, "text": text,
+                                     "logprobs": logprobs.model_dump() if logprobs else None,
+                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+
+        try:
+            async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
+                async for out in stream:
+                    base = index_of[out.request_id] * req.n
+                    for c in out.outputs:
+                        key = base + c.index
+                        if key in tracker.finished:
+                            continue
+                        done = c.finish_reason is not None
+                        delta = tracker.text_delta(key, c.text, done)
+                        start, end = tracker.new_tokens(key, c.token_ids)
+                        logprobs = None
+                        if req.logprobs is not None and c.logprobs is not None and end > start:
+                            logprobs = self._logprobs(c.token_ids[start:end], c.logprobs[start:end],
+                                                      req.logprobs,
+                                                      tracker.sent_chars.get(key, 0) - len(delta))
+                        if done:
+                            tracker.finished.add(key)
+                            yield chunk(key, delta, logprobs, map_finish_reason(c.finish_reason),
+                                        c.stop_reason)
+                        elif delta or logprobs:
+                            yield chunk(key, delta, logprobs)
+                    if out.finished:
+                        finals.append(out)
+        except EngineDeadError as exc:
+            yield sse(error_body(503, str(exc)))
+            yield SSE_DONE
+            return
+        if req.include_usage:
+            n_prompt, n_completion = usage_counts(finals)
+            yield sse({"id": request_id, "object": "text_completion", "created": created,
+                       "model": self.served_model_name, "choices": [],
+                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
+                                 "total_tokens": n_prompt + n_completion}})
+        yield SSE_DONE

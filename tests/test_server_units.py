@@ -1,0 +1,285 @@
+"""Server pieces that need no model: request validation, deltas, the CLI, the engine thread.
+
+The engine-thread tests drive `AsyncEngine` with a scripted engine: it makes failures
+(an engine that raises, a shutdown mid-request) easy to provoke and exact to check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from pagemill.runtime import CompletionOutput, RequestOutput, SamplingParams
+from pagemill.server import AsyncEngine, EngineDeadError, QueueFullError
+from pagemill.server.cli import build_parser, parse_size
+from pagemill.server.errors import error_body
+from pagemill.server.metrics import EngineMetrics, read_engine_stats
+from pagemill.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagemill.server.serving_base import DeltaTracker, split_logprobs
+
+# ---------------------------------------------------------------- protocol
+
+
+def test_prompt_forms() -> None:
+    assert CompletionRequest(prompt="hi").prompts() == ["hi"]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[1, 2, 3]).prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"prompt": 5},
+    {"prompt": "x", "n": 0}, {"prompt": "x", "temperature": 3}, {"prompt": "x", "top_p": 0},
+    {"prompt": "x", "stop": [""]}, {"prompt": "x", "logit_bias": {"1": 2.0}},
+    {"prompt": "x", "best_of": 3}, {"prompt": "x", "top_k": -2}, {"prompt": "x", "min_p": 2},
+    {"prompt": "x", "presence_penalty": 5}, {"prompt": "x", "stop_token_ids": [-1]},
+    {"prompt": "x", "cache_salt": ""},
+])
+def test_completion_request_rejects(body: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+
+
+def test_chat_request_rules() -> None:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        max_tokens=5, max_completion_tokens=7, logprobs=True)
+    assert req.messages[0].text() == "ab"
+    assert req.effective_max_tokens == 7  # the newer field wins
+    assert req.num_logprobs == 0
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).num_logprobs is None
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+                {"messages": [{"role": "user"}], "response_format": {"type": "json_object"}}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(bad)
+    # Fields OpenAI clients send that we do not use are ignored, not refused.
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                          "store": False, "metadata": {"a": "b"}})
+
+
+def test_error_body_shape() -> None:
+    body = error_body(429, "busy")
+    assert body == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
+                              "code": 429}}
+
+
+# ---------------------------------------------------------------- deltas
+
+
+def test_delta_tracker_holds_back_possible_stop_prefix() -> None:
+    tracker = DeltaTracker.for_params(SamplingParams(stop=["END"]))
+    assert tracker.holdback == 2
+    assert tracker.text_delta(0, "abcE", False) == "ab"
+    assert tracker.text_delta(0, "abcEN", False) == "c"
+    # The engine cut the stop string: the held-back "EN" never reaches the client.
+    assert tracker.text_delta(0, "abc", True) == ""
+    other = DeltaTracker.for_params(SamplingParams())
+    assert other.text_delta(1, "x\ufffd", False) == "x"  # half a character waits
+    assert other.text_delta(1, "xé", False) == "é"
+    assert other.new_tokens(1, [1, 2, 3]) == (0, 3)
+    assert other.new_tokens(1, [1, 2, 3, 4]) == (3, 4)
+    assert DeltaTracker.for_params(SamplingParams(stop=["END"], include_stop_str_in_output=True)
+                                   ).holdback == 0
+
+
+def test_split_logprobs() -> None:
+    sampled, top = split_logprobs({5: -2.0, 1: -0.1, 2: -0.5}, 2)
+    assert sampled == -2.0 and top == [(1, -0.1), (2, -0.5)]
+    assert split_logprobs({5: -2.0}, 0) == (-2.0, [])
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_parse_size() -> None:
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("4GiB") == 4 * 2**30
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("1048576") == 1048576
+    for bad in ("lots", "-5MB", "0", "3 parsecs"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_size(bad)
+
+
+def test_serve_defaults_bind_loopback() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, None, None)
+    assert args.max_body_size == 4 * 2**20 and not args.no_prefix_caching
+    args = build_parser().parse_args([
+        "serve", "/models/x", "--dtype", "bfloat16", "--block-size", "32", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "512", "--kv-cache-memory", "1GiB", "--no-prefix-caching",
+        "--scheduling-policy", "priority", "--seed", "3", "--host", "0.0.0.0", "--port", "9000",
+        "--api-key", "k", "--max-queue-len", "10"])
+    from pagemill.server.cli import engine_kwargs
+
+    kw = engine_kwargs(args)
+    assert kw["model"] == "/models/x" and kw["dtype"] == "bfloat16" and kw["block_size"] == 32
+    assert kw["kv_cache_memory_bytes"] == 2**30 and kw["enable_prefix_caching"] is False
+    assert kw["scheduling_policy"] == "priority" and kw["seed"] == 3
+    assert (args.host, args.port, args.api_key, args.max_queue_len) == ("0.0.0.0", 9000, "k", 10)
+
+
+@pytest.mark.parametrize("argv", [["serve", "--port", "0"], ["serve", "--block-size", "x"],
+                                  ["serve", "--scheduling-policy", "lifo"], ["generate"],
+                                  ["bench", "serve", "--concurrency", "0,4"], []])
+def test_cli_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_cli_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("serve", "generate", "download", "bench"):
+        assert cmd in out
+
+
+# ---------------------------------------------------------------- engine thread
+
+
+class ScriptedEngine:
+    """Emits one token per step per request until max_tokens; can be told to fail."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.fail_next_step = False
+        self.steps = 0
+        self.step_threads: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **_: Any) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        self.requests[request_id] = (list(prompt), params, [])
+
+    def abort_request(self, request_ids: Any) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        self.step_threads.add(threading.current_thread().name)
+        if self.fail_next_step:
+            raise RuntimeError("device lost")
+        outs = []
+        for rid, (prompt, params, toks) in list(self.requests.items()):
+            toks.append(len(toks))
+            done = len(toks) >= params.max_tokens
+            outs.append(RequestOutput(rid, None, prompt, [CompletionOutput(
+                0, "x" * len(toks), list(toks), finish_reason="length" if done else None)], done))
+            if done:
+                del self.requests[rid]
+        return outs
+
+    def get_stats(self) -> dict[str, float]:
+        return {"num_running": len(self.requests), "num_waiting": 0, "kv_cache_usage": 0.0,
+                "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+
+async def _collect(client: AsyncEngine, rid: str, n: int) -> list[Any]:
+    q = await client.add_request(rid, [1, 2], SamplingParams(max_tokens=n))
+    return [out async for out in client.stream(q, [rid])]
+
+
+def test_engine_thread_streams_and_idles() -> None:
+    engine = ScriptedEngine()
+    metrics = EngineMetrics("m")
+    client = AsyncEngine(engine, observer=metrics)
+    try:
+        outs = asyncio.run(_collect(client, "r1", 4))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
+        assert outs[-1].finished and client.num_pending == 0
+        assert engine.step_threads == {"pagemill-engine"}  # never the event loop's thread
+        steps = engine.steps
+        time.sleep(0.2)
+        assert engine.steps == steps  # idle: blocked on the queue, not spinning
+        assert read_engine_stats(engine)["num_running"] == 0
+        text = metrics.render().decode()
+        assert 'pagemill:generation_tokens_total{model_name="m"} 4.0' in text
+        assert 'pagemill:prompt_tokens_total{model_name="m"} 2.0' in text
+    finally:
+        client.shutdown()
+
+
+def test_engine_validation_error_reaches_caller() -> None:
+    client = AsyncEngine(ScriptedEngine())
+    try:
+        with pytest.raises(ValueError, match="empty"):
+            asyncio.run(client.add_request("bad", [], SamplingParams()))
+        assert client.num_pending == 0 and not client.is_dead
+    finally:
+        client.shutdown()
+
+
+def test_queue_limit() -> None:
+    engine = ScriptedEngine()
+    client = AsyncEngine(engine, max_pending=1)
+
+    async def main() -> None:
+        q = await client.add_request("a", [1], SamplingParams(max_tokens=1000))
+        with pytest.raises(QueueFullError):
+            await client.add_request("b", [1], SamplingParams(max_tokens=1))
+        client.release("a", finished=False)
+        await client.add_request("c", [1], SamplingParams(max_tokens=1))
+        client.release("c", finished=False)
+        del q
+
+    try:
+        asyncio.run(main())
+        assert client.num_pending == 0
+    finally:
+        client.shutdown()
+
+
+def test_engine_failure_kills_client_and_fails_requests() -> None:
+    engine = ScriptedEngine()
+    client = AsyncEngine(engine)
+
+    async def main() -> None:
+        q = await client.add_request("a", [1], SamplingParams(max_tokens=10**6))
+        stream = client.stream(q, ["a"])
+        await stream.__anext__()
+        engine.fail_next_step = True
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await client.add_request("b", [1], SamplingParams())
+        with pytest.raises(EngineDeadError):
+            await client.call(lambda e: None)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), timeout=30))
+        assert client.is_dead and "device lost" in repr(client.dead_error)
+    finally:
+        client.shutdown()
+
+
+def test_leaving_a_stream_aborts_the_request() -> None:
+    engine = ScriptedEngine()
+    client = AsyncEngine(engine)
+
+    async def main() -> None:
+        q = await client.add_request("a", [1], SamplingParams(max_tokens=10**6))
+        stream = client.stream(q, ["a"])
+        await stream.__anext__()
+        await stream.aclose()
+        assert client.num_pending == 0
+        # The abort is applied by the engine thread before its next step.
+        assert await client.call(lambda e: "a" not in e.requests)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), timeout=30))
+    finally:
+        client.shutdown()
