@@ -1,0 +1,124 @@
+"""The offline API: a batch of prompts in, their completions out, in input order.
+
+`LLM` adds every prompt to an `LLMEngine` and steps it until all are done; continuous
+batching does the rest. Names and behaviour follow vLLM's `LLM` so existing scripts port.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from .config import DEFAULT_MODEL, EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, Any]
+
+
+def _is_token_ids(x: object) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class LLM:
+    """`LLM(model=...).generate(prompts, SamplingParams(...))`; engine options as keywords."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt: a string, a list of strings, or token-id lists.
+
+        One SamplingParams applies to all prompts; a list gives one per prompt.
+        """
+        if isinstance(prompts, (list, tuple)) and not prompts:
+            return []
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        for p in prompt_list:
+            if not isinstance(p, str) and not _is_token_ids(p):
+                raise TypeError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
+        return self._run(prompt_list, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete one conversation or a list of them, through the model's chat template."""
+        if not messages:
+            raise ValueError("messages is empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = [
+            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            for c in conversations
+        ]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = f"llm-{next(self._counter)}"
+                engine.add_request(rid, prompt, params)
+                order[rid] = i
+        except BaseException:
+            engine.abort_request(list(order))
+            engine.step()  # deliver (and drop) the abort outputs
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(prompts), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            remaining = len(order)
+            while remaining:
+                for out in engine.step():
+                    idx = order.get(out.request_id)
+                    if idx is None or not out.finished:
+                        continue
+                    results[idx] = out
+                    remaining -= 1
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r, i in order.items() if results[i] is None])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r for r in results if r is not None]

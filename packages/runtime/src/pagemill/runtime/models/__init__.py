@@ -1,0 +1,5 @@
+"""Model implementations on pagemill kernels (one module per architecture family)."""
+
+from .llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,249 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) on pagemill kernels.
+
+One module serves them all: the families differ only in configuration (rope scaling,
+q/k/v biases, tied embeddings, head counts). Q/K/V and gate/up are fused into one matmul
+each, since on a GPU one larger GEMM beats three small ones; the loader splices Hugging
+Face's separate tensors into the fused weights.
+
+The forward takes the flattened batch of a step (no padding, prefill and decode mixed) and
+returns hidden states; logits are computed separately and only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagemill.kernels import (
+    apply_rotary,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    silu_and_mul,
+    write_kv_cache,
+)
+
+from ..attention_metadata import AttentionMetadata
+from ..config import ModelConfig
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        self.o_weight = _param(config.hidden_size, self.q_size, dtype=dtype)
+        self.o_bias = _param(config.hidden_size, dtype=dtype) if config.o_proj_bias else None
+        # Bound by the model runner once the KV pool exists (views into KVStorage).
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound: call LlamaForCausalLM.bind_kv_caches first")
+        t = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(positions, q, k, cos_sin)
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = paged_attention(
+            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale
+        )
+        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_weight = _param(2 * inter, config.hidden_size, dtype=dtype)
+        self.gate_up_bias = _param(2 * inter, dtype=dtype) if config.mlp_bias else None
+        self.down_weight = _param(config.hidden_size, inter, dtype=dtype)
+        self.down_bias = _param(config.hidden_size, dtype=dtype) if config.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias))
+        return F.linear(h, self.down_weight, self.down_bias)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. Build it on the target device: `with torch.device(d): ...`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        # cos|sin table in fp32: rotating in low precision would drift from the reference.
+        self.register_buffer(
+            "cos_sin",
+            rope_cos_sin(config.head_dim, max_position, config.rope_theta, config.rope_scaling, device=self.embed_tokens.device),
+            persistent=False,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}")
+        for layer, (k, v) in zip(self.layers, kv_caches):
+            layer.self_attn.k_cache = k
+            layer.self_attn.v_cache = v
+
+    def unbind_kv_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.k_cache = None
+            layer.self_attn.v_cache = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab], called on the sampled rows only."""
+        return F.linear(hidden, self.lm_head_weight)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (our parameter, row offset, rows) for every tensor we need."""
+        c = self.config
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        t: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
+            "model.norm.weight": (self.norm.weight, 0, c.hidden_size),
+        }
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head, 0, c.vocab_size)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.self_attn, layer.mlp
+            t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
+            t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
+            for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                t[p + f"self_attn.{name}.weight"] = (a.qkv_weight, off, rows)
+                if a.qkv_bias is not None:
+                    t[p + f"self_attn.{name}.bias"] = (a.qkv_bias, off, rows)
+            t[p + "self_attn.o_proj.weight"] = (a.o_weight, 0, c.hidden_size)
+            if a.o_bias is not None:
+                t[p + "self_attn.o_proj.bias"] = (a.o_bias, 0, c.hidden_size)
+            for name, off in (("gate_proj", 0), ("up_proj", inter)):
+                t[p + f"mlp.{name}.weight"] = (m.gate_up_weight, off, inter)
+                if m.gate_up_bias is not None:
+                    t[p + f"mlp.{name}.bias"] = (m.gate_up_bias, off, inter)
+            t[p + "mlp.down_proj.weight"] = (m.down_weight, 0, c.hidden_size)
+            if m.down_bias is not None:
+                t[p + "mlp.down_proj.bias"] = (m.down_bias, 0, c.hidden_size)
+        return t
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the (fused) parameters; raise listing what is missing.
+
+        Tensors the model does not use (rotary inv_freq buffers, a tied checkpoint's
+        duplicate lm_head) are skipped; a shape mismatch names the tensor and both shapes.
+        """
+        targets = self._targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.") is False and name != "lm_head.weight":
+                name = "model." + name  # some exports drop the "model." prefix
+            target = targets.get(name)
+            if target is None:
+                continue
+            param, off, rows = target
+            dest = param.narrow(0, off, rows) if param.dim() >= 1 else param
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+            raise ValueError(f"checkpoint is missing tensor(s): {shown}")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights from the config alone, for measuring shapes we have no files for.
+
+        Small normal values (std 0.02, as HF initialises) keep activations finite through
+        any number of layers; norms are ones.
+        """
+        # Drawn where the weights live: an 8B model's worth of CPU randn would take minutes.
+        gen = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)

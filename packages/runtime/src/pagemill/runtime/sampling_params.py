@@ -1,0 +1,161 @@
+"""How one request wants its tokens chosen and when it wants to stop.
+
+`SamplingParams` is built by users (and by the server from HTTP bodies), so every field is
+checked once, here, with an error that names the field: bad values must fail at the API
+boundary, not as a NaN or an index error deep in a batched sampler step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Below this temperature, dividing the logits would overflow fp32 or make sampling a
+# numerically noisy argmax; such requests are treated as greedy instead.
+SAMPLING_EPS = 1e-5
+
+# Top-n logprobs are computed with one batched topk; a cap keeps that bounded (OpenAI's limit).
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    """How a row is sampled: the sampler groups rows by it."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(x: object) -> bool:
+    # bool is an int subclass; `max_tokens=True` is almost certainly a mistake.
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping options of one request (vLLM's names and defaults).
+
+    `top_k` 0 or -1 and `top_p` 1.0 and `min_p` 0.0 mean "off". `temperature` 0 means greedy.
+    `max_tokens=None` means "until the context is full". `stop` is normalised to a list.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: Sequence[int] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stop_token_ids is None:  # OpenAI-style bodies send null for "none"
+            self.stop_token_ids = []
+        self._validate()
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not self.temperature >= 0:
+            raise bad("temperature", "must be a number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or not (self.top_k in (0, -1) or self.top_k >= 1):
+            raise bad("top_k", "must be 0 or -1 (disabled) or an integer >= 1")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens, got min_tokens="
+                f"{self.min_tokens} > max_tokens={self.max_tokens}"
+            )
+        if self.stop is not None:
+            stops = [self.stop] if isinstance(self.stop, str) else self.stop
+            if not isinstance(stops, (list, tuple)) or not all(
+                isinstance(s, str) and s for s in stops
+            ):
+                raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "must be a sequence of non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, typed for callers (after __post_init__ it is always a list)."""
+        return list(self.stop) if isinstance(self.stop, list) else []
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop_strings), default=0)
+
+    def child_params(self, index: int) -> SamplingParams:
+        """Parameters of the `index`-th of `n` completions, sampled as its own request.
+
+        A seeded request with n > 1 would otherwise give n identical copies; each copy gets
+        `seed + index` so the set is reproducible and the copies differ.
+        """
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -1,0 +1,138 @@
+"""Tiny random-weight models (and a tiny tokenizer) for the runtime's engine and model tests.
+
+Models are built from transformers config classes with a fixed seed and saved with
+`save_pretrained`, so the engine loads them exactly like a real checkpoint and the
+reference is transformers itself on the same weights. `initializer_range` is larger than
+HF's default so the logits are well separated: greedy equality then tests the engine, not
+last-bit rounding between two attention implementations at a near tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+TINY_VOCAB_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "pack my box with five dozen liquor jugs",
+    "hello world, hello engine, hello paged attention",
+    "continuous batching schedules every step, not every batch",
+    "héllo wörld ça va naïve façade 中文 😀",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path) -> Any:
+    """A byte-level BPE trained on a few lines: real merges and multi-byte characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_VOCAB_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """Save a tiny fp32 model of `arch` ("llama" | "qwen2" | "mistral") into `folder`."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    common: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    if arch == "mistral":
+        common.setdefault("sliding_window", None)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).eval()
+    if arch == "qwen2":
+        # HF initialises biases to zero; random ones make the test see whether they are used.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    return folder, build_model(folder, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    return folder, build_model(folder, "qwen2", seed=1, num_hidden_layers=3, tie_word_embeddings=True)
+
+
+def _hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' greedy continuation of one unpadded prompt, never stopping at EOS."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=[],  # None would fall back to the config's EOS
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy() -> Callable[[torch.nn.Module, list[int], int], list[int]]:
+    return _hf_greedy
+
+
+@pytest.fixture(scope="session")
+def random_prompts() -> Callable[..., list[list[int]]]:
+    return _random_prompts
+
+
+@pytest.fixture(scope="session")
+def build_tiny_model() -> Callable[..., torch.nn.Module]:
+    """`build_tiny_model(folder, arch, seed=0, **config_overrides)` saves and returns the HF model."""
+    return build_model
