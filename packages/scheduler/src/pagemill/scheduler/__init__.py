@@ -1,1 +1,24 @@
-"""scheduler"""
+"""pagemill.scheduler: the iteration-level, continuous-batching scheduler.
+
+Pure Python on top of pagemill.blockpool's KVCacheManager: chunked prefill, prefix-cache
+reuse, FCFS or priority admission, and preemption by recompute when the KV pool runs dry.
+"""
+
+from pagemill.scheduler.config import SchedulerConfig
+from pagemill.scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from pagemill.scheduler.request import Request, RequestStatus
+from pagemill.scheduler.scheduler import Scheduler
+from pagemill.scheduler.stats import SchedulerStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Request",
+    "RequestStatus",
+    "RequestUpdate",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+]

@@ -1,0 +1,62 @@
+"""What one schedule() hands the model runner, and what update_from_output hands back.
+
+The runner builds its flattened batch from these objects alone: per request the input ids
+of this step, the position of the first one, and the block table; it never reads scheduler
+internals. Slotted dataclasses keep 256 of them per step cheap to build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    `token_ids` is a fresh slice (`all_token_ids[start_pos:start_pos + num_tokens]`), the
+    runner may keep it. `block_ids` is the scheduler's own live block table of the request
+    (a reference, not a copy, so a decode step does not copy every table): the runner must
+    treat it as read-only and must not keep it across steps expecting it to stay unchanged.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    num_tokens: int
+    block_ids: list[int]
+    sample: bool
+    # Blocks appended to the table by this step (block_ids[-num_new_blocks:]), so a runner
+    # that mirrors tables can append instead of rewriting the row. Not in the contract: extra.
+    num_new_blocks: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """A step's batch; requests appear in the order the runner should lay them out."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Finished (stopped, capped, aborted, ignored) since the previous schedule(): the runner
+    # can drop any state it keeps for them.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_requests(self) -> int:
+        return len(self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """New tokens and, when it ended, why; `stop_reason` is the stop token id that ended it,
+    or for an ignored request a sentence saying why it could never run."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None = None

@@ -1,0 +1,154 @@
+"""A generation request as the scheduler sees it: tokens, progress, stop rules, status.
+
+The request is mutated only by the scheduler. `all_token_ids` is the one list the block
+manager hashes and the runner reads input ids from; it grows by one token per decode step,
+so `prompt_token_ids + output_token_ids` is kept in sync by appending to both instead of
+being rebuilt (that would cost O(prompt) per step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every value after PREEMPTED is terminal."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        """The OpenAI-style reason of a terminal status; None while the request is alive."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "ignored",
+}
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+class Request:
+    """One sequence to generate; priority: lower value is served sooner."""
+
+    __slots__ = (
+        "__weakref__",
+        "_seq",
+        "all_token_ids",
+        "arrival_time",
+        "cache_salt",
+        "eos_token_id",
+        "ignore_eos",
+        "max_tokens",
+        "min_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "status",
+        "stop_reason",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+        eos_token_id: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
+        if max_tokens is not None:
+            _check_int("max_tokens", max_tokens, 1)
+        _check_int("min_tokens", min_tokens, 0)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(
+                f"request {request_id!r}: min_tokens={min_tokens} exceeds max_tokens={max_tokens}"
+            )
+        _check_int("priority", priority, -(2**63))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.eos_token_id = eos_token_id
+        # A frozenset makes the per-token stop check O(1) whatever the list length.
+        self.stop_token_ids: frozenset[int] = frozenset(stop_token_ids)
+        self.ignore_eos = ignore_eos
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        self.cache_salt = cache_salt
+
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        # Arrival order inside one scheduler: the last tie-breaker of every ordering.
+        self._seq = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(id={self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, "
+            f"computed={self.num_computed_tokens}, priority={self.priority})"
+        )

@@ -1,0 +1,386 @@
+"""Iteration-level scheduler: which requests compute how many tokens in the next step.
+
+One step = schedule() -> model runner -> update_from_output(). schedule() serves the running
+requests first (decodes and unfinished prompt chunks), preempting by recompute when the KV
+pool runs dry, then admits waiting requests in policy order while the token budget and
+`max_num_seqs` last. `num_computed_tokens` is advanced at the end of schedule() (the
+runner is assumed to compute what it was given); update_from_output() only appends
+sampled tokens, applies the stop rules and frees finished requests' blocks at once.
+
+Per step the work is O(scheduled requests + new tokens): no request's prompt or block table
+is copied whole, and the waiting queue is only touched at its head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from pagemill.scheduler.config import SchedulerConfig
+from pagemill.scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
+from pagemill.scheduler.request import Request, RequestStatus
+from pagemill.scheduler.stats import SchedulerStats
+from pagemill.scheduler.waiting_queue import make_waiting_queue, priority_key
+
+if TYPE_CHECKING:
+    from pagemill.blockpool import KVCacheManager
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+_PREEMPTED = RequestStatus.PREEMPTED
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a KVCacheManager (which it does not own alone:
+    the runner may read block tables from the manager, but only the scheduler allocates)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        if not isinstance(config, SchedulerConfig):
+            raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size: int = kv_cache_manager.block_size
+        self.num_blocks: int = kv_cache_manager.num_blocks
+        # A request can never hold more tokens' KV than the whole pool: past that it is
+        # capped like at max_model_len (and a prompt past it is ignored).
+        self.pool_capacity_tokens = self.num_blocks * self.block_size
+        self._use_prefix_cache = config.enable_prefix_caching and getattr(
+            kv_cache_manager, "enable_caching", True
+        )
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(config.policy)
+        # Admission order; under FCFS the last one is also the newest.
+        self.running: list[Request] = []
+        # The scheduler's copy of each running request's block ids, extended in place.
+        self._block_ids: dict[str, list[int]] = {}
+
+        self._finished_req_ids: list[str] = []
+        self._pending_updates: list[RequestUpdate] = []
+        self._next_seq = 0
+
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_ignored = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; one that can never run is finished as ignored right away and
+        reported by the next update_from_output (and in the next finished_req_ids)."""
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        if request.status != _WAITING or request.output_token_ids or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} must be new (status WAITING, nothing computed)")
+        request._seq = self._next_seq
+        self._next_seq += 1
+
+        reason = self._never_fits(request)
+        if reason is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.stop_reason = reason
+            self.num_ignored += 1
+            self.num_finished += 1
+            self._finished_req_ids.append(rid)
+            self._pending_updates.append(
+                RequestUpdate(rid, [], True, "ignored", reason)
+            )
+            return
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def _never_fits(self, request: Request) -> str | None:
+        n = request.num_prompt_tokens
+        if n > self.config.max_model_len:
+            return (
+                f"prompt of {n} tokens is longer than max_model_len={self.config.max_model_len}"
+            )
+        if n > self.pool_capacity_tokens:
+            return (
+                f"prompt of {n} tokens needs more KV blocks than the whole pool "
+                f"({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        return None
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort now; unknown or already finished ids are ignored (aborts race with stops)."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    abort_request = abort_requests
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests for a reason found outside the scheduler (a stop string, an abort).
+
+        Their blocks are freed now and their ids go into the next finished_req_ids; no
+        RequestUpdate is produced since the caller already knows.
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a finished status, got {status!r}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: set[str] = set()
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == _RUNNING:
+                finished.add(rid)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+        if finished:
+            self.running = [r for r in self.running if r.request_id not in finished]
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Terminal bookkeeping; the caller removes the request from the running list."""
+        rid = req.request_id
+        if req.status == _RUNNING:
+            self.kv_cache_manager.free(rid)
+            del self._block_ids[rid]
+        req.status = status
+        del self.requests[rid]
+        self._finished_req_ids.append(rid)
+        self.num_finished += 1
+
+    # ------------------------------------------------------------------ the step
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        max_model_len = cfg.max_model_len
+        running = self.running
+        block_ids_of = self._block_ids
+        bs = self.block_size
+        scheduled: dict[str, tuple[Request, ScheduledRequest]] = {}
+        preempted_ids: list[str] = []
+
+        # 1) Running requests: decodes and unfinished prompt chunks.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start = req.num_computed_tokens
+            n = req.num_tokens - start
+            if threshold and n > threshold:
+                n = threshold
+            if n > budget:
+                n = budget
+            if start + n > max_model_len:
+                n = max_model_len - start
+            if n <= 0:
+                i += 1
+                continue
+            rid = req.request_id
+            table = block_ids_of[rid]
+            end = start + n
+            if start // bs == end // bs and start < len(table) * bs:
+                # Fast path (most decodes): the step neither needs a new block nor completes
+                # one, so allocate_slots would change nothing (no growth, nothing to cache).
+                new_blocks = ()
+            else:
+                new_blocks = None
+            while new_blocks is None:
+                new_blocks = kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim_idx = self._pick_victim()
+                victim = running[victim_idx]
+                served = scheduled.pop(victim.request_id, None)
+                if served is not None:  # already served this step (priority policy): refund
+                    budget += served[1].num_tokens
+                self._preempt(victim_idx)
+                preempted_ids.append(victim.request_id)
+                if victim_idx < i:
+                    i -= 1
+                if victim is req:
+                    break
+            if new_blocks is None:  # `req` itself was preempted; running[i] is the next one
+                continue
+            for b in new_blocks:
+                table.append(b.block_id)
+            scheduled[rid] = (
+                req,
+                ScheduledRequest(rid, req.all_token_ids[start:end], start, n, table,
+                                 end == req.num_tokens, len(new_blocks)),
+            )
+            budget -= n
+            i += 1
+
+        # 2) Admit waiting requests, unless the pool just ran dry (they would only thrash).
+        if not preempted_ids:
+            waiting = self.waiting
+            chunked = cfg.enable_chunked_prefill
+            use_cache = self._use_prefix_cache
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                req = waiting.peek()
+                if use_cache:
+                    hit_blocks, num_hit = kv.get_computed_blocks(req)
+                else:
+                    hit_blocks, num_hit = [], 0
+                num_tokens = req.num_tokens
+                n = num_tokens - num_hit
+                if chunked:
+                    if threshold and n > threshold:
+                        n = threshold
+                    if n > budget:
+                        n = budget
+                elif n > budget:
+                    break  # the whole prompt must go in one step; keep policy order
+                new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
+                if new_blocks is None:
+                    break  # head-of-line: admitting a later request would jump the order
+                waiting.pop()
+                rid = req.request_id
+                if req.status == _WAITING:
+                    req.num_cached_tokens = num_hit
+                req.status = _RUNNING
+                req.num_computed_tokens = num_hit
+                self.prefix_cache_queries += num_tokens
+                self.prefix_cache_hits += num_hit
+                table = [b.block_id for b in hit_blocks]
+                for b in new_blocks:
+                    table.append(b.block_id)
+                block_ids_of[rid] = table
+                running.append(req)
+                scheduled[rid] = (
+                    req,
+                    ScheduledRequest(rid, req.all_token_ids[num_hit : num_hit + n], num_hit, n,
+                                     table, num_hit + n == num_tokens, len(table)),
+                )
+                budget -= n
+
+        # 3) Optimistic progress: the runner computes exactly what it was given.
+        total = 0
+        batch: list[ScheduledRequest] = []
+        for req, sched in scheduled.values():
+            req.num_computed_tokens += sched.num_tokens
+            total += sched.num_tokens
+            batch.append(sched)
+
+        finished_ids = self._finished_req_ids
+        self._finished_req_ids = []
+        return SchedulerOutput(batch, total, preempted_ids, finished_ids)
+
+    def _pick_victim(self) -> int:
+        """Index in `running` of the request to preempt: lowest priority, then newest."""
+        running = self.running
+        if self.config.policy == "fcfs":
+            return len(running) - 1
+        best = 0
+        best_key = priority_key(running[0])
+        for j in range(1, len(running)):
+            key = priority_key(running[j])
+            if key > best_key:
+                best, best_key = j, key
+        return best
+
+    def _preempt(self, idx: int) -> None:
+        """Recompute preemption: drop the KV, keep every token, requeue at the head."""
+        req = self.running.pop(idx)
+        self.kv_cache_manager.free(req.request_id)
+        del self._block_ids[req.request_id]
+        req.status = _PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(req)
+
+    # ------------------------------------------------------------------ after the forward
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[RequestUpdate]:
+        """Append each sampled token, apply the stop rules, free finished requests now.
+
+        `sampled` maps request id -> token id for every scheduled request with sample=True
+        (extra entries are ignored). Requests aborted since schedule() are skipped. The
+        result also carries the requests ignored at add_request since the previous call.
+        """
+        updates = self._pending_updates
+        self._pending_updates = []
+        requests = self.requests
+        max_model_len = self.config.max_model_len
+        pool_cap = self.pool_capacity_tokens
+        any_finished = False
+        for sched in output.scheduled:
+            if not sched.sample:
+                continue
+            rid = sched.request_id
+            req = requests.get(rid)
+            if req is None or req.status != _RUNNING:
+                continue
+            try:
+                token = sampled[rid]
+            except KeyError:
+                raise KeyError(
+                    f"no sampled token for request {rid!r}, which was scheduled with sample=True"
+                ) from None
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+
+            status = None
+            n_out = len(req.output_token_ids)
+            if n_out >= req.min_tokens:
+                if token == req.eos_token_id and not req.ignore_eos:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif token in req.stop_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                    req.stop_reason = token
+            if status is None:
+                n_all = len(req.all_token_ids)
+                if (
+                    (req.max_tokens is not None and n_out >= req.max_tokens)
+                    or n_all >= max_model_len
+                    or n_all > pool_cap
+                ):
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+            if status is None:
+                updates.append(RequestUpdate(rid, [token], False, None, None))
+            else:
+                self._finish(req, status)
+                any_finished = True
+                updates.append(
+                    RequestUpdate(rid, [token], True, RequestStatus.finish_reason(status),
+                                  req.stop_reason)
+                )
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return updates
+
+    # ------------------------------------------------------------------ queries
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything is queued, running, or an ignored request is still to be
+        reported (so a `while has_unfinished_requests(): step()` loop delivers it)."""
+        return bool(self.requests) or bool(self._pending_updates)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def iter_waiting(self) -> Iterator[Request]:
+        """Waiting requests in the order they will be admitted (O(n log n) for priority)."""
+        return iter(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_finished=self.num_finished,
+            num_ignored=self.num_ignored,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
