@@ -82,6 +82,12 @@ _workspace = threading.local()
 # Upper bound on the K elements gathered at once by the decode path: longer batches are cut
 # into chunks of similar length, so the padding to the longest context stays small.
 _DECODE_CHUNK_ELEMS = 1 << 23
+# A decode chunk's shortest context is at least this fraction of its longest: requests are
+# sorted by length and a new chunk starts below it, so padding wastes at most ~25%.
+_DECODE_MIN_FILL = 0.75
+# index_select moves 2- and 4-byte elements through integer views: its bf16/fp16 paths are
+# several times slower than the plain copy of the same bytes.
+_BIT_VIEWS = {2: torch.int16, 4: torch.int32}
 
 
 def _buffers(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +103,22 @@ def _buffers(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torc
     return bufs
 
 
+def _gather_head_major(
+    cache: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Rows of ``head_dim`` elements picked from the paged cache into ``buf`` as ``shape``."""
+    head_dim = cache.shape[-1]
+    bits = _BIT_VIEWS.get(cache.element_size())
+    numel = rows.numel() * head_dim
+    if bits is None:
+        got = torch.index_select(cache.view(-1, head_dim), 0, rows,
+                                 out=buf[:numel].view(-1, head_dim))
+    else:
+        got = torch.index_select(cache.view(bits).view(-1, head_dim), 0, rows,
+                                 out=buf[:numel].view(bits).view(-1, head_dim)).view(cache.dtype)
+    return got.view(shape)
+
+
 def _decode_chunk(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -108,31 +130,29 @@ def _decode_chunk(
 ) -> torch.Tensor:
     """Attention for single-token queries, all at the end of their contexts.
 
-    GQA rides on the query axis: the G query heads sharing a KV head become SDPA's query
-    length, so K/V are gathered once per KV head instead of repeated G times.
+    K/V are gathered head-major (``[n, kv_heads, max_len, head_dim]``, contiguous) so both
+    products are plain batched GEMMs; GQA rides on the GEMM's M dimension (the G query
+    heads sharing a KV head), so K/V are read once per KV head, never repeated. Scores and
+    softmax are fp32; the products run in the input dtype with fp32 accumulation.
     """
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    nblk = -(-max_len // block_size)
-    width = nblk * block_size
-    ids = tables[:, :nblk].clamp(min=0).reshape(-1).to(torch.int64)
-    shape = (ids.numel(), block_size, num_kv_heads, head_dim)
-    numel = math.prod(shape)
-    kbuf, vbuf = _buffers(numel, q.dtype, q.device)
-    k = torch.index_select(k_cache, 0, ids, out=kbuf[:numel].view(shape))
-    v = torch.index_select(v_cache, 0, ids, out=vbuf[:numel].view(shape))
-    k = k.view(n, width, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(n, width, num_kv_heads, head_dim).transpose(1, 2)
-    if n == 1:
-        # One request: cut the context exactly instead of masking (the small-batch path).
-        k, v, mask = k[:, :, :max_len], v[:, :, :max_len], None
-    else:
-        mask = (torch.arange(width, device=q.device) < lens[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q.view(n, num_kv_heads, group, head_dim), k, v, attn_mask=mask, scale=scale
-    )
-    return o.reshape(n, num_heads, head_dim)
+    dev = q.device
+    pos = torch.arange(max_len, device=dev)
+    slots = tables[:, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    rows = (slots.unsqueeze(1) * num_kv_heads
+            + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)).view(-1)
+    shape = (n, num_kv_heads, max_len, head_dim)
+    kbuf, vbuf = _buffers(math.prod(shape), q.dtype, dev)
+    k = _gather_head_major(k_cache, rows, kbuf, shape)
+    v = _gather_head_major(v_cache, rows, vbuf, shape)
+    s = torch.matmul(q.view(n, num_kv_heads, group, head_dim), k.transpose(-1, -2))
+    s = s.float().mul_(scale)
+    if n > 1:
+        s.masked_fill_((pos >= lens[:, None]).view(n, 1, 1, max_len), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, v).view(n, num_heads, head_dim)
 
 
 def _decode_torch(
@@ -147,15 +167,14 @@ def _decode_torch(
 ) -> None:
     """Decode rows into ``out`` (at ``rows``, or all rows in order when None).
 
-    A batch whose padded K/V fit the chunk budget runs as one call; a larger one is cut
-    into chunks of similar context length so padding to the longest context stays small.
+    Requests are sorted by context length and cut into chunks of similar length (and
+    bounded size), so the padding to each chunk's longest context stays small.
     """
     n = q.shape[0]
-    block_size = k_cache.shape[1]
     per_token = k_cache.shape[2] * k_cache.shape[3]
     lens = torch.tensor(lens_list, device=q.device)
-    longest = max(lens_list)
-    if n * (-(-longest // block_size) * block_size) * per_token <= _DECODE_CHUNK_ELEMS:
+    longest, shortest = max(lens_list), min(lens_list)
+    if shortest >= _DECODE_MIN_FILL * longest and n * longest * per_token <= _DECODE_CHUNK_ELEMS:
         o = _decode_chunk(q, k_cache, v_cache, tables, lens, longest, scale)
         if rows is None:
             out.copy_(o)
@@ -166,12 +185,14 @@ def _decode_torch(
     start = 0
     while start < n:
         longest = lens_list[order[start]]
-        padded = -(-longest // block_size) * block_size
-        count = max(1, min(n - start, _DECODE_CHUNK_ELEMS // max(1, padded * per_token)))
-        idx = torch.tensor(order[start : start + count], device=q.device)
+        cap = max(1, _DECODE_CHUNK_ELEMS // max(1, longest * per_token))
+        stop = start + 1
+        while stop < n and stop - start < cap and lens_list[order[stop]] >= _DECODE_MIN_FILL * longest:
+            stop += 1
+        idx = torch.tensor(order[start:stop], device=q.device)
         o = _decode_chunk(q[idx], k_cache, v_cache, tables[idx], lens[idx], longest, scale)
         out.index_copy_(0, idx if rows is None else rows[idx], o)
-        start += count
+        start = stop
 
 
 def paged_attention_torch(

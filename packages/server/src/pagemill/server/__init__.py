@@ -2,12 +2,32 @@
 
 Embed it with `build_app(AsyncEngine(LLMEngine(...)), "model-name")` and any ASGI server,
 or run `pagemill serve`.
+
+The public names load lazily: `pagemill plan`, `pagemill --help` and the simulator import
+this package first, and must not pay for torch and the runtime they never use.
 """
 
-from .api_server import ServerThread, build_app, run_server
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from .metrics import EngineMetrics
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .api_server import ServerThread, build_app, run_server
+    from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+    from .metrics import EngineMetrics
+
+_LAZY = {
+    "ServerThread": ".api_server",
+    "build_app": ".api_server",
+    "run_server": ".api_server",
+    "AsyncEngine": ".async_engine",
+    "EngineDeadError": ".async_engine",
+    "QueueFullError": ".async_engine",
+    "EngineMetrics": ".metrics",
+}
 
 __all__ = [
     "AsyncEngine",
@@ -19,3 +39,12 @@ __all__ = [
     "build_app",
     "run_server",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value

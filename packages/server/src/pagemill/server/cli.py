@@ -265,12 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_download(sub)
     _add_bench(sub)
-    try:
-        from pagemill.server.sim.cli import register
-    except ImportError:
-        register = None
-    if register is not None:
-        register(sub)
+    from pagemill.server.sim.cli import register
+
+    register(sub)
     return parser
 
 
