@@ -1,0 +1,391 @@
+"""Offline throughput: pagemill's continuous batching vs transformers' static batches.
+
+One process, one run, one workload: N prompts of random token ids (seeded; lengths drawn
+uniformly in [--min-input, --max-input]) with fixed output lengths drawn in
+[--min-output, --max-output], EOS ignored so both systems produce exactly the same number
+of tokens. Greedy decoding on both sides.
+
+- pagemill: every request goes to `LLM.generate` at once; the scheduler keeps the batch
+  full as requests finish.
+- transformers: `model.generate()` on static batches of --hf-batch-size requests in
+  workload order, left padded. A static batch runs until its longest request is done —
+  that is the cost of static batching — but only each request's own tokens are counted.
+
+Then a table of pagemill's decode step time vs the number of decoding requests, measured
+by timing `LLMEngine.step()` when every running request is in its decode phase.
+
+Figures are printed (and written to --json); nothing is asserted.
+
+    python benchmarks/throughput.py                      # the full workload
+    python benchmarks/throughput.py --num-prompts 16 --max-output 64 --step-batch-sizes 1,4,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Request:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def build_workload(
+    args: argparse.Namespace, vocab_size: int, special_ids: set[int]
+) -> list[Request]:
+    """Random prompts: no text corpus is available offline, and ids cost no tokenizer time."""
+    g = torch.Generator().manual_seed(args.seed)
+    reqs = []
+    low = 3  # skip the first ids, which are special in most vocabularies
+    for _ in range(args.num_prompts):
+        n_in = int(torch.randint(args.min_input, args.max_input + 1, (1,), generator=g))
+        n_out = int(torch.randint(args.min_output, args.max_output + 1, (1,), generator=g))
+        ids = torch.randint(low, vocab_size, (n_in,), generator=g).tolist()
+        ids = [t if t not in special_ids else low for t in ids]
+        reqs.append(Request(ids, n_out))
+    return reqs
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A folder transformers can load: the default model is converted (once) by pagemill."""
+    from pagemill.runtime.default_model import ensure_default_model, is_default_model_name
+
+    if is_default_model_name(model):
+        return ensure_default_model()
+    path = Path(model)
+    if not path.is_dir():
+        raise SystemExit(f"--model must be the default model's name or a model folder: {model}")
+    return path
+
+
+def make_llm(args: argparse.Namespace, model_dir: Path) -> Any:
+    from pagemill.runtime import LLM
+
+    kwargs: dict[str, Any] = dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    if args.kv_cache_gib is not None:
+        kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return LLM(str(model_dir), **kwargs)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_pagemill(llm: Any, workload: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    from pagemill.runtime import SamplingParams
+
+    # warm-up: first-call costs (allocations, lazy imports) are not throughput
+    llm.generate(
+        [workload[0].prompt_token_ids[:16]],
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in workload
+    ]
+    prompts = [r.prompt_token_ids for r in workload]
+    _sync(args.device)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    _sync(args.device)
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    produced = sum(len(t) for t in tokens)
+    expected = sum(r.output_len for r in workload)
+    if produced != expected:
+        print(f"warning: pagemill produced {produced} tokens, expected {expected}", file=sys.stderr)
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / elapsed,
+        "total_tokens_per_s": (produced + sum(len(p) for p in prompts)) / elapsed,
+        "token_ids": tokens,
+    }
+
+
+def run_transformers(
+    model_dir: Path, workload: list[Request], args: argparse.Namespace
+) -> dict[str, Any]:
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    device = "cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device
+    if device == "auto":
+        device = "cuda"
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[args.dtype]).to(
+        device
+    )
+    model.eval()
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.eos_token_id = None  # ignore EOS: every request runs to its own length
+    pad = 0
+    gen_config.pad_token_id = pad
+    gen_config.do_sample = False
+    for name in ("temperature", "top_p", "top_k"):
+        if hasattr(gen_config, name):
+            setattr(gen_config, name, None)
+
+    def generate(batch: list[Request]) -> list[list[int]]:
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[i, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - n :] = 1
+        cfg = copy.deepcopy(gen_config)
+        cfg.max_new_tokens = cfg.min_new_tokens = max(r.output_len for r in batch)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg
+            )
+        return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
+
+    generate([Request(workload[0].prompt_token_ids[:16], 4)])  # warm-up
+    tokens: list[list[int]] = []
+    _sync(device)
+    start = time.perf_counter()
+    bs = args.hf_batch_size
+    for b in range(0, len(workload), bs):
+        t0 = time.perf_counter()
+        tokens.extend(generate(workload[b : b + bs]))
+        print(
+            f"  transformers batch {b // bs + 1}/{-(-len(workload) // bs)}: "
+            f"{time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(t) for t in tokens)
+    generated = sum(
+        len(workload[b : b + bs]) * max(r.output_len for r in workload[b : b + bs])
+        for b in range(0, len(workload), bs)
+    )
+    return {
+        "elapsed_s": elapsed,
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / elapsed,
+        "generated_incl_padding": generated,
+        "token_ids": tokens,
+    }
+
+
+def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
+    """Median `engine.step()` time with exactly N requests decoding (no prefill in the step).
+
+    Requests are added in increments and stay alive across rows (their contexts grow a
+    little); only steps where every running request is past its prompt are timed.
+    """
+    from pagemill.runtime import SamplingParams
+
+    engine = llm.llm_engine
+    g = torch.Generator().manual_seed(args.seed + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=args.step_max_tokens, ignore_eos=True)
+    sizes = sorted({int(s) for s in args.step_batch_sizes.split(",")})
+    rows = []
+    decoding: dict[str, int] = {}
+    live: list[str] = []
+    try:
+        for n in sizes:
+            while len(live) < n:
+                rid = f"step-{len(live)}"
+                prompt = torch.randint(3, vocab_size, (args.step_context,), generator=g).tolist()
+                engine.add_request(rid, prompt, params)
+                live.append(rid)
+            # run prefills until every live request has sampled at least one token
+            while any(decoding.get(r, 0) < 1 for r in live):
+                for out in engine.step():
+                    decoding[out.request_id] = len(out.outputs[0].token_ids)
+                    if out.finished:
+                        raise RuntimeError(f"{out.request_id} finished during the step table")
+            times = []
+            for _ in range(args.step_iters):
+                _sync(args.device)
+                t0 = time.perf_counter()
+                outs = engine.step()
+                _sync(args.device)
+                times.append(time.perf_counter() - t0)
+                if len(outs) != n or any(o.finished for o in outs):
+                    raise RuntimeError(
+                        f"step with {n} decoding requests returned {len(outs)} outputs; raise "
+                        f"--step-max-tokens or the KV pool (preemption/finish disturbs timing)"
+                    )
+            med = statistics.median(times)
+            rows.append(
+                {
+                    "batch_size": n,
+                    "step_ms": med * 1e3,
+                    "tokens_per_s": n / med,
+                    "min_ms": min(times) * 1e3,
+                }
+            )
+            print(
+                f"  decode step with {n:4d} requests: {med * 1e3:9.2f} ms  ({n / med:8.1f} tok/s)",
+                file=sys.stderr,
+            )
+    finally:
+        engine.abort_request(live)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()
+    return rows
+
+
+def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
+    """Share of requests whose first `prefix` greedy tokens agree (bf16 rounding may split)."""
+    same = sum(1 for x, y in zip(a, b) if x[:prefix] == y[:prefix])
+    return same / max(1, len(a))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default="HuggingFaceTB/SmolLM2-135M-Instruct",
+        help="the default model's name or a Hugging Face model folder",
+    )
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--min-input", type=int, default=32)
+    ap.add_argument("--max-input", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=512)
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=None, help="KV pool size (default: engine's)"
+    )
+    ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")
+    ap.add_argument("--step-iters", type=int, default=5)
+    ap.add_argument("--step-max-tokens", type=int, default=1024)
+    ap.add_argument("--skip-pagemill", action="store_true")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-step-table", action="store_true")
+    ap.add_argument("--no-tqdm", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="write all figures here")
+    args = ap.parse_args(argv)
+    if args.min_output > args.max_output:
+        args.min_output = args.max_output
+    if args.min_input > args.max_input:
+        args.min_input = args.max_input
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model_dir = resolve_model_dir(args.model)
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    special = {
+        t
+        for t in (
+            config.get("bos_token_id"),
+            config.get("eos_token_id"),
+            config.get("pad_token_id"),
+        )
+        if isinstance(t, int)
+    }
+    workload = build_workload(args, vocab_size, special)
+    n_in = sum(len(r.prompt_token_ids) for r in workload)
+    n_out = sum(r.output_len for r in workload)
+    print(f"model {model_dir} ({args.dtype}, {args.device}, {torch.get_num_threads()} threads)")
+    print(
+        f"workload: {len(workload)} prompts, {n_in} prompt tokens, {n_out} output tokens "
+        f"(inputs {args.min_input}-{args.max_input}, outputs {args.min_output}-{args.max_output}, "
+        f"seed {args.seed})"
+    )
+
+    result: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model_dir": str(model_dir),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+    }
+    pm = hf = None
+    llm = None
+    if not args.skip_pagemill or not args.skip_step_table:
+        t0 = time.perf_counter()
+        llm = make_llm(args, model_dir)
+        result["pagemill_load_s"] = time.perf_counter() - t0
+    if not args.skip_pagemill:
+        print("pagemill LLM.generate ...", file=sys.stderr)
+        pm = run_pagemill(llm, workload, args)
+        result["pagemill"] = {k: v for k, v in pm.items() if k != "token_ids"}
+        # printed as soon as known: the transformers run can take much longer
+        print(f"  pagemill: {pm['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+    if not args.skip_transformers:
+        print(
+            f"transformers generate(), static batches of {args.hf_batch_size} ...", file=sys.stderr
+        )
+        hf = run_transformers(model_dir, workload, args)
+        result["transformers"] = {k: v for k, v in hf.items() if k != "token_ids"}
+        print(f"  transformers: {hf['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
+    if not args.skip_step_table:
+        print("pagemill decode step time vs batch size ...", file=sys.stderr)
+        result["step_table"] = step_time_table(llm, args, vocab_size)
+
+    print()
+    if pm is not None:
+        print(
+            f"pagemill      : {pm['output_tokens']:7d} output tokens in {pm['elapsed_s']:8.1f} s "
+            f"= {pm['output_tokens_per_s']:8.1f} tok/s"
+        )
+    if hf is not None:
+        print(
+            f"transformers  : {hf['output_tokens']:7d} output tokens in {hf['elapsed_s']:8.1f} s "
+            f"= {hf['output_tokens_per_s']:8.1f} tok/s  (static batches of {args.hf_batch_size}; "
+            f"{hf['generated_incl_padding']} tokens generated incl. batch tails)"
+        )
+    if pm is not None and hf is not None:
+        ratio = pm["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        agree = agreement(pm["token_ids"], hf["token_ids"])
+        result["ratio"] = ratio
+        result["first16_agreement"] = agree
+        print(f"ratio pagemill / transformers: {ratio:.2f}x   (target >= 3x)")
+        print(f"greedy agreement on the first 16 tokens: {agree:.0%} of requests")
+    if result.get("step_table"):
+        print("\npagemill decode step time vs batch size")
+        print(f"{'batch':>6} {'step ms':>10} {'tok/s':>10}")
+        for row in result["step_table"]:
+            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['tokens_per_s']:10.1f}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
