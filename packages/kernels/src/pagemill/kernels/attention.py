@@ -140,7 +140,9 @@ def _decode_chunk(
     group = num_heads // num_kv_heads
     dev = q.device
     pos = torch.arange(max_len, device=dev)
-    slots = tables[:, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    # Table padding (-1 or stale ids) past a request's length is read but masked out.
+    ids = tables[:, pos // block_size].to(torch.int64).clamp_(min=0)
+    slots = ids * block_size + pos % block_size
     rows = (slots.unsqueeze(1) * num_kv_heads
             + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)).view(-1)
     shape = (n, num_kv_heads, max_len, head_dim)
@@ -206,12 +208,13 @@ def paged_attention_torch(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The CPU serving backend: batched SDPA for decodes, one SDPA per prefilling request.
+    """The CPU serving backend: batched GEMMs for decodes, one SDPA per prefilling request.
 
     Decode-only steps (every query length 1) are the common case of serving and run as a
-    few batched calls over K/V gathered through the block tables; requests with several
-    query tokens (prefill chunks) each get one SDPA call with a causal mask offset by
-    their cached prefix. Accumulation is fp32 inside SDPA for every input dtype.
+    few batched calls (requests bucketed by context length) over K/V gathered through the
+    block tables; requests with several query tokens (prefill chunks) each get one SDPA
+    call with a causal mask offset by their cached prefix. Products accumulate in fp32 and
+    softmax runs in fp32 for every input dtype.
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
     if out is None:
