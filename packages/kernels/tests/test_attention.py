@@ -77,10 +77,19 @@ DECODE = ([1] * 6, [1, 15, 16, 17, 100, 33])
 GQA = [(4, 4), (9, 3), (8, 2)]  # ratios 1, 3, 4
 
 
+@pytest.fixture(params=["sdpa", "gemm"])
+def decode_path(request, monkeypatch):
+    """Both CPU decode paths: small chunks use whole-block SDPA, larger ones head-major GEMMs;
+    test shapes are small, so the GEMM path is forced by lowering the switch point."""
+    if request.param == "gemm":
+        monkeypatch.setattr(attention_mod, "_DECODE_SMALL_TOKENS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA)
 @pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_torch_matches_naive(dtype, num_heads, num_kv_heads, lens):
+def test_torch_matches_naive(dtype, num_heads, num_kv_heads, lens, decode_path):
     batch = make_batch(0, *lens, num_heads, num_kv_heads, dtype=dtype)
     ref = naive_attention(*batch, 0.3)
     assert rel_err(paged_attention_torch(*batch, 0.3), ref) < TOL[dtype]
@@ -108,7 +117,7 @@ def test_torch_empty_queries_and_odd_sizes():
     assert rel_err(paged_attention_torch(*batch, 0.4), naive_attention(*batch, 0.4)) < 1e-5
 
 
-def test_torch_decode_chunks(monkeypatch):
+def test_torch_decode_chunks(monkeypatch, decode_path):
     """Long decode batches are cut into length-sorted chunks; results must not depend on it."""
     batch = make_batch(3, [1] * 9, [5, 90, 17, 64, 1, 33, 48, 16, 70], 8, 2)
     whole = paged_attention_torch(*batch, 0.2)
