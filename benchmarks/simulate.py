@@ -15,6 +15,9 @@ import argparse
 import math
 import time
 
+from pagemill.blockpool.config import CacheConfig
+from pagemill.scheduler.config import SchedulerConfig
+from pagemill.server.config_args import add_config_args, config_kwargs
 from pagemill.server.sim import (
     Deployment,
     LengthDist,
@@ -31,7 +34,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    # The deployment's engine knobs, as `pagemill serve` spells and documents them.
+    cache_flags = ("block_size", "gpu_memory_utilization")
+    scheduler_flags = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+    add_config_args(ap, CacheConfig, cache_flags)
+    add_config_args(ap, SchedulerConfig, scheduler_flags, defaults={"max_model_len": 4096})
     ap.add_argument("--num-requests", type=int, default=500)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
@@ -43,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
 
     deployment = Deployment(load_model(args.model), load_gpu(args.gpu),
-                            max_model_len=args.max_model_len)
+                            **config_kwargs(args, (*cache_flags, *scheduler_flags)))
     rates = [float(r) for r in args.rates.split(",")]
     print(f"{deployment.model.name} on {deployment.gpu.name}, max_model_len {args.max_model_len}, "
           f"{deployment.pool_blocks:,} KV blocks; {args.num_requests} requests, lognormal prompt "

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from pagemill.runtime.config import torch_dtype
+from pagemill.runtime.model_config import DTYPES
 
 
 @dataclass
@@ -135,7 +136,7 @@ def run_transformers(
     device = "cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device
     if device == "auto":
         device = "cuda"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[args.dtype]).to(
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(args.dtype)).to(
         device
     )
     model.eval()
@@ -217,33 +218,43 @@ def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list
                 live.append(rid)
             # run prefills until every live request has sampled at least one token
             while any(decoding.get(r, 0) < 1 for r in live):
-                for out in engine.step():
-                    decoding[out.request_id] = len(out.outputs[0].token_ids)
+                for out in engine.step():  # delta outputs: count the new tokens
+                    new = sum(len(c.token_ids) for c in out.outputs)
+                    decoding[out.request_id] = decoding.get(out.request_id, 0) + new
                     if out.finished:
                         raise RuntimeError(f"{out.request_id} finished during the step table")
-            times = []
+            times, forwards = [], []
+            runner = engine.engine_core.model_runner
             for _ in range(args.step_iters):
                 _sync(args.device)
                 t0 = time.perf_counter()
                 outs = engine.step()
                 _sync(args.device)
                 times.append(time.perf_counter() - t0)
+                forwards.append(runner.last_forward_s)
                 if len(outs) != n or any(o.finished for o in outs):
                     raise RuntimeError(
                         f"step with {n} decoding requests returned {len(outs)} outputs; raise "
                         f"--step-max-tokens or the KV pool (preemption/finish disturbs timing)"
                     )
             med = statistics.median(times)
+            # Host overhead: everything in the step but the model's forward and LM head
+            # (scheduling, batch preparation, planning, sampling, detokenization, outputs).
+            host = statistics.median([t - f for t, f in zip(times, forwards)])
             rows.append(
                 {
                     "batch_size": n,
                     "step_ms": med * 1e3,
+                    "forward_ms": statistics.median(forwards) * 1e3,
+                    "host_ms": host * 1e3,
+                    "host_share": host / med,
                     "tokens_per_s": n / med,
                     "min_ms": min(times) * 1e3,
                 }
             )
             print(
-                f"  decode step with {n:4d} requests: {med * 1e3:9.2f} ms  ({n / med:8.1f} tok/s)",
+                f"  decode step with {n:4d} requests: {med * 1e3:9.2f} ms  ({n / med:8.1f} tok/s)"
+                f", host {host * 1e3:.2f} ms ({host / med:.1%})",
                 file=sys.stderr,
             )
     finally:
@@ -377,9 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"greedy agreement on the first 16 tokens: {agree:.0%} of requests")
     if result.get("step_table"):
         print("\npagemill decode step time vs batch size")
-        print(f"{'batch':>6} {'step ms':>10} {'tok/s':>10}")
+        print(f"{'batch':>6} {'step ms':>10} {'forward ms':>11} {'host ms':>9} {'host':>6} "
+              f"{'tok/s':>10}")
         for row in result["step_table"]:
-            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['tokens_per_s']:10.1f}")
+            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['forward_ms']:11.2f} "
+                  f"{row['host_ms']:9.2f} {row['host_share']:6.1%} {row['tokens_per_s']:10.1f}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagemill.runtime import LLMEngine, SamplingParams
+from pagemill.runtime.sampling_params import RequestOutputKind
 from pagemill.server import AsyncEngine, EngineMetrics, ServerThread, build_app
 
 API_KEY = "sk-test-key"
@@ -151,6 +152,7 @@ def reference(model_dir: Path) -> LLMEngine:
 
 
 def run_reference(engine: LLMEngine, prompt: str | list[int], **params: Any) -> Any:
+    params.setdefault("output_kind", RequestOutputKind.FINAL_ONLY)
     engine.add_request(f"ref-{time.monotonic_ns()}", prompt, SamplingParams(**params))
     final = None
     for _ in range(10_000):
@@ -302,6 +304,29 @@ def test_stop_strings(live: Live) -> None:
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         max_tokens=40, stop=stop, stream=True, **kw))
     assert streamed == full[:k]
+
+
+def test_stream_chunks_are_the_engines_deltas(live: Live, reference: LLMEngine) -> None:
+    """What the client receives is exactly what the engine released, step by step.
+
+    A stop string that never occurs must not delay any text: the server used to hold back
+    its length - 1 characters until the end, on top of the detokenizer's own hold-back.
+    """
+    prompt = "hello paged attention"
+    stop = "\u2603\u2603\u2603\u2603"
+    engine_deltas = []
+    reference.add_request("deltas", prompt, SamplingParams(
+        max_tokens=12, stop=stop, ignore_eos=True, **greedy()))
+    while reference.has_unfinished_requests():
+        engine_deltas += [o.outputs[0].text for o in reference.step() if o.request_id == "deltas"]
+    chunks = list(live.openai().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, stop=stop, stream=True,
+        extra_body={"ignore_eos": True}, **greedy()))
+    streamed = [ch.choices[0].text for ch in chunks]
+    assert [t for t in streamed if t] == [t for t in engine_deltas if t]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # Nothing was waiting for the end: the last chunk holds only the last token's text.
+    assert len(streamed[-1]) <= max(len(t) for t in engine_deltas)
 
 
 def test_logprobs(live: Live) -> None:

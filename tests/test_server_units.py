@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pagemill.runtime import CompletionOutput, RequestOutput, SamplingParams
+from pagemill.runtime import CompletionOutput, EngineStats, RequestOutput, SamplingParams
+from pagemill.runtime.detokenizer import IncrementalDetokenizer
+from pagemill.runtime.output_processor import FinishedRequestStats, IterationStats
 from pagemill.server import AsyncEngine, EngineDeadError, QueueFullError
 from pagemill.server.cli import build_parser, parse_size
 from pagemill.server.errors import error_body
-from pagemill.server.metrics import EngineMetrics, read_engine_stats
+from pagemill.server.metrics import EngineMetrics
 from pagemill.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagemill.server.serving_base import DeltaTracker, split_logprobs
+from pagemill.server.serving_base import split_logprobs
 
 # ---------------------------------------------------------------- protocol
 
@@ -72,20 +74,37 @@ def test_error_body_shape() -> None:
 # ---------------------------------------------------------------- deltas
 
 
-def test_delta_tracker_holds_back_possible_stop_prefix() -> None:
-    tracker = DeltaTracker.for_params(SamplingParams(stop=["END"]))
-    assert tracker.holdback == 2
-    assert tracker.text_delta(0, "abcE", False) == "ab"
-    assert tracker.text_delta(0, "abcEN", False) == "c"
-    # The engine cut the stop string: the held-back "EN" never reaches the client.
-    assert tracker.text_delta(0, "abc", True) == ""
-    other = DeltaTracker.for_params(SamplingParams())
-    assert other.text_delta(1, "x\ufffd", False) == "x"  # half a character waits
-    assert other.text_delta(1, "xé", False) == "é"
-    assert other.new_tokens(1, [1, 2, 3]) == (0, 3)
-    assert other.new_tokens(1, [1, 2, 3, 4]) == (3, 4)
-    assert DeltaTracker.for_params(SamplingParams(stop=["END"], include_stop_str_in_output=True)
-                                   ).holdback == 0
+class _Chars:
+    """A tokenizer whose ids are single characters (0 = EOS), to place boundaries exactly."""
+
+    def __init__(self, text: str) -> None:
+        self.alphabet = ["</s>", *sorted(set(text))]
+
+    def ids(self, text: str) -> list[int]:
+        return [self.alphabet.index(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.alphabet[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+def test_stream_text_is_held_back_once_and_only_for_a_possible_stop() -> None:
+    """Streams forward the detokenizer's deltas: the only hold-back is a real stop prefix.
+
+    The server used to hold back max_stop_len - 1 characters on top of the detokenizer's
+    own hold-back, so "abcE" released only "ab" although "c" can never start "END".
+    """
+    tok = _Chars("abcENDx")
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["END"]))
+    deltas = []
+    for i in tok.ids("abcENx"):
+        d.update([i])
+        deltas.append(d.get_delta())
+    assert deltas == ["a", "b", "c", "", "", "ENx"]  # "E", "EN" wait; "ENx" is no stop
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=["END"]))
+    for i in tok.ids("abEND"):
+        d.update([i])
+    assert d.get_delta() == "ab" and d.output_text == "ab"  # the cut stop string never leaks
+    assert d.get_delta(finished=True) == ""
 
 
 def test_split_logprobs() -> None:
@@ -151,6 +170,7 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.iteration_stats = IterationStats()
         self.fail_next_step = False
         self.steps = 0
         self.step_threads: set[str] = set()
@@ -173,18 +193,27 @@ class ScriptedEngine:
         if self.fail_next_step:
             raise RuntimeError("device lost")
         outs = []
+        stats = IterationStats()
         for rid, (prompt, params, toks) in list(self.requests.items()):
             toks.append(len(toks))
             done = len(toks) >= params.max_tokens
             outs.append(RequestOutput(rid, None, prompt, [CompletionOutput(
                 0, "x" * len(toks), list(toks), finish_reason="length" if done else None)], done))
+            stats.num_generation_tokens += 1
+            if len(toks) == 1:
+                stats.num_prompt_tokens += len(prompt)
             if done:
+                stats.finished_requests.append(FinishedRequestStats("length", 0.0, 0.0,
+                                                                    len(prompt), len(toks)))
                 del self.requests[rid]
+        self.iteration_stats = stats
         return outs
 
-    def get_stats(self) -> dict[str, float]:
-        return {"num_running": len(self.requests), "num_waiting": 0, "kv_cache_usage": 0.0,
-                "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+    def get_stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.requests), num_waiting=0, kv_cache_usage=0.0,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
+                           prompt_tokens_total=0, generation_tokens_total=0,
+                           num_requests_finished=0, num_blocks=1, block_size=16)
 
 
 async def _collect(client: AsyncEngine, rid: str, n: int) -> list[Any]:
@@ -204,10 +233,11 @@ def test_engine_thread_streams_and_idles() -> None:
         steps = engine.steps
         time.sleep(0.2)
         assert engine.steps == steps  # idle: blocked on the queue, not spinning
-        assert read_engine_stats(engine)["num_running"] == 0
+        assert engine.get_stats().num_running == 0
         text = metrics.render().decode()
         assert 'pagemill:generation_tokens_total{model_name="m"} 4.0' in text
         assert 'pagemill:prompt_tokens_total{model_name="m"} 2.0' in text
+        assert 'pagemill:request_success_total{finished_reason="length",model_name="m"} 1.0' in text
     finally:
         client.shutdown()
 

@@ -1,8 +1,8 @@
 """Micro-benchmark of the block pool and the KV cache manager (a script, not a test).
 
 Prints allocate+free throughput of the raw pool in blocks per second, and the per-request
-cost of the manager's admit (get_computed_blocks + allocate_slots) and free for prompts with
-and without prefix hits. Figures vary with the machine and its load; compare ratios.
+cost of the manager's admit (hashing the prompt + get_computed_blocks + allocate_slots) and
+free for prompts with and without prefix hits. Figures vary with the machine and its load; compare ratios.
 
     python packages/blockpool/benchmarks/bench_pool.py [--quick]
 """
@@ -13,16 +13,16 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
-from pagemill.blockpool import BlockPool, KVCacheManager
+from pagemill.blockpool import BlockHash, BlockPool, KVCacheManager
 
 
 @dataclass
 class Req:
     request_id: str
     all_token_ids: list[int] = field(default_factory=list)
-    num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
 
 def bench_pool(num_blocks: int, batch: int, rounds: int) -> float:
@@ -64,8 +64,11 @@ def bench_manager(
         for i in range(num_requests)
     ]
     admit = free = 0.0
+    hasher = m.block_hasher
+    assert hasher is not None
     for r in reqs:
         t0 = time.perf_counter()
+        r.block_hashes.extend(hasher(r))
         hits, n = m.get_computed_blocks(r)
         got = m.allocate_slots(r, len(r.all_token_ids) - n, n, hits)
         t1 = time.perf_counter()
@@ -74,19 +77,23 @@ def bench_manager(
         t2 = time.perf_counter()
         admit += t1 - t0
         free += t2 - t1
-    stats = m.make_prefix_cache_stats()
+    stats = m.prefix_cache_stats
     return admit / num_requests * 1e6, free / num_requests * 1e6, stats.hit_rate
 
 
 def bench_decode(steps: int, algo: str, block_size: int = 16) -> float:
-    """Mean microseconds of one decode step's allocate_slots (append a token, allocate 1)."""
+    """Mean microseconds of one decode step: append a token, hash any filled block, allocate 1."""
     m = KVCacheManager(num_blocks=8192, block_size=block_size, hash_algo=algo)
+    hasher = m.block_hasher
+    assert hasher is not None
     r = Req("d", list(range(2048)))
+    r.block_hashes.extend(hasher(r))
     assert m.allocate_slots(r, 2048) is not None
     r.num_computed_tokens = 2048
     t0 = time.perf_counter()
     for i in range(steps):
         r.all_token_ids.append(i)
+        r.block_hashes.extend(hasher(r))
         m.allocate_slots(r, 1)
         r.num_computed_tokens += 1
     return (time.perf_counter() - t0) / steps * 1e6
@@ -113,12 +120,12 @@ def main() -> None:
             admit_us, free_us, hit = bench_manager(n, 2048, shared, algo)
             print(
                 f"  {algo:8s} shared prefix {shared:4d}: admit {admit_us:8.1f} us "
-                f"(get_computed_blocks+allocate_slots), free {free_us:6.1f} us, "
+                f"(hash+get_computed_blocks+allocate_slots), free {free_us:6.1f} us, "
                 f"hit rate {hit:.2f}"
             )
     for algo in ("sha256", "xxh3_128"):
         us = bench_decode(20_000 // scale, algo)
-        print(f"  {algo:8s} decode step (allocate_slots for 1 token, 2k context): {us:6.2f} us")
+        print(f"  {algo:8s} decode step (hasher + allocate_slots for 1 token, 2k context): {us:6.2f} us")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ prefix hits, prefilled in chunks, decoded token by token, preempted and finished
 order. Besides the block accounting, the machine simulates the KV contents: every computed
 position writes (salt, token) into its slot, and every step checks that each running
 request's slots hold exactly its own tokens. A wrongly shared, evicted or reused block
-would show up there as foreign data.
+would show up there as foreign data. Block hashes live on the requests, extended through
+the manager's `block_hasher` whenever tokens arrive, as the scheduler does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagemill.blockpool import KVCacheManager, get_hash_fn, hash_block_chain
+from pagemill.blockpool import BlockHash, KVCacheManager, get_hash_fn, hash_block_chain
 
 NUM_BLOCKS = 12
 BLOCK_SIZE = 4
@@ -31,6 +32,7 @@ class Req:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     cache_salt: str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -43,7 +45,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.waiting: list[str] = []
         self.slots: dict[int, tuple[str | None, int]] = {}  # simulated KV contents
         self.counter = 0
-        self.expected_stats = [0, 0, 0]
+        self.expected_stats = [0, 0, 0]  # since the last make_prefix_cache_stats()
+        self.expected_totals = [0, 0, 0]
 
     # ---------------------------------------------------------------- helpers
 
@@ -55,7 +58,18 @@ class ManagerMachine(RuleBasedStateMachine):
             [b.block_id for b in pool.free_block_queue],
             dict(pool.cached_block_hash_to_block),
             {rid: list(t) for rid, t in self.m.req_to_blocks.items()},
+            self.m.prefix_cache_stats,
         )
+
+    def sync_hashes(self, r: Req) -> None:
+        assert self.m.block_hasher is not None
+        r.block_hashes.extend(self.m.block_hasher(r))
+
+    def count_admission(self, r: Req, n_hit: int) -> None:
+        for stats in (self.expected_stats, self.expected_totals):
+            stats[0] += 1
+            stats[1] += len(r.all_token_ids)
+            stats[2] += n_hit
 
     def compute(self, r: Req, start: int, end: int) -> None:
         """Simulate the forward pass writing KV for positions [start, end)."""
@@ -102,6 +116,7 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = f"r{self.counter}"
         self.counter += 1
         self.requests[rid] = Req(rid, tokens, len(tokens), 0, salt)
+        self.sync_hashes(self.requests[rid])
         self.waiting.append(rid)
         self.admit(rid, data)
 
@@ -115,9 +130,6 @@ class ManagerMachine(RuleBasedStateMachine):
         assert r.num_computed_tokens == 0 and rid not in self.running
         hits, n_hit = self.m.get_computed_blocks(r)
         n = len(r.all_token_ids)
-        self.expected_stats[0] += 1
-        self.expected_stats[1] += n
-        self.expected_stats[2] += n_hit
         # Longest full-block prefix, capped so the last token is recomputed.
         assert n_hit == len(hits) * BLOCK_SIZE and n_hit <= n - 1
         chain = hash_block_chain(self.hash_fn, r.all_token_ids, BLOCK_SIZE, self.extra(r))
@@ -127,6 +139,7 @@ class ManagerMachine(RuleBasedStateMachine):
         event("prefix hit" if n_hit else "no prefix hit")
         chunk = data.draw(st.integers(1, n - n_hit), label="chunk")
         if self.try_allocate(r, chunk, n_hit, hits):
+            self.count_admission(r, n_hit)  # a refused admission is looked up again later
             r.num_computed_tokens = n_hit
             self.compute(r, n_hit, n_hit + chunk)
             self.running.add(rid)
@@ -142,6 +155,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if len(r.all_token_ids) >= MAX_TOKENS:
                 return
             r.all_token_ids.append(data.draw(st.integers(0, 3), label="token"))
+            self.sync_hashes(r)
             event("decode")
             remaining = 1
         chunk = data.draw(st.integers(1, remaining), label="chunk")
@@ -150,6 +164,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.compute(r, start, start + chunk)
         elif remaining == 1 and len(r.all_token_ids) > r.num_prompt_tokens:
             r.all_token_ids.pop()  # the token is resampled after the next successful step
+            del r.block_hashes[len(r.all_token_ids) // BLOCK_SIZE :]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -181,15 +196,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.preempt_or_finish(rid)
         r.num_computed_tokens = 0
         hits, n_hit = self.m.get_computed_blocks(r)
-        self.expected_stats[0] += 1
-        self.expected_stats[1] += len(r.all_token_ids)
-        self.expected_stats[2] += n_hit
         # Its cached blocks were just freed, not evicted: they must all hit (up to the cap).
         # (A full block left uncached as a duplicate may miss once its twin is evicted.)
         cap = (len(r.all_token_ids) - 1) // BLOCK_SIZE
         assert len(hits) >= min(cached_prefix, cap)
         n = len(r.all_token_ids)
         if self.try_allocate(r, n - n_hit, n_hit, hits):
+            self.count_admission(r, n_hit)
             r.num_computed_tokens = n_hit
             self.compute(r, n_hit, n)
             self.running.add(rid)
@@ -214,6 +227,8 @@ class ManagerMachine(RuleBasedStateMachine):
         s = self.m.make_prefix_cache_stats()
         assert [s.requests, s.queries, s.hits] == self.expected_stats
         self.expected_stats = [0, 0, 0]
+        t = self.m.prefix_cache_stats
+        assert [t.requests, t.queries, t.hits] == self.expected_totals
 
     # ---------------------------------------------------------------- invariants
 
@@ -275,9 +290,16 @@ class ManagerMachine(RuleBasedStateMachine):
                     assert i < full and b.block_hash == chain[i]
 
     @invariant()
+    def request_hashes_cover_exactly_the_full_blocks(self) -> None:
+        for r in self.requests.values():
+            assert r.block_hashes == hash_block_chain(
+                self.hash_fn, r.all_token_ids, BLOCK_SIZE, self.extra(r)
+            )
+
+    @invariant()
     def equal_chains_iff_equal_prefixes(self) -> None:
         reqs = [self.requests[rid] for rid in sorted(self.running)]
-        chains = [self.m.get_block_hashes(r) for r in reqs]
+        chains = [r.block_hashes for r in reqs]
         for a, ca in zip(reqs, chains):
             for b, cb in zip(reqs, chains):
                 for i in range(min(len(ca), len(cb))):

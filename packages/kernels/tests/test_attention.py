@@ -7,9 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pagemill.kernels.attention as attention_mod
+import pagemill.kernels.attention_cpu as attention_cpu
 from pagemill.kernels import paged_attention, paged_attention_torch, paged_attention_triton
-from pagemill.kernels.attention import _launch_paged_attention
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -82,7 +81,7 @@ def decode_path(request, monkeypatch):
     """Both CPU decode paths: small chunks use whole-block SDPA, larger ones head-major GEMMs;
     test shapes are small, so the GEMM path is forced by lowering the switch point."""
     if request.param == "gemm":
-        monkeypatch.setattr(attention_mod, "_DECODE_SMALL_TOKENS", 0)
+        monkeypatch.setattr(attention_cpu, "_DECODE_SMALL_TOKENS", 0)
     return request.param
 
 
@@ -121,7 +120,7 @@ def test_torch_decode_chunks(monkeypatch, decode_path):
     """Long decode batches are cut into length-sorted chunks; results must not depend on it."""
     batch = make_batch(3, [1] * 9, [5, 90, 17, 64, 1, 33, 48, 16, 70], 8, 2)
     whole = paged_attention_torch(*batch, 0.2)
-    monkeypatch.setattr(attention_mod, "_DECODE_CHUNK_ELEMS", 64 * 2 * 32)
+    monkeypatch.setattr(attention_cpu, "_DECODE_CHUNK_ELEMS", 64 * 2 * 32)
     chunked = paged_attention_torch(*batch, 0.2)
     assert rel_err(whole, chunked) < 1e-6
     assert rel_err(chunked, naive_attention(*batch, 0.2)) < 1e-5
@@ -165,11 +164,13 @@ def test_triton_decode_matches_torch(interpreter, num_heads, num_kv_heads):
     assert rel_err(paged_attention_triton(*batch, 0.3), paged_attention_torch(*batch, 0.3)) < 1e-5
 
 
-def test_triton_small_tiles_odd_shapes(interpreter):
+def test_triton_small_tiles_odd_shapes(interpreter, tiled_triton_plan):
     """Many query tiles per request, KV tiles straddling pages, non-power-of-two sizes."""
     batch = make_batch(6, [3, 0, 1, 21, 2], [3, 5, 7, 30, 25], 6, 2, head_dim=24, block_size=12)
-    q = batch[0]
-    out = _launch_paged_attention(*batch, 0.4, torch.empty_like(q), block_m=16, block_n=16)
+    q, kc, _, bt, qsl, sl = batch
+    plan = tiled_triton_plan(q, kc, bt, qsl, sl, block_m=16, block_n=16)
+    assert plan.impl.block_m == 16 and plan.impl.block_n == 16
+    out = paged_attention_triton(*batch, 0.4, plan=plan)
     assert rel_err(out, naive_attention(*batch, 0.4)) < 1e-5
 
 
@@ -183,11 +184,14 @@ def test_triton_writes_only_its_rows_of_out(interpreter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_split_context_decode(interpreter, dtype):
+def test_triton_split_context_decode(interpreter, tiled_triton_plan, dtype):
     """Flash-decoding: contexts cut into slices (some empty) and merged equal one pass."""
     batch = make_batch(8, [1] * 4, [1, 40, 16, 75], 8, 2, dtype=dtype)
-    q = batch[0]
-    split = _launch_paged_attention(*batch, 0.3, torch.empty_like(q), block_n=16, num_splits=4)
-    single = _launch_paged_attention(*batch, 0.3, torch.empty_like(q), block_n=16, num_splits=1)
+    q, kc, _, bt, qsl, sl = batch
+    split_plan = tiled_triton_plan(q, kc, bt, qsl, sl, block_n=16, num_splits=4)
+    single_plan = tiled_triton_plan(q, kc, bt, qsl, sl, block_n=16, num_splits=1)
+    assert split_plan.impl.num_splits == 4 and single_plan.impl.num_splits == 1
+    split = paged_attention_triton(*batch, 0.3, plan=split_plan)
+    single = paged_attention_triton(*batch, 0.3, plan=single_plan)
     assert rel_err(split, naive_attention(*batch, 0.3)) < TOL[dtype] / 2 + 1e-6
     assert rel_err(split, single) < (1e-6 if dtype == torch.float32 else 1e-2)

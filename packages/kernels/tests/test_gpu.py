@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import pagemill.kernels as K
-from pagemill.kernels.attention import _launch_paged_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +43,7 @@ def batch(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, block_size=16, see
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (4, 4, 80)])
-def test_paged_attention(dtype, heads, kv_heads, head_dim):
+def test_paged_attention(tiled_triton_plan, dtype, heads, kv_heads, head_dim):
     q_lens = [1, 1, 300, 17, 1, 64]
     ctx = [1, 2000, 300, 40, 513, 700]
     cpu, gpu = batch(q_lens, ctx, heads, kv_heads, head_dim, dtype)
@@ -53,8 +52,11 @@ def test_paged_attention(dtype, heads, kv_heads, head_dim):
     assert rel_err(K.paged_attention(*gpu, 0.1).cpu(), ref) < tol
     dec_cpu, dec_gpu = batch([1] * 5, [1, 4000, 17, 900, 64], heads, kv_heads, head_dim, dtype)
     dref = K.paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in dec_cpu), 0.1)
+    q, kc, _, bt, qsl, sl = dec_gpu
     for splits in (1, 7):
-        out = _launch_paged_attention(*dec_gpu, 0.1, torch.empty_like(dec_gpu[0]), num_splits=splits)
+        plan = tiled_triton_plan(q, kc, bt, qsl, sl, num_splits=splits)
+        assert plan.impl.num_splits == splits
+        out = K.paged_attention(*dec_gpu, 0.1, plan=plan)
         assert rel_err(out.cpu(), dref) < tol
 
 

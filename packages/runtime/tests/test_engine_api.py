@@ -8,6 +8,10 @@ import pytest
 
 from pagemill.runtime import LLM, LLMEngine, SamplingParams
 from pagemill.runtime.config import EngineConfig
+from pagemill.runtime.sampling_params import RequestOutputKind
+from pagemill.scheduler import SchedulerOutput
+
+CUMULATIVE = RequestOutputKind.CUMULATIVE
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -135,7 +139,7 @@ def test_logprobs_are_reported_per_token(llm) -> None:
 
 def test_step_outputs_are_cumulative_with_metrics(llm) -> None:
     engine = llm.llm_engine
-    engine.add_request("c", [1, 2, 3, 4], SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request("c", [1, 2, 3, 4], SamplingParams(max_tokens=4, output_kind=CUMULATIVE, **GREEDY))
     seen = []
     while engine.has_unfinished_requests():
         seen += [o for o in engine.step() if o.request_id == "c"]
@@ -159,7 +163,7 @@ def test_chat_and_string_prompts_use_the_tokenizer(llm, tiny_llama) -> None:
 
 def test_stats_count_tokens_and_requests(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
     for i, n in enumerate([5, 9, 12]):
         engine.add_request(f"s{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4, **GREEDY))
     stats = engine.get_stats()
@@ -179,7 +183,7 @@ def test_streamed_text_is_never_taken_back(llm) -> None:
     k = next(i for i in range(6, len(full) - 3) if full[i : i + 3].isascii() and full[i : i + 3].isalpha())
     stop = full[k : k + 3]
     engine = llm.llm_engine
-    engine.add_request("s", prompt, SamplingParams(max_tokens=40, stop=stop, **GREEDY))
+    engine.add_request("s", prompt, SamplingParams(max_tokens=40, stop=stop, output_kind=CUMULATIVE, **GREEDY))
     texts = []
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step() if o.request_id == "s"]
@@ -190,7 +194,7 @@ def test_streamed_text_is_never_taken_back(llm) -> None:
 
 def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
     prompt = list(range(1, 50))
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, **GREEDY), cache_salt="tenant-a")
     _drain(engine)
@@ -205,7 +209,8 @@ def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
 def test_priority_policy_serves_urgent_requests_first(tiny_llama) -> None:
     folder, _ = tiny_llama
     engine = LLMEngine(
-        EngineConfig(model=str(folder), kv_cache_memory_bytes=1 << 20, max_num_seqs=1, scheduling_policy="priority")
+        EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20, max_num_seqs=1,
+                                 scheduling_policy="priority")
     )
     engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), priority=5)
     engine.add_request("urgent", [4, 5, 6], SamplingParams(max_tokens=2, **GREEDY), priority=-1)
@@ -222,3 +227,79 @@ def test_generate_checks_its_arguments(llm) -> None:
         llm.generate([1.5], use_tqdm=False)  # type: ignore[list-item]
     assert llm.generate([], use_tqdm=False) == []
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_delta_outputs_add_up_to_the_whole(llm) -> None:
+    """The default output kind: each output carries only what is new, and nothing twice."""
+    prompt = "hello world, the quick"
+    params = dict(max_tokens=24, logprobs=2, **GREEDY)
+    [whole] = llm.generate(prompt, SamplingParams(**params), use_tqdm=False)
+    engine = llm.llm_engine
+    engine.add_request("d", prompt, SamplingParams(n=2, seed=3, **params))
+    pieces: dict[int, list] = {0: [], 1: []}
+    finished = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                assert len(c.token_ids) <= 1  # a delta of one decode step
+                pieces[c.index].append(c)
+            finished.append(out.finished)
+    assert finished[-1] and not any(finished[:-1])
+    for index in (0, 1):
+        cs = pieces[index]
+        assert "".join(c.text for c in cs) == whole.outputs[0].text
+        assert [t for c in cs for t in c.token_ids] == whole.outputs[0].token_ids
+        entries = [e for c in cs for e in c.logprobs]
+        # The same tokens and top ids; values agree up to the batch's GEMM rounding.
+        assert [list(e) for e in entries] == [list(e) for e in whole.outputs[0].logprobs]
+        for got, want in zip(entries, whole.outputs[0].logprobs):
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-5)
+        assert cs[-1].finish_reason == "length" and all(c.finish_reason is None for c in cs[:-1])
+        assert cs[-1].cumulative_logprob == pytest.approx(whole.outputs[0].cumulative_logprob)
+
+
+def test_delta_text_is_held_back_only_for_a_possible_stop(llm) -> None:
+    """Text is released as soon as it cannot start a stop string: no second hold-back."""
+    prompt = "hello world, the quick"
+    engine = llm.llm_engine
+    engine.add_request("h", prompt, SamplingParams(max_tokens=16, stop="\u2603\u2603", **GREEDY))
+    released = []
+    while engine.has_unfinished_requests():
+        released += [o.outputs[0] for o in engine.step() if o.request_id == "h"]
+    text = "".join(c.text for c in released)
+    tok = llm.get_tokenizer()
+    ids = [t for c in released for t in c.token_ids]
+    # Before the last token, everything but what that token added was already out.
+    assert "".join(c.text for c in released[:-1]) == tok.decode(ids[:-1]).rstrip("\ufffd")
+    assert text == tok.decode(ids)
+
+
+def test_arrival_time_reaches_the_request_record(llm) -> None:
+    engine = llm.llm_engine
+    engine.add_request("t", [1, 2, 3], SamplingParams(max_tokens=2, output_kind=CUMULATIVE, **GREEDY),
+                       arrival_time=12.5)
+    record = engine.scheduler.get_request("t")
+    assert record.arrival_time == 12.5
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].metrics.arrival_time == 12.5
+    assert outs[-1].metrics.first_scheduled_time >= record.first_scheduled_time > 12.5
+
+
+def test_runner_checks_each_requests_own_table(llm) -> None:
+    """A request whose own table is too short is refused, even if another's is wide enough."""
+    engine = llm.llm_engine
+    engine.add_request("wide", [5] * 40, SamplingParams(max_tokens=4, **GREEDY))
+    engine.add_request("short", [6] * 3, SamplingParams(max_tokens=4, **GREEDY))
+    out = engine.scheduler.schedule()
+    wide, short = out.scheduled
+    assert len(wide.block_ids) == 3 and len(short.block_ids) == 1
+    # Pretend `short` computes 20 tokens: its one block cannot hold them.
+    short.token_ids, short.num_tokens = [6] * 20, 20
+    bad = SchedulerOutput([wide, short], wide.num_tokens + 20, [], out.finished_req_ids)
+    with pytest.raises(ValueError, match=r"'short'.*beyond its block table of 1 blocks"):
+        engine.engine_core.model_runner.execute_model(bad)
+    engine.abort_request(["wide", "short"])
+    _drain(engine)
+    assert engine.engine_core.model_runner.input_batch.req_ids == []

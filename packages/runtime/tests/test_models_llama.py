@@ -12,7 +12,8 @@ import torch
 from pagemill.runtime.config import ModelConfig
 from pagemill.runtime.loader import load_model
 from pagemill.runtime.model_runner import ModelRunner
-from pagemill.scheduler import ScheduledRequest, SchedulerOutput
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -44,14 +45,17 @@ def _all_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Ten
     sched, next_block = [], 0
     for i, p in enumerate(prompts):
         nb = -(-len(p) // 16)
-        sched.append(ScheduledRequest(f"r{i}", p, 0, len(p), list(range(next_block, next_block + nb)), True))
+        record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
+        blocks = list(range(next_block, next_block + nb))
+        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, nb, True, True, record))
         next_block += nb
-    out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], [])
+    # The previous call's requests are finished: their rows go before these arrive.
+    out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))
     batch = runner.prepare(out)
     with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = runner.model(batch.input_ids, batch.positions, batch.attn)
         logits = runner.model.compute_logits(hidden)
-    bounds = batch.meta.query_start_loc.tolist()
+    bounds = batch.attn.plan.query_start_loc.tolist()
     return [logits[bounds[i] : bounds[i + 1]] for i in range(len(prompts))]
 
 

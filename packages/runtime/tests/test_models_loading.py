@@ -13,6 +13,7 @@ from pagemill.runtime import LLM, LLMEngine, SamplingParams
 from pagemill.runtime import default_model as dm
 from pagemill.runtime.config import EngineConfig, ModelConfig
 from pagemill.runtime.loader import resolve_model_path
+from pagemill.runtime.sampling_params import RequestOutputKind
 
 
 def _config_json(**kw) -> dict:
@@ -59,7 +60,7 @@ def test_broken_folders_say_what_is_wrong(tmp_path, tiny_llama) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ValueError, match=r"no config\.json.*no \*\.safetensors"):
-        LLMEngine(EngineConfig(model=str(empty)))
+        LLMEngine(EngineConfig.from_kwargs(model=str(empty)))
 
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -68,14 +69,14 @@ def test_broken_folders_say_what_is_wrong(tmp_path, tiny_llama) -> None:
     del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.norm.weight"]
     save_file(tensors, str(partial / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensor.*layers\.1\.mlp\.up_proj\.weight.*model\.norm\.weight"):
-        LLMEngine(EngineConfig(model=str(partial), kv_cache_memory_bytes=1 << 20))
+        LLMEngine(EngineConfig.from_kwargs(model=str(partial), kv_cache_memory_bytes=1 << 20))
 
     wrong = tmp_path / "wrong-shape"
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps(_config_json(vocab_size=301)))
     save_file(load_file(str(folder / "model.safetensors")), str(wrong / "model.safetensors"))
     with pytest.raises(ValueError, match=r"weight has shape \(320, 64\), the config implies \(301, 64\)"):
-        LLMEngine(EngineConfig(model=str(wrong), kv_cache_memory_bytes=1 << 20))
+        LLMEngine(EngineConfig.from_kwargs(model=str(wrong), kv_cache_memory_bytes=1 << 20))
 
 
 def test_unknown_model_name_is_an_error() -> None:
@@ -98,14 +99,16 @@ def test_kv_pool_too_small_for_one_request_fails_at_start(tiny_llama) -> None:
     folder, _ = tiny_llama
     # 512 bytes/token: 8 KiB is one block, and max_model_len=64 needs four.
     with pytest.raises(ValueError, match=r"KV cache holds 1 blocks.*needs 4 blocks"):
-        LLMEngine(EngineConfig(model=str(folder), max_model_len=64, kv_cache_memory_bytes=8192))
+        LLMEngine(EngineConfig.from_kwargs(model=str(folder), max_model_len=64, kv_cache_memory_bytes=8192))
 
 
 def test_engine_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match=r"EngineConfig.dtype"):
         EngineConfig(dtype="int4")
-    with pytest.raises(ValueError, match=r"EngineConfig.gpu_memory_utilization"):
-        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"CacheConfig.gpu_memory_utilization"):
+        EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
+    with pytest.raises(TypeError, match=r"max_num_seq\b.*max_num_seqs"):
+        EngineConfig.from_kwargs(max_num_seq=4)  # a typo names the valid options
     with pytest.raises(ValueError, match=r"EngineConfig.load_format"):
         EngineConfig(load_format="pt")
 
@@ -138,7 +141,7 @@ def test_default_model_checksum_is_verified(monkeypatch, tmp_path) -> None:
 
 def test_cpu_dtype_auto_is_fp32(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
     assert engine.dtype == torch.float32
     assert engine.max_model_len == 512
 
@@ -147,10 +150,10 @@ def test_sliding_window_caps_the_context(tmp_path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps(_config_json(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64))
     )
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), load_format="dummy", kv_cache_memory_bytes=1 << 20))
     assert engine.max_model_len == 64
     with pytest.raises(ValueError, match="sliding_window"):
-        LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", max_model_len=128))
+        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), load_format="dummy", max_model_len=128))
 
 
 def test_extra_eos_ids_stop_generation(tiny_llama, random_prompts) -> None:
@@ -162,13 +165,15 @@ def test_extra_eos_ids_stop_generation(tiny_llama, random_prompts) -> None:
     )[0].outputs[0].token_ids
     config = ModelConfig.from_pretrained(folder)
     tok = next(t for t in base[1:] if t not in config.eos_token_ids)
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory_bytes=1 << 20))
-    engine.model_config.eos_token_ids = [*config.eos_token_ids, tok]
-    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=12))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    # As if generation_config.json listed `tok` too: the input processor owns the EOS ids.
+    engine.input_processor.eos_token_ids = [*config.eos_token_ids, tok]
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=12,
+                                                   output_kind=RequestOutputKind.FINAL_ONLY))
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
     final = outs[-1].outputs[0]
-    assert final.token_ids[-1] in engine.model_config.eos_token_ids
+    assert final.token_ids[-1] in engine.input_processor.eos_token_ids
     assert final.finish_reason == "stop"
     assert final.token_ids == base[: len(final.token_ids)] and len(final.token_ids) <= base.index(tok) + 1

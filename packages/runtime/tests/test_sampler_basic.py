@@ -4,29 +4,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from pagemill.runtime.sampler import (
-    Sampler,
-    apply_penalties,
-    apply_top_k_top_p_min_p,
-)
+from pagemill.runtime.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from pagemill.runtime.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 
 
-@dataclass
-class State:
-    params: SamplingParams
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    generator: torch.Generator | None = None
-    eos_token_id: int | None = None
-    extra: dict = field(default_factory=dict)
+def _metadata(
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int]] | None = None,
+    outputs: Sequence[Sequence[int]] | None = None,
+    banned_until_min: Sequence[frozenset[int]] | None = None,
+) -> SamplingMetadata:
+    return SamplingMetadata.from_params(
+        params,
+        output_token_ids=outputs if outputs is not None else [[] for _ in params],
+        prompt_token_ids=prompts if prompts is not None else [[] for _ in params],
+        banned_until_min=banned_until_min,
+    )
+
+
+def _masks(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    md = _metadata(params)
+    return apply_top_k_top_p_min_p(x, md.top_k, md.top_p, md.min_p, md.max_top_k)
 
 
 def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -36,23 +41,23 @@ def _logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_is_argmax() -> None:
     logits = _logits(7, 100)
-    out = Sampler()(logits, [State(SamplingParams(temperature=0.0)) for _ in range(7)])
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    out = Sampler()(logits, _metadata([SamplingParams(temperature=0.0) for _ in range(7)]))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs is None
-    assert out.top_logprobs == [None] * 7
+    assert out.logprob_token_ids is None
 
 
 def test_greedy_accepts_low_precision_logits() -> None:
     logits = _logits(3, 64).to(torch.bfloat16)
-    out = Sampler()(logits, [State(SamplingParams(temperature=0.0)) for _ in range(3)])
-    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    out = Sampler()(logits, _metadata([SamplingParams(temperature=0.0) for _ in range(3)]))
+    assert out.sampled_token_ids == logits.float().argmax(dim=-1).tolist()
 
 
 def test_top_k_one_is_greedy_at_any_temperature() -> None:
     logits = _logits(16, 200, seed=1)
-    states = [State(SamplingParams(temperature=t, top_k=1)) for t in [0.5, 1.0, 2.0, 5.0] * 4]
-    out = Sampler(seed=3)(logits, states)
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=t, top_k=1) for t in [0.5, 1.0, 2.0, 5.0] * 4]
+    out = Sampler(seed=3)(logits, _metadata(params))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
 
 
 def test_mixed_greedy_and_random_rows_keep_their_order() -> None:
@@ -65,8 +70,8 @@ def test_mixed_greedy_and_random_rows_keep_their_order() -> None:
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=2.0, min_p=1.0),
     ]
-    out = Sampler()(logits, [State(p) for p in params])
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    out = Sampler()(logits, _metadata(params))
+    assert out.sampled_token_ids == logits.argmax(dim=-1).tolist()
 
 
 # probabilities 0.5, 0.2, 0.15, 0.1, 0.05 placed in a shuffled order over 5 tokens
@@ -101,7 +106,7 @@ def _hand_logits() -> torch.Tensor:
     ],
 )
 def test_masks_match_hand_computation(kwargs: dict, kept: set[int]) -> None:
-    x = apply_top_k_top_p_min_p(_hand_logits(), [SamplingParams(**kwargs)])
+    x = _masks(_hand_logits(), [SamplingParams(**kwargs)])
     got = {i for i in range(5) if x[0, i] != NEG_INF}
     assert got == kept
     # surviving logits are unchanged
@@ -112,20 +117,24 @@ def test_masks_match_hand_computation(kwargs: dict, kept: set[int]) -> None:
 def test_masks_are_per_row() -> None:
     x = _hand_logits().repeat(3, 1)
     params = [SamplingParams(top_k=2), SamplingParams(top_p=0.75), SamplingParams(min_p=1.0)]
-    x = apply_top_k_top_p_min_p(x, params)
+    x = _masks(x, params)
     kept = [{i for i in range(5) if x[r, i] != NEG_INF} for r in range(3)]
     assert kept == [{3, 0}, {3, 0, 4}, {3}]
 
 
-def _direct_penalties(logits: torch.Tensor, states: Sequence[State]) -> torch.Tensor:
+def _direct_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+) -> torch.Tensor:
     out = logits.clone()
-    for r, s in enumerate(states):
-        p = s.params
+    for r, p in enumerate(params):
         for t in range(logits.shape[1]):
             v = float(out[r, t])
-            if t in s.prompt_token_ids or t in s.output_token_ids:
+            if t in prompts[r] or t in outputs[r]:
                 v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
-            count = list(s.output_token_ids).count(t)
+            count = list(outputs[r]).count(t)
             v -= p.frequency_penalty * count
             if count:
                 v -= p.presence_penalty
@@ -138,59 +147,47 @@ def test_penalties_match_direct_recomputation() -> None:
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(5, vocab, generator=g) * 2
     rnd = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
-    states = [
-        State(SamplingParams(repetition_penalty=1.3), rnd(6), rnd(9)),
-        State(SamplingParams(presence_penalty=0.7), rnd(3), rnd(12)),
-        State(SamplingParams(frequency_penalty=-0.4), rnd(2), rnd(15)),
-        State(
-            SamplingParams(repetition_penalty=0.8, presence_penalty=-1.2, frequency_penalty=1.5),
-            rnd(10),
-            rnd(20),
-        ),
-        State(SamplingParams(), rnd(8), rnd(8)),  # no penalty: untouched
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(presence_penalty=0.7),
+        SamplingParams(frequency_penalty=-0.4),
+        SamplingParams(repetition_penalty=0.8, presence_penalty=-1.2, frequency_penalty=1.5),
+        SamplingParams(),  # no penalty: untouched
     ]
+    prompts = [rnd(6), rnd(3), rnd(2), rnd(10), rnd(8)]
+    outputs = [rnd(9), rnd(12), rnd(15), rnd(20), rnd(8)]
     x = logits.clone()
-    apply_penalties(x, states)
-    torch.testing.assert_close(x, _direct_penalties(logits, states))
+    apply_penalties(x, _metadata(params, prompts, outputs))
+    torch.testing.assert_close(x, _direct_penalties(logits, params, prompts, outputs))
     assert torch.equal(x[4], logits[4])
 
 
 def test_penalties_with_empty_outputs_only_touch_prompt_tokens() -> None:
     logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
     x = logits.clone()
-    apply_penalties(
-        x,
-        [
-            State(
-                SamplingParams(repetition_penalty=2.0, presence_penalty=1.0),
-                prompt_token_ids=[0, 1],
-            )
-        ],
-    )
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=1.0)]
+    apply_penalties(x, _metadata(params, prompts=[[0, 1]]))
     assert x.tolist() == [[1.0, -4.0, 1.0, -1.0]]
 
 
 def test_repetition_penalty_changes_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.5, 0.0]])
-    s = State(SamplingParams(temperature=0.0, repetition_penalty=1.5), [0], [])
-    assert Sampler()(logits, [s]).token_ids == [1]
+    md = _metadata([SamplingParams(temperature=0.0, repetition_penalty=1.5)], [[0]], [[]])
+    assert Sampler()(logits, md).sampled_token_ids == [1]
 
 
 def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]] * 4)
-    states = [
-        State(SamplingParams(temperature=0.0, min_tokens=2), output_token_ids=[9], eos_token_id=0),
-        State(
-            SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1]),
-            output_token_ids=[],
-            eos_token_id=0,
-        ),
-        State(
-            SamplingParams(temperature=0.0, min_tokens=2), output_token_ids=[9, 9], eos_token_id=0
-        ),
-        State(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), eos_token_id=0),
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1]),
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True),
     ]
-    assert Sampler()(logits, states).token_ids == [1, 2, 0, 0]
+    # EOS is token 0; the runner leaves it out of what an ignore_eos request has banned.
+    banned = [frozenset({0})] * 3 + [frozenset()]
+    md = _metadata(params, outputs=[[9], [], [9, 9], []], banned_until_min=banned)
+    assert Sampler()(logits, md).sampled_token_ids == [1, 2, 0, 0]
 
 
 def test_logprobs_are_of_the_raw_distribution() -> None:
@@ -201,30 +198,29 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.0, top_k=2, logprobs=5),
     ]
-    states = [State(p, prompt_token_ids=[1, 2, 3]) for p in params]
-    out = Sampler(seed=1)(logits, states)
+    out = Sampler(seed=1)(logits, _metadata(params, prompts=[[1, 2, 3]] * 4))
     ref = torch.log_softmax(logits, dim=-1)
-    assert out.logprobs is not None
-    for r, t in enumerate(out.token_ids):
-        assert out.logprobs[r] == pytest.approx(float(ref[r, t]), abs=1e-6)
-    assert out.top_logprobs[2] is None
-    assert out.top_logprobs[1] == []
-    for r, n in ((0, 3), (3, 5)):
-        top = out.top_logprobs[r]
-        assert top is not None and len(top) == n
-        values, indices = ref[r].topk(n)
-        assert [t for t, _ in top] == indices.tolist()
-        assert [v for _, v in top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert out.logprobs is not None and out.logprob_token_ids is not None
+    # Every row gets the sampled token and the top-n of the largest n asked (5); callers
+    # keep what each request asked for.
+    for r, t in enumerate(out.sampled_token_ids):
+        ids, lps = out.logprob_token_ids[r], out.logprobs[r]
+        assert ids[0] == t
+        assert lps[0] == pytest.approx(float(ref[r, t]), abs=1e-6)
+        assert len(ids) == len(lps) == 6
+        values, indices = ref[r].topk(5)
+        assert ids[1:] == indices.tolist()
+        assert lps[1:] == pytest.approx(values.tolist(), abs=1e-6)
 
 
 def test_shape_mismatch_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="one row per state"):
-        Sampler()(torch.zeros(2, 5), [State(SamplingParams())])
+    with pytest.raises(ValueError, match="one row per metadata row"):
+        Sampler()(torch.zeros(2, 5), _metadata([SamplingParams()]))
 
 
 def test_empty_batch() -> None:
-    out = Sampler()(torch.zeros(0, 5), [])
-    assert out.token_ids == []
+    out = Sampler()(torch.zeros(0, 5), _metadata([]))
+    assert out.sampled_token_ids == []
 
 
 def _reference_masks(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -260,5 +256,5 @@ def test_masks_match_reference_on_random_rows(scale: float) -> None:
         SamplingParams(top_p=0.999),
     ]
     x = torch.randn(len(params), vocab, generator=g) * scale
-    got = apply_top_k_top_p_min_p(x, params) != NEG_INF
+    got = _masks(x, params) != NEG_INF
     assert torch.equal(got, _reference_masks(x, params))

@@ -3,26 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from pagemill.runtime.sampler import Sampler, make_generator
+from pagemill.runtime.sampler import Sampler
+from pagemill.runtime.sampling_metadata import SamplingMetadata, make_generator
 from pagemill.runtime.sampling_params import SamplingParams
-
-
-@dataclass
-class State:
-    params: SamplingParams
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    generator: torch.Generator | None = None
-
 
 # Chi-square critical values at p = 0.001 (so a correct sampler fails 1 time in 1000 seeds;
 # the seeds here are fixed, so the outcome is deterministic).
 CHI2_CRIT_001 = {2: 13.82, 4: 18.47, 7: 24.32}
+
+
+def _metadata(
+    params: Sequence[SamplingParams],
+    outputs: Sequence[Sequence[int]] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+) -> SamplingMetadata:
+    return SamplingMetadata.from_params(
+        params,
+        output_token_ids=outputs if outputs is not None else [[] for _ in params],
+        prompt_token_ids=None,
+        generators=generators,
+    )
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -39,17 +43,18 @@ def _seeded_run(
     vocab = 64
     g = torch.Generator().manual_seed(100)
     step_logits = [torch.randn(vocab, generator=g) for _ in range(steps)]
-    states = [State(p) for p in others]
-    target_state = State(target, generator=make_generator(target.seed or 0))
-    states.insert(position, target_state)
+    params = list(others)
+    params.insert(position, target)
+    # The metadata lives across steps, as the runner's does: generators continue their streams.
+    md = _metadata(params, generators={position: make_generator(target.seed or 0)})
     sampler = Sampler(seed=len(others) * 7 + position)
     noise = torch.Generator().manual_seed(len(others))
     tokens = []
     for logits in step_logits:
-        batch = torch.randn(len(states), vocab, generator=noise)
+        batch = torch.randn(len(params), vocab, generator=noise)
         batch[position] = logits
-        out = sampler(batch, states)
-        tokens.append(out.token_ids[position])
+        out = sampler(batch, md)
+        tokens.append(out.sampled_token_ids[position])
     return tokens
 
 
@@ -71,28 +76,31 @@ def test_seeded_row_is_independent_of_its_batch() -> None:
 def test_seed_creates_its_generator_when_the_engine_did_not() -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
     p = SamplingParams(temperature=1.0, seed=77)
-    a = State(p)
-    b = State(p, generator=make_generator(77))
+    a = _metadata([p])
+    b = _metadata([p], generators={0: make_generator(77)})
     sampler = Sampler()
-    seq_a = [sampler(logits, [a]).token_ids[0] for _ in range(10)]
-    seq_b = [sampler(logits, [b]).token_ids[0] for _ in range(10)]
-    assert a.generator is not None
+    seq_a = [sampler(logits, a).sampled_token_ids[0] for _ in range(10)]
+    seq_b = [sampler(logits, b).sampled_token_ids[0] for _ in range(10)]
+    assert a.generators.get(0) is not None
     assert seq_a == seq_b
 
 
 def test_unseeded_rows_follow_the_sampler_seed() -> None:
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
-    states = [State(SamplingParams(temperature=1.0)) for _ in range(8)]
-    assert Sampler(seed=5)(logits, states).token_ids == Sampler(seed=5)(logits, states).token_ids
+    md = _metadata([SamplingParams(temperature=1.0) for _ in range(8)])
+    assert (
+        Sampler(seed=5)(logits, md).sampled_token_ids
+        == Sampler(seed=5)(logits, md).sampled_token_ids
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
 def test_unseeded_draws_follow_softmax_over_temperature(temperature: float) -> None:
     logits = torch.tensor([1.0, 0.3, -0.5, 2.0, 0.0, -1.5, 0.8, 1.2])
     n = 20000
-    states = [State(SamplingParams(temperature=temperature)) for _ in range(n)]
-    out = Sampler(seed=42)(logits.repeat(n, 1), states)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=8).float()
+    md = _metadata([SamplingParams(temperature=temperature) for _ in range(n)])
+    out = Sampler(seed=42)(logits.repeat(n, 1), md)
+    counts = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=8).float()
     probs = torch.softmax(logits / temperature, dim=-1)
     assert _chi_square(counts, probs) < CHI2_CRIT_001[7]
 
@@ -101,12 +109,10 @@ def test_seeded_draws_follow_softmax_with_top_k() -> None:
     # every row has its own seed: the per-row generator path, and top-k renormalisation
     logits = torch.tensor([1.0, 0.3, -0.5, 2.0, 0.0, -1.5, 0.8, 1.2])
     n = 3000
-    states = [
-        State(SamplingParams(temperature=0.8, top_k=3, seed=s), generator=make_generator(s))
-        for s in range(n)
-    ]
-    out = Sampler()(logits.repeat(n, 1), states)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=8).float()
+    params = [SamplingParams(temperature=0.8, top_k=3, seed=s) for s in range(n)]
+    md = _metadata(params, generators={s: make_generator(s) for s in range(n)})
+    out = Sampler()(logits.repeat(n, 1), md)
+    counts = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=8).float()
     probs = torch.zeros(8)
     top = logits.topk(3).indices
     probs[top] = torch.softmax(logits[top] / 0.8, dim=-1)
@@ -118,8 +124,8 @@ def test_penalised_draws_follow_the_penalised_distribution() -> None:
     logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2])
     params = SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=0.5)
     n = 10000
-    states = [State(params, output_token_ids=[0, 0, 4]) for _ in range(n)]
-    out = Sampler(seed=8)(logits.repeat(n, 1), states)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).float()
+    md = _metadata([params] * n, outputs=[[0, 0, 4]] * n)
+    out = Sampler(seed=8)(logits.repeat(n, 1), md)
+    counts = torch.bincount(torch.tensor(out.sampled_token_ids), minlength=5).float()
     penalised = logits - torch.tensor([1.0 + 2 * 0.5, 0, 0, 0, 1.0 + 0.5])
     assert _chi_square(counts, torch.softmax(penalised, dim=-1)) < CHI2_CRIT_001[4]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagemill.runtime.sampling_params import SamplingParams, SamplingType
+from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 BAD_FIELDS = [
     ("n", 0),
@@ -73,7 +73,20 @@ def test_min_tokens_above_max_tokens() -> None:
     ],
 )
 def test_good_values_accepted(kwargs: dict) -> None:
-    SamplingParams(**kwargs)
+    p = SamplingParams(**kwargs)
+    # Accepted means kept: every given value survives (up to the documented normalisation).
+    normalised = {"top_k": {-1: 0}, "stop_token_ids": {(5, 6): [5, 6]}}
+    for name, value in kwargs.items():
+        expected = normalised.get(name, {}).get(value, value) if isinstance(
+            value, int | tuple) else value
+        assert getattr(p, name) == expected, name
+    assert p.output_kind == RequestOutputKind.DELTA
+
+
+def test_output_kind_is_checked() -> None:
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind.value == "final_only"
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")  # type: ignore[arg-type]
 
 
 def test_normalisation() -> None:

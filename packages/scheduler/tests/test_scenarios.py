@@ -3,9 +3,11 @@ freed blocks, preemption, stop rules, ignored prompts, aborts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from pagemill.blockpool import KVCacheManager
+from pagemill.blockpool import KVCacheManager, get_hash_fn, hash_block_chain
 from pagemill.scheduler import (
     Request,
     RequestStatus,
@@ -17,9 +19,11 @@ from pagemill.scheduler import (
 EOS = 2
 
 
-def make(num_blocks: int = 256, block_size: int = 16, **cfg) -> tuple[Scheduler, KVCacheManager]:
+def make(num_blocks: int = 256, block_size: int = 16, enable_caching: bool = True,
+         **cfg) -> tuple[Scheduler, KVCacheManager]:
+    """Prefix caching is the manager's setting; the scheduler reads it from there."""
     kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size,
-                        enable_caching=cfg.get("enable_prefix_caching", True))
+                        enable_caching=enable_caching)
     return Scheduler(SchedulerConfig(**cfg), kv), kv
 
 
@@ -36,6 +40,14 @@ def step(s: Scheduler, token: int = 7):
     out = s.schedule()
     ups = s.update_from_output(out, {x.request_id: token for x in out.scheduled if x.sample})
     return out, ups
+
+
+def run_until_finished(s: Scheduler, rid: str, max_steps: int = 100) -> None:
+    for _ in range(max_steps):
+        if s.get_request(rid) is None:
+            return
+        step(s, token=5)
+    raise AssertionError(f"{rid} still unfinished after {max_steps} steps")
 
 
 def test_three_long_prompts_chunked_400_400_224() -> None:
@@ -93,7 +105,7 @@ def test_cache_salt_and_disabled_caching_prevent_hits() -> None:
     s.add_request(req("b", list(range(9)), cache_salt="y"))
     assert s.schedule().scheduled[0].start_pos == 0
 
-    s, _ = make(block_size=4, enable_prefix_caching=False)
+    s, _ = make(block_size=4, enable_caching=False)
     s.add_request(req("a", list(range(9)), max_tokens=1))
     step(s)
     s.add_request(req("b", list(range(9))))
@@ -172,7 +184,7 @@ def test_priority_victim_already_served_this_step_leaves_the_batch() -> None:
 def _priority_trio(budget: int, prompts: tuple[int, int, int], prios: tuple[int, int, int]):
     """Three requests arriving one step apart in a 6-block pool of 2-token blocks."""
     s, _ = make(num_blocks=6, block_size=2, max_model_len=12, max_num_batched_tokens=budget,
-                policy="priority", enable_prefix_caching=False)
+                policy="priority", enable_caching=False)
     shapes = []
     for i, (n, p) in enumerate(zip(prompts, prios)):
         s.add_request(req(f"r{i}", [1] * n, priority=p, arrival_time=float(i)))
@@ -385,3 +397,108 @@ def test_block_completed_by_a_decode_is_hittable_at_once() -> None:
     s.add_request(req("b", [11, 12, 13, 14, 99]))
     out = s.schedule()
     assert shape(out)[-1] == ("b", 4, 1, True)
+
+
+def test_blocked_head_is_counted_once_in_prefix_cache_stats() -> None:
+    """The head of the queue is looked up every step while it does not fit. Only its
+    admission counts, and the scheduler reports the manager's figures (one owner): the old
+    manager counted every lookup, so its figures and the scheduler's disagreed."""
+    s, kv = make(num_blocks=5, block_size=4, max_model_len=16)
+    s.add_request(req("a", [1] * 8 + [7], max_tokens=1))
+    step(s)  # a finished; its two full blocks stay cached (and are never evicted below)
+    s.add_request(req("hog", [2] * 7, max_tokens=5))
+    step(s)  # hog: 2 blocks now, a 3rd from position 8, done at 12 tokens
+    s.add_request(req("b", [1] * 8 + [3] * 5))  # hits 8 tokens, then needs 2 more blocks
+    steps = 0
+    while steps < 10 and s.get_request("b").status == RequestStatus.WAITING:
+        out, _ = step(s)
+        steps += 1
+    assert steps == 5  # looked up and refused 4 times, admitted the 5th
+    assert out.scheduled[-1].request_id == "b" and out.scheduled[-1].start_pos == 8
+    totals = kv.prefix_cache_stats
+    assert (totals.requests, totals.queries, totals.hits) == (3, 9 + 7 + 13, 8)
+    stats = s.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (29, 8)
+    interval = kv.make_prefix_cache_stats()
+    assert (interval.requests, interval.queries, interval.hits) == (3, 29, 8)
+    assert s.get_stats().prefix_cache_queries == 29  # per-interval reads leave the totals
+
+
+def test_readmission_after_preemption_counts_as_an_admission() -> None:
+    s, kv = make(num_blocks=4, block_size=4, max_model_len=16)
+    s.add_request(req("old", [1] * 7, max_tokens=8))
+    s.add_request(req("new", [3] * 7, max_tokens=8))
+    step(s, token=5)
+    step(s, token=5)
+    out = s.schedule()
+    assert out.preempted_req_ids == ["new"]
+    assert kv.prefix_cache_stats.requests == 2
+    s.update_from_output(out, {"old": 5})
+    run_until_finished(s, "old")
+    out = s.schedule()
+    (x,) = out.scheduled
+    assert x.request_id == "new" and x.is_new
+    totals = kv.prefix_cache_stats
+    assert totals.requests == 3 and totals.queries == 7 + 7 + 9
+
+
+def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
+    s, kv = make(num_blocks=4, block_size=4, max_model_len=16)
+    s.add_request(req("old", [1] * 7, max_tokens=8))
+    s.add_request(req("new", [3] * 7, max_tokens=8))
+    out, _ = step(s, token=5)
+    assert [(x.is_new, x.num_new_blocks, len(x.block_ids)) for x in out.scheduled] == [
+        (True, 2, 2), (True, 2, 2)]
+    assert [x.request for x in out.scheduled] == [s.get_request("old"), s.get_request("new")]
+    out, _ = step(s, token=5)  # decodes inside the second block: nothing new
+    assert [(x.is_new, x.num_new_blocks) for x in out.scheduled] == [(False, 0), (False, 0)]
+    out = s.schedule()  # old opens its third block, new is preempted
+    (x,) = out.scheduled
+    assert (x.request_id, x.is_new, x.num_new_blocks) == ("old", False, 1)
+    assert x.block_ids[-1:] == kv.get_block_ids("old")[-1:]
+    s.update_from_output(out, {"old": 5})
+    new = s.get_request("new")
+    first_time = new.first_scheduled_time
+    run_until_finished(s, "old")
+    (x,) = s.schedule().scheduled
+    # Re-admitted: a new table (whatever the runner had for it is stale), same record.
+    assert (x.request_id, x.is_new, x.num_new_blocks) == ("new", True, len(x.block_ids))
+    assert x.request is new and new.first_scheduled_time == first_time
+
+
+def test_first_scheduled_time_is_the_first_admission_on_the_monotonic_clock() -> None:
+    s, _ = make(max_num_seqs=1)
+    s.add_request(req("a", [1, 2, 3], max_tokens=2))
+    s.add_request(req("b", [1, 2, 3]))
+    before = time.monotonic()
+    step(s)
+    a, b = s.get_request("a"), s.get_request("b")
+    assert before <= a.first_scheduled_time <= time.monotonic()
+    assert b.first_scheduled_time is None  # still waiting: max_num_seqs=1
+    assert a.first_scheduled_time >= a.arrival_time
+
+
+def test_add_request_attaches_the_managers_hasher_and_hashes_the_prompt() -> None:
+    s, kv = make(block_size=4)
+    r = req("a", list(range(10)), cache_salt="t")
+    s.add_request(r)
+    chain = hash_block_chain(get_hash_fn(), list(range(10)), 4, ("t",))
+    assert r.block_hasher is kv.block_hasher and r.block_hashes == chain
+    out = s.schedule()
+    s.update_from_output(out, {"a": 10})
+    s.update_from_output(s.schedule(), {"a": 11})  # 12 tokens: the third block is full
+    assert r.block_hashes == hash_block_chain(get_hash_fn(), list(range(12)), 4, ("t",))
+
+    s, _ = make(block_size=4, enable_caching=False)
+    r = req("a", list(range(10)))
+    s.add_request(r)
+    assert r.block_hasher is None and r.block_hashes == []
+
+
+def test_a_request_with_hashes_from_elsewhere_is_not_new() -> None:
+    s, kv = make(block_size=4)
+    r = req("a", list(range(8)))
+    assert kv.block_hasher is not None
+    r.block_hashes.extend(kv.block_hasher(r))
+    with pytest.raises(ValueError, match="must be new"):
+        s.add_request(r)

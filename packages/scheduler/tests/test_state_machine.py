@@ -6,6 +6,10 @@ cache: each slot written holds (salt, every token up to that position), which is
 real KV of that position depends on. Reading a request's whole context back through its
 block table after each step therefore checks block tables, prefix sharing and recompute
 after preemption together, independent of how the scheduler decided.
+
+The request record is checked against the same independent view: its block hashes are
+always the chain over its full blocks, `is_new` / `num_new_blocks` describe exactly how each
+table changed, and the prefix-cache stats count each admission once.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pagemill.blockpool import KVCacheManager
+from pagemill.blockpool import KVCacheManager, get_hash_fn, hash_block_chain
 from pagemill.scheduler import (
     Request,
     RequestStatus,
@@ -52,6 +56,8 @@ class Tracked:
     computed: int = 0
     running: bool = False
     finished: bool = False
+    table: tuple[int, ...] = ()  # the block table as of the last step that scheduled it
+    first_scheduled_time: float | None = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -82,11 +88,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cfg = SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-            enable_chunked_prefill=chunked, enable_prefix_caching=prefix, policy=policy,
+            enable_chunked_prefill=chunked, policy=policy,
         )
+        self.prefix = prefix
         self.kv = KVCacheManager(self.num_blocks, block_size, enable_caching=prefix,
                                  hash_algo="xxh3_128")
+        self.hash_fn = get_hash_fn("xxh3_128")
         self.sched = Scheduler(self.cfg, self.kv)
+        self.expected_prefix_stats = [0, 0, 0]  # admissions, queried tokens, hit tokens
         self.rng = random.Random(seed)
         self.prefixes = [[self.rng.randrange(2, VOCAB) for _ in range(n)] for n in (3, 5, 9)]
         self.tracked: dict[str, Tracked] = {}
@@ -131,6 +140,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.expect_ignored.append(rid)
             self.expect_finished_ids.add(rid)
             return
+        assert r.block_hasher is self.kv.block_hasher
         self.tracked[rid] = Tracked(r, list(prompt), len(prompt), max_tokens, min_tokens,
                                     ignore_eos, salt, (priority, self.clock, self.next_id))
 
@@ -250,7 +260,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert all(t.key[2] > k[2] for k in running_keys)
             else:
                 assert all(t.key > k for k in running_keys)
-            t.running, t.computed = False, 0
+            t.running, t.computed, t.table = False, 0, ()
         if out.preempted_req_ids:
             assert not admitted
         # Admission follows policy order: the admitted are the head of the waiting queue.
@@ -270,13 +280,31 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert s.sample  # whole prompts only
             assert len(s.block_ids) * bs >= end  # blocks cover computed + scheduled
             assert s.block_ids == self.kv.get_block_ids(s.request_id)
+            assert s.request is t.req
+            assert s.is_new == (s.request_id not in running_before)
             if s.request_id in running_before:
                 assert s.start_pos == t.computed
+                # The table only grew, by exactly the blocks reported as new.
+                assert tuple(s.block_ids[: len(t.table)]) == t.table
+                assert s.num_new_blocks == len(s.block_ids) - len(t.table)
+                assert t.req.first_scheduled_time == t.first_scheduled_time
             else:  # (re)admitted: any skipped prefix is whole cached blocks
                 assert s.start_pos % bs == 0 and s.start_pos < len(t.tokens)
-                if not cfg.enable_prefix_caching:
+                assert s.num_new_blocks == len(s.block_ids)
+                if not self.prefix:
                     assert s.start_pos == 0
+                else:
+                    self.expected_prefix_stats[0] += 1
+                    self.expected_prefix_stats[1] += len(t.tokens)
+                    self.expected_prefix_stats[2] += s.start_pos
+                assert t.req.first_scheduled_time is not None
+                if t.first_scheduled_time is None:  # the first admission, not a return
+                    t.first_scheduled_time = t.req.first_scheduled_time
+                    assert t.req.num_cached_tokens == s.start_pos
+                else:
+                    assert t.req.first_scheduled_time == t.first_scheduled_time
                 t.running = True
+            t.table = tuple(s.block_ids)
             t.computed = end
             assert t.req.num_computed_tokens == end
 
@@ -329,6 +357,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 reason is not None, reason, stop_reason)
             assert t.req.all_token_ids == t.tokens
             assert t.req.output_token_ids == t.tokens[t.prompt_len:]
+            assert t.req.prompt_token_ids == t.tokens[: t.prompt_len]
             if reason is not None:
                 t.finished, t.running = True, False
                 self.expect_finished_ids.add(u.request_id)
@@ -343,6 +372,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert stats.num_running == len(self.sched.running)
         assert stats.num_waiting == len(self.sched.waiting)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
+        # One owner, one count per admission: a head of the queue retried while the pool is
+        # full must not add to either figure.
+        totals = self.kv.prefix_cache_stats
+        assert [totals.requests, totals.queries, totals.hits] == self.expected_prefix_stats
+        assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
+            totals.queries, totals.hits)
+
+    @invariant()
+    def block_hashes_follow_the_tokens(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        for t in self._live():
+            if self.prefix:
+                extra = () if t.salt is None else (t.salt,)
+                assert t.req.block_hashes == hash_block_chain(
+                    self.hash_fn, t.tokens, self.bs, extra)
+            else:
+                assert t.req.block_hasher is None and t.req.block_hashes == []
 
 
 SchedulerMachine.TestCase.settings = settings(

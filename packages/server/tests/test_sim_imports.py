@@ -1,4 +1,6 @@
-"""The simulator's layering: blockpool and scheduler only, never torch or the runtime.
+"""The simulator's layering: blockpool and scheduler, plus the torch-free modules it shares
+with the engine (config.json parsing and dtype names, config-derived flags); never torch or
+the engine itself.
 
 `pagemill plan` must answer on a laptop without a GPU stack, and the simulator must drive the
 real scheduler, not a model runner; matplotlib is allowed only inside functions (lazily).
@@ -7,12 +9,19 @@ real scheduler, not a model runner; matplotlib is allowed only inside functions 
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
 import pagemill.server.sim as sim
 
-ALLOWED_PAGEMILL = ("pagemill.blockpool", "pagemill.scheduler", "pagemill.server.sim")
+ALLOWED_PAGEMILL = (
+    "pagemill.blockpool",
+    "pagemill.scheduler",
+    "pagemill.server.sim",
+    "pagemill.server.config_args",
+    "pagemill.runtime.model_config",
+)
 
 
 def _imports(tree: ast.AST) -> list[tuple[str, bool]]:
@@ -41,3 +50,19 @@ def test_sim_imports_only_blockpool_scheduler_and_stdlib() -> None:
                 assert root in sys.stdlib_module_names or root == "__future__", (
                     f"{path.name} imports {module}"
                 )
+
+
+def test_planner_and_shared_config_modules_never_load_torch() -> None:
+    # A fresh interpreter: this test session has long imported torch. The shared modules are
+    # imported through their packages' __init__ files, which must stay lazy for this to hold.
+    code = (
+        "import sys\n"
+        "import pagemill.server.sim, pagemill.server.sim.cli, pagemill.server.config_args\n"
+        "import pagemill.runtime.model_config, pagemill.runtime.config, pagemill.server.cli\n"
+        "from pagemill.runtime import DEFAULT_MODEL, EngineConfig, ModelConfig\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'pagemill.runtime.engine',\n"
+        "                           'pagemill.kernels') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -6,6 +6,7 @@ helpers. Depends on NumPy (and xxhash) only; never imports torch.
 """
 
 from pagemill.blockpool.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pagemill.blockpool.config import CacheConfig
 from pagemill.blockpool.hashing import (
     BlockHash,
     get_hash_fn,
@@ -22,6 +23,7 @@ __all__ = [
     "DTYPE_BYTES",
     "BlockHash",
     "BlockPool",
+    "CacheConfig",
     "CacheRequest",
     "FreeBlockQueue",
     "KVCacheBlock",

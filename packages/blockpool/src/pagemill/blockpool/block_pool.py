@@ -67,11 +67,6 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"asked for {n} free blocks, only {self.num_free_blocks} in the queue")
-        return [self.popleft() for _ in range(n)]
-
     def append(self, block: KVCacheBlock) -> None:
         """Queue `block` last (evicted after everything already queued)."""
         if block.prev_free is not None or block.next_free is not None:
@@ -156,14 +151,6 @@ class BlockPool:
         node.prev_free = head
         queue.num_free_blocks -= n
         return popped
-
-    def _evict_hash(self, block: KVCacheBlock) -> None:
-        h = block.block_hash
-        if h is None:
-            return
-        if self.cached_block_hash_to_block.get(h) is block:
-            del self.cached_block_hash_to_block[h]
-        block.block_hash = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         if not self.enable_caching:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagemill.blockpool.kv_cache_manager import CacheRequest
 
 BlockHash = bytes
 HashFn = Callable[[bytes], bytes]
@@ -117,3 +121,40 @@ def hash_block_chain(
         )
         hashes.append(parent)
     return hashes
+
+
+class BlockHasher:
+    """The per-request hasher a KVCacheManager hands out: `hasher(request)` returns the hashes
+    of the request's full blocks that `request.block_hashes` does not hold yet, chained on
+    its last entry, with `request.cache_salt` in every block's extra keys.
+
+    Only new blocks are hashed, and `block_size` is public so that a caller appending one
+    token at a time can skip the call unless the token may have filled a block.
+    `request.block_hashes` must describe a prefix of `request.all_token_ids`; the caller
+    extends it with the result (the hasher never mutates the request).
+    """
+
+    __slots__ = ("block_size", "hash_fn")
+
+    def __init__(self, hash_fn: HashFn, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.hash_fn = hash_fn
+        self.block_size = block_size
+
+    def __call__(self, request: CacheRequest) -> list[BlockHash]:
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        num_hashed = len(hashes)
+        num_full = len(tokens) // bs
+        if num_full <= num_hashed:
+            return []
+        salt = request.cache_salt
+        return hash_block_chain(
+            self.hash_fn,
+            tokens[num_hashed * bs : num_full * bs],
+            bs,
+            () if salt is None else (salt,),
+            hashes[-1] if hashes else None,
+        )

@@ -1,9 +1,9 @@
 """Per-request block tables on top of the block pool, with prefix caching.
 
-The manager owns the mapping request -> list of blocks and keeps, per request, the chained
-hashes of its full blocks. Hashes are extended incrementally (only blocks that became full
-since the last call are hashed), so per-step work is proportional to new tokens, not to the
-prompt length.
+The manager owns the mapping request -> list of blocks. The chained hashes of a request's
+full blocks live on the request itself (`request.block_hashes`), extended by the caller with
+what `block_hasher` returns as tokens arrive: the record that owns the tokens owns their
+hashes, so there is no per-request cache here to invalidate, key by id or leak.
 
 Cache salt: a request's `cache_salt` (when not None) is placed in the extra keys of *every*
 block, not only the first. Chaining alone would already propagate it, but per-block salting
@@ -12,29 +12,38 @@ keeps each hash self-contained, so tenants with different salts never share a bl
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from pagemill.blockpool.block_pool import BlockPool, KVCacheBlock
-from pagemill.blockpool.hashing import BlockHash, get_hash_fn, hash_block_tokens
+from pagemill.blockpool.hashing import BlockHash, BlockHasher, get_hash_fn
 
 
 @runtime_checkable
 class CacheRequest(Protocol):
-    """What the manager reads from a request; `all_token_ids` only ever grows."""
+    """What the manager reads from a request.
+
+    `all_token_ids` only ever grows while the manager knows the request, and
+    `block_hashes` holds the hashes of a prefix of its full blocks (see
+    `KVCacheManager.block_hasher`).
+    """
 
     request_id: str
     all_token_ids: Sequence[int]
-    num_prompt_tokens: int
     num_computed_tokens: int
     cache_salt: str | None
+    block_hashes: list[BlockHash]
 
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since the last reset, in tokens (requests counted once per lookup)."""
+    """Prefix-cache use in tokens, counted once per successful admission.
+
+    Counting at admission rather than at lookup matters because a head of the waiting queue
+    that does not fit is looked up again every step: counting lookups would inflate both
+    figures by however long it waited.
+    """
 
     requests: int = 0
     queries: int = 0
@@ -43,24 +52,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-class _RequestHashes:
-    """Block hashes of one request, tied to the request object they were computed from.
-
-    The owner check protects against a request id being reused by a different request whose
-    stale hashes would otherwise be served (silent KV corruption).
-    """
-
-    __slots__ = ("hashes", "owner", "salt")
-
-    def __init__(self, owner: object, salt: str | None) -> None:
-        self.owner = owner
-        self.salt = salt
-        self.hashes: list[BlockHash] = []
-
-    def get_owner(self) -> object:
-        return self.owner() if isinstance(self.owner, weakref.ref) else self.owner
 
 
 class KVCacheManager:
@@ -82,81 +73,40 @@ class KVCacheManager:
         self.num_blocks = self.block_pool.num_blocks
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self._hash_fn = get_hash_fn(hash_algo)
+        # Resolved even with caching off, so a bad algorithm name fails at start-up either way.
+        hash_fn = get_hash_fn(hash_algo)
+        # Handed to the requests (the scheduler attaches it): `request.block_hashes.extend(
+        # block_hasher(request))` after tokens are appended. None: nothing to hash.
+        self.block_hasher: BlockHasher | None = (
+            BlockHasher(hash_fn, block_size) if enable_caching else None
+        )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each table already registered in the hash index.
         self._num_cached_blocks: dict[str, int] = {}
-        self._req_hashes: dict[str, _RequestHashes] = {}
         self._stats = PrefixCacheStats()
-
-    # ------------------------------------------------------------------ hashing
-
-    def _hash_entry(self, request: CacheRequest) -> _RequestHashes:
-        rid = request.request_id
-        entry = self._req_hashes.get(rid)
-        salt = request.cache_salt
-        if entry is not None and entry.get_owner() is request and entry.salt == salt:
-            return entry
-        try:
-            owner: object = weakref.ref(request, self._forget_hashes_cb(rid))
-        except TypeError:  # objects without weakref support are held strongly until free()
-            owner = request
-        entry = _RequestHashes(owner, salt)
-        self._req_hashes[rid] = entry
-        return entry
-
-    def _forget_hashes_cb(self, rid: str):
-        # Drop the hash list of a request that was garbage collected without free()
-        # (e.g. aborted while waiting), unless a newer request took over the id.
-        manager_ref = weakref.ref(self)
-
-        def callback(dead: weakref.ref) -> None:
-            manager = manager_ref()
-            if manager is None:
-                return
-            entry = manager._req_hashes.get(rid)
-            if entry is not None and entry.owner is dead:
-                del manager._req_hashes[rid]
-
-        return callback
-
-    def get_block_hashes(self, request: CacheRequest) -> list[BlockHash]:
-        """Hashes of all full blocks of the request's known tokens, extended incrementally."""
-        entry = self._hash_entry(request)
-        hashes = entry.hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
-        num_full = len(tokens) // bs
-        if len(hashes) < num_full:
-            extra: tuple = () if entry.salt is None else (entry.salt,)
-            parent = hashes[-1] if hashes else None
-            fn = self._hash_fn
-            for i in range(len(hashes), num_full):
-                parent = hash_block_tokens(fn, parent, tokens[i * bs : (i + 1) * bs], extra)
-                hashes.append(parent)
-        return hashes
+        # Totals at the previous make_prefix_cache_stats(), which reports the difference.
+        self._reported = PrefixCacheStats()
 
     # ------------------------------------------------------------------ lookup
 
     def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
-        """Longest full-block prefix hit; the last known token is always left to recompute."""
+        """Longest full-block prefix hit; the last known token is always left to recompute.
+
+        Only `request.block_hashes` is consulted: blocks the caller has not hashed yet
+        cannot hit. Nothing is counted here (see PrefixCacheStats).
+        """
         if not self.enable_caching:
             return [], 0
         num_tokens = len(request.all_token_ids)
         max_hit_blocks = max(0, (num_tokens - 1) // self.block_size)
-        hashes = self.get_block_hashes(request)
         pool = self.block_pool
         hits: list[KVCacheBlock] = []
-        for h in hashes[:max_hit_blocks]:
+        for h in request.block_hashes[:max_hit_blocks]:
             block = pool.get_cached_block(h)
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self._stats.requests += 1
-        self._stats.queries += num_tokens
-        self._stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
 
     # ------------------------------------------------------------------ allocation
 
@@ -171,6 +121,8 @@ class KVCacheManager:
 
         Returns the newly allocated blocks (not the hit blocks). Raises ValueError for inputs
         that can never succeed (negative counts, more blocks than the whole pool, stale hits).
+        A successful call for a request with no table and nothing computed is an admission
+        (first or after preemption) and is what the prefix-cache stats count.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
@@ -212,6 +164,11 @@ class KVCacheManager:
         if table is None:
             table = self.req_to_blocks[rid] = []
             self._num_cached_blocks[rid] = 0
+            if num_computed == 0 and self.enable_caching:
+                stats = self._stats
+                stats.requests += 1
+                stats.queries += len(request.all_token_ids)
+                stats.hits += num_new_computed_tokens
         if hit_blocks:
             pool.touch(hit_blocks)
             table.extend(hit_blocks)
@@ -243,7 +200,7 @@ class KVCacheManager:
                 f"request {request.request_id!r} has {num_existing} blocks but "
                 f"{num_computed} computed tokens"
             )
-        hashes = self.get_block_hashes(request)
+        hashes = request.block_hashes
         if num_existing + len(hit_blocks) > len(hashes):
             raise ValueError("more prefix-hit blocks than the request has full blocks")
         for i, block in enumerate(hit_blocks):
@@ -256,13 +213,17 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, request: CacheRequest, table: list[KVCacheBlock], total_tokens: int
     ) -> None:
+        """Register the table's blocks that are full of computed tokens and already hashed.
+
+        A full block whose hash the caller has not added yet is picked up by a later call.
+        """
         rid = request.request_id
         start = self._num_cached_blocks[rid]
+        hashes = request.block_hashes
         num_full = min(total_tokens, len(request.all_token_ids)) // self.block_size
-        num_full = min(num_full, len(table))
+        num_full = min(num_full, len(table), len(hashes))
         if num_full <= start:
             return
-        hashes = self.get_block_hashes(request)
         self.block_pool.cache_full_blocks(table[start:num_full], hashes[start:num_full])
         self._num_cached_blocks[rid] = num_full
 
@@ -275,7 +236,6 @@ class KVCacheManager:
                 f"request {request_id!r} holds no blocks (never allocated or already freed)"
             ) from None
         del self._num_cached_blocks[request_id]
-        self._req_hashes.pop(request_id, None)
         self.block_pool.free_blocks(reversed(table))
 
     # ------------------------------------------------------------------ queries
@@ -310,10 +270,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Totals since the manager was created (a copy: the caller may keep it)."""
+        return replace(self._stats)
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Stats since the previous call; the counters restart from zero."""
-        stats, self._stats = self._stats, PrefixCacheStats()
-        return stats
+        """Stats since the previous call (for per-interval logging); totals are unaffected."""
+        now, before = self._stats, self._reported
+        self._reported = replace(now)
+        return PrefixCacheStats(
+            now.requests - before.requests, now.queries - before.queries, now.hits - before.hits
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

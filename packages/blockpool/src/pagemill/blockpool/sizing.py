@@ -16,7 +16,8 @@ DTYPE_BYTES: dict[str, int] = {
     "uint8": 1,
 }
 
-_ALIASES: dict[str, str] = {
+# Other spellings users and checkpoints write (vLLM's --dtype values, torch's short names).
+DTYPE_ALIASES: dict[str, str] = {
     "fp32": "float32",
     "float": "float32",
     "fp16": "float16",
@@ -31,7 +32,7 @@ _ALIASES: dict[str, str] = {
 def canonical_dtype(dtype: str) -> str:
     """Normalize 'torch.bfloat16', 'bf16', ... to a key of DTYPE_BYTES."""
     name = str(dtype).removeprefix("torch.").lower()
-    name = _ALIASES.get(name, name)
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_BYTES:
         raise ValueError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
     return name

@@ -2,14 +2,17 @@
 
 Every op is one public name that dispatches on the tensors' device (CUDA → Triton kernel,
 anything else → torch path), plus ``<op>_torch`` and ``<op>_triton`` with the same
-signature for callers and tests that want one explicitly.
+signature for callers and tests that want one explicitly. Attention also has a per-step
+plan (`plan_attention`) that every layer's call reuses.
 """
 
 from pagemill.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_and_mul_triton
 from pagemill.kernels.attention import (
+    AttentionPlan,
     paged_attention,
     paged_attention_torch,
     paged_attention_triton,
+    plan_attention,
 )
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
 from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
@@ -23,6 +26,7 @@ from pagemill.kernels.rotary import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlan",
     "__version__",
     "apply_rotary",
     "apply_rotary_torch",
@@ -30,6 +34,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",
+    "plan_attention",
     "rms_norm",
     "rms_norm_torch",
     "rms_norm_triton",

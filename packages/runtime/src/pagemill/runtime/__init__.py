@@ -2,15 +2,40 @@
 
 Builds a working inference engine out of pagemill.blockpool (KV memory), pagemill.scheduler
 (continuous batching) and pagemill.kernels (paged attention and fused ops).
+
+The public names load lazily (PEP 562): the CLI and the capacity planner import
+`pagemill.runtime.config` and `pagemill.runtime.model_config`, which are torch-free, and
+importing a submodule runs this file first, so it must not import torch itself.
 """
 
-from .config import DEFAULT_MODEL, EngineConfig, ModelConfig
-from .engine import EngineStats, LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import DEFAULT_MODEL, EngineConfig
+    from .engine import EngineStats, LLMEngine
+    from .llm import LLM
+    from .model_config import ModelConfig
+    from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from .sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "DEFAULT_MODEL": ".config",
+    "EngineConfig": ".config",
+    "ModelConfig": ".model_config",
+    "EngineStats": ".engine",
+    "LLMEngine": ".engine",
+    "LLM": ".llm",
+    "CompletionOutput": ".outputs",
+    "RequestMetrics": ".outputs",
+    "RequestOutput": ".outputs",
+    "SamplingParams": ".sampling_params",
+    "RequestOutputKind": ".sampling_params",
+}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -22,6 +47,20 @@ __all__ = [
     "ModelConfig",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

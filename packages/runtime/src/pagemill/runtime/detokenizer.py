@@ -3,14 +3,19 @@
 Decoding each new token alone is wrong twice over: byte-level and byte-fallback vocabularies
 split one character over several tokens (each alone decodes to U+FFFD), and some decoders
 change a token's text depending on its neighbours (SentencePiece's leading-space rules).
-Re-decoding the whole output every step is right but quadratic. The middle way: keep two
-offsets into the token list. Text is decoded from a short window starting at
-`prefix_offset`; the part of it that lies beyond `read_offset` is the new text, emitted only
-once it no longer ends in an incomplete character. Then the window slides forward.
+Re-decoding the whole output every step is right but quadratic. The middle way keeps a short
+window: text is decoded from `prefix_offset`, the part beyond `read_offset` is new, and it is
+emitted only once it no longer ends in an incomplete character.
+
+Fast tokenizers do exactly this in Rust (`tokenizers.decoders.DecodeStream`, ~1 µs a token
+against ~7 µs for two Python-level decodes), so they use it; any other tokenizer (slow ones,
+test doubles, fast ones whose `decode` post-processes spaces) runs the same algorithm here.
+Neither keeps the completion's token ids: those live once, on the request.
 
 Stop strings are searched only in the region the new text can touch. Text that could still
 turn out to be the start of a stop string is kept back from `get_delta`, so a streaming
-client never sees characters that are later cut.
+client never sees characters that are later cut — this is the only hold-back on the path
+to a client.
 """
 
 from __future__ import annotations
@@ -27,39 +32,20 @@ PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text, and watches it for stop strings."""
+class _WindowDecoder:
+    """The offset-window algorithm over `tokenizer.decode`, for any tokenizer."""
 
-    def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
-    ) -> None:
+    def __init__(self, tokenizer: Any, context: list[int], skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
-        self.params = params
-        self.stop: list[str] = params.stop_strings
-        self.max_stop_len = params.max_stop_len
-        self.skip_special_tokens = params.skip_special_tokens
-        # The window's context comes from the prompt tail; only these few ids are kept.
-        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._tokens: list[int] = context
+        self.skip_special_tokens = skip_special_tokens
+        self._tokens = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self.output_token_ids: list[int] = []
-        self.output_text = ""
-        self.stop_reason: str | None = None
-        self._delta_pos = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
-        """Adds tokens; returns the stop string they completed, if any.
-
-        On a stop, `output_text` is cut at the stop string (or just after it with
-        include_stop_str_in_output) and later calls change nothing.
-        """
-        if self.stop_reason is not None or not new_token_ids:
-            return None
-        self.output_token_ids.extend(new_token_ids)
+    def step(self, new_token_ids: Sequence[int]) -> str | None:
         self._tokens.extend(new_token_ids)
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._tokens[self._prefix_offset :])
@@ -67,18 +53,81 @@ class IncrementalDetokenizer:
             # Nothing new (a skipped special token) or an incomplete character: wait for
             # more tokens; the window keeps growing until the text is whole again.
             return None
-        new_text = full_text[len(prefix_text) :]
-        old_len = len(self.output_text)
-        self.output_text += new_text
-        # Slide the window: the next decode starts where this one's new part began.
+        # Slide the window: the next decode starts where this one's new part began, and
+        # ids the window can no longer reach are dropped, so memory stays bounded.
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
-        # Drop ids the window can no longer reach, so memory stays bounded.
-        if self._prefix_offset > 0:
-            del self._tokens[: self._prefix_offset]
-            self._read_offset -= self._prefix_offset
-            self._prefix_offset = 0
-        if self.stop and len(self.output_token_ids) >= self.params.min_tokens:
+        del self._tokens[: self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+        return full_text[len(prefix_text) :]
+
+
+class _StreamDecoder:
+    """The same algorithm in Rust, through the fast tokenizer's backend."""
+
+    def __init__(self, backend: Any, context: list[int], skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+
+    def step(self, new_token_ids: Sequence[int]) -> str | None:
+        ids = new_token_ids[0] if len(new_token_ids) == 1 else list(new_token_ids)
+        return self._stream.step(self._backend, ids) or None
+
+
+def _rust_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a fast HF tokenizer whose decode adds nothing to it."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 - needs tokenizers >= 0.21
+    except ImportError:
+        return None
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+class IncrementalDetokenizer:
+    """Turns the tokens of one completion, as they arrive, into text; watches for stop strings."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> None:
+        self.params = params
+        self.stop: list[str] = params.stop_strings
+        self.max_stop_len = params.max_stop_len
+        context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        backend = _rust_backend(tokenizer)
+        if backend is not None:
+            self._decoder: _WindowDecoder | _StreamDecoder = _StreamDecoder(
+                backend, context, params.skip_special_tokens
+            )
+        else:
+            self._decoder = _WindowDecoder(tokenizer, context, params.skip_special_tokens)
+        self.num_output_tokens = 0
+        self.output_text = ""
+        self.stop_reason: str | None = None
+        self._delta_pos = 0
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Adds the completion's next tokens; returns the stop string they completed, if any.
+
+        On a stop, `output_text` is cut at the stop string (or just after it with
+        include_stop_str_in_output) and later calls change nothing.
+        """
+        if self.stop_reason is not None or not new_token_ids:
+            return None
+        self.num_output_tokens += len(new_token_ids)
+        new_text = self._decoder.step(new_token_ids)
+        if not new_text:
+            return None
+        old_len = len(self.output_text)
+        self.output_text += new_text
+        # min_tokens: a stop string may only end the completion once that many tokens exist.
+        if self.stop and self.num_output_tokens >= self.params.min_tokens:
             return self._check_stop(old_len)
         return None
 
@@ -122,3 +171,8 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._delta_pos : end]
         self._delta_pos = end
         return delta
+
+    @property
+    def sent_text(self) -> str:
+        """Everything `get_delta` has released so far (the cumulative view of a stream)."""
+        return self.output_text[: self._delta_pos]

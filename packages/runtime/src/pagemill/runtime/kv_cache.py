@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
-from pagemill.blockpool import KVStorage, kv_bytes_per_token, num_blocks_for_budget
+from pagemill.blockpool import CacheConfig, KVStorage, kv_bytes_per_token, num_blocks_for_budget
 
-from .config import ModelConfig
+from .model_config import ModelConfig, canonical_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,10 @@ logger = logging.getLogger(__name__)
 # everything else on the machine. Capped further by what the configured batch can use.
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
-_KV_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
-    return _KV_DTYPE_NAMES[dtype]
+    """The storage's name for a torch dtype ("torch.bfloat16" -> "bfloat16")."""
+    return canonical_dtype(str(dtype))
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -73,6 +73,39 @@ def cuda_num_blocks(
             "raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype))
+
+
+def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: CacheConfig,
+                 max_num_seqs: int, max_model_len: int) -> int:
+    """Blocks for the pool: profiled on CUDA, a byte budget on CPU; too small fails here.
+
+    A pool that cannot hold one max_model_len request would leave such a request waiting
+    forever, so it is refused at start-up with the numbers that would fix it.
+    """
+    block_size = cache.block_size
+    per_token = bytes_per_token(config, dtype)
+    if runner.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
+        peak = runner.profile_peak_memory()
+        num_blocks = cuda_num_blocks(config, dtype, block_size, runner.device, peak,
+                                     cache.gpu_memory_utilization)
+        logger.info("profiled activation peak: %.1f MiB", peak / 2**20)
+    else:
+        num_blocks = cpu_num_blocks(config, dtype, block_size, cache.kv_cache_memory_bytes,
+                                    max_num_seqs, max_model_len)
+    needed = -(-max_model_len // block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
+            f"{per_token} bytes/token) but one max_model_len={max_model_len} request needs "
+            f"{needed} blocks; raise kv_cache_memory_bytes / gpu_memory_utilization or lower "
+            "max_model_len"
+        )
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
+        num_blocks, block_size, num_blocks * block_size,
+        num_blocks * block_size * per_token / 2**20, kv_dtype_name(dtype),
+    )
+    return num_blocks
 
 
 class KVCache:

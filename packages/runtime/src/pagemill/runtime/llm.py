@@ -6,6 +6,7 @@ batching does the rest. Names and behaviour follow vLLM's `LLM` so existing scri
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]
@@ -27,7 +28,7 @@ class LLM:
     """`LLM(model=...).generate(prompts, SamplingParams(...))`; engine options as keywords."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -87,6 +88,12 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        # Offline callers want each request once, whole: no per-step output objects at all.
+        final: dict[int, SamplingParams] = {}
+        for p in params_list:
+            if id(p) not in final:
+                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        params_list = [final[id(p)] for p in params_list]
         engine = self.llm_engine
         order: dict[str, int] = {}
         try:

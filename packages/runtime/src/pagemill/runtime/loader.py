@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .default_model import ensure_default_model, is_default_model_name
+from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .models.llama import LlamaForCausalLM
 from .weights import iterate_weights, safetensors_files
 
 logger = logging.getLogger(__name__)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 _ARCHITECTURES = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
 
@@ -81,3 +84,18 @@ def load_model(
         time.monotonic() - start,
     )
     return model
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The folder's tokenizer, or None: a model without one can still serve token ids."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer; only token-id prompts will work", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # no tokenizer files, or ones transformers cannot read
+        logger.warning("no usable tokenizer in %s (%s); only token-id prompts will work", path, e)
+        return None

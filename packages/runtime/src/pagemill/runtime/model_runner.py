@@ -1,45 +1,54 @@
 """Turns a `SchedulerOutput` into one forward pass over the flattened batch.
 
 Every scheduled token of every request is laid end to end (no padding): prefill chunks and
-single decode tokens mix freely. Per-request metadata is built from small arrays and the
-per-token arrays (positions, slot mapping) are derived from them with vectorised torch
-ops, so the host cost of a step grows with the number of requests, not of tokens.
+single decode tokens mix freely. What a step needs beyond the token ids is built once, here,
+and read by everything downstream: the per-token positions and KV slots, the attention plan
+(shared by all layers) and the sampling metadata (shared with the sampler). Per-request
+state persists across steps in the `InputBatch`, so a step only writes what changed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagemill.scheduler import ScheduledRequest, SchedulerOutput
+from pagemill.kernels import plan_attention
+from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 from .attention_metadata import AttentionMetadata
-from .config import ModelConfig
+from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import KVCache
+from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
+from .sampling_metadata import SamplingMetadata
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelRunnerOutput:
-    """Logits of the rows that sample this step, in the order of `req_ids`."""
+    """Logits of the rows that sample this step, in the order of `req_ids`, and their metadata."""
 
     req_ids: list[str]
     logits: torch.Tensor  # [len(req_ids), vocab], model dtype
+    sampling_metadata: SamplingMetadata | None
 
 
-@dataclass
-class PreparedBatch:
+@dataclass(slots=True)
+class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_indices: torch.Tensor
+    attn: AttentionMetadata
+    # Hidden rows that produce logits; None when every token of the step samples (decode).
+    sample_indices: torch.Tensor | None
     sample_req_ids: list[str]
+    sampling_metadata: SamplingMetadata | None
 
 
 class ModelRunner:
@@ -64,13 +73,18 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.kv_cache: KVCache | None = None
-        # Host-side staging for the block table: filled row by row, copied once per step.
-        self._block_table_np = np.zeros((max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, device)
+        # Live requests (running or preempted) until they finish; rows come and go.
+        self.requests: dict[str, CachedRequestState] = {}
+        self._arange = np.arange(max(max_num_seqs, max_num_batched_tokens), dtype=np.int64)
         self._pin = device.type == "cuda"
         # On CPU the tensors are used where they are built; tests may force packing on.
         self.pack_inputs = device.type != "cpu"
         self._staging: torch.Tensor | None = None
         self._copy_done: torch.cuda.Event | None = None
+        # Seconds spent in the model's forward (and LM head) by the last step; the rest of a
+        # step is host overhead (scheduling, planning, sampling, detokenizing).
+        self.last_forward_s = 0.0
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -90,10 +104,13 @@ class ModelRunner:
         num_seqs = max(math.ceil(tokens / self.max_model_len), min(self.max_num_seqs, tokens))
         per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
         sched, next_block = [], 0
+        greedy = SamplingParams(temperature=0.0)
         for i, n in enumerate(per_seq):
             nb = math.ceil(n / self.block_size)
             blocks = list(range(next_block, next_block + nb))
-            sched.append(ScheduledRequest(f"profile-{i}", [0] * n, 0, n, blocks, True))
+            record = Request(f"profile-{i}", [0] * n, sampling_params=greedy)
+            sched.append(ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, nb, True,
+                                          True, record))
             next_block += nb
         return SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens), next_block
 
@@ -101,8 +118,9 @@ class ModelRunner:
     def profile_peak_memory(self) -> int:
         """Extra device memory (bytes) that the heaviest possible step needs (CUDA only).
 
-        Runs `dummy_batch()` against a throwaway KV cache just large enough for it and
-        reads the allocator's peak above what was allocated before (the weights).
+        Runs `dummy_batch()` against a throwaway KV cache just large enough for it (and a
+        throwaway persistent batch) and reads the allocator's peak above what was
+        allocated before (the weights).
         """
         batch, blocks_needed = self.dummy_batch()
         torch.cuda.synchronize(self.device)
@@ -112,85 +130,139 @@ class ModelRunner:
         scratch = KVCache(self.model_config, blocks_needed, self.block_size, self.dtype, self.device)
         # Only a torch-allocated scratch cache shows up in torch's counters.
         scratch_bytes = scratch.nbytes if scratch.storage is None else 0
+        saved = self.kv_cache, self.input_batch, self.requests
+        self.kv_cache = scratch
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.requests = {}
         self.model.bind_kv_caches(scratch.caches)
-        self.execute_model(batch)
-        torch.cuda.synchronize(self.device)
+        try:
+            self.execute_model(batch)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.kv_cache, self.input_batch, self.requests = saved
+            self.model.unbind_kv_caches()
         peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
-        self.model.unbind_kv_caches()
         del scratch
         torch.cuda.empty_cache()
         return max(0, peak)
 
-    # ---- batch ---------------------------------------------------------------------------
+    # ---- the step's inputs -----------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in out.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove(rid)
+        for rid in out.preempted_req_ids:
+            batch.remove(rid)  # its cached state stays: it comes back with its generator
+        for s in out.scheduled:
+            rid = s.request_id
+            if s.is_new:
+                state = self.requests.get(rid)
+                if state is None or state.request is not s.request:
+                    state = self.requests[rid] = CachedRequestState.create(s.request, self.device)
+                batch.remove(rid)
+                batch.add(state, s.block_ids)
+            elif s.num_new_blocks:
+                try:
+                    row = batch.row_of[rid]
+                except KeyError:
+                    raise ValueError(f"request {rid!r} is scheduled as running but was never "
+                                     "scheduled as new") from None
+                batch.append_blocks(row, s.block_ids[len(s.block_ids) - s.num_new_blocks :])
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs | None:
+        self._update_states(out)
         scheduled = out.scheduled
-        num_seqs = len(scheduled)
-        if num_seqs > self.max_num_seqs:
-            raise ValueError(f"{num_seqs} scheduled requests exceed max_num_seqs={self.max_num_seqs}")
-        flat_ids: list[int] = []
-        num_tokens = np.empty(num_seqs, dtype=np.int64)
-        start_pos = np.empty(num_seqs, dtype=np.int64)
-        table = self._block_table_np
-        width = 1
-        sample_rows: list[int] = []
-        sample_req_ids: list[str] = []
+        n = len(scheduled)
+        if n == 0:
+            return None
+        if n > self.max_num_seqs:
+            raise ValueError(f"{n} scheduled requests exceed max_num_seqs={self.max_num_seqs}")
+        batch = self.input_batch
+        row_of = batch.row_of
+        rows = np.empty(n, dtype=np.int64)
+        q_lens = np.empty(n, dtype=np.int64)
+        starts = np.empty(n, dtype=np.int64)
+        ids: list[int] = []
+        sample_pos: list[int] = []
         for i, s in enumerate(scheduled):
-            flat_ids.extend(s.token_ids)
-            num_tokens[i] = s.num_tokens
-            start_pos[i] = s.start_pos
-            nb = len(s.block_ids)
-            if nb > self.max_blocks_per_seq:
-                raise ValueError(f"request {s.request_id} has {nb} blocks, more than max_model_len allows")
-            table[i, :nb] = s.block_ids
-            width = max(width, nb)
+            try:
+                rows[i] = row_of[s.request_id]
+            except KeyError:
+                raise ValueError(f"request {s.request_id!r} is scheduled as running but was "
+                                 "never scheduled as new") from None
+            q_lens[i] = s.num_tokens
+            starts[i] = s.start_pos
+            ids += s.token_ids
             if s.sample:
-                sample_rows.append(i)
-                sample_req_ids.append(s.request_id)
-        total = len(flat_ids)
-        if total != int(num_tokens.sum()):
+                sample_pos.append(i)
+        total = len(ids)
+        if total != int(q_lens.sum()):
             raise ValueError("ScheduledRequest.token_ids lengths disagree with num_tokens")
+        bs = self.block_size
+        seq_lens = starts + q_lens
+        # Each request's own table must reach its last token (not just the widest table).
+        short = np.flatnonzero(seq_lens > batch.num_blocks[rows].astype(np.int64) * bs)
+        if short.size:
+            s = scheduled[int(short[0])]
+            raise ValueError(
+                f"request {s.request_id!r}: tokens up to position {s.start_pos + s.num_tokens} "
+                f"lie beyond its block table of {len(s.block_ids)} blocks"
+            )
+        in_order = bool(np.array_equal(rows, self._arange[:n]))
+        if total == n:  # decode only: one token per request at its own position
+            positions, token_rows = starts, rows
+        else:
+            first = np.cumsum(q_lens) - q_lens
+            positions = self._arange[:total] + np.repeat(starts - first, q_lens)
+            token_rows = np.repeat(rows, q_lens)
+        table = batch.block_table
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(batch.num_blocks[rows].max())
+        block_tables = np.ascontiguousarray(table[:n, :width] if in_order else table[rows, :width])
+        qsl = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
 
-        num_tokens_t = torch.from_numpy(num_tokens)
-        start_t = torch.from_numpy(start_pos)
-        cu = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(num_tokens_t, 0, out=cu[1:])
-        seq_lens = start_t + num_tokens_t
-        # Token k of request s sits at position start_pos[s] + (k - cu[s]).
-        req_of_token = torch.repeat_interleave(torch.arange(num_seqs), num_tokens_t, output_size=total)
-        positions = torch.arange(total, dtype=torch.int64) + (start_t - cu[:-1]).repeat_interleave(
-            num_tokens_t, output_size=total
-        )
-        block_tables = torch.from_numpy(table[:num_seqs, :width].copy())
-        block_idx = torch.div(positions, self.block_size, rounding_mode="floor")
-        if total and int(block_idx.max()) >= width:
-            raise ValueError("a scheduled token lies beyond its request's block table")
-        slot_mapping = block_tables[req_of_token, block_idx].to(torch.int64) * self.block_size + (
-            positions % self.block_size
-        )
-        sample_indices = cu[1:][torch.tensor(sample_rows, dtype=torch.int64)] - 1
+        if len(sample_pos) == total:  # every token samples: all hidden rows, in order
+            sample_indices = None
+        else:
+            sample_indices = torch.from_numpy(qsl[1:][sample_pos].astype(np.int64) - 1)
+        if sample_pos and in_order and len(sample_pos) == n == batch.num_reqs:
+            metadata = batch.sampling_metadata()
+        elif sample_pos:
+            metadata = batch.sampling_metadata(rows[sample_pos])
+        else:
+            metadata = None
 
-        input_ids = torch.tensor(flat_ids, dtype=torch.int64)
-        (input_ids, positions, slot_mapping, sample_indices, cu, seq_lens, block_tables) = self._to_device(
-            [input_ids, positions, slot_mapping, sample_indices, cu, seq_lens, block_tables]
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        tensors = [input_ids, torch.from_numpy(positions), torch.from_numpy(slots),
+                   torch.from_numpy(qsl), torch.from_numpy(seq_lens.astype(np.int32)),
+                   torch.from_numpy(block_tables)]
+        if sample_indices is not None:
+            tensors.append(sample_indices)
+        moved = self._to_device(tensors)
+        input_ids, positions_t, slots_t, qsl_t, seq_lens_t, tables_t = moved[:6]
+        if sample_indices is not None:
+            sample_indices = moved[6]
+        assert self.kv_cache is not None, "init_kv_cache first"
+        plan = plan_attention(
+            qsl_t.to(torch.int32), seq_lens_t.to(torch.int32), tables_t.to(torch.int32),
+            k_cache_shape=tuple(self.kv_cache.caches[0][0].shape),
+            num_heads=self.model_config.num_attention_heads, dtype=self.dtype,
+            query_lens=q_lens, context_lens=seq_lens,
         )
-        meta = AttentionMetadata(
-            query_start_loc=cu.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            block_tables=block_tables.to(torch.int32),
-            slot_mapping=slot_mapping,
-            num_tokens=total,
-            max_query_len=int(num_tokens.max()) if num_seqs else 0,
-            max_seq_len=int((start_pos + num_tokens).max()) if num_seqs else 0,
-        )
-        return PreparedBatch(input_ids, positions, meta, sample_indices, sample_req_ids)
+        attn = AttentionMetadata(slot_mapping=slots_t.to(torch.int64), plan=plan)
+        req_ids = [scheduled[i].request_id for i in sample_pos]
+        return StepInputs(input_ids.to(torch.int64), positions_t.to(torch.int64), attn,
+                          sample_indices, req_ids, metadata)
 
     def _to_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the step's index tensors to the device in one copy.
 
         Many tiny host-to-device copies cost more than the data: everything is packed into
         one reused pinned int32 buffer (every index here fits in int32), copied once, and
-        split back into views on the device.
+        split back into views on the device. On CPU the tensors are used where they are.
         """
         if not self.pack_inputs:
             return pieces
@@ -199,8 +271,8 @@ class ModelRunner:
         if self._copy_done is not None:
             self._copy_done.synchronize()  # the previous step's copy may still read the buffer
         if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 2 * (self._staging.numel() if self._staging is not None else 0)),
-                                        dtype=torch.int32, pin_memory=self._pin)
+            grown = 2 * (self._staging.numel() if self._staging is not None else 0)
+            self._staging = torch.empty(max(n, grown), dtype=torch.int32, pin_memory=self._pin)
         buf = self._staging[:n]
         torch.cat([p.reshape(-1).to(torch.int32) for p in pieces], out=buf)
         moved = buf.to(self.device, non_blocking=True)
@@ -209,15 +281,25 @@ class ModelRunner:
             self._copy_done.record()
         return [t.view(p.shape) for t, p in zip(moved.split(sizes), pieces)]
 
+    # ---- the forward -----------------------------------------------------------------------
+
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step's tokens; logits only at the last token of each sampling request."""
-        if not out.scheduled:
-            return ModelRunnerOutput([], torch.empty(0, self.model_config.vocab_size, dtype=self.dtype, device=self.device))
-        batch = self.prepare(out)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        if not batch.sample_req_ids:
-            logits = hidden.new_empty(0, self.model_config.vocab_size)
+        step = self.prepare(out)
+        vocab = self.model_config.vocab_size
+        if step is None:
+            self.last_forward_s = 0.0
+            return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
+                                     None)
+        start = time.perf_counter()
+        hidden = self.model(step.input_ids, step.positions, step.attn)
+        if not step.sample_req_ids:
+            logits = hidden.new_empty(0, vocab)
         else:
-            logits = self.model.compute_logits(hidden.index_select(0, batch.sample_indices))
-        return ModelRunnerOutput(batch.sample_req_ids, logits)
+            rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+            logits = self.model.compute_logits(rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)

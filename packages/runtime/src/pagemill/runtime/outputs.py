@@ -1,7 +1,9 @@
-"""What the engine hands back for a request: cumulative text, tokens, logprobs and timings.
+"""What the engine hands back for a request: text, tokens, logprobs and timings.
 
-Outputs are cumulative (the whole completion so far, not a delta) like vLLM's offline API;
-streaming callers take deltas themselves (the engine's detokenizer offers `get_delta`).
+An output's shape follows the request's `SamplingParams.output_kind`: DELTA (the default)
+carries only what is new since the previous output of that completion, so a stream costs
+O(new tokens) per step whatever the length of the generation; FINAL_ONLY and CUMULATIVE
+carry the whole completion (built once at the end, or every step).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One of the `n` completions of a request.
+    """One of the `n` completions of a request (the new part of it, for DELTA outputs).
 
     `finish_reason` is "stop" | "length" | "abort" | None (still running); `stop_reason`
     is the stop token id or stop string that ended it (None for EOS or length).
@@ -48,7 +50,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after an engine step."""
+    """The state of one request after an engine step.
+
+    For DELTA outputs of an `n > 1` request, `outputs` holds only the completions that
+    changed in this step (each with its `index`); `finished` is true once all have ended.
+    """
 
     request_id: str
     prompt: str | None

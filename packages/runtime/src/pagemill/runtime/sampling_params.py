@@ -20,6 +20,21 @@ SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries.
+
+    DELTA (the default) is what streaming needs and costs O(new tokens) per step;
+    CUMULATIVE rebuilds the whole completion every step (O(n) per step, O(n^2) over a
+    generation) and exists for callers that want vLLM's old offline shape; FINAL_ONLY
+    builds the cumulative view once, when the request ends (offline `LLM`, non-streaming
+    HTTP responses).
+    """
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 class SamplingType(enum.IntEnum):
     """How a row is sampled: the sampler groups rows by it."""
 
@@ -62,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # OpenAI-style bodies send null for "none"
@@ -131,6 +147,8 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
 
     @property
     def is_greedy(self) -> bool:

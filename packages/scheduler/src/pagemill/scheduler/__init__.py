@@ -1,7 +1,8 @@
 """pagemill.scheduler: the iteration-level, continuous-batching scheduler.
 
-Pure Python on top of pagemill.blockpool's KVCacheManager: chunked prefill, prefix-cache
-reuse, FCFS or priority admission, and preemption by recompute when the KV pool runs dry.
+Pure Python on top of pagemill.blockpool's KVCacheManager: the one request record, chunked
+prefill, prefix-cache reuse, FCFS or priority admission, preemption by recompute when the KV
+pool runs dry, and the token stop rules.
 """
 
 from pagemill.scheduler.config import SchedulerConfig
@@ -9,6 +10,8 @@ from pagemill.scheduler.output import RequestUpdate, ScheduledRequest, Scheduler
 from pagemill.scheduler.request import Request, RequestStatus
 from pagemill.scheduler.scheduler import Scheduler
 from pagemill.scheduler.stats import SchedulerStats
+from pagemill.scheduler.stopping import check_stop
+from pagemill.scheduler.token_ids_view import TokenIdsView
 
 __version__ = "0.1.0"
 
@@ -21,4 +24,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "TokenIdsView",
+    "check_stop",
 ]

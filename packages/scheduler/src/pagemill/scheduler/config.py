@@ -3,7 +3,7 @@ with a message naming it, not as a hang or an assertion many steps later."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLICIES = ("fcfs", "priority")
 
@@ -19,19 +19,31 @@ def _positive_int(name: str, value: object) -> None:
 class SchedulerConfig:
     """Per-step budget and policy of the scheduler.
 
-    `long_prefill_token_threshold` caps the tokens one prefill gets per step (0 = no cap) so a
-    long prompt cannot starve the decodes and the other prompts that share the step.
     Without chunked prefill a prompt is scheduled whole, so the step budget must be able to
-    hold the longest allowed prompt.
+    hold the longest allowed prompt. Prefix caching is the KV cache manager's business
+    (`CacheConfig.enable_prefix_caching`), not the scheduler's. The engine sets
+    `max_model_len` from the model's resolved context length. Each field's docstring is the
+    help text of its command-line flag.
     """
 
     max_num_batched_tokens: int = 2048
+    """Most tokens (prefill plus decode) one engine step may compute."""
+
     max_num_seqs: int = 256
+    """Most requests that may be running (holding KV blocks) at once."""
+
     max_model_len: int = 2048
+    """Longest sequence (prompt plus output) a request may reach."""
+
     long_prefill_token_threshold: int = 0
+    """Most prompt tokens one request may prefill per step (0 = no cap), so a long prompt
+    cannot starve the decodes and the other prompts that share the step."""
+
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
+    """Split long prompts across steps to fit the per-step token budget."""
+
+    policy: str = field(default="fcfs", metadata={"choices": POLICIES})
+    """Admission order: fcfs (arrival order) or priority (lower value first, then arrival)."""
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)

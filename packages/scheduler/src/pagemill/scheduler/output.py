@@ -1,13 +1,19 @@
 """What one schedule() hands the model runner, and what update_from_output hands back.
 
-The runner builds its flattened batch from these objects alone: per request the input ids
-of this step, the position of the first one, and the block table; it never reads scheduler
-internals. Slotted dataclasses keep 256 of them per step cheap to build.
+The runner builds its batch from these objects alone: per request the input ids of this
+step, the position of the first one, the block table and what changed in it, and the
+request record itself for whatever per-request state it mirrors (sampling parameters,
+output tokens); it never reads scheduler internals. Slotted dataclasses keep 256 of them
+per step cheap to build.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagemill.scheduler.request import Request
 
 
 @dataclass(slots=True)
@@ -18,6 +24,12 @@ class ScheduledRequest:
     runner may keep it. `block_ids` is the scheduler's own live block table of the request
     (a reference, not a copy, so a decode step does not copy every table): the runner must
     treat it as read-only and must not keep it across steps expecting it to stay unchanged.
+    `num_new_blocks` says how many entries this step appended (`block_ids[-num_new_blocks:]`),
+    so a runner that mirrors tables appends instead of rewriting the row; when `is_new` it is
+    the whole table. `is_new` marks the first step after an admission or a re-admission after
+    preemption: the table and the computed prefix start over, so a runner that keeps
+    per-request state must (re)build it from `request` rather than patch what it had.
+    `request` is read-only to the runner.
     """
 
     request_id: str
@@ -25,10 +37,10 @@ class ScheduledRequest:
     start_pos: int
     num_tokens: int
     block_ids: list[int]
+    num_new_blocks: int
     sample: bool
-    # Blocks appended to the table by this step (block_ids[-num_new_blocks:]), so a runner
-    # that mirrors tables can append instead of rewriting the row. Not in the contract: extra.
-    num_new_blocks: int = 0
+    is_new: bool
+    request: Request
 
 
 @dataclass(slots=True)

@@ -1,9 +1,10 @@
-"""A generation request as the scheduler sees it: tokens, progress, stop rules, status.
+"""The one record of a generation request: tokens, block hashes, progress, stop rules,
+status, and the sampling parameters the runner needs.
 
-The request is mutated only by the scheduler. `all_token_ids` is the one list the block
-manager hashes and the runner reads input ids from; it grows by one token per decode step,
-so `prompt_token_ids + output_token_ids` is kept in sync by appending to both instead of
-being rebuilt (that would cost O(prompt) per step).
+The engine builds it, the scheduler mutates it, the model runner reads it (through
+`ScheduledRequest.request`). `all_token_ids` is the only token list: the block hasher and
+the runner read it, and `prompt_token_ids` / `output_token_ids` are views over it, so a
+decode step appends one token once and nothing has to be kept in sync.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pagemill.scheduler.token_ids_view import TokenIdsView
+
+if TYPE_CHECKING:
+    from pagemill.blockpool import BlockHash
+    from pagemill.blockpool.hashing import BlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,15 +58,22 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 
 
 class Request:
-    """One sequence to generate; priority: lower value is served sooner."""
+    """One sequence to generate; priority: lower value is served sooner.
+
+    `arrival_time` and `first_scheduled_time` are `time.monotonic()` readings (one clock for
+    every latency figure; wall-clock time can jump). `sampling_params` is carried for the
+    engine and the model runner; the scheduler never reads it.
+    """
 
     __slots__ = (
-        "__weakref__",
         "_seq",
         "all_token_ids",
         "arrival_time",
+        "block_hasher",
+        "block_hashes",
         "cache_salt",
         "eos_token_id",
+        "first_scheduled_time",
         "ignore_eos",
         "max_tokens",
         "min_tokens",
@@ -66,10 +81,9 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
-        "output_token_ids",
         "priority",
-        "prompt_token_ids",
         "request_id",
+        "sampling_params",
         "status",
         "stop_reason",
         "stop_token_ids",
@@ -88,11 +102,12 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        sampling_params: object = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
+        tokens = list(prompt_token_ids)
+        if not tokens:
             raise ValueError(f"request {request_id!r}: the prompt must hold at least one token")
         if max_tokens is not None:
             _check_int("max_tokens", max_tokens, 1)
@@ -106,10 +121,8 @@ class Request:
             raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
 
         self.request_id = request_id
-        self.prompt_token_ids = prompt
-        self.output_token_ids: list[int] = []
-        self.all_token_ids: list[int] = list(prompt)
-        self.num_prompt_tokens = len(prompt)
+        self.all_token_ids: list[int] = tokens
+        self.num_prompt_tokens = len(tokens)
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.eos_token_id = eos_token_id
@@ -117,16 +130,31 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(stop_token_ids)
         self.ignore_eos = ignore_eos
         self.priority = priority
-        self.arrival_time = time.time() if arrival_time is None else float(arrival_time)
+        self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
         self.cache_salt = cache_salt
+        self.sampling_params = sampling_params
 
+        # Hashes of the full blocks of all_token_ids, kept complete by append_output_token
+        # once the scheduler has attached its KV cache manager's hasher.
+        self.block_hashes: list[BlockHash] = []
+        self.block_hasher: BlockHasher | None = None
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         # Arrival order inside one scheduler: the last tie-breaker of every ordering.
         self._seq = -1
+
+    @property
+    def prompt_token_ids(self) -> TokenIdsView:
+        return TokenIdsView(self.all_token_ids, 0, self.num_prompt_tokens)
+
+    @property
+    def output_token_ids(self) -> TokenIdsView:
+        """Live: a view kept by the caller shows the tokens appended later."""
+        return TokenIdsView(self.all_token_ids, self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +162,7 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
@@ -143,12 +171,20 @@ class Request:
         return _FINISH_REASONS.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        """Append a sampled token and hash the block it fills, if it fills one."""
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        hasher = self.block_hasher
+        # One token fills a block exactly when the length becomes a multiple of the block
+        # size; every other token costs this test alone (not even a look at block_hashes).
+        # The hasher hashes every full block still missing, so hashes never fall behind
+        # for longer than one block even if tokens were added some other way.
+        if hasher is not None and not len(tokens) % hasher.block_size:
+            self.block_hashes.extend(hasher(self))
 
     def __repr__(self) -> str:
         return (
             f"Request(id={self.request_id!r}, status={self.status.name}, "
-            f"prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
             f"computed={self.num_computed_tokens}, priority={self.priority})"
         )

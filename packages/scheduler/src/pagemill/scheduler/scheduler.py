@@ -7,12 +7,16 @@ pool runs dry, then admits waiting requests in policy order while the token budg
 runner is assumed to compute what it was given); update_from_output() only appends
 sampled tokens, applies the stop rules and frees finished requests' blocks at once.
 
+Prefix caching is the KV cache manager's: whether it is on (`enable_caching`), the block
+hasher the scheduler attaches to each request, and the hit statistics.
+
 Per step the work is O(scheduled requests + new tokens): no request's prompt or block table
 is copied whole, and the waiting queue is only touched at its head.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -20,6 +24,7 @@ from pagemill.scheduler.config import SchedulerConfig
 from pagemill.scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from pagemill.scheduler.request import Request, RequestStatus
 from pagemill.scheduler.stats import SchedulerStats
+from pagemill.scheduler.stopping import check_stop
 from pagemill.scheduler.waiting_queue import make_waiting_queue, priority_key
 
 if TYPE_CHECKING:
@@ -44,9 +49,7 @@ class Scheduler:
         # A request can never hold more tokens' KV than the whole pool: past that it is
         # capped like at max_model_len (and a prompt past it is ignored).
         self.pool_capacity_tokens = self.num_blocks * self.block_size
-        self._use_prefix_cache = config.enable_prefix_caching and getattr(
-            kv_cache_manager, "enable_caching", True
-        )
+        self._use_prefix_cache: bool = kv_cache_manager.enable_caching
 
         self.requests: dict[str, Request] = {}
         self.waiting = make_waiting_queue(config.policy)
@@ -62,21 +65,31 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self.num_ignored = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     # ------------------------------------------------------------------ requests in / out
 
     def add_request(self, request: Request) -> None:
         """Queue a request; one that can never run is finished as ignored right away and
-        reported by the next update_from_output (and in the next finished_req_ids)."""
+        reported by the next update_from_output (and in the next finished_req_ids).
+
+        A queued request gets the manager's block hasher and the hashes of its prompt's
+        full blocks, so its tokens and their hashes grow together from here on.
+        """
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in the scheduler")
-        if request.status != _WAITING or request.output_token_ids or request.num_computed_tokens:
-            raise ValueError(f"request {rid!r} must be new (status WAITING, nothing computed)")
+        if (
+            request.status != _WAITING
+            or request.num_output_tokens
+            or request.num_computed_tokens
+            or request.block_hashes
+        ):
+            raise ValueError(
+                f"request {rid!r} must be new (status WAITING, no output, nothing computed "
+                "or hashed)"
+            )
         request._seq = self._next_seq
         self._next_seq += 1
 
@@ -91,6 +104,10 @@ class Scheduler:
                 RequestUpdate(rid, [], True, "ignored", reason)
             )
             return
+        hasher = self.kv_cache_manager.block_hasher
+        request.block_hasher = hasher
+        if hasher is not None:
+            request.block_hashes.extend(hasher(request))
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -207,7 +224,7 @@ class Scheduler:
             scheduled[rid] = (
                 req,
                 ScheduledRequest(rid, req.all_token_ids[start:end], start, n, table,
-                                 end == req.num_tokens, len(new_blocks)),
+                                 len(new_blocks), end == req.num_tokens, False, req),
             )
             budget -= n
             i += 1
@@ -237,12 +254,11 @@ class Scheduler:
                     break  # head-of-line: admitting a later request would jump the order
                 waiting.pop()
                 rid = req.request_id
-                if req.status == _WAITING:
+                if req.status == _WAITING:  # first admission (not a return from preemption)
                     req.num_cached_tokens = num_hit
+                    req.first_scheduled_time = time.monotonic()
                 req.status = _RUNNING
                 req.num_computed_tokens = num_hit
-                self.prefix_cache_queries += num_tokens
-                self.prefix_cache_hits += num_hit
                 table = [b.block_id for b in hit_blocks]
                 for b in new_blocks:
                     table.append(b.block_id)
@@ -251,7 +267,7 @@ class Scheduler:
                 scheduled[rid] = (
                     req,
                     ScheduledRequest(rid, req.all_token_ids[num_hit : num_hit + n], num_hit, n,
-                                     table, num_hit + n == num_tokens, len(table)),
+                                     table, len(table), num_hit + n == num_tokens, True, req),
                 )
                 budget -= n
 
@@ -296,7 +312,8 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int]
     ) -> list[RequestUpdate]:
-        """Append each sampled token, apply the stop rules, free finished requests now.
+        """Append each sampled token (hashing any block it fills), apply the stop rules
+        (`check_stop`), free finished requests now.
 
         `sampled` maps request id -> token id for every scheduled request with sample=True
         (extra entries are ignored). Requests aborted since schedule() are skipped. The
@@ -304,42 +321,27 @@ class Scheduler:
         """
         updates = self._pending_updates
         self._pending_updates = []
-        requests = self.requests
         max_model_len = self.config.max_model_len
         pool_cap = self.pool_capacity_tokens
+        stop = check_stop  # a local: this loop runs once per sampled token
         any_finished = False
         for sched in output.scheduled:
             if not sched.sample:
                 continue
-            rid = sched.request_id
-            req = requests.get(rid)
-            if req is None or req.status != _RUNNING:
+            req = sched.request
+            # An abort since schedule() left the record in a terminal status (a request
+            # re-added under the same id is a different record, so it is not touched).
+            if req.status is not _RUNNING:
                 continue
+            rid = sched.request_id
             try:
                 token = sampled[rid]
             except KeyError:
                 raise KeyError(
                     f"no sampled token for request {rid!r}, which was scheduled with sample=True"
                 ) from None
-            req.output_token_ids.append(token)
-            req.all_token_ids.append(token)
-
-            status = None
-            n_out = len(req.output_token_ids)
-            if n_out >= req.min_tokens:
-                if token == req.eos_token_id and not req.ignore_eos:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif token in req.stop_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                    req.stop_reason = token
-            if status is None:
-                n_all = len(req.all_token_ids)
-                if (
-                    (req.max_tokens is not None and n_out >= req.max_tokens)
-                    or n_all >= max_model_len
-                    or n_all > pool_cap
-                ):
-                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+            req.append_output_token(token)
+            status = stop(req, max_model_len, pool_cap)
             if status is None:
                 updates.append(RequestUpdate(rid, [token], False, None, None))
             else:
@@ -371,13 +373,14 @@ class Scheduler:
         return iter(self.waiting)
 
     def get_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
             kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
             num_finished=self.num_finished,
             num_ignored=self.num_ignored,
         )

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 class SchedulerStats:
     """Counts now, plus totals since the scheduler started.
 
-    Prefix-cache figures are in tokens and counted once per successful admission (a head of
-    the queue that is retried while blocked is not counted again), so the hit rate is the
-    share of admitted tokens the cache saved from recomputation.
+    Prefix-cache figures are the KV cache manager's totals (it is their one owner), in
+    tokens, counted once per successful admission (a head of the queue that is retried while
+    blocked is not counted again), so the hit rate is the share of admitted tokens the cache
+    saved from recomputation.
     """
 
     num_running: int

@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -125,14 +126,18 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
     tokenizer = getattr(engine, "tokenizer", None)
     max_model_len = int(engine.max_model_len)
     model_config = getattr(engine, "model_config", None)
+    # One tokenizer thread for both endpoints: tokenization never runs on the event loop.
+    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagemill-tokenizer")
     common = {"max_model_len": max_model_len, "tokenizer": tokenizer,
-              "vocab_limit": getattr(model_config, "vocab_size", None)}
+              "vocab_limit": getattr(model_config, "vocab_size", None),
+              "tokenizer_pool": tokenizer_pool}
     completions = CompletionServing(client, served_model_name, **common)
     chat = ChatServing(client, served_model_name, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if owns_client:
             client.shutdown()
 

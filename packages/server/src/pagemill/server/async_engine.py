@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class QueueFullError(RuntimeError):
 
 
 class EngineLike(Protocol):
-    """What the wrapper needs of an engine (pagemill.runtime.LLMEngine satisfies it)."""
+    """What the thread drives (pagemill.runtime.LLMEngine satisfies it; tests use doubles)."""
 
     def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> None: ...
     def step(self) -> list[Any]: ...
@@ -49,26 +49,21 @@ class EngineLike(Protocol):
 
 
 class StepObserver(Protocol):
-    """Hooks called on the engine thread (metrics.EngineMetrics implements them)."""
+    """Called on the engine thread after every step (metrics.EngineMetrics implements it).
 
-    def on_added(self, num_prompt_tokens: int) -> None: ...
-    def on_new_tokens(self, num_tokens: int, ttft: float | None, itls: list[float]) -> None: ...
-    def on_finished(self, finish_reason: str | None, e2e: float, queue_time: float | None,
-                    num_prompt_tokens: int, num_generation_tokens: int) -> None: ...
+    It reads the engine's own figures (`get_stats()`, `iteration_stats`), so what a
+    dashboard shows is what the engine counted, not what the HTTP layer happened to see.
+    """
+
     def on_step(self, engine: Any) -> None: ...
 
 
 @dataclass
 class _Tracked:
-    """Engine-thread bookkeeping of one live request (for routing and latency metrics)."""
+    """Where the outputs of one live request go."""
 
     out_queue: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
-    arrival: float
-    num_prompt_tokens: int
-    first_token_time: float | None = None
-    last_token_time: dict[int, float] = field(default_factory=dict)
-    seen_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,13 +97,13 @@ def _deliver(tracked: _Tracked, item: Any) -> None:
 
 
 class AsyncEngine:
-    """Runs an `LLMEngine` on a background thread; safe to use from any event loop.
+    """Runs an engine on a background thread; safe to use from any event loop.
 
     `max_pending` caps the requests accepted at once (running + waiting in the engine);
     beyond it `add_request` raises `QueueFullError` (the server answers 429).
     """
 
-    def __init__(self, engine: Any, *, max_pending: int | None = None,
+    def __init__(self, engine: EngineLike, *, max_pending: int | None = None,
                  observer: StepObserver | None = None, name: str = "pagemill-engine") -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be None or >= 1, got {max_pending}")
@@ -151,13 +146,15 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: Any, *,
                           out_queue: asyncio.Queue[Any] | None = None,
-                          num_prompt_tokens: int | None = None, **kwargs: Any) -> asyncio.Queue[Any]:
+                          **kwargs: Any) -> asyncio.Queue[Any]:
         """Hand a request to the engine; its outputs arrive on the returned queue.
 
         Several requests may share one `out_queue` (a batch of prompts in one HTTP call);
-        each item is a RequestOutput (cumulative) or an exception. The engine's own
-        validation errors (ValueError) are raised here, before anything is streamed. The
-        caller must call `release(request_id)` once it stops reading, finished or not.
+        each item is a RequestOutput (a delta, for streaming parameters) or an exception.
+        The engine's own validation errors (ValueError) are raised here, before anything
+        is streamed. The caller must call `release(request_id)` once it stops reading,
+        finished or not. `arrival_time` (monotonic) defaults to now: the time spent in the
+        command queue counts towards the request's latency.
         """
         self._check_alive()
         with self._lock:
@@ -167,10 +164,9 @@ class AsyncEngine:
             if request_id in self._held:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._held.add(request_id)
+        kwargs.setdefault("arrival_time", time.monotonic())
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
-        n_prompt = num_prompt_tokens if num_prompt_tokens is not None else (
-            len(prompt) if isinstance(prompt, list) else 0)
-        tracked = _Tracked(q, asyncio.get_running_loop(), time.monotonic(), n_prompt)
+        tracked = _Tracked(q, asyncio.get_running_loop())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(_Add(request_id, prompt, params, kwargs, tracked, done))
         try:
@@ -248,8 +244,7 @@ class AsyncEngine:
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._dispatch(outputs)
+                    self._dispatch(self.engine.step())
                     if self.observer is not None:
                         self.observer.on_step(self.engine)
                 elif commands and self.observer is not None:
@@ -268,19 +263,13 @@ class AsyncEngine:
                     command.done.set_exception(exc)
                     return
                 self._tracked[command.request_id] = command.tracked
-                if self.observer is not None:
-                    self.observer.on_added(command.tracked.num_prompt_tokens)
                 command.done.set_result(None)
         elif isinstance(command, _Abort):
             ids = [rid for rid in command.request_ids if rid in self._tracked]
             if ids:
                 self.engine.abort_request(ids)
                 for rid in ids:
-                    tracked = self._tracked.pop(rid)
-                    if self.observer is not None:
-                        self.observer.on_finished("abort", time.monotonic() - tracked.arrival, None,
-                                                  tracked.num_prompt_tokens,
-                                                  sum(tracked.seen_tokens.values()))
+                    del self._tracked[rid]
         elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
             try:
                 command.done.set_result(command.fn(self.engine))
@@ -288,45 +277,13 @@ class AsyncEngine:
                 command.done.set_exception(exc)
 
     def _dispatch(self, outputs: list[Any]) -> None:
-        now = time.monotonic()
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue  # aborted between the step and now
-            self._observe_tokens(tracked, out, now)
             if out.finished:
                 del self._tracked[out.request_id]
-                if self.observer is not None:
-                    m = getattr(out, "metrics", None)
-                    queue_time = None
-                    if m is not None and getattr(m, "first_scheduled_time", None) is not None:
-                        queue_time = max(0.0, m.first_scheduled_time - m.arrival_time)
-                    reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
-                    self.observer.on_finished(reasons[0] if reasons else None, now - tracked.arrival,
-                                              queue_time, len(out.prompt_token_ids),
-                                              sum(len(o.token_ids) for o in out.outputs))
             _deliver(tracked, out)
-
-    def _observe_tokens(self, tracked: _Tracked, out: Any, now: float) -> None:
-        new_total = 0
-        itls: list[float] = []
-        for completion in out.outputs:
-            seen = tracked.seen_tokens.get(completion.index, 0)
-            new = len(completion.token_ids) - seen
-            if new <= 0:
-                continue
-            new_total += new
-            tracked.seen_tokens[completion.index] = len(completion.token_ids)
-            last = tracked.last_token_time.get(completion.index)
-            if last is not None:
-                itls.extend([(now - last) / new] * new)
-            tracked.last_token_time[completion.index] = now
-        if new_total and self.observer is not None:
-            ttft = None
-            if tracked.first_token_time is None:
-                tracked.first_token_time = now
-                ttft = now - tracked.arrival
-            self.observer.on_new_tokens(new_total, ttft, itls)
 
     def _stop_all(self) -> None:
         ids = list(self._tracked)

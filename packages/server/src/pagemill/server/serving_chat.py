@@ -24,10 +24,11 @@ from .protocol import (
 )
 from .serving_base import (
     SSE_DONE,
-    DeltaTracker,
+    PromptInfo,
     ReleasingStream,
     ServingBase,
     map_finish_reason,
+    now,
     split_logprobs,
     sse,
     token_text,
@@ -37,6 +38,7 @@ from .serving_base import (
 
 class ChatServing(ServingBase):
     def render(self, req: ChatCompletionRequest) -> list[int]:
+        """The conversation's prompt ids (blocking: runs on the tokenizer thread)."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             ids = self.client.engine.apply_chat_template(
@@ -46,16 +48,19 @@ class ChatServing(ServingBase):
                            param="messages") from exc
         return list(ids)
 
+    def _prompt(self, req: ChatCompletionRequest) -> PromptInfo:
+        return self.check_prompt(self.render(req), req.effective_max_tokens, req.min_tokens)
+
     async def create(self, req: ChatCompletionRequest, raw_request: Request
                      ) -> ChatCompletionResponse | AsyncIterator[str]:
+        arrival = now()
         self.check_model(req.model)
-        prompt = self.check_prompt(self.render(req), req.effective_max_tokens, req.min_tokens)
+        prompt = await self.off_loop(self._prompt, req)
         params = self.sampling_params(req, prompt.max_tokens, req.num_logprobs)
         request_id = random_id("chatcmpl")
-        out_queue, ids = await self.submit(request_id, [prompt], [params], req)
+        out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
         if req.stream:
-            return ReleasingStream(self._stream(req, request_id, out_queue, ids, DeltaTracker.for_params(params)),
-                                   self.client, ids)
+            return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
         (final,) = await self.collect(raw_request, out_queue, ids)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -86,9 +91,10 @@ class ChatServing(ServingBase):
         return ChatChoiceLogprobs(content=content)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, out_queue: Any,
-                      ids: list[str], tracker: DeltaTracker) -> AsyncIterator[str]:
+                      ids: list[str]) -> AsyncIterator[str]:
+        """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
-        final: Any = None
+        n_prompt = n_completion = 0
 
         def chunk(index: int, delta: dict[str, Any], logprobs: ChatChoiceLogprobs | None = None,
                   finish: str | None = None, stop_reason: Any = None) -> str:
@@ -105,30 +111,23 @@ class ChatServing(ServingBase):
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
                     for c in out.outputs:
-                        if c.index in tracker.finished:
-                            continue
-                        done = c.finish_reason is not None
-                        text = tracker.text_delta(c.index, c.text, done)
-                        start, end = tracker.new_tokens(c.index, c.token_ids)
                         logprobs = None
-                        if req.num_logprobs is not None and c.logprobs is not None and end > start:
-                            logprobs = self._logprobs(c.token_ids[start:end], c.logprobs[start:end],
-                                                      req.num_logprobs)
-                        delta = {"content": text} if text else {}
-                        if done:
-                            tracker.finished.add(c.index)
+                        if req.num_logprobs is not None and c.logprobs:
+                            logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+                        n_completion += len(c.token_ids)
+                        delta = {"content": c.text} if c.text else {}
+                        if c.finish_reason is not None:
                             yield chunk(c.index, delta, logprobs,
                                         map_finish_reason(c.finish_reason), c.stop_reason)
-                        elif text or logprobs:
+                        elif c.text or logprobs:
                             yield chunk(c.index, delta, logprobs)
                     if out.finished:
-                        final = out
+                        n_prompt = len(out.prompt_token_ids)
         except EngineDeadError as exc:
             yield sse(error_body(503, str(exc)))
             yield SSE_DONE
             return
-        if req.include_usage and final is not None:
-            n_prompt, n_completion = usage_counts([final])
+        if req.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                        "model": self.served_model_name, "choices": [],
                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,

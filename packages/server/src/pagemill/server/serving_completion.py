@@ -21,11 +21,11 @@ from .protocol import (
 )
 from .serving_base import (
     SSE_DONE,
-    DeltaTracker,
     PromptInfo,
     ReleasingStream,
     ServingBase,
     map_finish_reason,
+    now,
     split_logprobs,
     sse,
     token_text,
@@ -34,19 +34,24 @@ from .serving_base import (
 
 
 class CompletionServing(ServingBase):
-    async def create(self, req: CompletionRequest, raw_request: Request
-                     ) -> CompletionResponse | AsyncIterator[str]:
-        self.check_model(req.model)
+    def _prompts(self, req: CompletionRequest) -> list[PromptInfo]:
+        """Tokenized and checked prompts (blocking: runs on the tokenizer thread)."""
         prompts: list[PromptInfo] = []
         for p in req.prompts():
             ids = self.encode(p) if isinstance(p, str) else list(p)
             prompts.append(self.check_prompt(ids, req.max_tokens, req.min_tokens))
+        return prompts
+
+    async def create(self, req: CompletionRequest, raw_request: Request
+                     ) -> CompletionResponse | AsyncIterator[str]:
+        arrival = now()
+        self.check_model(req.model)
+        prompts = await self.off_loop(self._prompts, req)
         params = [self.sampling_params(req, p.max_tokens, req.logprobs) for p in prompts]
         request_id = random_id("cmpl")
-        out_queue, ids = await self.submit(request_id, prompts, params, req)
+        out_queue, ids = await self.submit(request_id, prompts, params, req, arrival)
         if req.stream:
-            return ReleasingStream(self._stream(req, request_id, out_queue, ids, DeltaTracker.for_params(params[0])),
-                                   self.client, ids)
+            return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
         finals = await self.collect(raw_request, out_queue, ids)
         choices: list[CompletionChoice] = []
         for i, out in enumerate(finals):
@@ -78,10 +83,12 @@ class CompletionServing(ServingBase):
         return result
 
     async def _stream(self, req: CompletionRequest, request_id: str, out_queue: Any,
-                      ids: list[str], tracker: DeltaTracker) -> AsyncIterator[str]:
+                      ids: list[str]) -> AsyncIterator[str]:
+        """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
         index_of = {rid: i for i, rid in enumerate(ids)}
-        finals: list[Any] = []
+        sent_chars: dict[int, int] = {}
+        n_prompt = n_completion = 0
 
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None,
                   finish: str | None = None, stop_reason: Any = None) -> str:
@@ -97,30 +104,24 @@ class CompletionServing(ServingBase):
                     base = index_of[out.request_id] * req.n
                     for c in out.outputs:
                         key = base + c.index
-                        if key in tracker.finished:
-                            continue
-                        done = c.finish_reason is not None
-                        delta = tracker.text_delta(key, c.text, done)
-                        start, end = tracker.new_tokens(key, c.token_ids)
                         logprobs = None
-                        if req.logprobs is not None and c.logprobs is not None and end > start:
-                            logprobs = self._logprobs(c.token_ids[start:end], c.logprobs[start:end],
-                                                      req.logprobs,
-                                                      tracker.sent_chars.get(key, 0) - len(delta))
-                        if done:
-                            tracker.finished.add(key)
-                            yield chunk(key, delta, logprobs, map_finish_reason(c.finish_reason),
+                        if req.logprobs is not None and c.logprobs:
+                            logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
+                                                      sent_chars.get(key, 0))
+                        sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
+                        n_completion += len(c.token_ids)
+                        if c.finish_reason is not None:
+                            yield chunk(key, c.text, logprobs, map_finish_reason(c.finish_reason),
                                         c.stop_reason)
-                        elif delta or logprobs:
-                            yield chunk(key, delta, logprobs)
+                        elif c.text or logprobs:
+                            yield chunk(key, c.text, logprobs)
                     if out.finished:
-                        finals.append(out)
+                        n_prompt += len(out.prompt_token_ids)
         except EngineDeadError as exc:
             yield sse(error_body(503, str(exc)))
             yield SSE_DONE
             return
         if req.include_usage:
-            n_prompt, n_completion = usage_counts(finals)
             yield sse({"id": request_id, "object": "text_completion", "created": created,
                        "model": self.served_model_name, "choices": [],
                        "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,

@@ -27,7 +27,7 @@ from pagemill.kernels import (
 )
 
 from ..attention_metadata import AttentionMetadata
-from ..config import ModelConfig
+from ..model_config import ModelConfig
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -76,8 +76,10 @@ class LlamaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(positions, q, k, cos_sin)
         write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        plan = meta.plan
         out = paged_attention(
-            q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, self.scale
+            q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
+            self.scale, plan=plan,
         )
         return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
 

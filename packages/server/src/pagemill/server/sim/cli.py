@@ -16,6 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pagemill.blockpool.config import CacheConfig
+from pagemill.scheduler.config import SchedulerConfig
+from pagemill.server.config_args import add_config_args, config_kwargs
 from pagemill.server.sim.experiments import (
     DEFAULT_BUDGETS,
     EXPERIMENTS,
@@ -59,7 +62,19 @@ def _experiments(text: str) -> tuple[str, ...]:
     return names
 
 
-def _add_hardware_args(p: argparse.ArgumentParser, gpu: str) -> None:
+# The engine knobs each command models, as the engine's own flags (same names, types,
+# defaults and help: derived from the config dataclasses).
+_CACHE_FLAGS = ("block_size", "gpu_memory_utilization")
+_PLAN_SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens")
+_SIM_SCHEDULER_FLAGS = ("max_model_len", *_PLAN_SCHEDULER_FLAGS)
+# A simulated deployment defaults to a 4k context (the scheduler's own default is 2048).
+_SIM_DEFAULTS = {"max_model_len": 4096}
+
+
+def _add_hardware_args(
+    p: argparse.ArgumentParser, gpu: str, scheduler_flags: tuple[str, ...],
+    defaults: dict[str, object] | None = None,
+) -> None:
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"one of {', '.join(known_models())}, or a path to a HF config.json")
     p.add_argument("--gpu", default=gpu,
@@ -67,10 +82,9 @@ def _add_hardware_args(p: argparse.ArgumentParser, gpu: str) -> None:
                         "bandwidth_bytes_per_s, bf16_flops")
     p.add_argument("--weight-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 | int8 | int4")
     p.add_argument("--kv-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
+    add_config_args(p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags,
+                    defaults=defaults)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="How many requests fit on a GPU and how fast a decode step can be "
         "(pure arithmetic; no GPU needed).",
     )
-    _add_hardware_args(plan, gpu="h200")
+    _add_hardware_args(plan, "h200", _PLAN_SCHEDULER_FLAGS)
     plan.add_argument("--context-len", type=int, default=None,
                       help="context length per sequence (default min(8192, model limit))")
     plan.add_argument("--activation-reserve-gib", type=float, default=None,
@@ -102,8 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pool with a roofline step-cost model: static vs paged batching, prefix caching, "
         "token budget vs inter-token latency.",
     )
-    _add_hardware_args(sim, gpu="h100")
-    sim.add_argument("--max-model-len", type=int, default=4096)
+    _add_hardware_args(sim, "h100", _SIM_SCHEDULER_FLAGS, _SIM_DEFAULTS)
     sim.add_argument("--num-blocks", type=int, default=None,
                      help="KV pool size in blocks (default: what `plan` computes)")
     sim.add_argument("--step-overhead-ms", type=float, default=1.0,
@@ -143,14 +156,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             load_gpu(args.gpu),
             weight_dtype=args.weight_dtype,
             kv_dtype=args.kv_dtype,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
             context_len=args.context_len,
             activation_reserve_bytes=reserve,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
             step_overhead_s=args.step_overhead_ms / 1e3,
             batch_sizes=args.batch_sizes,
+            **config_kwargs(args, (*_CACHE_FLAGS, *_PLAN_SCHEDULER_FLAGS)),
         )
     except (ValueError, TypeError) as exc:
         print(f"pagemill plan: error: {exc}", file=sys.stderr)
@@ -180,13 +190,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             load_gpu(args.gpu),
             weight_dtype=args.weight_dtype,
             kv_dtype=args.kv_dtype,
-            block_size=args.block_size,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
             step_overhead_s=args.step_overhead_ms / 1e3,
             num_blocks=args.num_blocks,
+            **config_kwargs(args, (*_CACHE_FLAGS, *_SIM_SCHEDULER_FLAGS)),
         )
         dist = {"kind": args.length_dist, "spread": args.length_spread}
         workloads = default_workloads(

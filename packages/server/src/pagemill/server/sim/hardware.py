@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from pagemill.blockpool.config import CacheConfig
+from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.sim.cost_model import RooflineCostModel
 from pagemill.server.sim.plan import CapacityPlan, make_plan
 from pagemill.server.sim.specs import GPUSpec, ModelSpec
@@ -18,7 +20,11 @@ from pagemill.server.sim.specs import GPUSpec, ModelSpec
 @dataclass(frozen=True)
 class Deployment:
     """``num_blocks`` overrides the pool the planner would size (small pools keep tests fast and
-    let a study put memory pressure on purpose)."""
+    let a study put memory pressure on purpose).
+
+    The scheduler and cache knobs are checked by the engine's own `SchedulerConfig` and
+    `CacheConfig`, so a simulated deployment accepts exactly what a real engine would.
+    """
 
     model: ModelSpec
     gpu: GPUSpec
@@ -35,6 +41,7 @@ class Deployment:
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        _ = self.scheduler_config, self.cache_config  # validate now, not at the first run
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len > self.model.max_position_embeddings:
@@ -42,6 +49,21 @@ class Deployment:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"{self.model.max_position_embeddings} positions"
             )
+
+    @cached_property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The paged runs' scheduler limits; experiments vary them with `dataclasses.replace`."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+        )
+
+    @cached_property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization
+        )
 
     @cached_property
     def plan(self) -> CapacityPlan:

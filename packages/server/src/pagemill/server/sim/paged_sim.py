@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from pagemill.blockpool import KVCacheManager
-from pagemill.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from pagemill.scheduler import Request, RequestStatus, Scheduler
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunRecorder, RunResult
 from pagemill.server.sim.workload import SimRequest
@@ -40,18 +41,20 @@ class PagedSimulator:
     ) -> None:
         self.deployment = deployment
         self.name = name
-        self.config = SchedulerConfig(
+        self.config = replace(
+            deployment.scheduler_config,
             max_num_batched_tokens=max_num_batched_tokens or deployment.max_num_batched_tokens,
-            max_num_seqs=deployment.max_num_seqs,
-            max_model_len=deployment.max_model_len,
             long_prefill_token_threshold=long_prefill_token_threshold,
             enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.cache_config = replace(
+            deployment.cache_config, enable_prefix_caching=enable_prefix_caching
         )
         self.kv_cache_manager = KVCacheManager(
             deployment.pool_blocks,
-            block_size=deployment.block_size,
-            enable_caching=enable_prefix_caching,
+            block_size=self.cache_config.block_size,
+            enable_caching=self.cache_config.enable_prefix_caching,
+            hash_algo=self.cache_config.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
 
@@ -141,5 +144,5 @@ class PagedSimulator:
                     f"(pool of {kv.num_blocks} blocks)"
                 )
         stats = sched.get_stats()
-        hit_rate = stats.prefix_cache_hit_rate if self.config.enable_prefix_caching else math.nan
+        hit_rate = stats.prefix_cache_hit_rate if kv.enable_caching else math.nan
         return rec.result(num_preemptions=stats.num_preemptions, prefix_cache_hit_rate=hit_rate)

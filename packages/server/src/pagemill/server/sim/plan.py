@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagemill.blockpool import num_blocks_for_budget
+from pagemill.blockpool.config import CacheConfig
 from pagemill.server.sim.cost_model import RooflineCostModel, StepCost
 from pagemill.server.sim.specs import GPUSpec, ModelSpec
 
@@ -154,10 +155,8 @@ def make_plan(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
 ) -> CapacityPlan:
     """Size the KV pool the way the engine does: (memory * utilization) - weights - activations."""
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
+    # The engine's own checks of these knobs, with its messages.
+    CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
     if context_len is None:
         context_len = min(8192, model.max_position_embeddings)
     if context_len <= 0:

@@ -15,28 +15,24 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-# Bytes per weight element. int4 counts half a byte: group scales are ignored, they add ~3%.
-WEIGHT_DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "float32": 4.0,
-    "bf16": 2.0,
-    "bfloat16": 2.0,
-    "fp16": 2.0,
-    "float16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "int4": 0.5,
-}
+from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+
+# Weight formats the planner projects but the runtime does not compute in: bytes per element.
+# int4 counts half a byte: group scales are ignored, they add ~3%. The dtypes the runtime does
+# compute in (and their spellings) come from its own table, `DTYPES`.
+QUANTIZED_WEIGHT_BYTES: dict[str, float] = {"fp8": 1.0, "int8": 1.0, "int4": 0.5}
 
 
 def weight_dtype_bytes(dtype: str) -> float:
     """Element size of a weight dtype name; a clear error names the accepted spellings."""
-    key = str(dtype).removeprefix("torch.").lower()
-    if key not in WEIGHT_DTYPE_BYTES:
-        raise ValueError(
-            f"unknown weight dtype {dtype!r}; expected one of {sorted(WEIGHT_DTYPE_BYTES)}"
-        )
-    return WEIGHT_DTYPE_BYTES[key]
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key in QUANTIZED_WEIGHT_BYTES:
+        return QUANTIZED_WEIGHT_BYTES[key]
+    try:
+        return float(DTYPES[canonical_dtype(key)])
+    except ValueError:
+        accepted = ", ".join([*DTYPES, *DTYPE_ALIASES, *QUANTIZED_WEIGHT_BYTES])
+        raise ValueError(f"unknown weight dtype {dtype!r}; expected one of {accepted}") from None
 
 
 @dataclass(frozen=True)
@@ -136,36 +132,31 @@ def _model_from_entry(entry: dict[str, Any]) -> ModelSpec:
 
 
 def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSpec:
-    """Read the fields of a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, ... layout)."""
+    """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, ... layout) the way the
+    runtime does (`ModelConfig.from_dict`), without requiring an architecture it can run."""
     if config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts"):
         raise ValueError(
             f"{name}: mixture-of-experts configs are not supported by the planner (dense models only)"
         )
     text_config = config.get("text_config")
     if isinstance(text_config, dict) and "hidden_size" not in config:
-        config = text_config
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "vocab_size")
-    missing = [k for k in required if k not in config]
-    if missing:
-        raise ValueError(f"{name}: config.json lacks {', '.join(missing)} (not a decoder-only LM?)")
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
-    model_type = str(config.get("model_type", ""))
-    qkv_bias = bool(config.get("attention_bias", False)) or model_type == "qwen2"
+        config = text_config  # a multimodal checkpoint: size its language model
+    try:
+        parsed = ModelConfig.from_dict(config, require_supported=False)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc} (not a decoder-only LM?)") from exc
     return ModelSpec(
         name=name,
-        hidden_size=hidden,
-        num_layers=int(config["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        intermediate_size=int(config["intermediate_size"]),
-        vocab_size=int(config["vocab_size"]),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        max_position_embeddings=int(config.get("max_position_embeddings") or 4096),
+        hidden_size=parsed.hidden_size,
+        num_layers=parsed.num_hidden_layers,
+        num_heads=parsed.num_attention_heads,
+        num_kv_heads=parsed.num_key_value_heads,
+        head_dim=parsed.head_dim,
+        intermediate_size=parsed.intermediate_size,
+        vocab_size=parsed.vocab_size,
+        tie_word_embeddings=parsed.tie_word_embeddings,
+        qkv_bias=parsed.attention_bias,
+        max_position_embeddings=parsed.max_position_embeddings,
     )
 
 

@@ -1,0 +1,71 @@
+"""KV-cache options, checked once at construction so a bad engine flag fails at start-up
+with a message naming it, not when the pool is first sized or a block is first hashed.
+
+Each field's docstring is the help text of its command-line flag (the server derives its
+flags from this dataclass), so it is written for the person typing the flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagemill.blockpool.hashing import HASH_ALGOS
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is laid out, sized and shared between requests."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (the unit of allocation and of prefix-cache sharing)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt prefix already computed for an earlier request."""
+
+    prefix_caching_hash_algo: str = field(default="sha256", metadata={"choices": HASH_ALGOS})
+    """Block hash for prefix caching: sha256 (collision-safe across tenants) or xxh3_128
+    (faster, for single-tenant deployments)."""
+
+    kv_cache_memory_bytes: int | None = None
+    """Fixed KV-cache size in bytes (accepts 512MiB, 4GiB); on CUDA it overrides profiling;
+    unset: sized from gpu_memory_utilization on CUDA, a default budget on CPU."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use in total (weights, activations and KV
+    cache); the KV cache gets what remains after profiling."""
+
+    def __post_init__(self) -> None:
+        size = self.block_size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"CacheConfig.block_size must be an int, got {type(size).__name__}")
+        if size <= 0:
+            raise ValueError(f"CacheConfig.block_size must be positive, got {size}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(
+                "CacheConfig.enable_prefix_caching must be a bool, got "
+                f"{type(self.enable_prefix_caching).__name__}"
+            )
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(
+                f"CacheConfig.prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                f"got {self.prefix_caching_hash_algo!r}"
+            )
+        budget = self.kv_cache_memory_bytes
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int):
+                raise TypeError(
+                    "CacheConfig.kv_cache_memory_bytes must be None or an int, got "
+                    f"{type(budget).__name__}"
+                )
+            if budget <= 0:
+                raise ValueError(
+                    f"CacheConfig.kv_cache_memory_bytes must be a positive number of bytes, "
+                    f"got {budget}"
+                )
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, int | float):
+            raise TypeError(
+                f"CacheConfig.gpu_memory_utilization must be a number, got {type(util).__name__}"
+            )
+        if not 0 < util <= 1:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {util}")

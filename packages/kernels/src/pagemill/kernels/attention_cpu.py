@@ -1,0 +1,313 @@
+"""The torch attention path (the CPU serving backend) and its per-step planner.
+
+Everything that depends only on the step's batch — the decode/prefill split, length-sorted
+decode chunks, gather indices, masks, prefill segments — is built once by `plan_torch`;
+`run_torch` then only gathers and multiplies, once per layer. Decodes run as a few batched
+GEMMs (or one SDPA for small chunks) over K/V gathered through the block tables; every
+prefilling request gets one SDPA call with a causal mask offset by its cached prefix.
+Products accumulate in fp32 and softmax runs in fp32 for every input dtype.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Gathering K/V for a decode batch writes tens of MB; a freshly allocated buffer of that
+# size is page-faulted in on every call, which costs more than the copy itself. Reusing
+# one grow-only buffer per thread, device and dtype keeps the CPU decode memory-bound.
+_workspace = threading.local()
+
+# Upper bound on the K elements gathered at once by the decode path: longer batches are cut
+# into chunks of similar length, so the padding to the longest context stays small.
+_DECODE_CHUNK_ELEMS = 1 << 23
+# A decode chunk's shortest context is at least this fraction of its longest: requests are
+# sorted by length and a new chunk starts below it, so padding wastes at most ~25%.
+_DECODE_MIN_FILL = 0.75
+# index_select moves 2- and 4-byte elements through integer views: its bf16/fp16 paths are
+# several times slower than the plain copy of the same bytes.
+_BIT_VIEWS = {2: torch.int16, 4: torch.int32}
+# Decode chunks of at most this many context tokens (requests x longest context) take the
+# whole-block SDPA path: measured on CPU it wins below ~4k tokens, the GEMM path above.
+_DECODE_SMALL_TOKENS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeChunk:
+    """Single-token queries of similar context length, attended in one batched call.
+
+    ``rows`` are the chunk's rows of q and of out (None: all of them, in order).
+    ``small`` chunks gather whole blocks (``gather`` holds block ids) for one SDPA call;
+    the others gather head-major token rows (``gather`` holds rows of the cache viewed as
+    ``[-1, head_dim]``) for two GEMMs. Either way each request gets ``width`` keys, the
+    longest context ``max_len`` rounded up to whole blocks on the small path. ``mask``
+    marks the padding past each context (None for a single request, cut exactly instead).
+    """
+
+    rows: torch.Tensor | None
+    max_len: int
+    width: int
+    small: bool
+    gather: torch.Tensor
+    mask: torch.Tensor | None
+    workspace_numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSegment:
+    """One request with several query tokens: q/out rows ``start:stop`` over ``ctx`` keys.
+
+    ``mask`` is None when the queries are the whole context (plain causal), else the
+    causal mask offset by the cached prefix.
+    """
+
+    start: int
+    stop: int
+    ctx: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class TorchPlan:
+    """A step's batch as the torch path runs it; ``workspace_numel`` sizes the gather buffers
+    once for the largest chunk, so a layer fetches them with one lookup."""
+
+    decode: tuple[DecodeChunk, ...]
+    prefill: tuple[PrefillSegment, ...]
+    workspace_numel: int
+
+
+def plan_torch(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    block_tables: torch.Tensor,
+    k_cache_shape: tuple[int, int, int, int],
+) -> TorchPlan:
+    """Plan a validated, non-empty batch (host lengths, int64) for `run_torch`."""
+    is_decode = query_lens == 1
+    if is_decode.all():
+        decode = _plan_decode(None, context_lens, block_tables, k_cache_shape)
+        return TorchPlan(decode, (), max(c.workspace_numel for c in decode))
+
+    dev = block_tables.device
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    decode_seqs = np.flatnonzero(is_decode)
+    decode: tuple[DecodeChunk, ...] = ()
+    if decode_seqs.size:
+        rows = torch.from_numpy(starts[decode_seqs]).to(dev)
+        sel = torch.from_numpy(decode_seqs).to(dev)
+        decode = _plan_decode(rows, context_lens[decode_seqs], block_tables[sel], k_cache_shape)
+    block_size = k_cache_shape[1]
+    prefill = []
+    for s in np.flatnonzero(query_lens > 1).tolist():
+        ctx, q_len = int(context_lens[s]), int(query_lens[s])
+        nblk = -(-ctx // block_size)
+        mask = None
+        if q_len != ctx:
+            qpos = torch.arange(ctx - q_len, ctx, device=dev)
+            mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
+        prefill.append(PrefillSegment(int(starts[s]), int(starts[s + 1]), ctx,
+                                      block_tables[s, :nblk].to(torch.int64), mask))
+    workspace = max((c.workspace_numel for c in decode), default=0)
+    return TorchPlan(decode, tuple(prefill), workspace)
+
+
+def _plan_decode(
+    rows: torch.Tensor | None,
+    context_lens: np.ndarray,
+    tables: torch.Tensor,
+    k_cache_shape: tuple[int, int, int, int],
+) -> tuple[DecodeChunk, ...]:
+    """Decode rows (``rows`` of q/out, or all rows in order when None) as chunks.
+
+    Requests are sorted by context length and cut into chunks of similar length (and
+    bounded size), so the padding to each chunk's longest context stays small.
+    """
+    n = len(context_lens)
+    dev = tables.device
+    per_token = k_cache_shape[2] * k_cache_shape[3]
+    lens = torch.from_numpy(context_lens).to(dev)
+    longest, shortest = int(context_lens.max()), int(context_lens.min())
+    if shortest >= _DECODE_MIN_FILL * longest and n * longest * per_token <= _DECODE_CHUNK_ELEMS:
+        return (_plan_chunk(rows, tables, lens, longest, k_cache_shape),)
+    lens_list = context_lens.tolist()
+    order = sorted(range(n), key=lens_list.__getitem__, reverse=True)
+    chunks = []
+    start = 0
+    while start < n:
+        longest = lens_list[order[start]]
+        cap = max(1, _DECODE_CHUNK_ELEMS // max(1, longest * per_token))
+        stop = start + 1
+        while stop < n and stop - start < cap and lens_list[order[stop]] >= _DECODE_MIN_FILL * longest:
+            stop += 1
+        idx = torch.tensor(order[start:stop], device=dev)
+        chunks.append(_plan_chunk(idx if rows is None else rows[idx], tables[idx], lens[idx],
+                                  longest, k_cache_shape))
+        start = stop
+    return tuple(chunks)
+
+
+def _plan_chunk(
+    rows: torch.Tensor | None,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    max_len: int,
+    k_cache_shape: tuple[int, int, int, int],
+) -> DecodeChunk:
+    n = tables.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache_shape
+    dev = tables.device
+    nblk = -(-max_len // block_size)
+    # Table padding (-1 or stale ids) past a request's length is read but masked out.
+    blocks = tables[:, :nblk].to(torch.int64).clamp_(min=0)
+    if n * max_len <= _DECODE_SMALL_TOKENS:
+        width = nblk * block_size
+        mask = None
+        if n > 1:
+            mask = (torch.arange(width, device=dev) < lens[:, None])[:, None, None, :]
+        return DecodeChunk(rows, max_len, width, True, blocks.reshape(-1), mask,
+                           n * width * num_kv_heads * head_dim)
+    # Row of (position p, KV head h) in the cache viewed as [-1, head_dim]:
+    # slot(p) * num_kv_heads + h.
+    pos = torch.arange(max_len, device=dev)
+    tokens = (blocks.mul_(block_size * num_kv_heads).index_select(1, pos // block_size)
+              + (pos % block_size) * num_kv_heads)
+    gather = (tokens.unsqueeze(1)
+              + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)).view(-1)
+    mask = (pos >= lens[:, None]).view(n, 1, 1, max_len) if n > 1 else None
+    return DecodeChunk(rows, max_len, max_len, False, gather, mask,
+                       n * num_kv_heads * max_len * head_dim)
+
+
+def run_torch(
+    plan: TorchPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls."""
+    if plan.decode:
+        kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
+        for chunk in plan.decode:
+            qc = q if chunk.rows is None else q[chunk.rows]
+            if chunk.small:
+                o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
+            else:
+                o = _decode_gemm(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
+            if chunk.rows is None:
+                out.copy_(o)
+            else:
+                out.index_copy_(0, chunk.rows, o)
+    if plan.prefill:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for seg in plan.prefill:
+            k = k_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
+            v = v_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
+            k, v = k[: seg.ctx].transpose(0, 1), v[: seg.ctx].transpose(0, 1)
+            qs = q[seg.start : seg.stop].transpose(0, 1)
+            if seg.mask is None:
+                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scale,
+                                                   enable_gqa=True)
+            out[seg.start : seg.stop] = o.transpose(0, 1)
+    return out
+
+
+def _buffers(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (dtype, str(device))
+    cache = getattr(_workspace, "bufs", None)
+    if cache is None:
+        cache = _workspace.bufs = {}
+    bufs = cache.get(key)
+    if bufs is None or bufs[0].numel() < numel:
+        bufs = (torch.empty(numel, dtype=dtype, device=device),
+                torch.empty(numel, dtype=dtype, device=device))
+        cache[key] = bufs
+    return bufs
+
+
+def _gather_rows(
+    table: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor, shape: tuple[int, ...]
+) -> torch.Tensor:
+    """Rows of the 2-D ``table`` (a view of a paged cache) copied into ``buf`` as ``shape``."""
+    width = table.shape[1]
+    bits = _BIT_VIEWS.get(table.element_size())
+    numel = rows.numel() * width
+    if bits is None:
+        got = torch.index_select(table, 0, rows, out=buf[:numel].view(-1, width))
+    else:
+        got = torch.index_select(table.view(bits), 0, rows,
+                                 out=buf[:numel].view(bits).view(-1, width)).view(table.dtype)
+    return got.view(shape)
+
+
+def _decode_small(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: DecodeChunk,
+    scale: float,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+) -> torch.Tensor:
+    """Small decode batches: whole blocks gathered, one SDPA call.
+
+    Below a few thousand context tokens the fixed cost of ops dominates, and this path
+    has the fewest: GQA rides on SDPA's query axis (the G query heads of a KV head), so
+    K/V are never repeated, and a single request is cut exactly instead of masked.
+    """
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    shape = (n, chunk.width, num_kv_heads, head_dim)
+    k = _gather_rows(k_cache.view(-1, block_size * num_kv_heads * head_dim), chunk.gather, kbuf,
+                     shape)
+    v = _gather_rows(v_cache.view(-1, block_size * num_kv_heads * head_dim), chunk.gather, vbuf,
+                     shape)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if chunk.mask is None:
+        k, v = k[:, :, : chunk.max_len], v[:, :, : chunk.max_len]
+    o = F.scaled_dot_product_attention(
+        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v, attn_mask=chunk.mask,
+        scale=scale,
+    )
+    return o.reshape(n, num_heads, head_dim)
+
+
+def _decode_gemm(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: DecodeChunk,
+    scale: float,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+) -> torch.Tensor:
+    """Attention for single-token queries, all at the end of their contexts.
+
+    K/V are gathered head-major (``[n, kv_heads, max_len, head_dim]``, contiguous) so both
+    products are plain batched GEMMs; GQA rides on the GEMM's M dimension (the G query
+    heads sharing a KV head), so K/V are read once per KV head, never repeated. Scores and
+    softmax are fp32; the products run in the input dtype with fp32 accumulation.
+    """
+    n, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    shape = (n, num_kv_heads, chunk.width, head_dim)
+    k = _gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape)
+    v = _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape)
+    s = torch.matmul(q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
+                     k.transpose(-1, -2))
+    s = s.float().mul_(scale)
+    if chunk.mask is not None:
+        s.masked_fill_(chunk.mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(q.dtype)
+    return torch.matmul(p, v).view(n, num_heads, head_dim)

@@ -1,0 +1,259 @@
+"""The model facts read from a Hugging Face `config.json`, and the one table of dtype names.
+
+Torch-free on purpose: the capacity planner and the simulator parse config.json and name
+dtypes exactly as the runtime does, without paying for (or even having) torch. The runtime
+turns a canonical name into a torch dtype at the last moment (`config.torch_dtype`).
+
+`ModelConfig` is what the model code, the KV pool and the engine need, read once from
+config.json so that nothing downstream has to know which transformers config class (or
+version) a model came from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagemill.blockpool.sizing import DTYPE_ALIASES as _ALL_ALIASES
+from pagemill.blockpool.sizing import DTYPE_BYTES
+
+logger = logging.getLogger(__name__)
+
+# Architectures the Llama module serves: they differ only in config values (rope scaling,
+# q/k/v biases, tied embeddings), not in the shape of the computation.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHITECTURE_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+# The dtypes the engine computes in: canonical name -> bytes per element. The byte counts
+# come from the block pool's sizing table so the pool and the planner can never disagree.
+DTYPES: dict[str, int] = {name: DTYPE_BYTES[name] for name in ("float32", "float16", "bfloat16")}
+
+# The spellings of the compute dtypes, from the one table (blockpool's sizing).
+DTYPE_ALIASES: dict[str, str] = {k: v for k, v in _ALL_ALIASES.items() if v in DTYPES}
+
+
+def canonical_dtype(name: str) -> str:
+    """'torch.bfloat16', 'bf16', 'half', ... -> a key of `DTYPES`."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        spellings = ", ".join([*DTYPES, *DTYPE_ALIASES])
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {spellings}")
+    return key
+
+
+def _config_dtype(raw: dict[str, Any]) -> str | None:
+    """The checkpoint's own dtype, or None when it names none (or one we do not compute in)."""
+    value = raw.get("dtype") or raw.get("torch_dtype")
+    if value is None:
+        return None
+    try:
+        return canonical_dtype(str(value))
+    except ValueError:
+        return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    # Qwen2 configs carry a window that is only used when use_sliding_window is set.
+    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    return int(window) if isinstance(window, int) and window > 0 else None
+
+
+def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either transformers-5 `rope_parameters` or the older keys.
+
+    Checkpoints on disk use both spellings; the kernels take theta plus a scaling dict in
+    the HF layout (with "rope_type"), and None for plain RoPE.
+    """
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(raw.get("rope_theta", 10000.0))
+        scaling = dict(raw.get("rope_scaling") or {})
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
+
+
+def _architecture(raw: dict[str, Any], *, require_supported: bool) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        arch = _ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type") or "")
+    if arch is not None:
+        return arch
+    if require_supported:
+        raise ValueError(
+            f"unsupported model architecture {archs or raw.get('model_type')!r}; "
+            f"pagemill serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return str(archs[0]) if archs else str(raw.get("model_type") or "unknown")
+
+
+def _with_hf_defaults(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Fill the keys a checkpoint leaves to its transformers config class's defaults.
+
+    Reading through the config class (rather than trusting the JSON alone) gives the same
+    defaults, legacy-key upgrades and rope normalisation that transformers itself applies,
+    which is what greedy equality with transformers depends on. Imported here, not at the
+    top, so that parsing a dict never needs transformers.
+    """
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # an unknown model_type: from_dict names the problem
+        logger.debug("transformers could not read %s (%s); using config.json as is", path, e)
+        return raw
+    merged = hf.to_dict()
+    merged.setdefault("architectures", raw.get("architectures"))
+    return merged
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a Llama-family model, as the runtime (and the planner) needs it."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Mistral-style local attention; None when every layer attends to the whole context.
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    # The checkpoint's dtype as a canonical name (a key of DTYPES), None when it names none.
+    config_dtype: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        *,
+        require_supported: bool = True,
+    ) -> ModelConfig:
+        """Build from a parsed config.json; errors name what is missing or unsupported.
+
+        Pure (no transformers, no files). `require_supported=False` is for the planner, which
+        sizes any dense Llama-layout decoder whether or not the runtime can run it.
+        """
+        arch = _architecture(raw, require_supported=require_supported)
+        required = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
+        heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        theta, scaling = _rope_params(raw)
+        model_type = str(raw.get("model_type") or "llama")
+        # Qwen2 always has q/k/v biases (its config has no switch for them); transformers
+        # picks the config class, hence the layout, from model_type.
+        qwen2 = arch == "Qwen2ForCausalLM" or model_type == "qwen2"
+        eos = _as_id_list(raw.get("eos_token_id"))
+        for t in _as_id_list((generation_config or {}).get("eos_token_id")):
+            if t not in eos:
+                eos.append(t)
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            # LlamaConfig's default, which is what transformers fills for a Llama checkpoint.
+            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+            # Qwen2's config class defaults to untied, Llama's too; an explicit key wins.
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
+            o_proj_bias=not qwen2 and bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            eos_token_ids=eos,
+            sliding_window=_sliding_window(raw),
+            bos_token_id=raw.get("bos_token_id"),
+            config_dtype=_config_dtype(raw),
+            hf_config=raw,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read a model folder: config.json with transformers' defaults filled in, plus the
+        extra EOS ids of generation_config.json."""
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+        raw = _with_hf_defaults(raw, path)
+        gen_file = path / "generation_config.json"
+        gen = None
+        if gen_file.is_file():
+            try:
+                gen = json.loads(gen_file.read_text())
+            except json.JSONDecodeError:
+                logger.warning("ignoring unreadable %s", gen_file)
+        return cls.from_dict(raw, gen)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim

@@ -1,0 +1,294 @@
+"""From engine-core updates to what callers see: text, stop strings, n > 1, logprobs, metrics.
+
+The engine core speaks token ids only. Everything that needs the tokenizer or the caller's
+view of a request lives here: incremental detokenization and stop strings (the one rule
+that needs text), gathering the `n` completions of a request back into one output,
+logprobs as `{token_id: logprob}` entries, timestamps and the per-step statistics that the
+server turns into Prometheus metrics. The completion's tokens are never copied here: they
+are read from the scheduler's request record, the one list that holds them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagemill.scheduler import Request, RequestUpdate
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampling_params import RequestOutputKind, SamplingParams
+
+# Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
+LogprobsRow = tuple[Sequence[int], Sequence[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What one step changed, as increments: Prometheus counters and histograms take them."""
+
+    num_prompt_tokens: int = 0  # prompts whose first token came out in this step
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Completions a stop string ended: the engine core must still free their blocks.
+    reqs_to_finish: list[str]
+    stats: IterationStats
+
+
+class _Completion:
+    """One of a request's `n` completions: its detokenizer, logprobs and finish state."""
+
+    __slots__ = ("cumulative_logprob", "detokenizer", "finish_reason", "index", "last_token_time",
+                 "logprobs", "num_logprobs", "params", "parent", "request", "stop_reason")
+
+    def __init__(self, request: Request, index: int, parent: _Parent, params: SamplingParams,
+                 detokenizer: IncrementalDetokenizer | None) -> None:
+        self.request = request
+        self.index = index
+        self.parent = parent
+        self.params = params
+        self.detokenizer = detokenizer
+        self.num_logprobs = params.logprobs
+        # Kept whole only when an output will carry the whole list (not for DELTA streams).
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if params.logprobs is not None and parent.kind != RequestOutputKind.DELTA else None
+        )
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.last_token_time: float | None = None
+
+    def text_delta(self) -> str:
+        d = self.detokenizer
+        return "" if d is None else d.get_delta(finished=self.finish_reason is not None)
+
+    def whole(self) -> CompletionOutput:
+        """The cumulative view: built only for FINAL_ONLY and CUMULATIVE outputs."""
+        self.text_delta()  # releases what may be shown (all of it once finished)
+        return CompletionOutput(
+            index=self.index,
+            text="" if self.detokenizer is None else self.detokenizer.sent_text,
+            token_ids=list(self.request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class _Parent:
+    """A request as the caller sees it: a prompt and its `n` completions."""
+
+    __slots__ = ("completions", "kind", "metrics", "num_unfinished", "prompt", "prompt_token_ids",
+                 "request_id")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 kind: RequestOutputKind, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.kind = kind
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.completions: list[_Completion] = []
+        self.num_unfinished = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+    def output(self, changed: Sequence[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(changed),
+                             self.finished, self.metrics)
+
+
+class OutputProcessor:
+    """Owns every caller-facing piece of per-request state; driven by the engine's thread."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._completions: dict[str, _Completion] = {}
+        self._pending: list[RequestOutput] = []
+        # Requests finished outside a step (aborts) are counted in the next step's stats.
+        self._finished_stats: list[FinishedRequestStats] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_requests_finished = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    kind: RequestOutputKind, arrival_time: float,
+                    completions: Sequence[tuple[Request, SamplingParams]]) -> None:
+        parent = _Parent(request_id, prompt, prompt_token_ids, kind, arrival_time)
+        for index, (request, params) in enumerate(completions):
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            c = _Completion(request, index, parent, params, detok)
+            parent.completions.append(c)
+            self._completions[request.request_id] = c
+        parent.num_unfinished = len(parent.completions)
+        self._parents[request_id] = parent
+
+    def is_known(self, request_id: str) -> bool:
+        return request_id in self._parents or request_id in self._completions
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """End requests for the caller; returns the completion ids the core must abort.
+
+        Each aborted request is reported once more, finished with reason "abort", by the
+        next `process_outputs`, so a caller waiting on it is released.
+        """
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for rid in request_ids:
+            parent = self._parents.get(rid)
+            if parent is None:
+                continue
+            changed = []
+            for c in parent.completions:
+                if c.finish_reason is not None:
+                    continue
+                c.finish_reason = "abort"
+                to_abort.append(c.request.request_id)
+                changed.append(c)
+            parent.num_unfinished = 0
+            self._finish_parent(parent, now)
+            outputs = [self._completion_output(c, []) for c in changed]
+            if parent.kind == RequestOutputKind.DELTA:
+                self._pending.append(parent.output(outputs))
+            else:
+                self._pending.append(parent.output([c.whole() for c in parent.completions]))
+        return to_abort
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ the step
+
+    def process_outputs(self, updates: Sequence[RequestUpdate],
+                        logprobs: Mapping[str, LogprobsRow] | None = None) -> ProcessedOutputs:
+        now = time.monotonic()
+        stats = IterationStats()
+        outputs = self._pending
+        self._pending = []
+        reqs_to_finish: list[str] = []
+        changed: dict[str, tuple[_Parent, list[CompletionOutput]]] = {}
+        for upd in updates:
+            c = self._completions.get(upd.request_id)
+            if c is None:
+                continue  # aborted by the caller since the step was scheduled
+            parent = c.parent
+            tokens = upd.new_token_ids
+            entries = None
+            if tokens:
+                self._time_tokens(c, parent, len(tokens), now, stats)
+                if c.num_logprobs is not None and logprobs is not None:
+                    entries = self._logprob_entries(c, logprobs.get(upd.request_id))
+            if c.detokenizer is not None:
+                stop = c.detokenizer.update(tokens)
+                if stop is not None:
+                    c.finish_reason, c.stop_reason = "stop", stop
+                    if not upd.finished:
+                        reqs_to_finish.append(upd.request_id)
+            if c.finish_reason is None and upd.finished:
+                # A prompt the pool can never hold is, to a caller, a length cut.
+                reason = upd.finish_reason
+                c.finish_reason = "length" if reason == "ignored" else reason
+                c.stop_reason = upd.stop_reason
+            if c.finish_reason is not None:
+                del self._completions[upd.request_id]
+                parent.num_unfinished -= 1
+                if parent.finished:
+                    self._finish_parent(parent, now)
+            entry = changed.get(parent.request_id)
+            if entry is None:
+                entry = changed[parent.request_id] = (parent, [])
+            if parent.kind == RequestOutputKind.DELTA:
+                entry[1].append(self._completion_output(c, tokens, entries))
+        for parent, deltas in changed.values():
+            if parent.kind == RequestOutputKind.DELTA:
+                outputs.append(parent.output(deltas))
+            elif parent.kind == RequestOutputKind.CUMULATIVE or parent.finished:
+                outputs.append(parent.output([c.whole() for c in parent.completions]))
+        stats.finished_requests, self._finished_stats = self._finished_stats, []
+        return ProcessedOutputs(outputs, reqs_to_finish, stats)
+
+    def _completion_output(self, c: _Completion, tokens: list[int],
+                           entries: list[dict[int, float]] | None = None) -> CompletionOutput:
+        if c.num_logprobs is not None and entries is None:
+            entries = []
+        return CompletionOutput(c.index, c.text_delta(), tokens, c.cumulative_logprob, entries,
+                                c.finish_reason, c.stop_reason)
+
+    def _time_tokens(self, c: _Completion, parent: _Parent, n: int, now: float,
+                     stats: IterationStats) -> None:
+        m = parent.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            m.first_scheduled_time = c.request.first_scheduled_time
+            m.num_cached_tokens = c.request.num_cached_tokens
+            stats.time_to_first_tokens.append(now - m.arrival_time)
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            self.prompt_tokens_total += len(parent.prompt_token_ids)
+        if c.last_token_time is not None:
+            stats.inter_token_latencies.extend([(now - c.last_token_time) / n] * n)
+        c.last_token_time = now
+        m.last_token_time = now
+        stats.num_generation_tokens += n
+        self.generation_tokens_total += n
+
+    def _logprob_entries(self, c: _Completion, row: LogprobsRow | None) -> list[dict[int, float]]:
+        if row is None:
+            return []
+        ids, lps = row
+        entry = {int(ids[0]): float(lps[0])}
+        for t, lp in zip(ids[1 : 1 + (c.num_logprobs or 0)], lps[1 : 1 + (c.num_logprobs or 0)]):
+            entry.setdefault(int(t), float(lp))
+        if c.cumulative_logprob is not None:
+            c.cumulative_logprob += float(lps[0])
+        if c.logprobs is not None:
+            c.logprobs.append(entry)
+        return [entry]
+
+    def _finish_parent(self, parent: _Parent, now: float) -> None:
+        """Bookkeeping once every completion has ended (or the caller aborted)."""
+        if self._parents.pop(parent.request_id, None) is None:
+            return
+        for c in parent.completions:
+            self._completions.pop(c.request.request_id, None)
+        m = parent.metrics
+        m.finished_time = now
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = min(
+                (c.request.first_scheduled_time for c in parent.completions
+                 if c.request.first_scheduled_time is not None), default=None)
+        self.num_requests_finished += 1
+        reasons = [c.finish_reason for c in parent.completions if c.finish_reason]
+        queue = None if m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
+        self._finished_stats.append(FinishedRequestStats(
+            reasons[0] if reasons else "abort", now - m.arrival_time, queue,
+            len(parent.prompt_token_ids),
+            sum(c.request.num_output_tokens for c in parent.completions)))
