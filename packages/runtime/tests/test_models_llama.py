@@ -81,11 +81,11 @@ def test_fused_weights_hold_the_separate_projections(tmp_path, build_tiny_model)
     attn = runner.model.layers[1].self_attn
     hf_attn = model.model.layers[1].self_attn
     q, kv = attn.q_size, attn.kv_size
-    torch.testing.assert_close(attn.qkv_weight[q + kv :], hf_attn.v_proj.weight, rtol=0, atol=0)
-    torch.testing.assert_close(attn.qkv_bias[q : q + kv], hf_attn.k_proj.bias, rtol=0, atol=0)
-    assert attn.o_bias is None  # Qwen2 has q/k/v biases only
+    torch.testing.assert_close(attn.qkv_proj.weight[q + kv :], hf_attn.v_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(attn.qkv_proj.bias[q : q + kv], hf_attn.k_proj.bias, rtol=0, atol=0)
+    assert attn.o_proj.bias is None  # Qwen2 has q/k/v biases only
     mlp, hf_mlp = runner.model.layers[0].mlp, model.model.layers[0].mlp
-    torch.testing.assert_close(mlp.gate_up_weight[hf_mlp.up_proj.weight.shape[0] :], hf_mlp.up_proj.weight)
+    torch.testing.assert_close(mlp.gate_up_proj.weight[hf_mlp.up_proj.weight.shape[0] :], hf_mlp.up_proj.weight)
 
 
 def test_tied_embeddings_share_one_tensor(tmp_path, build_tiny_model) -> None:

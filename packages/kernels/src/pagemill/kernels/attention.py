@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagemill.kernels._dispatch import check_triton_device, use_triton
+from pagemill.kernels._opaque import OpaqueBase
 from pagemill.kernels.attention_cpu import TorchPlan, plan_torch, run_torch
 from pagemill.kernels.attention_triton import TritonPlan, plan_triton, run_triton
 
@@ -32,7 +33,7 @@ Backend = Literal["torch", "triton"]
 
 
 @dataclass(frozen=True, eq=False)
-class AttentionPlan:
+class AttentionPlan(OpaqueBase):
     """Everything attention needs about one step's batch, computed once, read by every layer.
 
     The metadata tensors are int32 and contiguous, on the device the plan was made for;
@@ -42,6 +43,9 @@ class AttentionPlan:
     (decode chunks with their gather indices and masks, prefill segments) or a
     `TritonPlan` (grid, tile sizes, context splits and their workspace); None when the
     step has no query token.
+
+    It is an opaque object to torch.compile (see `pagemill.kernels.ops`): a compiled model
+    graph passes it whole to the attention op instead of tracing into it.
     """
 
     query_start_loc: torch.Tensor

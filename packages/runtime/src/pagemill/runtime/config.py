@@ -38,6 +38,7 @@ __all__ = [
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("int8", "int4")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -77,6 +78,14 @@ class EngineConfig:
     """Longest sequence (prompt plus output) a request may reach (default: the model's
     context length)."""
 
+    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
+    """Weight-only quantization on CPU: int8 (per channel) or int4 (groups of 32 with zero
+    points), applied to a safetensors model when it loads; default: none, except that a
+    GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights."""
+
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -101,6 +110,10 @@ class EngineConfig:
             raise bad("seed", "must be an int")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad("quantization", f"must be None or one of {QUANTIZATIONS}")
+        if not isinstance(self.enforce_eager, bool):
+            raise bad("enforce_eager", "must be a bool")
         length = self.max_model_len
         if length is not None and (isinstance(length, bool) or not isinstance(length, int)
                                    or length < 2):

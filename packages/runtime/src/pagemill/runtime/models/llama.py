@@ -27,6 +27,7 @@ from pagemill.kernels import (
 )
 
 from ..attention_metadata import AttentionMetadata
+from ..layers import Linear
 from ..model_config import ModelConfig
 
 
@@ -55,10 +56,9 @@ class LlamaAttention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.scale = self.head_dim**-0.5
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
-        self.o_weight = _param(config.hidden_size, self.q_size, dtype=dtype)
-        self.o_bias = _param(config.hidden_size, dtype=dtype) if config.o_proj_bias else None
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
         # Bound by the model runner once the KV pool exists (views into KVStorage).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -69,33 +69,35 @@ class LlamaAttention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaForCausalLM.bind_kv_caches first")
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(positions, q, k, cos_sin)
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         plan = meta.plan
-        out = paged_attention(
-            q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens,
-            self.scale, plan=plan,
-        )
-        return F.linear(out.reshape(t, self.q_size), self.o_weight, self.o_bias)
+        if torch.compiler.is_compiling():
+            # One opaque call each in the graph (see pagemill.kernels.ops).
+            torch.ops.pagemill.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = torch.ops.pagemill.paged_attention(q, self.k_cache, self.v_cache, plan, self.scale)
+        else:
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention(
+                q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc,
+                plan.seq_lens, self.scale, plan=plan,
+            )
+        return self.o_proj(out.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_weight = _param(2 * inter, config.hidden_size, dtype=dtype)
-        self.gate_up_bias = _param(2 * inter, dtype=dtype) if config.mlp_bias else None
-        self.down_weight = _param(config.hidden_size, inter, dtype=dtype)
-        self.down_bias = _param(config.hidden_size, dtype=dtype) if config.mlp_bias else None
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = silu_and_mul(F.linear(x, self.gate_up_weight, self.gate_up_bias))
-        return F.linear(h, self.down_weight, self.down_bias)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -190,19 +192,19 @@ class LlamaForCausalLM(nn.Module):
             t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
             t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
             for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                t[p + f"self_attn.{name}.weight"] = (a.qkv_weight, off, rows)
-                if a.qkv_bias is not None:
-                    t[p + f"self_attn.{name}.bias"] = (a.qkv_bias, off, rows)
-            t[p + "self_attn.o_proj.weight"] = (a.o_weight, 0, c.hidden_size)
-            if a.o_bias is not None:
-                t[p + "self_attn.o_proj.bias"] = (a.o_bias, 0, c.hidden_size)
+                t[p + f"self_attn.{name}.weight"] = (a.qkv_proj.weight, off, rows)
+                if a.qkv_proj.bias is not None:
+                    t[p + f"self_attn.{name}.bias"] = (a.qkv_proj.bias, off, rows)
+            t[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, 0, c.hidden_size)
+            if a.o_proj.bias is not None:
+                t[p + "self_attn.o_proj.bias"] = (a.o_proj.bias, 0, c.hidden_size)
             for name, off in (("gate_proj", 0), ("up_proj", inter)):
-                t[p + f"mlp.{name}.weight"] = (m.gate_up_weight, off, inter)
-                if m.gate_up_bias is not None:
-                    t[p + f"mlp.{name}.bias"] = (m.gate_up_bias, off, inter)
-            t[p + "mlp.down_proj.weight"] = (m.down_weight, 0, c.hidden_size)
-            if m.down_bias is not None:
-                t[p + "mlp.down_proj.bias"] = (m.down_bias, 0, c.hidden_size)
+                t[p + f"mlp.{name}.weight"] = (m.gate_up_proj.weight, off, inter)
+                if m.gate_up_proj.bias is not None:
+                    t[p + f"mlp.{name}.bias"] = (m.gate_up_proj.bias, off, inter)
+            t[p + "mlp.down_proj.weight"] = (m.down_proj.weight, 0, c.hidden_size)
+            if m.down_proj.bias is not None:
+                t[p + "mlp.down_proj.bias"] = (m.down_proj.bias, 0, c.hidden_size)
         return t
 
     @torch.no_grad()
@@ -232,6 +234,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
             raise ValueError(f"checkpoint is missing tensor(s): {shown}")
+        self.finalize_weights()
+
+    def finalize_weights(self) -> None:
+        """Let every layer convert its loaded weights to the format it computes with."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize()
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:
@@ -249,3 +258,4 @@ class LlamaForCausalLM(nn.Module):
                 p.zero_()
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+        self.finalize_weights()

@@ -1,0 +1,59 @@
+"""The KV write and paged attention as torch.library custom ops, for compiled graphs.
+
+torch.compile traces a model's forward into one graph. These two steps do not trace: the
+attention runs a plan's per-chunk loop and the KV write checks slots on the host. As
+custom ops they enter the graph as single opaque calls, so the graph never breaks at them
+and everything between them (norms, rotary, projections, activations) compiles and fuses.
+The attention plan crosses the graph as an opaque object: it is built once per step on
+the host and the compiled graph only hands it on.
+
+Eager code calls `paged_attention` / `write_kv_cache` directly: a custom op's dispatch
+costs more than nothing, and only a graph needs the wrapping. `COMPILE_READY` is False
+on a torch that cannot pass opaque objects through a graph (the engine then stays eager).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagemill.kernels._opaque import register_opaque
+from pagemill.kernels.attention import AttentionPlan, paged_attention
+from pagemill.kernels.kv_cache import write_kv_cache
+
+COMPILE_READY = register_opaque(AttentionPlan)
+
+_LIB = torch.library.Library("pagemill", "DEF")
+_LIB.define("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "Tensor slot_mapping) -> ()")
+if COMPILE_READY:
+    _LIB.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+                f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
+                "float scale) -> Tensor")
+
+
+def _write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _write_kv_cache_fake(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    return None
+
+
+_LIB.impl("write_kv_cache", _write_kv_cache, "CompositeExplicitAutograd")
+torch.library.register_fake("pagemill::write_kv_cache", _write_kv_cache_fake, lib=_LIB)
+
+if COMPILE_READY:
+
+    def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         plan: AttentionPlan, scale: float) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
+                               plan.seq_lens, scale, plan=plan)
+
+    def _paged_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              plan: AttentionPlan, scale: float) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
+    torch.library.register_fake("pagemill::paged_attention", _paged_attention_fake, lib=_LIB)
