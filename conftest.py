@@ -13,5 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines default to a compiled forward on CPU, which costs tens of seconds per engine; the
+# suite builds dozens, so only the tests about compilation (which unset this) pay for it.
+os.environ.setdefault("PAGEMILL_ENFORCE_EAGER", "1")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

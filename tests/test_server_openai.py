@@ -71,7 +71,7 @@ def kv_bytes(num_blocks: int) -> int:
 
 
 def make_engine(folder: Path, num_blocks: int = 48) -> LLMEngine:
-    return LLMEngine(model=str(folder), device="cpu", block_size=BLOCK_SIZE,
+    return LLMEngine(model=str(folder), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                      kv_cache_memory_bytes=kv_bytes(num_blocks), max_num_batched_tokens=512)
 
 

@@ -313,3 +313,52 @@ def test_leaving_a_stream_aborts_the_request() -> None:
         asyncio.run(asyncio.wait_for(main(), timeout=30))
     finally:
         client.shutdown()
+
+
+def test_a_blocked_event_loop_does_not_hold_up_the_engine_thread() -> None:
+    """The engine thread never waits on the loop: with the loop blocked (here on an event,
+    as a handler stuck in a blocking call would be) the engine runs every step, and the
+    outputs it delivered meanwhile are all there, in order, once the loop runs again."""
+    engine = ScriptedEngine()
+    all_steps_done = threading.Event()
+    original = engine.step
+    n = 50
+    finished: list[str] = []
+
+    def step() -> list[RequestOutput]:
+        outs = original()
+        finished.extend(o.request_id for o in outs if o.finished)
+        if len(finished) == 2:
+            all_steps_done.set()
+        return outs
+
+    engine.step = step  # type: ignore[method-assign]
+    client = AsyncEngine(engine)
+
+    async def main() -> list[Any]:
+        q1 = await client.add_request("a", [1], SamplingParams(max_tokens=n))
+        await client.add_request("b", [2], SamplingParams(max_tokens=n // 2), out_queue=q1)
+        # Block the loop thread: nothing below runs any callback until the wait returns.
+        finished_while_blocked = all_steps_done.wait(timeout=60)
+        assert finished_while_blocked, f"the engine stopped at step {engine.steps}"
+        assert not engine.requests and engine.steps >= n  # all done with the loop blocked
+        return [out async for out in client.stream(q1, ["a", "b"])]
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), timeout=90))
+        a = [len(o.outputs[0].token_ids) for o in outs if o.request_id == "a"]
+        b = [len(o.outputs[0].token_ids) for o in outs if o.request_id == "b"]
+        assert a == list(range(1, n + 1)) and b == list(range(1, n // 2 + 1))
+        assert client.num_pending == 0
+    finally:
+        client.shutdown()
+
+
+def test_commands_after_shutdown_fail_instead_of_hanging() -> None:
+    client = AsyncEngine(ScriptedEngine())
+    client.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        asyncio.run(asyncio.wait_for(client.add_request("a", [1], SamplingParams()), 10))
+    with pytest.raises(EngineDeadError):
+        client.submit(lambda e: None).result(timeout=10)
+    assert not client.is_dead

@@ -8,7 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagemill.kernels.attention_cpu as attention_cpu
-from pagemill.kernels import paged_attention, paged_attention_torch, paged_attention_triton
+from pagemill.kernels import (
+    cpu_native,
+    paged_attention,
+    paged_attention_torch,
+    paged_attention_triton,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -76,10 +81,16 @@ DECODE = ([1] * 6, [1, 15, 16, 17, 100, 33])
 GQA = [(4, 4), (9, 3), (8, 2)]  # ratios 1, 3, 4
 
 
-@pytest.fixture(params=["sdpa", "gemm"])
+@pytest.fixture(params=["native", "sdpa", "gemm"])
 def decode_path(request, monkeypatch):
-    """Both CPU decode paths: small chunks use whole-block SDPA, larger ones head-major GEMMs;
+    """Every CPU decode path: the native kernel reading K/V in place (where a compiler built
+    it), and without it small chunks use whole-block SDPA, larger ones head-major GEMMs;
     test shapes are small, so the GEMM path is forced by lowering the switch point."""
+    if request.param == "native":
+        if cpu_native.load() is None:
+            pytest.skip("the native CPU kernel could not be built here")
+    else:
+        monkeypatch.setattr(cpu_native, "load", lambda: None)
     if request.param == "gemm":
         monkeypatch.setattr(attention_cpu, "_DECODE_SMALL_TOKENS", 0)
     return request.param

@@ -15,6 +15,7 @@ import pagemill.kernels.attention as attention
 import pagemill.kernels.attention_cpu as attention_cpu
 from pagemill.kernels import (
     AttentionPlan,
+    cpu_native,
     paged_attention,
     paged_attention_torch,
     paged_attention_triton,
@@ -80,7 +81,10 @@ def test_torch_plan_equals_no_plan(data, heads, block_size, dtype, knobs, seed):
     q, caches, tables, qsl, seq_lens = make_batch(seed, q_lens, ctx, *heads,
                                                   block_size=block_size, dtype=dtype)
     kc, vc = caches[0]
-    with mock.patch.multiple(attention_cpu, **knobs):
+    # The default knobs run the native decode kernel where it was built; the others the
+    # gather paths it replaces.
+    native = cpu_native.load if knobs is CPU_KNOBS[0] else (lambda: None)
+    with mock.patch.multiple(attention_cpu, **knobs), mock.patch.object(cpu_native, "load", native):
         ref = paged_attention_torch(q, kc, vc, tables, qsl, seq_lens, 0.3)
         from_host = host_plan(q, caches, tables, qsl, seq_lens, q_lens, ctx)
         from_tensors = plan_attention(qsl, seq_lens, tables, k_cache_shape=tuple(kc.shape),
@@ -96,7 +100,8 @@ def test_torch_plan_structure():
     """Decode chunks are length-sorted and bounded, prefill gets one segment per request."""
     q_lens, ctx = [1, 5, 1, 1, 3, 1], [60, 9, 4, 58, 3, 30]
     batch = make_batch(1, q_lens, ctx, 8, 2)
-    with mock.patch.object(attention_cpu, "_DECODE_CHUNK_ELEMS", 2 * 60 * 2 * 16):
+    with mock.patch.object(attention_cpu, "_DECODE_CHUNK_ELEMS", 2 * 60 * 2 * 16), \
+            mock.patch.object(cpu_native, "load", lambda: None):
         plan = host_plan(*batch, q_lens, ctx)
     impl = plan.impl
     assert isinstance(impl, TorchPlan)

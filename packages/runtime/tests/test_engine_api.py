@@ -19,7 +19,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
     folder, _ = tiny_llama
-    return LLM(str(folder), max_model_len=128, kv_cache_memory_bytes=2 << 20, max_num_batched_tokens=64)
+    return LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory_bytes=2 << 20, max_num_batched_tokens=64)
 
 
 def _drain(engine: LLMEngine) -> dict:
@@ -163,7 +163,7 @@ def test_chat_and_string_prompts_use_the_tokenizer(llm, tiny_llama) -> None:
 
 def test_stats_count_tokens_and_requests(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20))
     for i, n in enumerate([5, 9, 12]):
         engine.add_request(f"s{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4, **GREEDY))
     stats = engine.get_stats()
@@ -194,7 +194,7 @@ def test_streamed_text_is_never_taken_back(llm) -> None:
 
 def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20))
     prompt = list(range(1, 50))
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, **GREEDY), cache_salt="tenant-a")
     _drain(engine)
@@ -209,7 +209,7 @@ def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
 def test_priority_policy_serves_urgent_requests_first(tiny_llama) -> None:
     folder, _ = tiny_llama
     engine = LLMEngine(
-        EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20, max_num_seqs=1,
+        EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20, max_num_seqs=1,
                                  scheduling_policy="priority")
     )
     engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), priority=5)

@@ -43,7 +43,8 @@ def test_dtype_table_agrees_with_the_pool_and_torch() -> None:
 
 
 def test_resolve_dtype_gives_canonical_names() -> None:
-    assert resolve_dtype("auto", "bfloat16", "cpu") == "float32"
+    assert resolve_dtype("auto", "bfloat16", "cpu", cpu_bf16=False) == "float32"
+    assert resolve_dtype("auto", "float32", "cpu", cpu_bf16=True) == "bfloat16"
     assert resolve_dtype("auto", "float16", "cuda") == "float16"
     assert resolve_dtype("auto", "bfloat16", "cuda") == "bfloat16"
     assert resolve_dtype("auto", "float32", "cuda") == "bfloat16"

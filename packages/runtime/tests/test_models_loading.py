@@ -50,8 +50,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path, tiny_llama, rando
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
     prompts = random_prompts([5, 30], model.config.vocab_size, seed=21)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    single = LLM(str(folder), kv_cache_memory_bytes=1 << 20).generate(prompts, params, use_tqdm=False)
-    sharded = LLM(str(tmp_path), kv_cache_memory_bytes=1 << 20).generate(prompts, params, use_tqdm=False)
+    single = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20).generate(prompts, params, use_tqdm=False)
+    sharded = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=1 << 20).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in single] == [o.outputs[0].token_ids for o in sharded]
 
 
@@ -69,14 +69,14 @@ def test_broken_folders_say_what_is_wrong(tmp_path, tiny_llama) -> None:
     del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.norm.weight"]
     save_file(tensors, str(partial / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing tensor.*layers\.1\.mlp\.up_proj\.weight.*model\.norm\.weight"):
-        LLMEngine(EngineConfig.from_kwargs(model=str(partial), kv_cache_memory_bytes=1 << 20))
+        LLMEngine(EngineConfig.from_kwargs(model=str(partial), dtype="float32", kv_cache_memory_bytes=1 << 20))
 
     wrong = tmp_path / "wrong-shape"
     wrong.mkdir()
     (wrong / "config.json").write_text(json.dumps(_config_json(vocab_size=301)))
     save_file(load_file(str(folder / "model.safetensors")), str(wrong / "model.safetensors"))
     with pytest.raises(ValueError, match=r"weight has shape \(320, 64\), the config implies \(301, 64\)"):
-        LLMEngine(EngineConfig.from_kwargs(model=str(wrong), kv_cache_memory_bytes=1 << 20))
+        LLMEngine(EngineConfig.from_kwargs(model=str(wrong), dtype="float32", kv_cache_memory_bytes=1 << 20))
 
 
 def test_unknown_model_name_is_an_error() -> None:
@@ -86,7 +86,7 @@ def test_unknown_model_name_is_an_error() -> None:
 
 def test_dummy_weights_need_only_a_config(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(_config_json()))
-    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory_bytes=1 << 20)
+    llm = LLM(str(tmp_path), dtype="float32", load_format="dummy", kv_cache_memory_bytes=1 << 20)
     [out] = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 5
     assert all(0 <= t < 300 for t in out.outputs[0].token_ids)
@@ -99,7 +99,7 @@ def test_kv_pool_too_small_for_one_request_fails_at_start(tiny_llama) -> None:
     folder, _ = tiny_llama
     # 512 bytes/token: 8 KiB is one block, and max_model_len=64 needs four.
     with pytest.raises(ValueError, match=r"KV cache holds 1 blocks.*needs 4 blocks"):
-        LLMEngine(EngineConfig.from_kwargs(model=str(folder), max_model_len=64, kv_cache_memory_bytes=8192))
+        LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8192))
 
 
 def test_engine_config_rejects_bad_values() -> None:
@@ -139,33 +139,48 @@ def test_default_model_checksum_is_verified(monkeypatch, tmp_path) -> None:
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
 
 
-def test_cpu_dtype_auto_is_fp32(tiny_llama) -> None:
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_cpu_dtype_auto_follows_native_bf16(tiny_llama, monkeypatch, native_bf16) -> None:
+    """auto on CPU: bf16 where the CPU has bf16 arithmetic, fp32 where it would be emulated."""
+    import pagemill.runtime.config as config_module
+
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: native_bf16)
     folder, _ = tiny_llama
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
-    assert engine.dtype == torch.float32
+    assert engine.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
     assert engine.max_model_len == 512
+
+
+def test_cpu_features_read_the_flags() -> None:
+    from pagemill.runtime.cpu_features import _BF16_FLAGS, _cpuinfo_flags
+
+    x86 = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"
+    old = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n"
+    assert _cpuinfo_flags(x86) & _BF16_FLAGS and _cpuinfo_flags(arm) & _BF16_FLAGS
+    assert not _cpuinfo_flags(old) & _BF16_FLAGS
 
 
 def test_sliding_window_caps_the_context(tmp_path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps(_config_json(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64))
     )
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), load_format="dummy", kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", load_format="dummy", kv_cache_memory_bytes=1 << 20))
     assert engine.max_model_len == 64
     with pytest.raises(ValueError, match="sliding_window"):
-        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), load_format="dummy", max_model_len=128))
+        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", load_format="dummy", max_model_len=128))
 
 
 def test_extra_eos_ids_stop_generation(tiny_llama, random_prompts) -> None:
     """Llama 3 lists several EOS ids in generation_config.json: each one ends a request."""
     folder, model = tiny_llama
     prompt = random_prompts([12], model.config.vocab_size, seed=41)[0]
-    base = LLM(str(folder), kv_cache_memory_bytes=1 << 20).generate(
+    base = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
     )[0].outputs[0].token_ids
     config = ModelConfig.from_pretrained(folder)
     tok = next(t for t in base[1:] if t not in config.eos_token_ids)
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20))
     # As if generation_config.json listed `tok` too: the input processor owns the EOS ids.
     engine.input_processor.eos_token_ids = [*config.eos_token_ids, tok]
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=12,

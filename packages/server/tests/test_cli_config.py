@@ -143,6 +143,7 @@ def test_api_key_from_the_environment() -> None:
 def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     import pagemill.server.api_server as api_server
     import pagemill.server.async_engine as async_engine
+    import pagemill.server.engine_process  # noqa: F401  (subclasses AsyncEngine: import before the patch)
     import pagemill.server.metrics as metrics
 
     seen: dict[str, Any] = {}
@@ -158,11 +159,12 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     monkeypatch.setenv("PAGEMILL_API_KEY", "secret")
     monkeypatch.setattr(cli, "_make_engine", make_engine)
     monkeypatch.setattr(async_engine, "AsyncEngine",
-                        lambda engine, **kw: SimpleNamespace(shutdown=lambda: None))
+                        lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None))
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
     monkeypatch.setattr(api_server, "build_app", build_app)
     monkeypatch.setattr(api_server, "run_server", lambda app, **kw: seen.update(app=app))
-    assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001"]) == 0
+    assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001",
+                     "--no-engine-process"]) == 0
     assert seen["config"] == EngineConfig(model="/models/x", cache=CacheConfig(block_size=32))
     assert seen["name"] == "/models/x" and seen["api_key"] == "secret" and seen["app"] == "app"
 

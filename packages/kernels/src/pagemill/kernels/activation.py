@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from pagemill.kernels._dispatch import check_triton_device, next_pow2, use_triton
+from pagemill.kernels._dispatch import (
+    cdiv,
+    check_triton_device,
+    lazy_kernels,
+    next_pow2,
+    use_triton,
+)
+
+_kernels = lazy_kernels("activation")
 
 
 def _half(x: torch.Tensor) -> int:
@@ -28,17 +34,6 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :i].contiguous()) * x[..., i:]
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, stride_x, stride_y, INTER: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < INTER
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (act * up).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     i = _half(x)
     check_triton_device(x)
@@ -46,7 +41,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty((x2.shape[0], i), dtype=x.dtype, device=x.device)
     block = min(1024, next_pow2(i))
     if x2.shape[0] > 0 and i > 0:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(i, block))](
+        _kernels.silu_and_mul_kernel[(x2.shape[0], cdiv(i, block))](
             x2, y, x2.stride(0), y.stride(0), INTER=i, BLOCK=block
         )
     return y.view(*x.shape[:-1], i)

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from pagemill.kernels import cpu_native
 from pagemill.kernels._dispatch import check_triton_device, use_triton
 from pagemill.kernels._opaque import OpaqueBase
 from pagemill.kernels.attention_cpu import TorchPlan, plan_torch, run_torch
@@ -214,7 +215,9 @@ def _plan(
         total = int(q_lens.sum())
         impl: TorchPlan | TritonPlan | None = None
         if total and num_seqs:
-            impl = plan_torch(q_lens, ctx_lens, tables, shape)
+            native = (dtype in _FLOAT_DTYPES and qsl.device.type == "cpu"
+                      and cpu_native.load() is not None)
+            impl = plan_torch(q_lens, ctx_lens, tables, shape, native=native)
     else:
         if (num_tokens is None or not query_start_loc.is_cuda or query_lens is not None
                 or context_lens is not None):

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagemill.kernels import cpu_native
+
 # Gathering K/V for a decode batch writes tens of MB; a freshly allocated buffer of that
 # size is page-faulted in on every call, which costs more than the copy itself. Reusing
 # one grow-only buffer per thread, device and dtype keeps the CPU decode memory-bound.
@@ -73,13 +75,26 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True, slots=True)
+class NativeDecode:
+    """Every decode row of the step for the native kernel (`cpu_native`), which reads K/V
+    in place: ``rows`` of q/out (None: all, in order), their tables and context lengths
+    (contiguous int32)."""
+
+    rows: torch.Tensor | None
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class TorchPlan:
     """A step's batch as the torch path runs it; ``workspace_numel`` sizes the gather buffers
-    once for the largest chunk, so a layer fetches them with one lookup."""
+    once for the largest chunk, so a layer fetches them with one lookup. With the native
+    kernel, the decode rows are in ``native`` and ``decode`` is empty."""
 
     decode: tuple[DecodeChunk, ...]
     prefill: tuple[PrefillSegment, ...]
     workspace_numel: int
+    native: NativeDecode | None = None
 
 
 def plan_torch(
@@ -87,10 +102,17 @@ def plan_torch(
     context_lens: np.ndarray,
     block_tables: torch.Tensor,
     k_cache_shape: tuple[int, int, int, int],
+    native: bool = False,
 ) -> TorchPlan:
-    """Plan a validated, non-empty batch (host lengths, int64) for `run_torch`."""
+    """Plan a validated, non-empty batch (host lengths, int64) for `run_torch`.
+
+    With ``native`` the decode rows go to the native kernel (no gathered copy) instead of
+    the gather-and-GEMM chunks.
+    """
     is_decode = query_lens == 1
     if is_decode.all():
+        if native:
+            return TorchPlan((), (), 0, _plan_native(None, context_lens, block_tables))
         decode = _plan_decode(None, context_lens, block_tables, k_cache_shape)
         return TorchPlan(decode, (), max(c.workspace_numel for c in decode))
 
@@ -99,10 +121,15 @@ def plan_torch(
     np.cumsum(query_lens, out=starts[1:])
     decode_seqs = np.flatnonzero(is_decode)
     decode: tuple[DecodeChunk, ...] = ()
+    native_decode = None
     if decode_seqs.size:
         rows = torch.from_numpy(starts[decode_seqs]).to(dev)
         sel = torch.from_numpy(decode_seqs).to(dev)
-        decode = _plan_decode(rows, context_lens[decode_seqs], block_tables[sel], k_cache_shape)
+        if native:
+            native_decode = _plan_native(rows, context_lens[decode_seqs], block_tables[sel])
+        else:
+            decode = _plan_decode(rows, context_lens[decode_seqs], block_tables[sel],
+                                  k_cache_shape)
     block_size = k_cache_shape[1]
     prefill = []
     for s in np.flatnonzero(query_lens > 1).tolist():
@@ -115,7 +142,13 @@ def plan_torch(
         prefill.append(PrefillSegment(int(starts[s]), int(starts[s + 1]), ctx,
                                       block_tables[s, :nblk].to(torch.int64), mask))
     workspace = max((c.workspace_numel for c in decode), default=0)
-    return TorchPlan(decode, tuple(prefill), workspace)
+    return TorchPlan(decode, tuple(prefill), workspace, native_decode)
+
+
+def _plan_native(rows: torch.Tensor | None, context_lens: np.ndarray,
+                 tables: torch.Tensor) -> NativeDecode:
+    lens = torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int32))
+    return NativeDecode(rows, tables.to(torch.int32).contiguous(), lens)
 
 
 def _plan_decode(
@@ -194,6 +227,14 @@ def run_torch(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls."""
+    if plan.native is not None:
+        nd = plan.native
+        lib = cpu_native.load()
+        if lib is None or not cpu_native.supports(q, k_cache):
+            raise ValueError("this plan was made for the native CPU decode kernel, which "
+                             "cannot serve these tensors; plan again with them")
+        cpu_native.paged_decode(lib, q, k_cache, v_cache, out, nd.tables, nd.lens, nd.rows,
+                                scale)
     if plan.decode:
         kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
         for chunk in plan.decode:

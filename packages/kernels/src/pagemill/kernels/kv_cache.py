@@ -8,10 +8,10 @@ skips it rather than clobbering block 0.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from pagemill.kernels._dispatch import check_triton_device, next_pow2, use_triton
+from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
+
+_kernels = lazy_kernels("kv_cache")
 
 
 def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -63,36 +63,6 @@ def write_kv_cache_torch(
         flat.index_copy_(0, slots, src)
 
 
-@triton.jit
-def _write_kv_cache_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch,
-    stride_vcb, stride_vcs, stride_vch,
-    BLOCK_SIZE: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    H_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    h = tl.arange(0, H_PAD)
-    d = tl.arange(0, D_PAD)
-    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
-    t64 = t.to(tl.int64)
-    kv = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    vv = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    kdst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
-    vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-    tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
-
-
 def write_kv_cache_triton(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -107,7 +77,7 @@ def write_kv_cache_triton(
         return
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
-    _write_kv_cache_kernel[(num_tokens,)](
+    _kernels.write_kv_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping.contiguous(),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -9,10 +9,10 @@ token, and a last-bit difference in bf16 is enough to flip an argmax.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from pagemill.kernels._dispatch import check_triton_device, next_pow2, use_triton
+from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
+
+_kernels = lazy_kernels("rms_norm")
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -38,30 +38,6 @@ def rms_norm_torch(
     return y if residual is None else (y, x)
 
 
-@triton.jit
-def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,
-    stride_x, stride_r, stride_y, stride_s,
-    eps,
-    N: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(s_ptr + row * stride_s + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, 0) / N
-    h = (h * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * h).to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +49,7 @@ def rms_norm_triton(
     r2 = x2 if residual is None else residual.reshape(-1, hidden).contiguous()
     s = torch.empty_like(x2) if residual is not None else y
     if x2.shape[0] > 0:
-        _rms_norm_kernel[(x2.shape[0],)](
+        _kernels.rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight.contiguous(), y, s,
             x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
             float(eps),

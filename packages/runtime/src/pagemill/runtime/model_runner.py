@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +22,10 @@ from pagemill.kernels import plan_attention
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 from .attention_metadata import AttentionMetadata
+from .compilation import compile_forward
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import KVCache
+from .layers import packed_row_limits
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .sampling_metadata import SamplingMetadata
@@ -85,6 +88,31 @@ class ModelRunner:
         # Seconds spent in the model's forward (and LM head) by the last step; the rest of a
         # step is host overhead (scheduling, planning, sampling, detokenizing).
         self.last_forward_s = 0.0
+        self._forward: Callable[..., torch.Tensor] = model.forward
+        self.compiled = False
+
+    def compile(self) -> float:
+        """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
+
+        Every graph (one token; any other count; each side of a packed layer's dense
+        switch, see `packed_row_limits`) is compiled on a throwaway single-request step, so
+        no request ever waits for a compilation.
+        """
+        start = time.perf_counter()
+        self._forward = compile_forward(self.model)
+        self.compiled = True
+        counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
+        longest = min(self.max_num_batched_tokens, self.max_model_len)
+        for num_tokens in sorted(n for n in counts if n <= longest):
+            batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
+            saved = self.input_batch, self.requests
+            self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.requests = {}
+            try:
+                self.execute_model(batch)
+            finally:
+                self.input_batch, self.requests = saved
+        return time.perf_counter() - start
 
     # ---- KV cache ------------------------------------------------------------------------
 
@@ -93,15 +121,20 @@ class ModelRunner:
         self.model.bind_kv_caches(self.kv_cache.caches)
         return self.kv_cache
 
-    def dummy_batch(self) -> tuple[SchedulerOutput, int]:
-        """The heaviest step the limits allow, and the KV blocks it needs.
+    def dummy_batch(self, num_tokens: int | None = None,
+                    max_seqs: int | None = None) -> tuple[SchedulerOutput, int]:
+        """The heaviest step the limits allow (or `num_tokens` over at most `max_seqs`
+        sequences), and the KV blocks it needs.
 
-        `max_num_batched_tokens` tokens spread over as many sequences as may share a step
-        (so the logits rows peak too), none longer than max_model_len.
+        By default `max_num_batched_tokens` tokens spread over as many sequences as may share
+        a step (so the logits rows peak too), none longer than max_model_len.
         """
         # A step can never hold more than max_num_seqs full-length sequences.
         tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
-        num_seqs = max(math.ceil(tokens / self.max_model_len), min(self.max_num_seqs, tokens))
+        if num_tokens is not None:
+            tokens = min(tokens, num_tokens)
+        most = self.max_num_seqs if max_seqs is None else max_seqs
+        num_seqs = max(math.ceil(tokens / self.max_model_len), min(most, tokens))
         per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
         sched, next_block = [], 0
         greedy = SamplingParams(temperature=0.0)
@@ -293,7 +326,7 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
                                      None)
         start = time.perf_counter()
-        hidden = self.model(step.input_ids, step.positions, step.attn)
+        hidden = self._forward(step.input_ids, step.positions, step.attn)
         if not step.sample_req_ids:
             logits = hidden.new_empty(0, vocab)
         else:

@@ -110,8 +110,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
               metrics: EngineMetrics | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
-    `engine_client` is an `AsyncEngine`, or an `LLMEngine` (then wrapped here; the app's
-    shutdown stops that wrapper's thread). With `api_key`, /v1/* requires
+    `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
+    process), or an `LLMEngine` (then wrapped here; the app's shutdown stops that wrapper's
+    thread). With `api_key`, /v1/* requires
     `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open for probes.
     """
     owns_client = not isinstance(engine_client, AsyncEngine)

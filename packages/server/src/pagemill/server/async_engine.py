@@ -1,16 +1,27 @@
-"""The engine, driven by its own thread, seen from asyncio as one async stream per request.
+"""The engine seen from asyncio: one async stream per request, the engine never on the loop.
 
-`LLMEngine.step()` runs a forward pass: seconds on a CPU, milliseconds on a GPU, and never
-something an event loop may wait on. So one dedicated thread owns the engine and is the
-only code that ever touches it. The event loop talks to it through a thread-safe command
-queue (add, abort, call), and the thread hands outputs back to per-request asyncio queues
-with `loop.call_soon_threadsafe`. Commands are applied between steps, so an abort frees
-the request's blocks before the next step is scheduled. When there is nothing to run the
-thread blocks on the command queue instead of spinning.
+`LLMEngine.step()` runs a forward pass: milliseconds to seconds, and never something an
+event loop may wait on — nor something that may wait on the event loop. Two ways to run it
+behind the same client API (`add_request`, `stream`, `abort`, `release`, `submit`, `call`,
+`shutdown`, `is_dead`):
 
-If a step raises, the engine's state is unknown: the thread marks the client dead, fails
-every in-flight request with `EngineDeadError`, and answers every later command with it
-(/health turns 503).
+- `AsyncEngine(engine)`: in this process, on one dedicated thread that is the only code to
+  touch the engine. For embedding, notebooks and tests (any object with the `EngineLike`
+  methods will do, so tests drive it with scripted doubles).
+- `AsyncEngine.launch(config)`: the engine core in its own process (`engine_process`), as
+  `pagemill serve` runs it. The engine then shares no interpreter lock with the HTTP side:
+  the event loop's Python (request parsing, SSE encoding, socket writes) runs beside the
+  step on another core instead of interleaving with it, and a busy or stalled loop cannot
+  slow a step.
+
+Either way commands (add, abort, call) are applied between steps, so an abort frees the
+request's blocks before the next step is scheduled; the engine side blocks on its command
+queue when there is nothing to run instead of spinning; and a step's outputs reach their
+requests' asyncio queues with one `call_soon_threadsafe` per event loop per step.
+
+If a step raises, the engine's state is unknown: the client is marked dead, every
+in-flight request fails with `EngineDeadError`, and so does every later command (/health
+turns 503). An engine process that exits for any reason is noticed the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -32,7 +43,7 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an error; nothing more can be served."""
+    """The engine stopped (after an error, or shut down); nothing more can be served."""
 
 
 class QueueFullError(RuntimeError):
@@ -49,13 +60,16 @@ class EngineLike(Protocol):
 
 
 class StepObserver(Protocol):
-    """Called on the engine thread after every step (metrics.EngineMetrics implements it).
+    """Told about every step (metrics.EngineMetrics implements it).
 
     It reads the engine's own figures (`get_stats()`, `iteration_stats`), so what a
     dashboard shows is what the engine counted, not what the HTTP layer happened to see.
+    `step_seconds` is the wall time of `step()`, None after a batch of commands that ran no
+    step. In-process it is called on the engine thread; with an engine process, on the
+    client's reader thread with a view of the figures the engine process sent.
     """
 
-    def on_step(self, engine: Any) -> None: ...
+    def on_step(self, engine: Any, step_seconds: float | None = None) -> None: ...
 
 
 @dataclass
@@ -64,6 +78,25 @@ class _Tracked:
 
     out_queue: asyncio.Queue[Any]
     loop: asyncio.AbstractEventLoop
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
+
+
+def deliver(items: Iterable[tuple[_Tracked, Any]]) -> None:
+    """Hand items to their queues: one wake-up of each event loop, however many items.
+
+    Thread-safe and never blocking: the loop runs the puts when it gets to them. A loop
+    that is gone (server shut down mid-request) has nobody left to tell.
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+    for tracked, item in items:
+        by_loop.setdefault(tracked.loop, []).append((tracked.out_queue, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, batch)
 
 
 @dataclass
@@ -90,33 +123,53 @@ class _Call:
 _SHUTDOWN = object()
 
 
-def _deliver(tracked: _Tracked, item: Any) -> None:
-    # The loop may be gone (server shut down mid-request): nobody is left to tell.
-    with contextlib.suppress(RuntimeError):
-        tracked.loop.call_soon_threadsafe(tracked.out_queue.put_nowait, item)
-
-
 class AsyncEngine:
     """Runs an engine on a background thread; safe to use from any event loop.
 
     `max_pending` caps the requests accepted at once (running + waiting in the engine);
     beyond it `add_request` raises `QueueFullError` (the server answers 429).
+    `AsyncEngine.launch(config)` runs the engine in its own process instead, behind the
+    same API.
     """
 
     def __init__(self, engine: EngineLike, *, max_pending: int | None = None,
                  observer: StepObserver | None = None, name: str = "pagemill-engine") -> None:
+        self._init_client(engine, max_pending, observer)
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def launch(cls, config: Any = None, *, max_pending: int | None = None,
+               observer: StepObserver | None = None, engine_threads: int | None = None,
+               start_timeout: float | None = None, **engine_kwargs: Any) -> AsyncEngine:
+        """Start an `LLMEngine(config)` (or `LLMEngine(**engine_kwargs)`) in its own process.
+
+        Returns once the engine is built (model loaded, KV pool sized, step compiled).
+        `engine_threads` sets torch's intra-op threads there (None: on CPU one per usable
+        core but one, left to this process; see `engine_process.default_engine_threads`).
+        `client.engine` is then a view (tokenizer, `encode`, `apply_chat_template`,
+        `max_model_len`, `model_config`, `config`), and `submit`/`call` take picklable
+        functions (module-level, or `functools.partial` of one). See `engine_process`.
+        """
+        from .engine_process import EngineProcessClient
+
+        return EngineProcessClient(config, max_pending=max_pending, observer=observer,
+                                   engine_threads=engine_threads, start_timeout=start_timeout,
+                                   **engine_kwargs)
+
+    def _init_client(self, engine: Any, max_pending: int | None,
+                     observer: StepObserver | None) -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be None or >= 1, got {max_pending}")
         self.engine = engine
         self.max_pending = max_pending
         self.observer = observer
         self.dead_error: BaseException | None = None
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._closed = False
         self._held: set[str] = set()  # accepted and not yet released; under _lock
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     # ------------------------------------------------------------ client side
 
@@ -128,18 +181,17 @@ class AsyncEngine:
     def num_pending(self) -> int:
         return len(self._held)
 
-    def _check_alive(self) -> None:
+    def _stopped_error(self) -> EngineDeadError | None:
         if self.dead_error is not None:
-            raise EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
+            return EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
+        if self._closed:
+            return EngineDeadError("the engine was shut down")
+        return None
 
-    def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
-        """Run `fn(engine)` on the engine thread between steps (thread-safe; for stats, tests)."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self.dead_error is not None:
-            fut.set_exception(EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}"))
-            return fut
-        self._commands.put(_Call(fn, fut))
-        return fut
+    def _check_alive(self) -> None:
+        error = self._stopped_error()
+        if error is not None:
+            raise error
 
     async def call(self, fn: Callable[[Any], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
@@ -167,12 +219,11 @@ class AsyncEngine:
         kwargs.setdefault("arrival_time", time.monotonic())
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
         tracked = _Tracked(q, asyncio.get_running_loop())
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, kwargs, tracked, done))
         try:
+            done = self._post_add(request_id, prompt, params, kwargs, tracked)
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            # The add may already have happened on the engine thread: undo it.
+            # The add may already have happened on the engine side: undo it.
             self.release(request_id, finished=False)
             raise
         except BaseException:
@@ -183,8 +234,8 @@ class AsyncEngine:
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (no-op for finished or unknown ids); blocks are freed before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if ids and self.dead_error is None:
-            self._commands.put(_Abort(ids))
+        if ids and self.dead_error is None and not self._closed:
+            self._post_abort(ids)
 
     def release(self, request_id: str, *, finished: bool) -> None:
         """The caller stops reading `request_id`: abort it unless it finished; free its slot.
@@ -219,8 +270,30 @@ class AsyncEngine:
             for rid in live:
                 self.release(rid, finished=False)
 
+    # ------------------------------------------------------------ transport (in-process)
+
+    def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine)` on the engine thread between steps (thread-safe; for stats, tests)."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        error = self._stopped_error()
+        if error is not None:
+            fut.set_exception(error)
+            return fut
+        self._commands.put(_Call(fn, fut))
+        return fut
+
+    def _post_add(self, request_id: str, prompt: Any, params: Any, kwargs: dict[str, Any],
+                  tracked: _Tracked) -> concurrent.futures.Future[None]:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt, params, kwargs, tracked, done))
+        return done
+
+    def _post_abort(self, request_ids: list[str]) -> None:
+        self._commands.put(_Abort(request_ids))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are aborted); idempotent."""
+        self._closed = True
         if self._thread.is_alive():
             self._commands.put(_SHUTDOWN)
             self._thread.join(timeout)
@@ -239,16 +312,19 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                 if any(c is _SHUTDOWN for c in commands):
-                    self._stop_all()
+                    self._stop_all(commands)
                     return
                 for command in commands:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    t0 = time.perf_counter()
+                    outputs = self.engine.step()
+                    step_seconds = time.perf_counter() - t0
+                    self._dispatch(outputs)
                     if self.observer is not None:
-                        self.observer.on_step(self.engine)
+                        self.observer.on_step(self.engine, step_seconds)
                 elif commands and self.observer is not None:
-                    self.observer.on_step(self.engine)
+                    self.observer.on_step(self.engine, None)
         except BaseException as exc:
             logger.exception("the engine thread failed; the server can no longer serve")
             self._die(exc)
@@ -277,32 +353,47 @@ class AsyncEngine:
                 command.done.set_exception(exc)
 
     def _dispatch(self, outputs: list[Any]) -> None:
+        items = []
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue  # aborted between the step and now
             if out.finished:
                 del self._tracked[out.request_id]
-            _deliver(tracked, out)
+            items.append((tracked, out))
+        deliver(items)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, unapplied: list[Any]) -> None:
         ids = list(self._tracked)
         if ids:
             with contextlib.suppress(Exception):
                 self.engine.abort_request(ids)
-        for rid in ids:
-            _deliver(self._tracked.pop(rid), EngineDeadError("the engine was shut down"))
+        error = EngineDeadError("the engine was shut down")
+        deliver((self._tracked.pop(rid), error) for rid in ids)
+        self._fail_queued(error, unapplied)
+
+    def _fail_queued(self, error: BaseException, commands: list[Any] | None = None) -> None:
+        """Fail the futures of commands that will never be applied (taken or still queued)."""
+        pending = list(commands or [])
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in pending:
+            if isinstance(command, (_Add, _Call)) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(error)
 
     def _die(self, exc: BaseException) -> None:
         self.dead_error = exc
         error = EngineDeadError(f"the engine stopped after an error: {exc!r}")
-        for tracked in self._tracked.values():
-            _deliver(tracked, error)
+        deliver((tracked, error) for tracked in self._tracked.values())
         self._tracked.clear()
         # Keep answering commands so no caller waits forever on a future.
         while True:
             command = self._commands.get()
             if command is _SHUTDOWN:
+                self._fail_queued(error)
                 return
             if isinstance(command, (_Add, _Call)) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)

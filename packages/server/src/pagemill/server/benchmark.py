@@ -7,6 +7,13 @@ process at `request_rate`, never more than `concurrency` in flight, and records 
 request the time to first token (TTFT), the gaps between streamed chunks (ITL) and the
 time per output token after the first (TPOT). Figures are printed as a table, written as
 JSON and drawn (throughput and latency against concurrency) with matplotlib.
+
+Two server-side figures come with each level when they can be had. The engine's own step
+time, read from the server's `pagemill:engine_step_seconds` histogram before and after the
+level: the mean ITL a client sees over the mean decode step is the serving overhead per
+token (1.0 = none). The CPU time of the server's processes (the one `--launch` started, or
+`--server-pid`, and their children, from /proc) over the level's wall time: the cores the
+server used.
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import numpy as np
+
+if TYPE_CHECKING:  # httpx comes with the [bench] extra; `pagemill --help` must not need it
+    import httpx
 
 
 @dataclass
@@ -47,6 +56,7 @@ def make_prompts(num: int, input_len: int, low: int, high: int, seed: int) -> li
 
 async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
                        output_len: int, timeout: float) -> RequestResult:
+    import httpx
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
             "ignore_eos": True, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -97,9 +107,10 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
 
 
 async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int,
-                    concurrency: int, request_rate: float, seed: int, timeout: float
-                    ) -> dict[str, Any]:
+                    concurrency: int, request_rate: float, seed: int, timeout: float,
+                    server_pid: int | None = None) -> dict[str, Any]:
     """One concurrency level; returns its summary (latencies in ms)."""
+    import httpx
     url = base_url.rstrip("/") + "/v1/completions"
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
@@ -110,6 +121,8 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
             async with sem:
                 return await _one_request(client, url, model, prompt, output_len, timeout)
 
+        steps_before = await _scrape_steps(client, base_url)
+        cpu_before = cpu_seconds(server_pid)
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -118,12 +131,17 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
                 await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        cpu_after = cpu_seconds(server_pid)
+        steps = _step_means(steps_before, await _scrape_steps(client, base_url))
 
     good = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in good)
     in_tokens = sum(r.prompt_tokens for r in good)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
     errors = sorted({r.error for r in results if not r.ok})
+    itl = _stats([x for r in good for x in r.itls])
+    tpot = _stats(tpots)
+    decode_ms = steps.get("decode", {}).get("mean_ms", math.nan)
     return {
         "concurrency": concurrency,
         "request_rate": request_rate if math.isfinite(request_rate) else "inf",
@@ -138,24 +156,35 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "ttft_ms": _stats([r.ttft for r in good]),
-        "tpot_ms": _stats(tpots),
-        "itl_ms": _stats([x for r in good for x in r.itls]),
+        "tpot_ms": tpot,
+        "itl_ms": itl,
         "e2e_ms": _stats([r.e2e for r in good]),
+        "engine_steps": steps,
+        "itl_over_decode_step": itl["mean"] / decode_ms if decode_ms > 0 else math.nan,
+        # Per token, whether or not it carried text (a token that completes no character
+        # sends no chunk, so the next ITL spans two steps): the fairer overhead figure.
+        "tpot_over_decode_step": tpot["mean"] / decode_ms if decode_ms > 0 else math.nan,
+        "server_cpu": _cores_used(cpu_before, cpu_after, duration) if server_pid else None,
     }
 
 
 def format_table(levels: list[dict[str, Any]]) -> str:
     head = (f"{'conc':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} "
-            f"{'TTFT mean/p50/p99 ms':>24} {'TPOT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>24}")
+            f"{'TTFT mean/p50/p99 ms':>24} {'TPOT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>24} "
+            f"{'step ms':>8} {'ITL/step':>8} {'cores':>6}")
     rows = [head, "-" * len(head)]
 
     def three(d: dict[str, float]) -> str:
         return f"{d['mean']:.1f}/{d['p50']:.1f}/{d['p99']:.1f}"
 
     for lv in levels:
+        decode = lv.get("engine_steps", {}).get("decode", {}).get("mean_ms", math.nan)
+        cores = (lv.get("server_cpu") or {}).get("cores", math.nan)
         rows.append(f"{lv['concurrency']:>5} {lv['completed']:>5} {lv['request_throughput']:>7.2f} "
                     f"{lv['output_throughput']:>10.1f} {three(lv['ttft_ms']):>24} "
-                    f"{three(lv['tpot_ms']):>24} {three(lv['itl_ms']):>24}")
+                    f"{three(lv['tpot_ms']):>24} {three(lv['itl_ms']):>24} "
+                    f"{decode:>8.1f} {lv.get('itl_over_decode_step', math.nan):>8.2f} "
+                    f"{cores:>6.2f}")
     return "\n".join(rows)
 
 
@@ -198,6 +227,94 @@ def plot(levels: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- server-side figures
+
+
+def _step_totals(text: str) -> dict[str, tuple[float, float]]:
+    """{phase: (sum seconds, count)} of `pagemill:engine_step_seconds` in a /metrics text."""
+    totals: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not line.startswith("pagemill:engine_step_seconds_"):
+            continue
+        name, _, value = line.rpartition(" ")
+        kind = name[len("pagemill:engine_step_seconds_"):].split("{", 1)[0]
+        if kind not in ("sum", "count"):
+            continue
+        phase = name.split('phase="', 1)[1].split('"', 1)[0] if 'phase="' in name else "all"
+        entry = totals.setdefault(phase, [0.0, 0.0])
+        entry[0 if kind == "sum" else 1] += float(value)
+    return {k: (v[0], v[1]) for k, v in totals.items()}
+
+
+async def _scrape_steps(client: httpx.AsyncClient, base_url: str) -> dict[str, tuple[float, float]]:
+    import httpx
+    try:
+        resp = await client.get(base_url.rstrip("/") + "/metrics", timeout=30)
+        return _step_totals(resp.text) if resp.status_code == 200 else {}
+    except httpx.HTTPError:
+        return {}
+
+
+def _step_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+                ) -> dict[str, Any]:
+    """Mean step time (ms) and step count per phase over a level, from two scrapes."""
+    out: dict[str, Any] = {}
+    for phase, (s1, c1) in after.items():
+        s0, c0 = before.get(phase, (0.0, 0.0))
+        n = c1 - c0
+        out[phase] = {"steps": int(n), "mean_ms": (s1 - s0) / n * 1000.0 if n > 0 else math.nan}
+    return out
+
+
+def _proc_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc; empty elsewhere or once it is gone)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree if os.path.exists(f"/proc/{pid}") else []
+
+
+def cpu_seconds(pid: int | None) -> dict[int, float]:
+    """User + system CPU seconds of `pid` and each live descendant, by pid."""
+    if pid is None:
+        return {}
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for p in _proc_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        # After the command name: state is field 3, utime 14 and stime 15 (1-based).
+        out[p] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
+def _cores_used(before: dict[int, float], after: dict[int, float], seconds: float
+                ) -> dict[str, Any]:
+    per_proc = {p: after[p] - before.get(p, 0.0) for p in after}
+    return {"cores": sum(per_proc.values()) / seconds if seconds > 0 else math.nan,
+            "per_process": {str(p): v / seconds for p, v in sorted(per_proc.items())}}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,6 +323,7 @@ def _free_port() -> int:
 
 def launch_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Popen[bytes], str]:
     """Start `pagemill serve` in a child process on a free loopback port; wait for /health."""
+    import httpx
     port = _free_port()
     cmd = [sys.executable, "-m", "pagemill.server.cli", "serve", *serve_args,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -225,7 +343,9 @@ def launch_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Pop
     raise RuntimeError(f"the server did not become healthy within {timeout:.0f}s")
 
 
-async def _run_all(args: argparse.Namespace, base_url: str) -> list[dict[str, Any]]:
+async def _run_all(args: argparse.Namespace, base_url: str, server_pid: int | None = None
+                   ) -> list[dict[str, Any]]:
+    import httpx
     async with httpx.AsyncClient() as client:
         models = (await client.get(base_url + "/v1/models", timeout=30)).json()["data"]
     model = args.model or models[0]["id"]
@@ -240,9 +360,12 @@ async def _run_all(args: argparse.Namespace, base_url: str) -> list[dict[str, An
             await run_level(base_url, model, prompts[: min(conc, len(prompts))], 4, conc,
                             math.inf, args.seed, args.timeout)
         level = await run_level(base_url, model, prompts, args.output_len, conc,
-                                args.request_rate, args.seed + i, args.timeout)
+                                args.request_rate, args.seed + i, args.timeout, server_pid)
+        cores = (level["server_cpu"] or {}).get("cores", math.nan)
         print(f"concurrency {conc}: {level['completed']}/{level['num_requests']} ok, "
-              f"{level['output_throughput']:.1f} output tok/s", flush=True)
+              f"{level['output_throughput']:.1f} output tok/s, ITL/decode step "
+              f"{level['itl_over_decode_step']:.2f} (TPOT/step "
+              f"{level['tpot_over_decode_step']:.2f}), server cores {cores:.2f}", flush=True)
         levels.append(level)
     return levels
 
@@ -261,6 +384,9 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the server to load (default http://127.0.0.1:8000)")
     p.add_argument("--launch", nargs=argparse.REMAINDER, default=None, metavar="SERVE_ARGS",
                    help="start `pagemill serve SERVE_ARGS...` on a free port first (must be last)")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="measure the CPU use of this process and its children (default: the "
+                        "launched server's, if --launch)")
     p.add_argument("--model", default=None, help="model name to request (default: the server's)")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
                    help="comma-separated concurrency levels (default 1,4,16,64)")
@@ -281,12 +407,18 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("httpx") is None:
+        print("pagemill bench serve needs httpx: install pagemill-server[bench]", file=sys.stderr)
+        return 2
     proc = None
     base_url = args.base_url
     if args.launch is not None:
         proc, base_url = launch_server(list(args.launch), timeout=600)
+    server_pid = args.server_pid if args.server_pid is not None else (proc.pid if proc else None)
     try:
-        levels = asyncio.run(_run_all(args, base_url))
+        levels = asyncio.run(_run_all(args, base_url, server_pid))
     finally:
         if proc is not None:
             proc.terminate()

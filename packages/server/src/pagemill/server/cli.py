@@ -105,14 +105,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or config.model
     logging.getLogger("pagemill").info("loading %s", config.model)
-    engine = _make_engine(config)
     metrics = EngineMetrics(name)
-    client = AsyncEngine(engine, max_pending=args.max_queue_len, observer=metrics)
-    app = build_app(client, name, api_key=resolve_api_key(args.api_key),
-                    max_body_bytes=args.max_body_size, metrics=metrics)
-    print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
-          f"(max_model_len={engine.max_model_len})", file=sys.stderr, flush=True)
+    if args.engine_process:
+        # The engine core in its own process: no GIL shared with the HTTP side.
+        client = AsyncEngine.launch(config, max_pending=args.max_queue_len, observer=metrics,
+                                    engine_threads=args.engine_threads)
+    else:
+        from .engine_process import default_engine_threads
+
+        threads = args.engine_threads or default_engine_threads(config)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len,
+                             observer=metrics)
     try:
+        app = build_app(client, name, api_key=resolve_api_key(args.api_key),
+                        max_body_bytes=args.max_body_size, metrics=metrics)
+        print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
+              f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
         run_server(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         client.shutdown()
@@ -143,6 +155,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="largest request body accepted; larger ones get 413 (default 4MiB)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core in its own process, so the HTTP side never shares "
+                        "the interpreter lock with a step (default); --no-engine-process runs "
+                        "it on a thread of the server process")
+    s.add_argument("--engine-threads", type=_positive_int, default=None, metavar="N",
+                   help="torch intra-op threads for the engine (default on CPU: one per core "
+                        "but one, which the HTTP side keeps; on a GPU, or with OMP_NUM_THREADS "
+                        "set, torch's choice)")
     p.set_defaults(func=cmd_serve)
 
 

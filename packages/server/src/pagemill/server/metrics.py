@@ -2,8 +2,10 @@
 
 Dashboards built for vLLM read the same names with the prefix swapped. Each server gets
 its own `CollectorRegistry` (several apps in one process, as in tests, must not collide).
-Everything here is updated from the engine thread (prometheus-client is thread-safe), so
-latencies are measured where tokens appear, not where the HTTP layer happens to notice.
+Everything here is updated from the engine's figures after every step (prometheus-client is
+thread-safe): on the engine thread in-process, or on the client's reader thread from what
+the engine process sent. Latencies are measured where tokens appear, not where the HTTP
+layer happens to notice.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class EngineMetrics:
@@ -67,6 +71,11 @@ class EngineMetrics:
                                                "Prompt length per request.", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens",
                                                    "Generated tokens per request.", _TOKEN_BUCKETS)
+        # Not in vLLM's set: the engine's own time per step, the yardstick for the latency a
+        # streaming client sees (a "decode" step completed no prompt; "prefill" ones did).
+        self.step_time = Histogram("pagemill:engine_step_seconds",
+                                   "Wall time of one engine step (LLMEngine.step).",
+                                   [*labels, "phase"], buckets=_STEP_BUCKETS, registry=r)
         self._last_totals: dict[str, float] = {}
         self._last_iteration: Any = None
         # Touch every labelled child so each series is exported (at 0) from the first scrape.
@@ -75,12 +84,15 @@ class EngineMetrics:
                        self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(model_name)
+        for phase in ("decode", "prefill"):
+            self.step_time.labels(model_name, phase)
 
     # -------------------------------------------------- the hook (engine thread)
 
-    def on_step(self, engine: Any) -> None:
+    def on_step(self, engine: Any, step_seconds: float | None = None) -> None:
         """Fold in one step: gauges from `engine.get_stats()`, increments from
-        `engine.iteration_stats` (tokens, latencies and the requests that finished)."""
+        `engine.iteration_stats` (tokens, latencies and the requests that finished), and the
+        step's duration when it ran one (None after an idle batch of commands)."""
         m = self.model_name
         stats = engine.get_stats()
         self.num_requests_running.labels(m).set(stats.num_running)
@@ -96,6 +108,11 @@ class EngineMetrics:
                 metric.labels(m).inc(delta)
             self._last_totals[key] = total
         it = getattr(engine, "iteration_stats", None)
+        if step_seconds is not None:
+            # A step that completed a prompt (or sampled nothing: a prompt chunk) is prefill.
+            prefill = it is not None and (bool(it.num_prompt_tokens)
+                                          or not it.num_generation_tokens)
+            self.step_time.labels(m, "prefill" if prefill else "decode").observe(step_seconds)
         # Called after idle command batches too: a step's increments are folded in once.
         if it is None or it is self._last_iteration:
             return

@@ -1,5 +1,5 @@
 """Layers whose weights may come in more than one format (dense, quantized)."""
 
-from .linear import Linear
+from .linear import Linear, packed_row_limits
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "packed_row_limits"]

@@ -29,6 +29,8 @@ from pagemill.kernels import (
 from ..attention_metadata import AttentionMetadata
 from ..layers import Linear
 from ..model_config import ModelConfig
+from ..quantization.formats import QuantizedRows, dequantize
+from ..quantization.scheme import WeightScheme
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -138,6 +140,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        # The LM head as a Linear when it is served in another format (quantized); set by
+        # `serve_lm_head_as` before the weights load. None: logits from lm_head_weight.
+        self.logits_proj: Linear | None = None
         # cos|sin table in fp32: rotating in low precision would drift from the reference.
         self.register_buffer(
             "cos_sin",
@@ -172,45 +177,64 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab], called on the sampled rows only."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden)
         return F.linear(hidden, self.lm_head_weight)
 
     # ---- weights -------------------------------------------------------------------------
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF tensor name -> (our parameter, row offset, rows) for every tensor we need."""
+    def serve_lm_head_as(self, scheme: WeightScheme) -> Linear:
+        """Compute logits through a `Linear` with `scheme` (e.g. int8) instead of the dense head.
+
+        Call before loading: the head's checkpoint rows (the embedding's, when tied) then
+        load into it too. A tied head keeps the embedding as its dense copy for large row
+        counts (it exists anyway); an untied one keeps `lm_head` only if `scheme` asks.
+        """
+        c = self.config
+        proj = Linear(c.hidden_size, c.vocab_size, False, self.dtype)
+        proj.scheme = scheme
+        self.logits_proj = proj
+        return proj
+
+    def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
+        """HF tensor name -> [(our parameter or Linear, row offset, rows)] for every tensor we need."""
         c = self.config
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
-        t: dict[str, tuple[torch.Tensor, int, int]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
-            "model.norm.weight": (self.norm.weight, 0, c.hidden_size),
+        t: dict[str, list[tuple[torch.Tensor | Linear, int, int]]] = {
+            "model.embed_tokens.weight": [(self.embed_tokens, 0, c.vocab_size)],
+            "model.norm.weight": [(self.norm.weight, 0, c.hidden_size)],
         }
         if self.lm_head is not None:
-            t["lm_head.weight"] = (self.lm_head, 0, c.vocab_size)
+            t["lm_head.weight"] = [(self.lm_head if self.logits_proj is None else self.logits_proj, 0, c.vocab_size)]
+        elif self.logits_proj is not None:
+            t["model.embed_tokens.weight"].append((self.logits_proj, 0, c.vocab_size))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
-            t[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
-            t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
+            t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
+            t[p + "post_attention_layernorm.weight"] = [(layer.post_attention_layernorm.weight, 0, c.hidden_size)]
             for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                t[p + f"self_attn.{name}.weight"] = (a.qkv_proj.weight, off, rows)
+                t[p + f"self_attn.{name}.weight"] = [(a.qkv_proj, off, rows)]
                 if a.qkv_proj.bias is not None:
-                    t[p + f"self_attn.{name}.bias"] = (a.qkv_proj.bias, off, rows)
-            t[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, 0, c.hidden_size)
+                    t[p + f"self_attn.{name}.bias"] = [(a.qkv_proj.bias, off, rows)]
+            t[p + "self_attn.o_proj.weight"] = [(a.o_proj, 0, c.hidden_size)]
             if a.o_proj.bias is not None:
-                t[p + "self_attn.o_proj.bias"] = (a.o_proj.bias, 0, c.hidden_size)
+                t[p + "self_attn.o_proj.bias"] = [(a.o_proj.bias, 0, c.hidden_size)]
             for name, off in (("gate_proj", 0), ("up_proj", inter)):
-                t[p + f"mlp.{name}.weight"] = (m.gate_up_proj.weight, off, inter)
+                t[p + f"mlp.{name}.weight"] = [(m.gate_up_proj, off, inter)]
                 if m.gate_up_proj.bias is not None:
-                    t[p + f"mlp.{name}.bias"] = (m.gate_up_proj.bias, off, inter)
-            t[p + "mlp.down_proj.weight"] = (m.down_proj.weight, 0, c.hidden_size)
+                    t[p + f"mlp.{name}.bias"] = [(m.gate_up_proj.bias, off, inter)]
+            t[p + "mlp.down_proj.weight"] = [(m.down_proj, 0, c.hidden_size)]
             if m.down_proj.bias is not None:
-                t[p + "mlp.down_proj.bias"] = (m.down_proj.bias, 0, c.hidden_size)
+                t[p + "mlp.down_proj.bias"] = [(m.down_proj.bias, 0, c.hidden_size)]
         return t
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]]) -> None:
         """Copy checkpoint tensors into the (fused) parameters; raise listing what is missing.
 
+        A value is a dense tensor or quantized rows (from a GGUF file): `Linear`s take either
+        (and pack them as their scheme says), plain parameters get them dequantized.
         Tensors the model does not use (rotary inv_freq buffers, a tied checkpoint's
         duplicate lm_head) are skipped; a shape mismatch names the tensor and both shapes.
         """
@@ -219,17 +243,21 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.startswith("model.") is False and name != "lm_head.weight":
                 name = "model." + name  # some exports drop the "model." prefix
-            target = targets.get(name)
-            if target is None:
-                continue
-            param, off, rows = target
-            dest = param.narrow(0, off, rows) if param.dim() >= 1 else param
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            loaded.add(name)
+            for target, off, rows in targets.get(name, ()):
+                if isinstance(target, Linear):
+                    dest_shape: tuple[int, ...] = (rows, target.in_features)
+                else:
+                    dest_shape = tuple(target.narrow(0, off, rows).shape if target.dim() >= 1 else target.shape)
+                if tuple(dest_shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest_shape)}"
+                    )
+                if isinstance(target, Linear):
+                    target.load_rows(off, tensor)
+                else:
+                    dest = target.narrow(0, off, rows) if target.dim() >= 1 else target
+                    dest.copy_(dequantize(tensor, target.dtype))
+                loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
             shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
@@ -238,9 +266,24 @@ class LlamaForCausalLM(nn.Module):
 
     def finalize_weights(self) -> None:
         """Let every layer convert its loaded weights to the format it computes with."""
+        proj = self.logits_proj
+        if proj is not None and self.lm_head is None and not proj.finalized:
+            proj.weight.copy_(self.embed_tokens)  # dummy weights: a tied head is the embedding
         for module in self.modules():
             if isinstance(module, Linear):
                 module.finalize()
+        if proj is None:
+            return
+        if proj.format == "dense":  # nothing to gain over the dense head
+            self.logits_proj = None
+            if self.lm_head is not None and proj.weight is not None:
+                self.lm_head = proj.weight
+        elif self.lm_head is None:
+            # Tied: the embedding is the dense copy for large row counts, at no extra memory.
+            proj.use_dense_weight(self.embed_tokens)
+        else:
+            # Untied and packed: `lm_head` is the packed head's dense copy, or nothing.
+            self.lm_head = proj.weight if proj.weight is not None else _param(0, self.config.hidden_size, dtype=self.dtype)
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

@@ -1,0 +1,34 @@
+"""Triton kernel of the paged KV cache write (see `pagemill.kernels.kv_cache`)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_cache_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch,
+    stride_vcb, stride_vcs, stride_vch,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, H_PAD)
+    d = tl.arange(0, D_PAD)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    kv = tl.load(k_ptr + t64 * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    vv = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    kdst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
+    vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)

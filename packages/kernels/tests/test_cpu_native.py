@@ -1,0 +1,105 @@
+"""The native CPU decode kernel (K/V read in place) against float64 dense attention.
+
+It is built on first use with the host compiler; where none exists the tests skip (the
+torch path then serves decodes, and test_attention covers it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagemill.kernels import cpu_native, paged_attention, plan_attention
+
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = cpu_native.load()
+    if built is None:
+        pytest.skip("the native CPU kernel could not be built here (no C++ compiler?)")
+    return built
+
+
+def _batch(seed, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-c // block_size) for c in ctx]
+    pool = sum(nblk) + 3
+    perm = torch.randperm(pool, generator=g)
+    # Junk past each request's blocks: the kernel must never read it.
+    tables = torch.randint(0, pool, (len(ctx), max(nblk) + 2), generator=g, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(nblk):
+        tables[s, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    shape = (pool, block_size, num_kv_heads, head_dim)
+    kc = torch.randn(shape, generator=g).to(dtype)
+    vc = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(len(ctx), num_heads, head_dim, generator=g).to(dtype)
+    return q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32)
+
+
+def _dense(q, kc, vc, tables, lens, scale):
+    out = []
+    group = q.shape[1] // kc.shape[2]
+    for s, n in enumerate(lens.tolist()):
+        nb = -(-n // kc.shape[1])
+        k = kc[tables[s, :nb].long()].reshape(-1, kc.shape[2], kc.shape[3])[:n].double()
+        v = vc[tables[s, :nb].long()].reshape(-1, vc.shape[2], vc.shape[3])[:n].double()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        w = torch.softmax(torch.einsum("hd,thd->ht", q[s].double(), k) * scale, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", w, v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 24), (16, 2, 256)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_native_decode_matches_dense(lib, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    ctx = [1, 2, 15, 16, 17, 70, 33]
+    q, kc, vc, tables, lens = _batch(0, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.3)
+    ref = _dense(q, kc, vc, tables, lens, 0.3)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]
+
+
+def test_native_rows_write_only_their_rows(lib):
+    """Decode rows scattered among prefill rows: only those rows of `out` are written."""
+    q, kc, vc, tables, lens = _batch(1, [9, 40, 3], 8, 2, 64, 16, torch.float32)
+    big_q = torch.randn(7, 8, 64)
+    rows = torch.tensor([5, 0, 3])
+    big_q[rows] = q
+    out = torch.full_like(big_q, float("nan"))
+    cpu_native.paged_decode(lib, big_q, kc, vc, out, tables, lens, rows, 0.25)
+    assert torch.allclose(out[rows].double(), _dense(q, kc, vc, tables, lens, 0.25), atol=1e-5)
+    others = [r for r in range(7) if r not in rows.tolist()]
+    assert out[others].isnan().all()
+
+
+def test_native_is_the_plan_for_decodes_and_matches_the_gather_path(lib, monkeypatch):
+    q, kc, vc, tables, lens = _batch(2, [5, 90, 17, 64, 1, 33], 9, 3, 64, 16, torch.bfloat16)
+    qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    plan = plan_attention(qsl, lens, tables, k_cache_shape=tuple(kc.shape), num_heads=9,
+                          dtype=q.dtype)
+    assert plan.impl.native is not None and not plan.impl.decode
+    native = paged_attention(q, kc, vc, tables, qsl, lens, 0.125, plan=plan)
+    monkeypatch.setattr(cpu_native, "load", lambda: None)
+    gathered = paged_attention(q, kc, vc, tables, qsl, lens, 0.125)
+    ref = _dense(q, kc, vc, tables, lens, 0.125)
+    # fp32 scores in the native kernel: closer to float64 than the bf16-score gather path.
+    assert (native.double() - ref).abs().max() <= (gathered.double() - ref).abs().max() + 1e-3
+
+
+def test_native_result_does_not_depend_on_threads(lib, monkeypatch):
+    q, kc, vc, tables, lens = _batch(3, [40] * 8, 8, 2, 64, 16, torch.float32)
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        out = torch.empty_like(q)
+        cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
