@@ -12,12 +12,18 @@ of tokens. Greedy decoding on both sides.
   that is the cost of static batching — but only each request's own tokens are counted.
 
 Then a table of pagemill's decode step time vs the number of decoding requests, measured
-by timing `LLMEngine.step()` when every running request is in its decode phase.
+by timing `LLMEngine.step()` when every running request is in its decode phase, for each
+of --modes (how the weights are served and whether the step is compiled), against the
+machine's limits measured in the same process: the weight-streaming floor (the bytes a
+small step reads / large-tensor read bandwidth) and the GEMM roofline (the bf16 GEMM rate
+/ 2 FLOPs per weight per token).
 
 Figures are printed (and written to --json); nothing is asserted.
 
     python benchmarks/throughput.py                      # the full workload
     python benchmarks/throughput.py --num-prompts 16 --max-output 64 --step-batch-sizes 1,4,16
+    python benchmarks/throughput.py --skip-pagemill --skip-transformers \
+        --modes bf16-eager,bf16,int8,int4,gguf          # the step table per weight format
 """
 
 from __future__ import annotations
@@ -72,10 +78,11 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
-def make_llm(args: argparse.Namespace, model_dir: Path) -> Any:
+def make_llm(args: argparse.Namespace, model_dir: Path, mode: str | None = None) -> Any:
     from pagemill.runtime import LLM
 
     kwargs: dict[str, Any] = dict(
+        model=args.model if mode is not None else str(model_dir),
         dtype=args.dtype,
         device=args.device,
         max_num_seqs=args.max_num_seqs,
@@ -86,7 +93,62 @@ def make_llm(args: argparse.Namespace, model_dir: Path) -> Any:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
-    return LLM(str(model_dir), **kwargs)
+    if mode is not None:
+        load_format, quantization, eager = MODES[mode]
+        kwargs.update(load_format=load_format, quantization=quantization, enforce_eager=eager)
+    return LLM(**kwargs)
+
+
+# How a mode serves the weights: (load_format, quantization, enforce_eager).
+MODES: dict[str, tuple[str, str | None, bool]] = {
+    "bf16-eager": ("safetensors", None, True),  # dense weights, no compiled graph
+    "bf16": ("safetensors", None, False),  # dense weights, compiled step
+    "int8": ("safetensors", "int8", False),  # per-channel int8, quantized on load
+    "int4": ("safetensors", "int4", False),  # int4 groups of 32 with zero points
+    "gguf": ("auto", None, False),  # the default: the model's own Q4_1/Q8_0 kept packed
+    "gguf-eager": ("auto", None, True),
+}
+
+
+def machine_limits(device: str, seconds: float = 1.0) -> dict[str, float]:
+    """Large-tensor read bandwidth and the bf16 GEMM rate, measured now, in this process.
+
+    The read runs a reduction over 512 MiB (far beyond any cache) with torch's threads; the
+    GEMM is 2048^3 in bf16 (oneDNN picks AMX / AVX512-BF16 where the CPU has them). Best of
+    a few repetitions: the box is shared, and the best run is the nearest to its limit.
+    """
+    dev = torch.device("cpu" if device == "auto" and not torch.cuda.is_available() else device)
+    x = torch.ones(128 << 20, dtype=torch.float32, device=dev)  # 512 MiB
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16, device=dev)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        deadline = time.perf_counter() + seconds
+        while len(times) < 3 or time.perf_counter() < deadline:
+            _sync(str(dev))
+            t0 = time.perf_counter()
+            fn()
+            _sync(str(dev))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    read_s = best(lambda: x.sum())
+    gemm_s = best(lambda: a @ b)
+    return {"read_gb_s": x.numel() * 4 / read_s / 1e9, "bf16_gemm_gflop_s": 2 * 2048**3 / gemm_s / 1e9}
+
+
+def model_costs(llm: Any) -> dict[str, float]:
+    """What one token costs this model: bytes a small step streams and FLOPs per token."""
+    from pagemill.runtime.layers import Linear
+    from pagemill.runtime.quantization.report import weight_report
+
+    model = llm.llm_engine.engine_core.model_runner.model
+    report = weight_report(model)
+    flops = sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
+    return {"step_bytes": report.step_bytes, "flops_per_token": flops,
+            "weights": report.summary()}
 
 
 def _sync(device: str) -> None:
@@ -296,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-cache-gib", type=float, default=None, help="KV pool size (default: engine's)"
     )
+    ap.add_argument("--mode", default="gguf", choices=sorted(MODES),
+                    help="how pagemill serves the weights in the offline comparison")
+    ap.add_argument("--modes", default=None,
+                    help=f"comma-separated modes for the step table (default: --mode); of "
+                         f"{', '.join(MODES)}")
     ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")
     ap.add_argument("--step-iters", type=int, default=5)
@@ -344,13 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": n_in,
         "output_tokens": n_out,
     }
+    limits = machine_limits(args.device)
+    result["machine"] = limits
+    print(f"machine: read {limits['read_gb_s']:.1f} GB/s, bf16 GEMM "
+          f"{limits['bf16_gemm_gflop_s']:.0f} GFLOP/s (measured now)")
     pm = hf = None
     llm = None
-    if not args.skip_pagemill or not args.skip_step_table:
-        t0 = time.perf_counter()
-        llm = make_llm(args, model_dir)
-        result["pagemill_load_s"] = time.perf_counter() - t0
     if not args.skip_pagemill:
+        t0 = time.perf_counter()
+        llm = make_llm(args, model_dir, args.mode)
+        result["pagemill_load_s"] = time.perf_counter() - t0
+        result["pagemill_mode"] = args.mode
         print("pagemill LLM.generate ...", file=sys.stderr)
         pm = run_pagemill(llm, workload, args)
         result["pagemill"] = {k: v for k, v in pm.items() if k != "token_ids"}
@@ -364,8 +435,26 @@ def main(argv: list[str] | None = None) -> int:
         result["transformers"] = {k: v for k, v in hf.items() if k != "token_ids"}
         print(f"  transformers: {hf['output_tokens_per_s']:.1f} output tok/s", file=sys.stderr)
     if not args.skip_step_table:
-        print("pagemill decode step time vs batch size ...", file=sys.stderr)
-        result["step_table"] = step_time_table(llm, args, vocab_size)
+        result["step_tables"] = {}
+        for mode in (args.modes or args.mode).split(","):
+            if llm is None or mode != args.mode:
+                llm = None
+                t0 = time.perf_counter()
+                llm = make_llm(args, model_dir, mode)
+                print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            costs = model_costs(llm)
+            print(f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",
+                  file=sys.stderr)
+            rows = step_time_table(llm, args, vocab_size)
+            floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3
+            roof = limits["bf16_gemm_gflop_s"] * 1e9 / costs["flops_per_token"]
+            for row in rows:
+                row["floor_ms"] = floor_ms
+                row["x_floor"] = row["step_ms"] / floor_ms
+                row["roofline_tok_s"] = roof
+                row["of_roofline"] = row["tokens_per_s"] / roof
+            result["step_tables"][mode] = {**costs, "rows": rows}
+            llm = None
 
     print()
     if pm is not None:
@@ -386,13 +475,17 @@ def main(argv: list[str] | None = None) -> int:
         result["first16_agreement"] = agree
         print(f"ratio pagemill / transformers: {ratio:.2f}x   (target >= 3x)")
         print(f"greedy agreement on the first 16 tokens: {agree:.0%} of requests")
-    if result.get("step_table"):
-        print("\npagemill decode step time vs batch size")
-        print(f"{'batch':>6} {'step ms':>10} {'forward ms':>11} {'host ms':>9} {'host':>6} "
-              f"{'tok/s':>10}")
-        for row in result["step_table"]:
-            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['forward_ms']:11.2f} "
-                  f"{row['host_ms']:9.2f} {row['host_share']:6.1%} {row['tokens_per_s']:10.1f}")
+    for mode, table in result.get("step_tables", {}).items():
+        rows = table["rows"]
+        print(f"\npagemill decode step, {mode}: {table['step_bytes'] / 1e6:.0f} MB per small "
+              f"step, floor {rows[0]['floor_ms']:.2f} ms; GEMM roofline "
+              f"{rows[0]['roofline_tok_s']:.0f} tok/s")
+        print(f"{'batch':>6} {'step ms':>10} {'x floor':>8} {'forward ms':>11} {'host ms':>9} "
+              f"{'host':>6} {'tok/s':>10} {'of roof':>8}")
+        for row in rows:
+            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['x_floor']:8.2f} "
+                  f"{row['forward_ms']:11.2f} {row['host_ms']:9.2f} {row['host_share']:6.1%} "
+                  f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -9,17 +9,20 @@ compiled and eager.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+from pagemill.runtime.compilation import (
+    ENFORCE_EAGER_ENV,
+    compile_forward,
+    compile_unavailable_reason,
+)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def compiled_llm(tiny_llama) -> LLM:
-    import torch
-
     reason = compile_unavailable_reason(torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
@@ -71,3 +74,27 @@ def test_no_compiler_falls_back_to_eager_with_one_warning(tiny_llama, monkeypatc
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+class _Branchy(torch.nn.Module):
+    """Branches on a Python attribute, as Linear does on its weight format."""
+
+    def __init__(self, double: bool) -> None:
+        super().__init__()
+        self.double = double
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+        return input_ids * 2 if self.double else input_ids + 1
+
+
+def test_each_model_compiles_its_own_graph() -> None:
+    # Dynamo caches graphs on the forward's code object and the model's own guards are
+    # dropped: without a private code object the second model ran the first one's graph
+    # (a quantized engine built after a dense one ran the dense branches).
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable_reason(torch.device("cpu")))
+    x = torch.arange(4.0)
+    first = compile_forward(_Branchy(True))(x, x, None)
+    second = compile_forward(_Branchy(False))(x, x, None)
+    assert first.tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert second.tolist() == [1.0, 2.0, 3.0, 4.0]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +65,22 @@ def _keep_input_guards(guards: list[Any]) -> list[bool]:
             for g in guards]
 
 
+def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """`model.forward` bound over a private copy of its code object.
+
+    Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
+    and the model's own guards are dropped (`_keep_input_guards`): a second model in this
+    process (another engine, another weight format) would run the first one's graph —
+    its weight formats, its branches. A code object of its own gives each model its own
+    cache.
+    """
+    forward = type(model).forward
+    private = types.FunctionType(forward.__code__.replace(), forward.__globals__,
+                                 forward.__name__, forward.__defaults__, forward.__closure__)
+    private.__kwdefaults__ = forward.__kwdefaults__
+    return types.MethodType(private, model)
+
+
 def compile_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
@@ -73,7 +90,7 @@ def compile_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     return torch.compile(
-        model.forward,
+        _private_forward(model),
         dynamic=True,
         fullgraph=True,
         options={"freezing": True, "guard_filter_fn": _keep_input_guards},
