@@ -102,8 +102,8 @@ class EngineCore:
                 logger.warning("running the model eagerly: %s", reason)
             return
         seconds = self.model_runner.compile()
-        logger.info("compiled the model forward in %.1f s (inductor; cached for later starts)",
-                    seconds)
+        logger.info("compiled the model forward in %.1f s (inductor's cache keeps the generated "
+                    "code; dynamo traces again at each start; --enforce-eager skips this)", seconds)
 
     # ---- requests ------------------------------------------------------------------------
 
