@@ -10,11 +10,12 @@ with an error); shutdown and start-up failures are clean.
 from __future__ import annotations
 
 import asyncio
-import functools
+import operator
 import os
 import signal
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,15 +80,6 @@ def proc_client(model_dir: Path) -> Iterator[AsyncEngine]:
     client.shutdown()
 
 
-# Functions sent to the engine process must pickle: module-level, not lambdas.
-def get_stats(engine: Any) -> Any:
-    return engine.get_stats()
-
-
-def add(engine: Any, a: int) -> int:
-    return a + engine.max_model_len
-
-
 def reference_text(folder: Path, prompt: Any, **params: Any) -> tuple[str, list[int]]:
     engine = LLMEngine(**engine_kwargs(folder))
     engine.add_request("ref", prompt, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY,
@@ -130,12 +122,31 @@ def test_http_through_an_engine_process_equals_the_engine(model_dir: Path,
         assert 'pagemill:engine_step_seconds_count{model_name="tiny-llama",phase="decode"}' \
             in metrics
         assert 'pagemill:generation_tokens_total{model_name="tiny-llama"}' in metrics
-    stats = proc_client.submit(get_stats).result(timeout=30)
+    # Functions sent to the engine process must pickle by reference to a module that
+    # process can import: the standard library's are safe; this test module is not (under
+    # `--import-mode=importlib` it is not on the child's path).
+    stats = proc_client.submit(operator.methodcaller("get_stats")).result(timeout=30)
     assert stats.num_running == 0 and stats.kv_cache_usage == 0.0  # every block back
-    assert proc_client.submit(functools.partial(add, a=1)).result(timeout=30) == 1025
+    assert proc_client.submit(operator.attrgetter("max_model_len")).result(timeout=30) == 1024
     with pytest.raises(TypeError, match="cannot send"):
         proc_client.submit(lambda e: e.get_stats()).result(timeout=30)
+    # A function the engine process cannot import fails that call alone.
+    local = types.ModuleType("pagemill_only_in_this_process")
+
+    def here_only(engine: Any) -> int:
+        return 1
+
+    here_only.__module__ = local.__name__
+    here_only.__qualname__ = "here_only"
+    local.here_only = here_only  # type: ignore[attr-defined]
+    sys.modules[local.__name__] = local
+    try:
+        with pytest.raises(Exception, match="pagemill_only_in_this_process"):
+            proc_client.submit(here_only).result(timeout=30)
+    finally:
+        del sys.modules[local.__name__]
     assert not proc_client.is_dead
+    assert proc_client.submit(operator.attrgetter("max_model_len")).result(timeout=30) == 1024
 
 
 def test_engine_steps_while_the_event_loop_holds_the_gil(proc_client: AsyncEngine) -> None:
@@ -191,7 +202,7 @@ def test_a_dead_engine_process_is_noticed(model_dir: Path) -> None:
             after = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
             assert after.status_code == 503
             with pytest.raises(EngineDeadError):
-                client.submit(get_stats).result(timeout=30)
+                client.submit(operator.methodcaller("get_stats")).result(timeout=30)
     finally:
         client.shutdown()
 

@@ -15,7 +15,7 @@ the server's Python uses a core of its own.
     (one call_soon_threadsafe per step)             on the pipe, whoever reads it)
 
 Messages are pickled tuples. To the engine: ("add", id, prompt, params, kwargs),
-("abort", ids), ("call", call_id, fn), ("shutdown",). From it: ("ready", info),
+("abort", ids), ("call", call_id, pickled fn), ("shutdown",). From it: ("ready", info),
 ("failed", message) at start-up, ("added", id, error | None), ("step", rows, stats,
 iteration_stats, step_seconds) with the outputs as plain tuples (cheaper to pickle on the
 step's thread), ("stats", stats) after commands that ran no step,
@@ -141,8 +141,11 @@ class _CoreLoop:
         elif kind == "abort":
             self.engine.abort_request(list(msg[1]))
         elif kind == "call":
-            _, call_id, fn = msg
+            _, call_id, blob = msg
             try:
+                # Unpickled here, not with the message: a function this process cannot
+                # import (a test module, a script's __main__) fails its call alone.
+                fn = pickle.loads(blob)
                 result = fn(self.engine)
                 pickle.dumps(result, protocol=_PROTOCOL)  # fail here, not in the sender
             except Exception as exc:
@@ -425,7 +428,13 @@ class EngineProcessClient(AsyncEngine):
             return fut
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
-        self._send(("call", call_id, fn))
+        try:
+            blob = pickle.dumps(fn, protocol=_PROTOCOL)
+        except Exception as exc:
+            self._calls.pop(call_id, None)
+            fut.set_exception(TypeError(f"cannot send this to the engine process: {exc}"))
+            return fut
+        self._send(("call", call_id, blob))
         if self._dead_event.is_set():  # died while we registered: nobody will answer
             self._refuse(("call", call_id), self._stopped_error() or EngineDeadError("dead"))
         return fut
