@@ -1,10 +1,11 @@
-"""Phi-3 (and Phi-4-mini): the Llama layer, read from a checkpoint with fused projections.
+"""Phi-3: the Llama layer, read from a checkpoint with fused projections.
 
 Phi-3 checkpoints already hold ``self_attn.qkv_proj`` ([q; k; v] rows) and
 ``mlp.gate_up_proj`` ([gate; up] rows) — exactly the fused layout the Llama module
 computes with — so they load whole into the same `Linear`s, with no split. Partial RoPE
-(``partial_rotary_factor`` < 1, Phi-4-mini) and the sliding window (every layer, when the
-config sets one) come from the config through the shared attention layer.
+(``partial_rotary_factor`` < 1) and the sliding window (every layer, when the config sets
+one: Phi-3-mini-4k's 2047) come from the config through the shared attention layer.
+``longrope`` scaling (the 128k variants, Phi-3.5, Phi-4-mini) is refused by the RoPE table.
 """
 
 from __future__ import annotations
