@@ -85,7 +85,8 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window) if isinstance(window, int) and window > 0 else None
 
 
-def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int) -> list[str]:
+def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int,
+                 strict: bool = True) -> list[str]:
     """Which layers attend through the sliding window, as transformers decides it.
 
     transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
@@ -96,7 +97,7 @@ def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int) -> li
         return [FULL] * num_layers
     given = raw.get("layer_types")
     if isinstance(given, list) and len(given) == num_layers:
-        if any(t not in (SLIDING, FULL) for t in given):
+        if strict and any(t not in (SLIDING, FULL) for t in given):
             raise ValueError(f"unsupported layer_types {sorted(set(given))}: pagemill serves "
                              f"{SLIDING!r} and {FULL!r} layers")
         return [str(t) for t in given]
@@ -263,7 +264,8 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos,
             sliding_window=_sliding_window(raw),
-            layer_types=_layer_types(raw, _sliding_window(raw), int(raw["num_hidden_layers"])),
+            layer_types=_layer_types(raw, _sliding_window(raw), int(raw["num_hidden_layers"]),
+                                     strict=require_supported),
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor")
                 or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
