@@ -1,11 +1,11 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) on pagemill kernels.
 
 One module serves them all: the families differ only in configuration (rope scaling,
-q/k/v biases, tied embeddings, head counts, Mistral's sliding window). Its attention and
-MLP are the shared layers of the other families too (`qwen3`, `phi3`, `gemma`), which
-set what differs: q/k norms, partial RoPE, score scale and soft-cap, the activation. Q/K/V and gate/up are fused into one matmul
-each, since on a GPU one larger GEMM beats three small ones; the loader splices Hugging
-Face's separate tensors into the fused weights.
+q/k/v biases, tied embeddings, head counts, Mistral's sliding window). Q/K/V and gate/up
+are fused into one matmul each, since on a GPU one larger GEMM beats three small ones; the
+loader splices Hugging Face's separate tensors into the fused weights. Its attention and
+MLP are the shared layers of the other families too (`qwen3`, `phi3`, `gemma`), which set
+what differs: q/k norms, partial RoPE, score scale and soft-cap, the activation.
 
 The forward takes the flattened batch of a step (no padding, prefill and decode mixed) and
 returns hidden states; logits are computed separately and only for the rows that sample.
