@@ -93,8 +93,10 @@ def _install_recorder() -> None:
 
 
 def _attention(dtype: torch.dtype, head_dim: int, group: int, mode: str, *, kv_heads: int = 2,
-               num_seqs: int = 3, context: int = 4096, sm_count: int | None = None) -> None:
-    """Launch attention for one batch shape through the planner and the launcher."""
+               num_seqs: int = 3, context: int = 4096, sm_count: int | None = None,
+               softcap: float = 0.0, window: int = 0) -> None:
+    """Launch attention for one batch shape through the planner and the launcher (a
+    sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
@@ -113,7 +115,8 @@ def _attention(dtype: torch.dtype, head_dim: int, group: int, mode: str, *, kv_h
             return
     plan = plan_triton(num_tokens, num_seqs, width, tuple(k_cache.shape), heads, dtype,
                        torch.device("cpu"), num_splits=splits)
-    run_triton(plan, q, k_cache, k_cache, tables, qsl, lens, head_dim**-0.5, torch.empty_like(q))
+    run_triton(plan, q, k_cache, k_cache, tables, qsl, lens, head_dim**-0.5, torch.empty_like(q),
+               window=window, softcap=softcap)
 
 
 def _small_ops(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int,
@@ -149,6 +152,9 @@ def record_launches(grid: str) -> list[Launch]:
             dict(main, mode="prefill"),
             dict(dtype="fp16", head_dim=64, group=3, mode="decode"),  # SmolLM2
             dict(dtype="fp32", head_dim=64, group=1, mode="prefill"),
+            # Gemma 2 (9B: head_dim 256, GQA 2): soft-capped scores, sliding window.
+            dict(dtype="bf16", head_dim=256, group=2, mode="prefill", softcap=50.0, window=4096),
+            dict(dtype="bf16", head_dim=256, group=2, mode="decode", softcap=50.0, window=4096),
         ]
         models = [("bf16", "llama-3.1-8b")]
     else:
@@ -164,12 +170,15 @@ def record_launches(grid: str) -> list[Launch]:
                 for context in (1024, 2048, 4096, 16384):
                     attention.append(dict(main, mode="decode-split", num_seqs=num_seqs,
                                           context=context, sm_count=sms, kv_heads=8))
+        attention += [dict(dtype=dt, head_dim=d, group=2, mode=mode, softcap=50.0)
+                      for dt in DTYPES for d in HEAD_DIMS
+                      for mode in ("decode", "decode-split", "prefill")]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
     for case in attention:
         _CASE = dict(case, kernel_family="attention")
         _attention(DTYPES[case["dtype"]], case["head_dim"], case["group"], case["mode"],
-                   **{k: case[k] for k in ("num_seqs", "context", "sm_count", "kv_heads")
-                      if k in case})
+                   **{k: case[k] for k in ("num_seqs", "context", "sm_count", "kv_heads",
+                                           "softcap", "window") if k in case})
     for dt, model in models:
         _CASE = {"dtype": dt, "model": model, "kernel_family": "small"}
         _small_ops(DTYPES[dt], *MODELS[model])

@@ -51,8 +51,10 @@ def make_batch(
     return q, k_cache, v_cache, tables, qsl, torch.tensor(ctx_lens, dtype=torch.int32)
 
 
-def naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale) -> torch.Tensor:
-    """Dense causal attention per request in float64, K/V read token by token."""
+def naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, window=0,
+                    softcap=0.0) -> torch.Tensor:
+    """Dense causal attention per request in float64, K/V read token by token; ``window`` >
+    0 also hides keys at or before ``q_pos - window``, ``softcap`` > 0 caps the scores."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     block_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -63,8 +65,13 @@ def naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale) -> torch.
         k = k_cache[blk, pos % block_size].double().repeat_interleave(group, 1)
         v = v_cache[blk, pos % block_size].double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - (b - a), ctx)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window:
+            scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window,
+                                float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -206,3 +213,77 @@ def test_triton_split_context_decode(interpreter, tiled_triton_plan, dtype):
     single = paged_attention_triton(*batch, 0.3, plan=single_plan)
     assert rel_err(split, naive_attention(*batch, 0.3)) < TOL[dtype] / 2 + 1e-6
     assert rel_err(split, single) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+# ------------------------------------------------------------- sliding windows and soft-caps
+
+# (window, softcap): Mistral-style window, Gemma 2's cap alone and both; windows shorter
+# and longer than a block, and one longer than every context (no key hidden).
+WINDOWED = [(5, 0.0), (16, 0.0), (0, 2.0), (7, 1.5), (500, 0.0)]
+# Prefill chunks of prompts longer than the window (cached prefix past it), decodes far
+# past it, a context inside it.
+LONG = ([1, 12, 16, 1, 5, 30, 1], [1, 40, 20, 37, 70, 30, 90])
+
+
+@pytest.mark.parametrize(("window", "softcap"), WINDOWED)
+@pytest.mark.parametrize("lens", [LONG, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_window_softcap_matches_naive(window, softcap, lens, dtype, decode_path):
+    batch = make_batch(12, *lens, 8, 2, dtype=dtype)
+    ref = naive_attention(*batch, 0.3, window=window, softcap=softcap)
+    got = paged_attention_torch(*batch, 0.3, window=window, softcap=softcap)
+    assert rel_err(got, ref) < TOL[dtype]
+    if window and window < 30:  # the window changes the answer: the test can fail
+        assert rel_err(naive_attention(*batch, 0.3), ref) > 1e-2
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.lists(st.tuples(st.integers(1, 30), st.integers(0, 40)), min_size=1, max_size=4),
+    window=st.integers(1, 40),
+    softcap=st.sampled_from([0.0, 1.0, 5.0]),
+    block_size=st.sampled_from([4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_torch_window_matches_naive_random(data, window, softcap, block_size, seed):
+    q_lens = [q for q, _ in data]
+    ctx = [q + prefix for q, prefix in data]
+    batch = make_batch(seed, q_lens, ctx, 6, 2, head_dim=16, block_size=block_size)
+    ref = naive_attention(*batch, 0.25, window=window, softcap=softcap)
+    assert rel_err(paged_attention_torch(*batch, 0.25, window=window, softcap=softcap),
+                   ref) < 1e-5
+
+
+def test_window_and_softcap_are_checked():
+    batch = make_batch(5, [2, 1], [4, 9], 4, 2)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(*batch, 1.0, window=-1)
+    with pytest.raises(ValueError, match="softcap"):
+        paged_attention(*batch, 1.0, softcap=-2.0)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (16, 0.0), (7, 1.5), (0, 2.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_window_softcap_matches_torch(interpreter, window, softcap, dtype):
+    batch = make_batch(13, *LONG, 8, 2, dtype=dtype)
+    ref = naive_attention(*batch, 0.3, window=window, softcap=softcap)
+    got = paged_attention_triton(*batch, 0.3, window=window, softcap=softcap)
+    assert rel_err(got, ref) < TOL[dtype] / 2 + 1e-6
+
+
+@pytest.mark.parametrize("window", [5, 33])
+def test_triton_window_small_tiles_and_splits(interpreter, tiled_triton_plan, window):
+    """Windows that start mid-tile and mid-page, and split contexts whose slices lie wholly
+    before the window (empty partial states the merge must ignore)."""
+    batch = make_batch(14, [3, 21, 2], [3, 60, 25], 6, 2, head_dim=24, block_size=12)
+    q, kc, _, bt, qsl, sl = batch
+    plan = tiled_triton_plan(q, kc, bt, qsl, sl, block_m=16, block_n=16)
+    ref = naive_attention(*batch, 0.4, window=window, softcap=3.0)
+    assert rel_err(paged_attention_triton(*batch, 0.4, plan=plan, window=window, softcap=3.0),
+                   ref) < 1e-5
+    dec = make_batch(15, [1] * 4, [1, 40, 16, 75], 8, 2)
+    q, kc, _, bt, qsl, sl = dec
+    split = tiled_triton_plan(q, kc, bt, qsl, sl, block_n=16, num_splits=4)
+    assert split.impl.num_splits == 4
+    assert rel_err(paged_attention_triton(*dec, 0.3, plan=split, window=window),
+                   naive_attention(*dec, 0.3, window=window)) < 1e-5

@@ -52,7 +52,8 @@ def build_tokenizer(folder: Path) -> Any:
 
 
 def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """Save a tiny fp32 model of `arch` ("llama" | "qwen2" | "mistral") into `folder`."""
+    """Save a tiny fp32 model of `arch` into `folder`: "llama", "qwen2", "mistral", "qwen3",
+    "phi3", "gemma2" or "gemma3" (Gemma 3's text model)."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,11 +77,24 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     if arch == "mistral":
         common.setdefault("sliding_window", None)
+    if arch.startswith("gemma"):
+        # Eager attention is transformers' reference for soft-capped scores.
+        common.setdefault("attn_implementation", "eager")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
+    if arch.startswith("gemma") or arch == "qwen3":
+        # HF initialises norms to zero (Gemma: 1 + w) or one: random ones are seen.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(torch.randn_like(p) * 0.1)
     if arch == "qwen2":
         # HF initialises biases to zero; random ones make the test see whether they are used.
         with torch.no_grad():

@@ -98,3 +98,27 @@ def test_each_model_compiles_its_own_graph() -> None:
     second = compile_forward(_Branchy(False))(x, x, None)
     assert first.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert second.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.slow  # compiling a fresh model costs ~90 s on two shared cores
+def test_compiled_gemma2_windows_and_softcap(tmp_path, build_tiny_model, hf_greedy,
+                                             random_prompts) -> None:
+    """Per-layer windows and soft-caps enter the compiled graph as plain numbers of the
+    attention op: Gemma 2 (alternating windows, capped scores) compiled equals transformers."""
+    import torch
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    model = build_tiny_model(tmp_path, "gemma2", seed=2, head_dim=16, sliding_window=10,
+                             query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                             tie_word_embeddings=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16,
+                  kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    prompts = random_prompts([40, 3, 25], model.config.vocab_size, seed=24)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)

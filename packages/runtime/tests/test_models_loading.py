@@ -161,14 +161,15 @@ def test_cpu_features_read_the_flags() -> None:
     assert not _cpuinfo_flags(old) & _BF16_FLAGS
 
 
-def test_sliding_window_caps_the_context(tmp_path) -> None:
+def test_sliding_window_does_not_cap_the_context(tmp_path) -> None:
+    """Windowed layers mask to their window, so the context runs to the model's limit."""
     (tmp_path / "config.json").write_text(
         json.dumps(_config_json(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64))
     )
     engine = LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", load_format="dummy", kv_cache_memory_bytes=1 << 20))
-    assert engine.max_model_len == 64
-    with pytest.raises(ValueError, match="sliding_window"):
-        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", load_format="dummy", max_model_len=128))
+    assert engine.max_model_len == 256
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(EngineConfig.from_kwargs(model=str(tmp_path), dtype="float32", load_format="dummy", max_model_len=1024))
 
 
 def test_extra_eos_ids_stop_generation(tiny_llama, random_prompts) -> None:

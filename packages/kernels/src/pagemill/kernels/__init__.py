@@ -6,7 +6,12 @@ signature for callers and tests that want one explicitly. Attention also has a p
 plan (`plan_attention`) that every layer's call reuses.
 """
 
-from pagemill.kernels.activation import silu_and_mul, silu_and_mul_torch, silu_and_mul_triton
+from pagemill.kernels.activation import (
+    gelu_tanh_and_mul,
+    silu_and_mul,
+    silu_and_mul_torch,
+    silu_and_mul_triton,
+)
 from pagemill.kernels.attention import (
     AttentionPlan,
     paged_attention,
@@ -31,6 +36,7 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_torch",
     "apply_rotary_triton",
+    "gelu_tanh_and_mul",
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",

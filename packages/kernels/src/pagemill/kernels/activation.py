@@ -49,3 +49,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_triton(x) if use_triton(x) else silu_and_mul_torch(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU's gate (Gemma): ``gelu(x[..., :I], approximate="tanh") * x[..., I:]``.
+
+    Plain torch ops on every device (on CUDA they are elementwise kernels already); the
+    rounding is the unfused expression's, as transformers computes it.
+    """
+    i = _half(x)
+    return F.gelu(x[..., :i].contiguous(), approximate="tanh") * x[..., i:]

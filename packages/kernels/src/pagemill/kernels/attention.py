@@ -99,15 +99,25 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Attention of ``q`` over the paged cache: the plan's backend, else by q's device."""
+    """Attention of ``q`` over the paged cache: the plan's backend, else by q's device.
+
+    ``window`` > 0 makes it sliding-window attention: a query at position ``p`` sees the
+    keys at ``p - window < pos <= p`` (transformers' convention: ``window`` keys including
+    its own). ``softcap`` > 0 caps the scaled scores as ``softcap * tanh(s / softcap)``
+    before the softmax (Gemma 2). Both are per layer, so they are arguments of the call,
+    not of the per-step plan, which every layer shares.
+    """
+    _check_window(window, softcap)
     if plan is None:
         triton_backend = use_triton(q)
     else:
         triton_backend = plan.backend == "triton"
     impl = paged_attention_triton if triton_backend else paged_attention_torch
     return impl(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
-                plan=plan)
+                plan=plan, window=window, softcap=softcap)
 
 
 def paged_attention_torch(
@@ -121,6 +131,8 @@ def paged_attention_torch(
     *,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The CPU serving backend: batched GEMMs for decodes, one SDPA per prefilling request.
 
@@ -131,6 +143,7 @@ def paged_attention_torch(
     softmax runs in fp32 for every input dtype. Without a plan, the batch is planned here.
     """
     _check_tensors(q, k_cache, v_cache, out)
+    _check_window(window, softcap)
     if plan is None:
         plan = _plan(query_start_loc, seq_lens, block_tables, k_cache_shape=tuple(k_cache.shape),
                      num_heads=q.shape[1], dtype=q.dtype, query_lens=None, context_lens=None,
@@ -141,7 +154,8 @@ def paged_attention_torch(
         out = torch.empty_like(q)
     if not isinstance(plan.impl, TorchPlan):
         return out
-    return run_torch(plan.impl, q, k_cache, v_cache, scale, out)
+    return run_torch(plan.impl, q, k_cache, v_cache, scale, out, window=int(window),
+                     softcap=float(softcap))
 
 
 def paged_attention_triton(
@@ -155,6 +169,8 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One launch for the whole mixed batch: online softmax over KV tiles, fp32 accumulation.
 
@@ -162,6 +178,7 @@ def paged_attention_triton(
     read, so the call never syncs with the device).
     """
     _check_tensors(q, k_cache, v_cache, out)
+    _check_window(window, softcap)
     if plan is None:
         plan = _plan(query_start_loc, seq_lens, block_tables, k_cache_shape=tuple(k_cache.shape),
                      num_heads=q.shape[1], dtype=q.dtype, query_lens=None, context_lens=None,
@@ -174,7 +191,7 @@ def paged_attention_triton(
     if not isinstance(plan.impl, TritonPlan):
         return out
     return run_triton(plan.impl, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
-                      plan.seq_lens, scale, out)
+                      plan.seq_lens, scale, out, window=int(window), softcap=float(softcap))
 
 
 # ----------------------------------------------------------------------------- planning
@@ -327,6 +344,13 @@ def _check_metadata(
                     ("seq_lens", seq_lens)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _check_window(window: int, softcap: float) -> None:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
 
 
 def _check_tensors(

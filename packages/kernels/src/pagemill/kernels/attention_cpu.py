@@ -6,6 +6,11 @@ decode chunks, gather indices, masks, prefill segments — is built once by `pla
 GEMMs (or one SDPA for small chunks) over K/V gathered through the block tables; every
 prefilling request gets one SDPA call with a causal mask offset by its cached prefix.
 Products accumulate in fp32 and softmax runs in fp32 for every input dtype.
+
+A layer with a sliding window or a score soft-cap (both per layer, so arguments of
+`run_torch`, not of the shared plan) takes the same gathers with a mask and, where SDPA
+cannot express it (soft-capping), explicit fp32 scores; a windowed prefill gathers only
+the blocks its window reaches.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class DecodeChunk:
     ``[-1, head_dim]``) for two GEMMs. Either way each request gets ``width`` keys, the
     longest context ``max_len`` rounded up to whole blocks on the small path. ``mask``
     marks the padding past each context (None for a single request, cut exactly instead).
+    ``lens`` are the chunk's context lengths (windowed layers mask below them too).
     """
 
     rows: torch.Tensor | None
@@ -57,6 +63,7 @@ class DecodeChunk:
     gather: torch.Tensor
     mask: torch.Tensor | None
     workspace_numel: int
+    lens: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +212,7 @@ def _plan_chunk(
         if n > 1:
             mask = (torch.arange(width, device=dev) < lens[:, None])[:, None, None, :]
         return DecodeChunk(rows, max_len, width, True, blocks.reshape(-1), mask,
-                           n * width * num_kv_heads * head_dim)
+                           n * width * num_kv_heads * head_dim, lens)
     # Row of (position p, KV head h) in the cache viewed as [-1, head_dim]:
     # slot(p) * num_kv_heads + h.
     pos = torch.arange(max_len, device=dev)
@@ -215,7 +222,7 @@ def _plan_chunk(
               + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)).view(-1)
     mask = (pos >= lens[:, None]).view(n, 1, 1, max_len) if n > 1 else None
     return DecodeChunk(rows, max_len, max_len, False, gather, mask,
-                       n * num_kv_heads * max_len * head_dim)
+                       n * num_kv_heads * max_len * head_dim, lens)
 
 
 def run_torch(
@@ -225,8 +232,15 @@ def run_torch(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls."""
+    """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls.
+
+    ``window`` > 0: sliding-window attention (keys ``p - window < pos <= p``); ``softcap``
+    > 0: scores capped as ``softcap * tanh(s / softcap)`` (see `paged_attention`).
+    """
+    plain = window <= 0 and softcap <= 0
     if plan.native is not None:
         nd = plan.native
         lib = cpu_native.load()
@@ -234,12 +248,15 @@ def run_torch(
             raise ValueError("this plan was made for the native CPU decode kernel, which "
                              "cannot serve these tensors; plan again with them")
         cpu_native.paged_decode(lib, q, k_cache, v_cache, out, nd.tables, nd.lens, nd.rows,
-                                scale)
+                                scale, window, softcap)
     if plan.decode:
         kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
         for chunk in plan.decode:
             qc = q if chunk.rows is None else q[chunk.rows]
-            if chunk.small:
+            if not plain:
+                o = _decode_masked(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf, window,
+                                   softcap)
+            elif chunk.small:
                 o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
             else:
                 o = _decode_gemm(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
@@ -250,6 +267,9 @@ def run_torch(
     if plan.prefill:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for seg in plan.prefill:
+            if not plain:
+                _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap)
+                continue
             k = k_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
             v = v_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
             k, v = k[: seg.ctx].transpose(0, 1), v[: seg.ctx].transpose(0, 1)
@@ -352,3 +372,94 @@ def _decode_gemm(
         s.masked_fill_(chunk.mask, float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype)
     return torch.matmul(p, v).view(n, num_heads, head_dim)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+            scale: float, softcap: float) -> torch.Tensor:
+    """Explicit attention: fp32 scores, optional soft-cap, ``keep`` mask, fp32 softmax.
+
+    ``q`` [..., M, D] against ``k``/``v`` [..., N, D] (broadcast over leading axes, which is
+    how GQA groups share a KV head); ``keep`` broadcasts to [..., M, N]. The order of
+    operations is transformers' eager attention: scale, cap, mask, softmax.
+    """
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if softcap > 0:
+        s = torch.tanh(s.div_(softcap)).mul_(softcap)
+    s = s.masked_fill_(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v)
+
+
+def _decode_masked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: DecodeChunk,
+    scale: float,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """A decode chunk of a windowed or soft-capped layer: the chunk's gather, then explicit
+    scores masked below each request's window as well as past its context."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if chunk.small:
+        shape = (n, chunk.width, num_kv_heads, head_dim)
+        row = block_size * num_kv_heads * head_dim
+        k = _gather_rows(k_cache.view(-1, row), chunk.gather, kbuf, shape).transpose(1, 2)
+        v = _gather_rows(v_cache.view(-1, row), chunk.gather, vbuf, shape).transpose(1, 2)
+    else:
+        shape = (n, num_kv_heads, chunk.width, head_dim)
+        k = _gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape)
+        v = _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape)
+    pos = torch.arange(chunk.width, device=q.device)
+    lens = chunk.lens[:, None]
+    keep = pos < lens
+    if window > 0:
+        keep &= pos >= lens - window
+    o = _attend(q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v,
+                keep.view(n, 1, 1, chunk.width), scale, softcap)
+    return o.reshape(n, num_heads, head_dim)
+
+
+def _prefill_masked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
+    out: torch.Tensor,
+    window: int,
+    softcap: float,
+) -> None:
+    """A prefill segment of a windowed or soft-capped layer, written into ``out``.
+
+    With a window, only the blocks from the first query's window start on are gathered, so
+    a long prompt's chunk costs its window, not its whole context.
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    q_len = seg.stop - seg.start
+    first = seg.ctx - q_len
+    b0 = max(0, first - window + 1) // block_size if window > 0 else 0
+    ids = seg.block_ids[b0:]
+    lo = b0 * block_size
+    k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
+    v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
+    kpos = torch.arange(lo, seg.ctx, device=q.device)
+    qpos = torch.arange(first, seg.ctx, device=q.device)[:, None]
+    keep = kpos <= qpos
+    if window > 0:
+        keep &= kpos > qpos - window
+    qs = q[seg.start : seg.stop].transpose(0, 1)  # [H, L, D]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, N, D]
+    if softcap > 0:
+        num_heads = qs.shape[0]
+        group = num_heads // num_kv_heads
+        o = _attend(qs.reshape(num_kv_heads, group, q_len, head_dim), k[:, None], v[:, None],
+                    keep, scale, softcap).reshape(num_heads, q_len, head_dim)
+    else:
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale,
+                                           enable_gqa=True)
+    out[seg.start : seg.stop] = o.transpose(0, 1)

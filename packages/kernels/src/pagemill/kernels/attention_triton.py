@@ -152,8 +152,14 @@ def run_triton(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One layer's attention: the planned launch (plus the merge of context splits)."""
+    """One layer's attention: the planned launch (plus the merge of context splits).
+
+    ``window`` and ``softcap`` are the layer's (see `paged_attention`): the window is a
+    runtime argument of the one kernel, soft-capping a compiled variant.
+    """
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out need a contiguous last (head_dim) axis")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -165,6 +171,8 @@ def run_triton(
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
         part_acc, part_ml,
         float(scale) * math.log2(math.e),
+        float(softcap) if softcap > 0 else 1.0,
+        int(window),
         block_tables.shape[0],
         plan.split_len,
         q.stride(0), q.stride(1),
@@ -182,6 +190,7 @@ def run_triton(
         D_PAD=plan.d_pad,
         DOT_FP32=plan.dot_fp32,
         SPLIT=split,
+        SOFTCAP=softcap > 0,
         num_warps=plan.num_warps,
     )
     if split:

@@ -84,7 +84,7 @@ def load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32,
-                   i64, i64, i64, i64, ctypes.c_float, i32]
+                   i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
     return lib
 
 
@@ -97,8 +97,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, rows: torch.Tensor | None, scale: float) -> None:
+                 seq_lens: torch.Tensor, rows: torch.Tensor | None, scale: float,
+                 window: int = 0, softcap: float = 0.0) -> None:
     """Attention of one query token per request into `out` (at `rows`, else row = request).
+
+    `window` > 0 attends to each request's last `window` positions only (the walk starts
+    at the window's first block, so a windowed layer reads only its window); `softcap` > 0
+    caps the scaled scores as ``softcap * tanh(s / softcap)``.
 
     `block_tables` [S, W] and `seq_lens` [S] are contiguous int32, `rows` [S] int64; the
     caller (the planner) guarantees every table reaches its context.
@@ -110,7 +115,7 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
         out.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         None if rows is None else rows.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
         head_dim, block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        float(scale), torch.get_num_threads(),
+        float(scale), int(window), float(softcap), torch.get_num_threads(),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")

@@ -10,6 +10,8 @@ the host and the compiled graph only hands it on.
 Eager code calls `paged_attention` / `write_kv_cache` directly: a custom op's dispatch
 costs more than nothing, and only a graph needs the wrapping. `COMPILE_READY` is False
 on a torch that cannot pass opaque objects through a graph (the engine then stays eager).
+A layer's sliding window and soft-cap are plain int/float arguments: constants of the
+graph, one per layer, never part of the shared plan.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _LIB.define("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v
 if COMPILE_READY:
     _LIB.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
                 f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
-                "float scale) -> Tensor")
+                "float scale, int window=0, float softcap=0.0) -> Tensor")
 
 
 def _write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -55,12 +57,14 @@ torch.library.register_fake("pagemill::write_kv_cache", _write_kv_cache_fake, li
 if COMPILE_READY:
 
     def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         plan: AttentionPlan, scale: float) -> torch.Tensor:
+                         plan: AttentionPlan, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
-                               plan.seq_lens, scale, plan=plan)
+                               plan.seq_lens, scale, plan=plan, window=window, softcap=softcap)
 
     def _paged_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              plan: AttentionPlan, scale: float) -> torch.Tensor:
+                              plan: AttentionPlan, scale: float, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
         return torch.empty_like(q)
 
     _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")

@@ -41,21 +41,15 @@ class EngineCoreOutputs:
 def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
     """The model's own limit unless a smaller one is asked for.
 
-    Attention here is always over the whole context, so a sliding-window model (Mistral)
-    is exact only up to its window: the context is capped there rather than silently
-    computing something the model was not trained for.
+    A sliding-window model (Mistral, Gemma, Phi-3) is not capped at its window: attention
+    masks each windowed layer to its window, so contexts past it are computed as the
+    model defines them.
     """
     limit = model_config.max_position_embeddings
-    source = "max_position_embeddings"
-    window = model_config.sliding_window
-    if window is not None and window < limit:
-        limit, source = window, "sliding_window (sliding-window attention is not implemented)"
     if wanted is None:
-        if source.startswith("sliding"):
-            logger.warning("max_model_len capped to the model's sliding window, %d", limit)
         return limit
     if wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's {source}={limit}")
+        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
     return wanted
 
 

@@ -28,6 +28,7 @@ from .default_model import (
 )
 from .gguf_weights import GGUFCheckpoint
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .models import ARCHITECTURES
 from .models.llama import LlamaForCausalLM
 from .quantization import plan_weights, weight_report
 from .weights import iterate_weights, safetensors_files
@@ -39,7 +40,7 @@ GGUF_INDEX_FILE = "gguf_tensors.json"
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-_ARCHITECTURES = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+_ARCHITECTURES = {name: ARCHITECTURES[name] for name in SUPPORTED_ARCHITECTURES}
 
 
 def resolve_model_path(model: str) -> Path:

@@ -22,14 +22,23 @@ from pagemill.blockpool.sizing import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
-# Architectures the Llama module serves: they differ only in config values (rope scaling,
-# q/k/v biases, tied embeddings), not in the shape of the computation.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures pagemill serves (the modules are in `pagemill.runtime.models`): the Llama
+# module serves Llama, Mistral and Qwen2 (they differ only in config values), Qwen3 and
+# Phi-3 extend it, Gemma 2 and Gemma 3 (text) have their own layer.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+)
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 # The dtypes the engine computes in: canonical name -> bytes per element. The byte counts
 # come from the block pool's sizing table so the pool and the planner can never disagree.
@@ -70,10 +79,38 @@ def _as_id_list(value: Any) -> list[int]:
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
-    # Qwen2 configs carry a window that is only used when use_sliding_window is set.
-    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
+    # Qwen2/3 configs carry a window that is only used when use_sliding_window is set.
+    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         return None
     return int(window) if isinstance(window, int) and window > 0 else None
+
+
+def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int,
+                 strict: bool = True) -> list[str]:
+    """Which layers attend through the sliding window, as transformers decides it.
+
+    transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
+    (sliding first), Gemma 3 has one global layer in every ``sliding_window_pattern`` (6),
+    Qwen2/3 window the layers from ``max_window_layers`` on, Mistral and Phi-3 all layers.
+    """
+    if window is None:
+        return [FULL] * num_layers
+    given = raw.get("layer_types")
+    if isinstance(given, list) and len(given) == num_layers:
+        if strict and any(t not in (SLIDING, FULL) for t in given):
+            raise ValueError(f"unsupported layer_types {sorted(set(given))}: pagemill serves "
+                             f"{SLIDING!r} and {FULL!r} layers")
+        return [str(t) for t in given]
+    model_type = raw.get("model_type")
+    if model_type == "gemma2":
+        return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if model_type in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", num_layers))
+        return [SLIDING if i >= first else FULL for i in range(num_layers)]
+    return [SLIDING] * num_layers
 
 
 def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -83,9 +120,13 @@ def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     the HF layout (with "rope_type"), and None for plain RoPE.
     """
     params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get(FULL), dict):
+        # Per layer type (Gemma 3): the global layers' RoPE is the model's; see rope_for.
+        params = params[FULL]
     if isinstance(params, dict) and params:
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in params.items()
+                   if k not in ("rope_theta", "partial_rotary_factor")}
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
@@ -153,8 +194,12 @@ class ModelConfig:
     o_proj_bias: bool
     mlp_bias: bool
     eos_token_ids: list[int] = field(default_factory=list)
-    # Mistral-style local attention; None when every layer attends to the whole context.
+    # Local attention's window (None: every layer attends to the whole context), and which
+    # layers use it ("sliding_attention") or not ("full_attention"); see `layer_window`.
     sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    # Phi-3 style partial RoPE: the first head_dim * factor dimensions rotate.
+    partial_rotary_factor: float = 1.0
     bos_token_id: int | None = None
     # The checkpoint's dtype as a canonical name (a key of DTYPES), None when it names none.
     config_dtype: str | None = None
@@ -219,6 +264,13 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos,
             sliding_window=_sliding_window(raw),
+            layer_types=_layer_types(raw, _sliding_window(raw), int(raw["num_hidden_layers"]),
+                                     strict=require_supported),
+            partial_rotary_factor=float(
+                raw.get("partial_rotary_factor")
+                or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or 1.0
+            ),
             bos_token_id=raw.get("bos_token_id"),
             config_dtype=_config_dtype(raw),
             hf_config=raw,
@@ -245,6 +297,27 @@ class ModelConfig:
             except json.JSONDecodeError:
                 logger.warning("ignoring unreadable %s", gen_file)
         return cls.from_dict(raw, gen)
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of ``layer`` in keys (transformers' ``sliding_window``: a query
+        sees itself and the ``window - 1`` positions before it); 0 for a global layer."""
+        if self.sliding_window is None or not self.layer_types:
+            return 0
+        return self.sliding_window if self.layer_types[layer] == SLIDING else 0
+
+    def rope_for(self, layer_type: str) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of the layers of ``layer_type``: Gemma 3 gives its sliding
+        layers their own (local) RoPE base; every other model has one RoPE."""
+        params = self.hf_config.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+            return _rope_params({"rope_parameters": params[layer_type]})
+        if layer_type == SLIDING and "rope_local_base_freq" in self.hf_config:
+            return float(self.hf_config["rope_local_base_freq"]), None
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def qkv_bias(self) -> bool:

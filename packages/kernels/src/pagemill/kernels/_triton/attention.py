@@ -5,7 +5,10 @@ parameter means is documented there. ``num_seqs`` and ``stride_bt`` change with 
 batch, so they are not specialised: one compiled kernel serves batches of 1, 7 or 64
 requests alike (no recompilation when the batch size or the table width changes). The
 number of context splits is the grid's third axis, not a compile-time constant, for the
-same reason; only whether the context is split (``SPLIT``) is.
+same reason; only whether the context is split (``SPLIT``) is. A layer's sliding
+``window`` (0: none) is a runtime integer too — one compiled kernel serves windowed and
+global layers alike — while soft-capping is a compile-time switch (``SOFTCAP``), since it
+adds work to every score.
 """
 
 import triton
@@ -32,11 +35,13 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
     part_acc_ptr, part_ml_ptr,
     scale_log2,
+    softcap,
+    window,
     num_seqs,
     split_len,
     stride_qt, stride_qh,
@@ -54,6 +59,7 @@ def paged_attention_kernel(
     D_PAD: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -93,6 +99,9 @@ def paged_attention_kernel(
         # merges the slices' partial softmax states.
         kv_begin = split * split_len
         kv_end = tl.minimum(kv_end, kv_begin + split_len)
+    if window > 0:
+        # Sliding window: no query of the tile sees a key before its first query's window.
+        kv_begin = tl.maximum(kv_begin, first_pos + q_tile - window + 1)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     for n0 in range(kv_begin, kv_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
@@ -111,8 +120,16 @@ def paged_attention_kernel(
             s = tl.dot(qv, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(qv, tl.trans(k))
-        s = s * scale_log2
+        if SOFTCAP:
+            # softcap * tanh(x / softcap) on the natural-units score, tanh written with exp2.
+            x = s * (scale_log2 * 0.6931471805599453 / softcap)
+            th = 1.0 - 2.0 / (tl.exp2(x * 2.885390081777927) + 1.0)
+            s = th * (softcap * 1.4426950408889634)
+        else:
+            s = s * scale_log2
         allowed = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if window > 0:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

@@ -6,7 +6,9 @@
 // torch headers (a second to compile, not a minute). Work is split over (request, KV head)
 // pairs; each pair reads its K/V once for all the query heads that share the KV head
 // (GQA), one 16-token block at a time: scores for the block, then a rescale of the running
-// max and sum, then the weighted V rows.
+// max and sum, then the weighted V rows. A sliding window (window > 0: the last `window`
+// positions) starts the walk at the window's first block and skips the positions before
+// it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 
 #include <cmath>
 #include <cstdint>
@@ -100,7 +102,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
                  const int32_t* table, int32_t ctx, int64_t q_row, int64_t out_row,
                  int kvh, int group, int head_dim, int block_size, int num_kv_heads,
                  int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
-                 float scale) {
+                 float scale, int window, float softcap) {
     using E = Elem<DT>;
     const int D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
     const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
@@ -112,11 +114,14 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
         for (int d = 0; d < D; ++d) qf[g * D + d] = E::load(qp, d) * scale;
     }
     const int num_blocks = (ctx + block_size - 1) / block_size;
-    for (int b = 0; b < num_blocks; ++b) {
+    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
+    for (int b = start / block_size; b < num_blocks; ++b) {
         const int n = (b == num_blocks - 1) ? ctx - b * block_size : block_size;
+        const int t0 = (b == start / block_size) ? start - b * block_size : 0;
         const auto* kb = k_cache + static_cast<int64_t>(table[b]) * block_stride + kvh * D;
         const auto* vb = v_cache + static_cast<int64_t>(table[b]) * block_stride + kvh * D;
-        for (int t = 0; t < n; ++t) {
+        for (int t = t0; t < n; ++t) {
             const auto* kt = kb + t * slot_stride;
             float kf[HEAD_DIM > 0 ? HEAD_DIM : kMaxBlock];
             for (int d = 0; d < D; ++d) kf[d] = E::load(kt, d);
@@ -125,16 +130,17 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < D; ++d) dot += qg[d] * kf[d];
+                if (softcap > 0.f) dot = softcap * std::tanh(dot * inv_cap);
                 s[g * block_size + t] = dot;
             }
         }
         for (int g = 0; g < group; ++g) {
             float* sg = &s[g * block_size];
             float bmax = m[g];
-            for (int t = 0; t < n; ++t) bmax = sg[t] > bmax ? sg[t] : bmax;
+            for (int t = t0; t < n; ++t) bmax = sg[t] > bmax ? sg[t] : bmax;
             const float alpha = std::exp(m[g] - bmax);
             float sum = 0.f;
-            for (int t = 0; t < n; ++t) {
+            for (int t = t0; t < n; ++t) {
                 sg[t] = std::exp(sg[t] - bmax);
                 sum += sg[t];
             }
@@ -144,7 +150,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
 #pragma omp simd
             for (int d = 0; d < D; ++d) ag[d] *= alpha;
         }
-        for (int t = 0; t < n; ++t) {
+        for (int t = t0; t < n; ++t) {
             const auto* vt = vb + t * slot_stride;
             float vf[HEAD_DIM > 0 ? HEAD_DIM : kMaxBlock];
             for (int d = 0; d < D; ++d) vf[d] = E::load(vt, d);
@@ -168,7 +174,8 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                 const int64_t* rows, int64_t num_seqs, int num_heads, int num_kv_heads,
                 int head_dim, int block_size, int64_t q_stride_t, int64_t q_stride_h,
-                int64_t o_stride_t, int64_t o_stride_h, float scale, int num_threads) {
+                int64_t o_stride_t, int64_t o_stride_h, float scale, int window, float softcap,
+                int num_threads) {
     using T = typename Elem<DT>::T;
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
@@ -181,7 +188,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   static_cast<const T*>(v_cache), static_cast<T*>(out),
                                   block_tables + seq * table_stride, seq_lens[seq], row, row,
                                   kvh, group, head_dim, block_size, num_kv_heads, q_stride_t,
-                                  q_stride_h, o_stride_t, o_stride_h, scale);
+                                  q_stride_h, o_stride_t, o_stride_h, scale, window, softcap);
     }
 }
 
@@ -189,13 +196,13 @@ template <int DT>
 int dispatch_dim(const void* q, const void* k, const void* v, void* out, const int32_t* bt,
                  int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h,
                  int kvh, int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh,
-                 float scale, int nt) {
+                 float scale, int win, float cap, int nt) {
     switch (d) {
-        case 64: decode_all<DT, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, nt); break;
-        case 128: decode_all<DT, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, nt); break;
+        case 64: decode_all<DT, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt); break;
+        case 128: decode_all<DT, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt); break;
         default:
             if (d > kMaxBlock) return 2;
-            decode_all<DT, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, nt);
+            decode_all<DT, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt);
     }
     return 0;
 }
@@ -209,12 +216,13 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      int64_t num_seqs, int num_heads, int num_kv_heads,
                                      int head_dim, int block_size, int64_t q_stride_t,
                                      int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
-                                     float scale, int num_threads) {
+                                     float scale, int window, float softcap,
+                                     int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size > kMaxBlock) return 1;
     switch (dtype) {
-        case 0: return dispatch_dim<0>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, num_threads);
-        case 1: return dispatch_dim<1>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, num_threads);
-        case 2: return dispatch_dim<2>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, num_threads);
+        case 0: return dispatch_dim<0>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
+        case 1: return dispatch_dim<1>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
+        case 2: return dispatch_dim<2>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
         default: return 3;
     }
 }

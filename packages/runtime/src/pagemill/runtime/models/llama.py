@@ -1,9 +1,11 @@
 """Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) on pagemill kernels.
 
 One module serves them all: the families differ only in configuration (rope scaling,
-q/k/v biases, tied embeddings, head counts). Q/K/V and gate/up are fused into one matmul
-each, since on a GPU one larger GEMM beats three small ones; the loader splices Hugging
-Face's separate tensors into the fused weights.
+q/k/v biases, tied embeddings, head counts, Mistral's sliding window). Q/K/V and gate/up
+are fused into one matmul each, since on a GPU one larger GEMM beats three small ones; the
+loader splices Hugging Face's separate tensors into the fused weights. Its attention and
+MLP are the shared layers of the other families too (`qwen3`, `phi3`, `gemma`), which set
+what differs: q/k norms, partial RoPE, score scale and soft-cap, the activation.
 
 The forward takes the flattened batch of a step (no padding, prefill and decode mixed) and
 returns hidden states; logits are computed separately and only for the rows that sample.
@@ -11,7 +13,7 @@ returns hidden states; logits are computed separately and only for the rows that
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +52,29 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Fused QKV, RoPE, paged attention, output projection.
+
+    ``window`` (> 0: sliding-window layer) and ``softcap`` (> 0: Gemma 2's score cap) are
+    this layer's and go to the attention op as plain numbers; ``scale`` defaults to
+    ``head_dim ** -0.5``; ``qk_norm`` adds per-head RMSNorms on q and k before RoPE (Qwen3,
+    Gemma 3). Only the first ``config.rotary_dim`` dimensions of each head rotate.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, window: int = 0,
+                 softcap: float = 0.0, scale: float | None = None,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if scale is None else float(scale)
+        self.window = int(window)
+        self.softcap = float(softcap)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.attention_bias, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
@@ -76,37 +93,58 @@ class LlamaAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(positions, q, k, cos_sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotate(positions, q, k, cos_sin)
         plan = meta.plan
         if torch.compiler.is_compiling():
             # One opaque call each in the graph (see pagemill.kernels.ops).
             torch.ops.pagemill.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = torch.ops.pagemill.paged_attention(q, self.k_cache, self.v_cache, plan, self.scale)
+            out = torch.ops.pagemill.paged_attention(q, self.k_cache, self.v_cache, plan,
+                                                     self.scale, self.window, self.softcap)
         else:
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = paged_attention(
                 q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc,
-                plan.seq_lens, self.scale, plan=plan,
+                plan.seq_lens, self.scale, plan=plan, window=self.window, softcap=self.softcap,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(positions, q, k, cos_sin)
+        # Partial RoPE (Phi-3 family): the leading r dimensions rotate, the rest pass.
+        qr, kr = apply_rotary(positions, q[..., :r], k[..., :r], cos_sin)
+        return torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
+
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    """Gated MLP with fused gate|up: ``down(act(gate(x)) * up(x))``; ``act_and_mul`` is
+    SiLU (Llama) or tanh-GELU (Gemma's GeGLU)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
+        self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    # Qwen3 sets this: per-head RMSNorm on q and k.
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype)
+        self.self_attn = LlamaAttention(config, dtype, window=config.layer_window(layer),
+                                        qk_norm=self.qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -130,14 +168,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head. Build it on the target device: `with torch.device(d): ...`."""
+    """The decoder plus LM head. Build it on the target device: `with torch.device(d): ...`.
+
+    Subclasses swap ``layer_cls`` and extend `_targets` (checkpoint names) where their
+    layers or checkpoints differ.
+    """
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
         # The LM head as a Linear when it is served in another format (quantized); set by
@@ -146,7 +191,8 @@ class LlamaForCausalLM(nn.Module):
         # cos|sin table in fp32: rotating in low precision would drift from the reference.
         self.register_buffer(
             "cos_sin",
-            rope_cos_sin(config.head_dim, max_position, config.rope_theta, config.rope_scaling, device=self.embed_tokens.device),
+            rope_cos_sin(config.rotary_dim, max_position, config.rope_theta, config.rope_scaling,
+                         device=self.embed_tokens.device),
             persistent=False,
         )
 
@@ -217,6 +263,9 @@ class LlamaForCausalLM(nn.Module):
                 t[p + f"self_attn.{name}.weight"] = [(a.qkv_proj, off, rows)]
                 if a.qkv_proj.bias is not None:
                     t[p + f"self_attn.{name}.bias"] = [(a.qkv_proj.bias, off, rows)]
+            if a.q_norm is not None and a.k_norm is not None:
+                t[p + "self_attn.q_norm.weight"] = [(a.q_norm.weight, 0, c.head_dim)]
+                t[p + "self_attn.k_norm.weight"] = [(a.k_norm.weight, 0, c.head_dim)]
             t[p + "self_attn.o_proj.weight"] = [(a.o_proj, 0, c.hidden_size)]
             if a.o_proj.bias is not None:
                 t[p + "self_attn.o_proj.bias"] = [(a.o_proj.bias, 0, c.hidden_size)]
