@@ -34,6 +34,9 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -78,8 +81,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+        if sampling_params is None:  # the model's generation-config defaults, as vLLM
+            params_list = [self.llm_engine.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -263,6 +263,8 @@ class EngineInfo:
     """
 
     def __init__(self, config: Any, info: dict[str, Any]) -> None:
+        from pagemill.runtime.chat_template import apply_chat_template_override
+        from pagemill.runtime.generation_defaults import load_generation_defaults
         from pagemill.runtime.input_processor import InputProcessor
         from pagemill.runtime.loader import load_tokenizer
         from pagemill.runtime.model_config import ModelConfig
@@ -276,6 +278,9 @@ class EngineInfo:
         self.pid = info.get("pid")
         tokenizer_path = getattr(config, "tokenizer", None) or self.model_path
         self.tokenizer = load_tokenizer(str(tokenizer_path))
+        apply_chat_template_override(self.tokenizer, getattr(config, "chat_template", None))
+        self.generation_defaults = load_generation_defaults(
+            getattr(config, "generation_config", "auto"), self.model_path)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len,
