@@ -97,3 +97,20 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path) -> None:
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"unsupported model architecture.*Falcon.*LlamaForCausalLM"):
         LLM(str(tmp_path), dtype="float32")
+
+
+def test_hub_repo_is_checked_before_its_weights(hub, tmp_path) -> None:
+    """The architecture is read from config.json alone (fetched first); a GGUF-only repo is
+    not a model folder."""
+    falcon = tmp_path / "falcon"
+    falcon.mkdir()
+    (falcon / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "model_type": "falcon"}')
+    lay_out_hub_cache(hub, "tiny-org/falcon", "main", COMMIT_MAIN, falcon)
+    with pytest.raises(ValueError, match=r"unsupported model architecture.*Qwen2ForCausalLM"):
+        resolve_model("tiny-org/falcon")
+    ggufs = tmp_path / "ggufs"
+    ggufs.mkdir()
+    (ggufs / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    lay_out_hub_cache(hub, "tiny-org/only-gguf", "main", COMMIT_MAIN, ggufs)
+    with pytest.raises(ValueError, match=r"'tiny-org/only-gguf' has no config\.json"):
+        resolve_model("tiny-org/only-gguf")
