@@ -19,6 +19,7 @@ Hub is huggingface_hub's business.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -103,11 +104,17 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     offline = _env_flag("HF_HUB_OFFLINE")
     cache = hub_cache_dir()
     at = f" at revision {revision!r}" if revision else ""
-    try:
-        folder = snapshot_download(
+
+    def snapshot(patterns: list[str]) -> Path:
+        return Path(snapshot_download(
             repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
-            allow_patterns=HUB_ALLOW_PATTERNS, endpoint=os.environ.get("HF_ENDPOINT") or None,
-        )
+            allow_patterns=patterns, endpoint=os.environ.get("HF_ENDPOINT") or None,
+        ))
+
+    try:
+        # config.json first: a model pagemill cannot serve is refused before gigabytes move.
+        _check_architecture(snapshot(["config.json"]) / "config.json", repo_id)
+        folder = snapshot(HUB_ALLOW_PATTERNS)
     except (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError) as e:
         raise ValueError(f"Hugging Face Hub model {repo_id!r}{at}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0]}") from e
@@ -122,7 +129,21 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
             f"HF_HOME at it; or pass a local model folder or .gguf file."
         ) from e
     logger.info("%s%s: %s", repo_id, at, folder)
-    return Path(folder)
+    return folder
+
+
+def _check_architecture(config_file: Path, repo_id: str) -> None:
+    from .model_config import _architecture
+
+    if not config_file.is_file():
+        raise ValueError(f"Hub repository {repo_id!r} has no config.json; pagemill serves "
+                         f"Hugging Face (safetensors) repositories, or a local .gguf file")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+    # Only the architecture: the full config is read (with transformers' defaults) later.
+    _architecture(raw, require_supported=True)  # unsupported: names what is supported
 
 
 def gguf_for_folder(folder: str | Path) -> Path | None:
