@@ -113,7 +113,11 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
 
     try:
         # config.json first: a model pagemill cannot serve is refused before gigabytes move.
-        _check_architecture(snapshot(["config.json"]) / "config.json", repo_id)
+        config_file = snapshot(["config.json"]) / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"Hub repository {repo_id!r}{at} has no config.json; pagemill serves "
+                             f"Hugging Face (safetensors) repositories, or a local .gguf file")
+        _check_architecture(config_file)
         folder = snapshot(HUB_ALLOW_PATTERNS)
     except (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError) as e:
         raise ValueError(f"Hugging Face Hub model {repo_id!r}{at}: {type(e).__name__}: "
@@ -132,12 +136,11 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     return folder
 
 
-def _check_architecture(config_file: Path, repo_id: str) -> None:
+def _check_architecture(config_file: Path) -> None:
+    """Refuse an architecture pagemill does not serve, from config.json alone (no
+    transformers import: the CLI runs this before anything heavy)."""
     from .model_config import _architecture
 
-    if not config_file.is_file():
-        raise ValueError(f"Hub repository {repo_id!r} has no config.json; pagemill serves "
-                         f"Hugging Face (safetensors) repositories, or a local .gguf file")
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
@@ -164,11 +167,10 @@ def check_model_source(model: str, revision: str | None = None, *,
     """
     from .chat_template import resolve_chat_template
     from .generation_defaults import load_generation_defaults
-    from .model_config import ModelConfig
 
     source = resolve_model(model, revision)
     if (source.folder / "config.json").is_file():  # else LLMEngine lists what is missing
-        ModelConfig.from_pretrained(source.folder)
+        _check_architecture(source.folder / "config.json")
     if chat_template is not None:
         resolve_chat_template(chat_template)
     load_generation_defaults(generation_config, source.folder)
