@@ -185,3 +185,31 @@ def test_unsupported_gguf_architecture_and_type_say_what_is_supported(tmp_path) 
     junk.write_bytes(b"not a gguf at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         resolve_model(str(junk))
+
+
+def test_hub_gguf_repo_with_quant_suffix(tiny_ggufs, tmp_path, monkeypatch, random_prompts, hf_greedy) -> None:
+    """`org/name:Q8_0` (vLLM's spelling) serves that one file of a GGUF repository in the
+    Hub cache (a snapshot file linking to its blob, as huggingface_hub stores it)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    src = tiny_ggufs["llama-Q8_0"]
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-GGUF"
+    snapshot = repo / "snapshots" / ("d" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    blob = repo / "blobs" / ("e" * 64)
+    blob.write_bytes(src.read_bytes())
+    (snapshot / "tiny-llama.Q8_0.gguf").symlink_to(blob)
+    (snapshot / "tiny-llama.F16.gguf").symlink_to(blob)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("d" * 40)
+    llm = LLM("tiny-org/tiny-GGUF:Q8_0", dtype="float32", kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.model_path.name.startswith("tiny-llama.Q8_0-")
+    ref = _reference(src)
+    prompts = random_prompts([5, 12], ref.config.vocab_size, seed=9)
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
+    with pytest.raises(ValueError, match=r"exactly one \.gguf file of quantization 'Q4_K_M'.*none"):
+        resolve_model("tiny-org/tiny-GGUF:Q4_K_M")
+    with pytest.raises(ValueError, match=r"no config\.json.*'tiny-org/tiny-GGUF:QUANT'"):
+        resolve_model("tiny-org/tiny-GGUF")

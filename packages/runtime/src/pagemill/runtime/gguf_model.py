@@ -128,7 +128,7 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
 
 def prepare_gguf_folder(path: str | Path) -> Path:
     """The model folder that stands for GGUF file `path`, extracted on first use."""
-    path = Path(path).expanduser().resolve()
+    path = Path(path).expanduser().absolute()  # not resolve(): keep a Hub snapshot's file name
     target = _folder_for(path)
     meta = _read_marker(target)
     if meta is not None and all(meta.get(k) == v for k, v in _key(path).items()):

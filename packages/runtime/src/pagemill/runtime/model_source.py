@@ -6,7 +6,10 @@ In order:
 2. an existing folder -> itself (config.json, safetensors, tokenizer);
 3. an existing `.gguf` file -> a folder extracted from it once (`gguf_model`), whose
    weights are read from the file;
-4. `org/name` -> a Hugging Face Hub snapshot through huggingface_hub's own cache
+4. `org/name:QUANT` -> the `.gguf` file of that quantization in a Hub repository (vLLM's
+   spelling, e.g. `Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q8_0`), downloaded alone and then
+   served as a local `.gguf` file;
+5. `org/name` -> a Hugging Face Hub snapshot through huggingface_hub's own cache
    (`snapshot_download`, with its progress bars): the cached copy when there is one,
    else a download of the files a model needs (configs, safetensors, tokenizer, chat
    template). `HF_HOME` / `HF_HUB_CACHE`, `HF_HUB_OFFLINE` and `HF_ENDPOINT` are read
@@ -37,6 +40,8 @@ logger = logging.getLogger(__name__)
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt",
                       "*.jinja"]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# `org/name-GGUF:Q4_K_M` (vLLM's spelling): the one .gguf file of that quantization.
+_QUANT = re.compile(r"[A-Za-z0-9_]+")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,11 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSource:
         return ModelSource(model, "gguf", folder, gguf_file_for_folder(folder))
     if is_hub_id(model):
         return ModelSource(model, "hub", download_from_hub(model, revision))
+    repo_id, _, quant = model.rpartition(":")
+    if quant and is_hub_id(repo_id) and _QUANT.fullmatch(quant):
+        path = download_gguf_from_hub(repo_id, quant, revision)
+        folder = prepare_gguf_folder(path)
+        return ModelSource(model, "gguf", folder, gguf_file_for_folder(folder))
     raise ValueError(
         f"unknown model {model!r}: no such folder or .gguf file, and not a Hugging Face Hub id "
         f"(org/name). Pass a model folder, a .gguf file, a Hub id, or 'smollm2' for the "
@@ -92,6 +102,23 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSource:
 
 def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     """The snapshot folder of `repo_id` at `revision` in the Hub cache, downloaded if needed."""
+    at = f" at revision {revision!r}" if revision else ""
+    # config.json first: a model pagemill cannot serve is refused before gigabytes move.
+    config_file = _snapshot(repo_id, revision, ["config.json"]) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"Hub repository {repo_id!r}{at} has no config.json; pagemill serves Hugging Face "
+            f"(safetensors) repositories, GGUF repositories as '{repo_id}:QUANT' (e.g. :Q8_0), "
+            f"or a local .gguf file")
+    _check_architecture(config_file)
+    folder = _snapshot(repo_id, revision, HUB_ALLOW_PATTERNS)
+    logger.info("%s%s: %s", repo_id, at, folder)
+    return folder
+
+
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
+    """huggingface_hub's snapshot of the files matching `patterns`; its errors made into
+    ValueErrors that say what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -104,21 +131,11 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
     offline = _env_flag("HF_HUB_OFFLINE")
     cache = hub_cache_dir()
     at = f" at revision {revision!r}" if revision else ""
-
-    def snapshot(patterns: list[str]) -> Path:
+    try:
         return Path(snapshot_download(
             repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
             allow_patterns=patterns, endpoint=os.environ.get("HF_ENDPOINT") or None,
         ))
-
-    try:
-        # config.json first: a model pagemill cannot serve is refused before gigabytes move.
-        config_file = snapshot(["config.json"]) / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"Hub repository {repo_id!r}{at} has no config.json; pagemill serves "
-                             f"Hugging Face (safetensors) repositories, or a local .gguf file")
-        _check_architecture(config_file)
-        folder = snapshot(HUB_ALLOW_PATTERNS)
     except (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError) as e:
         raise ValueError(f"Hugging Face Hub model {repo_id!r}{at}: {type(e).__name__}: "
                          f"{str(e).splitlines()[0]}") from e
@@ -132,8 +149,20 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
             f"fix: {fix}; or fill the cache elsewhere (`hf download {repo_id}`) and point "
             f"HF_HOME at it; or pass a local model folder or .gguf file."
         ) from e
-    logger.info("%s%s: %s", repo_id, at, folder)
-    return folder
+
+
+def download_gguf_from_hub(repo_id: str, quant: str, revision: str | None = None) -> Path:
+    """The one `.gguf` file of quantization `quant` in Hub repository `repo_id`."""
+    folder = _snapshot(repo_id, revision, [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"])
+    files = sorted(p for p in folder.rglob("*.gguf")
+                   if quant.lower() in p.name.lower() and p.is_file())
+    if len(files) != 1:
+        found = ", ".join(str(p.relative_to(folder)) for p in files) or "none"
+        raise ValueError(
+            f"Hub repository {repo_id!r} must hold exactly one .gguf file of quantization "
+            f"{quant!r} for '{repo_id}:{quant}'; found {found} (split multi-file GGUFs are not "
+            f"supported)")
+    return files[0]
 
 
 def _check_architecture(config_file: Path) -> None:
