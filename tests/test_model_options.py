@@ -175,6 +175,14 @@ def test_chat_template_inline_or_file(model_dir, tmp_path) -> None:
             "<hello>A:", add_special_tokens=False)
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         resolve_chat_template(str(tmp_path / "missing.jinja"))
+    # Per call, as vLLM's LLM.chat(chat_template=...): this call only.
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(max_tokens=1)
+    [out] = llm.chat(messages, params, use_tqdm=False, chat_template=OTHER_TEMPLATE)
+    assert out.prompt_token_ids == tok.encode("<hello>A:", add_special_tokens=False)
+    [out] = llm.chat(messages, params, use_tqdm=False)
+    assert out.prompt_token_ids == tok.encode("user: hello\n", add_special_tokens=False)
 
 
 def test_chat_template_reaches_the_api_process_side(model_dir) -> None:

@@ -104,8 +104,10 @@ class LLMEngine:
         return self.input_processor.encode(prompt)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt,
+                                                        chat_template)
 
     def add_request(
         self,
