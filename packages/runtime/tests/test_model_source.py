@@ -114,3 +114,18 @@ def test_hub_repo_is_checked_before_its_weights(hub, tmp_path) -> None:
     lay_out_hub_cache(hub, "tiny-org/only-gguf", "main", COMMIT_MAIN, ggufs)
     with pytest.raises(ValueError, match=r"'tiny-org/only-gguf' has no config\.json"):
         resolve_model("tiny-org/only-gguf")
+
+
+def test_tokenizer_hub_id_comes_from_the_cache(hub, tiny_llama, tmp_path) -> None:
+    from pagemill.runtime.model_source import resolve_tokenizer
+
+    folder, _ = tiny_llama
+    snapshot = lay_out_hub_cache(hub, "tiny-org/tok", "main", COMMIT_MAIN, folder)
+    assert resolve_tokenizer("tiny-org/tok") == str(snapshot)
+    assert resolve_tokenizer(str(folder)) == str(folder)
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(folder / f, bare / f)
+    llm = LLM(str(bare), tokenizer="tiny-org/tok", dtype="float32", kv_cache_memory_bytes=1 << 20)
+    assert llm.get_tokenizer() is not None and llm.llm_engine.encode("hello world")

@@ -22,6 +22,7 @@ from .generation_defaults import load_generation_defaults
 from .input_processor import InputProcessor
 from .loader import check_model_folder, load_tokenizer, resolve_model_path
 from .model_config import ModelConfig
+from .model_source import resolve_tokenizer
 from .output_processor import IterationStats, OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -59,7 +60,8 @@ class LLMEngine:
         check_model_folder(path, config.load_format)
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
-        self.tokenizer = load_tokenizer(config.tokenizer or str(path))
+        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer
+                                        else str(path))
         apply_chat_template_override(self.tokenizer, config.chat_template)
         # SamplingParams field -> the model's default, for fields a request leaves unset.
         self.generation_defaults = load_generation_defaults(config.generation_config, path)

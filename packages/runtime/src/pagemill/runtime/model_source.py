@@ -151,6 +151,16 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
         ) from e
 
 
+def resolve_tokenizer(name: str) -> str:
+    """A `tokenizer=` value as a local path: a Hub id becomes the snapshot of its tokenizer
+    files (vLLM's `--tokenizer org/name`, e.g. beside a GGUF); anything else is as given."""
+    if Path(name).expanduser().exists() or not is_hub_id(name):
+        return name
+    if is_default_model_name(name):
+        return str(ensure_default_model())
+    return str(_snapshot(name, None, [p for p in HUB_ALLOW_PATTERNS if p != "*.safetensors"]))
+
+
 def download_gguf_from_hub(repo_id: str, quant: str, revision: str | None = None) -> Path:
     """The one `.gguf` file of quantization `quant` in Hub repository `repo_id`."""
     folder = _snapshot(repo_id, revision, [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"])

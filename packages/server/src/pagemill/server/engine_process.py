@@ -268,6 +268,7 @@ class EngineInfo:
         from pagemill.runtime.input_processor import InputProcessor
         from pagemill.runtime.loader import load_tokenizer
         from pagemill.runtime.model_config import ModelConfig
+        from pagemill.runtime.model_source import resolve_tokenizer
 
         self.config = config
         self.model_path = info["model_path"]
@@ -276,7 +277,8 @@ class EngineInfo:
         self.dtype = info.get("dtype")
         self.device = info.get("device")
         self.pid = info.get("pid")
-        tokenizer_path = getattr(config, "tokenizer", None) or self.model_path
+        tokenizer = getattr(config, "tokenizer", None)
+        tokenizer_path = resolve_tokenizer(tokenizer) if tokenizer else self.model_path
         self.tokenizer = load_tokenizer(str(tokenizer_path))
         apply_chat_template_override(self.tokenizer, getattr(config, "chat_template", None))
         self.generation_defaults = load_generation_defaults(
