@@ -63,7 +63,7 @@ class EngineConfig:
     """Hub branch, tag or commit of a Hub id (default: main)."""
 
     tokenizer: str | None = None
-    """Tokenizer folder or name (default: the model's)."""
+    """Tokenizer folder or Hub id (default: the model's)."""
 
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """Compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16),
