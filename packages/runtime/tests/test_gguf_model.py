@@ -9,6 +9,7 @@ transformers loading the same file (it dequantizes exactly as ggml does) in fp32
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.gguf_model import GGUF_ARCHITECTURES, needs_dense_copy
+from pagemill.runtime.gguf_model import GGUF_ARCHITECTURES, gguf_file_for_folder, needs_dense_copy
 from pagemill.runtime.model_source import resolve_model
 
 gguf = pytest.importorskip("gguf")
@@ -143,6 +144,13 @@ def test_tokenizer_and_chat_template_come_from_the_file(tiny_ggufs, tmp_path) ->
     source = resolve_model(str(path))
     assert source.kind == "gguf" and source.gguf == path
     assert resolve_model(str(path)).folder == source.folder  # extracted once, then reused
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(path.read_bytes())
+    first = resolve_model(str(copy)).folder
+    os.utime(copy, ns=(1, 1))  # the file changed: its old folder is not trusted any more
+    with pytest.raises(RuntimeError, match=r"changed .* since"):
+        gguf_file_for_folder(first)
+    assert resolve_model(str(copy)).folder != first
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     tok = llm.get_tokenizer()
     assert tok.chat_template == GGUF_TEMPLATE
