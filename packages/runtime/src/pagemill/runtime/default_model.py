@@ -222,13 +222,14 @@ def _convert(gguf: Path, sha: str, target: Path) -> None:
                 time.monotonic() - start)
 
 
-def ensure_dense_weights(folder: Path) -> Path:
+def ensure_dense_weights(folder: Path, gguf: Path | None = None) -> Path:
     """`folder`/model.safetensors: the GGUF dequantized to fp32 by transformers, written on
-    first use (~30 s). fp32 holds Q4_1's values (fp16 scale * int + fp16 min) exactly."""
+    first use (~30 s). fp32 holds Q4_1's values (fp16 scale * int + fp16 min) exactly.
+    `gguf`: the file another kind of cache folder stands for (default: the default model's)."""
     weights = folder / "model.safetensors"
     if weights.is_file():
         return weights
-    gguf = gguf_for_folder(folder)
+    gguf = gguf if gguf is not None else gguf_for_folder(folder)
     if gguf is None:
         raise ValueError(f"{folder} is not the default model's cache folder")
     import torch

@@ -15,11 +15,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .chat_template import apply_chat_template_override
 from .config import EngineConfig
 from .engine_core import EngineCore
+from .generation_defaults import load_generation_defaults
 from .input_processor import InputProcessor
 from .loader import check_model_folder, load_tokenizer, resolve_model_path
 from .model_config import ModelConfig
+from .model_source import resolve_tokenizer
 from .output_processor import IterationStats, OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -53,11 +56,15 @@ class LLMEngine:
         elif kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = config
-        path = resolve_model_path(config.model)
+        path = resolve_model_path(config.model, config.revision)
         check_model_folder(path, config.load_format)
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
-        self.tokenizer = load_tokenizer(config.tokenizer or str(path))
+        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer
+                                        else str(path))
+        apply_chat_template_override(self.tokenizer, config.chat_template)
+        # SamplingParams field -> the model's default, for fields a request leaves unset.
+        self.generation_defaults = load_generation_defaults(config.generation_config, path)
         self.engine_core = EngineCore(config, path, self.model_config)
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
@@ -91,12 +98,18 @@ class LLMEngine:
     def get_tokenizer(self) -> Any | None:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's generation-config defaults (vLLM's name)."""
+        return SamplingParams(**self.generation_defaults)
+
     def encode(self, prompt: str) -> list[int]:
         return self.input_processor.encode(prompt)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt,
+                                                        chat_template)
 
     def add_request(
         self,

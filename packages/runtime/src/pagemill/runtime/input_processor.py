@@ -46,12 +46,15 @@ class InputProcessor:
         return list(self.tokenizer.encode(prompt))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the tokenizer's own chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                            add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        """Token ids of a conversation through `chat_template` (a Jinja template), else the
+        tokenizer's own."""
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
         text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
+            chat_template=chat_template,
         )
         # The template already writes every special token it wants; don't add a second BOS.
         return list(self.tokenizer.encode(text, add_special_tokens=False))

