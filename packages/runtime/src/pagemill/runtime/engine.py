@@ -23,6 +23,7 @@ from .model_config import ModelConfig
 from .output_processor import IterationStats, OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,12 @@ class LLMEngine:
         self.model_path = path
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = load_tokenizer(config.tokenizer or str(path))
-        self.engine_core = EngineCore(config, path, self.model_config)
+        eos_ids = InputProcessor.eos_ids(self.tokenizer, self.model_config.eos_token_ids)
+        grammars = None
+        if self.tokenizer is not None:
+            grammars = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                               eos_ids, config.scheduler.max_num_seqs)
+        self.engine_core = EngineCore(config, path, self.model_config, grammars)
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len, self.model_config.eos_token_ids)
@@ -95,8 +101,9 @@ class LLMEngine:
         return self.input_processor.encode(prompt)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools)
 
     def add_request(
         self,

@@ -61,13 +61,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Complete one conversation or a list of them, through the model's chat template."""
+        """Complete one conversation or a list of them, through the model's chat template.
+
+        `tools` (OpenAI function definitions) go into the prompt (see
+        `tool_calling.render_chat`); parse calls out of the text with
+        `tool_calling.get_tool_parser`, or force one with `structured_outputs`.
+        """
         if not messages:
             raise ValueError("messages is empty")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
-            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                                                tools=tools)
             for c in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)

@@ -28,8 +28,15 @@ from .async_engine import AsyncEngine
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol_structured import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
+from .serving_tokenize import TokenizeServing
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -107,12 +114,14 @@ class BodySizeLimit:
 
 def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              metrics: EngineMetrics | None = None) -> FastAPI:
+              metrics: EngineMetrics | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
     process), or an `LLMEngine` (then wrapped here; the app's shutdown stops that wrapper's
-    thread). With `api_key`, /v1/* requires
+    thread). `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by
+    default it is guessed from the chat template. With `api_key`, /v1/* requires
     `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open for probes.
     """
     owns_client = not isinstance(engine_client, AsyncEngine)
@@ -133,7 +142,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
               "vocab_limit": getattr(model_config, "vocab_size", None),
               "tokenizer_pool": tokenizer_pool}
     completions = CompletionServing(client, served_model_name, **common)
-    chat = ChatServing(client, served_model_name, **common)
+    chat = ChatServing(client, served_model_name, tool_parser=tool_call_parser, **common)
+    tokens = TokenizeServing(client, served_model_name, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -143,7 +153,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
             client.shutdown()
 
     app = FastAPI(title="pagemill", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
@@ -195,6 +205,14 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str, api_key:
         if isinstance(result, AsyncIterator):
             return SSEResponse(result)
         return JSONResponse(result.model_dump())
+
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokens.detokenize(req)
 
     return app
 
