@@ -394,7 +394,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("chat max_tokens past context", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**5}, 400,
      "max_tokens"),
-    ("tools unsupported", "/v1/chat/completions",
+    ("tool without a function", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400, None),
     ("chat unknown model", "/v1/chat/completions",
      {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),

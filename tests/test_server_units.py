@@ -38,7 +38,7 @@ def test_prompt_forms() -> None:
 @pytest.mark.parametrize("body", [
     {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"prompt": 5},
     {"prompt": "x", "n": 0}, {"prompt": "x", "temperature": 3}, {"prompt": "x", "top_p": 0},
-    {"prompt": "x", "stop": [""]}, {"prompt": "x", "logit_bias": {"1": 2.0}},
+    {"prompt": "x", "stop": [""]}, {"prompt": "x", "logit_bias": {"1": "much"}},
     {"prompt": "x", "best_of": 3}, {"prompt": "x", "top_k": -2}, {"prompt": "x", "min_p": 2},
     {"prompt": "x", "presence_penalty": 5}, {"prompt": "x", "stop_token_ids": [-1]},
     {"prompt": "x", "cache_salt": ""},
@@ -57,7 +57,9 @@ def test_chat_request_rules() -> None:
     assert req.num_logprobs == 0
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).num_logprobs is None
     for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-                {"messages": [{"role": "user"}], "response_format": {"type": "json_object"}}):
+                {"messages": [{"role": "user"}], "response_format": {"type": "json_schema"}},
+                {"messages": [{"role": "user"}], "response_format": {"type": "yaml"}},
+                {"messages": [{"role": "user"}], "tool_choice": "sometimes"}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
     # Fields OpenAI clients send that we do not use are ignored, not refused.

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .model_config import ModelConfig
     from .outputs import CompletionOutput, RequestMetrics, RequestOutput
     from .sampling_params import RequestOutputKind, SamplingParams
+    from .structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ _LAZY = {
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
     "RequestOutputKind": ".sampling_params",
+    "StructuredOutputsParams": ".structured_output",
 }
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

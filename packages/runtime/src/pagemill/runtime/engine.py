@@ -26,6 +26,7 @@ from .model_source import resolve_tokenizer
 from .output_processor import IterationStats, OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,12 @@ class LLMEngine:
         apply_chat_template_override(self.tokenizer, config.chat_template)
         # SamplingParams field -> the model's default, for fields a request leaves unset.
         self.generation_defaults = load_generation_defaults(config.generation_config, path)
-        self.engine_core = EngineCore(config, path, self.model_config)
+        eos_ids = InputProcessor.eos_ids(self.tokenizer, self.model_config.eos_token_ids)
+        grammars = None
+        if self.tokenizer is not None:
+            grammars = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                               eos_ids, config.scheduler.max_num_seqs)
+        self.engine_core = EngineCore(config, path, self.model_config, grammars)
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
                                               self.max_model_len, self.model_config.eos_token_ids)
@@ -107,9 +113,10 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return self.input_processor.apply_chat_template(messages, add_generation_prompt,
-                                                        chat_template)
+                                                        chat_template, tools)
 
     def add_request(
         self,

@@ -26,6 +26,7 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import LogprobsRow
 from .sampler import Sampler
+from .structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,15 @@ def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
 class EngineCore:
     """Continuous batching over one model on one device."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
+        # Grammars of structured-output requests; None when the model has no tokenizer.
+        self.structured_output = structured_output
+        # Requests whose grammar still compiles, in arrival order: they reach the
+        # scheduler once it is ready, so nobody else waits for a compile.
+        self._waiting_for_grammar: dict[str, Request] = {}
+        self._grammar_failures: list[RequestUpdate] = []
         self.model_config = model_config
         self.device = torch.device(config.resolve_device())
         self.dtype = torch_dtype(
@@ -102,33 +110,108 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        constraint = getattr(params, "structured_outputs", None)
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            self.structured_output.add_request(request.request_id, constraint)
+            self._waiting_for_grammar[request.request_id] = request
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.abort_requests(request_ids)
+        ids = list(request_ids)
+        self._drop_grammar_state(ids)
+        self.scheduler.abort_requests(ids)
 
     def finish_requests(self, request_ids: Iterable[str]) -> None:
         """End requests for a reason found outside the core (a stop string): free their blocks."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+        ids = list(request_ids)
+        self._drop_grammar_state(ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
+
+    def _drop_grammar_state(self, request_ids: list[str]) -> None:
+        if self.structured_output is not None:
+            for rid in request_ids:
+                self._waiting_for_grammar.pop(rid, None)
+            self.structured_output.remove_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
+                or bool(self._grammar_failures))
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self._waiting_for_grammar)
 
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         """One iteration: schedule -> execute -> sample -> update."""
+        if self._waiting_for_grammar:
+            self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_runner.execute_model(scheduler_output)
         token_ids, logprobs = self._sample(model_output)
         updates = self.scheduler.update_from_output(scheduler_output, token_ids)
+        if self.structured_output is not None and self.structured_output.num_requests:
+            updates = self._advance_grammars(token_ids, updates)
+        if self._grammar_failures:
+            updates = self._grammar_failures + updates
+            self._grammar_failures = []
         return EngineCoreOutputs(updates, logprobs, scheduler_output.total_num_scheduled_tokens)
+
+    def _admit_compiled(self) -> None:
+        """Hand the scheduler the requests whose grammar is ready, in arrival order.
+
+        When nothing else could run this step, wait briefly for a compile instead of
+        spinning through empty steps.
+        """
+        manager = self.structured_output
+        assert manager is not None
+        waiting = self._waiting_for_grammar
+        if not self.scheduler.has_unfinished_requests():
+            manager.wait_any(waiting, timeout=0.01)
+        for rid in [r for r in waiting if manager.is_ready(r)]:
+            request = waiting.pop(rid)
+            error = manager.error(rid)
+            if error is not None:
+                manager.remove_requests([rid])
+                logger.error("request %s: grammar compilation failed: %s", rid, error)
+                self._grammar_failures.append(RequestUpdate(
+                    rid, [], True, "abort", f"grammar compilation failed: {error}"))
+                continue
+            manager.start(rid)
+            self.scheduler.add_request(request)
+
+    def _advance_grammars(self, token_ids: dict[str, int],
+                          updates: list[RequestUpdate]) -> list[RequestUpdate]:
+        """Move each matcher past its token; a finished grammar ends its request (stop)."""
+        manager = self.structured_output
+        assert manager is not None
+        done = set(manager.accept_tokens(token_ids))
+        ended: list[str] = []
+        for i, u in enumerate(updates):
+            if u.finished:
+                ended.append(u.request_id)
+            elif u.request_id in done:
+                ended.append(u.request_id)
+                updates[i] = RequestUpdate(u.request_id, u.new_token_ids, True, "stop", None)
+                self.scheduler.finish_requests([u.request_id], RequestStatus.FINISHED_STOPPED)
+        manager.remove_requests(ended)
+        return updates
 
     def _sample(self, out: ModelRunnerOutput) -> tuple[dict[str, int], dict[str, LogprobsRow] | None]:
         if not out.req_ids:
             return {}, None
         assert out.sampling_metadata is not None
-        sampled = self.sampler(out.logits, out.sampling_metadata)
+        metadata = out.sampling_metadata
+        if self.structured_output is not None and self.structured_output.num_requests:
+            bitmask = self.structured_output.grammar_bitmask(out.req_ids)
+            if bitmask is not None:
+                metadata = replace(metadata, token_bitmask=bitmask)
+        sampled = self.sampler(out.logits, metadata)
         token_ids = dict(zip(out.req_ids, sampled.sampled_token_ids))
         if sampled.logprobs is None or sampled.logprob_token_ids is None:
             return token_ids, None

@@ -21,7 +21,7 @@ import torch
 
 from pagemill.scheduler import Request
 
-from .sampling_metadata import SamplingMetadata
+from .sampling_metadata import LogitBias, SamplingMetadata
 from .sampling_params import SamplingParams
 
 _SAMPLING_ARRAYS = ("temperature", "greedy", "top_p", "top_k", "min_p", "presence",
@@ -188,4 +188,5 @@ class InputBatch:
             output_token_ids=[s.request.output_token_ids for s in states],
             min_tokens=min_tokens,
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
+            logit_bias=LogitBias.from_rows([s.params.logit_bias for s in states], dev),
         )

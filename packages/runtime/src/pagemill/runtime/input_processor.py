@@ -16,6 +16,7 @@ from typing import Any
 from pagemill.scheduler import Request
 
 from .sampling_params import SamplingParams
+from .tool_calling.prompt import render_chat
 
 
 @dataclass(slots=True)
@@ -34,11 +35,16 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.eos_token_ids = self.eos_ids(tokenizer, eos_token_ids)
+
+    @staticmethod
+    def eos_ids(tokenizer: Any | None, eos_token_ids: Sequence[int]) -> list[int]:
+        """The model's EOS ids, then the tokenizer's own if it is not among them."""
         eos = list(eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if isinstance(tok_eos, int) and tok_eos not in eos:
             eos.append(tok_eos)
-        self.eos_token_ids = eos
+        return eos
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -47,15 +53,18 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through `chat_template` (a Jinja template), else the
-        tokenizer's own."""
+        tokenizer's own.
+
+        With `tools` (OpenAI function definitions), or messages carrying tool calls and
+        tool results, see `tool_calling.render_chat`: a template that knows tools gets them
+        as they are, one that does not gets them written in the Hermes format.
+        """
         if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False,
-            chat_template=chat_template,
-        )
+        text = render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template)
         # The template already writes every special token it wants; don't add a second BOS.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -83,6 +92,13 @@ class InputProcessor:
             )
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens that fit")
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+            if bad:
+                raise ValueError(f"logit_bias token id(s) {bad[:5]} are outside the "
+                                 f"vocabulary (ids must be < {self.vocab_size})")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer, and this model folder has none")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         eos = self.eos_token_ids

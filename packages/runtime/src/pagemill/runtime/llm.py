@@ -66,16 +66,22 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Complete one conversation or a list of them, through the model's chat template
-        (or `chat_template`: a Jinja file or the template itself, for this call only)."""
+        (or `chat_template`: a Jinja file or the template itself, for this call only).
+
+        `tools` (OpenAI function definitions) go into the prompt (see
+        `tool_calling.render_chat`); parse calls out of the text with
+        `tool_calling.get_tool_parser`, or force one with `structured_outputs`.
+        """
         if not messages:
             raise ValueError("messages is empty")
         template = None if chat_template is None else resolve_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
             self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                                                chat_template=template)
+                                                chat_template=template, tools=tools)
             for c in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)

@@ -11,7 +11,7 @@ path without reading the tensors back from the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,35 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen
+
+
+@dataclass(frozen=True, slots=True)
+class LogitBias:
+    """Sparse (row, token id, bias) triples, one per biased token of each row."""
+
+    rows: torch.Tensor
+    """[N] int64."""
+    token_ids: torch.Tensor
+    """[N] int64."""
+    values: torch.Tensor
+    """[N] fp32."""
+
+    @classmethod
+    def from_rows(cls, biases: Sequence[Mapping[int, float] | None],
+                  device: torch.device | str = "cpu") -> LogitBias | None:
+        rows: list[int] = []
+        ids: list[int] = []
+        values: list[float] = []
+        for row, bias in enumerate(biases):
+            if bias:
+                rows += [row] * len(bias)
+                ids += bias.keys()
+                values += bias.values()
+        if not rows:
+            return None
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device),
+                   torch.tensor(ids, dtype=torch.int64, device=device),
+                   torch.tensor(values, dtype=torch.float32, device=device))
 
 
 @dataclass
@@ -62,6 +91,12 @@ class SamplingMetadata:
     min_tokens > 0. The banned ids are the stop ids, and EOS unless ignore_eos."""
     max_num_logprobs: int | None
     """Top-n logprobs computed for every row; None when no row wants logprobs."""
+    logit_bias: LogitBias | None = None
+    """Biases added to the raw logits (OpenAI's logit_bias); None when no row has any."""
+    token_bitmask: torch.Tensor | None = None
+    """[R, ceil(V/32)] int32, bit `t % 32` of word `t // 32` set = token t allowed (the
+    grammar of a structured-output row; unconstrained rows are all ones). Filled per step
+    by the structured-output manager; None when no row is constrained."""
 
     @property
     def num_rows(self) -> int:
@@ -76,6 +111,7 @@ class SamplingMetadata:
         prompt_token_ids: Sequence[Sequence[int]] | None,
         generators: dict[int, torch.Generator] | None = None,
         banned_until_min: Sequence[frozenset[int]] | None = None,
+        token_bitmask: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """The metadata of `params`, one row each, built from scratch.
@@ -151,4 +187,6 @@ class SamplingMetadata:
             output_token_ids=list(output_token_ids),
             min_tokens=min_tokens,
             max_num_logprobs=max(want) if want else None,
+            logit_bias=LogitBias.from_rows([p.logit_bias for p in params], device),
+            token_bitmask=token_bitmask,
         )

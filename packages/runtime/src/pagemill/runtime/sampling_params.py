@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from .structured_output.params import StructuredOutputsParams
 
 # Below this temperature, dividing the logits would overflow fp32 or make sampling a
 # numerically noisy argmax; such requests are treated as greedy instead.
 SAMPLING_EPS = 1e-5
+
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 # Top-n logprobs are computed with one batched topk; a cap keeps that bounded (OpenAI's limit).
 MAX_LOGPROBS = 20
@@ -78,6 +84,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # Added to the logits of these token ids before anything else (OpenAI's logit_bias).
+    logit_bias: Mapping[int, float] | None = None
+    # What the output must match (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # OpenAI-style bodies send null for "none"
@@ -98,6 +108,8 @@ class SamplingParams:
         self.repetition_penalty = float(self.repetition_penalty)
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -149,6 +161,19 @@ class SamplingParams:
                 raise bad(name, "must be a bool")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise bad("logit_bias", "must be a mapping of token id -> bias")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or t < 0:
+                    raise bad("logit_bias", "must map non-negative integer token ids to biases")
+                if not _is_number(b) or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                                            f"{MAX_LOGIT_BIAS:g}]")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

@@ -28,8 +28,15 @@ from .async_engine import AsyncEngine
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol_structured import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
+from .serving_tokenize import TokenizeServing
 from .version import __version__
 
 logger = logging.getLogger(__name__)
@@ -108,13 +115,16 @@ class BodySizeLimit:
 def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequence[str],
               api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              metrics: EngineMetrics | None = None) -> FastAPI:
+              metrics: EngineMetrics | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
     process), or an `LLMEngine` (then wrapped here; the app's shutdown stops that wrapper's
     thread). `served_model_name` may be several names: requests may use any of them,
-    /v1/models lists them all, responses report the first. With `api_key`, /v1/* requires
+    /v1/models lists them all, responses report the first. `tool_call_parser` ("hermes",
+    "llama3_json") reads "auto" tool calls; by default it is guessed from the chat template.
+    With `api_key`, /v1/* requires
     `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open for probes.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -139,7 +149,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               "vocab_limit": getattr(model_config, "vocab_size", None),
               "tokenizer_pool": tokenizer_pool}
     completions = CompletionServing(client, names, **common)
-    chat = ChatServing(client, names, **common)
+    chat = ChatServing(client, names, tool_parser=tool_call_parser, **common)
+    tokens = TokenizeServing(client, names, **common)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -149,7 +160,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
             client.shutdown()
 
     app = FastAPI(title="pagemill", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
@@ -201,6 +212,14 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
         if isinstance(result, AsyncIterator):
             return SSEResponse(result)
         return JSONResponse(result.model_dump())
+
+    @app.post("/tokenize", dependencies=protected)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", dependencies=protected)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokens.detokenize(req)
 
     return app
 

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .protocol_structured import (
+    ChatTool,
+    ResponseFormat,
+    StructuredOutputsField,
+    ToolCallMessage,
+    ToolChoice,
+)
 
 # OpenAI's own caps: top logprobs per position and the number of stop strings.
 MAX_TOP_LOGPROBS = 20
@@ -60,6 +68,8 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -68,8 +78,6 @@ class SamplingFields(OpenAIModel):
             raise ValueError(f"'stop' takes at most {MAX_STOP_STRINGS} strings")
         if any(not s for s in stops):
             raise ValueError("'stop' strings must be non-empty")
-        if self.logit_bias:
-            raise ValueError("'logit_bias' is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed when 'stream' is true")
         if self.cache_salt is not None and not self.cache_salt:
@@ -139,6 +147,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -154,17 +164,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("'tools' are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs' to be true")
         return self
@@ -228,6 +234,7 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):

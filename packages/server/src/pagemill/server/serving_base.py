@@ -27,6 +27,7 @@ from pagemill.runtime import RequestOutputKind, SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from .errors import APIError
 from .protocol import SamplingFields
+from .structured import logit_bias, structured_params
 
 RETRY_AFTER_SECONDS = 1
 
@@ -137,8 +138,11 @@ class ServingBase:
                                 f"({max_tokens})", param="min_tokens")
         return PromptInfo(token_ids, max_tokens)
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int,
-                        logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+                        tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; `tool_schema` forces a tool call (chat)."""
+        structured = structured_params(req, tool_schema)
+        bias = logit_bias(req, self.vocab_limit)
         # A stream takes each step's new text as it comes; a whole answer is built once.
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         try:
@@ -161,6 +165,8 @@ class ServingBase:
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 output_kind=kind,
+                logit_bias=bias,
+                structured_outputs=structured,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc

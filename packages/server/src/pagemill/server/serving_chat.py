@@ -9,6 +9,8 @@ from typing import Any
 
 from fastapi import Request
 
+from pagemill.runtime.tool_calling import get_tool_parser, parser_for_template
+
 from .async_engine import EngineDeadError
 from .errors import APIError, error_body
 from .protocol import (
@@ -22,6 +24,7 @@ from .protocol import (
     UsageInfo,
     random_id,
 )
+from .protocol_structured import ToolCallMessage
 from .serving_base import (
     SSE_DONE,
     PromptInfo,
@@ -34,42 +37,67 @@ from .serving_base import (
     token_text,
     usage_counts,
 )
+from .serving_tools import ToolPlan, ToolStream
 
 
 class ChatServing(ServingBase):
-    def render(self, req: ChatCompletionRequest) -> list[int]:
+    def __init__(self, *args: Any, tool_parser: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The format "auto" tool calls are read in: named, or guessed from the template.
+        template = getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser = get_tool_parser(tool_parser or parser_for_template(
+            template if isinstance(template, str) else None))
+
+    def render(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         """The conversation's prompt ids (blocking: runs on the tokenizer thread)."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = []
+        for m in req.messages:
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        tools = plan.template_tools if plan is not None else None
         try:
             ids = self.client.engine.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
+                messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
         except Exception as exc:  # no template, or one that rejects e.g. this role order
             raise APIError(400, f"the chat template could not render these messages: {exc}",
                            param="messages") from exc
         return list(ids)
 
-    def _prompt(self, req: ChatCompletionRequest) -> PromptInfo:
-        return self.check_prompt(self.render(req), req.effective_max_tokens, req.min_tokens)
+    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> PromptInfo:
+        return self.check_prompt(self.render(req, plan), req.effective_max_tokens,
+                                 req.min_tokens)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request
                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         arrival = now()
         self.check_model(req.model)
-        prompt = await self.off_loop(self._prompt, req)
-        params = self.sampling_params(req, prompt.max_tokens, req.num_logprobs)
+        plan = ToolPlan.from_request(req, self.tool_parser)
+        prompt = await self.off_loop(self._prompt, req, plan)
+        params = self.sampling_params(req, prompt.max_tokens, req.num_logprobs, plan.schema)
         request_id = random_id("chatcmpl")
         out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
         if req.stream:
-            return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
+            return ReleasingStream(self._stream(req, plan, request_id, out_queue, ids),
+                                   self.client, ids)
         (final,) = await self.collect(raw_request, out_queue, ids)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if req.num_logprobs is not None:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+            content, calls = plan.finish(c.text)
+            message = ChatResponseMessage(content=content, tool_calls=[
+                ToolCallMessage.model_validate(call.to_openai()) for call in calls])
             choices.append(ChatCompletionChoice(
-                index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                finish_reason=map_finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+                index=c.index, message=message, logprobs=logprobs,
+                finish_reason=plan.finish_reason(map_finish_reason(c.finish_reason), calls),
+                stop_reason=c.stop_reason))
         n_prompt, n_completion = usage_counts([final])
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=n_prompt,
@@ -90,8 +118,8 @@ class ChatServing(ServingBase):
                                             bytes=list(text.encode()), top_logprobs=tops))
         return ChatChoiceLogprobs(content=content)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, out_queue: Any,
-                      ids: list[str]) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str,
+                      out_queue: Any, ids: list[str]) -> AsyncIterator[str]:
         """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
         n_prompt = n_completion = 0
@@ -107,6 +135,7 @@ class ChatServing(ServingBase):
         # The role comes first, once per choice, as OpenAI sends it.
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
+        tool_streams = [ToolStream(plan) for _ in range(req.n)]
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
@@ -115,11 +144,18 @@ class ChatServing(ServingBase):
                         if req.num_logprobs is not None and c.logprobs:
                             logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
                         n_completion += len(c.token_ids)
-                        delta = {"content": c.text} if c.text else {}
+                        tools = tool_streams[c.index]
+                        deltas = tools.feed(c.text) if c.text else []
                         if c.finish_reason is not None:
-                            yield chunk(c.index, delta, logprobs,
-                                        map_finish_reason(c.finish_reason), c.stop_reason)
-                        elif c.text or logprobs:
+                            deltas += tools.finish()
+                        for delta in deltas[:-1]:
+                            yield chunk(c.index, delta)
+                        delta = deltas[-1] if deltas else {}
+                        if c.finish_reason is not None:
+                            reason = plan.finish_reason(map_finish_reason(c.finish_reason),
+                                                        tools.calls)
+                            yield chunk(c.index, delta, logprobs, reason, c.stop_reason)
+                        elif delta or logprobs:
                             yield chunk(c.index, delta, logprobs)
                     if out.finished:
                         n_prompt = len(out.prompt_token_ids)

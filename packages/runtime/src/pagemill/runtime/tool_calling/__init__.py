@@ -1,0 +1,29 @@
+"""Tool calling: prompting with tools, forcing calls with a grammar, parsing calls back.
+
+`prompt.render_chat` puts tools, past calls and results through the chat template;
+`schema` builds the JSON schemas that force calls (tool_choice "required" or a named
+function); `get_tool_parser` returns the parser of a model family's call format
+(`hermes`, `llama3_json`), for tool_choice "auto".
+"""
+
+from .parser import (
+    ExtractedToolCalls,
+    ToolCall,
+    ToolParser,
+    get_tool_parser,
+    parser_for_template,
+)
+from .prompt import render_chat
+from .schema import calls_from_required, named_function_schema, required_schema
+
+__all__ = [
+    "ExtractedToolCalls",
+    "ToolCall",
+    "ToolParser",
+    "calls_from_required",
+    "get_tool_parser",
+    "named_function_schema",
+    "parser_for_template",
+    "render_chat",
+    "required_schema",
+]
