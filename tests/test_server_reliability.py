@@ -178,6 +178,7 @@ def test_engine_process_contains_a_bad_request(live_process: Live, reference: LL
     run_fault_batch(live_process, reference)
 
 
+@pytest.mark.slow  # a second engine process (~15-30 s to start on the CI box)
 def test_engine_process_device_error_exits_nonzero(model_dir: Path) -> None:
     """A CUDA-style error is not containable: the engine process exits, so does the server."""
     from pagemill.runtime.config import EngineConfig
@@ -335,6 +336,7 @@ def test_n_counts_against_the_queue(model_dir: Path) -> None:
             r = httpx.post(url + "/v1/completions", timeout=5,
                            json={"prompt": [[1], [2], [3], [4], [5]], "max_tokens": 1})
             assert r.status_code == 400 and "never" in r.json()["error"]["message"]
+            engine.release.set()
     finally:
         engine.release.set()
         client.shutdown()
