@@ -29,7 +29,7 @@ from pagemill.server.watchdog import Watchdog
 
 MODEL = "tiny"
 KEY = "sk-reliability"
-MARK = 7
+MARK = 7  # the poisoned token id (a before-the-fix run may move it out of the vocabulary)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -421,8 +421,10 @@ def test_huge_prompt_does_not_stall_health(live: Live) -> None:
     result: dict[str, Any] = {}
 
     def big() -> None:
+        t0 = time.perf_counter()
         result["r"] = live.post("/v1/completions", {"prompt": prompt, "max_tokens": 1},
                                 timeout=120)
+        result["seconds"] = time.perf_counter() - t0
         done.set()
 
     threading.Thread(target=big, daemon=True).start()
@@ -437,8 +439,11 @@ def test_huge_prompt_does_not_stall_health(live: Live) -> None:
             time.sleep(0.02)
     r = result["r"]
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
-    print(f"3.9 MB prompt: {probes} /health probes, worst {worst * 1000:.0f} ms")
+    print(f"3.9 MB prompt: refused in {result['seconds']:.2f} s; {probes} /health probes, "
+          f"worst {worst * 1000:.0f} ms")
     assert worst < 0.5, worst
+    # Refused without tokenizing it (tokenizing took 3-5 s here, holding the GIL in bursts).
+    assert result["seconds"] < 2.0, result["seconds"]
 
 
 # ---------------------------------------------------------------- 5. half-open connections
