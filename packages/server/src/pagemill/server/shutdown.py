@@ -94,6 +94,10 @@ class GracefulServer(uvicorn.Server):
         self.fatal_reason = reason
         self.exit_code = 1
         self.should_exit = True
+        # No drain for a broken engine: what is still streaming cannot finish anyway.
+        self.shutdown_timeout = 0.0
+        self.config.timeout_graceful_shutdown = min(self.config.timeout_graceful_shutdown or 2.0,
+                                                    2.0)
         with contextlib.suppress(Exception):
             self.client.fail_all(ServerShuttingDownError("the engine failed; the server "
                                                          "is restarting"))
