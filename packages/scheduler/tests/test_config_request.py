@@ -68,9 +68,9 @@ def test_request_token_lists_stay_in_sync() -> None:
 
 def test_status_helpers() -> None:
     S = RequestStatus
-    assert [S.is_finished(s) for s in S] == [False, False, False, True, True, True, True]
+    assert [S.is_finished(s) for s in S] == [False, False, False, True, True, True, True, True]
     assert [S.finish_reason(s) for s in S] == [None, None, None, "stop", "length", "abort",
-                                               "ignored"]
+                                               "ignored", "error"]
 
 
 def test_arrival_time_is_monotonic_by_default_and_kept_as_given() -> None:

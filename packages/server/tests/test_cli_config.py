@@ -145,6 +145,7 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     import pagemill.server.async_engine as async_engine
     import pagemill.server.engine_process  # noqa: F401  (subclasses AsyncEngine: import before the patch)
     import pagemill.server.metrics as metrics
+    import pagemill.server.shutdown as shutdown
 
     seen: dict[str, Any] = {}
 
@@ -163,12 +164,21 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
                         lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None))
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
     monkeypatch.setattr(api_server, "build_app", build_app)
-    monkeypatch.setattr(api_server, "run_server", lambda app, **kw: seen.update(app=app))
+    monkeypatch.setattr(shutdown, "serve",
+                        lambda app, client, **kw: seen.update(app=app, serve=kw) or 0)
     assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001",
-                     "--no-engine-process"]) == 0
+                     "--no-engine-process", "--shutdown-timeout", "7", "--step-timeout", "0",
+                     "--max-connections", "64"]) == 0
     assert seen["config"] == EngineConfig(model="/models/x", cache=CacheConfig(block_size=32))
     assert seen["checked"] == "/models/x"
     assert seen["name"] == ["/models/x"] and seen["api_key"] == "secret" and seen["app"] == "app"
+    assert seen["serve"]["shutdown_timeout"] == 7.0 and seen["serve"]["port"] == 9001
+    assert seen["serve"]["limits"].max_connections == 64
+    assert seen["watchdog"].step_timeout is None  # 0 disables the step watchdog
+    assert seen["allow_special_tokens_in_chat"] is False
+    # A fatal engine error makes `serve` return 1: so does the command.
+    monkeypatch.setattr(shutdown, "serve", lambda app, client, **kw: 1)
+    assert cli.main(["serve", "/models/x", "--no-engine-process"]) == 1
 
 
 def test_generate_writes_the_deltas(monkeypatch, capsys) -> None:

@@ -193,6 +193,16 @@ class BlockPool:
             block.block_hash = h
             index[h] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop these blocks' hashes from the index (their KV is not to be trusted)."""
+        index = self.cached_block_hash_to_block
+        for block in blocks:
+            h = block.block_hash
+            if h is not None:
+                if index.get(h) is block:
+                    del index[h]
+                block.block_hash = None
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 join the queue tail in this order."""
         queue = self.free_block_queue

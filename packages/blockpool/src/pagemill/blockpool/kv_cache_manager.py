@@ -238,6 +238,19 @@ class KVCacheManager:
         del self._num_cached_blocks[request_id]
         self.block_pool.free_blocks(reversed(table))
 
+    def forget_blocks_from(self, request_id: str, first_block: int) -> None:
+        """Take the request's blocks from `first_block` on out of the prefix index.
+
+        For a step that failed: its blocks were registered when they were allocated (before
+        the forward), but their KV was never written, so no later request may hit them.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return
+        self.block_pool.uncache_blocks(table[max(0, first_block):])
+        self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id],
+                                                  max(0, first_block))
+
     # ------------------------------------------------------------------ queries
 
     def _table(self, request_id: str) -> list[KVCacheBlock]:

@@ -20,6 +20,7 @@ from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler
 
 from .compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from .config import EngineConfig, resolve_dtype, torch_dtype
+from .fault_isolation import FaultIsolator, is_unrecoverable
 from .kv_cache import size_kv_pool
 from .loader import load_model
 from .model_config import ModelConfig
@@ -93,6 +94,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
+        self.isolator = FaultIsolator(self.scheduler)
 
     def _maybe_compile(self) -> None:
         if self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1":
@@ -148,13 +150,28 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """One iteration: schedule -> execute -> sample -> update."""
+        """One iteration: schedule -> execute -> sample -> update.
+
+        A forward or sampling error is contained (see `fault_isolation`): the step is
+        undone, the request that causes it is found and finished with finish_reason
+        "error", the others carry on. A device error (or one every request hits) is not
+        containable and propagates: the caller must stop serving.
+        """
         if self._waiting_for_grammar:
             self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
-        model_output = self.model_runner.execute_model(scheduler_output)
-        token_ids, logprobs = self._sample(model_output)
+        try:
+            model_output = self.model_runner.execute_model(scheduler_output)
+            token_ids, logprobs = self._sample(model_output)
+        except Exception as exc:
+            if is_unrecoverable(exc):
+                raise
+            failed = self.isolator.on_step_failed(scheduler_output, exc)
+            if self.structured_output is not None and failed:
+                self.structured_output.remove_requests([u.request_id for u in failed])
+            return EngineCoreOutputs(failed, None, 0)
         updates = self.scheduler.update_from_output(scheduler_output, token_ids)
+        self.isolator.on_step_done()
         if self.structured_output is not None and self.structured_output.num_requests:
             updates = self._advance_grammars(token_ids, updates)
         if self._grammar_failures:

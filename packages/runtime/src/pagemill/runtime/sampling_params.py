@@ -24,6 +24,10 @@ MAX_LOGIT_BIAS = 100.0
 
 # Top-n logprobs are computed with one batched topk; a cap keeps that bounded (OpenAI's limit).
 MAX_LOGPROBS = 20
+# Seeds are 64-bit signed integers: each maps to its own generator state (torch takes the
+# value modulo 2**64, so a wider range would alias: -1 and 2**64 - 1 are one seed there).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -125,8 +129,10 @@ class SamplingParams:
             raise bad("top_k", "must be 0 or -1 (disabled) or an integer >= 1")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}] "
+                              "(64-bit signed)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -150,8 +156,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, "must be in [-2, 2]")
-        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0")
+        if (not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0
+                or not math.isfinite(self.repetition_penalty)):
+            raise bad("repetition_penalty", "must be a finite number > 0")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -198,7 +205,10 @@ class SamplingParams:
         """Parameters of the `index`-th of `n` completions, sampled as its own request.
 
         A seeded request with n > 1 would otherwise give n identical copies; each copy gets
-        `seed + index` so the set is reproducible and the copies differ.
+        `seed + index` so the set is reproducible and the copies differ; past the top of the
+        64-bit signed range it wraps around to the bottom (never out of range).
         """
-        seed = None if self.seed is None else self.seed + index
+        seed = None
+        if self.seed is not None:
+            seed = (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
         return dataclasses.replace(self, n=1, seed=seed)

@@ -31,6 +31,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
     FINISHED_IGNORED = 6
+    # The forward pass or the sampler failed on this request alone (see EngineCore).
+    FINISHED_ERROR = 7
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -47,6 +49,7 @@ _FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "ignored",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -60,6 +60,13 @@ class Scheduler:
 
         self._finished_req_ids: list[str] = []
         self._pending_updates: list[RequestUpdate] = []
+        # Preempted between steps (after a failed step): told to the runner by the next
+        # schedule(), like preemptions made inside it.
+        self._preempted_between: list[str] = []
+        # While the engine isolates a failing request (`restrict_to`), only `_allowed` ids
+        # are scheduled; every other live request waits in `_held`, in queue order.
+        self._allowed: set[str] | None = None
+        self._held: list[Request] = []
         self._next_seq = 0
 
         self.num_preemptions = 0
@@ -109,7 +116,10 @@ class Scheduler:
         if hasher is not None:
             request.block_hashes.extend(hasher(request))
         self.requests[rid] = request
-        self.waiting.add(request)
+        if self._allowed is not None and rid not in self._allowed:
+            self._held.append(request)
+        else:
+            self.waiting.add(request)
 
     def _never_fits(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
@@ -147,6 +157,8 @@ class Scheduler:
                 continue
             if req.status == _RUNNING:
                 finished.add(rid)
+            elif self._held and req in self._held:
+                self._held.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -281,6 +293,9 @@ class Scheduler:
 
         finished_ids = self._finished_req_ids
         self._finished_req_ids = []
+        if self._preempted_between:
+            preempted_ids = self._preempted_between + preempted_ids
+            self._preempted_between = []
         return SchedulerOutput(batch, total, preempted_ids, finished_ids)
 
     def _pick_victim(self) -> int:
@@ -305,7 +320,70 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add_front(req)
+        if self._allowed is not None and req.request_id not in self._allowed:
+            self._held.append(req)
+        else:
+            self.waiting.add_front(req)
+
+    # ------------------------------------------------------------------ failed steps
+
+    def undo_step(self, output: SchedulerOutput) -> None:
+        """Forget a step whose forward (or sampling) raised: nothing it was to compute is.
+
+        Every running request is preempted (recompute keeps every token, so nothing is
+        lost but time) and the blocks this step was to fill leave the prefix index, so no
+        request can hit KV that was never written. The runner hears of the preemptions
+        in the next SchedulerOutput.
+        """
+        bs = self.block_size
+        kv = self.kv_cache_manager
+        for sched in output.scheduled:
+            if sched.request.status == _RUNNING:
+                kv.forget_blocks_from(sched.request_id, sched.start_pos // bs)
+        self.preempt_all_running()
+
+    def preempt_all_running(self) -> None:
+        """Preempt every running request (newest first, so the queue keeps their order)."""
+        while self.running:
+            rid = self.running[-1].request_id
+            self._preempt(len(self.running) - 1)
+            self._preempted_between.append(rid)
+
+    def restrict_to(self, request_ids: Iterable[str] | None) -> None:
+        """Schedule only these requests until called with None (fault isolation).
+
+        Running requests outside the set must have been preempted first
+        (`preempt_all_running`); waiting ones move aside in order and come back, ahead
+        of nothing newer, when the restriction ends.
+        """
+        if request_ids is None:
+            self._allowed = None
+            held, self._held = self._held, []
+            for req in reversed(held):
+                self.waiting.add_front(req)
+            return
+        allowed = set(request_ids)
+        if any(r.request_id not in allowed for r in self.running):
+            raise ValueError("restrict_to: preempt the running requests outside the set first")
+        self._allowed = allowed
+        keep = [r for r in self.waiting if r.request_id in allowed]
+        moved = [r for r in self.waiting if r.request_id not in allowed]
+        for req in moved + keep:
+            self.waiting.remove(req)
+        held, self._held = self._held, []
+        for req in held + moved:
+            if req.request_id in allowed:
+                keep.append(req)
+            else:
+                self._held.append(req)
+        for req in reversed(keep):
+            self.waiting.add_front(req)
+
+    def fail_requests(self, request_ids: Iterable[str], reason: str) -> list[RequestUpdate]:
+        """Finish requests that a step cannot compute (FINISHED_ERROR): blocks freed now."""
+        ids = [rid for rid in request_ids if rid in self.requests]
+        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return [RequestUpdate(rid, [], True, "error", reason) for rid in ids]
 
     # ------------------------------------------------------------------ after the forward
 
@@ -376,7 +454,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.prefix_cache_stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._held),
             num_preemptions=self.num_preemptions,
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_queries=prefix.queries,

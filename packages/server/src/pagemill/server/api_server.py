@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from .async_engine import AsyncEngine
+from .auth import APIKeyMiddleware
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -38,6 +39,7 @@ from .serving_chat import ChatServing
 from .serving_completion import CompletionServing
 from .serving_tokenize import TokenizeServing
 from .version import __version__
+from .watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +117,21 @@ class BodySizeLimit:
 def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequence[str],
               api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              metrics: EngineMetrics | None = None,
+              metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
+              allow_special_tokens_in_chat: bool = False,
               tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
     process), or an `LLMEngine` (then wrapped here; the app's shutdown stops that wrapper's
     thread). `served_model_name` may be several names: requests may use any of them,
-    /v1/models lists them all, responses report the first. `tool_call_parser` ("hermes",
-    "llama3_json") reads "auto" tool calls; by default it is guessed from the chat template.
-    With `api_key`, /v1/* requires
-    `Authorization: Bearer <api_key>`; /health, /metrics and /version stay open for probes.
+    /v1/models lists them all, responses report the first. With `api_key`, /v1/* requires
+    `Authorization: Bearer <api_key>` (checked before the body is read, see `auth`);
+    /health, /metrics, /version and /openapi.json stay open. `watchdog` decides what
+    /health says (default: the default step timeout). `allow_special_tokens_in_chat`
+    lets special-token strings in chat messages act as control tokens (see serving_chat).
+    `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by default it is
+    guessed from the chat template.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -149,8 +155,10 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               "vocab_limit": getattr(model_config, "vocab_size", None),
               "tokenizer_pool": tokenizer_pool}
     completions = CompletionServing(client, names, **common)
-    chat = ChatServing(client, names, tool_parser=tool_call_parser, **common)
+    chat = ChatServing(client, names, tool_parser=tool_call_parser,
+                       allow_special_tokens=allow_special_tokens_in_chat, **common)
     tokens = TokenizeServing(client, names, **common)
+    watchdog = watchdog if watchdog is not None else Watchdog(client)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -159,13 +167,18 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
         if owns_client:
             client.shutdown()
 
+    # No redirect_slashes: its 307 Location is built from the Host header (and was sent
+    # before the key check); a trailing slash is simply a 404.
     app = FastAPI(title="pagemill", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json",
+                  redirect_slashes=False)
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # outermost: before the body is read or a route matched
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
@@ -181,8 +194,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
 
     @app.get("/health")
     async def health() -> Response:
-        if client.is_dead:
-            return error_response(503, f"the engine has stopped: {client.dead_error!r}")
+        verdict = watchdog.check()
+        if not verdict.healthy:
+            return error_response(503, verdict.reason or "the engine is unavailable")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -19,9 +19,12 @@ request's blocks before the next step is scheduled; the engine side blocks on it
 queue when there is nothing to run instead of spinning; and a step's outputs reach their
 requests' asyncio queues with one `call_soon_threadsafe` per event loop per step.
 
-If a step raises, the engine's state is unknown: the client is marked dead, every
-in-flight request fails with `EngineDeadError`, and so does every later command (/health
-turns 503). An engine process that exits for any reason is noticed the same way.
+A step that raises because of one request is contained by the engine core (that request
+finishes with finish_reason "error"). If `step()` itself raises, the engine's state is
+unknown: the client is marked dead, every in-flight request fails with `EngineDeadError`,
+and so does every later command; the server's watchdog then exits non-zero (see
+`shutdown`). An engine process that exits for any reason is noticed the same way.
+`step_started_at` tells the watchdog how long the current step has run.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ T = TypeVar("T")
 
 class EngineDeadError(RuntimeError):
     """The engine stopped (after an error, or shut down); nothing more can be served."""
+
+
+class ServerShuttingDownError(EngineDeadError):
+    """In-flight requests ended by a shutdown (its timeout ran out) or a fatal engine error."""
 
 
 class QueueFullError(RuntimeError):
@@ -115,6 +122,11 @@ class _Abort:
 
 
 @dataclass
+class _FailAll:
+    error: BaseException
+
+
+@dataclass
 class _Call:
     fn: Callable[[Any], Any]
     done: concurrent.futures.Future[Any]
@@ -168,8 +180,10 @@ class AsyncEngine:
         self.observer = observer
         self.dead_error: BaseException | None = None
         self._closed = False
-        self._held: set[str] = set()  # accepted and not yet released; under _lock
+        self._held: dict[str, int] = {}  # accepted, not yet released -> slots; under _lock
+        self._num_slots = 0
         self._lock = threading.Lock()
+        self._step_started: float | None = None  # monotonic start of the running step
 
     # ------------------------------------------------------------ client side
 
@@ -180,6 +194,16 @@ class AsyncEngine:
     @property
     def num_pending(self) -> int:
         return len(self._held)
+
+    @property
+    def num_slots_held(self) -> int:
+        """Queue slots in use: a request with n choices holds n (see `add_request`)."""
+        return self._num_slots
+
+    @property
+    def step_started_at(self) -> float | None:
+        """`time.monotonic()` when the step now running began; None between steps."""
+        return self._step_started
 
     def _stopped_error(self) -> EngineDeadError | None:
         if self.dead_error is not None:
@@ -206,16 +230,19 @@ class AsyncEngine:
         The engine's own validation errors (ValueError) are raised here, before anything
         is streamed. The caller must call `release(request_id)` once it stops reading,
         finished or not. `arrival_time` (monotonic) defaults to now: the time spent in the
-        command queue counts towards the request's latency.
+        command queue counts towards the request's latency. A request counts against
+        `max_pending` once per choice (`params.n`).
         """
         self._check_alive()
+        slots = int(getattr(params, "n", 1) or 1)
         with self._lock:
-            if self.max_pending is not None and len(self._held) >= self.max_pending:
-                raise QueueFullError(f"the server already holds {len(self._held)} requests "
+            if self.max_pending is not None and self._num_slots + slots > self.max_pending:
+                raise QueueFullError(f"the server already holds {self._num_slots} sequences "
                                      f"(limit {self.max_pending})")
             if request_id in self._held:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._held.add(request_id)
+            self._held[request_id] = slots
+            self._num_slots += slots
         kwargs.setdefault("arrival_time", time.monotonic())
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
         tracked = _Tracked(q, asyncio.get_running_loop())
@@ -243,9 +270,10 @@ class AsyncEngine:
         Idempotent: every exit path of a handler may call it without double counting.
         """
         with self._lock:
-            if request_id not in self._held:
+            slots = self._held.pop(request_id, None)
+            if slots is None:
                 return
-            self._held.discard(request_id)
+            self._num_slots -= slots
         if not finished:
             self.abort(request_id)
 
@@ -291,6 +319,11 @@ class AsyncEngine:
     def _post_abort(self, request_ids: list[str]) -> None:
         self._commands.put(_Abort(request_ids))
 
+    def fail_all(self, error: BaseException) -> None:
+        """Abort every request in flight and end its stream with `error` (shutdown)."""
+        if self.dead_error is None and not self._closed:
+            self._commands.put(_FailAll(error))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (in-flight requests are aborted); idempotent."""
         self._closed = True
@@ -318,16 +351,25 @@ class AsyncEngine:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
                     t0 = time.perf_counter()
+                    self._step_started = time.monotonic()
                     outputs = self.engine.step()
+                    self._step_started = None
                     step_seconds = time.perf_counter() - t0
                     self._dispatch(outputs)
-                    if self.observer is not None:
-                        self.observer.on_step(self.engine, step_seconds)
-                elif commands and self.observer is not None:
-                    self.observer.on_step(self.engine, None)
+                    self._observe(step_seconds)
+                elif commands:
+                    self._observe(None)
         except BaseException as exc:
             logger.exception("the engine thread failed; the server can no longer serve")
             self._die(exc)
+
+    def _observe(self, step_seconds: float | None) -> None:
+        if self.observer is None:
+            return
+        try:  # metrics must never be what stops the engine
+            self.observer.on_step(self.engine, step_seconds)
+        except Exception:
+            logger.exception("the step observer failed")
 
     def _apply(self, command: Any) -> None:
         if isinstance(command, _Add):
@@ -346,6 +388,11 @@ class AsyncEngine:
                 self.engine.abort_request(ids)
                 for rid in ids:
                     del self._tracked[rid]
+        elif isinstance(command, _FailAll):
+            ids = list(self._tracked)
+            if ids:
+                self.engine.abort_request(ids)
+                deliver((self._tracked.pop(rid), command.error) for rid in ids)
         elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
             try:
                 command.done.set_result(command.fn(self.engine))

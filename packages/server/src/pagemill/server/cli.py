@@ -42,6 +42,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
 def _port(text: str) -> int:
     value = _positive_int(text)
     if value > 65535:
@@ -109,9 +126,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
     check_model(config)
 
-    from .api_server import build_app, run_server
+    from .api_server import build_app
     from .async_engine import AsyncEngine
+    from .connection_limits import ConnectionLimits
     from .metrics import EngineMetrics
+    from .shutdown import serve
+    from .watchdog import Watchdog
 
     names = args.served_model_name or [config.model]
     name = names[0]  # what responses and metrics report; every name is accepted
@@ -132,14 +152,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len,
                              observer=metrics)
     try:
+        watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
         app = build_app(client, names, api_key=resolve_api_key(args.api_key),
-                        max_body_bytes=args.max_body_size, metrics=metrics)
+                        max_body_bytes=args.max_body_size, metrics=metrics, watchdog=watchdog,
+                        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
-        run_server(app, host=args.host, port=args.port, log_level=args.log_level)
+        limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
+        code = serve(app, client, host=args.host, port=args.port, log_level=args.log_level,
+                     shutdown_timeout=args.shutdown_timeout, watchdog=watchdog, limits=limits)
     finally:
         client.shutdown()
-    return 0
+    return code
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -175,6 +199,26 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="torch intra-op threads for the engine (default on CPU: one per core "
                         "but one, which the HTTP side keeps; on a GPU, or with OMP_NUM_THREADS "
                         "set, torch's choice)")
+    r = p.add_argument_group("reliability")
+    r.add_argument("--step-timeout", type=_non_negative_float, default=300.0, metavar="S",
+                   help="an engine step running longer than this turns /health to 503; "
+                        "still running --step-timeout-grace s later, the server exits 1 "
+                        "(default 300; 0 disables)")
+    r.add_argument("--step-timeout-grace", type=_non_negative_float, default=30.0, metavar="S",
+                   help="see --step-timeout (default 30)")
+    r.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, how long in-flight requests may finish before they "
+                        "are ended with an error event (default 30); the exit status is 0")
+    r.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="close a connection whose request headers take longer (default 10)")
+    r.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="S",
+                   help="close a connection whose request body takes longer (default 30)")
+    r.add_argument("--max-connections", type=_positive_int, default=2048, metavar="N",
+                   help="open connections beyond this are closed at once (default 2048)")
+    r.add_argument("--allow-special-tokens-in-chat", action="store_true",
+                   help="let special-token strings in chat message content act as control "
+                        "tokens (default: such messages are refused with 400, since they could "
+                        "forge system or assistant turns)")
     p.set_defaults(func=cmd_serve)
 
 

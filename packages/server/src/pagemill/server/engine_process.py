@@ -118,11 +118,14 @@ class _CoreLoop:
                 applied = True
             if engine.has_unfinished_requests():
                 t0 = time.perf_counter()
+                if self.heartbeat is not None:
+                    self.heartbeat[2] = time.monotonic()  # a step is running since
                 outputs = engine.step()
                 step_seconds = time.perf_counter() - t0
                 if self.heartbeat is not None:
                     self.heartbeat[0] += 1  # steps run
                     self.heartbeat[1] = time.monotonic()  # when the last one ended
+                    self.heartbeat[2] = 0.0
                 self.send(("step", self._encode(outputs), engine.get_stats(),
                            getattr(engine, "iteration_stats", None), step_seconds))
             elif applied:
@@ -344,9 +347,9 @@ class EngineProcessClient(AsyncEngine):
 
         ctx = multiprocessing.get_context("spawn")
         # Written by the engine process after every step, read here without any message or
-        # lock: [steps run, time.monotonic() at the end of the last one]. A watchdog can
-        # tell a hung engine from a busy one by it.
-        self.heartbeat = ctx.RawArray("d", 2)
+        # lock: [steps run, time.monotonic() at the end of the last one, at the start of the
+        # running one (0: none)]. The watchdog tells a hung engine from a busy one by it.
+        self.heartbeat = ctx.RawArray("d", 3)
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         out_read, out_write = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
@@ -461,6 +464,21 @@ class EngineProcessClient(AsyncEngine):
         for rid in request_ids:
             self._tracked.pop(rid, None)
         self._send(("abort", request_ids))
+
+    def fail_all(self, error: BaseException) -> None:
+        """Abort every request in flight and end its stream with `error` (shutdown)."""
+        tracked = {}
+        for rid in list(self._tracked):
+            t = self._tracked.pop(rid, None)
+            if t is not None:
+                tracked[rid] = t
+        if tracked and not self._dead_event.is_set():
+            self._send(("abort", list(tracked)))
+        deliver((t, error) for t in tracked.values())
+
+    @property
+    def step_started_at(self) -> float | None:
+        return self.heartbeat[2] or None
 
     # ------------------------------------------------------------ reader thread
 

@@ -4,11 +4,16 @@ OpenAI clients parse `{"error": {"message", "type", "param", "code"}}` to raise 
 exceptions; FastAPI's defaults (422 with a `detail` list, HTML-less 404s) would surface as
 generic errors. So validation failures, unknown routes and our own refusals all go through
 `error_response`, and bad input is always a 4xx: a 500 means a bug in the server.
+
+What went wrong inside the server is never sent to clients (an exception's text may name
+another user's request or a path on the machine): they get a generic message with an
+error id (`err-...`), and the log has the details under the same id (`internal_error`).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -50,6 +55,18 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+def internal_error(status_code: int, public: str, exc: BaseException | None = None,
+                   *, code: str | None = None) -> APIError:
+    """An APIError saying only `public` plus an error id; the details go to the log."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    if exc is not None:
+        logger.error("%s [%s]: %s: %s", public, error_id, type(exc).__name__, exc,
+                     exc_info=exc if status_code >= 500 else None)
+    else:
+        logger.error("%s [%s]", public, error_id)
+    return APIError(status_code, f"{public} (error id {error_id})", code=code)
 
 
 def error_body(status_code: int, message: str, param: str | None = None,
@@ -111,5 +128,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return error_response(500, f"internal server error: {type(exc).__name__}")
+        err = internal_error(500, "internal server error", exc)
+        return error_response(500, err.message)

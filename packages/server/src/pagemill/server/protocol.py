@@ -4,16 +4,30 @@ Requests are validated by pydantic so that every malformed field becomes a 400 t
 the field (see errors.py); cross-field rules and features we do not implement are refused
 here too, rather than silently ignored, so a client never gets an answer to a question it
 did not ask. Unknown extra fields are ignored (OpenAI clients send fields like `store`).
+
+Request bodies are strict (`STRICT`): JSON's types are taken as they are, so `true` is not
+the integer 1 (nor a token id), `"yes"` is not a boolean, and floats must be finite; a
+number may stand for a float. Strings must be valid Unicode: a lone UTF-16 surrogate
+(`"\ud800"`, which JSON can spell) is refused with the field it is in.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from .limits import (
+    MAX_CHOICES_PER_REQUEST,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SEED_MAX,
+    SEED_MIN,
+    STRICT,
+    find_lone_surrogate,
+)
 from .protocol_structured import (
     ChatTool,
     ResponseFormat,
@@ -39,18 +53,21 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's plus vLLM's extras."""
 
+    model_config = STRICT
+
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
@@ -60,7 +77,7 @@ class SamplingFields(OpenAIModel):
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
@@ -70,6 +87,15 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsField | None = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        where = find_lone_surrogate(data, info.field_name or "")
+        if where is not None:
+            raise ValueError(f"'{where}' contains a lone UTF-16 surrogate, which is not valid "
+                             "Unicode text")
+        return data
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
@@ -126,6 +152,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("'suffix' is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("'best_of' other than n is not supported")
+        choices = len(self.prompts()) * self.n
+        if choices > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"this request asks for {choices} completions (prompts x n); at "
+                             f"most {MAX_CHOICES_PER_REQUEST} are allowed per request")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -139,11 +169,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(OpenAIModel):
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(OpenAIModel):
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -10,9 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .limits import STRICT
+
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT  # request bodies: no coercion between JSON types (see protocol)
 
 
 class StructuredOutputsField(_Model):
@@ -25,7 +27,7 @@ class StructuredOutputsField(_Model):
     json_object: bool | None = None
     disable_any_whitespace: bool = False
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
 
 
 class JsonSchemaFormat(_Model):
@@ -34,7 +36,7 @@ class JsonSchemaFormat(_Model):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
 
 
 class ResponseFormat(_Model):
@@ -108,7 +110,7 @@ class TokenizeRequest(_Model):
         return self
 
 
-class TokenizeResponse(_Model):
+class TokenizeResponse(BaseModel):  # a response: built here, not validated strictly
     count: int
     max_model_len: int
     tokens: list[int]
@@ -120,5 +122,5 @@ class DetokenizeRequest(_Model):
     tokens: list[int]
 
 
-class DetokenizeResponse(_Model):
+class DetokenizeResponse(BaseModel):  # a response: built here, not validated strictly
     prompt: str

@@ -24,8 +24,8 @@ from fastapi import Request
 
 from pagemill.runtime import RequestOutputKind, SamplingParams
 
-from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from .errors import APIError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, ServerShuttingDownError
+from .errors import APIError, error_body, internal_error
 from .protocol import SamplingFields
 from .structured import logit_bias, structured_params
 
@@ -42,6 +42,35 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class RequestFailedError(RuntimeError):
+    """The engine finished one of this request's choices with finish_reason "error"."""
+
+
+def failure(exc: BaseException) -> APIError:
+    """What a client is told when its request cannot complete: never the internals."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ServerShuttingDownError):
+        return APIError(503, f"{exc}; retry shortly", code="server_shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return internal_error(503, "the engine is unavailable", exc)
+    if isinstance(exc, RequestFailedError):
+        return internal_error(500, "the engine failed while computing this request", exc)
+    return internal_error(500, "internal server error", exc)
+
+
+def failure_events(exc: BaseException) -> list[str]:
+    """The last events of a stream that cannot go on: an error object, then [DONE]."""
+    err = failure(exc)
+    return [sse(error_body(err.status_code, err.message, code=err.code)), SSE_DONE]
+
+
+def check_failed(outputs: Sequence[Any]) -> None:
+    for c in outputs:
+        if c.finish_reason == "error":
+            raise RequestFailedError(f"choice {c.index}: {c.stop_reason}")
 
 
 def map_finish_reason(reason: str | None) -> str | None:
@@ -77,6 +106,7 @@ class ServingBase:
         if vocab_limit is None:
             vocab_limit = len(tokenizer) if tokenizer is not None else 2**31
         self.vocab_limit = vocab_limit
+        self._text_byte_limit: int | None = None
 
     # ------------------------------------------------------------ checks
 
@@ -98,11 +128,36 @@ class ServingBase:
         """Run tokenizer work on the tokenizer thread, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
+    def text_byte_limit(self) -> int:
+        """Bytes of text past which a prompt can never fit the context, whatever it says.
+
+        No token covers more text than its longest vocabulary entry (B bytes; 4x margin for
+        normalizers), so a text of more than max_model_len x B x 4 bytes has more tokens
+        than fit: refused without tokenizing it (a multi-megabyte prompt costs seconds of
+        tokenizer time, and the tokenizer shares the interpreter lock with the event loop).
+        """
+        if self._text_byte_limit is None:
+            longest = 16
+            vocab = getattr(self.tokenizer, "get_vocab", None)
+            if callable(vocab):
+                longest = max((len(t.encode("utf-8", "replace")) for t in vocab()), default=16)
+            self._text_byte_limit = self.max_model_len * max(longest, 1) * 4
+        return self._text_byte_limit
+
+    def check_text_size(self, text: str, param: str) -> None:
+        """Blocking (O(len) but no tokenizer): call through `off_loop`."""
+        size = len(text.encode("utf-8"))
+        if size > self.text_byte_limit():
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
+                                f"tokens; {param} is {size} bytes, more than that many tokens "
+                                "can hold.", param=param)
+
     def encode(self, text: str) -> list[int]:
         """Blocking: call through `off_loop`."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
                            param="prompt")
+        self.check_text_size(text, "prompt")
         # The engine's own encoding, so counts match what it would compute from the text.
         engine_encode = getattr(self.client.engine, "encode", None)
         try:
@@ -181,6 +236,12 @@ class ServingBase:
         `arrival_time` is when the HTTP request arrived (monotonic): tokenization and the
         wait for the engine thread count towards the latency a client sees.
         """
+        total = sum(sp.n for sp in params)
+        limit = self.client.max_pending
+        if limit is not None and total > limit:
+            raise APIError(400, f"this request needs {total} sequences (prompts x n) but the "
+                                f"server's queue holds at most {limit}; it can never be "
+                                "served", param="n")
         out_queue: asyncio.Queue[Any] = asyncio.Queue()
         ids: list[str] = []
         try:
@@ -197,7 +258,7 @@ class ServingBase:
                 raise APIError(429, f"{exc}; retry shortly",
                                headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
             if isinstance(exc, EngineDeadError):
-                raise APIError(503, str(exc)) from exc
+                raise failure(exc) from exc
             if isinstance(exc, ValueError):
                 raise APIError(400, str(exc)) from exc
             raise
@@ -238,7 +299,10 @@ class ServingBase:
         try:
             final = collecting.result()
         except EngineDeadError as exc:
-            raise APIError(503, str(exc)) from exc
+            raise failure(exc) from exc
+        for out in final.values():
+            if any(c.finish_reason == "error" for c in out.outputs):
+                raise failure(RequestFailedError(f"{out.request_id}: {out.outputs}"))
         return [final[rid] for rid in ids]
 
 

@@ -1,8 +1,16 @@
-"""POST /v1/chat/completions: messages through the model's chat template, whole or streamed."""
+"""POST /v1/chat/completions: messages through the model's chat template, whole or streamed.
+
+Special tokens: the template's output is tokenized with special-token strings recognised
+(the template writes its own turn markers that way), so a message whose content held
+`<|im_start|>system` would forge a turn. By default such content is refused (400, naming
+the token); `allow_special_tokens=True` (`pagemill serve --allow-special-tokens-in-chat`)
+restores the raw behaviour for trusted clients.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,8 +19,7 @@ from fastapi import Request
 
 from pagemill.runtime.tool_calling import get_tool_parser, parser_for_template
 
-from .async_engine import EngineDeadError
-from .errors import APIError, error_body
+from .errors import APIError, internal_error
 from .protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -30,6 +37,8 @@ from .serving_base import (
     PromptInfo,
     ReleasingStream,
     ServingBase,
+    check_failed,
+    failure_events,
     map_finish_reason,
     now,
     split_logprobs,
@@ -40,13 +49,30 @@ from .serving_base import (
 from .serving_tools import ToolPlan, ToolStream
 
 
+def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """A regex matching any special-token string of the tokenizer (None: it has none)."""
+    if tokenizer is None:
+        return None
+    tokens = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            tokens.add(str(added.content))
+    tokens = {t for t in tokens if t}
+    if not tokens:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
 class ChatServing(ServingBase):
-    def __init__(self, *args: Any, tool_parser: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tool_parser: str | None = None,
+                 allow_special_tokens: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The format "auto" tool calls are read in: named, or guessed from the template.
         template = getattr(self.tokenizer, "chat_template", None)
         self.tool_parser = get_tool_parser(tool_parser or parser_for_template(
             template if isinstance(template, str) else None))
+        self.allow_special_tokens = allow_special_tokens
+        self._special = None if allow_special_tokens else special_token_pattern(self.tokenizer)
 
     def render(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         """The conversation's prompt ids (blocking: runs on the tokenizer thread)."""
@@ -61,12 +87,26 @@ class ChatServing(ServingBase):
                 msg["name"] = m.name
             messages.append(msg)
         tools = plan.template_tools if plan is not None else None
+        if self.tokenizer is not None:
+            self.check_text_size("".join(m["content"] for m in messages), "messages")
+        if self._special is not None:
+            for i, m in enumerate(messages):
+                found = self._special.search(m["content"])
+                if found:
+                    raise APIError(400, f"messages[{i}].content contains the special token "
+                                        f"{found.group()!r}, which could forge a turn of the "
+                                        "conversation; remove it (the server refuses these "
+                                        "unless started with --allow-special-tokens-in-chat)",
+                                   param="messages", code="special_token_in_content")
         try:
             ids = self.client.engine.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
         except Exception as exc:  # no template, or one that rejects e.g. this role order
-            raise APIError(400, f"the chat template could not render these messages: {exc}",
-                           param="messages") from exc
+            if type(exc).__module__.startswith("jinja2"):  # the template's own words
+                raise APIError(400, f"the chat template refused these messages: "
+                                    f"{str(exc)[:300]}", param="messages") from exc
+            raise internal_error(400, "the chat template could not render these messages",
+                                 exc) from exc
         return list(ids)
 
     def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> PromptInfo:
@@ -139,6 +179,7 @@ class ChatServing(ServingBase):
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
+                    check_failed(out.outputs)
                     for c in out.outputs:
                         logprobs = None
                         if req.num_logprobs is not None and c.logprobs:
@@ -159,9 +200,9 @@ class ChatServing(ServingBase):
                             yield chunk(c.index, delta, logprobs)
                     if out.finished:
                         n_prompt = len(out.prompt_token_ids)
-        except EngineDeadError as exc:
-            yield sse(error_body(503, str(exc)))
-            yield SSE_DONE
+        except Exception as exc:  # the engine or this server failed: say so, then end
+            for event in failure_events(exc):
+                yield event
             return
         if req.include_usage:
             yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,

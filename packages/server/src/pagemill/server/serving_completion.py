@@ -9,8 +9,6 @@ from typing import Any
 
 from fastapi import Request
 
-from .async_engine import EngineDeadError
-from .errors import error_body
 from .protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -24,6 +22,8 @@ from .serving_base import (
     PromptInfo,
     ReleasingStream,
     ServingBase,
+    check_failed,
+    failure_events,
     map_finish_reason,
     now,
     split_logprobs,
@@ -105,6 +105,7 @@ class CompletionServing(ServingBase):
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
                     base = index_of[out.request_id] * req.n
+                    check_failed(out.outputs)
                     for c in out.outputs:
                         key = base + c.index
                         logprobs = None
@@ -120,9 +121,9 @@ class CompletionServing(ServingBase):
                             yield chunk(key, c.text, logprobs)
                     if out.finished:
                         n_prompt += len(out.prompt_token_ids)
-        except EngineDeadError as exc:
-            yield sse(error_body(503, str(exc)))
-            yield SSE_DONE
+        except Exception as exc:  # the engine or this server failed: say so, then end
+            for event in failure_events(exc):
+                yield event
             return
         if req.include_usage:
             yield sse({"id": request_id, "object": "text_completion", "created": created,
