@@ -168,7 +168,7 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
                         lambda app, client, **kw: seen.update(app=app, serve=kw) or 0)
     assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001",
                      "--no-engine-process", "--shutdown-timeout", "7", "--step-timeout", "0",
-                     "--max-connections", "64"]) == 0
+                     "--max-connections", "64", "--tool-call-parser", "llama3_json"]) == 0
     assert seen["config"] == EngineConfig(model="/models/x", cache=CacheConfig(block_size=32))
     assert seen["checked"] == "/models/x"
     assert seen["name"] == ["/models/x"] and seen["api_key"] == "secret" and seen["app"] == "app"
@@ -176,6 +176,7 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     assert seen["serve"]["limits"].max_connections == 64
     assert seen["watchdog"].step_timeout is None  # 0 disables the step watchdog
     assert seen["allow_special_tokens_in_chat"] is False
+    assert seen["tool_call_parser"] == "llama3_json"
     # A fatal engine error makes `serve` return 1: so does the command.
     monkeypatch.setattr(shutdown, "serve", lambda app, client, **kw: 1)
     assert cli.main(["serve", "/models/x", "--no-engine-process"]) == 1

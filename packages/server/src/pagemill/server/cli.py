@@ -155,7 +155,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
         app = build_app(client, names, api_key=resolve_api_key(args.api_key),
                         max_body_bytes=args.max_body_size, metrics=metrics, watchdog=watchdog,
-                        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat)
+                        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+                        tool_call_parser=args.tool_call_parser)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
         limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
@@ -219,6 +220,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="let special-token strings in chat message content act as control "
                         "tokens (default: such messages are refused with 400, since they could "
                         "forge system or assistant turns)")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how tool calls are read out of the text of tool_choice='auto' answers "
+                        "(default: guessed from the chat template)")
     p.set_defaults(func=cmd_serve)
 
 
