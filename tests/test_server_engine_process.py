@@ -23,42 +23,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from server_helpers import build_tiny_llama
 
 from pagemill.runtime import LLMEngine, SamplingParams
 from pagemill.runtime.sampling_params import RequestOutputKind
 from pagemill.server import AsyncEngine, EngineDeadError, EngineMetrics, ServerThread, build_app
 
 MODEL = "tiny-llama"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CORPUS = ["the quick brown fox jumps over the lazy dog",
-          "hello world, hello server, hello paged attention",
-          "streaming tokens to clients over server sent events"] * 4
-
-
-def build_tiny_llama(folder: Path) -> None:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(folder))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        initializer_range=0.2, eos_token_id=fast.eos_token_id, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder))
 
 
 def engine_kwargs(folder: Path) -> dict[str, Any]:

