@@ -29,7 +29,8 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
     "cache": (CacheConfig, "KV cache"),
 }
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
-_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",)}
+_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),
+                                        "tensor_parallel_size": ("-tp",)}
 
 
 def _positive_int(text: str) -> int:
