@@ -160,7 +160,13 @@ class EngineCore:
         self.model_runner.init_kv_cache(self.num_blocks)
         self._maybe_compile()
         if self._workers is not None:
-            self._workers.start_keepalive()
+            self._workers.start_watching()
+
+    def on_worker_failure(self, handler: Callable[[Exception], None]) -> None:
+        """Call `handler` (from another thread) if a tensor-parallel worker dies between
+        steps; without one, the next step raises `TensorParallelError`."""
+        if self._workers is not None:
+            self._workers.on_failure = handler
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); idempotent. A single-device engine

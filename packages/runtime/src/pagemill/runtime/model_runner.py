@@ -398,6 +398,8 @@ class ModelRunner:
         start = time.perf_counter()
         with tp.exclusive():
             try:
+                if tp.failed:
+                    raise RuntimeError("the group failed earlier")
                 tp.broadcast_object(step.batch)
                 local = self._local_logits(step)
                 logits = None if local is None else tp.gather_to_driver(local)

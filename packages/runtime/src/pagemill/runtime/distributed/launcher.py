@@ -9,8 +9,10 @@ joins the launch's group as rank 0, the other ranks running `pagemill.runtime.di
 Never a hang: while waiting for workers to check in, rank 0 polls that they are alive; a
 worker that dies later closes its connections, so rank 0's next collective fails at once
 (`TensorParallelError`, naming the worker and its exit code); workers die with rank 0
-(PR_SET_PDEATHSIG, and their collectives fail too). An idle engine sends a keepalive now
-and then, so that waiting workers never reach the collective timeout.
+(PR_SET_PDEATHSIG, and their collectives fail too). A watcher thread notices a worker
+that dies while the engine is idle (`on_failure`: the server's engine process exits, so
+/health turns 503 at once) and sends a keepalive now and then, so that waiting workers
+never reach the collective timeout.
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from .parallel_state import (
+    TensorParallelError,
     TensorParallelGroup,
     collective_timeout,
     init_group,
@@ -68,7 +71,9 @@ class TensorParallelWorkers:
         self._saved_threads = threads
         self._closed = False
         self._stop = threading.Event()
-        self._keepalive: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        # Called (from the watcher thread) when a worker is found dead between steps.
+        self.on_failure: Callable[[TensorParallelError], None] | None = None
         tp.describe_peers = self.describe
 
     # ---- start ------------------------------------------------------------------------------
@@ -133,18 +138,29 @@ class TensorParallelWorkers:
                 return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
         return None
 
-    def start_keepalive(self, interval: float | None = None) -> None:
-        """Keep idle workers (blocked on the next step) short of the collective timeout."""
-        if interval is None:
-            interval = min(60.0, collective_timeout().total_seconds() / 4)
-        self._keepalive = threading.Thread(target=self._keepalive_loop, args=(interval,),
-                                           name="pagemill-tp-keepalive", daemon=True)
-        self._keepalive.start()
+    def start_watching(self, keepalive: float | None = None) -> None:
+        """Watch the workers between steps, and keep idle ones (blocked on the next step)
+        short of the collective timeout with a keepalive every `keepalive` idle seconds."""
+        if keepalive is None:
+            keepalive = min(60.0, collective_timeout().total_seconds() / 4)
+        self._watcher = threading.Thread(target=self._watch_loop, args=(keepalive,),
+                                         name="pagemill-tp-watcher", daemon=True)
+        self._watcher.start()
 
-    def _keepalive_loop(self, interval: float) -> None:
+    def _watch_loop(self, keepalive: float) -> None:
         tp = self.tp
-        while not self._stop.wait(interval / 4):
-            if time.monotonic() - tp.last_collective < interval or tp.failed:
+        while not self._stop.wait(0.5):
+            if tp.failed:
+                return
+            dead = self.describe()
+            if dead is not None:
+                tp.failed = True
+                error = TensorParallelError(f"tensor parallelism failed: {dead}")
+                logger.error("%s", error)
+                if self.on_failure is not None:
+                    self.on_failure(error)
+                return
+            if time.monotonic() - tp.last_collective < keepalive:
                 continue
             if not tp.lock.acquire(blocking=False):
                 continue  # a step is running: that is traffic enough
@@ -165,8 +181,8 @@ class TensorParallelWorkers:
             return
         self._closed = True
         self._stop.set()
-        if self._keepalive is not None:
-            self._keepalive.join(timeout)
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout)
         tp = self.tp
         if not tp.failed and tp.lock.acquire(timeout=timeout):
             try:

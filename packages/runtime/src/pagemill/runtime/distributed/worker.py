@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                   else torch.device("cpu"))
     else:
         device = torch.device(args.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", env.local_rank)
     return _run(init_group(env.rank, env.world_size, device))
 
 
