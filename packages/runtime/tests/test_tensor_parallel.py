@@ -191,3 +191,22 @@ def test_check_tensor_parallel_names_every_problem() -> None:
         check_tensor_parallel(_config(4, 2, inter=129), 2)
     with pytest.raises(ValueError, match="num_key_value_heads=3 is neither"):
         check_tensor_parallel(_config(6, 3), 2)
+
+
+# ---- the other families (slow: one TP=2 engine each) ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["mistral", "qwen3", "phi3", "gemma2", "gemma3"])
+def test_other_families_tp2_equals_tp1(arch, tmp_path, build_tiny_model, random_prompts) -> None:
+    folder = tmp_path / arch
+    extra = {"sliding_window": 12} if arch in ("mistral", "gemma2", "gemma3") else {}
+    build_tiny_model(folder, arch, seed=2, **extra)
+    vocab = ModelConfig.from_pretrained(folder).vocab_size
+    prompts, max_tokens = _workload(vocab, random_prompts)
+    expected = _run(_engine(folder, 1), prompts, max_tokens)
+    tp2 = _engine(folder, 2)
+    try:
+        assert _run(tp2, prompts, max_tokens) == expected
+    finally:
+        tp2.shutdown()

@@ -49,7 +49,7 @@ def test_kv_heads_replicated_beyond_their_count() -> None:
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused() -> None:
-    with pytest.raises(ValueError, match="does not divide Llama-3.1-70B's 64 attention heads"):
+    with pytest.raises(ValueError, match=r"does not divide Llama-3\.1-70B's 64 attention heads"):
         make_plan(load_model("llama-3.1-70b"), load_gpu("h100"), tensor_parallel_size=3)
     gpu = GPUSpec("mystery", 80 * 2**30, 3e12, 1e15)
     with pytest.raises(ValueError, match="no link_bandwidth_bytes_per_s"):
