@@ -70,6 +70,7 @@ def test_tp2_greedy_equals_tp1(pair, random_prompts) -> None:
     warm = [[*prompts[0][:40], 3]], [2]
     tp1 = _engine(folder, 1)
     assert tp1.llm_engine.num_blocks == tp2.llm_engine.num_blocks == 14
+    assert tp1.llm_engine.engine_core.tp is None  # TP=1: no group, the single-device step
     expected = _run(tp1, *warm) + _run(tp1, prompts, max_tokens)
     got = _run(tp2, *warm) + _run(tp2, prompts, max_tokens)
     assert got == expected, f"{name}: TP=2 diverged from TP=1"

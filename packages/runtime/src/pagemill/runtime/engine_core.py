@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import LogprobsRow
 from .sampler import Sampler
 from .structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from .distributed.launcher import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +86,7 @@ class EngineCore:
         scheduler_config = replace(config.scheduler, max_model_len=self.max_model_len)
         cache = config.cache
         self.tp: TensorParallelGroup | None = None
-        self._workers = None
+        self._workers: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:
             # Refused before any process starts: a split the heads do not allow.
             check_tensor_parallel(model_config, config.tensor_parallel_size)
