@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,73 +53,56 @@ def _workload(vocab: int, random_prompts) -> tuple[list[list[int]], list[int]]:
     return prompts, [20, 30, 12, 40, 25, 18, 22]
 
 
-@pytest.fixture(params=["tiny_llama", "tiny_qwen2"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[str, Path, LLM]]:
-    folder, _ = request.getfixturevalue(request.param)
-    llm = _engine(folder, 2)
-    yield request.param, folder, llm
-    llm.shutdown()
+def _break_worker(llm: LLM, how: str) -> None:
+    core = llm.llm_engine.engine_core
+    if how == "raises":
+        # A command the worker cannot run makes it raise, log and exit with status 1.
+        with core.tp.exclusive():
+            core.tp.broadcast_object(("no such command",))
+    else:
+        os.kill(core._workers.processes[0].pid, signal.SIGKILL)
 
 
-def test_tp2_greedy_equals_tp1(pair, random_prompts) -> None:
-    name, folder, tp2 = pair
+@pytest.mark.parametrize(("fixture", "fault"), [("tiny_llama", "raises"), ("tiny_qwen2", "dies")])
+def test_tp2_equals_tp1_until_a_worker_fails(fixture, fault, request, random_prompts) -> None:
+    """One TP=2 engine each (a worker start costs seconds): greedy equality with TP=1 first,
+    then a worker that raises (Llama) or dies (Qwen2) stops the engine with a clear error."""
+    folder, _ = request.getfixturevalue(fixture)
     vocab = ModelConfig.from_pretrained(folder).vocab_size
     prompts, max_tokens = _workload(vocab, random_prompts)
     # The shared prefix is cached by a first request, then hit by the batch.
     warm = [[*prompts[0][:40], 3]], [2]
     tp1 = _engine(folder, 1)
-    assert tp1.llm_engine.num_blocks == tp2.llm_engine.num_blocks == 14
     assert tp1.llm_engine.engine_core.tp is None  # TP=1: no group, the single-device step
     expected = _run(tp1, *warm) + _run(tp1, prompts, max_tokens)
-    got = _run(tp2, *warm) + _run(tp2, prompts, max_tokens)
-    assert got == expected, f"{name}: TP=2 diverged from TP=1"
-    stats = tp2.llm_engine.get_stats()
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits >= 32
-    assert stats.kv_cache_usage == 0.0
-    # Prompts of 40-71 tokens under a 32-token budget were prefilled in chunks.
-    assert max(map(len, prompts)) > 32
-
-
-def test_a_worker_that_raises_stops_the_engine(tiny_llama, random_prompts) -> None:
-    folder, _ = tiny_llama
-    llm = _engine(folder, 2)
+    tp2 = _engine(folder, 2)
     try:
-        engine = llm.llm_engine
-        core = engine.engine_core
-        # A command the worker cannot run makes it raise, log and exit non-zero.
-        with core.tp.exclusive():
-            core.tp.broadcast_object(("no such command",))
-        engine.add_request("r", random_prompts([12], 300, seed=1)[0],
-                           SamplingParams(max_tokens=4, **GREEDY))
+        assert tp1.llm_engine.num_blocks == tp2.llm_engine.num_blocks == 14
+        got = _run(tp2, *warm) + _run(tp2, prompts, max_tokens)
+        assert got == expected, f"{fixture}: TP=2 diverged from TP=1"
+        stats = tp2.llm_engine.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits >= 32
+        assert stats.kv_cache_usage == 0.0
+        # Prompts of 40-71 tokens under a 32-token budget were prefilled in chunks.
+        assert max(map(len, prompts)) > 32
+
+        engine = tp2.llm_engine
+        worker = engine.engine_core._workers.processes[0]
+        _break_worker(tp2, fault)
+        engine.add_request("after", prompts[1], SamplingParams(max_tokens=4, **GREEDY))
+        code = 1 if fault == "raises" else -9
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) exited with code 1"):
+        with pytest.raises(TensorParallelError,
+                           match=rf"worker rank 1 \(pid {worker.pid}\) exited with code {code}"):
             while engine.has_unfinished_requests():
                 engine.step()
         assert time.monotonic() - start < 30
     finally:
-        llm.shutdown()
-    worker = core._workers.processes[0]
-    assert not worker.is_alive()
-
-
-def test_a_worker_that_dies_stops_the_engine(tiny_qwen2, random_prompts) -> None:
-    folder, _ = tiny_qwen2
-    llm = _engine(folder, 2)
-    try:
-        engine = llm.llm_engine
-        worker = engine.engine_core._workers.processes[0]
-        _run(llm, random_prompts([8], 300, seed=2), [3])  # healthy first
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
-        engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
-        with pytest.raises(TensorParallelError, match="exited with code -9"):
-            while engine.has_unfinished_requests():
-                engine.step()
-    finally:
         start = time.monotonic()
-        llm.shutdown()
+        tp2.shutdown()
         assert time.monotonic() - start < 15
+    assert not worker.is_alive()
 
 
 # ---- refused at start-up, before any process starts ---------------------------------------------
