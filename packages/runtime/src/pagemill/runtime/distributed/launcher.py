@@ -110,8 +110,9 @@ class TensorParallelWorkers:
         processes: list[multiprocessing.Process] = []
         try:
             with _children_allowed():
+                first_gpu = device.index or 0  # rank r on the r-th GPU from rank 0's
                 for rank in range(1, world_size):
-                    wdevice = f"cuda:{rank}" if device.type == "cuda" else "cpu"
+                    wdevice = f"cuda:{first_gpu + rank}" if device.type == "cuda" else "cpu"
                     p = ctx.Process(target=worker_main, name=f"pagemill-tp-worker-{rank}",
                                     args=(rank, world_size, store.port, wdevice, threads,
                                           logging.getLogger().getEffectiveLevel()),
