@@ -92,3 +92,50 @@ def test_tp2_server_streams_and_a_dead_worker_ends_it(model_dir: Path) -> None:
             assert r.status_code == 503
     finally:
         client.shutdown()
+
+
+@pytest.mark.slow
+def test_torchrun_launch_serves(model_dir: Path) -> None:
+    """The documented multi-node command on one node: torchrun starts both ranks, rank 0
+    serves, rank 1 runs the worker loop (`pagemill serve` with RANK=1)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from server_helpers import free_socket
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    ports = [free_socket() for _ in range(2)]
+    http_port, master_port = (s.getsockname()[1] for s in ports)
+    for s in ports:
+        s.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PAGEMILL_ENFORCE_EAGER": "1"}
+    proc = subprocess.Popen(
+        [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(master_port), "-m", "pagemill.server", "serve", str(model_dir),
+         "-tp", "2", "--device", "cpu", "--dtype", "float32", "--port", str(http_port),
+         "--kv-cache-memory", "4MiB", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read().decode() if proc.poll() is not None and proc.stdout else "timeout")
+            time.sleep(0.2)
+        events = _stream(url + "/v1/completions", {"prompt": [5, 6, 8], "max_tokens": 6,
+                                                   "ignore_eos": True, "temperature": 0})
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
