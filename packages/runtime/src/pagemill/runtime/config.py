@@ -93,6 +93,11 @@ class EngineConfig:
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
 
+    tensor_parallel_size: int = 1
+    """Split the model across this many processes (Megatron-style tensor parallelism over
+    torch.distributed: gloo on CPU, NCCL on CUDA); 1 runs in this process alone. The engine
+    starts the other ranks itself, or joins a torchrun launch (see the runtime README)."""
+
     chat_template: str | None = None
     """Chat template (a Jinja file or the template itself) used instead of the tokenizer's,
     by chat completions and LLM.chat."""
@@ -130,6 +135,14 @@ class EngineConfig:
             raise bad("quantization", f"must be None or one of {QUANTIZATIONS}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise bad("tensor_parallel_size", "must be an integer >= 1")
+        if tp > 1 and self.quantization is not None:
+            raise ValueError(
+                f"quantization={self.quantization!r} with tensor_parallel_size={tp} is not "
+                "supported: packed int8/int4 rows are not split across ranks; serve the dense "
+                "weights (no --quantization) or use tensor_parallel_size=1")
         for name in ("revision", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -176,6 +176,11 @@ class LLMEngine:
         self.iteration_stats = processed.stats
         return processed.request_outputs
 
+    def shutdown(self) -> None:
+        """Release what outlives a step: the tensor-parallel workers, when there are any
+        (they also stop when the engine is collected or the process exits); idempotent."""
+        self.engine_core.shutdown()
+
     # ---- introspection ---------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:

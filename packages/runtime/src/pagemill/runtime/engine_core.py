@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagemill.blockpool import KVCacheManager
-from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler
+from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
 from .compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from .config import EngineConfig, resolve_dtype, torch_dtype
+from .distributed.parallel_state import TensorParallelGroup
+from .distributed.sharding import ShardLayout, check_tensor_parallel
 from .fault_isolation import FaultIsolator, is_unrecoverable
 from .kv_cache import size_kv_pool
 from .loader import load_model
@@ -28,6 +32,9 @@ from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import LogprobsRow
 from .sampler import Sampler
 from .structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from .distributed.launcher import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,9 @@ def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
 
 
 class EngineCore:
-    """Continuous batching over one model on one device."""
+    """Continuous batching over one model on one device — or, with tensor_parallel_size
+    N > 1, over N ranks of which this process is rank 0 (see `distributed`): the scheduler,
+    the block pool and the sampler stay here; the model runner broadcasts each step."""
 
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
                  structured_output: StructuredOutputManager | None = None) -> None:
@@ -76,18 +85,17 @@ class EngineCore:
         # Built before anything heavy so that a bad scheduling flag fails at once.
         scheduler_config = replace(config.scheduler, max_model_len=self.max_model_len)
         cache = config.cache
-        torch.manual_seed(config.seed)
-        model = load_model(model_path, model_config, self.dtype, self.device, self.max_model_len,
-                           config.load_format, config.seed, quantization=config.quantization)
-        self.model_runner = ModelRunner(
-            model, model_config, self.device, self.dtype, cache.block_size,
-            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
-            self.max_model_len,
-        )
-        self.num_blocks = size_kv_pool(self.model_runner, model_config, self.dtype, cache,
-                                       scheduler_config.max_num_seqs, self.max_model_len)
-        self.model_runner.init_kv_cache(self.num_blocks)
-        self._maybe_compile()
+        self.tp: TensorParallelGroup | None = None
+        self._workers: TensorParallelWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            # Refused before any process starts: a split the heads do not allow.
+            check_tensor_parallel(model_config, config.tensor_parallel_size)
+            self._start_workers(config, model_path, model_config, scheduler_config)
+        try:
+            self._build_model(config, model_path, model_config, scheduler_config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
@@ -96,7 +104,85 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed)
         self.isolator = FaultIsolator(self.scheduler)
 
+    def _start_workers(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
+                       scheduler_config: SchedulerConfig) -> None:
+        from .distributed.launcher import TensorParallelWorkers
+        from .distributed.worker import WorkerSpec
+
+        workers = TensorParallelWorkers.start(config.tensor_parallel_size, self.device)
+        self._workers = workers
+        self.tp = workers.tp
+        self.device = workers.tp.device
+        # Stopped with the engine, or when it is collected, or at exit.
+        self._finalizer = weakref.finalize(self, workers.shutdown)
+        spec = WorkerSpec(str(model_path), model_config, self.dtype, self.max_model_len,
+                          config.load_format, config.seed, config.cache.block_size,
+                          scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        try:
+            self._collective(lambda: workers.tp.broadcast_object(spec))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _collective(self, fn: Callable[[], object]) -> object:
+        """Run a start-up collective; a failure names the worker that caused it."""
+        assert self.tp is not None
+        try:
+            return fn()
+        except Exception as exc:
+            raise self.tp.failure(exc) from exc
+
+    def _build_model(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
+                     scheduler_config: SchedulerConfig) -> None:
+        """Load the model (this rank's shard under TP), size and bind the KV pool, compile."""
+        from .distributed.worker import PROFILE, InitKVCache
+
+        cache = config.cache
+        torch.manual_seed(config.seed)
+        model = load_model(model_path, model_config, self.dtype, self.device, self.max_model_len,
+                           config.load_format, config.seed, quantization=config.quantization,
+                           tp=self.tp)
+        # Under TP the runner (and the pool's bytes per token) see this rank's heads.
+        local_config = model_config
+        if self.tp is not None:
+            layout = ShardLayout.create(model_config, self.tp.world_size, self.tp.rank)
+            local_config = layout.local_config(model_config)
+        self.model_runner = ModelRunner(
+            model, local_config, self.device, self.dtype, cache.block_size,
+            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
+            self.max_model_len, tp=self.tp, vocab_size=model_config.vocab_size,
+        )
+        tp = self.tp
+        if tp is not None and self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
+            self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
+        # Per rank: every rank holds the same blocks, each with its own KV heads.
+        self.num_blocks = size_kv_pool(self.model_runner, local_config, self.dtype, cache,
+                                       scheduler_config.max_num_seqs, self.max_model_len)
+        if tp is not None:
+            num_blocks = self.num_blocks
+            self._collective(lambda: tp.broadcast_object(InitKVCache(num_blocks)))
+        self.model_runner.init_kv_cache(self.num_blocks)
+        self._maybe_compile()
+        if self._workers is not None:
+            self._workers.start_watching()
+
+    def on_worker_failure(self, handler: Callable[[Exception], None]) -> None:
+        """Call `handler` (from another thread) if a tensor-parallel worker dies between
+        steps; without one, the next step raises `TensorParallelError`."""
+        if self._workers is not None:
+            self._workers.on_failure = handler
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (if any); idempotent. A single-device engine
+        holds nothing that needs stopping."""
+        if self._workers is not None:
+            self._finalizer()
+
     def _maybe_compile(self) -> None:
+        if self.tp is not None:
+            logger.info("tensor parallel: running the model eagerly (the compiled step is "
+                        "single-rank for now)")
+            return
         if self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1":
             logger.info("running the model eagerly (enforce_eager)")
             return

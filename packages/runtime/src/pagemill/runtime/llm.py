@@ -32,6 +32,10 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers now rather than at exit; idempotent."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

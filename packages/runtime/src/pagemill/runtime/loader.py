@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from .default_model import ensure_dense_weights
+from .distributed.parallel_state import TensorParallelGroup
+from .distributed.sharding import ShardLayout, shard_checkpoint
 from .gguf_model import needs_dense_copy
 from .gguf_weights import GGUFCheckpoint
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -78,6 +80,7 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     dense_fallback: bool | None = None,
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the module directly on `device` (no CPU copy first) and fill its weights.
 
@@ -85,6 +88,9 @@ def load_model(
     "safetensors" the folder's safetensors, "dummy" makes random weights. `quantization`
     ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
     None: where bf16 is native) are `quantization.plan_weights`'s.
+
+    With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
+    `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
     """
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
@@ -92,21 +98,33 @@ def load_model(
     if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
         ensure_dense_weights(path, gguf)
         gguf = None
-    plan = plan_weights(quantization, gguf=gguf is not None, dtype=dtype, device=device,
-                        dense_fallback=dense_fallback)
+    layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
+    if layout is not None:
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} cannot be split across ranks")
+        if gguf is not None:
+            logger.info("tensor parallel: %s is served dense (packed GGUF rows are not split "
+                        "across ranks)", gguf.name)
+    plan = plan_weights(quantization, gguf=gguf is not None and layout is None, dtype=dtype,
+                        device=device, dense_fallback=dense_fallback)
     with torch.device(device):
-        model = cls(model_config, dtype, max_position)
+        if layout is None:
+            model = cls(model_config, dtype, max_position)
+        else:
+            model = cls(layout.local_config(model_config), dtype, max_position, tp=tp)
     plan.apply(model)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         source = "dummy"
     elif gguf is not None:
         checkpoint = GGUFCheckpoint(gguf, index_file=path / GGUF_INDEX_FILE)
-        model.load_weights(checkpoint.weights(model._targets().keys(), model_config))
+        weights = checkpoint.weights(model._targets().keys(), model_config)
+        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
         source = f"{gguf.name}: {types}"
     else:
-        model.load_weights(iterate_weights(path))
+        weights = iterate_weights(path)
+        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
         source = "safetensors"
     model.eval()
     logger.info(

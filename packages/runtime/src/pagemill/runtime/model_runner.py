@@ -23,6 +23,7 @@ from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 from .attention_metadata import AttentionMetadata
 from .compilation import compile_forward
+from .distributed.parallel_state import TensorParallelGroup
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import KVCache
 from .layers import packed_row_limits
@@ -44,6 +45,26 @@ class ModelRunnerOutput:
 
 
 @dataclass(slots=True)
+class StepBatch:
+    """A step's token layout on the host: all a rank needs to run the forward.
+
+    Under tensor parallelism rank 0 broadcasts this (and only this: no request records, no
+    sampling state) to the other ranks each step.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [n + 1] int32
+    seq_lens: np.ndarray  # [n] int64
+    block_tables: np.ndarray  # [n, width] int32
+    query_lens: np.ndarray  # [n] int64
+    # Hidden rows that produce logits; None when every token of the step samples (decode).
+    sample_indices: torch.Tensor | None
+    num_samples: int
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -52,6 +73,7 @@ class StepInputs:
     sample_indices: torch.Tensor | None
     sample_req_ids: list[str]
     sampling_metadata: SamplingMetadata | None
+    batch: StepBatch | None = None
 
 
 class ModelRunner:
@@ -65,8 +87,15 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        tp: TensorParallelGroup | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """Under tensor parallelism (`tp`) `model_config` is this rank's share of the model
+        (its heads size the KV cache and the attention plan) and `vocab_size` the full
+        vocabulary, whose logits are gathered on rank 0."""
         self.model = model
+        self.tp = tp
+        self.vocab_size = model_config.vocab_size if vocab_size is None else vocab_size
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -268,10 +297,19 @@ class ModelRunner:
         else:
             metadata = None
 
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        tensors = [input_ids, torch.from_numpy(positions), torch.from_numpy(slots),
-                   torch.from_numpy(qsl), torch.from_numpy(seq_lens.astype(np.int32)),
-                   torch.from_numpy(block_tables)]
+        batch = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
+                          block_tables, q_lens, sample_indices, len(sample_pos))
+        req_ids = [scheduled[i].request_id for i in sample_pos]
+        return self._step_inputs(batch, req_ids, metadata)
+
+    def _step_inputs(self, batch: StepBatch, req_ids: list[str],
+                     metadata: SamplingMetadata | None) -> StepInputs:
+        """The batch's tensors on the device and the step's attention plan."""
+        tensors = [batch.input_ids, torch.from_numpy(batch.positions),
+                   torch.from_numpy(batch.slots), torch.from_numpy(batch.query_start_loc),
+                   torch.from_numpy(batch.seq_lens.astype(np.int32)),
+                   torch.from_numpy(batch.block_tables)]
+        sample_indices = batch.sample_indices
         if sample_indices is not None:
             tensors.append(sample_indices)
         moved = self._to_device(tensors)
@@ -283,12 +321,11 @@ class ModelRunner:
             qsl_t.to(torch.int32), seq_lens_t.to(torch.int32), tables_t.to(torch.int32),
             k_cache_shape=tuple(self.kv_cache.caches[0][0].shape),
             num_heads=self.model_config.num_attention_heads, dtype=self.dtype,
-            query_lens=q_lens, context_lens=seq_lens,
+            query_lens=batch.query_lens, context_lens=batch.seq_lens,
         )
         attn = AttentionMetadata(slot_mapping=slots_t.to(torch.int64), plan=plan)
-        req_ids = [scheduled[i].request_id for i in sample_pos]
         return StepInputs(input_ids.to(torch.int64), positions_t.to(torch.int64), attn,
-                          sample_indices, req_ids, metadata)
+                          sample_indices, req_ids, metadata, batch)
 
     def _to_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the step's index tensors to the device in one copy.
@@ -320,11 +357,13 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step's tokens; logits only at the last token of each sampling request."""
         step = self.prepare(out)
-        vocab = self.model_config.vocab_size
+        vocab = self.vocab_size
         if step is None:
             self.last_forward_s = 0.0
             return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
                                      None)
+        if self.tp is not None:
+            return self._execute_parallel(step)
         start = time.perf_counter()
         hidden = self._forward(step.input_ids, step.positions, step.attn)
         if not step.sample_req_ids:
@@ -336,3 +375,49 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
         return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+
+    def _local_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """This rank's forward, and its vocabulary columns of the sampled rows' logits."""
+        hidden = self._forward(step.input_ids, step.positions, step.attn)
+        assert step.batch is not None
+        if not step.batch.num_samples:
+            return None
+        rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+        return self.model.compute_logits(rows)
+
+    def _execute_parallel(self, step: StepInputs) -> ModelRunnerOutput:
+        """Rank 0: send the batch, run our shard with the others, gather the logits.
+
+        Anything that fails from the broadcast on is fatal (`TensorParallelError`): the
+        other ranks are mid-step, so the step cannot be retried or isolated.
+        """
+        tp = self.tp
+        assert tp is not None
+        start = time.perf_counter()
+        with tp.exclusive():
+            try:
+                if tp.failed:
+                    raise RuntimeError("the group failed earlier")
+                tp.broadcast_object(step.batch)
+                local = self._local_logits(step)
+                logits = None if local is None else tp.gather_to_driver(local)
+            except Exception as exc:
+                raise tp.failure(exc) from exc
+        if logits is None:
+            logits = torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
+        elif logits.shape[-1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size].contiguous()  # the last rank's padding
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+
+    @torch.inference_mode()
+    def execute_batch(self, batch: StepBatch) -> None:
+        """A worker rank's step: the forward over rank 0's batch, logits sent to rank 0."""
+        assert self.tp is not None
+        local = self._local_logits(self._step_inputs(batch, [], None))
+        if local is not None:
+            self.tp.gather_to_driver(local)

@@ -330,6 +330,9 @@ class AsyncEngine:
         if self._thread.is_alive():
             self._commands.put(_SHUTDOWN)
             self._thread.join(timeout)
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None and not self._thread.is_alive():
+            stop()  # e.g. the engine's tensor-parallel workers
 
     # ------------------------------------------------------------ engine thread
 

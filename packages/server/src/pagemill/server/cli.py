@@ -29,7 +29,8 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
     "cache": (CacheConfig, "KV cache"),
 }
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
-_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",)}
+_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),
+                                        "tensor_parallel_size": ("-tp",)}
 
 
 def _positive_int(text: str) -> int:
@@ -124,6 +125,12 @@ def _make_engine(config: EngineConfig) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
+    if config.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
+        # Under torchrun every rank runs this command: rank 0 serves, the others are
+        # the engine's tensor-parallel workers.
+        from pagemill.runtime.distributed.worker import main as worker_main
+
+        return worker_main(["--device", config.device, "--log-level", args.log_level])
     check_model(config)
 
     from .api_server import build_app

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -271,6 +272,9 @@ def _engine_main(commands: Connection, outputs: Connection, config: Any,
             "device": str(getattr(engine, "device", "")),
             "pid": os.getpid()}
     loop = _CoreLoop(engine, commands, outputs, heartbeat)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "on_worker_failure"):
+        core.on_worker_failure(functools.partial(_worker_failed, loop))
     loop.send(("ready", info))
     try:
         loop.run()
@@ -280,6 +284,15 @@ def _engine_main(commands: Connection, outputs: Connection, config: Any,
         loop.close()
         os._exit(1)
     loop.close()
+
+
+def _worker_failed(loop: _CoreLoop, error: Exception) -> None:
+    """A tensor-parallel worker died while the engine idled: the engine cannot serve again,
+    so exit now (as after a failed step) rather than at the next request."""
+    logger.critical("%s; the engine process exits", error)
+    loop.send(("dead", _picklable_error(error), ""))
+    loop.close(5)
+    os._exit(1)
 
 
 # ---------------------------------------------------------------- API process side

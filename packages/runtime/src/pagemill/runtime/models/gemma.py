@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from pagemill.kernels import gelu_tanh_and_mul, rope_cos_sin
 
 from ..attention_metadata import AttentionMetadata
+from ..distributed.parallel_state import TensorParallelGroup
 from ..layers import Linear
 from ..model_config import SLIDING, ModelConfig
 from ..quantization.formats import QuantizedRows, dequantize
@@ -34,7 +34,8 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
 
 
 class GemmaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         hf = config.hf_config
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
@@ -48,11 +49,11 @@ class GemmaDecoderLayer(torch.nn.Module):
             config, dtype, window=config.layer_window(layer),
             softcap=float(hf.get("attn_logit_softcapping") or 0.0),
             scale=float(hf.get("query_pre_attn_scalar") or config.head_dim) ** -0.5,
-            qk_norm=config.model_type == "gemma3_text",
+            qk_norm=config.model_type == "gemma3_text", tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, gelu_tanh_and_mul)
+        self.mlp = LlamaMLP(config, dtype, gelu_tanh_and_mul, tp=tp)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(
@@ -81,8 +82,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     layer_cls = GemmaDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int) -> None:
-        super().__init__(config, dtype, max_position)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__(config, dtype, max_position, tp)
         self.final_softcap = float(config.hf_config.get("final_logit_softcapping") or 0.0)
         # sqrt(hidden) rounded to the model dtype first, as transformers scales.
         self.embed_scale = float(torch.tensor(config.hidden_size**0.5, dtype=dtype))
@@ -95,7 +97,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        x = self.embed(input_ids) * self.embed_scale
         residual: torch.Tensor | None = None
         for layer in self.layers:
             cos_sin = self.cos_sin_local if layer.is_sliding else self.cos_sin

@@ -29,6 +29,8 @@ from pagemill.kernels import (
 )
 
 from ..attention_metadata import AttentionMetadata
+from ..distributed.parallel_layers import row_parallel_linear, vocab_parallel_embedding
+from ..distributed.parallel_state import TensorParallelGroup
 from ..layers import Linear
 from ..model_config import ModelConfig
 from ..quantization.formats import QuantizedRows, dequantize
@@ -58,11 +60,13 @@ class LlamaAttention(nn.Module):
     this layer's and go to the attention op as plain numbers; ``scale`` defaults to
     ``head_dim ** -0.5``; ``qk_norm`` adds per-head RMSNorms on q and k before RoPE (Qwen3,
     Gemma 3). Only the first ``config.rotary_dim`` dimensions of each head rotate.
+    Under tensor parallelism ``config`` is the rank's (its heads) and ``o_proj`` is
+    row-parallel: its all-reduce is the layer's one exchange.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, *, window: int = 0,
                  softcap: float = 0.0, scale: float | None = None,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -77,7 +81,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, dtype)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_proj_bias,
+                                          dtype, tp)
         # Bound by the model runner once the KV pool exists (views into KVStorage).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -122,14 +127,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """Gated MLP with fused gate|up: ``down(act(gate(x)) * up(x))``; ``act_and_mul`` is
-    SiLU (Llama) or tanh-GELU (Gemma's GeGLU)."""
+    SiLU (Llama) or tanh-GELU (Gemma's GeGLU). Under tensor parallelism ``config`` holds
+    the rank's MLP columns and ``down_proj`` is row-parallel."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul) -> None:
+                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
-        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, dtype)
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, config.mlp_bias, dtype, tp)
         self.act_and_mul = act_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,13 +147,14 @@ class LlamaDecoderLayer(nn.Module):
     # Qwen3 sets this: per-head RMSNorm on q and k.
     qk_norm = False
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, dtype, window=config.layer_window(layer),
-                                        qk_norm=self.qk_norm)
+                                        qk_norm=self.qk_norm, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp=tp)
 
     def forward(
         self,
@@ -172,16 +180,23 @@ class LlamaForCausalLM(nn.Module):
 
     Subclasses swap ``layer_cls`` and extend `_targets` (checkpoint names) where their
     layers or checkpoints differ.
+
+    With a tensor-parallel group ``tp``, ``config`` is this rank's share of the model
+    (`distributed.sharding.ShardLayout.local_config`): its heads, MLP columns and vocabulary
+    rows. The embedding is then vocab-parallel and `compute_logits` returns this rank's
+    vocabulary columns, which the model runner gathers.
     """
 
     layer_cls: type[nn.Module] = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int,
+                 tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(self.layer_cls(config, dtype, i)
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, i, tp=tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
@@ -212,9 +227,15 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.k_cache = None
             layer.self_attn.v_cache = None
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return vocab_parallel_embedding(input_ids, self.embed_tokens,
+                                        self.tp.rank * self.config.vocab_size, self.tp)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, self.cos_sin, meta)

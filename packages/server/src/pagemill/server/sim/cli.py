@@ -42,6 +42,16 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _rate(text: str) -> float:
     try:
         value = float(text)
@@ -85,6 +95,10 @@ def _add_hardware_args(
     add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
     add_config_args(p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags,
                     defaults=defaults)
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
+                   help="split the model over N GPUs (the engine's --tensor-parallel-size): "
+                        "per-GPU weights and KV heads, plus two all-reduces per layer costed "
+                        "from the GPU's link bandwidth and latency (default 1)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -160,6 +174,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             activation_reserve_bytes=reserve,
             step_overhead_s=args.step_overhead_ms / 1e3,
             batch_sizes=args.batch_sizes,
+            tensor_parallel_size=args.tensor_parallel_size,
             **config_kwargs(args, (*_CACHE_FLAGS, *_PLAN_SCHEDULER_FLAGS)),
         )
     except (ValueError, TypeError) as exc:
@@ -192,6 +207,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             kv_dtype=args.kv_dtype,
             step_overhead_s=args.step_overhead_ms / 1e3,
             num_blocks=args.num_blocks,
+            tensor_parallel_size=args.tensor_parallel_size,
             **config_kwargs(args, (*_CACHE_FLAGS, *_SIM_SCHEDULER_FLAGS)),
         )
         dist = {"kind": args.length_dist, "spread": args.length_spread}
@@ -208,7 +224,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"pagemill simulate: error: {exc}", file=sys.stderr)
         return 2
     print(
-        f"{deployment.model.name} ({args.weight_dtype}) on {deployment.gpu.name}: "
+        f"{deployment.model.name} ({args.weight_dtype}) on "
+        + (f"{args.tensor_parallel_size} x " if args.tensor_parallel_size > 1 else "")
+        + f"{deployment.gpu.name}: "
         f"KV pool {pool:,} blocks x {args.block_size} = {deployment.kv_token_capacity:,} tokens, "
         f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
         f"budget {args.max_num_batched_tokens} tokens/step\n"

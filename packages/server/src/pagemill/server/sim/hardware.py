@@ -1,4 +1,5 @@
-"""The simulated deployment: one model on one GPU, its KV pool and its step-cost model.
+"""The simulated deployment: one model on one GPU (or split over ``tensor_parallel_size``
+GPUs), its KV pool and its step-cost model.
 
 Both systems under comparison (paged continuous batching and the static baseline) are built
 from the same :class:`Deployment`, so they get exactly the same memory for KV and the same
@@ -37,6 +38,7 @@ class Deployment:
     max_num_batched_tokens: int = 2048
     step_overhead_s: float = 0.001
     num_blocks: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -78,6 +80,7 @@ class Deployment:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             step_overhead_s=self.step_overhead_s,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     @cached_property
@@ -102,4 +105,5 @@ class Deployment:
             self.weight_dtype,
             self.kv_dtype,
             step_overhead_s=self.step_overhead_s,
+            tensor_parallel_size=self.tensor_parallel_size,
         )

@@ -2,7 +2,8 @@
 
 Pure arithmetic on a :class:`ModelSpec` and a :class:`GPUSpec`, with the pool sized by the same
 ``pagemill.blockpool`` functions the runtime uses, so the plan and a real engine agree on the
-block count for the same budget.
+block count for the same budget. With tensor parallelism every number is per GPU (its
+share of the weights, its KV heads), and the step times include the all-reduces.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class CapacityPlan:
     crossover_batch: float | None
     crossover_batch_at_context: float | None
     roofline: list[RooflinePoint] = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    rank_weight_bytes: int | None = None  # one GPU's share (= weight_bytes on one GPU)
+    # One all-reduce of a decode step's activations (per roofline batch size), seconds.
+    all_reduce_s: dict[int, float] = field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
@@ -125,6 +130,8 @@ class CapacityPlan:
             "weight_stream_time_s": self.weight_stream_time_s,
             "crossover_batch": self.crossover_batch,
             "crossover_batch_at_context": self.crossover_batch_at_context,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "rank_weight_bytes": self.rank_weight_bytes,
             "roofline": [
                 {
                     "batch_size": p.batch_size,
@@ -133,6 +140,8 @@ class CapacityPlan:
                     "bound": p.cost.bound,
                     "weights_only_step_time_s": p.weights_only.time_s,
                     "weights_only_bound": p.weights_only.bound,
+                    "comm_time_s": p.cost.comm_time_s,
+                    "all_reduce_s": self.all_reduce_s.get(p.batch_size, 0.0),
                 }
                 for p in self.roofline
             ],
@@ -153,8 +162,10 @@ def make_plan(
     max_num_seqs: int = 256,
     step_overhead_s: float = 0.0,
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
+    tensor_parallel_size: int = 1,
 ) -> CapacityPlan:
-    """Size the KV pool the way the engine does: (memory * utilization) - weights - activations."""
+    """Size the KV pool the way the engine does: (memory * utilization) - weights - activations
+    (per GPU: its share of the weights, its KV heads, under tensor parallelism)."""
     # The engine's own checks of these knobs, with its messages.
     CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization)
     if context_len is None:
@@ -168,7 +179,8 @@ def make_plan(
         )
     if any(b <= 0 for b in batch_sizes):
         raise ValueError("batch sizes must be positive")
-    cost = RooflineCostModel(model, gpu, weight_dtype, kv_dtype, step_overhead_s=step_overhead_s)
+    cost = RooflineCostModel(model, gpu, weight_dtype, kv_dtype, step_overhead_s=step_overhead_s,
+                             tensor_parallel_size=tensor_parallel_size)
     if activation_reserve_bytes is None:
         activation_reserve_bytes = estimate_activation_bytes(
             model, max_num_batched_tokens, max_num_seqs
@@ -176,7 +188,7 @@ def make_plan(
     if activation_reserve_bytes < 0:
         raise ValueError("activation_reserve_bytes must be >= 0")
     usable = int(gpu.memory_bytes * gpu_memory_utilization)
-    budget = max(0, usable - cost.weight_bytes - activation_reserve_bytes)
+    budget = max(0, usable - cost.rank_weight_bytes - activation_reserve_bytes)
     num_blocks = num_blocks_for_budget(budget, block_size, cost.kv_bytes_per_token)
     roofline = [
         RooflinePoint(b, cost.decode_step(b, context_len), cost.decode_step(b, 1))
@@ -201,6 +213,10 @@ def make_plan(
         crossover_batch=cost.crossover_batch(),
         crossover_batch_at_context=cost.crossover_batch(context_len),
         roofline=roofline,
+        tensor_parallel_size=tensor_parallel_size,
+        rank_weight_bytes=cost.rank_weight_bytes,
+        all_reduce_s={b: cost.all_reduce_time_s(b * model.hidden_size * cost.activation_bytes)
+                      for b in batch_sizes} if tensor_parallel_size > 1 else {},
     )
 
 
@@ -217,8 +233,17 @@ def format_plan(plan: CapacityPlan) -> str:
         f"gpu    {g.name}: {g.memory_bytes / GIB:.1f} GiB, "
         f"{g.bandwidth_bytes_per_s / 1e12:.2f} TB/s, {g.bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
         f"dtypes weights {plan.weight_dtype}, KV {plan.kv_dtype}; block size {plan.block_size}",
+    ]
+    tp = plan.tensor_parallel_size
+    if tp > 1:
+        lines.append(
+            f"tensor parallel over {tp} GPUs (link {g.link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s "
+            f"each way, {g.link_latency_s * 1e6:.0f} us a ring step): everything below is per "
+            f"GPU; each layer all-reduces twice per step")
+    lines += [
         "",
-        f"weights                  {_gb(plan.weight_bytes)}",
+        f"weights                  {_gb(plan.weight_bytes)}"
+        + (f", {_gb(plan.rank_weight_bytes or 0)} per GPU" if tp > 1 else ""),
         f"KV bytes per token       {plan.kv_bytes_per_token:,}",
         f"{f'usable memory ({plan.gpu_memory_utilization:.0%})':<24} {_gb(plan.usable_bytes)}",
         f"activation reserve       {_gb(plan.activation_reserve_bytes)}",
@@ -244,12 +269,17 @@ def format_plan(plan: CapacityPlan) -> str:
             if plan.crossover_batch_at_context
             else "none (KV reads keep decode memory bound at any batch)"
         ),
+    ]
+    if tp > 1:
+        lines.append("all-reduce per layer (x2): " + ", ".join(
+            f"batch {b} {t * 1e6:,.0f} us" for b, t in plan.all_reduce_s.items()))
+    lines += [
         "",
         "decode roofline: step time vs batch, with no context (weights only) and with "
         f"{plan.context_len:,} context tokens per sequence",
         f"{'':>7} {'--- weights only ---':>31}   {f'--- at {plan.context_len:,} ctx ---':>41}",
         f"{'batch':>7} {'step ms':>9} {'tok/s':>11} {'bound':>9}   {'step ms':>9} {'tok/s':>9} "
-        f"{'KV GB':>8} {'bound':>8} {'fits':>5}",
+        f"{'KV GB':>8} {'bound':>8} {'fits':>5}" + (f" {'comm ms':>8}" if tp > 1 else ""),
     ]
     for p in plan.roofline:
         fits = "yes" if p.batch_size <= plan.max_concurrent_seqs else "no"
@@ -258,5 +288,6 @@ def format_plan(plan: CapacityPlan) -> str:
             f"{p.batch_size:>7} {w.time_s * 1e3:>9.2f} {p.weights_only_tokens_per_s:>11,.0f} "
             f"{w.bound:>9}   {p.cost.time_s * 1e3:>9.2f} {p.tokens_per_s:>9,.0f} "
             f"{p.cost.kv_bytes / 1e9:>8.2f} {p.cost.bound:>8} {fits:>5}"
+            + (f" {p.cost.comm_time_s * 1e3:>8.3f}" if tp > 1 else "")
         )
     return "\n".join(lines)

@@ -93,16 +93,23 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """What a roofline needs of a card: memory size, memory bandwidth, dense BF16 tensor rate."""
+    """What a roofline needs of a card: memory size, memory bandwidth, dense BF16 tensor rate;
+    and, for tensor parallelism, its GPU-to-GPU link: one direction's bandwidth and the
+    latency of one step of a ring all-reduce (None: unknown, so no tensor-parallel plan)."""
 
     name: str
     memory_bytes: int
     bandwidth_bytes_per_s: float
     bf16_flops: float
+    link_bandwidth_bytes_per_s: float | None = None
+    link_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops"):
+        for field in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops",
+                      "link_bandwidth_bytes_per_s", "link_latency_s"):
             value = getattr(self, field)
+            if value is None and field.startswith("link_"):
+                continue
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPU {self.name!r}: {field} must be a positive number, got {value!r}")
 
@@ -186,7 +193,8 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
 
 def load_gpu(name_or_path: str | Path) -> GPUSpec:
     """A shipped GPU by name, or a JSON file with ``memory_bytes``, ``bandwidth_bytes_per_s``
-    and ``bf16_flops``."""
+    and ``bf16_flops`` (and, for tensor parallelism, ``link_bandwidth_bytes_per_s`` and
+    ``link_latency_s``)."""
     key = _normalize(str(name_or_path))
     gpus = _load_data("gpus.json")
     aliases = {"a100": "a100-80g", "a100-80gb": "a100-80g", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
@@ -214,4 +222,10 @@ def load_gpu(name_or_path: str | Path) -> GPUSpec:
         memory_bytes=int(entry["memory_bytes"]),
         bandwidth_bytes_per_s=float(entry["bandwidth_bytes_per_s"]),
         bf16_flops=float(entry["bf16_flops"]),
+        link_bandwidth_bytes_per_s=_optional_float(entry.get("link_bandwidth_bytes_per_s")),
+        link_latency_s=_optional_float(entry.get("link_latency_s")),
     )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
