@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, StepObservers
 from .auth import APIKeyMiddleware
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -119,7 +119,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
               allow_special_tokens_in_chat: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              dashboard: Any = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
@@ -131,7 +132,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     /health says (default: the default step timeout). `allow_special_tokens_in_chat`
     lets special-token strings in chat messages act as control tokens (see serving_chat).
     `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by default it is
-    guessed from the chat template.
+    guessed from the chat template. `dashboard` (a `dashboard.DashboardHub`) adds the
+    live page at /dashboard (behind `api_key` when there is one).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -144,6 +146,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     if metrics is None:
         metrics = EngineMetrics(served_model_name)
     client.observer = metrics
+    if dashboard is not None:
+        dashboard.attach(client)
+        client.observer = StepObservers(metrics, dashboard)
 
     engine = client.engine
     tokenizer = getattr(engine, "tokenizer", None)
@@ -206,6 +211,11 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if dashboard is not None:
+        from .dashboard.routes import install_dashboard
+
+        install_dashboard(app, dashboard)
 
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
