@@ -25,33 +25,43 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 # Ref count -> grid character (index 10 and above: '+').
-_IN_USE = "0123456789+"
+_CODES = np.frombuffer(b".123456789+", np.uint8).copy()
 DEFAULT_MAX_GRID_BLOCKS = 16384
 DEFAULT_MAX_WAITING = 64
 PROMPT_PREVIEW_CHARS = 240
 
 
-def _grid(blocks: list[Any], limit: int) -> tuple[str, int, int]:
-    """(grid string, free-but-cached blocks, shared blocks) over the first `limit` blocks."""
-    codes = _IN_USE
-    cells = []
-    evictable = shared = 0
-    for b in blocks[:limit] if limit < len(blocks) else blocks:
-        r = b.ref_cnt
-        if r:
-            if r > 1:
-                shared += 1
-            cells.append(codes[r] if r < 10 else "+")
-        elif b.block_hash is not None:
-            evictable += 1
-            cells.append("c")
-        else:
-            cells.append(".")
-    return "".join(cells), evictable, shared
+def _cached_free_ids(pool: Any) -> list[int]:
+    """Ids of the free blocks that still hold a prefix hash (evictable cache), found by
+    walking whichever is shorter: the free queue or the prefix index."""
+    index = pool.cached_block_hash_to_block
+    if pool.get_num_free_blocks() < len(index):
+        return [b.block_id for b in pool.free_block_queue if b.block_hash is not None]
+    return [b.block_id for b in index.values() if not b.ref_cnt]
 
 
-def _request_row(req: Any, blocks: list[Any] | None, prompt_of: Callable[[str], str | None] | None
+def _grid(pool: Any, tables: dict[str, list[int]], limit: int) -> tuple[str, int, int]:
+    """(grid over the first `limit` blocks, free-but-cached blocks, shared blocks).
+
+    Costs what is held or cached, not the pool's size: ref counts are the number of block
+    tables a block appears in (only requests hold blocks), counted by numpy.
+    """
+    n = pool.num_blocks
+    total = sum(len(t) for t in tables.values())
+    flat = np.fromiter(itertools.chain.from_iterable(tables.values()), np.int64, total)
+    counts = np.bincount(flat, minlength=n)
+    cells = _CODES[np.minimum(counts, 10)]
+    cached = _cached_free_ids(pool)
+    if cached:
+        cells[np.asarray(cached, np.int64)] = ord("c")
+    shared = int(np.count_nonzero(counts > 1))
+    return cells[:limit].tobytes().decode("ascii"), len(cached), shared
+
+
+def _request_row(req: Any, blocks: list[int] | None, prompt_of: Callable[[str], str | None] | None
                  ) -> dict[str, Any]:
     computed = req.num_computed_tokens
     prompt_len = req.num_prompt_tokens
@@ -68,7 +78,7 @@ def _request_row(req: Any, blocks: list[Any] | None, prompt_of: Callable[[str], 
         "priority": req.priority,
     }
     if blocks is not None:
-        row["blocks"] = [b.block_id for b in blocks]
+        row["blocks"] = blocks
     if prompt_of is not None:
         text = prompt_of(req.request_id)
         if text is not None:
@@ -88,8 +98,9 @@ def snapshot_scheduler(scheduler: Any, *, prompt_of: Callable[[str], str | None]
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
     n = pool.num_blocks
-    grid, evictable, shared = _grid(pool.blocks, max_grid_blocks)
-    tables = kv.req_to_blocks
+    # Block ids of every request holding blocks (the running ones, in practice), once.
+    tables = {rid: [b.block_id for b in t] for rid, t in kv.req_to_blocks.items()}
+    grid, evictable, shared = _grid(pool, tables, max_grid_blocks)
     running = [_request_row(r, tables.get(r.request_id), prompt_of) for r in scheduler.running]
     waiting_iter = scheduler.iter_waiting()
     waiting = [_request_row(r, None, prompt_of)
