@@ -64,7 +64,7 @@ def served() -> Iterator[tuple[str, ScriptedEngine, AsyncEngine, DashboardHub]]:
 
 
 def _wait_snapshots(page: Any, more_than: int) -> int:
-    page.wait_for_function(f"+document.body.dataset.snapshots > {more_than}", timeout=10_000)
+    page.wait_for_function(f"() => +document.body.dataset.snapshots > {more_than}", timeout=10_000)
     return int(page.evaluate("document.body.dataset.snapshots"))
 
 
@@ -104,6 +104,7 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.on("requestfailed", lambda req: errors.append(f"failed: {req.url}"))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.goto(url + "/dashboard")
     seen = _wait_snapshots(page, 0)  # the first picture, taken on connect
     assert page.text_content("#status") == "live"
@@ -130,7 +131,7 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
 
     # Everything ends: no block in use, the full prefix blocks stay cached (evictable).
     client.submit(lambda e: e.finish_all()).result(10)
-    page.wait_for_function("document.querySelectorAll('#running tr').length === 0",
+    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
                            timeout=10_000)
     cells = _cells(page)
     assert not [c for c in cells if c["state"] in ("used", "shared")]
@@ -158,7 +159,7 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
     deadline = time.monotonic() + 20
     while engine.scheduler.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
-    page.wait_for_function("document.querySelectorAll('#running tr').length === 0",
+    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
                            timeout=10_000)
     assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
     assert engine.kv.get_num_free_blocks() == NUM_BLOCKS

@@ -175,3 +175,33 @@ def test_dashboard_flags() -> None:
     assert args.dashboard_interval == 0.1
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--dashboard-interval", "0"])
+
+
+def test_a_page_stream_ends_when_the_hub_closes() -> None:
+    import asyncio
+
+    from pagemill.server.dashboard import DashboardHub
+    from pagemill.server.dashboard.routes import feed
+
+    async def main() -> list[str]:
+        hub = DashboardHub()
+        chunks: list[str] = []
+
+        async def read() -> None:
+            async for chunk in feed(hub):
+                chunks.append(chunk)
+
+        task = asyncio.ensure_future(read())
+        while hub.watchers.value != 1:
+            await asyncio.sleep(0.01)
+        hub.publish_snapshot({"t": 1.0, "preemptions": 0, "evictions": 0, "running": [],
+                              "waiting": []})
+        await asyncio.sleep(0.05)
+        hub.close()  # server shutdown: the stream must end, not hold the drain open
+        await asyncio.wait_for(task, 2)
+        assert hub.watchers.value == 0
+        assert [c async for c in feed(hub)] == []  # a page arriving after the close
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks[0].startswith("event: init\n") and chunks[1].startswith("event: snapshot\n")

@@ -180,6 +180,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
+    app.state.dashboard = dashboard
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # outermost: before the body is read or a route matched
@@ -275,6 +276,7 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
+        close_dashboard(self.config.app)
         self.server.should_exit = True
         self._thread.join(timeout)
 
@@ -283,6 +285,14 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def close_dashboard(app: Any) -> None:
+    """End the dashboard's page streams (they never end by themselves) so a shutdown does
+    not wait for open pages."""
+    hub = getattr(getattr(app, "state", None), "dashboard", None)
+    if hub is not None:
+        hub.close()
 
 
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

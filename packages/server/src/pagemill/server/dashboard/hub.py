@@ -61,6 +61,7 @@ class DashboardHub:
         self._lock = threading.Lock()
         # Replaced, never mutated: producers on other threads iterate it without a lock.
         self._subs: tuple[Subscription, ...] = ()
+        self.closed = False
 
     def attach(self, client: Any) -> None:
         """Take pictures from `client`'s engine: through the pipe of an engine process started
@@ -103,6 +104,12 @@ class DashboardHub:
             points = self.series.flush()
         if points:
             self._broadcast({"type": "points", "points": points})
+
+    def close(self) -> None:
+        """End every page's stream now (server shutdown: an open page must not hold the
+        drain open); pages that come later get an empty stream."""
+        self.closed = True
+        self._broadcast({"type": "close"})
 
     def _broadcast(self, msg: dict[str, Any]) -> None:
         for sub in self._subs:

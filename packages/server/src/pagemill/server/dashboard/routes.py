@@ -49,6 +49,8 @@ async def feed(hub: DashboardHub) -> AsyncIterator[str]:
     """One page's stream: `init` (config, chart history, events, last picture), a fresh
     picture, then pictures and chart points as they come. While subscribed, the engine side
     takes pictures (see `tap`); when the page goes, this generator's cleanup unsubscribes."""
+    if hub.closed:
+        return
     sub = hub.subscribe()
     try:
         yield sse("init", hub.init_message())
@@ -66,6 +68,8 @@ async def feed(hub: DashboardHub) -> AsyncIterator[str]:
                     yield ": keepalive\n\n"
                 continue
             idle = 0.0
+            if msg["type"] == "close":
+                return
             yield sse(msg["type"], msg)
     finally:
         hub.unsubscribe(sub)
