@@ -165,3 +165,52 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
     assert engine.kv.get_num_free_blocks() == NUM_BLOCKS
     assert not errors, errors
     page.close()
+
+
+def _simulate_html(out: Path) -> Path:
+    from pagemill.server.cli import main
+
+    html = out / "sim.html"
+    code = main(["simulate", "--model", "smollm2-135m", "--gpu", "rtx-4090",
+                 "--num-blocks", "96", "--max-model-len", "512", "--max-num-seqs", "16",
+                 "--max-num-batched-tokens", "256", "--num-requests", "24", "--prompt-len", "64",
+                 "--output-len", "48", "--system-prompt-len", "128", "--budgets", "64,256",
+                 "--request-rate", "200", "--no-plots", "--out-dir", str(out),
+                 "--html", str(html)])
+    assert code == 0
+    return html
+
+
+def test_simulation_replays_in_the_same_page(browser: Any, tmp_path: Path) -> None:
+    html = _simulate_html(tmp_path)
+    text = html.read_text()
+    assert "dashboard/static/" not in text and "http://" not in text  # one file, no network
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.goto(html.as_uri())
+    _wait_snapshots(page, 0)
+    assert page.text_content("#status") == "replay"
+    runs = page.eval_on_selector_all("#replay-run option", "os => os.map(o => o.textContent)")
+    assert "prefix: prefix cache on" in runs and "static: paged, saturated" in runs
+    assert len(_cells(page)) == 96
+    frames = int(page.get_attribute("#replay-slider", "max"))
+    assert frames > 3
+    # Somewhere in the run the pool is in use; at the end every block is free again.
+    page.fill("#replay-slider", str(frames // 3))
+    page.dispatch_event("#replay-slider", "input")
+    page.wait_for_function("() => document.querySelectorAll('#running tr').length > 0",
+                           timeout=5_000)
+    assert any(c["state"] in ("used", "shared") for c in _cells(page))
+    page.fill("#replay-slider", str(frames))
+    page.dispatch_event("#replay-slider", "input")
+    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
+                           timeout=5_000)
+    assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
+    page.select_option("#replay-run", label="prefix: prefix cache on")
+    page.click("#replay-play")
+    time.sleep(0.5)
+    assert "frame" in page.text_content("#replay-frame")
+    assert not errors, errors
+    page.close()

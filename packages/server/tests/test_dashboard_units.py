@@ -205,3 +205,35 @@ def test_a_page_stream_ends_when_the_hub_closes() -> None:
 
     chunks = asyncio.run(main())
     assert chunks[0].startswith("event: init\n") and chunks[1].startswith("event: snapshot\n")
+
+
+def test_replay_recording_of_a_simulated_run(tmp_path) -> None:
+    import base64
+    import gzip
+    import re
+
+    from pagemill.server.dashboard.replay import ReplayRecorder, write_replay_html
+    from pagemill.server.sim import Deployment, PagedSimulator, load_gpu, load_model
+    from pagemill.server.sim.workload import LengthDist, WorkloadSpec, generate_workload
+
+    dep = Deployment(load_model("smollm2-135m"), load_gpu("rtx-4090"), max_model_len=512,
+                     max_num_seqs=16, max_num_batched_tokens=256, num_blocks=64)
+    reqs = generate_workload(WorkloadSpec(num_requests=20, prompt_len=LengthDist(64),
+                                          output_len=LengthDist(40), system_prompt_len=64),
+                             512)
+    rec = ReplayRecorder("run", max_frames=8, frame_dt=1e-4)
+    result = PagedSimulator(dep, observer=rec).run(reqs)
+    run = rec.as_dict()
+    assert 2 <= len(run["frames"]) <= 9
+    assert run["frames"][-1]["in_use"] == 0  # every block free at the end
+    assert any(f["in_use"] for f in run["frames"])
+    assert run["series"] and sum(p["tok_s"] for p in run["series"]) > 0
+    if result.num_preemptions:
+        assert any(e["kind"] == "preempt" for e in run["events"])
+    html = write_replay_html(tmp_path / "r.html", [run], "tiny <test>")
+    text = html.read_text()
+    assert "<title>pagemill simulation: tiny &lt;test&gt;</title>" in text
+    blob = re.search(r'id="pagemill-replay">([^<]*)<', text).group(1)
+    data = json.loads(gzip.decompress(base64.b64decode(blob)))
+    assert data["config"] == {"mode": "replay", "title": "tiny <test>"}
+    assert data["runs"][0]["frames"][-1]["grid"] == run["frames"][-1]["grid"]
