@@ -260,7 +260,7 @@
       var opts = {
         width: width, height: 130, legend: { show: false },
         scales: { x: { time: state.config.mode === "live" } },
-        axes: [{ size: 28, font: "10px system-ui" }, { size: 44, font: "10px system-ui" }],
+        axes: [{ size: 28, font: "10px system-ui" }, { size: 54, font: "10px system-ui" }],
         series: [{}].concat(spec.series.map(function (s) {
           // A TTFT or ITL is not measured in every bucket: join those; an idle gap stays open.
           return { label: s[0], stroke: s[2], width: 1.5, spanGaps: !!s[3] };
@@ -330,6 +330,7 @@
     status.dataset.state = "replay";
     status.textContent = "replay";
     $("replay-bar").hidden = false;
+    document.querySelector("h1 .sub").textContent = "simulation replay";
     buildCharts();
     var select = $("replay-run"), slider = $("replay-slider"), play = $("replay-play");
     recording.runs.forEach(function (run, i) { select.appendChild(el("option", null, run.name)).value = i; });
