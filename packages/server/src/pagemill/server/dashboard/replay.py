@@ -23,8 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from .assets import read_static
 from .events import events_between
-from .routes import read_static
 from .series import SeriesRecorder
 from .snapshot import snapshot_scheduler
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from .assets import read_static
 from .hub import DashboardHub
 
 STATIC_FILES = {
@@ -34,11 +34,6 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-cache",
 }
 KEEPALIVE_S = 15.0
-
-
-def read_static(name: str) -> str:
-    """A file of `static/` as text (the page, its script and style, the vendored uPlot)."""
-    return resources.files(__package__).joinpath("static", name).read_text("utf-8")
 
 
 def sse(event: str, data: Any) -> str:
