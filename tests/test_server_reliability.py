@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import socket
 import threading
 import time
@@ -68,7 +69,9 @@ class Live:
         return httpx.post(self.url + path, json=body, headers=h, timeout=timeout)
 
     def stats(self) -> Any:
-        return self.client.submit(_get_stats).result(timeout=30)
+        # A method caller, not a function of this module: an engine process cannot import
+        # test modules (under --import-mode=importlib the repo root is not on its path).
+        return self.client.submit(operator.methodcaller("get_stats")).result(timeout=30)
 
     def wait_idle(self, timeout: float = 30.0) -> Any:
         deadline = time.monotonic() + timeout
@@ -78,10 +81,6 @@ class Live:
                     time.monotonic() > deadline:
                 return s
             time.sleep(0.05)
-
-
-def _get_stats(engine: Any) -> Any:
-    return engine.get_stats()
 
 
 @pytest.fixture(scope="module")
