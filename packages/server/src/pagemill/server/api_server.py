@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import uvicorn
@@ -40,6 +40,9 @@ from .serving_completion import CompletionServing
 from .serving_tokenize import TokenizeServing
 from .version import __version__
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardHub
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
               allow_special_tokens_in_chat: bool = False,
               tool_call_parser: str | None = None,
-              dashboard: Any = None) -> FastAPI:
+              dashboard: DashboardHub | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own

@@ -38,7 +38,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ class AsyncEngine:
     @classmethod
     def launch(cls, config: Any = None, *, max_pending: int | None = None,
                observer: StepObserver | None = None, engine_threads: int | None = None,
-               start_timeout: float | None = None, dashboard: Any = None,
+               start_timeout: float | None = None, dashboard: DashboardSettings | None = None,
                **engine_kwargs: Any) -> AsyncEngine:
         """Start an `LLMEngine(config)` (or `LLMEngine(**engine_kwargs)`) in its own process.
 

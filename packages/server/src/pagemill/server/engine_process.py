@@ -47,9 +47,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .async_engine import AsyncEngine, EngineDeadError, StepObserver, _Tracked, deliver
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardSettings, SnapshotTap
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +76,9 @@ class _CoreLoop:
     """The engine process's main loop: the only code that touches the engine."""
 
     def __init__(self, engine: Any, commands: Connection, outputs: Connection,
-                 heartbeat: Any = None, tap: Any = None) -> None:
+                 heartbeat: Any = None, tap: SnapshotTap | None = None) -> None:
         self.engine = engine
-        self.tap = tap  # a dashboard.SnapshotTap, or None (no dashboard)
+        self.tap = tap  # None: no dashboard
         self.heartbeat = heartbeat
         self.commands = commands
         self.outputs = outputs
@@ -340,7 +343,8 @@ class EngineProcessClient(AsyncEngine):
 
     def __init__(self, config: Any = None, *, max_pending: int | None = None,
                  observer: StepObserver | None = None, engine_threads: int | None = None,
-                 start_timeout: float | None = None, dashboard: Any = None,
+                 start_timeout: float | None = None,
+                 dashboard: DashboardSettings | None = None,
                  **engine_kwargs: Any) -> None:
         if config is None:
             from pagemill.runtime.config import EngineConfig
