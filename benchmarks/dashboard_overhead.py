@@ -7,6 +7,8 @@ Three measurements, printed (nothing asserted):
    time; the tap's cost per step while nobody watches (one read of the shared watcher
    count); the cost of one picture (snapshot + pickle, as sent over the pipe); and the
    cost per step averaged over a run watched at the default rate (one picture per 0.25 s).
+   With `--no-engine-process` the hub also folds each step into the charts on the engine
+   thread (with an engine process that happens in the API process): that is timed too.
 2. Pictures of big pools (the real scheduler and block pool, full, no model): how the
    cost and size grow with the number of blocks, so a GPU-sized pool can be judged.
 3. The page's payload: the bytes a browser loads once (HTML, script, style, uPlot).
@@ -56,7 +58,12 @@ def build_tiny_llama(folder: Path) -> None:
 
 def engine_run(model: str, batch: int, tokens: int, interval: float) -> dict[str, float]:
     from pagemill.runtime import LLMEngine, SamplingParams
-    from pagemill.server.dashboard import DashboardSettings, LocalWatchers, SnapshotTap
+    from pagemill.server.dashboard import (
+        DashboardHub,
+        DashboardSettings,
+        LocalWatchers,
+        SnapshotTap,
+    )
 
     engine = LLMEngine(model=model, device="cpu", max_model_len=2048,
                        kv_cache_memory_bytes=64 << 20)
@@ -87,6 +94,25 @@ def engine_run(model: str, batch: int, tokens: int, interval: float) -> dict[str
 
     run(False)  # warm-up
     idle = run(False)
+    # In-process: the hub as the engine thread's observer (charts + its own tap), unwatched.
+    from pagemill.server.metrics import EngineMetrics
+
+    hub = DashboardHub(DashboardSettings(interval))
+    hub.attach(object())
+    metrics = EngineMetrics("bench")
+    prometheus = []
+    for i in range(batch):
+        engine.add_request(f"h{i}", "the quick brown fox " * (4 + i), params)
+    observe = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        t1 = time.perf_counter()
+        metrics.on_step(engine, t1 - t0)  # what every server already does per step
+        t2 = time.perf_counter()
+        hub.on_step(engine, t1 - t0)
+        observe.append(time.perf_counter() - t2)
+        prometheus.append(t2 - t1)
     watched = run(True)
     each = run(True, every_step=True)
     snap = tap.take(engine)
@@ -94,6 +120,9 @@ def engine_run(model: str, batch: int, tokens: int, interval: float) -> dict[str
         "step_ms": 1e3 * statistics.median(idle["steps"]),
         "num_blocks": engine.num_blocks,
         "unwatched_us_per_step": 1e6 * statistics.mean(idle["taps"]),
+        "in_process_observer_us": 1e6 * statistics.median(observe),
+        "in_process_observer_mean_us": 1e6 * statistics.mean(observe),
+        "prometheus_us": 1e6 * statistics.median(prometheus),
         "picture_us": 1e6 * statistics.median(each["pictures"]),
         "watched_us_per_step": 1e6 * statistics.mean(watched["taps"]),
         "watched_pictures": len(watched["pictures"]),
@@ -157,6 +186,10 @@ def main() -> None:
     print(f"engine: batch {args.batch}, {r['num_blocks']} blocks, median step "
           f"{r['step_ms']:.2f} ms ({multiprocessing.cpu_count()} CPUs)")
     print(f"  unwatched: {r['unwatched_us_per_step']:.2f} µs per step (the watcher check)")
+    print(f"  --no-engine-process, unwatched: {r['in_process_observer_us']:.1f} µs per step "
+          f"(median; mean {r['in_process_observer_mean_us']:.1f}: charts folded on the engine "
+          f"thread + the watcher check); Prometheus metrics, for scale: "
+          f"{r['prometheus_us']:.1f} µs")
     print(f"  one picture (snapshot + pickle): {r['picture_us']:.0f} µs, "
           f"{r['picture_bytes']:,} bytes of JSON")
     print(f"  watched, one picture per {args.interval:g} s: {r['watched_us_per_step']:.1f} µs "

@@ -237,3 +237,20 @@ def test_replay_recording_of_a_simulated_run(tmp_path) -> None:
     data = json.loads(gzip.decompress(base64.b64decode(blob)))
     assert data["config"] == {"mode": "replay", "title": "tiny <test>"}
     assert data["runs"][0]["frames"][-1]["grid"] == run["frames"][-1]["grid"]
+
+
+def test_the_hub_keeps_the_newest_picture_and_names_what_happened() -> None:
+    from pagemill.server.dashboard import DashboardHub
+
+    hub = DashboardHub()
+
+    def pic(t: float, preemptions: int) -> dict:
+        return {"t": t, "preemptions": preemptions, "evictions": 0, "waiting": [],
+                "running": [{"id": "x", "preemptions": preemptions}]}
+
+    hub.publish_snapshot(pic(1.0, 0))
+    hub.publish_snapshot(pic(3.0, 1))
+    hub.publish_snapshot(pic(2.0, 0))  # older (taken on demand, delivered late): dropped
+    hub.publish_snapshot(pic(4.0, 1))
+    assert hub.latest is not None and hub.latest["t"] == 4.0
+    assert [(e["kind"], e["count"], e["ids"]) for e in hub.events] == [("preempt", 1, ["x"])]

@@ -93,7 +93,10 @@ class DashboardHub:
 
     def publish_snapshot(self, snap: dict[str, Any]) -> None:
         with self._lock:
-            events = events_between(self.latest, snap)
+            latest = self.latest
+            if latest is not None and snap["t"] < latest["t"]:
+                return  # an on-demand picture overtaken by a newer one (engine thread)
+            events = events_between(latest, snap)
             self.latest = snap
             self.events.extend(events)
         self._broadcast({"type": "snapshot", "snapshot": snap, "events": events})
