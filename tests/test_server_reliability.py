@@ -69,6 +69,8 @@ class Live:
         return httpx.post(self.url + path, json=body, headers=h, timeout=timeout)
 
     def stats(self) -> Any:
+        # A method caller, not a function of this module: an engine process cannot import
+        # test modules (under --import-mode=importlib the repo root is not on its path).
         return self.client.submit(operator.methodcaller("get_stats")).result(timeout=30)
 
     def wait_idle(self, timeout: float = 30.0) -> Any:

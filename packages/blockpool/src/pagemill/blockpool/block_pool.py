@@ -111,6 +111,9 @@ class BlockPool:
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Cached blocks handed out for reuse (their hash dropped from the index), ever. Read
+        # by observers (the server's dashboard); one add per allocation that evicts.
+        self.num_evictions = 0
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -134,6 +137,7 @@ class BlockPool:
         head = queue._head
         node = head.next_free
         index = self.cached_block_hash_to_block
+        evicted = 0
         for _ in range(n):
             assert node is not None and node.ref_cnt == 0
             nxt = node.next_free
@@ -142,6 +146,7 @@ class BlockPool:
             if h is not None:
                 if index.get(h) is node:
                     del index[h]
+                    evicted += 1
                 node.block_hash = None
             node.ref_cnt = 1
             popped.append(node)
@@ -150,6 +155,8 @@ class BlockPool:
         head.next_free = node
         node.prev_free = head
         queue.num_free_blocks -= n
+        if evicted:
+            self.num_evictions += evicted
         return popped
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

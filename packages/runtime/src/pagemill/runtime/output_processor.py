@@ -149,6 +149,15 @@ class OutputProcessor:
         parent.num_unfinished = len(parent.completions)
         self._parents[request_id] = parent
 
+    def prompt_of(self, request_id: str) -> str | None:
+        """The prompt text of a live request or completion id (None: unknown, or given as
+        token ids). For observers that were allowed to show it (the dashboard's opt-in)."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            completion = self._completions.get(request_id)
+            parent = completion.parent if completion is not None else None
+        return parent.prompt if parent is not None else None
+
     def is_known(self, request_id: str) -> bool:
         return request_id in self._parents or request_id in self._completions
 

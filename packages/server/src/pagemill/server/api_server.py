@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import uvicorn
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, StepObservers
 from .auth import APIKeyMiddleware
 from .errors import APIError, error_response, install_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -40,6 +40,9 @@ from .serving_completion import CompletionServing
 from .serving_tokenize import TokenizeServing
 from .version import __version__
 from .watchdog import Watchdog
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardHub
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +122,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
               allow_special_tokens_in_chat: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None,
+              dashboard: DashboardHub | None = None) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
@@ -131,7 +135,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     /health says (default: the default step timeout). `allow_special_tokens_in_chat`
     lets special-token strings in chat messages act as control tokens (see serving_chat).
     `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by default it is
-    guessed from the chat template.
+    guessed from the chat template. `dashboard` (a `dashboard.DashboardHub`) adds the
+    live page at /dashboard (behind `api_key` when there is one).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -144,6 +149,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     if metrics is None:
         metrics = EngineMetrics(served_model_name)
     client.observer = metrics
+    if dashboard is not None:
+        dashboard.attach(client)
+        client.observer = StepObservers(metrics, dashboard)
 
     engine = client.engine
     tokenizer = getattr(engine, "tokenizer", None)
@@ -175,6 +183,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
+    app.state.dashboard = dashboard
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # outermost: before the body is read or a route matched
@@ -206,6 +215,11 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if dashboard is not None:
+        from .dashboard.routes import install_dashboard
+
+        install_dashboard(app, dashboard)
 
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
@@ -265,6 +279,7 @@ class ServerThread:
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
+        close_dashboard(self.config.app)
         self.server.should_exit = True
         self._thread.join(timeout)
 
@@ -273,6 +288,14 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def close_dashboard(app: Any) -> None:
+    """End the dashboard's page streams (they never end by themselves) so a shutdown does
+    not wait for open pages."""
+    hub = getattr(getattr(app, "state", None), "dashboard", None)
+    if hub is not None:
+        hub.close()
 
 
 def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:

@@ -38,7 +38,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,21 @@ class StepObserver(Protocol):
     """
 
     def on_step(self, engine: Any, step_seconds: float | None = None) -> None: ...
+
+
+class StepObservers:
+    """Several `StepObserver`s as one (metrics and the dashboard); one failing does not
+    keep the others from being told."""
+
+    def __init__(self, *observers: StepObserver) -> None:
+        self.observers = observers
+
+    def on_step(self, engine: Any, step_seconds: float | None = None) -> None:
+        for observer in self.observers:
+            try:
+                observer.on_step(engine, step_seconds)
+            except Exception:
+                logger.exception("a step observer failed")
 
 
 @dataclass
@@ -155,7 +173,8 @@ class AsyncEngine:
     @classmethod
     def launch(cls, config: Any = None, *, max_pending: int | None = None,
                observer: StepObserver | None = None, engine_threads: int | None = None,
-               start_timeout: float | None = None, **engine_kwargs: Any) -> AsyncEngine:
+               start_timeout: float | None = None, dashboard: DashboardSettings | None = None,
+               **engine_kwargs: Any) -> AsyncEngine:
         """Start an `LLMEngine(config)` (or `LLMEngine(**engine_kwargs)`) in its own process.
 
         Returns once the engine is built (model loaded, KV pool sized, step compiled).
@@ -163,13 +182,15 @@ class AsyncEngine:
         core, with OpenMP's idle spin bounded; see `engine_process.default_engine_threads`).
         `client.engine` is then a view (tokenizer, `encode`, `apply_chat_template`,
         `max_model_len`, `model_config`, `config`), and `submit`/`call` take picklable
-        functions (module-level, or `functools.partial` of one). See `engine_process`.
+        functions (module-level, or `functools.partial` of one). `dashboard` (a
+        `dashboard.DashboardSettings`) lets the engine process take pictures for the
+        dashboard page. See `engine_process`.
         """
         from .engine_process import EngineProcessClient
 
         return EngineProcessClient(config, max_pending=max_pending, observer=observer,
                                    engine_threads=engine_threads, start_timeout=start_timeout,
-                                   **engine_kwargs)
+                                   dashboard=dashboard, **engine_kwargs)
 
     def _init_client(self, engine: Any, max_pending: int | None,
                      observer: StepObserver | None) -> None:

@@ -114,6 +114,17 @@ def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -
     return environ.get("PAGEMILL_API_KEY") or None
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def dashboard_enabled(flag: bool | None, host: str, api_key: str | None) -> bool:
+    """--dashboard / --no-dashboard, else on when only this machine can reach it (a
+    loopback host) or when it is behind an API key."""
+    if flag is not None:
+        return flag
+    return host in _LOOPBACK or api_key is not None
+
+
 def _make_engine(config: EngineConfig) -> Any:
     from pagemill.runtime import LLMEngine
 
@@ -142,12 +153,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     names = args.served_model_name or [config.model]
     name = names[0]  # what responses and metrics report; every name is accepted
-    logging.getLogger("pagemill").info("loading %s", config.model)
+    log = logging.getLogger("pagemill")
+    log.info("loading %s", config.model)
     metrics = EngineMetrics(name)
+    api_key = resolve_api_key(args.api_key)
+    hub = settings = None
+    if dashboard_enabled(args.dashboard, args.host, api_key):
+        from .dashboard import DashboardHub, DashboardSettings
+
+        settings = DashboardSettings(args.dashboard_interval, args.dashboard_show_prompts)
+        hub = DashboardHub(settings, model_name=name)
+    elif args.dashboard is None:
+        log.info("no dashboard: %s is not a loopback address and there is no API key "
+                 "(--dashboard serves it anyway)", args.host)
     if args.engine_process:
         # The engine core in its own process: no GIL shared with the HTTP side.
         client = AsyncEngine.launch(config, max_pending=args.max_queue_len, observer=metrics,
-                                    engine_threads=args.engine_threads)
+                                    engine_threads=args.engine_threads, dashboard=settings)
     else:
         from .engine_process import default_engine_threads
 
@@ -160,12 +182,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              observer=metrics)
     try:
         watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
-        app = build_app(client, names, api_key=resolve_api_key(args.api_key),
+        app = build_app(client, names, api_key=api_key, dashboard=hub,
                         max_body_bytes=args.max_body_size, metrics=metrics, watchdog=watchdog,
                         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
                         tool_call_parser=args.tool_call_parser)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
+        if hub is not None:
+            print(f"pagemill: dashboard on http://{args.host}:{args.port}/dashboard",
+                  file=sys.stderr, flush=True)
         limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
         code = serve(app, client, host=args.host, port=args.port, log_level=args.log_level,
                      shutdown_timeout=args.shutdown_timeout, watchdog=watchdog, limits=limits)
@@ -228,6 +253,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="let special-token strings in chat message content act as control "
                         "tokens (default: such messages are refused with 400, since they could "
                         "forge system or assistant turns)")
+    d = p.add_argument_group("dashboard")
+    d.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve a live picture of the engine (block pool, requests, charts) at "
+                        "/dashboard, behind --api-key when one is set (default: on for a "
+                        "loopback --host or with an API key, else off)")
+    d.add_argument("--dashboard-interval", type=_positive_float, default=0.25, metavar="S",
+                   help="at most one picture of the engine per S seconds while a page watches "
+                        "(default 0.25); nothing is taken while nobody watches")
+    d.add_argument("--dashboard-show-prompts", action="store_true",
+                   help="show the first characters of each request's prompt on the dashboard "
+                        "(default: no prompt text leaves the engine)")
     p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
                    help="how tool calls are read out of the text of tool_choice='auto' answers "
                         "(default: guessed from the chat template)")

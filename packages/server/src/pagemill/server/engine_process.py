@@ -20,7 +20,8 @@ Messages are pickled tuples. To the engine: ("add", id, prompt, params, kwargs),
 iteration_stats, step_seconds) with the outputs as plain tuples (cheaper to pickle on the
 step's thread), ("stats", stats) after commands that ran no step,
 ("result", call_id, ok, value) and ("dead", message) when a step raised (the process then
-exits). A request's prompt and prompt ids travel with its first output only; the reader
+exits), and ("dashboard", picture) while a dashboard page watches (see `dashboard.tap`: the
+API process says so through a shared integer, no message, and pictures are rate-limited). A request's prompt and prompt ids travel with its first output only; the reader
 puts them back on the later ones, so a long prompt is not re-sent at every token.
 
 The engine process exits when told to, when a step fails, and when the API process goes
@@ -47,9 +48,12 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .async_engine import AsyncEngine, EngineDeadError, StepObserver, _Tracked, deliver
+
+if TYPE_CHECKING:
+    from .dashboard import DashboardSettings, SnapshotTap
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,9 @@ class _CoreLoop:
     """The engine process's main loop: the only code that touches the engine."""
 
     def __init__(self, engine: Any, commands: Connection, outputs: Connection,
-                 heartbeat: Any = None) -> None:
+                 heartbeat: Any = None, tap: SnapshotTap | None = None) -> None:
         self.engine = engine
+        self.tap = tap  # None: no dashboard
         self.heartbeat = heartbeat
         self.commands = commands
         self.outputs = outputs
@@ -131,6 +136,12 @@ class _CoreLoop:
                            getattr(engine, "iteration_stats", None), step_seconds))
             elif applied:
                 self.send(("stats", engine.get_stats()))
+            else:
+                continue
+            if self.tap is not None:
+                snap = self.tap.poll(engine)
+                if snap is not None:
+                    self.send(("dashboard", snap))
 
     def _apply(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
@@ -243,7 +254,8 @@ def _engine_environment() -> Iterator[None]:
 
 
 def _engine_main(commands: Connection, outputs: Connection, config: Any,
-                 engine_threads: int | None, log_level: int, heartbeat: Any = None) -> None:
+                 engine_threads: int | None, log_level: int, heartbeat: Any = None,
+                 dashboard: tuple[Any, Any] | None = None) -> None:
     """Entry point of the engine process (spawned: nothing is inherited but these args)."""
     # Ctrl-C reaches the whole process group: the API process decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -271,7 +283,12 @@ def _engine_main(commands: Connection, outputs: Connection, config: Any,
             "dtype": str(getattr(engine, "dtype", "")),
             "device": str(getattr(engine, "device", "")),
             "pid": os.getpid()}
-    loop = _CoreLoop(engine, commands, outputs, heartbeat)
+    tap = None
+    if dashboard is not None:
+        from .dashboard.tap import SnapshotTap
+
+        tap = SnapshotTap(*dashboard)
+    loop = _CoreLoop(engine, commands, outputs, heartbeat, tap)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "on_worker_failure"):
         core.on_worker_failure(functools.partial(_worker_failed, loop))
@@ -364,7 +381,9 @@ class EngineProcessClient(AsyncEngine):
 
     def __init__(self, config: Any = None, *, max_pending: int | None = None,
                  observer: StepObserver | None = None, engine_threads: int | None = None,
-                 start_timeout: float | None = None, **engine_kwargs: Any) -> None:
+                 start_timeout: float | None = None,
+                 dashboard: DashboardSettings | None = None,
+                 **engine_kwargs: Any) -> None:
         if config is None:
             from pagemill.runtime.config import EngineConfig
 
@@ -388,12 +407,21 @@ class EngineProcessClient(AsyncEngine):
         # lock: [steps run, time.monotonic() at the end of the last one, at the start of the
         # running one (0: none)]. The watchdog tells a hung engine from a busy one by it.
         self.heartbeat = ctx.RawArray("d", 3)
+        # With `dashboard` (a dashboard.DashboardSettings): how many pages watch, written by
+        # the dashboard hub here, read by the engine loop after each step (no message).
+        # Pictures come back as ("dashboard", picture) and go to `on_dashboard`.
+        self.dashboard_watchers: Any = None
+        self.on_dashboard: Callable[[dict[str, Any]], None] | None = None
+        engine_dashboard = None
+        if dashboard is not None:
+            self.dashboard_watchers = ctx.RawValue("i", 0)
+            engine_dashboard = (dashboard, self.dashboard_watchers)
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         out_read, out_write = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=_engine_main, name="pagemill-engine-core", daemon=True,
             args=(cmd_read, out_write, config, engine_threads,
-                  logging.getLogger().getEffectiveLevel(), self.heartbeat))
+                  logging.getLogger().getEffectiveLevel(), self.heartbeat, engine_dashboard))
         with _engine_environment():
             self.process.start()
         # Our copies of the child's ends: closing them lets EOF mean "the other side is gone".
@@ -531,6 +559,13 @@ class EngineProcessClient(AsyncEngine):
                     self._on_step(msg[1], msg[2], msg[3], msg[4])
                 elif kind == "stats":
                     self._observe(msg[1], None)
+                elif kind == "dashboard":
+                    callback = self.on_dashboard
+                    if callback is not None:
+                        try:
+                            callback(msg[1])
+                        except Exception:
+                            logger.exception("the dashboard failed")
                 elif kind == "added":
                     _, rid, error = msg
                     fut = self._adds.pop(rid, None)

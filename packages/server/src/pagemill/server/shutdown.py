@@ -107,6 +107,9 @@ class GracefulServer(uvicorn.Server):
         self._fatal_timer.start()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        from .api_server import close_dashboard
+
+        close_dashboard(self.config.app)  # open dashboard pages must not hold the drain
         drain = asyncio.ensure_future(self._end_stragglers())
         try:
             await super().shutdown(sockets)

@@ -153,6 +153,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--out-dir", type=Path, default=Path("pagemill-sim"),
                      help="folder for the PNG plots and results.json")
     sim.add_argument("--no-plots", action="store_true")
+    sim.add_argument("--html", type=Path, default=None, metavar="OUT",
+                     help="also write OUT, one self-contained page that replays every paged "
+                          "run in the dashboard's view (block pool, requests, charts); opens "
+                          "from disk, no server or network needed")
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -232,8 +236,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"budget {args.max_num_batched_tokens} tokens/step\n"
     )
     started = time.perf_counter()
+    recorders: dict[str, object] = {}
+    observe = None
+    if args.html is not None:
+        from pagemill.server.dashboard.replay import ReplayRecorder
+
+        def observe(name: str) -> ReplayRecorder:
+            return recorders.setdefault(name, ReplayRecorder(name))  # type: ignore[return-value]
+
     try:
-        comparisons = run_experiments(deployment, workloads, args.experiments, args.budgets)
+        comparisons = run_experiments(deployment, workloads, args.experiments, args.budgets,
+                                      observe)
     except (ValueError, TypeError) as exc:
         print(f"pagemill simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +266,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     }
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", "utf-8")
     print(f"wrote {out_dir / 'results.json'}")
+    if args.html is not None:
+        from pagemill.server.dashboard.replay import write_replay_html
+
+        title = (f"{deployment.model.name} ({args.weight_dtype}) on {deployment.gpu.name}, "
+                 f"{pool:,} blocks")
+        runs = [r.as_dict() for r in recorders.values()]  # type: ignore[attr-defined]
+        print(f"wrote {write_replay_html(args.html, runs, title)}")
     if not args.no_plots:
         from pagemill.server.sim.plots import plot_comparison
 

@@ -8,17 +8,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunResult
-from pagemill.server.sim.paged_sim import PagedSimulator
+from pagemill.server.sim.paged_sim import PagedSimulator, StepObserver
 from pagemill.server.sim.static_sim import StaticBatchSimulator
 from pagemill.server.sim.workload import LengthDist, WorkloadSpec, generate_workload
 
 EXPERIMENTS = ("static", "prefix", "budget")
 DEFAULT_BUDGETS = (256, 512, 2048, 8192)
+# Given a paged run's name, the observer to watch it with (or None): `simulate --html`.
+ObserverFactory = Callable[[str], StepObserver | None]
+
+
+def _watch(observe: ObserverFactory | None, name: str) -> StepObserver | None:
+    return observe(name) if observe is not None else None
 
 
 @dataclass
@@ -31,7 +37,8 @@ class Comparison:
     runs: list[RunResult]
 
 
-def static_vs_paged(deployment: Deployment, workload: WorkloadSpec) -> Comparison:
+def static_vs_paged(deployment: Deployment, workload: WorkloadSpec,
+                    observe: ObserverFactory | None = None) -> Comparison:
     """Both systems on the same requests; with a finite arrival rate they also run saturated
     (everything queued at t = 0), where throughput is the system's capacity rather than the
     offered load."""
@@ -43,29 +50,34 @@ def static_vs_paged(deployment: Deployment, workload: WorkloadSpec) -> Compariso
         requests = generate_workload(load, deployment.max_model_len)
         tag = "saturated" if math.isinf(load.request_rate) else f"{load.request_rate:g} req/s"
         runs.append(StaticBatchSimulator(deployment, name=f"static, {tag}").run(requests))
-        runs.append(PagedSimulator(deployment, name=f"paged, {tag}").run(requests))
+        name = f"paged, {tag}"
+        runs.append(PagedSimulator(deployment, name=name,
+                                   observer=_watch(observe, f"static: {name}")).run(requests))
     return Comparison(
         "static", "static batching (max-length reservation) vs paged continuous batching",
         workload, runs,
     )
 
 
-def prefix_caching(deployment: Deployment, workload: WorkloadSpec) -> Comparison:
+def prefix_caching(deployment: Deployment, workload: WorkloadSpec,
+                   observe: ObserverFactory | None = None) -> Comparison:
     """The same paged system with the prefix cache off and on: with a shared system prompt
     every admission after the first reuses its blocks, so prefill work and TTFT drop."""
     if workload.system_prompt_len == 0:
         raise ValueError("the prefix-caching comparison needs a workload with a system prompt")
     requests = generate_workload(workload, deployment.max_model_len)
     runs = [
-        PagedSimulator(deployment, enable_prefix_caching=False, name="prefix cache off").run(requests),
-        PagedSimulator(deployment, enable_prefix_caching=True, name="prefix cache on").run(requests),
+        PagedSimulator(deployment, enable_prefix_caching=on, name=name,
+                       observer=_watch(observe, f"prefix: {name}")).run(requests)
+        for on, name in ((False, "prefix cache off"), (True, "prefix cache on"))
     ]
     title = f"prefix caching off vs on ({workload.system_prompt_len}-token shared system prompt)"
     return Comparison("prefix", title, workload, runs)
 
 
 def token_budget(
-    deployment: Deployment, workload: WorkloadSpec, budgets: Sequence[int] = DEFAULT_BUDGETS
+    deployment: Deployment, workload: WorkloadSpec, budgets: Sequence[int] = DEFAULT_BUDGETS,
+    observe: ObserverFactory | None = None,
 ) -> Comparison:
     """Chunked prefill at several budgets, plus whole-prompt prefill.
 
@@ -79,14 +91,18 @@ def token_budget(
     requests = generate_workload(workload, deployment.max_model_len)
     runs = []
     for budget in budgets:
-        sim = PagedSimulator(deployment, max_num_batched_tokens=budget, name=f"chunked, budget {budget}")
+        name = f"chunked, budget {budget}"
+        sim = PagedSimulator(deployment, max_num_batched_tokens=budget, name=name,
+                             observer=_watch(observe, f"budget: {name}"))
         runs.append(sim.run(requests))
     unchunked = max(deployment.max_model_len, max(budgets))
+    name = f"unchunked, budget {unchunked}"
     sim = PagedSimulator(
         deployment,
         enable_chunked_prefill=False,
         max_num_batched_tokens=unchunked,
-        name=f"unchunked, budget {unchunked}",
+        name=name,
+        observer=_watch(observe, f"budget: {name}"),
     )
     runs.append(sim.run(requests))
     return Comparison("budget", "token budget / chunked prefill vs inter-token latency", workload, runs)
@@ -127,6 +143,7 @@ def run_experiments(
     workloads: dict[str, WorkloadSpec],
     which: Sequence[str] = EXPERIMENTS,
     budgets: Sequence[int] = DEFAULT_BUDGETS,
+    observe: ObserverFactory | None = None,
 ) -> list[Comparison]:
     unknown = [w for w in which if w not in EXPERIMENTS]
     if unknown:
@@ -134,9 +151,9 @@ def run_experiments(
     out = []
     for key in which:
         if key == "static":
-            out.append(static_vs_paged(deployment, workloads["static"]))
+            out.append(static_vs_paged(deployment, workloads["static"], observe))
         elif key == "prefix":
-            out.append(prefix_caching(deployment, workloads["prefix"]))
+            out.append(prefix_caching(deployment, workloads["prefix"], observe))
         else:
-            out.append(token_budget(deployment, workloads["budget"], budgets))
+            out.append(token_budget(deployment, workloads["budget"], budgets, observe))
     return out

@@ -10,11 +10,11 @@ inputs: the same workload and seed give bit-identical results on any machine.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from pagemill.blockpool import KVCacheManager
-from pagemill.scheduler import Request, RequestStatus, Scheduler
+from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunRecorder, RunResult
 from pagemill.server.sim.workload import SimRequest
@@ -25,9 +25,14 @@ def fake_token(index: int, position: int) -> int:
     return 1 + (index * 7919 + position * 104729) % 30011
 
 
+# Told after every simulated step: (virtual clock, scheduler, the step's updates, step time).
+StepObserver = Callable[[float, Scheduler, list[RequestUpdate], float], None]
+
+
 class PagedSimulator:
     """One run; after :meth:`run`, ``kv_cache_manager`` and ``scheduler`` are left for
-    inspection (a finished run must leave every block free)."""
+    inspection (a finished run must leave every block free). ``observer`` watches every
+    step (``pagemill simulate --html`` records the run for the dashboard's replay)."""
 
     def __init__(
         self,
@@ -38,9 +43,11 @@ class PagedSimulator:
         max_num_batched_tokens: int | None = None,
         long_prefill_token_threshold: int = 0,
         name: str = "paged",
+        observer: StepObserver | None = None,
     ) -> None:
         self.deployment = deployment
         self.name = name
+        self.observer = observer
         self.config = replace(
             deployment.scheduler_config,
             max_num_batched_tokens=max_num_batched_tokens or deployment.max_num_batched_tokens,
@@ -96,6 +103,7 @@ class PagedSimulator:
             out = sched.schedule()
             for rid in out.preempted_req_ids:
                 holding.pop(rid, None)
+            dt = 0.0
             if out.scheduled:
                 chunks = []
                 prompt_tokens = 0
@@ -128,6 +136,8 @@ class PagedSimulator:
                 if s.sample
             }
             updates = sched.update_from_output(out, sampled)
+            if self.observer is not None:
+                self.observer(clock, sched, updates, dt)
             for u in updates:
                 if u.new_token_ids:
                     rec.token(u.request_id, clock, len(u.new_token_ids))
