@@ -1,14 +1,17 @@
 """CUDA graphs stay out of the CPU path: no engine on CPU builds them, and the runner's
-eager decode step is the plain prepare-then-forward it always was (no mocks of CUDA)."""
+eager decode step is the plain prepare-then-forward it always was. What a graph records,
+a bucket's step over its padded buffers, runs here eagerly (no CUDA, no mocks) with the
+Triton attention kernel under the interpreter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagemill.kernels._dispatch import interpreting, triton_available
 from pagemill.runtime import LLM
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.cuda_graphs import DecodeGraphs
+from pagemill.runtime.cuda_graphs import BucketInputs, DecodeGraphs
 from pagemill.runtime.loader import load_model
 from pagemill.runtime.model_runner import ModelRunner
 from pagemill.runtime.sampling_params import SamplingParams
@@ -70,3 +73,33 @@ def test_eager_decode_step_is_prepare_then_forward(tiny_llama, random_prompts) -
         want = b.model.compute_logits(b.model(step.input_ids, step.positions, step.attn))
     assert got.req_ids == ["r0", "r1", "r2"]
     assert torch.equal(got.logits, want)
+
+
+@pytest.mark.skipif(not (interpreting() and triton_available()),
+                    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
+                           "conftest when there is no GPU)")
+def test_bucket_step_matches_the_eager_decode(tiny_llama, random_prompts) -> None:
+    """Three decodes padded to a bucket of 4 with full-width tables (the graph's inputs and
+    its once-made Triton plan) give the eager step's logits on the real rows."""
+    folder, model = tiny_llama
+    prompts = random_prompts([5, 11, 3], model.config.vocab_size, seed=7)
+    prefill, decode = _steps(prompts, [4, 9, 2])
+    runner = _runner(folder)
+    assert runner.kv_cache is not None
+    with torch.inference_mode():
+        runner.execute_model(prefill)
+        step = runner.prepare(decode)
+        assert step is not None and step.batch is not None
+        batch = step.batch
+        inputs = BucketInputs.create(4, runner.max_blocks_per_seq, runner.device,
+                                     tuple(runner.kv_cache.caches[0][0].shape),
+                                     runner.model_config.num_attention_heads, runner.dtype,
+                                     backend="triton")
+        inputs.load(batch.input_ids.numpy(), batch.positions, batch.slots, batch.seq_lens,
+                    batch.block_tables)
+        padded = inputs.step(runner.model.forward, runner.model.compute_logits)
+        eager = runner.model.compute_logits(runner.model(step.input_ids, step.positions, step.attn))
+    assert padded.shape == (4, model.config.vocab_size)
+    torch.testing.assert_close(padded[:3], eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(padded[:3].argmax(-1), eager.argmax(-1))
+    assert torch.isfinite(padded[3]).all()

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagemill.kernels import plan_attention
+from pagemill.kernels import AttentionPlan, plan_attention
+from pagemill.kernels.attention import Backend
 
 from .attention_metadata import AttentionMetadata
 from .decode_padding import DecodeLayout, bucket_for, pad_decode
@@ -52,13 +53,67 @@ Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
-class _BucketGraph:
+class BucketInputs:
+    """A bucket's persistent inputs: the device buffer a graph reads, its pinned host twin,
+    the views the forward takes, and the attention plan made once for them.
+
+    Device-agnostic (the CPU tests run the bucket's step eagerly through it, with the Triton
+    interpreter): only the recording into a CUDA graph needs a GPU.
+    """
+
     layout: DecodeLayout
+    host: torch.Tensor  # [layout.numel] int32, written by pad_decode
+    device_buffer: torch.Tensor  # [layout.numel] int32, what the step reads
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    plan: AttentionPlan  # keeps its split workspace alive
+
+    @classmethod
+    def create(cls, bucket: int, table_width: int, device: torch.device,
+               k_cache_shape: tuple[int, ...], num_heads: int, dtype: torch.dtype,
+               backend: Backend | None = None) -> BucketInputs:
+        """Buffers with every row padded (no KV read or written) and the bucket's plan."""
+        layout = DecodeLayout(bucket, table_width)
+        host = torch.empty(layout.numel, dtype=torch.int32, pin_memory=device.type == "cuda")
+        empty = np.empty(0, dtype=np.int64)
+        pad_decode(empty, empty, empty, empty, np.empty((0, 0), dtype=np.int32), layout,
+                   out=host.numpy())
+        buf = host.to(device)
+        o = layout.offsets()
+        ids, pos, slots, qsl, lens = (buf[o[i]:o[i + 1]] for i in range(5))
+        tables = buf[o[5]:o[6]].view(bucket, table_width)
+        # Host lengths only satisfy the planner's checks; the Triton plan reads shapes only.
+        plan = plan_attention(
+            qsl, lens, tables, k_cache_shape=tuple(k_cache_shape), num_heads=num_heads,
+            dtype=dtype, query_lens=np.ones(bucket, dtype=np.int64),
+            context_lens=np.ones(bucket, dtype=np.int64), backend=backend,
+        )
+        if plan.backend != "triton":
+            raise RuntimeError("decode graphs need the Triton attention backend (its plan "
+                               "depends on shapes only)")
+        return cls(layout, host, buf, ids, pos, slots, plan)
+
+    def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+             seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        """Pad a decode step of n <= bucket rows into the buffers (one host-to-device copy)."""
+        pad_decode(input_ids, positions, slots, seq_lens, block_tables, self.layout,
+                   out=self.host.numpy())
+        # On CUDA the runner synchronises after every step, so the pinned twin is free again.
+        self.device_buffer.copy_(self.host, non_blocking=True)
+
+    def step(self, forward: Forward, compute_logits: Logits) -> torch.Tensor:
+        """The bucket's forward over the buffers: what a graph records, logits [bucket, vocab]."""
+        meta = AttentionMetadata(slot_mapping=self.slots.to(torch.int64), plan=self.plan)
+        return compute_logits(forward(self.input_ids.to(torch.int64),
+                                      self.positions.to(torch.int64), meta))
+
+
+@dataclass(slots=True)
+class _BucketGraph:
+    inputs: BucketInputs
     graph: torch.cuda.CUDAGraph
-    device_buffer: torch.Tensor  # [layout.numel] int32, the graph's inputs
-    host_buffer: torch.Tensor  # pinned twin, written by pad_decode
     logits: torch.Tensor  # [bucket, vocab], the graph's static output
-    plan: object  # the captured AttentionPlan (keeps its split workspace alive)
 
 
 class DecodeGraphs:
@@ -86,46 +141,24 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         k_shape = tuple(kv_caches[0][0].shape)
         for bucket in sorted(self.buckets, reverse=True):
-            self.graphs[bucket] = self._capture_one(bucket, forward, compute_logits, k_shape,
-                                                    num_heads, dtype, pool)
+            inputs = BucketInputs.create(bucket, self.table_width, self.device, k_shape,
+                                         num_heads, dtype)
+            self.graphs[bucket] = self._record(inputs, forward, compute_logits, pool)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def _capture_one(self, bucket: int, forward: Forward, compute_logits: Logits,
-                     k_shape: tuple[int, ...], num_heads: int, dtype: torch.dtype,
-                     pool: object) -> _BucketGraph:
-        layout = DecodeLayout(bucket, self.table_width)
-        host = torch.empty(layout.numel, dtype=torch.int32, pin_memory=True)
-        empty = np.empty(0, dtype=np.int64)
-        pad_decode(empty, empty, empty, empty, np.empty((0, 0), dtype=np.int32), layout,
-                   out=host.numpy())  # every row padded: no KV read or written
-        buf = host.to(self.device)
-        o = layout.offsets()
-        ids, pos, slots, qsl, lens = (buf[o[i]:o[i + 1]] for i in range(5))
-        tables = buf[o[5]:o[6]].view(bucket, self.table_width)
-        # Host lengths only satisfy the planner's checks; the Triton plan reads shapes only.
-        plan = plan_attention(
-            qsl, lens, tables, k_cache_shape=k_shape, num_heads=num_heads, dtype=dtype,
-            query_lens=np.ones(bucket, dtype=np.int64),
-            context_lens=np.ones(bucket, dtype=np.int64),
-        )
-        if plan.backend != "triton":
-            raise RuntimeError("CUDA graphs need the Triton attention backend")
-
-        def step() -> torch.Tensor:
-            meta = AttentionMetadata(slot_mapping=slots.to(torch.int64), plan=plan)
-            return compute_logits(forward(ids.to(torch.int64), pos.to(torch.int64), meta))
-
+    def _record(self, inputs: BucketInputs, forward: Forward, compute_logits: Logits,
+                pool: object) -> _BucketGraph:
         # Warm up on a side stream (Triton compiles and loads its kernels outside capture).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            step()
+            inputs.step(forward, compute_logits)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = step()
-        return _BucketGraph(layout, graph, buf, host, logits, plan)
+            logits = inputs.step(forward, compute_logits)
+        return _BucketGraph(inputs, graph, logits)
 
     def serves(self, num_tokens: int, num_seqs: int, table_width: int) -> bool:
         """A pure-decode step (one token per request) that fits the largest bucket."""
@@ -141,10 +174,7 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"no graph holds {n} rows (largest bucket {self.max_bucket})")
         g = self.graphs[bucket]
-        pad_decode(input_ids, positions, slots, seq_lens, block_tables, g.layout,
-                   out=g.host_buffer.numpy())
-        # The runner synchronises after every step, so the pinned buffer is free again.
-        g.device_buffer.copy_(g.host_buffer, non_blocking=True)
+        g.inputs.load(input_ids, positions, slots, seq_lens, block_tables)
         g.graph.replay()
         self.replays += 1
         return g.logits[:n]
