@@ -352,6 +352,9 @@ def cmd_steps(args: argparse.Namespace) -> int:
     llm = LLM(str(args.model_dir), **kwargs)
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
+    # The decode graphs (None when eager, on CPU or under TP): their replay count tells
+    # whether a "graphs" row really replayed graphs.
+    graphs = engine.engine_core.model_runner.graphs
     vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(1)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -385,6 +388,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
                 count(engine.step())
             warm_s = time.perf_counter() - warm_start
             times = []
+            replays_before = graphs.replays if graphs is not None else 0
             mean_context = args.context + statistics.mean(sampled[r] for r in live)
             for _ in range(args.iters):
                 sync()
@@ -399,13 +403,15 @@ def cmd_steps(args: argparse.Namespace) -> int:
             med = statistics.median(times)
             rows.append({"batch_size": n, "step_ms": med * 1e3, "min_ms": min(times) * 1e3,
                          "tokens_per_s": n / med, "warmup_s": warm_s,
+                         "graph_steps": (graphs.replays - replays_before) if graphs is not None else 0,
                          "mean_context": mean_context + args.iters / 2})
             print(f"{args.mode:6s} batch {n:4d}: {med * 1e3:8.3f} ms/step "
                   f"(min {min(times) * 1e3:.3f}), {n / med:9.1f} tok/s", flush=True)
     finally:
         write_json(args.out, {"mode": args.mode, "enforce_eager": eager, "device": device,
                               "engine_kwargs": kwargs, "load_s": load_s,
-                              "context": args.context, "iters": args.iters, "rows": rows})
+                              "context": args.context, "iters": args.iters, "rows": rows,
+                              "graph_buckets": graphs.buckets if graphs is not None else None})
         engine.abort_request(live)
         del llm, engine
         gc.collect()
@@ -496,12 +502,16 @@ def _step_table(parts: dict[str, Any]) -> list[dict[str, Any]]:
             if plan else math.nan
         row = {"batch_size": n, "eager_ms": eager.get(n, {}).get("step_ms"),
                "graphs_ms": graphs.get(n, {}).get("step_ms"), "mean_context": ctx,
+               # Timed steps that replayed a CUDA graph (None: not recorded).
+               "graph_steps": graphs.get(n, {}).get("graph_steps"),
                "roofline_ms": weights_s * 1e3, "roofline_with_kv_ms": with_kv_s * 1e3}
         for mode in ("eager", "graphs"):
             ms = row[f"{mode}_ms"]
             ok = ms is not None and math.isfinite(with_kv_s)
             row[f"{mode}_over_roofline"] = ms / row["roofline_ms"] if ok else None
             row[f"{mode}_over_roofline_with_kv"] = ms / row["roofline_with_kv_ms"] if ok else None
+        e_ms, g_ms = row["eager_ms"], row["graphs_ms"]
+        row["graphs_speedup"] = e_ms / g_ms if e_ms and g_ms else None
         rows.append(row)
     return rows
 
@@ -537,11 +547,12 @@ def _print_summary(result: dict[str, Any]) -> None:
             return "-" if x is None else f"{x:.{d}f}"
 
         print(f"{'batch':>5} {'eager ms':>9} {'graphs ms':>9} {'roof ms':>8} {'+kv ms':>8} "
-              f"{'graphs/roof':>11} {'graphs/+kv':>10}")
+              f"{'graphs/roof':>11} {'graphs/+kv':>10} {'speedup':>7} {'replays':>7}")
         for r in result["decode_step_table"]:
             print(f"{r['batch_size']:>5} {f(r['eager_ms']):>9} {f(r['graphs_ms']):>9} "
                   f"{f(r['roofline_ms']):>8} {f(r['roofline_with_kv_ms']):>8} "
-                  f"{f(r['graphs_over_roofline'], 2):>11} {f(r['graphs_over_roofline_with_kv'], 2):>10}")
+                  f"{f(r['graphs_over_roofline'], 2):>11} {f(r['graphs_over_roofline_with_kv'], 2):>10} "
+                  f"{f(r.get('graphs_speedup'), 2):>7} {'-' if r.get('graph_steps') is None else r['graph_steps']!s:>7}")
     for name, t in result["targets"].items():
         print(f"target {name}: {t}")
     print(f"results: {json.dumps(result['targets'])}")

@@ -18,7 +18,9 @@
 #   model, plan   a dummy Llama-3.1-8B folder (config + synthetic tokenizer; random weights)
 #                 and `pagemill plan`'s weight-streaming roofline for this GPU (3.35 ms on H200)
 #   steps-eager   decode step time, batch 1..256, EngineConfig.enforce_eager=True
-#   steps-graphs  the same with enforce_eager=False (CUDA graphs)
+#   steps-graphs  the same with enforce_eager=False: CUDA graphs per batch-size bucket (each row
+#                 records how many timed steps replayed a graph); the merged table adds the
+#                 eager/graphs speedup per batch size
 #   serve         a short `pagemill bench serve` against a server it launches on the dummy model
 #
 # Everything lands in RESULTS_DIR (default $RESULTS_DIR, else benchmarks/out/gpu-check-<time>):

@@ -58,6 +58,7 @@ def test_merge_step_table_and_targets(gpu_check, tmp_path: Path) -> None:
     kv_ms = 128 * 200 * kv_per_token / (weight_bytes / stream_s) * 1e3
     assert table[128]["roofline_with_kv_ms"] == pytest.approx(3.35 + kv_ms)
     assert table[128]["eager_ms"] == pytest.approx(9.0)
+    assert table[128]["graphs_speedup"] == pytest.approx(2.0)
     targets = result["targets"]
     worst = max(3.6 / 3.35, 4.5 / 3.35)  # batch 256 is past the target's range
     assert targets["decode_step_graphs_over_roofline_le_1.25_up_to_128"] == {

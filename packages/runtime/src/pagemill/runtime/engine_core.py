@@ -152,6 +152,7 @@ class EngineCore:
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
             self.max_model_len, tp=self.tp, vocab_size=model_config.vocab_size,
         )
+        self.model_runner.use_cuda_graphs = self._cuda_graphs_wanted()
         tp = self.tp
         if tp is not None and self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
@@ -163,6 +164,12 @@ class EngineCore:
             self._collective(lambda: tp.broadcast_object(InitKVCache(num_blocks)))
         self.model_runner.init_kv_cache(self.num_blocks)
         self._maybe_compile()
+        if self.model_runner.use_cuda_graphs:
+            seconds = self.model_runner.capture_cuda_graphs()
+            graphs = self.model_runner.graphs
+            assert graphs is not None
+            logger.info("captured CUDA graphs for decode batches of %s in %.2f s "
+                        "(--enforce-eager skips this)", graphs.buckets, seconds)
         if self._workers is not None:
             self._workers.start_watching()
 
@@ -178,12 +185,24 @@ class EngineCore:
         if self._workers is not None:
             self._finalizer()
 
+    def _eager_forced(self) -> bool:
+        return self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1"
+
+    def _cuda_graphs_wanted(self) -> bool:
+        """Decode steps replay CUDA graphs on a single CUDA device unless eager is forced."""
+        if self.device.type != "cuda" or self._eager_forced():
+            return False
+        if self.tp is not None:
+            logger.info("tensor parallel: no CUDA graphs (single-rank for now)")
+            return False
+        return True
+
     def _maybe_compile(self) -> None:
         if self.tp is not None:
             logger.info("tensor parallel: running the model eagerly (the compiled step is "
                         "single-rank for now)")
             return
-        if self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1":
+        if self._eager_forced():
             logger.info("running the model eagerly (enforce_eager)")
             return
         reason = compile_unavailable_reason(self.device)

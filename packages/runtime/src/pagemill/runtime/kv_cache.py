@@ -79,6 +79,10 @@ def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: Ca
                  max_num_seqs: int, max_model_len: int) -> int:
     """Blocks for the pool: profiled on CUDA, a byte budget on CPU; too small fails here.
 
+    On CUDA with decode graphs on (`runner.use_cuda_graphs`), the graphs' memory is
+    measured before the pool is sized and subtracted from its budget; with an explicit
+    `kv_cache_memory_bytes` the graphs simply come on top of it.
+
     A pool that cannot hold one max_model_len request would leave such a request waiting
     forever, so it is refused at start-up with the numbers that would fix it.
     """
@@ -86,9 +90,13 @@ def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: Ca
     per_token = bytes_per_token(config, dtype)
     if runner.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
         peak = runner.profile_peak_memory()
-        num_blocks = cuda_num_blocks(config, dtype, block_size, runner.device, peak,
+        # CUDA graphs hold their own pool (and buffers) for the engine's life, beside the
+        # eager activation peak: measured by a trial capture, taken out of the budget.
+        graph_bytes = runner.measure_cuda_graph_memory() if runner.use_cuda_graphs else 0
+        num_blocks = cuda_num_blocks(config, dtype, block_size, runner.device, peak + graph_bytes,
                                      cache.gpu_memory_utilization)
-        logger.info("profiled activation peak: %.1f MiB", peak / 2**20)
+        logger.info("profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
+                    peak / 2**20, graph_bytes / 2**20)
     else:
         num_blocks = cpu_num_blocks(config, dtype, block_size, cache.kv_cache_memory_bytes,
                                     max_num_seqs, max_model_len)

@@ -23,6 +23,8 @@ from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 from .attention_metadata import AttentionMetadata
 from .compilation import compile_forward
+from .cuda_graphs import DecodeGraphs, measure_graph_memory
+from .decode_padding import graph_buckets
 from .distributed.parallel_state import TensorParallelGroup
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import KVCache
@@ -119,6 +121,10 @@ class ModelRunner:
         self.last_forward_s = 0.0
         self._forward: Callable[..., torch.Tensor] = model.forward
         self.compiled = False
+        # CUDA graphs of pure-decode steps (see `cuda_graphs`); None runs every step eagerly.
+        self.graphs: DecodeGraphs | None = None
+        # Set by the engine before the pool is sized: capture graphs once the pool exists.
+        self.use_cuda_graphs = False
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -149,6 +155,37 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
         self.model.bind_kv_caches(self.kv_cache.caches)
         return self.kv_cache
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+
+    def _build_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeGraphs:
+        graphs = DecodeGraphs(graph_buckets(self.max_num_seqs), self.max_blocks_per_seq,
+                              self.device)
+        graphs.capture(self._forward, self.model.compute_logits, kv_caches,
+                       self.model_config.num_attention_heads, self.dtype)
+        return graphs
+
+    def measure_cuda_graph_memory(self) -> int:
+        """Device bytes the decode graphs will hold, for the KV pool's budget (CUDA only).
+
+        A trial capture against a one-block scratch cache (capture only records kernels;
+        every row is padded, so nothing reads or writes the cache), measured and released.
+        """
+        caches = KVCache(self.model_config, 1, self.block_size, self.dtype, self.device).caches
+        self.model.bind_kv_caches(caches)
+        try:
+            return measure_graph_memory(lambda: self._build_graphs(caches), self.device)
+        finally:
+            self.model.unbind_kv_caches()
+
+    def capture_cuda_graphs(self) -> float:
+        """Capture the decode graphs over the bound KV cache; returns seconds."""
+        assert self.kv_cache is not None, "init_kv_cache first"
+        if self.tp is not None:
+            raise ValueError("CUDA graphs are single-rank for now")
+        start = time.perf_counter()
+        self.graphs = self._build_graphs(self.kv_cache.caches)
+        return time.perf_counter() - start
 
     def dummy_batch(self, num_tokens: int | None = None,
                     max_seqs: int | None = None) -> tuple[SchedulerOutput, int]:
@@ -234,6 +271,15 @@ class ModelRunner:
                 batch.append_blocks(row, s.block_ids[len(s.block_ids) - s.num_new_blocks :])
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | None:
+        prepared = self._prepare_batch(out)
+        if prepared is None:
+            return None
+        return self._step_inputs(*prepared)
+
+    def _prepare_batch(
+        self, out: SchedulerOutput
+    ) -> tuple[StepBatch, list[str], SamplingMetadata | None] | None:
+        """The step's host-side layout, the requests that sample and their metadata."""
         self._update_states(out)
         scheduled = out.scheduled
         n = len(scheduled)
@@ -300,7 +346,7 @@ class ModelRunner:
         batch = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
                           block_tables, q_lens, sample_indices, len(sample_pos))
         req_ids = [scheduled[i].request_id for i in sample_pos]
-        return self._step_inputs(batch, req_ids, metadata)
+        return batch, req_ids, metadata
 
     def _step_inputs(self, batch: StepBatch, req_ids: list[str],
                      metadata: SamplingMetadata | None) -> StepInputs:
@@ -356,12 +402,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step's tokens; logits only at the last token of each sampling request."""
-        step = self.prepare(out)
+        prepared = self._prepare_batch(out)
         vocab = self.vocab_size
-        if step is None:
+        if prepared is None:
             self.last_forward_s = 0.0
             return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
                                      None)
+        graphs = self.graphs
+        if graphs is not None:
+            batch = prepared[0]
+            if graphs.serves(batch.input_ids.numel(), len(batch.seq_lens),
+                             batch.block_tables.shape[1]):
+                return self._replay(graphs, *prepared)
+        step = self._step_inputs(*prepared)
         if self.tp is not None:
             return self._execute_parallel(step)
         start = time.perf_counter()
@@ -375,6 +428,18 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
         return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+
+    def _replay(self, graphs: DecodeGraphs, batch: StepBatch, req_ids: list[str],
+                metadata: SamplingMetadata | None) -> ModelRunnerOutput:
+        """A pure-decode step through its bucket's CUDA graph (the eager step's logits)."""
+        start = time.perf_counter()
+        logits = graphs.replay(batch.input_ids.numpy(), batch.positions, batch.slots,
+                               batch.seq_lens, batch.block_tables)
+        if batch.sample_indices is not None:  # one-token prefill chunks that do not sample
+            logits = logits.index_select(0, batch.sample_indices.to(self.device))
+        torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(req_ids, logits, metadata)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 
