@@ -203,3 +203,18 @@ def test_shutdown_ends_streams_and_refuses_later_requests(model_dir: Path) -> No
 def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="could not start"):
         AsyncEngine.launch(model=str(tmp_path / "missing"), device="cpu", start_timeout=300)
+
+
+def test_tools_reach_the_prompt_through_the_engine_process(model_dir: Path,
+                                                           proc_client: AsyncEngine) -> None:
+    """The engine-process front end renders tools as the in-process engine does (a template
+    without tools gets them in the Hermes format, in the system turn)."""
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "hello"}]
+    ids = proc_client.engine.apply_chat_template(messages, tools=tools)
+    reference = LLMEngine(**engine_kwargs(model_dir))
+    assert ids == reference.apply_chat_template(messages, tools=tools)
+    assert ids != reference.apply_chat_template(messages)
+    assert "get_weather" in reference.tokenizer.decode(ids)

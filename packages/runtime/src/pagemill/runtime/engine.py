@@ -112,11 +112,11 @@ class LLMEngine:
         return self.input_processor.encode(prompt)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool = True, *,
                             chat_template: str | None = None,
                             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt,
-                                                        chat_template, tools)
+        return self.input_processor.apply_chat_template(
+            messages, add_generation_prompt, chat_template=chat_template, tools=tools)
 
     def add_request(
         self,

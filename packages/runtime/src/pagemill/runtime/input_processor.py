@@ -52,7 +52,7 @@ class InputProcessor:
         return list(self.tokenizer.encode(prompt))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool = True, *,
                             chat_template: str | None = None,
                             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through `chat_template` (a Jinja template), else the

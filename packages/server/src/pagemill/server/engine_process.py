@@ -356,9 +356,10 @@ class EngineInfo:
         return self.input_processor.encode(prompt)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True,
+                            add_generation_prompt: bool = True, *,
                             tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        return self.input_processor.apply_chat_template(messages, add_generation_prompt, tools)
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt,
+                                                        tools=tools)
 
 
 @dataclass
