@@ -7,7 +7,7 @@ from typing import Any
 
 from pagemill.runtime.tool_calling.prompt import render_chat
 
-from .errors import APIError
+from .errors import APIError, internal_error
 from .protocol_structured import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -24,9 +24,12 @@ class TokenizeServing(ServingBase):
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
             try:
                 text = render_chat(tok, req.messages, req.add_generation_prompt, tools)
-            except Exception as exc:
-                raise APIError(400, f"the chat template could not render these messages: "
-                                    f"{exc}", param="messages") from exc
+            except Exception as exc:  # as in chat: the template's own words, else generic
+                if type(exc).__module__.startswith("jinja2"):
+                    raise APIError(400, f"the chat template refused these messages: "
+                                        f"{str(exc)[:300]}", param="messages") from exc
+                raise internal_error(400, "the chat template could not render these messages",
+                                     exc) from exc
             # The template writes its own special tokens (vLLM's default for messages).
             special = bool(req.add_special_tokens)
         else:
