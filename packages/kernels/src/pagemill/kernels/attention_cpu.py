@@ -312,6 +312,23 @@ def _gather_rows(
     return got.view(shape)
 
 
+def _gather_chunk_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: DecodeChunk, n: int,
+                     kbuf: torch.Tensor, vbuf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode chunk's K and V as [n, kv_heads, width, head_dim]: a small chunk gathers
+    whole blocks (a transposed view), a large one head-major rows (contiguous: what the
+    GEMM path multiplies)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if chunk.small:
+        shape = (n, chunk.width, num_kv_heads, head_dim)
+        row = block_size * num_kv_heads * head_dim
+        k = _gather_rows(k_cache.view(-1, row), chunk.gather, kbuf, shape)
+        v = _gather_rows(v_cache.view(-1, row), chunk.gather, vbuf, shape)
+        return k.transpose(1, 2), v.transpose(1, 2)
+    shape = (n, num_kv_heads, chunk.width, head_dim)
+    return (_gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape),
+            _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape))
+
+
 def _decode_small(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -328,13 +345,8 @@ def _decode_small(
     K/V are never repeated, and a single request is cut exactly instead of masked.
     """
     n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    shape = (n, chunk.width, num_kv_heads, head_dim)
-    k = _gather_rows(k_cache.view(-1, block_size * num_kv_heads * head_dim), chunk.gather, kbuf,
-                     shape)
-    v = _gather_rows(v_cache.view(-1, block_size * num_kv_heads * head_dim), chunk.gather, vbuf,
-                     shape)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    num_kv_heads = k_cache.shape[2]
+    k, v = _gather_chunk_kv(k_cache, v_cache, chunk, n, kbuf, vbuf)
     if chunk.mask is None:
         k, v = k[:, :, : chunk.max_len], v[:, :, : chunk.max_len]
     o = F.scaled_dot_product_attention(
@@ -362,9 +374,7 @@ def _decode_gemm(
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    shape = (n, num_kv_heads, chunk.width, head_dim)
-    k = _gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape)
-    v = _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape)
+    k, v = _gather_chunk_kv(k_cache, v_cache, chunk, n, kbuf, vbuf)
     s = torch.matmul(q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
                      k.transpose(-1, -2))
     s = s.float().mul_(scale)
@@ -404,16 +414,8 @@ def _decode_masked(
     """A decode chunk of a windowed or soft-capped layer: the chunk's gather, then explicit
     scores masked below each request's window as well as past its context."""
     n, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if chunk.small:
-        shape = (n, chunk.width, num_kv_heads, head_dim)
-        row = block_size * num_kv_heads * head_dim
-        k = _gather_rows(k_cache.view(-1, row), chunk.gather, kbuf, shape).transpose(1, 2)
-        v = _gather_rows(v_cache.view(-1, row), chunk.gather, vbuf, shape).transpose(1, 2)
-    else:
-        shape = (n, num_kv_heads, chunk.width, head_dim)
-        k = _gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape)
-        v = _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape)
+    num_kv_heads = k_cache.shape[2]
+    k, v = _gather_chunk_kv(k_cache, v_cache, chunk, n, kbuf, vbuf)
     pos = torch.arange(chunk.width, device=q.device)
     lens = chunk.lens[:, None]
     keep = pos < lens
