@@ -17,6 +17,7 @@ from typing import Any
 from pagemill.blockpool import KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, Scheduler
 from pagemill.scheduler.config import SchedulerConfig
+from pagemill.server.dashboard.series import TokenClock
 
 BLOCK_SIZE = 16
 
@@ -34,8 +35,7 @@ class ScriptedEngine:
         self.paused = True
         self.step_delay = step_delay
         self.iteration_stats: Any = None
-        self._first_token: dict[str, float] = {}
-        self._last_token: dict[str, float] = {}
+        self._tokens = TokenClock()
 
     # ---- what AsyncEngine drives
     def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> None:
@@ -57,22 +57,7 @@ class ScriptedEngine:
         now = time.monotonic()
         sampled = {s.request_id: 7 for s in out.scheduled if s.sample}
         updates = self.scheduler.update_from_output(out, sampled)
-        prompt = gen = 0
-        ttft: list[float] = []
-        itl: list[float] = []
-        for u in updates:
-            if not u.new_token_ids:
-                continue
-            gen += len(u.new_token_ids)
-            rid = u.request_id
-            if rid not in self._first_token:
-                req = self.scheduler.get_request(rid)
-                self._first_token[rid] = now
-                ttft.append(now - (req.arrival_time if req is not None else now))
-                prompt += req.num_prompt_tokens if req is not None else 0
-            else:
-                itl.append(now - self._last_token[rid])
-            self._last_token[rid] = now
+        prompt, gen, ttft, itl = self._tokens.observe(now, updates, self.scheduler)
         self.iteration_stats = SimpleNamespace(
             num_prompt_tokens=prompt, num_generation_tokens=gen, time_to_first_tokens=ttft,
             inter_token_latencies=itl, finished_requests=[])

@@ -25,7 +25,7 @@ from typing import Any
 
 from .assets import read_static
 from .events import events_between
-from .series import SeriesRecorder
+from .series import SeriesRecorder, TokenClock
 from .snapshot import snapshot_scheduler
 
 DEFAULT_MAX_FRAMES = 120
@@ -44,32 +44,12 @@ class ReplayRecorder:
         self.frames: list[dict[str, Any]] = []
         self._next_frame = 0.0
         self._steps: list[tuple[Any, ...]] = []
-        self._first: dict[str, float] = {}
-        self._last: dict[str, float] = {}
+        self._tokens = TokenClock()
         self._clock = 0.0
 
     def __call__(self, clock: float, scheduler: Any, updates: list[Any], dt: float) -> None:
         """After one simulated step ending at `clock` (virtual seconds) that took `dt`."""
-        gen = prompt = 0
-        ttft: list[float] = []
-        itl: list[float] = []
-        for u in updates:
-            if not u.new_token_ids:
-                continue
-            gen += len(u.new_token_ids)
-            rid = u.request_id
-            if rid not in self._first:
-                req = scheduler.get_request(rid)
-                self._first[rid] = clock
-                if req is not None:
-                    ttft.append(clock - req.arrival_time)
-                    prompt += req.num_prompt_tokens
-            else:
-                itl.append(clock - self._last[rid])
-            self._last[rid] = clock
-            if u.finished:
-                self._first.pop(rid, None)
-                self._last.pop(rid, None)
+        prompt, gen, ttft, itl = self._tokens.observe(clock, updates, scheduler)
         stats = scheduler.get_stats()
         self._steps.append((clock, dt, stats.num_running, stats.num_waiting,
                             stats.kv_cache_usage, gen, prompt, ttft, itl))

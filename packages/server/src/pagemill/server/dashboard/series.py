@@ -18,6 +18,42 @@ DEFAULT_BUCKET_S = 0.5
 DEFAULT_HISTORY = 600  # points: 5 minutes of half-second buckets
 
 
+class TokenClock:
+    """Per-step token figures from a scheduler's updates, for engines that do not report
+    `IterationStats` themselves (the simulator's replay, scripted engines): each request's
+    first and last token times, kept until it finishes."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+
+    def observe(self, clock: float, updates: list[Any], scheduler: Any
+                ) -> tuple[int, int, list[float], list[float]]:
+        """(prompt tokens of first tokens, generated tokens, TTFTs, inter-token latencies)
+        of one step ending at `clock`."""
+        gen = prompt = 0
+        ttft: list[float] = []
+        itl: list[float] = []
+        for u in updates:
+            if not u.new_token_ids:
+                continue
+            gen += len(u.new_token_ids)
+            rid = u.request_id
+            if rid not in self._first:
+                req = scheduler.get_request(rid)
+                self._first[rid] = clock
+                if req is not None:
+                    ttft.append(clock - req.arrival_time)
+                    prompt += req.num_prompt_tokens
+            else:
+                itl.append(clock - self._last[rid])
+            self._last[rid] = clock
+            if u.finished:
+                self._first.pop(rid, None)
+                self._last.pop(rid, None)
+        return prompt, gen, ttft, itl
+
+
 class SeriesRecorder:
     """`add_step(...)` per engine step; closed buckets come out as chart points.
 
