@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,11 @@ CORPUS = ["the quick brown fox jumps over the lazy dog",
 BLOCK_SIZE = 16
 
 
-def build_tiny_llama(folder: Path, max_len: int = 1024) -> None:
-    """A 2-layer random Llama with a trained BPE tokenizer and two special tokens."""
+def build_tiny_llama(folder: Path, max_len: int = 1024, *, corpus: Sequence[str] = CORPUS,
+                     vocab_size: int = 300, extra_special: Sequence[str] = ("<|im_start|>",),
+                     chat_template: str = CHAT_TEMPLATE) -> None:
+    """A 2-layer random Llama with a trained BPE tokenizer (`<eos>` and `extra_special` as
+    special tokens), saved like a real checkpoint."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -29,12 +32,12 @@ def build_tiny_llama(folder: Path, max_len: int = 1024) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>", "<|im_start|>"], show_progress=False,
+    tok.train_from_iterator(list(corpus), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<eos>", *extra_special], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
-                                                additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHAT_TEMPLATE
+                                                additional_special_tokens=list(extra_special))
+    fast.chat_template = chat_template
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

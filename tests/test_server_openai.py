@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import server_helpers
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagemill.runtime import LLMEngine, SamplingParams
@@ -43,26 +44,8 @@ CORPUS = [
 
 def build_tiny_llama(folder: Path) -> None:
     """A 2-layer random Llama plus a trained BPE tokenizer, saved like a real checkpoint."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<eos>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(folder))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-        initializer_range=0.2, eos_token_id=fast.eos_token_id, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder))
+    server_helpers.build_tiny_llama(folder, MAX_MODEL_LEN, corpus=CORPUS, vocab_size=320,
+                                    extra_special=(), chat_template=CHAT_TEMPLATE)
 
 
 def kv_bytes(num_blocks: int) -> int:
