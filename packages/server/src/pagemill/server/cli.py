@@ -17,7 +17,7 @@ from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
 from pagemill.scheduler.config import SchedulerConfig
 
-from .config_args import add_field_arg, parse_size
+from .config_args import add_field_arg, parse_size, positive_int
 
 __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main",
            "parse_size", "resolve_api_key"]
@@ -31,16 +31,6 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
 _ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),
                                         "tensor_parallel_size": ("-tp",)}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -61,7 +51,7 @@ def _positive_float(text: str) -> float:
 
 
 def _port(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text!r}")
     return value
@@ -217,7 +207,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send, all listed by /v1/models; "
                         "responses report the first (default: the model argument)")
-    s.add_argument("--max-queue-len", type=_positive_int, default=None,
+    s.add_argument("--max-queue-len", type=positive_int, default=None,
                    help="most requests held at once (running + waiting); beyond it the server "
                         "answers 429 with Retry-After (default: unlimited)")
     s.add_argument("--max-body-size", type=parse_size, default="4MiB", metavar="SIZE",
@@ -228,7 +218,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="run the engine core in its own process, so the HTTP side never shares "
                         "the interpreter lock with a step (default); --no-engine-process runs "
                         "it on a thread of the server process")
-    s.add_argument("--engine-threads", type=_positive_int, default=None, metavar="N",
+    s.add_argument("--engine-threads", type=positive_int, default=None, metavar="N",
                    help="torch intra-op threads for the engine (default on CPU: one per core "
                         "in the engine process, its idle OpenMP spin bounded by GOMP_SPINCOUNT; "
                         "one per core but one with --no-engine-process; on a GPU, or with "
@@ -247,7 +237,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="close a connection whose request headers take longer (default 10)")
     r.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="S",
                    help="close a connection whose request body takes longer (default 30)")
-    r.add_argument("--max-connections", type=_positive_int, default=2048, metavar="N",
+    r.add_argument("--max-connections", type=positive_int, default=2048, metavar="N",
                    help="open connections beyond this are closed at once (default 2048)")
     r.add_argument("--allow-special-tokens-in-chat", action="store_true",
                    help="let special-token strings in chat message content act as control "
@@ -318,7 +308,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", help="the prompt (or the user message)")
     add_engine_args(p, positional_model=False)
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=_positive_int, default=128, help="default 128")
+    g.add_argument("--max-tokens", type=positive_int, default=128, help="default 128")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.scheduler.config import SchedulerConfig
-from pagemill.server.config_args import add_config_args, config_kwargs
+from pagemill.server.config_args import add_config_args, config_kwargs, positive_int
 from pagemill.server.sim.experiments import (
     DEFAULT_BUDGETS,
     EXPERIMENTS,
@@ -40,16 +40,6 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _rate(text: str) -> float:
@@ -95,7 +85,7 @@ def _add_hardware_args(
     add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
     add_config_args(p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags,
                     defaults=defaults)
-    p.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
                    help="split the model over N GPUs (the engine's --tensor-parallel-size): "
                         "per-GPU weights and KV heads, plus two all-reduces per layer costed "
                         "from the GPU's link bandwidth and latency (default 1)")
