@@ -136,6 +136,34 @@ def _random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def _all_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits at every position of each prompt, all prompts in one flattened prefill through
+    a `ModelRunner` (fresh blocks from 0; the previous call's requests are finished)."""
+    from pagemill.runtime import SamplingParams
+    from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
+
+    sched, next_block = [], 0
+    for i, p in enumerate(prompts):
+        nb = -(-len(p) // 16)
+        record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
+        blocks = list(range(next_block, next_block + nb))
+        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, nb, True, True,
+                                      record))
+        next_block += nb
+    out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))
+    batch = runner.prepare(out)
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, batch.attn)
+        logits = runner.model.compute_logits(hidden)
+    bounds = batch.attn.plan.query_start_loc.tolist()
+    return [logits[bounds[i] : bounds[i + 1]] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
+def all_logits() -> Callable[[Any, list[list[int]]], list[torch.Tensor]]:
+    return _all_logits
+
+
 @pytest.fixture(scope="session")
 def hf_greedy() -> Callable[[torch.nn.Module, list[int], int], list[int]]:
     return _hf_greedy

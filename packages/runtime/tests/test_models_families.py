@@ -73,7 +73,7 @@ def test_config_reads_the_family(family) -> None:
     assert 0 in windows or name in ("phi3", "mistral")
 
 
-def test_prefill_logits_match_transformers(family, random_prompts) -> None:
+def test_prefill_logits_match_transformers(family, random_prompts, all_logits) -> None:
     """Logits at every position of prompts up to 9x the window, in one flattened batch."""
     _, folder, model = family
     config = ModelConfig.from_pretrained(folder)
@@ -81,7 +81,7 @@ def test_prefill_logits_match_transformers(family, random_prompts) -> None:
                          config, torch.device("cpu"), torch.float32, 16, 8, 512, 512)
     runner.init_kv_cache(64)
     prompts = random_prompts([1, 9, 16, 40, 100], model.config.vocab_size, seed=11)
-    got = _all_logits(runner, prompts)
+    got = all_logits(runner, prompts)
     for prompt, logits in zip(prompts, got):
         with torch.no_grad():
             ref = model(torch.tensor([prompt])).logits[0]
@@ -166,23 +166,3 @@ def test_unsupported_architecture_names_the_supported(tmp_path) -> None:
         ModelConfig.from_dict(raw)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
-
-
-def _all_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
-    from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
-
-    sched, next_block = [], 0
-    for i, p in enumerate(prompts):
-        nb = -(-len(p) // 16)
-        record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
-        blocks = list(range(next_block, next_block + nb))
-        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, nb, True, True,
-                                      record))
-        next_block += nb
-    out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))
-    batch = runner.prepare(out)
-    with torch.inference_mode():
-        logits = runner.model.compute_logits(runner.model(batch.input_ids, batch.positions,
-                                                          batch.attn))
-    bounds = batch.attn.plan.query_start_loc.tolist()
-    return [logits[bounds[i] : bounds[i + 1]] for i in range(len(prompts))]

@@ -12,8 +12,6 @@ import torch
 from pagemill.runtime.config import ModelConfig
 from pagemill.runtime.loader import load_model
 from pagemill.runtime.model_runner import ModelRunner
-from pagemill.runtime.sampling_params import SamplingParams
-from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -40,38 +38,20 @@ def _runner_for(folder, dtype=torch.float32) -> ModelRunner:
     return runner
 
 
-def _all_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits at every position of each prompt, all prompts in one flattened forward."""
-    sched, next_block = [], 0
-    for i, p in enumerate(prompts):
-        nb = -(-len(p) // 16)
-        record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
-        blocks = list(range(next_block, next_block + nb))
-        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, nb, True, True, record))
-        next_block += nb
-    # The previous call's requests are finished: their rows go before these arrive.
-    out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))
-    batch = runner.prepare(out)
-    with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, batch.attn)
-        logits = runner.model.compute_logits(hidden)
-    bounds = batch.attn.plan.query_start_loc.tolist()
-    return [logits[bounds[i] : bounds[i + 1]] for i in range(len(prompts))]
-
-
 def _hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_logits_match_transformers(case, tmp_path, build_tiny_model, random_prompts) -> None:
+def test_prefill_logits_match_transformers(case, tmp_path, build_tiny_model, random_prompts,
+                                           all_logits) -> None:
     arch, overrides = CASES[case]
     model = build_tiny_model(tmp_path, arch, **overrides)
     runner = _runner_for(tmp_path)
     # Long enough to pass original_max_position_embeddings, so llama3 scaling matters.
     prompts = random_prompts([1, 15, 16, 40, 100], model.config.vocab_size, seed=11)
-    for prompt, got in zip(prompts, _all_logits(runner, prompts)):
+    for prompt, got in zip(prompts, all_logits(runner, prompts)):
         torch.testing.assert_close(got, _hf_logits(model, prompt), rtol=1e-4, atol=1e-4)
 
 
@@ -95,12 +75,12 @@ def test_tied_embeddings_share_one_tensor(tmp_path, build_tiny_model) -> None:
     assert runner.model.lm_head_weight.data_ptr() == runner.model.embed_tokens.data_ptr()
 
 
-def test_bf16_forward_stays_close(tmp_path, build_tiny_model, random_prompts) -> None:
+def test_bf16_forward_stays_close(tmp_path, build_tiny_model, random_prompts, all_logits) -> None:
     model = build_tiny_model(tmp_path, "llama")
     runner = _runner_for(tmp_path, torch.bfloat16)
     assert runner.kv_cache is not None and runner.kv_cache.caches[0][0].dtype == torch.bfloat16
     prompt = random_prompts([30], model.config.vocab_size, seed=12)[0]
-    [got] = _all_logits(runner, [prompt])
+    [got] = all_logits(runner, [prompt])
     assert got.dtype == torch.bfloat16
     # Same weights run by transformers in bf16: only rounding-order differences remain.
     ref = _hf_logits(model.to(torch.bfloat16), prompt)
@@ -123,15 +103,15 @@ def test_profiling_batch_runs_at_the_limits(tiny_llama) -> None:
     assert out.logits.shape == (8, config.vocab_size) and torch.isfinite(out.logits).all()
 
 
-def test_packed_int32_inputs_give_the_same_logits(tiny_qwen2, random_prompts) -> None:
+def test_packed_int32_inputs_give_the_same_logits(tiny_qwen2, random_prompts, all_logits) -> None:
     """The single-copy int32 packing used on CUDA is exercised here on CPU."""
     folder, model = tiny_qwen2
     runner = _runner_for(folder)
     prompts = random_prompts([3, 20, 37], model.config.vocab_size, seed=13)
-    plain = _all_logits(runner, prompts)
+    plain = all_logits(runner, prompts)
     runner.pack_inputs = True
     for _ in range(2):  # the second round reuses the staging buffer
-        packed = _all_logits(runner, prompts)
+        packed = all_logits(runner, prompts)
         for a, b in zip(plain, packed):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert runner._staging is not None and runner._staging.dtype == torch.int32
