@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .sampling_params import RequestOutputKind, SamplingParams
     from .structured_output import StructuredOutputsParams
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "DEFAULT_MODEL": ".config",
