@@ -174,7 +174,10 @@ def check_feed(url: str, client: Any, hub: DashboardHub) -> None:
 def test_the_page_stops_the_pictures_when_it_goes(served: Any) -> None:
     url, _, hub = served
     with httpx.stream("GET", url + "/dashboard/events", headers=BEARER, timeout=10) as r:
-        for line in r.iter_lines():
+        # Held in a name: a dropped iter_lines() generator is finalized at once, and closing
+        # it closes the response, so the page would be gone before the count is read.
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("event: snapshot"):
                 break
         deadline = time.monotonic() + 20  # an earlier test's page may still be leaving
