@@ -16,8 +16,8 @@ import pytest
 from pydantic import ValidationError
 
 from pagemill.runtime import CompletionOutput, EngineStats, RequestOutput, SamplingParams
-from pagemill.runtime.detokenizer import IncrementalDetokenizer
-from pagemill.runtime.output_processor import FinishedRequestStats, IterationStats
+from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
+from pagemill.runtime.engine.output_processor import FinishedRequestStats, IterationStats
 from pagemill.server import AsyncEngine, EngineDeadError, QueueFullError
 from pagemill.server.cli import build_parser, parse_size
 from pagemill.server.errors import error_body

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from pagemill.runtime.detokenizer import IncrementalDetokenizer
+from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
 from pagemill.runtime.sampling_params import SamplingParams
 
 EOS = 0

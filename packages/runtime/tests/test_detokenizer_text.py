@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagemill.runtime.detokenizer import IncrementalDetokenizer
+from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
 from pagemill.runtime.sampling_params import SamplingParams
 
 TEXTS = [

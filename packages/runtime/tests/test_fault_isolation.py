@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pagemill.runtime import LLMEngine, SamplingParams
-from pagemill.runtime.fault_isolation import MAX_CONSECUTIVE_CULPRITS, EngineFaultError
+from pagemill.runtime.engine.fault_isolation import MAX_CONSECUTIVE_CULPRITS, EngineFaultError
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 MARK = 7

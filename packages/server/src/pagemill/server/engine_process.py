@@ -326,7 +326,7 @@ class EngineInfo:
     def __init__(self, config: Any, info: dict[str, Any]) -> None:
         from pagemill.runtime.chat_template import apply_chat_template_override
         from pagemill.runtime.generation_defaults import load_generation_defaults
-        from pagemill.runtime.input_processor import InputProcessor
+        from pagemill.runtime.engine.input_processor import InputProcessor
         from pagemill.runtime.loader import load_tokenizer
         from pagemill.runtime.model_config import ModelConfig
         from pagemill.runtime.model_source import resolve_tokenizer

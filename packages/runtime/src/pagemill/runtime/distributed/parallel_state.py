@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..fault_isolation import EngineFaultError
+from ..engine.fault_isolation import EngineFaultError
 
 logger = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
 """The engine as callers drive it: requests in, outputs out, one `step()` at a time.
 
-`LLMEngine` joins three parts: the `InputProcessor` (tokenize, validate, fan out `n`), the
-`EngineCore` (schedule -> execute -> sample -> update, token ids only) and the
-`OutputProcessor` (text, stop strings, `n > 1`, logprobs, metrics). It is driven from a
-single thread: the offline `LLM` calls `step()` until done, the server calls
-`add_request` / `abort_request` / `step` from its engine thread only.
+`LLMEngine` is the front end over one engine core: the `InputProcessor` (tokenize,
+validate, fan out `n`) on the way in, the `OutputProcessor` (text, stop strings, `n > 1`,
+logprobs, metrics) on the way out, and between them an `EngineCoreClient` (the core in
+this thread by default; see core_client.py). It is driven from a single thread: the
+offline `LLM` calls `step()` until done. The server's `AsyncEngine` is the asynchronous
+front end over the same pieces.
 """
 
 from __future__ import annotations
@@ -15,18 +16,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chat_template import apply_chat_template_override
-from .config import EngineConfig
-from .engine_core import EngineCore
-from .generation_defaults import load_generation_defaults
+from ..config import EngineConfig
+from ..model_config import ModelConfig
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .core import EngineCore
+from .core_client import EngineCoreClient, InprocClient
 from .input_processor import InputProcessor
-from .loader import check_model_folder, load_tokenizer, resolve_model_path
-from .model_config import ModelConfig
-from .model_source import resolve_tokenizer
+from .model_assets import ModelAssets
 from .output_processor import IterationStats, OutputProcessor
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .structured_output import StructuredOutputManager
+from .protocol import EngineCoreReady, FinishReason, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +46,26 @@ class EngineStats:
     num_blocks: int
     block_size: int
 
+    @classmethod
+    def combine(cls, core: SchedulerStats, out: OutputProcessor) -> EngineStats:
+        """The core's gauges with the front end's token counters."""
+        return cls(core.num_running, core.num_waiting, core.kv_cache_usage,
+                   core.prefix_cache_queries, core.prefix_cache_hits, core.num_preemptions,
+                   out.prompt_tokens_total, out.generation_tokens_total,
+                   out.num_requests_finished, core.num_blocks, core.block_size)
+
+
+def make_processors(assets: ModelAssets, info: EngineCoreReady
+                    ) -> tuple[InputProcessor, OutputProcessor]:
+    """The front end's two halves, for a core that reported `info`."""
+    inputs = InputProcessor(assets.tokenizer, assets.model_config.vocab_size, info.max_model_len,
+                            assets.model_config.eos_token_ids,
+                            default_max_tokens=assets.generation_defaults.get("max_tokens"))
+    return inputs, OutputProcessor(assets.tokenizer)
+
 
 class LLMEngine:
-    """Continuous-batching engine over one model on one device."""
+    """Continuous-batching engine over one model on one device (or a tensor-parallel group)."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if config is None:
@@ -57,25 +73,12 @@ class LLMEngine:
         elif kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = config
-        path = resolve_model_path(config.model, config.revision)
-        check_model_folder(path, config.load_format)
-        self.model_path = path
-        self.model_config = ModelConfig.from_pretrained(path)
-        self.tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer
-                                        else str(path))
-        apply_chat_template_override(self.tokenizer, config.chat_template)
-        # SamplingParams field -> the model's default, for fields a request leaves unset.
-        self.generation_defaults = load_generation_defaults(config.generation_config, path)
-        eos_ids = InputProcessor.eos_ids(self.tokenizer, self.model_config.eos_token_ids)
-        grammars = None
-        if self.tokenizer is not None:
-            grammars = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                               eos_ids, config.scheduler.max_num_seqs)
-        self.engine_core = EngineCore(config, path, self.model_config, grammars)
-        self.max_model_len = self.engine_core.max_model_len
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,
-                                              self.max_model_len, self.model_config.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.assets = ModelAssets.load(config)
+        core = EngineCore(config, self.assets.path, self.assets.model_config,
+                          self.assets.structured_output_manager(config.scheduler.max_num_seqs))
+        self.engine_core_client: EngineCoreClient = InprocClient(core)
+        self.input_processor, self.output_processor = make_processors(
+            self.assets, self.engine_core_client.info)
         # The last step's increments (tokens, latencies, finished requests), for metrics.
         self.iteration_stats = IterationStats()
 
@@ -84,12 +87,39 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
     @property
-    def scheduler(self) -> Any:
-        return self.engine_core.scheduler
+    def engine_core(self) -> EngineCore:
+        """The core itself (this engine runs it in its own thread)."""
+        client = self.engine_core_client
+        assert isinstance(client, InprocClient)
+        return client.engine_core
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.assets.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.assets.model_config
+
+    @property
+    def model_path(self) -> Any:
+        return self.assets.path
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self.assets.generation_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_core_client.info.max_model_len
 
     @property
     def num_blocks(self) -> int:
-        return self.engine_core.num_blocks
+        return self.engine_core_client.info.num_blocks
+
+    @property
+    def scheduler(self) -> Any:
+        return self.engine_core.scheduler
 
     @property
     def device(self) -> Any:
@@ -139,14 +169,14 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         processed = self.input_processor.process(request_id, prompt, params, priority=priority,
                                                  cache_salt=cache_salt, arrival_time=arrival)
-        taken = [r.request_id for r, _ in processed.completions
+        taken = [r.request_id for r in processed.completions
                  if self.output_processor.is_known(r.request_id)]
         if taken:
             raise ValueError(f"request id {request_id!r} collides with running request(s) {taken}")
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           params.output_kind, arrival, processed.completions)
-        for record, _ in processed.completions:
-            self.engine_core.add_request(record)
+        for request in processed.completions:
+            self.engine_core_client.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now and free their blocks; unknown (e.g. already finished) ids are ignored.
@@ -156,7 +186,9 @@ class LLMEngine:
         """
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        ids = self.output_processor.abort_requests(request_ids)
+        if ids:
+            self.engine_core_client.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return (self.output_processor.has_unfinished_requests()
@@ -169,33 +201,20 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the requests that changed (shaped by output_kind)."""
-        core = self.engine_core.step()
-        processed = self.output_processor.process_outputs(core.updates, core.logprobs)
-        if processed.reqs_to_finish:
-            self.engine_core.finish_requests(processed.reqs_to_finish)
+        core = self.engine_core_client.get_output()
+        assert core is not None
+        processed = self.output_processor.process_outputs(core.outputs)
+        if processed.reqs_to_finish:  # stop strings: the core frees their blocks
+            self.engine_core_client.abort_requests(processed.reqs_to_finish, FinishReason.STOP)
         self.iteration_stats = processed.stats
         return processed.request_outputs
 
     def shutdown(self) -> None:
         """Release what outlives a step: the tensor-parallel workers, when there are any
         (they also stop when the engine is collected or the process exits); idempotent."""
-        self.engine_core.shutdown()
+        self.engine_core_client.shutdown()
 
     # ---- introspection ---------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
-        s = self.engine_core.scheduler.get_stats()
-        out = self.output_processor
-        return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            prompt_tokens_total=out.prompt_tokens_total,
-            generation_tokens_total=out.generation_tokens_total,
-            num_requests_finished=out.num_requests_finished,
-            num_blocks=self.engine_core.num_blocks,
-            block_size=self.config.cache.block_size,
-        )
+        return EngineStats.combine(self.engine_core.get_stats(), self.output_processor)

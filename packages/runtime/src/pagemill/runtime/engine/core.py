@@ -1,8 +1,10 @@
 """The loop inside the engine: schedule, execute, sample, update — token ids in, token ids out.
 
-The core knows nothing of text, tokenizers or callers: it owns the device side (model,
-KV pool, model runner, sampler) and the scheduler, and each step hands back what changed
-per request as `RequestUpdate`s. Everything caller-facing is the output processor's job.
+The core knows nothing of text or callers: it owns the device side (model, KV pool, model
+runner, sampler), the scheduler, the grammar matchers and fault isolation. Requests come in
+as `EngineCoreRequest`s and each step hands back an `EngineCoreOutputs` (protocol.py). It
+runs wherever an `EngineCoreClient` puts it: in the caller's thread, on a thread of its
+own, or in its own process; everything caller-facing is the front end's job.
 """
 
 from __future__ import annotations
@@ -20,31 +22,34 @@ import torch
 from pagemill.blockpool import KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
-from .compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
-from .config import EngineConfig, resolve_dtype, torch_dtype
-from .distributed.parallel_state import TensorParallelGroup
-from .distributed.sharding import ShardLayout, check_tensor_parallel
+from ..compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+from ..config import EngineConfig, resolve_dtype, torch_dtype
+from ..distributed.parallel_state import TensorParallelGroup
+from ..distributed.sharding import ShardLayout, check_tensor_parallel
+from ..kv_cache import size_kv_pool
+from ..loader import load_model
+from ..model_config import ModelConfig
+from ..model_runner import ModelRunner, ModelRunnerOutput
+from ..sampler import Sampler
+from ..structured_output import StructuredOutputManager
 from .fault_isolation import FaultIsolator, is_unrecoverable
-from .kv_cache import size_kv_pool
-from .loader import load_model
-from .model_config import ModelConfig
-from .model_runner import ModelRunner, ModelRunnerOutput
-from .output_processor import LogprobsRow
-from .sampler import Sampler
-from .structured_output import StructuredOutputManager
+from .protocol import (
+    FINISH_REASONS,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
-    from .distributed.launcher import TensorParallelWorkers
+    from ..distributed.launcher import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(slots=True)
-class EngineCoreOutputs:
-    updates: list[RequestUpdate]
-    # Sampled requests that asked for logprobs: (ids, logprobs), the sampled token first.
-    logprobs: dict[str, LogprobsRow] | None
-    num_scheduled_tokens: int
+# Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
+LogprobsRow = tuple[list[int], list[float]]
 
 
 def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
@@ -106,8 +111,8 @@ class EngineCore:
 
     def _start_workers(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
                        scheduler_config: SchedulerConfig) -> None:
-        from .distributed.launcher import TensorParallelWorkers
-        from .distributed.worker import WorkerSpec
+        from ..distributed.launcher import TensorParallelWorkers
+        from ..distributed.worker import WorkerSpec
 
         workers = TensorParallelWorkers.start(config.tensor_parallel_size, self.device)
         self._workers = workers
@@ -135,7 +140,7 @@ class EngineCore:
     def _build_model(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
                      scheduler_config: SchedulerConfig) -> None:
         """Load the model (this rank's shard under TP), size and bind the KV pool, compile."""
-        from .distributed.worker import PROFILE, InitKVCache
+        from ..distributed.worker import PROFILE, InitKVCache
 
         cache = config.cache
         torch.manual_seed(config.seed)
@@ -214,29 +219,50 @@ class EngineCore:
         logger.info("compiled the model forward in %.1f s (inductor's cache keeps the generated "
                     "code; dynamo traces again at each start; --enforce-eager skips this)", seconds)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Build a core from its config alone (what a core process receives): the model
+        folder, its config and, for grammars only, its tokenizer."""
+        from .model_assets import ModelAssets
+
+        assets = ModelAssets.load(config)
+        return cls(config, assets.path, assets.model_config, assets.structured_output_manager(
+            config.scheduler.max_num_seqs))
+
+    def ready_message(self) -> EngineCoreReady:
+        """What the front end learns once the core is built."""
+        return EngineCoreReady(self.max_model_len, self.num_blocks, self.config.cache.block_size,
+                               str(self.dtype), str(self.device), os.getpid())
+
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        params = request.sampling_params
-        constraint = getattr(params, "structured_outputs", None)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue one completion. The front end validated it: a problem found here is a bug
+        on that side, and the request fails alone (finish_reason "error")."""
+        record = Request(
+            request.request_id, request.prompt_token_ids, max_tokens=request.max_tokens,
+            min_tokens=request.sampling_params.min_tokens, eos_token_id=request.eos_token_id,
+            stop_token_ids=request.stop_token_ids, ignore_eos=request.sampling_params.ignore_eos,
+            priority=request.priority, arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt, sampling_params=request.sampling_params)
+        constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.structured_output is None:
                 raise ValueError("structured output needs a tokenizer, and this model has none")
-            self.structured_output.add_request(request.request_id, constraint)
-            self._waiting_for_grammar[request.request_id] = request
+            self.structured_output.add_request(record.request_id, constraint)
+            self._waiting_for_grammar[record.request_id] = record
             return
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(record)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
+    def abort_requests(self, request_ids: Iterable[str],
+                       reason: FinishReason = FinishReason.ABORT) -> None:
+        """End requests now and free their blocks: the caller left (ABORT), or the front end
+        found a stop string (STOP). Unknown or finished ids are ignored."""
         ids = list(request_ids)
         self._drop_grammar_state(ids)
-        self.scheduler.abort_requests(ids)
-
-    def finish_requests(self, request_ids: Iterable[str]) -> None:
-        """End requests for a reason found outside the core (a stop string): free their blocks."""
-        ids = list(request_ids)
-        self._drop_grammar_state(ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_STOPPED)
+        status = (RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP
+                  else RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(ids, status)
 
     def _drop_grammar_state(self, request_ids: list[str]) -> None:
         if self.structured_output is not None:
@@ -251,6 +277,14 @@ class EngineCore:
     @property
     def num_waiting_for_grammar(self) -> int:
         return len(self._waiting_for_grammar)
+
+    def get_stats(self) -> SchedulerStats:
+        s = self.scheduler.get_stats()
+        return SchedulerStats(
+            num_running=s.num_running, num_waiting=s.num_waiting + len(self._waiting_for_grammar),
+            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
+            num_blocks=self.num_blocks, block_size=self.config.cache.block_size)
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -274,7 +308,7 @@ class EngineCore:
             failed = self.isolator.on_step_failed(scheduler_output, exc)
             if self.structured_output is not None and failed:
                 self.structured_output.remove_requests([u.request_id for u in failed])
-            return EngineCoreOutputs(failed, None, 0)
+            return EngineCoreOutputs(self._outputs(failed, None, {}))
         updates = self.scheduler.update_from_output(scheduler_output, token_ids)
         self.isolator.on_step_done()
         if self.structured_output is not None and self.structured_output.num_requests:
@@ -282,7 +316,27 @@ class EngineCore:
         if self._grammar_failures:
             updates = self._grammar_failures + updates
             self._grammar_failures = []
-        return EngineCoreOutputs(updates, logprobs, scheduler_output.total_num_scheduled_tokens)
+        records = {s.request_id: s.request for s in scheduler_output.scheduled}
+        return EngineCoreOutputs(self._outputs(updates, logprobs, records),
+                                 num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens)
+
+    @staticmethod
+    def _outputs(updates: list[RequestUpdate], logprobs: dict[str, LogprobsRow] | None,
+                 records: dict[str, Request]) -> list[EngineCoreOutput]:
+        """The scheduler's updates in the protocol's shape; a request's first tokens carry
+        its first-scheduled time and prefix hit for the front end's metrics."""
+        outputs = []
+        for u in updates:
+            reason = FINISH_REASONS[u.finish_reason] if u.finished else None
+            out = EngineCoreOutput(u.request_id, u.new_token_ids, reason, u.stop_reason,
+                                   None if logprobs is None else logprobs.get(u.request_id))
+            record = records.get(u.request_id)
+            if record is not None and u.new_token_ids and (
+                    record.num_output_tokens == len(u.new_token_ids)):
+                out.first_scheduled_time = record.first_scheduled_time
+                out.num_cached_tokens = record.num_cached_tokens
+            outputs.append(out)
+        return outputs
 
     def _admit_compiled(self) -> None:
         """Hand the scheduler the requests whose grammar is ready, in arrival order.
@@ -302,7 +356,7 @@ class EngineCore:
                 manager.remove_requests([rid])
                 logger.error("request %s: grammar compilation failed: %s", rid, error)
                 self._grammar_failures.append(RequestUpdate(
-                    rid, [], True, "abort", f"grammar compilation failed: {error}"))
+                    rid, [], True, "error", f"grammar compilation failed: {error}"))
                 continue
             manager.start(rid)
             self.scheduler.add_request(request)

@@ -1,25 +1,29 @@
 """From engine-core updates to what callers see: text, stop strings, n > 1, logprobs, metrics.
 
-The engine core speaks token ids only. Everything that needs the tokenizer or the caller's
-view of a request lives here: incremental detokenization and stop strings (the one rule
-that needs text), gathering the `n` completions of a request back into one output,
-logprobs as `{token_id: logprob}` entries, timestamps and the per-step statistics that the
-server turns into Prometheus metrics. The completion's tokens are never copied here: they
-are read from the scheduler's request record, the one list that holds them.
+The engine core speaks token ids only (`EngineCoreOutputs`). Everything that needs the
+tokenizer or the caller's view of a request lives here, in the front end: incremental
+detokenization and stop strings (the one rule that needs text: a match sends an abort with
+reason STOP back to the core), gathering the `n` completions of a request back into one
+output, logprobs as `{token_id: logprob}` entries, the one mapping of finish reasons to the
+API's words, timestamps and the per-step statistics the server turns into Prometheus
+metrics. It is driven from one thread at a time (the caller's, or the front end's output
+thread under its lock).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagemill.scheduler import Request, RequestUpdate
-
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
+from .protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+
+logger = logging.getLogger(__name__)
 
 # Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
 LogprobsRow = tuple[Sequence[int], Sequence[float]]
@@ -48,7 +52,8 @@ class IterationStats:
 @dataclass(slots=True)
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    # Completions a stop string ended: the engine core must still free their blocks.
+    # Completions a stop string ended: the engine core must still free their blocks
+    # (an abort with reason STOP).
     reqs_to_finish: list[str]
     stats: IterationStats
 
@@ -57,11 +62,15 @@ class _Completion:
     """One of a request's `n` completions: its detokenizer, logprobs and finish state."""
 
     __slots__ = ("cumulative_logprob", "detokenizer", "finish_reason", "index", "last_token_time",
-                 "logprobs", "num_logprobs", "params", "parent", "request", "stop_reason")
+                 "logprobs", "num_logprobs", "params", "parent", "request_id", "stop_reason",
+                 "token_ids")
 
-    def __init__(self, request: Request, index: int, parent: _Parent, params: SamplingParams,
+    def __init__(self, request_id: str, index: int, parent: _Parent, params: SamplingParams,
                  detokenizer: IncrementalDetokenizer | None) -> None:
-        self.request = request
+        self.request_id = request_id
+        # The caller's copy of the completion (the core keeps its own on its side of the
+        # boundary): what FINAL_ONLY and CUMULATIVE outputs carry.
+        self.token_ids: list[int] = []
         self.index = index
         self.parent = parent
         self.params = params
@@ -86,7 +95,7 @@ class _Completion:
         return CompletionOutput(
             index=self.index,
             text="" if self.detokenizer is None else self.detokenizer.sent_text,
-            token_ids=list(self.request.output_token_ids),
+            token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason,
@@ -137,13 +146,14 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     kind: RequestOutputKind, arrival_time: float,
-                    completions: Sequence[tuple[Request, SamplingParams]]) -> None:
+                    completions: Sequence[EngineCoreRequest]) -> None:
         parent = _Parent(request_id, prompt, prompt_token_ids, kind, arrival_time)
-        for index, (request, params) in enumerate(completions):
+        for index, request in enumerate(completions):
+            params = request.sampling_params
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-            c = _Completion(request, index, parent, params, detok)
+            c = _Completion(request.request_id, index, parent, params, detok)
             parent.completions.append(c)
             self._completions[request.request_id] = c
         parent.num_unfinished = len(parent.completions)
@@ -178,7 +188,7 @@ class OutputProcessor:
                 if c.finish_reason is not None:
                     continue
                 c.finish_reason = "abort"
-                to_abort.append(c.request.request_id)
+                to_abort.append(c.request_id)
                 changed.append(c)
             parent.num_unfinished = 0
             self._finish_parent(parent, now)
@@ -197,8 +207,7 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ the step
 
-    def process_outputs(self, updates: Sequence[RequestUpdate],
-                        logprobs: Mapping[str, LogprobsRow] | None = None) -> ProcessedOutputs:
+    def process_outputs(self, updates: Sequence[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
         stats = IterationStats()
         outputs = self._pending
@@ -213,20 +222,25 @@ class OutputProcessor:
             tokens = upd.new_token_ids
             entries = None
             if tokens:
-                self._time_tokens(c, parent, len(tokens), now, stats)
-                if c.num_logprobs is not None and logprobs is not None:
-                    entries = self._logprob_entries(c, logprobs.get(upd.request_id))
+                c.token_ids.extend(tokens)
+                self._time_tokens(c, parent, upd, now, stats)
+                if c.num_logprobs is not None:
+                    entries = self._logprob_entries(c, upd.new_logprobs)
             if c.detokenizer is not None:
                 stop = c.detokenizer.update(tokens)
                 if stop is not None:
                     c.finish_reason, c.stop_reason = "stop", stop
                     if not upd.finished:
                         reqs_to_finish.append(upd.request_id)
-            if c.finish_reason is None and upd.finished:
-                # A prompt the pool can never hold is, to a caller, a length cut.
+            if c.finish_reason is None and upd.finish_reason is not None:
                 reason = upd.finish_reason
-                c.finish_reason = "length" if reason == "ignored" else reason
+                c.finish_reason = reason.as_api()
                 c.stop_reason = upd.stop_reason
+                if reason == FinishReason.ERROR:
+                    # The core's words are for the log; a caller learns only that it failed.
+                    logger.error("request %s failed in the engine: %s", upd.request_id,
+                                 upd.stop_reason)
+                    c.stop_reason = None
             if c.finish_reason is not None:
                 del self._completions[upd.request_id]
                 parent.num_unfinished -= 1
@@ -252,13 +266,16 @@ class OutputProcessor:
         return CompletionOutput(c.index, c.text_delta(), tokens, c.cumulative_logprob, entries,
                                 c.finish_reason, c.stop_reason)
 
-    def _time_tokens(self, c: _Completion, parent: _Parent, n: int, now: float,
+    def _time_tokens(self, c: _Completion, parent: _Parent, upd: EngineCoreOutput, now: float,
                      stats: IterationStats) -> None:
+        n = len(upd.new_token_ids)
         m = parent.metrics
+        if upd.first_scheduled_time is not None and (
+                m.first_scheduled_time is None or upd.first_scheduled_time < m.first_scheduled_time):
+            m.first_scheduled_time = upd.first_scheduled_time
         if m.first_token_time is None:
             m.first_token_time = now
-            m.first_scheduled_time = c.request.first_scheduled_time
-            m.num_cached_tokens = c.request.num_cached_tokens
+            m.num_cached_tokens = upd.num_cached_tokens
             stats.time_to_first_tokens.append(now - m.arrival_time)
             stats.num_prompt_tokens += len(parent.prompt_token_ids)
             self.prompt_tokens_total += len(parent.prompt_token_ids)
@@ -287,17 +304,13 @@ class OutputProcessor:
         if self._parents.pop(parent.request_id, None) is None:
             return
         for c in parent.completions:
-            self._completions.pop(c.request.request_id, None)
+            self._completions.pop(c.request_id, None)
         m = parent.metrics
         m.finished_time = now
-        if m.first_scheduled_time is None:
-            m.first_scheduled_time = min(
-                (c.request.first_scheduled_time for c in parent.completions
-                 if c.request.first_scheduled_time is not None), default=None)
         self.num_requests_finished += 1
         reasons = [c.finish_reason for c in parent.completions if c.finish_reason]
         queue = None if m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
         self._finished_stats.append(FinishedRequestStats(
             reasons[0] if reasons else "abort", now - m.arrival_time, queue,
             len(parent.prompt_token_ids),
-            sum(c.request.num_output_tokens for c in parent.completions)))
+            sum(len(c.token_ids) for c in parent.completions)))

@@ -1,10 +1,12 @@
-"""From what a caller sends to the scheduler's request records: tokenize, validate, fan out n.
+"""From what a caller sends to engine-core requests: tokenize, validate, fan out n.
 
-Every problem with a request is found here and raised as a ValueError naming it, before
-anything is queued: a bad request must never surface later as a failed engine step. A
-request with `n > 1` becomes `n` records over the same prompt; the prefix cache shares
-the prompt's full blocks between them, so the copies cost little more than their own
-generated tokens.
+This is the one validator: the offline `LLM`, `LLMEngine` and every HTTP endpoint hand
+their requests to `InputProcessor.process`, and every problem with a request is found here
+and raised as a ValueError naming it, before anything reaches the engine core: a bad
+request must never surface later as a failed engine step. The core only asserts its own
+invariants. A request with `n > 1` becomes `n` core requests over the same prompt; the
+prefix cache shares the prompt's full blocks between them, so the copies cost little more
+than their own generated tokens.
 """
 
 from __future__ import annotations
@@ -13,42 +15,64 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagemill.scheduler import Request
-
-from .sampling_params import SamplingParams
-from .tool_calling.prompt import render_chat
+from ..sampling_params import SamplingParams
+from ..tool_calling.prompt import render_chat
+from .model_assets import eos_ids
+from .protocol import EngineCoreRequest
 
 
 @dataclass(slots=True)
 class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
-    # One (record, its own parameters) per completion; child parameters differ by seed.
-    completions: list[tuple[Request, SamplingParams]]
+    # One core request per completion; child parameters differ by seed.
+    completions: list[EngineCoreRequest]
 
 
 class InputProcessor:
-    """Tokenization, chat templating and request validation; no model, no device."""
+    """Tokenization, chat templating and request validation; no model, no device.
+
+    `default_max_tokens` (the model's generation config, if it sets one) is what a
+    request without max_tokens gets, capped to the room its prompt leaves; without it such
+    a request may fill the context.
+    """
 
     def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int]) -> None:
+                 eos_token_ids: Sequence[int], default_max_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_ids = self.eos_ids(tokenizer, eos_token_ids)
+        self.eos_token_ids = eos_ids(tokenizer, list(eos_token_ids))
+        self.default_max_tokens = default_max_tokens
+        self._text_byte_limit: int | None = None
 
-    @staticmethod
-    def eos_ids(tokenizer: Any | None, eos_token_ids: Sequence[int]) -> list[int]:
-        """The model's EOS ids, then the tokenizer's own if it is not among them."""
-        eos = list(eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if isinstance(tok_eos, int) and tok_eos not in eos:
-            eos.append(tok_eos)
-        return eos
+    def text_byte_limit(self) -> int:
+        """Bytes of text past which a prompt can never fit the context, whatever it says.
+
+        No token covers more text than its longest vocabulary entry (B bytes; 4x margin for
+        normalizers), so a text of more than max_model_len x B x 4 bytes has more tokens
+        than fit: refused without tokenizing it (a multi-megabyte prompt costs seconds of
+        tokenizer time).
+        """
+        if self._text_byte_limit is None:
+            longest = 16
+            vocab = getattr(self.tokenizer, "get_vocab", None)
+            if callable(vocab):
+                longest = max((len(t.encode("utf-8", "replace")) for t in vocab()), default=16)
+            self._text_byte_limit = self.max_model_len * max(longest, 1) * 4
+        return self._text_byte_limit
+
+    def check_text_size(self, text: str, what: str = "the prompt") -> None:
+        size = len(text.encode("utf-8"))
+        if size > self.text_byte_limit():
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens; {what} is {size} bytes, more than that many tokens "
+                             "can hold.")
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer: pass prompts as lists of token ids")
+            raise ValueError("this model has no tokenizer: send the prompt as token ids")
+        self.check_text_size(prompt)
         return list(self.tokenizer.encode(prompt))
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
@@ -76,22 +100,27 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         text, prompt_ids = self._prompt_ids(prompt)
         n_prompt = len(prompt_ids)
-        if n_prompt > self.max_model_len - 1:
+        limit = self.max_model_len
+        if n_prompt >= limit:
             raise ValueError(
-                f"the prompt has {n_prompt} tokens; at most max_model_len - 1 = {self.max_model_len - 1} "
-                "fit (one position is needed for the first generated token)"
-            )
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {n_prompt} tokens, which leaves no room for a completion: at most "
+                f"max_model_len - 1 = {limit - 1} fit (one position is needed for the first "
+                "generated token).")
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = self.max_model_len - n_prompt
-        elif n_prompt + max_tokens > self.max_model_len:
+            room = limit - n_prompt
+            max_tokens = room if self.default_max_tokens is None else min(
+                self.default_max_tokens, room)
+        elif n_prompt + max_tokens > limit:
             raise ValueError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
-                f"exceeds max_model_len={self.max_model_len}; lower max_tokens to at most "
-                f"{self.max_model_len - n_prompt}"
-            )
+                f"This model's maximum context length is {limit} tokens: prompt ({n_prompt} "
+                f"tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
+                f"max_model_len={limit}. Please reduce the prompt or max_tokens (to at most "
+                f"{limit - n_prompt}).")
         if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens that fit")
+            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
+                             f"({max_tokens})")
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             if bad:
@@ -110,20 +139,9 @@ class InputProcessor:
             stop_ids = list(child.stop_token_ids)
             if not child.ignore_eos:
                 stop_ids += [t for t in eos[1:] if t not in stop_ids]
-            record = Request(
-                child_id,
-                prompt_ids,
-                max_tokens=max_tokens,
-                min_tokens=child.min_tokens,
-                eos_token_id=eos[0] if eos else None,
-                stop_token_ids=stop_ids,
-                ignore_eos=child.ignore_eos,
-                priority=priority,
-                arrival_time=arrival_time,
-                cache_salt=cache_salt,
-                sampling_params=child,
-            )
-            completions.append((record, child))
+            completions.append(EngineCoreRequest(
+                child_id, prompt_ids, child, max_tokens, eos[0] if eos else None, stop_ids,
+                arrival_time, priority, cache_salt))
         return ProcessedRequest(text, prompt_ids, completions)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -138,7 +156,9 @@ class InputProcessor:
             vocab = self.vocab_size
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+                # An id past the embedding table would break the step, not just this request.
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab}) (the "
+                                 f"vocabulary); got {bad[:5]}")
         if not ids:
             raise ValueError("the prompt is empty (it encodes to no tokens)")
         return text, ids
