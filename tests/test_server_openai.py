@@ -448,9 +448,10 @@ def test_api_key_required(live: Live) -> None:
 def slow_steps(engine: LLMEngine, delay: float = 0.02) -> list[int]:
     """Make each engine step take at least `delay` (the tiny model outruns any client).
 
-    Returns a one-element list counting steps; undo with `del engine.step`.
+    Returns a one-element list counting steps; undo with `del engine.engine_core.step`.
     """
-    original = engine.step
+    core = engine.engine_core
+    original = core.step
     count = [0]
 
     def step() -> Any:
@@ -458,7 +459,7 @@ def slow_steps(engine: LLMEngine, delay: float = 0.02) -> list[int]:
         time.sleep(delay)
         return original()
 
-    engine.step = step  # type: ignore[method-assign]
+    core.step = step  # type: ignore[method-assign]
     return count
 
 

@@ -153,10 +153,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
         dashboard.attach(client)
         client.observer = StepObservers(metrics, dashboard)
 
-    engine = client.engine
-    tokenizer = getattr(engine, "tokenizer", None)
-    max_model_len = int(engine.max_model_len)
-    model_config = getattr(engine, "model_config", None)
+    tokenizer = client.tokenizer
+    max_model_len = client.max_model_len
+    model_config = client.model_config
     # One tokenizer thread for both endpoints: tokenization never runs on the event loop.
     tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagemill-tokenizer")
     common = {"max_model_len": max_model_len, "tokenizer": tokenizer,
@@ -223,7 +222,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
 
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
-        root = str(getattr(getattr(engine, "config", None), "model", served_model_name))
+        root = str(getattr(client.config, "model", served_model_name))
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len)
                                for name in names])
 

@@ -1,30 +1,30 @@
-"""The engine seen from asyncio: one async stream per request, the engine never on the loop.
+"""The engine seen from asyncio: the server's front end over one engine core.
 
-`LLMEngine.step()` runs a forward pass: milliseconds to seconds, and never something an
-event loop may wait on — nor something that may wait on the event loop. Two ways to run it
-behind the same client API (`add_request`, `stream`, `abort`, `release`, `submit`, `call`,
-`shutdown`, `is_dead`):
+The API process owns the one tokenizer, input processing (the one validator, run off the
+event loop) and output processing (detokenization, stop strings, `n > 1`, logprobs,
+metrics); the engine core — scheduler, KV pool, model, sampler, grammars — runs behind an
+`EngineCoreClient` and speaks token ids only (pagemill.runtime.engine.protocol):
 
-- `AsyncEngine(engine)`: in this process, on one dedicated thread that is the only code to
-  touch the engine. For embedding, notebooks and tests (any object with the `EngineLike`
-  methods will do, so tests drive it with scripted doubles).
-- `AsyncEngine.launch(config)`: the engine core in its own process (`engine_process`), as
-  `pagemill serve` runs it. The engine then shares no interpreter lock with the HTTP side:
-  the event loop's Python (request parsing, SSE encoding, socket writes) runs beside the
-  step on another core instead of interleaving with it, and a busy or stalled loop cannot
-  slow a step.
+    event loop ── add_request ──> input thread: InputProcessor.process ──> client ─┐
+    asyncio queues <── output thread: OutputProcessor.process_outputs <── client <─┘
+                       (one call_soon_threadsafe per event loop per step)
 
-Either way commands (add, abort, call) are applied between steps, so an abort frees the
-request's blocks before the next step is scheduled; the engine side blocks on its command
-queue when there is nothing to run instead of spinning; and a step's outputs reach their
-requests' asyncio queues with one `call_soon_threadsafe` per event loop per step.
+Two ways to run the core, behind the same API (`add_request`, `stream`, `abort`,
+`release`, `submit`, `call`, `shutdown`, `is_dead`):
 
-A step that raises because of one request is contained by the engine core (that request
-finishes with finish_reason "error"). If `step()` itself raises, the engine's state is
-unknown: the client is marked dead, every in-flight request fails with `EngineDeadError`,
-and so does every later command; the server's watchdog then exits non-zero (see
-`shutdown`). An engine process that exits for any reason is noticed the same way.
-`step_started_at` tells the watchdog how long the current step has run.
+- `AsyncEngine(llm_engine)`: the engine's core on a thread of this process (embedding,
+  notebooks, tests, `pagemill serve --no-engine-process`).
+- `AsyncEngine.launch(config)`: the core in its own process, as `pagemill serve` runs it.
+  The core then shares no interpreter lock with the HTTP side: the event loop's Python
+  runs beside the step on another core, and a busy loop cannot slow a step.
+
+Commands reach the core between steps, so an abort frees the request's blocks before the
+next step is scheduled. A step that raises because of one request is contained by the core
+(that request finishes with finish_reason "error"). If the core itself fails (a step
+raised beyond containment, the process exited), the client turns dead: every in-flight
+request fails with `EngineDeadError`, so does every later command, and the server's
+watchdog exits non-zero. `step_started_at` tells the watchdog how long the current step
+has run.
 """
 
 from __future__ import annotations
@@ -32,24 +32,42 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from pagemill.runtime.engine.core_client import (
+    EngineCoreClient,
+    EngineDeadError,
+    MPClient,
+    ThreadedClient,
+)
+from pagemill.runtime.engine.llm_engine import EngineStats, make_processors
+from pagemill.runtime.engine.output_processor import IterationStats
+from pagemill.runtime.engine.protocol import EngineCoreOutputs, FinishReason, SchedulerStats
+
 if TYPE_CHECKING:
+    from pagemill.runtime import LLMEngine
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.input_processor import InputProcessor
+    from pagemill.runtime.engine.model_assets import ModelAssets
+    from pagemill.runtime.engine.output_processor import OutputProcessor
+    from pagemill.runtime.model_config import ModelConfig
+    from pagemill.runtime.outputs import RequestOutput
+    from pagemill.runtime.sampling_params import SamplingParams
+
     from .dashboard import DashboardSettings
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped (after an error, or shut down); nothing more can be served."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ServerShuttingDownError",
+           "StepObserver", "StepObservers"]
 
 
 class ServerShuttingDownError(EngineDeadError):
@@ -60,23 +78,13 @@ class QueueFullError(RuntimeError):
     """The configured limit on pending requests is reached; retry later."""
 
 
-class EngineLike(Protocol):
-    """What the thread drives (pagemill.runtime.LLMEngine satisfies it; tests use doubles)."""
-
-    def add_request(self, request_id: str, prompt: Any, params: Any, **kwargs: Any) -> None: ...
-    def step(self) -> list[Any]: ...
-    def abort_request(self, request_ids: Sequence[str]) -> None: ...
-    def has_unfinished_requests(self) -> bool: ...
-
-
 class StepObserver(Protocol):
-    """Told about every step (metrics.EngineMetrics implements it).
+    """Told about every output of the engine core (metrics.EngineMetrics implements it).
 
-    It reads the engine's own figures (`get_stats()`, `iteration_stats`), so what a
-    dashboard shows is what the engine counted, not what the HTTP layer happened to see.
-    `step_seconds` is the wall time of `step()`, None after a batch of commands that ran no
-    step. In-process it is called on the engine thread; with an engine process, on the
-    client's reader thread with a view of the figures the engine process sent.
+    It reads the engine's own figures (`view.get_stats()`, `view.iteration_stats`), so
+    what a dashboard shows is what the engine counted, not what the HTTP layer happened to
+    see. `step_seconds` is the wall time of the core's step, None after commands that ran
+    no step. Called on the front end's output thread.
     """
 
     def on_step(self, engine: Any, step_seconds: float | None = None) -> None: ...
@@ -95,6 +103,17 @@ class StepObservers:
                 observer.on_step(engine, step_seconds)
             except Exception:
                 logger.exception("a step observer failed")
+
+
+@dataclass
+class StatsView:
+    """What a `StepObserver` reads: the core's gauges with the front end's counters."""
+
+    stats: EngineStats
+    iteration_stats: IterationStats
+
+    def get_stats(self) -> EngineStats:
+        return self.stats
 
 
 @dataclass
@@ -124,89 +143,155 @@ def deliver(items: Iterable[tuple[_Tracked, Any]]) -> None:
             loop.call_soon_threadsafe(_put_all, batch)
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: Any
-    kwargs: dict[str, Any]
-    tracked: _Tracked
-    done: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _FailAll:
-    error: BaseException
-
-
-@dataclass
-class _Call:
-    fn: Callable[[Any], Any]
-    done: concurrent.futures.Future[Any]
-
-
-_SHUTDOWN = object()
-
-
 class AsyncEngine:
-    """Runs an engine on a background thread; safe to use from any event loop.
+    """The front end over an engine core; safe to use from any event loop.
 
-    `max_pending` caps the requests accepted at once (running + waiting in the engine);
+    `max_pending` caps the sequences accepted at once (running + waiting in the engine);
     beyond it `add_request` raises `QueueFullError` (the server answers 429).
-    `AsyncEngine.launch(config)` runs the engine in its own process instead, behind the
-    same API.
+    `AsyncEngine(llm_engine)` runs that engine's core on a thread of this process;
+    `AsyncEngine.launch(config)` runs a core in its own process.
     """
 
-    def __init__(self, engine: EngineLike, *, max_pending: int | None = None,
-                 observer: StepObserver | None = None, name: str = "pagemill-engine") -> None:
-        self._init_client(engine, max_pending, observer)
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def launch(cls, config: Any = None, *, max_pending: int | None = None,
-               observer: StepObserver | None = None, engine_threads: int | None = None,
-               start_timeout: float | None = None, dashboard: DashboardSettings | None = None,
-               **engine_kwargs: Any) -> AsyncEngine:
-        """Start an `LLMEngine(config)` (or `LLMEngine(**engine_kwargs)`) in its own process.
-
-        Returns once the engine is built (model loaded, KV pool sized, step compiled).
-        `engine_threads` sets torch's intra-op threads there (None: on CPU one per usable
-        core, with OpenMP's idle spin bounded; see `engine_process.default_engine_threads`).
-        `client.engine` is then a view (tokenizer, `encode`, `apply_chat_template`,
-        `max_model_len`, `model_config`, `config`), and `submit`/`call` take picklable
-        functions (module-level, or `functools.partial` of one). `dashboard` (a
-        `dashboard.DashboardSettings`) lets the engine process take pictures for the
-        dashboard page. See `engine_process`.
-        """
-        from .engine_process import EngineProcessClient
-
-        return EngineProcessClient(config, max_pending=max_pending, observer=observer,
-                                   engine_threads=engine_threads, start_timeout=start_timeout,
-                                   dashboard=dashboard, **engine_kwargs)
-
-    def _init_client(self, engine: Any, max_pending: int | None,
-                     observer: StepObserver | None) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, max_pending: int | None = None,
+                 observer: StepObserver | None = None, name: str = "pagemill-engine",
+                 client: EngineCoreClient | None = None, assets: ModelAssets | None = None,
+                 config: EngineConfig | None = None) -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be None or >= 1, got {max_pending}")
-        self.engine = engine
+        if engine is not None:
+            if client is not None:
+                raise TypeError("pass an LLMEngine or a client, not both")
+            # The engine's own front end, its core moved onto a thread of its own.
+            client = ThreadedClient(engine.engine_core, name=name)
+            assets, config = engine.assets, engine.config
+            self.input_processor: InputProcessor = engine.input_processor
+            self.output_processor: OutputProcessor = engine.output_processor
+        elif client is None or assets is None:
+            raise TypeError("AsyncEngine needs an LLMEngine, or a client and its model assets")
+        else:
+            self.input_processor, self.output_processor = make_processors(assets, client.info)
+        self.client = client
+        self.assets = assets
+        self.config = config
         self.max_pending = max_pending
         self.observer = observer
-        self.dead_error: BaseException | None = None
         self._closed = False
         self._held: dict[str, int] = {}  # accepted, not yet released -> slots; under _lock
         self._num_slots = 0
+        # Guards the output processor and `_tracked`: the event loop, the input thread and
+        # the output thread all reach them.
         self._lock = threading.Lock()
-        self._step_started: float | None = None  # monotonic start of the running step
+        self._tracked: dict[str, _Tracked] = {}
+        self._dead_error: BaseException | None = None
+        self._core_stats = SchedulerStats(num_blocks=client.info.num_blocks,
+                                          block_size=client.info.block_size)
+        self.iteration_stats = IterationStats()
+        # Tokenization and validation: never on the event loop (a multi-megabyte prompt
+        # takes seconds), one thread so encodes do not race each other.
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagemill-input")
+        # With a dashboard: how many pages watch (shared with a core process), and where
+        # its pictures go.
+        self.dashboard_watchers: Any = None
+        self.on_dashboard: Callable[[dict[str, Any]], None] | None = None
+        client.on_event = self._on_event
+        self._output_thread = threading.Thread(target=self._output_loop,
+                                               name="pagemill-engine-output", daemon=True)
+        self._output_thread.start()
 
-    # ------------------------------------------------------------ client side
+    @classmethod
+    def launch(cls, config: EngineConfig | None = None, *, max_pending: int | None = None,
+               observer: StepObserver | None = None, engine_threads: int | None = None,
+               start_timeout: float | None = None, dashboard: DashboardSettings | None = None,
+               **engine_kwargs: Any) -> AsyncEngine:
+        """A front end here, an engine core in its own process (`MPClient`).
+
+        Returns once the core is built (model loaded, KV pool sized, step compiled);
+        raises RuntimeError saying why if it could not be. `engine_threads` sets torch's
+        intra-op threads there (None: on CPU one per usable core, see
+        `core_client.default_engine_threads`). `submit`/`call` then take picklable
+        functions. `dashboard` lets the core take pictures for the dashboard page.
+        """
+        import multiprocessing
+
+        from pagemill.runtime.config import EngineConfig
+        from pagemill.runtime.engine.model_assets import ModelAssets
+
+        if config is None:
+            config = EngineConfig.from_kwargs(**engine_kwargs)  # bad options fail here
+        elif engine_kwargs:
+            raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+        if engine_threads is not None and engine_threads < 1:
+            raise ValueError(f"engine_threads must be None or >= 1, got {engine_threads}")
+        assets = ModelAssets.load(config)  # the front end's tokenizer; a download happens here
+        watchers = factory = None
+        if dashboard is not None:
+            from .dashboard.tap import SnapshotTap
+
+            watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
+            factory = functools.partial(SnapshotTap, dashboard, watchers)
+        client = MPClient(config, engine_threads=engine_threads, start_timeout=start_timeout,
+                          observer_factory=factory)
+        try:
+            front = cls(max_pending=max_pending, observer=observer, client=client,
+                        assets=assets, config=config)
+        except BaseException:
+            client.shutdown()
+            raise
+        front.dashboard_watchers = watchers
+        return front
+
+    # ------------------------------------------------------------ model facts
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """Kept for callers of the old two-object API: the front end is the engine view."""
+        return self
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self.assets.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.assets.model_config
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        return self.assets.generation_defaults
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.client.info.num_blocks
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            add_generation_prompt: bool = True, *,
+                            chat_template: str | None = None,
+                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Blocking (templating and tokenizing): call it off the event loop."""
+        return self.input_processor.apply_chat_template(
+            messages, add_generation_prompt, chat_template=chat_template, tools=tools)
+
+    def encode(self, prompt: str) -> list[int]:
+        """Blocking: call it off the event loop."""
+        return self.input_processor.encode(prompt)
+
+    def prompt_of(self, request_id: str) -> str | None:
+        with self._lock:
+            return self.output_processor.prompt_of(request_id)
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats.combine(self._core_stats, self.output_processor)
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead_error or self.client.dead_error
 
     @property
     def is_dead(self) -> bool:
@@ -224,11 +309,24 @@ class AsyncEngine:
     @property
     def step_started_at(self) -> float | None:
         """`time.monotonic()` when the step now running began; None between steps."""
-        return self._step_started
+        return self.client.step_started_at
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.client.engine_pid
+
+    @property
+    def engine_steps(self) -> int:
+        return self.client.engine_steps
+
+    @property
+    def last_step_time(self) -> float | None:
+        return self.client.last_step_time
 
     def _stopped_error(self) -> EngineDeadError | None:
-        if self.dead_error is not None:
-            return EngineDeadError(f"the engine stopped after an error: {self.dead_error!r}")
+        error = self.dead_error
+        if error is not None:
+            return EngineDeadError(f"the engine stopped after an error: {error!r}")
         if self._closed:
             return EngineDeadError("the engine was shut down")
         return None
@@ -238,21 +336,21 @@ class AsyncEngine:
         if error is not None:
             raise error
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        return await asyncio.wrap_future(self.submit(fn))
+    # ------------------------------------------------------------ requests
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: Any, *,
-                          out_queue: asyncio.Queue[Any] | None = None,
-                          **kwargs: Any) -> asyncio.Queue[Any]:
-        """Hand a request to the engine; its outputs arrive on the returned queue.
+    async def add_request(self, request_id: str, prompt: str | list[int],
+                          params: SamplingParams, *, out_queue: asyncio.Queue[Any] | None = None,
+                          priority: int = 0, cache_salt: str | None = None,
+                          arrival_time: float | None = None) -> asyncio.Queue[Any]:
+        """Validate a request (off the event loop) and hand it to the core; its outputs
+        arrive on the returned queue.
 
         Several requests may share one `out_queue` (a batch of prompts in one HTTP call);
         each item is a RequestOutput (a delta, for streaming parameters) or an exception.
-        The engine's own validation errors (ValueError) are raised here, before anything
-        is streamed. The caller must call `release(request_id)` once it stops reading,
-        finished or not. `arrival_time` (monotonic) defaults to now: the time spent in the
-        command queue counts towards the request's latency. A request counts against
-        `max_pending` once per choice (`params.n`).
+        Every problem with the request is a ValueError raised here, before anything is
+        streamed. The caller must call `release(request_id)` once it stops reading,
+        finished or not. `arrival_time` (monotonic) defaults to now. A request counts
+        against `max_pending` once per choice (`params.n`).
         """
         self._check_alive()
         slots = int(getattr(params, "n", 1) or 1)
@@ -264,26 +362,42 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._held[request_id] = slots
             self._num_slots += slots
-        kwargs.setdefault("arrival_time", time.monotonic())
+        arrival = time.monotonic() if arrival_time is None else float(arrival_time)
+        loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
-        tracked = _Tracked(q, asyncio.get_running_loop())
         try:
-            done = self._post_add(request_id, prompt, params, kwargs, tracked)
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            # The add may already have happened on the engine side: undo it.
-            self.release(request_id, finished=False)
-            raise
+            processed = await loop.run_in_executor(self._input_pool, functools.partial(
+                self.input_processor.process, request_id, prompt, params, priority=priority,
+                cache_salt=cache_salt, arrival_time=arrival))
+            self._check_alive()
+            with self._lock:
+                known = self.output_processor.is_known
+                taken = [r.request_id for r in processed.completions if known(r.request_id)]
+                if known(request_id) or taken:
+                    raise ValueError(f"request id {request_id!r} is already in use")
+                self.output_processor.add_request(
+                    request_id, processed.prompt, processed.prompt_token_ids,
+                    params.output_kind, arrival, processed.completions)
+                self._tracked[request_id] = _Tracked(q, loop)
+            for request in processed.completions:
+                self.client.add_request(request)
         except BaseException:
-            self.release(request_id, finished=True)
+            self.release(request_id, finished=False)
             raise
         return q
 
     def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests (no-op for finished or unknown ids); blocks are freed before the next step."""
+        """Abort requests (no-op for finished or unknown ids); blocks are freed before the
+        next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        if ids and self.dead_error is None and not self._closed:
-            self._post_abort(ids)
+        if not ids:
+            return
+        with self._lock:
+            for rid in ids:
+                self._tracked.pop(rid, None)
+            to_abort = self.output_processor.abort_requests(ids)
+        if to_abort and self._stopped_error() is None:
+            self.client.abort_requests(to_abort)
 
     def release(self, request_id: str, *, finished: bool) -> None:
         """The caller stops reading `request_id`: abort it unless it finished; free its slot.
@@ -299,7 +413,7 @@ class AsyncEngine:
             self.abort(request_id)
 
     async def stream(self, out_queue: asyncio.Queue[Any], request_ids: Sequence[str]
-                     ) -> AsyncIterator[Any]:
+                     ) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished.
 
         Leaving early (an exception, a cancelled task, a closed generator) aborts the ones
@@ -319,152 +433,99 @@ class AsyncEngine:
             for rid in live:
                 self.release(rid, finished=False)
 
-    # ------------------------------------------------------------ transport (in-process)
-
-    def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
-        """Run `fn(engine)` on the engine thread between steps (thread-safe; for stats, tests)."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        error = self._stopped_error()
-        if error is not None:
-            fut.set_exception(error)
-            return fut
-        self._commands.put(_Call(fn, fut))
-        return fut
-
-    def _post_add(self, request_id: str, prompt: Any, params: Any, kwargs: dict[str, Any],
-                  tracked: _Tracked) -> concurrent.futures.Future[None]:
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(request_id, prompt, params, kwargs, tracked, done))
-        return done
-
-    def _post_abort(self, request_ids: list[str]) -> None:
-        self._commands.put(_Abort(request_ids))
-
     def fail_all(self, error: BaseException) -> None:
         """Abort every request in flight and end its stream with `error` (shutdown)."""
-        if self.dead_error is None and not self._closed:
-            self._commands.put(_FailAll(error))
+        with self._lock:
+            tracked = self._tracked
+            self._tracked = {}
+            to_abort = self.output_processor.abort_requests(list(tracked))
+        if to_abort and self._stopped_error() is None:
+            self.client.abort_requests(to_abort)
+        deliver((t, error) for t in tracked.values())
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (in-flight requests are aborted); idempotent."""
-        self._closed = True
-        if self._thread.is_alive():
-            self._commands.put(_SHUTDOWN)
-            self._thread.join(timeout)
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None and not self._thread.is_alive():
-            stop()  # e.g. the engine's tensor-parallel workers
+    # ------------------------------------------------------------ calls into the core
 
-    # ------------------------------------------------------------ engine thread
+    def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+        """Run `fn(engine_core)` between steps (thread-safe; for stats, tests, the
+        dashboard). With a core process, `fn` and its result must pickle."""
+        error = self._stopped_error()
+        if error is not None:
+            fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+            fut.set_exception(error)
+            return fut
+        return self.client.call(fn)
 
-    def _run(self) -> None:
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def attach_core_observer(self, observer: Any) -> bool:
+        """Have `observer.poll(core)` run after each step in the core's own thread (a
+        dashboard tap); False when the core runs in a process (pass it at `launch`)."""
+        if isinstance(self.client, ThreadedClient):
+            self.client.set_observer(observer)
+            return True
+        return False
+
+    def _on_event(self, kind: str, payload: Any) -> None:
+        callback = self.on_dashboard
+        if kind == "dashboard" and callback is not None:
+            callback(payload)
+
+    # ------------------------------------------------------------ output thread
+
+    def _output_loop(self) -> None:
+        client = self.client
         try:
             while True:
-                idle = not self.engine.has_unfinished_requests()
-                # Block only when there is nothing to step; else take what has arrived.
-                commands = [self._commands.get()] if idle else []
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                if any(c is _SHUTDOWN for c in commands):
-                    self._stop_all(commands)
-                    return
-                for command in commands:
-                    self._apply(command)
-                if self.engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    self._step_started = time.monotonic()
-                    outputs = self.engine.step()
-                    self._step_started = None
-                    step_seconds = time.perf_counter() - t0
-                    self._dispatch(outputs)
-                    self._observe(step_seconds)
-                elif commands:
-                    self._observe(None)
-        except BaseException as exc:
-            logger.exception("the engine thread failed; the server can no longer serve")
+                outputs = client.get_output()
+                if outputs is not None:
+                    self._on_outputs(outputs)
+        except EngineDeadError:
+            self._die(client.dead_error)
+        except BaseException as exc:  # a bug on this side: the stream is lost, say so
+            logger.exception("the engine's output thread failed")
+            self._dead_error = exc
             self._die(exc)
 
-    def _observe(self, step_seconds: float | None) -> None:
-        if self.observer is None:
-            return
-        try:  # metrics must never be what stops the engine
-            self.observer.on_step(self.engine, step_seconds)
-        except Exception:
-            logger.exception("the step observer failed")
-
-    def _apply(self, command: Any) -> None:
-        if isinstance(command, _Add):
-            if command.done.set_running_or_notify_cancel():
-                try:
-                    self.engine.add_request(command.request_id, command.prompt, command.params,
-                                            **command.kwargs)
-                except Exception as exc:  # the engine's validation of this one request
-                    command.done.set_exception(exc)
-                    return
-                self._tracked[command.request_id] = command.tracked
-                command.done.set_result(None)
-        elif isinstance(command, _Abort):
-            ids = [rid for rid in command.request_ids if rid in self._tracked]
-            if ids:
-                self.engine.abort_request(ids)
-                for rid in ids:
-                    del self._tracked[rid]
-        elif isinstance(command, _FailAll):
-            ids = list(self._tracked)
-            if ids:
-                self.engine.abort_request(ids)
-                deliver((self._tracked.pop(rid), command.error) for rid in ids)
-        elif isinstance(command, _Call) and command.done.set_running_or_notify_cancel():
-            try:
-                command.done.set_result(command.fn(self.engine))
-            except Exception as exc:
-                command.done.set_exception(exc)
-
-    def _dispatch(self, outputs: list[Any]) -> None:
-        items = []
-        for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue  # aborted between the step and now
-            if out.finished:
-                del self._tracked[out.request_id]
-            items.append((tracked, out))
+    def _on_outputs(self, core: EngineCoreOutputs) -> None:
+        with self._lock:
+            processed = self.output_processor.process_outputs(core.outputs)
+            items = []
+            for out in processed.request_outputs:
+                rid = out.request_id
+                tracked = (self._tracked.pop(rid, None) if out.finished
+                           else self._tracked.get(rid))
+                if tracked is not None:
+                    items.append((tracked, out))
+        if processed.reqs_to_finish:  # stop strings: the core frees their blocks
+            self.client.abort_requests(processed.reqs_to_finish, FinishReason.STOP)
         deliver(items)
+        if core.scheduler_stats is not None:
+            self._core_stats = core.scheduler_stats
+        if core.step_seconds is not None:
+            self.iteration_stats = processed.stats
+        observer = self.observer
+        if observer is not None:
+            try:  # metrics must never be what stops the engine
+                observer.on_step(StatsView(self.get_stats(), processed.stats), core.step_seconds)
+            except Exception:
+                logger.exception("the step observer failed")
 
-    def _stop_all(self, unapplied: list[Any]) -> None:
-        ids = list(self._tracked)
-        if ids:
-            with contextlib.suppress(Exception):
-                self.engine.abort_request(ids)
-        error = EngineDeadError("the engine was shut down")
-        deliver((self._tracked.pop(rid), error) for rid in ids)
-        self._fail_queued(error, unapplied)
+    def _die(self, error: BaseException | None) -> None:
+        """The core is gone (or was shut down): fail everything still waiting."""
+        stopped = self._stopped_error() or EngineDeadError("the engine was shut down")
+        with self._lock:
+            tracked = self._tracked
+            self._tracked = {}
+        deliver((t, stopped) for t in tracked.values())
 
-    def _fail_queued(self, error: BaseException, commands: list[Any] | None = None) -> None:
-        """Fail the futures of commands that will never be applied (taken or still queued)."""
-        pending = list(commands or [])
-        while True:
-            try:
-                pending.append(self._commands.get_nowait())
-            except queue.Empty:
-                break
-        for command in pending:
-            if isinstance(command, (_Add, _Call)) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(error)
+    # ------------------------------------------------------------ shutdown
 
-    def _die(self, exc: BaseException) -> None:
-        self.dead_error = exc
-        error = EngineDeadError(f"the engine stopped after an error: {exc!r}")
-        deliver((tracked, error) for tracked in self._tracked.values())
-        self._tracked.clear()
-        # Keep answering commands so no caller waits forever on a future.
-        while True:
-            command = self._commands.get()
-            if command is _SHUTDOWN:
-                self._fail_queued(error)
-                return
-            if isinstance(command, (_Add, _Call)) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(error)
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine core (in-flight requests fail with EngineDeadError); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.client.shutdown(timeout)
+        self._output_thread.join(timeout)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)

@@ -161,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client = AsyncEngine.launch(config, max_pending=args.max_queue_len, observer=metrics,
                                     engine_threads=args.engine_threads, dashboard=settings)
     else:
-        from .engine_process import default_engine_threads
+        from pagemill.runtime.engine.core_client import default_engine_threads
 
         threads = args.engine_threads or default_engine_threads(config, own_process=False)
         if threads is not None:
@@ -177,7 +177,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
                         tool_call_parser=args.tool_call_parser)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
-              f"(max_model_len={client.engine.max_model_len})", file=sys.stderr, flush=True)
+              f"(max_model_len={client.max_model_len})", file=sys.stderr, flush=True)
         if hub is not None:
             print(f"pagemill: dashboard on http://{args.host}:{args.port}/dashboard",
                   file=sys.stderr, flush=True)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -73,17 +73,15 @@ def check_failed(outputs: Sequence[Any]) -> None:
             raise RequestFailedError(f"choice {c.index}: {c.stop_reason}")
 
 
-def map_finish_reason(reason: str | None) -> str | None:
-    # "ignored" means the prompt never fit the KV pool: to a client that is a length cut.
-    if reason in ("ignored", "abort"):
-        return "length"
-    return reason
-
-
-@dataclass
-class PromptInfo:
-    token_ids: list[int]
-    max_tokens: int
+def _param_of(message: str) -> str | None:
+    """The request field a validation message is about, for OpenAI's `param`."""
+    named = re.match(r"SamplingParams\.(\w+)", message)
+    if named:
+        return named.group(1)
+    for field in ("min_tokens", "max_tokens", "logit_bias", "prompt"):
+        if field in message:
+            return field
+    return None
 
 
 class ServingBase:
@@ -100,13 +98,12 @@ class ServingBase:
                                    else list(served_model_name))
         self.served_model_name = self.served_model_names[0]
         # The model's generation-config defaults for sampling fields a request leaves unset.
-        self.defaults: dict[str, Any] = dict(getattr(client.engine, "generation_defaults", {}))
+        self.defaults: dict[str, Any] = dict(client.generation_defaults)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         if vocab_limit is None:
             vocab_limit = len(tokenizer) if tokenizer is not None else 2**31
         self.vocab_limit = vocab_limit
-        self._text_byte_limit: int | None = None
 
     # ------------------------------------------------------------ checks
 
@@ -128,74 +125,21 @@ class ServingBase:
         """Run tokenizer work on the tokenizer thread, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    def text_byte_limit(self) -> int:
-        """Bytes of text past which a prompt can never fit the context, whatever it says.
-
-        No token covers more text than its longest vocabulary entry (B bytes; 4x margin for
-        normalizers), so a text of more than max_model_len x B x 4 bytes has more tokens
-        than fit: refused without tokenizing it (a multi-megabyte prompt costs seconds of
-        tokenizer time, and the tokenizer shares the interpreter lock with the event loop).
-        """
-        if self._text_byte_limit is None:
-            longest = 16
-            vocab = getattr(self.tokenizer, "get_vocab", None)
-            if callable(vocab):
-                longest = max((len(t.encode("utf-8", "replace")) for t in vocab()), default=16)
-            self._text_byte_limit = self.max_model_len * max(longest, 1) * 4
-        return self._text_byte_limit
-
     def check_text_size(self, text: str, param: str) -> None:
-        """Blocking (O(len) but no tokenizer): call through `off_loop`."""
-        size = len(text.encode("utf-8"))
-        if size > self.text_byte_limit():
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens; {param} is {size} bytes, more than that many tokens "
-                                "can hold.", param=param)
-
-    def encode(self, text: str) -> list[int]:
-        """Blocking: call through `off_loop`."""
-        if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids",
-                           param="prompt")
-        self.check_text_size(text, "prompt")
-        # The engine's own encoding, so counts match what it would compute from the text.
-        engine_encode = getattr(self.client.engine, "encode", None)
+        """Refuse text that can never fit the context without tokenizing it (blocking:
+        O(len), call through `off_loop`)."""
         try:
-            ids = engine_encode(text) if callable(engine_encode) else self.tokenizer.encode(text)
+            self.client.input_processor.check_text_size(text, param)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from exc
-        return list(ids)
+            raise APIError(400, str(exc), param=param) from exc
 
-    def check_prompt(self, token_ids: list[int], max_tokens: int | None,
-                     min_tokens: int = 0) -> PromptInfo:
-        """`max_tokens` None: the model's default max_tokens, capped to the room left (as
-        vLLM), else all of the room left."""
-        n = len(token_ids)
-        # An id past the embedding table would crash the engine step, not just this request.
-        if token_ids and max(token_ids) >= self.vocab_limit:
-            raise APIError(400, f"prompt token id {max(token_ids)} is outside the vocabulary "
-                                f"({self.vocab_limit} tokens)", param="prompt")
-        if n == 0:
-            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
-        if n >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, your prompt has {n} tokens, which leaves no "
-                                "room for a completion.", param="prompt")
-        if max_tokens is None:
-            max_tokens = min(self.defaults.get("max_tokens", self.max_model_len), self.max_model_len - n)
-        elif n + max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
-                                f"tokens. However, you requested {n + max_tokens} tokens ({n} in "
-                                f"the prompt, {max_tokens} for the completion). Please reduce "
-                                "the prompt or max_tokens.", param="max_tokens")
-        if min_tokens > max_tokens:
-            raise APIError(400, f"min_tokens ({min_tokens}) must not exceed max_tokens "
-                                f"({max_tokens})", param="min_tokens")
-        return PromptInfo(token_ids, max_tokens)
-
-    def sampling_params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         tool_schema: dict[str, Any] | None = None) -> SamplingParams:
-        """The request's SamplingParams; `tool_schema` forces a tool call (chat)."""
+        """The request's SamplingParams; `tool_schema` forces a tool call (chat).
+
+        `max_tokens` None: the model's default max_tokens capped to the room the prompt
+        leaves, else all of it (the input processor decides, once it knows the prompt).
+        """
         structured = structured_params(req, tool_schema)
         bias = logit_bias(req, self.vocab_limit)
         # A stream takes each step's new text as it comes; a whole answer is built once.
@@ -224,17 +168,19 @@ class ServingBase:
                 structured_outputs=structured,
             )
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
 
     # ------------------------------------------------------------ submission
 
-    async def submit(self, base_id: str, prompts: Sequence[PromptInfo],
+    async def submit(self, base_id: str, prompts: Sequence[str | list[int]],
                      params: Sequence[SamplingParams], req: SamplingFields, arrival_time: float
                      ) -> tuple[asyncio.Queue[Any], list[str]]:
         """Add one engine request per prompt, all feeding one queue; errors become APIErrors.
 
-        `arrival_time` is when the HTTP request arrived (monotonic): tokenization and the
-        wait for the engine thread count towards the latency a client sees.
+        The front end validates each (tokenizing text off the event loop): its ValueError
+        is a 400 naming the problem. `arrival_time` is when the HTTP request arrived
+        (monotonic): tokenization and the wait for the engine count towards the latency a
+        client sees.
         """
         total = sum(sp.n for sp in params)
         limit = self.client.max_pending
@@ -247,7 +193,7 @@ class ServingBase:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = f"{base_id}-{i}"
-                await self.client.add_request(rid, prompt.token_ids, sp, out_queue=out_queue,
+                await self.client.add_request(rid, prompt, sp, out_queue=out_queue,
                                               priority=req.priority, cache_salt=req.cache_salt,
                                               arrival_time=arrival_time)
                 ids.append(rid)
@@ -260,7 +206,7 @@ class ServingBase:
             if isinstance(exc, EngineDeadError):
                 raise failure(exc) from exc
             if isinstance(exc, ValueError):
-                raise APIError(400, str(exc)) from exc
+                raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
             raise
         return out_queue, ids
 

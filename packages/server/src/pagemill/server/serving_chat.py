@@ -34,12 +34,10 @@ from .protocol import (
 from .protocol_structured import ToolCallMessage
 from .serving_base import (
     SSE_DONE,
-    PromptInfo,
     ReleasingStream,
     ServingBase,
     check_failed,
     failure_events,
-    map_finish_reason,
     now,
     split_logprobs,
     sse,
@@ -99,7 +97,7 @@ class ChatServing(ServingBase):
                                         "unless started with --allow-special-tokens-in-chat)",
                                    param="messages", code="special_token_in_content")
         try:
-            ids = self.client.engine.apply_chat_template(
+            ids = self.client.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
         except Exception as exc:  # no template, or one that rejects e.g. this role order
             if type(exc).__module__.startswith("jinja2"):  # the template's own words
@@ -109,17 +107,15 @@ class ChatServing(ServingBase):
                                  exc) from exc
         return list(ids)
 
-    def _prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> PromptInfo:
-        return self.check_prompt(self.render(req, plan), req.effective_max_tokens,
-                                 req.min_tokens)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Request
                      ) -> ChatCompletionResponse | AsyncIterator[str]:
         arrival = now()
         self.check_model(req.model)
         plan = ToolPlan.from_request(req, self.tool_parser)
-        prompt = await self.off_loop(self._prompt, req, plan)
-        params = self.sampling_params(req, prompt.max_tokens, req.num_logprobs, plan.schema)
+        prompt = await self.off_loop(self.render, req, plan)
+        params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs,
+                                      plan.schema)
         request_id = random_id("chatcmpl")
         out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
         if req.stream:
@@ -136,7 +132,7 @@ class ChatServing(ServingBase):
                 ToolCallMessage.model_validate(call.to_openai()) for call in calls])
             choices.append(ChatCompletionChoice(
                 index=c.index, message=message, logprobs=logprobs,
-                finish_reason=plan.finish_reason(map_finish_reason(c.finish_reason), calls),
+                finish_reason=plan.finish_reason(c.finish_reason, calls),
                 stop_reason=c.stop_reason))
         n_prompt, n_completion = usage_counts([final])
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
@@ -193,7 +189,7 @@ class ChatServing(ServingBase):
                             yield chunk(c.index, delta)
                         delta = deltas[-1] if deltas else {}
                         if c.finish_reason is not None:
-                            reason = plan.finish_reason(map_finish_reason(c.finish_reason),
+                            reason = plan.finish_reason(c.finish_reason,
                                                         tools.calls)
                             yield chunk(c.index, delta, logprobs, reason, c.stop_reason)
                         elif delta or logprobs:

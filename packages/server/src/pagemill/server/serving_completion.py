@@ -19,12 +19,10 @@ from .protocol import (
 )
 from .serving_base import (
     SSE_DONE,
-    PromptInfo,
     ReleasingStream,
     ServingBase,
     check_failed,
     failure_events,
-    map_finish_reason,
     now,
     split_logprobs,
     sse,
@@ -34,25 +32,17 @@ from .serving_base import (
 
 
 class CompletionServing(ServingBase):
-    def _prompts(self, req: CompletionRequest) -> list[PromptInfo]:
-        """Tokenized and checked prompts (blocking: runs on the tokenizer thread)."""
-        prompts: list[PromptInfo] = []
-        # OpenAI's default of 16 yields to the model's default max_tokens when it has one.
-        unset = "max_tokens" not in req.model_fields_set and "max_tokens" in self.defaults
-        max_tokens = None if unset else req.max_tokens
-        for p in req.prompts():
-            ids = self.encode(p) if isinstance(p, str) else list(p)
-            prompts.append(self.check_prompt(ids, max_tokens, req.min_tokens))
-        return prompts
-
     async def create(self, req: CompletionRequest, raw_request: Request
                      ) -> CompletionResponse | AsyncIterator[str]:
         arrival = now()
         self.check_model(req.model)
-        prompts = await self.off_loop(self._prompts, req)
-        params = [self.sampling_params(req, p.max_tokens, req.logprobs) for p in prompts]
+        prompts = req.prompts()
+        # OpenAI's default of 16 yields to the model's default max_tokens when it has one.
+        unset = "max_tokens" not in req.model_fields_set and "max_tokens" in self.defaults
+        params = self.sampling_params(req, None if unset else req.max_tokens, req.logprobs)
         request_id = random_id("cmpl")
-        out_queue, ids = await self.submit(request_id, prompts, params, req, arrival)
+        out_queue, ids = await self.submit(request_id, prompts, [params] * len(prompts), req,
+                                           arrival)
         if req.stream:
             return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
         finals = await self.collect(raw_request, out_queue, ids)
@@ -64,7 +54,7 @@ class CompletionServing(ServingBase):
                     logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
                 choices.append(CompletionChoice(
                     index=i * req.n + c.index, text=c.text, logprobs=logprobs,
-                    finish_reason=map_finish_reason(c.finish_reason), stop_reason=c.stop_reason))
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         n_prompt, n_completion = usage_counts(finals)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                   usage=UsageInfo(prompt_tokens=n_prompt,
@@ -115,7 +105,7 @@ class CompletionServing(ServingBase):
                         sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
                         n_completion += len(c.token_ids)
                         if c.finish_reason is not None:
-                            yield chunk(key, c.text, logprobs, map_finish_reason(c.finish_reason),
+                            yield chunk(key, c.text, logprobs, c.finish_reason,
                                         c.stop_reason)
                         elif c.text or logprobs:
                             yield chunk(key, c.text, logprobs)

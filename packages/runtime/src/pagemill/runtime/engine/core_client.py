@@ -135,8 +135,6 @@ def _stats_only(core: EngineCore) -> EngineCoreOutputs:
 class InprocClient(EngineCoreClient):
     """The core in the caller's thread: `get_output` runs one step."""
 
-    on_event = None
-
     def __init__(self, core: EngineCore) -> None:
         self.engine_core = core
         self.info = core.ready_message()
@@ -361,6 +359,10 @@ class ThreadedClient(_LoopClient):
         core.on_worker_failure(self._die)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def set_observer(self, observer: CoreObserver | None) -> None:
+        """Look at the core after each step from now on (the loop reads it each step)."""
+        self._loop.observer = observer
 
     def _recv(self, block: bool) -> Any:
         if block:

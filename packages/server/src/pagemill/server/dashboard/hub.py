@@ -20,7 +20,7 @@ from typing import Any
 
 from .events import events_between
 from .series import SeriesRecorder
-from .snapshot import snapshot_engine
+from .snapshot import PROMPT_PREVIEW_CHARS, snapshot_engine
 from .tap import DashboardSettings, LocalWatchers, SnapshotTap, WatcherCount
 
 logger = logging.getLogger(__name__)
@@ -64,15 +64,19 @@ class DashboardHub:
         self.closed = False
 
     def attach(self, client: Any) -> None:
-        """Take pictures from `client`'s engine: through the pipe of an engine process started
-        with dashboard settings, else here on the engine thread (in `on_step`)."""
+        """Take pictures from `client`'s engine core, in the core's own thread or process
+        (a core process must have been launched with dashboard settings); prompts, which
+        only the front end holds, are joined here (`--dashboard-show-prompts`)."""
         self.client = client
         shared = getattr(client, "dashboard_watchers", None)
         if shared is not None:
             self.watchers = shared
-            client.on_dashboard = self.publish_snapshot
         else:
-            self._tap = SnapshotTap(self.settings, self.watchers)
+            tap = SnapshotTap(self.settings, self.watchers)
+            attach = getattr(client, "attach_core_observer", None)
+            if attach is None or not attach(tap):
+                self._tap = tap  # a client without a core thread: pictures in on_step
+        client.on_dashboard = self.publish_snapshot
 
     # ------------------------------------------------------------ producers (any thread)
 
@@ -92,6 +96,7 @@ class DashboardHub:
                 self.publish_snapshot(snap)
 
     def publish_snapshot(self, snap: dict[str, Any]) -> None:
+        self._add_prompts(snap)
         with self._lock:
             latest = self.latest
             if latest is not None and snap["t"] < latest["t"]:
@@ -100,6 +105,16 @@ class DashboardHub:
             self.latest = snap
             self.events.extend(events)
         self._broadcast({"type": "snapshot", "snapshot": snap, "events": events})
+
+    def _add_prompts(self, snap: dict[str, Any]) -> None:
+        prompt_of = getattr(self.client, "prompt_of", None)
+        if not self.settings.show_prompts or prompt_of is None:
+            return
+        for row in (*snap.get("running", ()), *snap.get("waiting", ())):
+            if "prompt" not in row:
+                text = prompt_of(row["id"])
+                if text is not None:
+                    row["prompt"] = text[:PROMPT_PREVIEW_CHARS]
 
     def flush(self) -> None:
         """Close a chart bucket whose time is over (pages call it while idle)."""

@@ -128,9 +128,11 @@ def snapshot_scheduler(scheduler: Any, *, prompt_of: Callable[[str], str | None]
 
 
 def snapshot_engine(engine: Any, show_prompts: bool = False, **kwargs: Any) -> dict[str, Any] | None:
-    """`snapshot_scheduler` of an `LLMEngine` (None for an engine without a scheduler, such as
-    a test double). Module-level, so `AsyncEngine.call(partial(snapshot_engine, ...))` can
-    run it in an engine process."""
+    """`snapshot_scheduler` of an engine core, or of an `LLMEngine` (None for an object
+    without a scheduler, such as a test double). Module-level, so
+    `AsyncEngine.call(partial(snapshot_engine, ...))` can run it in an engine process. The
+    core holds no prompt text: `show_prompts` adds it only where the object has an output
+    processor (the front end joins prompts otherwise, see `DashboardHub`)."""
     scheduler = getattr(engine, "scheduler", None)
     if scheduler is None or not hasattr(scheduler, "kv_cache_manager"):
         return None
