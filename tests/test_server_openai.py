@@ -485,7 +485,7 @@ def test_disconnect_mid_stream_frees_blocks(live: Live) -> None:
         # One step may have been running; the abort's final report takes one more call.
         assert steps[0] - steps_at_disconnect <= 2
     finally:
-        del live.engine.step
+        del live.engine.engine_core.step
     assert wait_for(lambda: live.metrics().get(abort_key, 0) == before.get(abort_key, 0) + 1,
                     timeout=10), "the disconnected request was not aborted"
 
@@ -504,7 +504,7 @@ def test_disconnect_while_waiting_for_whole_answer(live: Live) -> None:
         stats = live.wait_idle()
         assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     finally:
-        del live.engine.step
+        del live.engine.engine_core.step
     assert wait_for(lambda: live.metrics().get(abort_key, 0) == before.get(abort_key, 0) + 1,
                     timeout=10), "the abandoned request was not aborted"
 
@@ -591,7 +591,7 @@ def test_queue_limit_and_dead_engine(model_dir: Path) -> None:
             def explode() -> None:
                 raise RuntimeError("simulated device failure")
 
-            engine.step = explode  # the next step of the engine thread raises
+            engine.engine_core.step = explode  # the next step of the core thread raises
             rest = "\n".join(lines)
             assert '"code": 503' in rest or '"code":503' in rest
             assert rest.rstrip().endswith("data: [DONE]")

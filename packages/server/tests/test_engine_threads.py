@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagemill.server import engine_process
-from pagemill.server.engine_process import (
+from pagemill.runtime.engine import core_client as engine_process
+from pagemill.runtime.engine.core_client import (
     ENGINE_GOMP_SPINCOUNT,
     _engine_environment,
     default_engine_threads,
