@@ -1,13 +1,16 @@
-"""Shared by the server reliability tests: a tiny real model, servers on loopback."""
+"""Shared by the server tests: a tiny real model, servers on loopback, and the pieces to put
+an engine-core double behind the real front end (`CoreDouble`, `front_end`)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 CHAT_TEMPLATE = (
@@ -53,6 +56,54 @@ def engine_kwargs(folder: Path, num_blocks: int = 64, max_model_len: int = 256) 
     return dict(model=str(folder), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                 kv_cache_memory_bytes=num_blocks * BLOCK_SIZE * 2 * 2 * 2 * 16 * 4,
                 max_num_batched_tokens=512, max_model_len=max_model_len)
+
+
+class CoreDouble:
+    """The `EngineCore` surface a client drives, for doubles that script what a core does:
+    subclasses define `add_request`, `abort_requests`, `has_unfinished_requests` and `step`
+    (returning `EngineCoreOutputs`). `max_model_len` and the pool size are what the core
+    reports when it is ready."""
+
+    max_model_len = 1024
+    num_blocks = 1
+    block_size = BLOCK_SIZE
+
+    def ready_message(self) -> Any:
+        from pagemill.runtime.engine.protocol import EngineCoreReady
+
+        return EngineCoreReady(self.max_model_len, self.num_blocks, self.block_size, "float32",
+                               "cpu", os.getpid())
+
+    def get_stats(self) -> Any:
+        from pagemill.runtime.engine.protocol import SchedulerStats
+
+        return SchedulerStats(num_blocks=self.num_blocks, block_size=self.block_size)
+
+    def on_worker_failure(self, handler: Any) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def toy_assets(vocab_size: int = 1000, eos_token_ids: Sequence[int] = (0,),
+               tokenizer: Any = None) -> Any:
+    """`ModelAssets` for a core double: no folder, no tokenizer (token-id prompts only)."""
+    from pagemill.runtime.engine.model_assets import ModelAssets
+
+    model_config = SimpleNamespace(vocab_size=vocab_size, eos_token_ids=list(eos_token_ids))
+    return ModelAssets(Path("."), model_config, tokenizer, {})  # type: ignore[arg-type]
+
+
+def front_end(core: Any, *, assets: Any = None, client_cls: Any = None, **kwargs: Any) -> Any:
+    """The server's real front end (`AsyncEngine`) over `core` on its own thread
+    (a `ThreadedClient`, or `client_cls`)."""
+    from pagemill.runtime.engine.core_client import ThreadedClient
+    from pagemill.server import AsyncEngine
+
+    client = (client_cls or ThreadedClient)(core)
+    return AsyncEngine(client=client, assets=assets if assets is not None else toy_assets(),
+                       **kwargs)
 
 
 def free_socket() -> socket.socket:

@@ -1,7 +1,8 @@
 """Server pieces that need no model: request validation, deltas, the CLI, the engine thread.
 
-The engine-thread tests drive `AsyncEngine` with a scripted engine: it makes failures
-(an engine that raises, a shutdown mid-request) easy to provoke and exact to check.
+The engine-thread tests drive the real front end (`AsyncEngine`: input and output
+processing) over a scripted engine core on its own thread (`ThreadedClient`): it makes
+failures (a core that raises, a shutdown mid-request) easy to provoke and exact to check.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from server_helpers import CoreDouble, front_end
 
-from pagemill.runtime import CompletionOutput, EngineStats, RequestOutput, SamplingParams
+from pagemill.runtime import SamplingParams
 from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
-from pagemill.runtime.engine.output_processor import FinishedRequestStats, IterationStats
+from pagemill.runtime.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from pagemill.server import AsyncEngine, EngineDeadError, QueueFullError
 from pagemill.server.cli import build_parser, parse_size
 from pagemill.server.errors import error_body
@@ -167,55 +175,44 @@ def test_cli_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
 # ---------------------------------------------------------------- engine thread
 
 
-class ScriptedEngine:
-    """Emits one token per step per request until max_tokens; can be told to fail."""
+class ScriptedCore(CoreDouble):
+    """An engine core that emits one token per step per request (ids 0, 1, 2, ...) until
+    max_tokens; can be told to fail. The front end over it is the server's real one."""
+
+    max_model_len = 10**7
 
     def __init__(self) -> None:
-        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
-        self.iteration_stats = IterationStats()
+        self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self.fail_next_step = False
         self.steps = 0
         self.step_threads: set[str] = set()
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, **_: Any) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        self.requests[request_id] = (list(prompt), params, [])
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.requests[request.request_id] = (request, [])
 
-    def abort_request(self, request_ids: Any) -> None:
+    def abort_requests(self, request_ids: Any, reason: FinishReason = FinishReason.ABORT) -> None:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineCoreOutputs:
         self.steps += 1
         self.step_threads.add(threading.current_thread().name)
         if self.fail_next_step:
             raise RuntimeError("device lost")
         outs = []
-        stats = IterationStats()
-        for rid, (prompt, params, toks) in list(self.requests.items()):
+        for rid, (request, toks) in list(self.requests.items()):
             toks.append(len(toks))
-            done = len(toks) >= params.max_tokens
-            outs.append(RequestOutput(rid, None, prompt, [CompletionOutput(
-                0, "x" * len(toks), list(toks), finish_reason="length" if done else None)], done))
-            stats.num_generation_tokens += 1
-            if len(toks) == 1:
-                stats.num_prompt_tokens += len(prompt)
+            done = len(toks) >= request.max_tokens
+            outs.append(EngineCoreOutput(rid, [toks[-1]], FinishReason.LENGTH if done else None))
             if done:
-                stats.finished_requests.append(FinishedRequestStats("length", 0.0, 0.0,
-                                                                    len(prompt), len(toks)))
                 del self.requests[rid]
-        self.iteration_stats = stats
-        return outs
+        return EngineCoreOutputs(outs, num_scheduled_tokens=len(outs))
 
-    def get_stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.requests), num_waiting=0, kv_cache_usage=0.0,
-                           prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
-                           prompt_tokens_total=0, generation_tokens_total=0,
-                           num_requests_finished=0, num_blocks=1, block_size=16)
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.requests), num_blocks=1, block_size=16)
 
 
 async def _collect(client: AsyncEngine, rid: str, n: int) -> list[Any]:
@@ -224,12 +221,12 @@ async def _collect(client: AsyncEngine, rid: str, n: int) -> list[Any]:
 
 
 def test_engine_thread_streams_and_idles() -> None:
-    engine = ScriptedEngine()
+    engine = ScriptedCore()
     metrics = EngineMetrics("m")
-    client = AsyncEngine(engine, observer=metrics)
+    client = front_end(engine, observer=metrics)
     try:
         outs = asyncio.run(_collect(client, "r1", 4))
-        assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3, 4]
+        assert [o.outputs[0].token_ids for o in outs] == [[0], [1], [2], [3]]  # deltas
         assert outs[-1].finished and client.num_pending == 0
         assert engine.step_threads == {"pagemill-engine"}  # never the event loop's thread
         steps = engine.steps
@@ -245,7 +242,7 @@ def test_engine_thread_streams_and_idles() -> None:
 
 
 def test_engine_validation_error_reaches_caller() -> None:
-    client = AsyncEngine(ScriptedEngine())
+    client = front_end(ScriptedCore())
     try:
         with pytest.raises(ValueError, match="empty"):
             asyncio.run(client.add_request("bad", [], SamplingParams()))
@@ -255,8 +252,8 @@ def test_engine_validation_error_reaches_caller() -> None:
 
 
 def test_queue_limit() -> None:
-    engine = ScriptedEngine()
-    client = AsyncEngine(engine, max_pending=1)
+    engine = ScriptedCore()
+    client = front_end(engine, max_pending=1)
 
     async def main() -> None:
         q = await client.add_request("a", [1], SamplingParams(max_tokens=1000))
@@ -275,8 +272,8 @@ def test_queue_limit() -> None:
 
 
 def test_engine_failure_kills_client_and_fails_requests() -> None:
-    engine = ScriptedEngine()
-    client = AsyncEngine(engine)
+    engine = ScriptedCore()
+    client = front_end(engine)
 
     async def main() -> None:
         q = await client.add_request("a", [1], SamplingParams(max_tokens=10**6))
@@ -299,8 +296,8 @@ def test_engine_failure_kills_client_and_fails_requests() -> None:
 
 
 def test_leaving_a_stream_aborts_the_request() -> None:
-    engine = ScriptedEngine()
-    client = AsyncEngine(engine)
+    engine = ScriptedCore()
+    client = front_end(engine)
 
     async def main() -> None:
         q = await client.add_request("a", [1], SamplingParams(max_tokens=10**6))
@@ -321,21 +318,21 @@ def test_a_blocked_event_loop_does_not_hold_up_the_engine_thread() -> None:
     """The engine thread never waits on the loop: with the loop blocked (here on an event,
     as a handler stuck in a blocking call would be) the engine runs every step, and the
     outputs it delivered meanwhile are all there, in order, once the loop runs again."""
-    engine = ScriptedEngine()
+    engine = ScriptedCore()
     all_steps_done = threading.Event()
     original = engine.step
     n = 50
     finished: list[str] = []
 
-    def step() -> list[RequestOutput]:
+    def step() -> EngineCoreOutputs:
         outs = original()
-        finished.extend(o.request_id for o in outs if o.finished)
+        finished.extend(o.request_id for o in outs.outputs if o.finished)
         if len(finished) == 2:
             all_steps_done.set()
         return outs
 
     engine.step = step  # type: ignore[method-assign]
-    client = AsyncEngine(engine)
+    client = front_end(engine)
 
     async def main() -> list[Any]:
         q1 = await client.add_request("a", [1], SamplingParams(max_tokens=n))
@@ -348,16 +345,16 @@ def test_a_blocked_event_loop_does_not_hold_up_the_engine_thread() -> None:
 
     try:
         outs = asyncio.run(asyncio.wait_for(main(), timeout=90))
-        a = [len(o.outputs[0].token_ids) for o in outs if o.request_id == "a"]
-        b = [len(o.outputs[0].token_ids) for o in outs if o.request_id == "b"]
-        assert a == list(range(1, n + 1)) and b == list(range(1, n // 2 + 1))
+        a = [o.outputs[0].token_ids for o in outs if o.request_id == "a"]
+        b = [o.outputs[0].token_ids for o in outs if o.request_id == "b"]
+        assert a == [[i] for i in range(n)] and b == [[i] for i in range(n // 2)]
         assert client.num_pending == 0
     finally:
         client.shutdown()
 
 
 def test_commands_after_shutdown_fail_instead_of_hanging() -> None:
-    client = AsyncEngine(ScriptedEngine())
+    client = front_end(ScriptedCore())
     client.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         asyncio.run(asyncio.wait_for(client.add_request("a", [1], SamplingParams()), 10))
