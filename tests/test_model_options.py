@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -139,13 +140,26 @@ def test_sampling_params_built_from_defaults(reference) -> None:
     from pagemill.server.protocol import CompletionRequest
     from pagemill.server.serving_completion import CompletionServing
 
-    serving = CompletionServing(type("C", (), {"engine": reference})(), "m", max_model_len=128,
-                                tokenizer=None, vocab_limit=300)
+    # The front end's view of the model (`AsyncEngine` has these), from a real engine.
+    client = SimpleNamespace(generation_defaults=reference.generation_defaults,
+                             input_processor=reference.input_processor)
+    serving = CompletionServing(client, "m", max_model_len=128, tokenizer=None, vocab_limit=300)
     sp = serving.sampling_params(CompletionRequest(prompt=[1]), 5, None)
     assert (sp.temperature, sp.top_k, sp.repetition_penalty, sp.top_p) == (0.0, 7, 1.3, 1.0)
     sp = serving.sampling_params(CompletionRequest(prompt=[1], temperature=0.5, top_k=None), 5, None)
     assert (sp.temperature, sp.top_k) == (0.5, 7)  # null is unset, as vLLM
-    assert serving.check_prompt([1] * 125, None).max_tokens == 3  # the default, capped to the room
+    # max_tokens unset: the model's default, capped to the room the prompt leaves (the input
+    # processor, the one validator, decides once it knows the prompt).
+    sp = serving.sampling_params(CompletionRequest(prompt=[1]), None, None)
+    assert sp.max_tokens is None
+
+    def max_tokens(n_prompt: int) -> int:
+        processed = reference.input_processor.process("d", [1] * n_prompt, sp, priority=0,
+                                                      cache_salt=None, arrival_time=0.0)
+        return processed.completions[0].max_tokens
+
+    assert reference.max_model_len == 128
+    assert max_tokens(125) == 3 and max_tokens(10) == 5
 
 
 # ---------------------------------------------------------------- --served-model-name
@@ -188,12 +202,13 @@ def test_chat_template_inline_or_file(model_dir, tmp_path) -> None:
 def test_chat_template_reaches_the_api_process_side(model_dir) -> None:
     """With the engine in its own process, the API side renders chats: same template there."""
     from pagemill.runtime import EngineConfig
-    from pagemill.server.engine_process import EngineInfo
+    from pagemill.runtime.engine.model_assets import ModelAssets
 
+    # What `AsyncEngine.launch` loads on the API side (the core process loads its own).
     config = EngineConfig(model=str(model_dir), chat_template=OTHER_TEMPLATE, generation_config="vllm")
-    info = EngineInfo(config, {"model_path": str(model_dir), "max_model_len": 128})
-    assert info.tokenizer.chat_template == OTHER_TEMPLATE
-    assert info.generation_defaults == {}
+    assets = ModelAssets.load(config)
+    assert assets.tokenizer.chat_template == OTHER_TEMPLATE
+    assert assets.generation_defaults == {}
 
 
 # ---------------------------------------------------------------- bad models at start-up
