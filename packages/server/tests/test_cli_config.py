@@ -143,7 +143,6 @@ def test_api_key_from_the_environment() -> None:
 def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     import pagemill.server.api_server as api_server
     import pagemill.server.async_engine as async_engine
-    import pagemill.server.engine_process  # noqa: F401  (subclasses AsyncEngine: import before the patch)
     import pagemill.server.metrics as metrics
     import pagemill.server.shutdown as shutdown
 
@@ -161,7 +160,8 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     monkeypatch.setattr(cli, "_make_engine", make_engine)
     monkeypatch.setattr(cli, "check_model", lambda config: seen.update(checked=config.model))
     monkeypatch.setattr(async_engine, "AsyncEngine",
-                        lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None))
+                        lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None,
+                                                             max_model_len=engine.max_model_len))
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
     monkeypatch.setattr(api_server, "build_app", build_app)
     monkeypatch.setattr(shutdown, "serve",
