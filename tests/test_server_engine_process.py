@@ -195,7 +195,7 @@ def test_shutdown_ends_streams_and_refuses_later_requests(model_dir: Path) -> No
 
     try:
         asyncio.run(asyncio.wait_for(main(), timeout=120))
-        assert not client.process.is_alive() and not client.is_dead
+        assert not client.client.process.is_alive() and not client.is_dead  # the MPClient's
     finally:
         client.shutdown()
 

@@ -223,7 +223,10 @@ class AsyncEngine:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         if engine_threads is not None and engine_threads < 1:
             raise ValueError(f"engine_threads must be None or >= 1, got {engine_threads}")
-        assets = ModelAssets.load(config)  # the front end's tokenizer; a download happens here
+        try:
+            assets = ModelAssets.load(config)  # the front end's tokenizer; a download happens here
+        except Exception as exc:  # as a core that cannot start: RuntimeError saying why
+            raise RuntimeError(f"the engine could not start: {exc}") from exc
         watchers = factory = None
         if dashboard is not None:
             from .dashboard.tap import SnapshotTap
