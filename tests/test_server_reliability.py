@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import operator
+import re
 import socket
 import threading
 import time
@@ -19,10 +20,20 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import ServeThread, build_tiny_llama, closed_within, engine_kwargs, raw_socket
+from server_helpers import (
+    CoreDouble,
+    ServeThread,
+    build_tiny_llama,
+    closed_within,
+    engine_kwargs,
+    front_end,
+    raw_socket,
+)
 
 from pagemill.runtime import LLMEngine, SamplingParams
+from pagemill.runtime.engine.core_client import ThreadedClient
 from pagemill.runtime.engine.fault_isolation import inject_token_fault
+from pagemill.runtime.engine.protocol import EngineCoreOutputs
 from pagemill.runtime.sampling_params import RequestOutputKind
 from pagemill.server import AsyncEngine, ServerThread, build_app
 from pagemill.server.connection_limits import ConnectionLimits
@@ -202,34 +213,33 @@ def test_engine_process_device_error_exits_nonzero(model_dir: Path) -> None:
 # ---------------------------------------------------------------- 2. watchdog
 
 
-class HangingEngine:
-    """A double whose step blocks until released: a stuck forward pass."""
+class HangingCore(CoreDouble):
+    """An engine-core double whose step blocks until released: a stuck forward pass."""
 
     max_model_len = 64
-    tokenizer = None
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.pending: list[str] = []
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, **kw: Any) -> None:
-        self.pending.append(request_id)
+    def add_request(self, request: Any) -> None:
+        self.pending.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.pending)
 
-    def step(self) -> list[Any]:
+    def step(self) -> EngineCoreOutputs:
         self.release.wait(60)
         self.pending.clear()
-        return []
+        return EngineCoreOutputs()
 
-    def abort_request(self, ids: Any) -> None:
+    def abort_requests(self, ids: Any, reason: Any = None) -> None:
         pass
 
 
 def test_stuck_step_turns_health_503_then_exits_nonzero() -> None:
-    engine = HangingEngine()
-    client = AsyncEngine(engine)
+    engine = HangingCore()
+    client = front_end(engine)
     try:
         watchdog = Watchdog(client, step_timeout=0.5, grace=1.5)
         app = build_app(client, MODEL, watchdog=watchdog)
@@ -312,11 +322,11 @@ def test_seeds_range_and_copies(live: Live) -> None:
 
 
 def test_n_counts_against_the_queue(model_dir: Path) -> None:
-    class Slow(HangingEngine):
+    class Slow(HangingCore):
         max_model_len = 64
 
     engine = Slow()
-    client = AsyncEngine(engine, max_pending=4)
+    client = front_end(engine, max_pending=4)
     app = build_app(client, MODEL)
     try:
         with ServerThread(app) as url:
@@ -345,21 +355,55 @@ def test_n_counts_against_the_queue(model_dir: Path) -> None:
 
 
 def test_internal_errors_are_generic_with_an_id(model_dir: Path, caplog: Any) -> None:
-    class Leaky(HangingEngine):
-        def add_request(self, *a: Any, **kw: Any) -> None:
-            raise RuntimeError("request cmpl-of-someone-else failed at /srv/secret/path")
+    secret = "request cmpl-of-someone-else failed at /srv/secret/path"
 
-    client = AsyncEngine(Leaky())
+    class LeakyClient(ThreadedClient):
+        """The front end's hand-over to the core fails (a broken pipe to a core process)."""
+
+        def add_request(self, request: Any) -> None:
+            raise RuntimeError(secret)
+
+    class LeakyCore(HangingCore):
+        """The core itself refuses a request it was handed."""
+
+        def add_request(self, request: Any) -> None:
+            raise RuntimeError(secret)
+
+    def error_id_of(r: httpx.Response) -> str:
+        assert r.status_code == 500
+        message = r.json()["error"]["message"]
+        assert "secret" not in message and "someone" not in message
+        return message.split("error id ")[1].rstrip(")")
+
+    def records() -> list[str]:
+        return [rec.getMessage() + "\n" + (rec.exc_text or "") for rec in caplog.records]
+
+    client = front_end(HangingCore(), client_cls=LeakyClient)
     app = build_app(client, MODEL)
     try:
         with ServerThread(app) as url:
             r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
-            assert r.status_code == 500
-            message = r.json()["error"]["message"]
-            assert "secret" not in message and "someone" not in message
-            error_id = message.split("error id ")[1].rstrip(")")
+            error_id = error_id_of(r)
+            # The log has the details under the same id.
             assert any(error_id in rec.getMessage() and "secret" in rec.getMessage()
                        for rec in caplog.records)
+    finally:
+        client.shutdown()
+
+    caplog.clear()
+    client = front_end(LeakyCore())
+    app = build_app(client, MODEL)
+    try:
+        with ServerThread(app) as url:
+            r = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                           timeout=30)
+            error_id = error_id_of(r)
+            # The request failed in the core: the line with the error id names the request,
+            # and the core's words are logged under that request's id.
+            [line] = [m for m in records() if error_id in m]
+            request_id = re.search(r"cmpl-[0-9a-f]+", line)
+            assert request_id is not None, line
+            assert any(request_id.group(0) in m and "secret" in m for m in records())
     finally:
         client.shutdown()
 
