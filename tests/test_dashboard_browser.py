@@ -1,7 +1,7 @@
 """The dashboard page in a real headless Chromium (Debian's, driven by Playwright).
 
-The engine is scripted (`dashboard_helpers.ScriptedEngine`: the real scheduler and block
-pool, no model), so the pool's state is known exactly: requests with a shared 3-block
+The engine core is scripted (`dashboard_helpers.ScriptedCore`: the real scheduler and block
+pool, no model; behind the server's real front end), so the pool's state is known exactly: requests with a shared 3-block
 prefix must show those blocks with ref count 2 and both owners on hover, and once every
 request has ended the grid must show no block in use. A screenshot of a busier moment
 (preemptions, cached blocks, charts) is written too: to the test's tmp folder, and to
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_helpers import ScriptedEngine, find_chromium
+from dashboard_helpers import ScriptedCore, find_chromium
+from server_helpers import front_end
 
 from pagemill.server import AsyncEngine, ServerThread, build_app
 from pagemill.server.dashboard import DashboardHub, DashboardSettings
@@ -51,9 +52,9 @@ def browser() -> Iterator[Any]:
 
 
 @pytest.fixture
-def served() -> Iterator[tuple[str, ScriptedEngine, AsyncEngine, DashboardHub]]:
-    engine = ScriptedEngine(NUM_BLOCKS, max_num_seqs=6, step_delay=0.01)
-    client = AsyncEngine(engine)
+def served() -> Iterator[tuple[str, ScriptedCore, AsyncEngine, DashboardHub]]:
+    engine = ScriptedCore(NUM_BLOCKS, max_num_seqs=6, step_delay=0.01)
+    client = front_end(engine)
     hub = DashboardHub(DashboardSettings(0.05), model_name="scripted")
     app = build_app(client, "scripted", dashboard=hub)
     try:
@@ -74,7 +75,7 @@ def _cells(page: Any) -> list[dict[str, str]]:
                        "text: c.textContent}))")
 
 
-def _script_shared_prefix(e: ScriptedEngine) -> None:
+def _script_shared_prefix(e: ScriptedCore) -> None:
     e.add("req-a", [*PREFIX, 100, 101, 102], max_tokens=30)
     e.schedule_once()  # a's blocks are computed and cached: b's prefix hits them
     e.add("req-b", [*PREFIX, 200, 201], max_tokens=30)
@@ -82,19 +83,19 @@ def _script_shared_prefix(e: ScriptedEngine) -> None:
     e.schedule_once()
 
 
-def _workload(e: ScriptedEngine) -> None:
+def _workload(e: ScriptedCore) -> None:
     for i in range(14):
         e.add(f"chat-{i}", [*PREFIX, *range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)],
               max_tokens=150 + 60 * (i % 4))
     e.paused = False
 
 
-def _run_fast(e: ScriptedEngine) -> None:
+def _run_fast(e: ScriptedCore) -> None:
     e.step_delay = 0.0
     e.paused = False
 
 
-def _pause(e: ScriptedEngine) -> None:
+def _pause(e: ScriptedCore) -> None:
     e.paused = True
 
 

@@ -4,8 +4,8 @@ A tiny random-weight Llama on the engine thread (`AsyncEngine(LLMEngine)`): the 
 files are served from the package, the whole /dashboard tree is behind the API key (Bearer,
 or Basic with the key as password, which a browser can send), pictures are taken only while
 a page watches, the feed shows the request running and then every block free, and no prompt
-text leaves the engine unless asked for. The engine process's side (`_CoreLoop` with a
-`SnapshotTap`, pictures over the pipe) is checked on a thread with a scripted engine, and
+text leaves the engine unless asked for. The engine process's side (`EngineCoreLoop` with a
+`SnapshotTap`, pictures over the pipe) is checked on a thread with a scripted core, and
 end to end with a real engine process behind `-m slow` (spawning one costs 15-40 s here).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_helpers import ScriptedEngine
+from dashboard_helpers import ScriptedCore
 from server_helpers import build_tiny_llama, engine_kwargs
 
 from pagemill.runtime import LLMEngine, SamplingParams
@@ -204,48 +204,72 @@ def test_prompts_only_with_show_prompts(model_dir: Path) -> None:
     assert end is not None and end["in_use"] == 0 and not end["running"] and not end["waiting"]
 
 
-def _add_and_run(engine: ScriptedEngine, prefix: str) -> None:
+def _add_and_run(engine: ScriptedCore, prefix: str) -> None:
     for i in range(3):
         engine.add(f"{prefix}-{i}", [*range(1, 40), 100 + i], max_tokens=20)
     engine.paused = False
 
 
 def test_the_engine_loop_sends_pictures_only_while_watched() -> None:
-    """`_CoreLoop` (the engine process's loop) on a thread, over real pipes."""
+    """`EngineCoreLoop` (the core process's loop) on a thread, over real pipes with the
+    process transport's codec and sender, a `SnapshotTap` as its observer."""
+    from pagemill.runtime.engine.core_client import EngineCoreLoop, _PipeSender
+    from pagemill.runtime.engine.protocol import (
+        Codec,
+        EngineCoreEvent,
+        EngineCoreOutputs,
+        Shutdown,
+        UtilityCall,
+        UtilityResult,
+    )
     from pagemill.server.dashboard import SnapshotTap
-    from pagemill.server.engine_process import _CoreLoop
 
     ctx = multiprocessing.get_context("spawn")
     watchers = ctx.RawValue("i", 0)
     cmd_read, cmd_write = ctx.Pipe(duplex=False)
     out_read, out_write = ctx.Pipe(duplex=False)
-    engine = ScriptedEngine(32)
-    loop = _CoreLoop(engine, cmd_read, out_write, tap=SnapshotTap(DashboardSettings(0.01),
-                                                                   watchers))
+    codec = Codec()
+    sender = _PipeSender(out_write, codec)
+
+    def recv(block: bool) -> Any:
+        if not block and not cmd_read.poll(0):
+            return None
+        return codec.decode(cmd_read.recv_bytes())
+
+    engine = ScriptedCore(32)
+    tap = SnapshotTap(DashboardSettings(0.01), watchers)
+    loop = EngineCoreLoop(engine, recv, sender.send, [0.0, 0.0, 0.0], observer=tap)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
 
-    def run(prefix: str) -> list[tuple[Any, ...]]:
-        cmd_write.send(("call", 0, pickle.dumps(functools.partial(_add_and_run, prefix=prefix))))
+    def run(prefix: str) -> list[Any]:
+        fn = pickle.dumps(functools.partial(_add_and_run, prefix=prefix))
+        cmd_write.send_bytes(codec.encode(UtilityCall(0, fn)))
         msgs = []
         while True:
             assert out_read.poll(10)
-            msg = pickle.loads(out_read.recv_bytes())
+            msg = codec.decode(out_read.recv_bytes())
             msgs.append(msg)
-            if msg[0] == "step" and msg[2].num_running == 0 and msg[2].num_waiting == 0:
+            if isinstance(msg, UtilityResult):
+                assert msg.ok, pickle.loads(msg.value)
+            stats = getattr(msg, "scheduler_stats", None)
+            if (isinstance(msg, EngineCoreOutputs) and msg.step_seconds is not None
+                    and stats.num_running == 0 and stats.num_waiting == 0):
                 # the last step; a picture may follow it
                 while out_read.poll(0.5):
-                    msgs.append(pickle.loads(out_read.recv_bytes()))
+                    msgs.append(codec.decode(out_read.recv_bytes()))
                 return msgs
 
     unwatched = run("a")
-    assert any(m[0] == "step" for m in unwatched)
-    assert not [m for m in unwatched if m[0] == "dashboard"]
-    assert loop.tap is not None and loop.tap.num_snapshots == 0
+    assert any(isinstance(m, EngineCoreOutputs) and m.step_seconds is not None for m in unwatched)
+    assert not [m for m in unwatched if isinstance(m, EngineCoreEvent)]
+    assert tap.num_snapshots == 0
     watchers.value = 1
-    watched = [m[1] for m in run("b") if m[0] == "dashboard"]
+    watched = [m.payload for m in run("b")
+               if isinstance(m, EngineCoreEvent) and m.kind == "dashboard"]
     assert watched and any(p["running"] for p in watched)
     assert watched[-1]["in_use"] == 0 and not watched[-1]["running"]  # the idle picture
-    cmd_write.send(("shutdown",))
+    cmd_write.send_bytes(codec.encode(Shutdown()))
     thread.join(10)
-    loop.close()
+    assert not thread.is_alive()
+    sender.close()
