@@ -1,9 +1,9 @@
 """The dashboard page in a real headless Chromium (Debian's, driven by Playwright).
 
 The engine core is scripted (`dashboard_helpers.ScriptedCore`: the real scheduler and block
-pool, no model; behind the server's real front end), so the pool's state is known exactly: requests with a shared 3-block
-prefix must show those blocks with ref count 2 and both owners on hover, and once every
-request has ended the grid must show no block in use. A screenshot of a busier moment
+pool, no model, behind the server's real front end), so the pool's state is known exactly:
+requests with a shared 3-block prefix must show those blocks with ref count 2 and both
+owners on hover, and once every request has ended the grid must show no block in use. A screenshot of a busier moment
 (preemptions, cached blocks, charts) is written too: to the test's tmp folder, and to
 docs/dashboard.png for the README when PAGEMILL_UPDATE_SCREENSHOT=1.
 
