@@ -13,8 +13,11 @@ chromium with apt when it can).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +25,9 @@ from typing import Any
 
 import pytest
 from dashboard_helpers import ScriptedCore, find_chromium
-from server_helpers import front_end
+from server_helpers import front_end, toy_assets
 
+from pagemill.runtime import SamplingParams
 from pagemill.server import AsyncEngine, ServerThread, build_app
 from pagemill.server.dashboard import DashboardHub, DashboardSettings
 
@@ -54,7 +58,7 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def served() -> Iterator[tuple[str, ScriptedCore, AsyncEngine, DashboardHub]]:
     engine = ScriptedCore(NUM_BLOCKS, max_num_seqs=6, step_delay=0.01)
-    client = front_end(engine)
+    client = front_end(engine, assets=toy_assets(vocab_size=4096))
     hub = DashboardHub(DashboardSettings(0.05), model_name="scripted")
     app = build_app(client, "scripted", dashboard=hub)
     try:
@@ -83,10 +87,31 @@ def _script_shared_prefix(e: ScriptedCore) -> None:
     e.schedule_once()
 
 
-def _workload(e: ScriptedCore) -> None:
-    for i in range(14):
-        e.add(f"chat-{i}", [*PREFIX, *range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)],
-              max_tokens=150 + 60 * (i % 4))
+@contextlib.contextmanager
+def _workload(client: AsyncEngine) -> Iterator[None]:
+    """A shared system prompt, a pool too small for all: sent through the front end (on an
+    event loop of its own), so the charts get the front end's token counts and latencies."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    ids = [f"chat-{i}" for i in range(14)]
+    try:
+        for i, rid in enumerate(ids):
+            prompt = [*PREFIX, *range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)]
+            params = SamplingParams(max_tokens=150 + 60 * (i % 4), ignore_eos=True)
+            asyncio.run_coroutine_threadsafe(client.add_request(rid, prompt, params),
+                                             loop).result(10)
+        client.submit(_unpause).result(10)
+        yield
+    finally:
+        for rid in ids:
+            client.release(rid, finished=False)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def _unpause(e: ScriptedCore) -> None:
     e.paused = False
 
 
@@ -140,32 +165,33 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
     assert page.text_content("#c-used") == "0"
 
     # A busy moment for the README: a shared system prompt, a pool too small for all.
-    client.submit(_workload).result(10)
-    time.sleep(3.0)
-    client.submit(_pause).result(10)
-    hub.flush()
-    seen = _wait_snapshots(page, int(page.evaluate("document.body.dataset.snapshots")) - 1)
-    time.sleep(0.3)
-    shared = page.query_selector('#grid .cell[data-state="shared"]')
-    if shared is not None:  # show a shared block's owners in the picture
-        shared.hover()
-    shot = tmp_path / "dashboard.png"
-    page.screenshot(path=str(shot), full_page=True)
-    assert shot.stat().st_size > 10_000
-    if os.environ.get("PAGEMILL_UPDATE_SCREENSHOT") == "1":
-        shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
+    with _workload(client):
+        time.sleep(3.0)
+        client.submit(_pause).result(10)
+        hub.flush()
+        seen = _wait_snapshots(page, int(page.evaluate("document.body.dataset.snapshots")) - 1)
+        time.sleep(0.3)
+        shared = page.query_selector('#grid .cell[data-state="shared"]')
+        if shared is not None:  # show a shared block's owners in the picture
+            shared.hover()
+        shot = tmp_path / "dashboard.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        if os.environ.get("PAGEMILL_UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
+        assert any(p.get("tok_s") for p in hub.series.history())  # the charts have tokens
 
-    # Run to the end: all free again.
-    client.submit(_run_fast).result(10)
-    deadline = time.monotonic() + 20
-    while engine.scheduler.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
-                           timeout=10_000)
-    assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
-    assert engine.kv.get_num_free_blocks() == NUM_BLOCKS
-    assert not errors, errors
-    page.close()
+        # Run to the end: all free again.
+        client.submit(_run_fast).result(10)
+        deadline = time.monotonic() + 20
+        while engine.scheduler.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
+                               timeout=10_000)
+        assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
+        assert engine.kv.get_num_free_blocks() == NUM_BLOCKS
+        assert not errors, errors
+        page.close()
 
 
 def _simulate_html(out: Path) -> Path:
