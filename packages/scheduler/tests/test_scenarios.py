@@ -71,19 +71,20 @@ def test_three_long_prompts_chunked_400_400_224() -> None:
 
 
 def test_prefix_hit_skips_exactly_the_shared_full_blocks() -> None:
-    s, _ = make(block_size=4)
+    s, kv = make(block_size=4)
     shared = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 + 2 tokens
     s.add_request(req("a", [*shared, 1, 1, 1], max_tokens=1))
     out_a, _ = step(s)
-    a_blocks = list(out_a.scheduled[0].block_ids)
+    a_blocks = list(out_a.scheduled[0].new_block_ids)
     assert s.get_request("a") is None  # finished after one token; its blocks stay cached
     s.add_request(req("b", [*shared, 9, 9]))
     out = s.schedule()
     (b,) = out.scheduled
     assert (b.start_pos, b.num_tokens) == (8, 4)
     assert b.token_ids == [108, 109, 9, 9]
-    assert b.block_ids[:2] == a_blocks[:2]
-    assert b.block_ids[2] not in a_blocks[:2]
+    assert b.is_new and b.new_block_ids == kv.get_block_ids("b")
+    assert b.new_block_ids[:2] == a_blocks[:2]
+    assert b.new_block_ids[2] not in a_blocks[:2]
     assert s.get_request("b").num_cached_tokens == 8
     stats = s.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13 + 12, 8)
@@ -124,7 +125,7 @@ def test_finished_requests_blocks_are_reused_next_step() -> None:
     out = s.schedule()
     assert shape(out) == [("b", 0, 10, True)]
     assert out.finished_req_ids == ["a"]
-    assert sorted(out.scheduled[0].block_ids) == [0, 1, 2]
+    assert sorted(out.scheduled[0].new_block_ids) == [0, 1, 2]
 
 
 def test_pool_dry_preempts_newest_and_it_resumes_with_all_tokens() -> None:
@@ -350,15 +351,17 @@ def test_priority_admission_order() -> None:
     assert [x.request_id for x in out.scheduled] == ["urgent", "a", "b"]
 
 
-def test_block_table_grows_in_place_and_reports_new_blocks() -> None:
+def test_block_table_is_the_managers_and_steps_report_new_blocks() -> None:
     s, kv = make(block_size=4)
     s.add_request(req("a", [1] * 4))
     out, _ = step(s)
     (x,) = out.scheduled
-    assert x.num_new_blocks == 1 and x.block_ids == kv.get_block_ids("a")
+    assert x.num_new_blocks == 1 and x.new_block_ids == kv.get_block_ids("a")
     out = s.schedule()  # position 4 opens block 2
-    assert out.scheduled[0].num_new_blocks == 1
-    assert out.scheduled[0].block_ids == kv.get_block_ids("a") and len(x.block_ids) == 2
+    (y,) = out.scheduled
+    assert y.num_new_blocks == 1 and not y.is_new
+    assert x.new_block_ids + y.new_block_ids == kv.get_block_ids("a")
+    assert kv.num_request_blocks("a") == 2 and len(x.new_block_ids) == 1
 
 
 def test_duplicate_and_reused_requests_are_rejected() -> None:
@@ -447,7 +450,8 @@ def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
     s.add_request(req("old", [1] * 7, max_tokens=8))
     s.add_request(req("new", [3] * 7, max_tokens=8))
     out, _ = step(s, token=5)
-    assert [(x.is_new, x.num_new_blocks, len(x.block_ids)) for x in out.scheduled] == [
+    assert [(x.is_new, x.num_new_blocks, kv.num_request_blocks(x.request_id))
+            for x in out.scheduled] == [
         (True, 2, 2), (True, 2, 2)]
     assert [x.request for x in out.scheduled] == [s.get_request("old"), s.get_request("new")]
     out, _ = step(s, token=5)  # decodes inside the second block: nothing new
@@ -455,14 +459,14 @@ def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
     out = s.schedule()  # old opens its third block, new is preempted
     (x,) = out.scheduled
     assert (x.request_id, x.is_new, x.num_new_blocks) == ("old", False, 1)
-    assert x.block_ids[-1:] == kv.get_block_ids("old")[-1:]
+    assert x.new_block_ids == kv.get_block_ids("old")[-1:]
     s.update_from_output(out, {"old": 5})
     new = s.get_request("new")
     first_time = new.first_scheduled_time
     run_until_finished(s, "old")
     (x,) = s.schedule().scheduled
     # Re-admitted: a new table (whatever the runner had for it is stale), same record.
-    assert (x.request_id, x.is_new, x.num_new_blocks) == ("new", True, len(x.block_ids))
+    assert (x.request_id, x.is_new, x.num_new_blocks) == ("new", True, kv.num_request_blocks("new"))
     assert x.request is new and new.first_scheduled_time == first_time
 
 

@@ -8,8 +8,12 @@ block table after each step therefore checks block tables, prefix sharing and re
 after preemption together, independent of how the scheduler decided.
 
 The request record is checked against the same independent view: its block hashes are
-always the chain over its full blocks, `is_new` / `num_new_blocks` describe exactly how each
-table changed, and the prefix-cache stats count each admission once.
+always the chain over its full blocks, and the prefix-cache stats count each admission once.
+
+One block table per request: the KV cache manager's. The test keeps the table a model runner
+would mirror, built only from each step's `new_block_ids` (the whole table when `is_new`, the
+appended blocks otherwise), reads and writes its fake KV through that mirror, and checks it
+equals the manager's table after every step.
 """
 
 from __future__ import annotations
@@ -214,12 +218,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             t = self.tracked[s.request_id]
             for p in range(s.start_pos, s.start_pos + s.num_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
+                slot = t.table[p // bs] * bs + p % bs
                 self.kv_slots[slot] = (t.salt, tuple(t.tokens[: p + 1]))
         for s in out.scheduled:
             t = self.tracked[s.request_id]
             for p in range(s.start_pos + s.num_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
+                slot = t.table[p // bs] * bs + p % bs
                 assert self.kv_slots.get(slot) == (t.salt, tuple(t.tokens[: p + 1])), (
                     f"{s.request_id}: wrong KV at position {p}")
 
@@ -278,19 +282,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert s.num_tokens <= cfg.long_prefill_token_threshold
             if not cfg.enable_chunked_prefill:
                 assert s.sample  # whole prompts only
-            assert len(s.block_ids) * bs >= end  # blocks cover computed + scheduled
-            assert s.block_ids == self.kv.get_block_ids(s.request_id)
             assert s.request is t.req
             assert s.is_new == (s.request_id not in running_before)
             if s.request_id in running_before:
                 assert s.start_pos == t.computed
                 # The table only grew, by exactly the blocks reported as new.
-                assert tuple(s.block_ids[: len(t.table)]) == t.table
-                assert s.num_new_blocks == len(s.block_ids) - len(t.table)
+                t.table = t.table + tuple(s.new_block_ids)
                 assert t.req.first_scheduled_time == t.first_scheduled_time
             else:  # (re)admitted: any skipped prefix is whole cached blocks
                 assert s.start_pos % bs == 0 and s.start_pos < len(t.tokens)
-                assert s.num_new_blocks == len(s.block_ids)
+                t.table = tuple(s.new_block_ids)
                 if not self.prefix:
                     assert s.start_pos == 0
                 else:
@@ -304,7 +305,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 else:
                     assert t.req.first_scheduled_time == t.first_scheduled_time
                 t.running = True
-            t.table = tuple(s.block_ids)
+            # The runner's mirror is the manager's table, and covers computed + scheduled.
+            assert list(t.table) == self.kv.get_block_ids(s.request_id)
+            assert s.num_new_blocks == len(s.new_block_ids)
+            assert len(t.table) * bs >= end
             t.computed = end
             assert t.req.num_computed_tokens == end
 
@@ -318,6 +322,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(running_ids) + len(waiting_ids) == len(live)
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING and self.tracked[r.request_id].running
+            # Running but not scheduled this step: its table did not change either.
+            assert list(self.tracked[r.request_id].table) == self.kv.get_block_ids(r.request_id)
             assert len(self.kv.get_block_ids(r.request_id)) * bs >= r.num_computed_tokens
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

@@ -10,6 +10,11 @@ sampled tokens, applies the stop rules and frees finished requests' blocks at on
 Prefix caching is the KV cache manager's: whether it is on (`enable_caching`), the block
 hasher the scheduler attaches to each request, and the hit statistics.
 
+Block tables are the KV cache manager's alone (`KVCacheManager.req_to_blocks`): the
+scheduler keeps no copy, and hands the runner only what changed in each table this step
+(`ScheduledRequest.new_block_ids`: the whole table on (re)admission, else the appended
+blocks).
+
 Per step the work is O(scheduled requests + new tokens): no request's prompt or block table
 is copied whole, and the waiting queue is only touched at its head.
 """
@@ -36,8 +41,8 @@ _PREEMPTED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
-    """Continuous-batching scheduler over a KVCacheManager (which it does not own alone:
-    the runner may read block tables from the manager, but only the scheduler allocates)."""
+    """Continuous-batching scheduler over a KVCacheManager (which owns the block tables:
+    only the scheduler allocates, anyone may read them from the manager)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         if not isinstance(config, SchedulerConfig):
@@ -55,8 +60,6 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         # Admission order; under FCFS the last one is also the newest.
         self.running: list[Request] = []
-        # The scheduler's copy of each running request's block ids, extended in place.
-        self._block_ids: dict[str, list[int]] = {}
 
         self._finished_req_ids: list[str] = []
         self._pending_updates: list[RequestUpdate] = []
@@ -170,7 +173,6 @@ class Scheduler:
         rid = req.request_id
         if req.status == _RUNNING:
             self.kv_cache_manager.free(rid)
-            del self._block_ids[rid]
         req.status = status
         del self.requests[rid]
         self._finished_req_ids.append(rid)
@@ -185,7 +187,6 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         max_model_len = cfg.max_model_len
         running = self.running
-        block_ids_of = self._block_ids
         bs = self.block_size
         scheduled: dict[str, tuple[Request, ScheduledRequest]] = {}
         preempted_ids: list[str] = []
@@ -206,9 +207,8 @@ class Scheduler:
                 i += 1
                 continue
             rid = req.request_id
-            table = block_ids_of[rid]
             end = start + n
-            if start // bs == end // bs and start < len(table) * bs:
+            if start // bs == end // bs and start < kv.num_request_blocks(rid) * bs:
                 # Fast path (most decodes): the step neither needs a new block nor completes
                 # one, so allocate_slots would change nothing (no growth, nothing to cache).
                 new_blocks = ()
@@ -231,12 +231,11 @@ class Scheduler:
                     break
             if new_blocks is None:  # `req` itself was preempted; running[i] is the next one
                 continue
-            for b in new_blocks:
-                table.append(b.block_id)
             scheduled[rid] = (
                 req,
-                ScheduledRequest(rid, req.all_token_ids[start:end], start, n, table,
-                                 len(new_blocks), end == req.num_tokens, False, req),
+                ScheduledRequest(rid, req.all_token_ids[start:end], start, n,
+                                 [b.block_id for b in new_blocks], end == req.num_tokens,
+                                 False, req),
             )
             budget -= n
             i += 1
@@ -272,14 +271,12 @@ class Scheduler:
                 req.status = _RUNNING
                 req.num_computed_tokens = num_hit
                 table = [b.block_id for b in hit_blocks]
-                for b in new_blocks:
-                    table.append(b.block_id)
-                block_ids_of[rid] = table
+                table += [b.block_id for b in new_blocks]
                 running.append(req)
                 scheduled[rid] = (
                     req,
                     ScheduledRequest(rid, req.all_token_ids[num_hit : num_hit + n], num_hit, n,
-                                     table, len(table), num_hit + n == num_tokens, True, req),
+                                     table, num_hit + n == num_tokens, True, req),
                 )
                 budget -= n
 
@@ -315,7 +312,6 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep every token, requeue at the head."""
         req = self.running.pop(idx)
         self.kv_cache_manager.free(req.request_id)
-        del self._block_ids[req.request_id]
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
