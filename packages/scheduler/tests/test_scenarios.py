@@ -506,3 +506,49 @@ def test_a_request_with_hashes_from_elsewhere_is_not_new() -> None:
     r.block_hashes.extend(kv.block_hasher(r))
     with pytest.raises(ValueError, match="must be new"):
         s.add_request(r)
+
+
+def test_undo_step_preempts_everything_and_uncaches_the_steps_blocks() -> None:
+    s, kv = make(block_size=4)
+    s.add_request(req("a", [9] * 9, max_tokens=4))
+    step(s)  # a computed 9 tokens (2 full blocks cached) and sampled one
+    s.add_request(req("b", [8] * 8, max_tokens=4))
+    out = s.schedule()
+    assert shape(out) == [("a", 9, 1, True), ("b", 0, 8, True)]
+    s.undo_step(out)  # the step's forward raised: nothing it was to compute is
+    a, b = s.get_request("a"), s.get_request("b")
+    assert a.status == b.status == RequestStatus.PREEMPTED
+    assert a.num_computed_tokens == b.num_computed_tokens == 0 and a.num_tokens == 10
+    assert kv.get_num_free_blocks() == kv.num_blocks
+    # a's first 2 blocks were written by an earlier step: still hit-able. b's were not.
+    assert kv.get_computed_blocks(a)[1] == 8 and kv.get_computed_blocks(b)[1] == 0
+    out = s.schedule()  # the runner hears of the preemptions, then both come back
+    assert out.preempted_req_ids == ["b", "a"]  # newest first
+    assert shape(out) == [("a", 8, 2, True), ("b", 0, 8, True)]
+    assert all(x.is_new for x in out.scheduled)
+
+
+def test_restrict_to_schedules_only_the_subset_and_holds_the_rest_in_order() -> None:
+    s, _ = make(max_num_seqs=8)
+    for rid in "abc":
+        s.add_request(req(rid, [5, 6], max_tokens=8))
+    step(s)
+    with pytest.raises(ValueError, match="preempt the running requests"):
+        s.restrict_to(["b"])
+    s.preempt_all_running()
+    s.restrict_to(["b"])
+    assert s.restricted_to == {"b"}
+    s.add_request(req("d", [5], max_tokens=8))  # arrives while restricted: held
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["c", "b", "a"] and shape(out) == [("b", 0, 3, True)]
+    stats = s.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 3)
+    assert [r.request_id for r in s.iter_waiting()] == []
+    s.abort_requests("c")  # a held request can be aborted
+    s.preempt_all_running()
+    s.restrict_to(None)
+    assert s.restricted_to is None
+    assert [r.request_id for r in s.iter_waiting()] == ["a", "b", "d"]  # arrival order
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["a", "b", "d"]
+    assert out.finished_req_ids == ["c"]

@@ -14,6 +14,12 @@ One block table per request: the KV cache manager's. The test keeps the table a 
 would mirror, built only from each step's `new_block_ids` (the whole table when `is_new`, the
 appended blocks otherwise), reads and writes its fake KV through that mirror, and checks it
 equals the manager's table after every step.
+
+Failed steps and restrictions (what the engine's fault isolation does through the
+scheduler's public surface) are rules too: a step whose forward "raises" writes garbage
+into the slots it was given and is undone (`undo_step`), and `restrict_to` limits
+scheduling to a random subset of the live requests until lifted. No request may ever read
+the garbage back, lose a token, or be scheduled outside the subset.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expect_ignored: list[str] = []
         self.expect_finished_ids: set[str] = set()
         self.kv_slots: dict[int, tuple] = {}
+        self.expect_preempted: list[str] = []  # preempted between steps, for the next output
         self.next_id = 0
         self.clock = 0.0
         self.consistent = True
@@ -163,6 +170,40 @@ class SchedulerMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self._drain()
 
+    @rule()
+    def failed_step(self) -> None:
+        """The step's forward raises after writing part of its KV: the step is undone."""
+        self.consistent = False
+        sched, bs = self.sched, self.bs
+        waiting_before = [r.request_id for r in sched.iter_waiting()]
+        running_before = {r.request_id for r in sched.running}
+        out = sched.schedule()
+        self._check_output(out, waiting_before, running_before)
+        for s in out.scheduled:
+            t = self.tracked[s.request_id]
+            for p in range(s.start_pos, s.start_pos + s.num_tokens):
+                self.kv_slots[t.table[p // bs] * bs + p % bs] = ("garbage",)
+        order = [r.request_id for r in reversed(sched.running)]
+        sched.undo_step(out)
+        self._after_preempt_all(order)
+        self.consistent = True
+
+    @precondition(lambda self: any(not t.finished for t in self.tracked.values()))
+    @rule(data=st.data())
+    def restrict(self, data) -> None:
+        live = sorted(r for r, t in self.tracked.items() if not t.finished)
+        subset = data.draw(st.lists(st.sampled_from(live), unique=True))
+        order = [r.request_id for r in reversed(self.sched.running)]
+        self.sched.preempt_all_running()
+        self._after_preempt_all(order)
+        self.sched.restrict_to(subset)
+        assert self.sched.restricted_to == set(subset)
+
+    @rule()
+    def lift(self) -> None:
+        self.sched.restrict_to(None)
+        assert self.sched.restricted_to is None
+
     def teardown(self) -> None:
         # After a failed check the test's record is stale: draining would only add a
         # second, misleading failure (and slow the shrinking down).
@@ -182,6 +223,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expect_finished_ids.add(rid)
         self.consistent = was_consistent
 
+    def _after_preempt_all(self, order: list[str]) -> None:
+        assert not self.sched.running
+        for rid in order:
+            t = self.tracked[rid]
+            assert t.req.status == RequestStatus.PREEMPTED and t.req.num_computed_tokens == 0
+            assert not self.kv.has_request(rid)
+            t.running, t.computed, t.table = False, 0, ()
+        self.expect_preempted += order
+
     def _live(self) -> list[Tracked]:
         return [t for t in self.tracked.values() if not t.finished]
 
@@ -190,6 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # least one token; a life is at most max_model_len tokens. Drains measured on
         # thousands of runs stay under 1 * max_model_len * (live + 1) steps; the bound leaves
         # 4x headroom for recomputation after preemption, and fails a livelock fast.
+        self.sched.restrict_to(None)
         bound = 4 * self.cfg.max_model_len * (len(self._live()) + 1) + 20
         for _ in range(bound):
             if not self.sched.has_unfinished_requests():
@@ -255,7 +306,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # the lowest-priority / newest of what ran, and the step admitted nobody.
         admitted = [rid for rid in ids if rid not in running_before]
         running_keys = [self.tracked[r.request_id].key for r in sched.running]
-        for rid in out.preempted_req_ids:
+        # Preempted between steps (undo_step, preempt_all_running) come first, in order.
+        between = self.expect_preempted
+        self.expect_preempted = []
+        assert out.preempted_req_ids[: len(between)] == between
+        in_step = out.preempted_req_ids[len(between) :]
+        for rid in in_step:
             t = self.tracked[rid]
             assert rid in running_before and rid not in ids
             assert t.req.status == RequestStatus.PREEMPTED and t.req.num_computed_tokens == 0
@@ -265,7 +321,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert all(t.key > k for k in running_keys)
             t.running, t.computed, t.table = False, 0, ()
-        if out.preempted_req_ids:
+        if in_step:
             assert not admitted
         # Admission follows policy order: the admitted are the head of the waiting queue.
         assert admitted == waiting_before[: len(admitted)]
@@ -318,8 +374,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting_ids = [r.request_id for r in waiting]
         assert not set(running_ids) & set(waiting_ids)
         live = {t.req.request_id for t in self._live()}
-        assert set(running_ids) | set(waiting_ids) == live
-        assert len(running_ids) + len(waiting_ids) == len(live)
+        assert len(running_ids) + len(waiting_ids) == len(set(running_ids) | set(waiting_ids))
+        allowed = sched.restricted_to
+        if allowed is None:
+            assert set(running_ids) | set(waiting_ids) == live
+        else:  # the others wait aside
+            assert set(running_ids) | set(waiting_ids) == live & allowed
+            assert set(ids) <= allowed
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING and self.tracked[r.request_id].running
             # Running but not scheduled this step: its table did not change either.
@@ -376,7 +437,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         stats = self.sched.get_stats()
         assert stats.num_running == len(self.sched.running)
-        assert stats.num_waiting == len(self.sched.waiting)
+        live = sum(1 for t in self.tracked.values() if not t.finished)
+        assert stats.num_waiting == live - len(self.sched.running)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
         # One owner, one count per admission: a head of the queue retried while the pool is
         # full must not add to either figure.

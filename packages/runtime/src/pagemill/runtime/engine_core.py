@@ -24,7 +24,7 @@ from .compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from .config import EngineConfig, resolve_dtype, torch_dtype
 from .distributed.parallel_state import TensorParallelGroup
 from .distributed.sharding import ShardLayout, check_tensor_parallel
-from .fault_isolation import FaultIsolator, is_unrecoverable
+from .fault_isolation import FaultIsolator
 from .kv_cache import size_kv_pool
 from .loader import load_model
 from .model_config import ModelConfig
@@ -269,8 +269,7 @@ class EngineCore:
             model_output = self.model_runner.execute_model(scheduler_output)
             token_ids, logprobs = self._sample(model_output)
         except Exception as exc:
-            if is_unrecoverable(exc):
-                raise
+            # Undone and isolated; re-raised there when not containable (device errors).
             failed = self.isolator.on_step_failed(scheduler_output, exc)
             if self.structured_output is not None and failed:
                 self.structured_output.remove_requests([u.request_id for u in failed])

@@ -63,12 +63,12 @@ class Scheduler:
 
         self._finished_req_ids: list[str] = []
         self._pending_updates: list[RequestUpdate] = []
-        # Preempted between steps (after a failed step): told to the runner by the next
-        # schedule(), like preemptions made inside it.
+        # Preempted between steps (undo_step, preempt_all_running): told to the runner by
+        # the next schedule(), like preemptions made inside it.
         self._preempted_between: list[str] = []
-        # While the engine isolates a failing request (`restrict_to`), only `_allowed` ids
-        # are scheduled; every other live request waits in `_held`, in queue order.
-        self._allowed: set[str] | None = None
+        # While restricted (`restrict_to`), only `_allowed` ids are scheduled; every other
+        # live request waits aside in `_held`, in queue order.
+        self._allowed: frozenset[str] | None = None
         self._held: list[Request] = []
         self._next_seq = 0
 
@@ -316,20 +316,18 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if self._allowed is not None and req.request_id not in self._allowed:
-            self._held.append(req)
-        else:
-            self.waiting.add_front(req)
+        # While restricted, every running request is an allowed one (see restrict_to).
+        self.waiting.add_front(req)
 
     # ------------------------------------------------------------------ failed steps
 
     def undo_step(self, output: SchedulerOutput) -> None:
-        """Forget a step whose forward (or sampling) raised: nothing it was to compute is.
+        """Forget a step the runner did not compute (its forward or sampling raised).
 
         Every running request is preempted (recompute keeps every token, so nothing is
         lost but time) and the blocks this step was to fill leave the prefix index, so no
         request can hit KV that was never written. The runner hears of the preemptions
-        in the next SchedulerOutput.
+        in the next SchedulerOutput. Do not call update_from_output for an undone step.
         """
         bs = self.block_size
         kv = self.kv_cache_manager
@@ -346,40 +344,32 @@ class Scheduler:
             self._preempted_between.append(rid)
 
     def restrict_to(self, request_ids: Iterable[str] | None) -> None:
-        """Schedule only these requests until called with None (fault isolation).
+        """Schedule only these requests until called with None (e.g. to isolate a fault).
 
         Running requests outside the set must have been preempted first
-        (`preempt_all_running`); waiting ones move aside in order and come back, ahead
-        of nothing newer, when the restriction ends.
+        (`preempt_all_running`, or ValueError). Waiting ones outside it, and requests added
+        meanwhile, wait aside (they still count as waiting in `get_stats`, and can be
+        aborted). Every change re-queues the waiting requests in arrival order (FCFS) or
+        priority order, so a lifted restriction leaves the queue as if it never happened.
+        Ids that are not (or no longer) in the scheduler are allowed and ignored.
         """
-        if request_ids is None:
-            self._allowed = None
-            held, self._held = self._held, []
-            for req in reversed(held):
-                self.waiting.add_front(req)
-            return
-        allowed = set(request_ids)
-        if any(r.request_id not in allowed for r in self.running):
+        allowed = None if request_ids is None else frozenset(request_ids)
+        if allowed is not None and any(r.request_id not in allowed for r in self.running):
             raise ValueError("restrict_to: preempt the running requests outside the set first")
+        queued = sorted([*self.waiting, *self._held], key=lambda r: r._seq)
         self._allowed = allowed
-        keep = [r for r in self.waiting if r.request_id in allowed]
-        moved = [r for r in self.waiting if r.request_id not in allowed]
-        for req in moved + keep:
-            self.waiting.remove(req)
-        held, self._held = self._held, []
-        for req in held + moved:
-            if req.request_id in allowed:
-                keep.append(req)
+        self.waiting = make_waiting_queue(self.config.policy)
+        self._held = []
+        for req in queued:
+            if allowed is None or req.request_id in allowed:
+                self.waiting.add(req)
             else:
                 self._held.append(req)
-        for req in reversed(keep):
-            self.waiting.add_front(req)
 
-    def fail_requests(self, request_ids: Iterable[str], reason: str) -> list[RequestUpdate]:
-        """Finish requests that a step cannot compute (FINISHED_ERROR): blocks freed now."""
-        ids = [rid for rid in request_ids if rid in self.requests]
-        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        return [RequestUpdate(rid, [], True, "error", reason) for rid in ids]
+    @property
+    def restricted_to(self) -> frozenset[str] | None:
+        """The ids `restrict_to` limits scheduling to; None when unrestricted."""
+        return self._allowed
 
     # ------------------------------------------------------------------ after the forward
 
