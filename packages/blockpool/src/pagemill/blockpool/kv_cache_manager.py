@@ -23,18 +23,23 @@ from pagemill.blockpool.hashing import BlockHash, BlockHasher, get_hash_fn
 
 @runtime_checkable
 class CacheRequest(Protocol):
-    """What the manager reads from a request.
+    """What the manager reads from a request (read-only: any object with these attributes).
 
     `all_token_ids` only ever grows while the manager knows the request, and
     `block_hashes` holds the hashes of a prefix of its full blocks (see
     `KVCacheManager.block_hasher`).
     """
 
-    request_id: str
-    all_token_ids: Sequence[int]
-    num_computed_tokens: int
-    cache_salt: str | None
-    block_hashes: list[BlockHash]
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
 
 
 @dataclass

@@ -22,7 +22,7 @@ is copied whole, and the waiting queue is only touched at its head.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagemill.scheduler.config import SchedulerConfig
@@ -33,7 +33,7 @@ from pagemill.scheduler.stopping import check_stop
 from pagemill.scheduler.waiting_queue import make_waiting_queue, priority_key
 
 if TYPE_CHECKING:
-    from pagemill.blockpool import KVCacheManager
+    from pagemill.blockpool import KVCacheBlock, KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -208,6 +208,7 @@ class Scheduler:
                 continue
             rid = req.request_id
             end = start + n
+            new_blocks: Sequence[KVCacheBlock] | None
             if start // bs == end // bs and start < kv.num_request_blocks(rid) * bs:
                 # Fast path (most decodes): the step neither needs a new block nor completes
                 # one, so allocate_slots would change nothing (no growth, nothing to cache).
