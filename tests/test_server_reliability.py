@@ -22,7 +22,7 @@ import pytest
 from server_helpers import ServeThread, build_tiny_llama, closed_within, engine_kwargs, raw_socket
 
 from pagemill.runtime import LLMEngine, SamplingParams
-from pagemill.runtime.engine.fault_isolation import inject_token_fault
+from pagemill.runtime.engine.fault_injection import inject_token_fault
 from pagemill.runtime.sampling_params import RequestOutputKind
 from pagemill.server import AsyncEngine, ServerThread, build_app
 from pagemill.server.connection_limits import ConnectionLimits

@@ -131,7 +131,7 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     runner.init_kv_cache(16)
     record = Request("r", ids, sampling_params=SamplingParams(temperature=0.0))
     nb = -(-len(ids) // 16)
-    sched = ScheduledRequest("r", ids, 0, len(ids), list(range(nb)), nb, True, True, record)
+    sched = ScheduledRequest("r", ids, 0, len(ids), list(range(nb)), True, True, record)
     batch = runner.prepare(SchedulerOutput([sched], len(ids), [], []))
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, batch.attn)

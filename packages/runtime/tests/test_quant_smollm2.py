@@ -123,7 +123,7 @@ def test_packed_q4_1_agrees_with_transformers(reference) -> None:
     for i, s in enumerate(seqs):
         nb = -(-len(s) // 16)
         record = Request(f"r{i}", s, sampling_params=SP(temperature=0.0))
-        sched.append(ScheduledRequest(record.request_id, s, 0, len(s), list(range(block, block + nb)), nb,
+        sched.append(ScheduledRequest(record.request_id, s, 0, len(s), list(range(block, block + nb)),
                                       True, True, record))
         block += nb
     batch = runner.prepare(SchedulerOutput(sched, sum(map(len, seqs)), [], []))

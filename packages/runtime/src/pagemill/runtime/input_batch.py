@@ -5,7 +5,12 @@ finish, a few arrive. So the model runner keeps each running request's block tab
 sampling parameters in preallocated arrays, row by row, and a step only writes what
 changed: new block ids at the end of a row, a row for an admitted request, a row removed
 for a finished or preempted one. The sampling metadata of the whole batch is built once
-per change of composition and reused by every step in between.
+per change of composition and reused by every step in between, by the one builder
+(`SamplingColumns` rows written at admission, `SamplingMetadata.build`).
+
+The block table here is a mirror for the device, not an owner: the KV cache manager holds
+each request's table, and a row is written from the scheduler output's `new_block_ids`
+only (the whole table when a request is (re)admitted, appended blocks otherwise).
 
 Rows stay in admission order (a removed row is closed up, not swapped with the last one),
 which is the scheduler's order too: in the common step that schedules every running
@@ -21,11 +26,8 @@ import torch
 
 from pagemill.scheduler import Request
 
-from .sampling_metadata import LogitBias, SamplingMetadata
+from .sampling_metadata import SamplingColumns, SamplingMetadata
 from .sampling_params import SamplingParams
-
-_SAMPLING_ARRAYS = ("temperature", "greedy", "top_p", "top_k", "min_p", "presence",
-                    "frequency", "repetition", "num_logprobs")
 
 
 @dataclass(slots=True)
@@ -67,15 +69,7 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
-        self.greedy = np.zeros(max_num_reqs, dtype=np.bool_)
-        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
-        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
-        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
-        self.presence = np.zeros(max_num_reqs, dtype=np.float32)
-        self.frequency = np.zeros(max_num_reqs, dtype=np.float32)
-        self.repetition = np.ones(max_num_reqs, dtype=np.float32)
-        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)  # -1: none asked
+        self.sampling_columns = SamplingColumns.empty(max_num_reqs)
         self._metadata: SamplingMetadata | None = None
 
     @property
@@ -96,17 +90,7 @@ class InputBatch:
         self.row_of[rid] = row
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
-        p = state.params
-        greedy = p.is_greedy
-        self.greedy[row] = greedy
-        self.temperature[row] = 1.0 if greedy else p.temperature
-        self.top_p[row] = p.top_p
-        self.top_k[row] = p.top_k
-        self.min_p[row] = p.min_p
-        self.presence[row] = p.presence_penalty
-        self.frequency[row] = p.frequency_penalty
-        self.repetition[row] = p.repetition_penalty
-        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.sampling_columns.set_row(row, state.params)
         self._metadata = None
         return row
 
@@ -130,9 +114,8 @@ class InputBatch:
         if row < n - 1:
             width = int(self.num_blocks[row + 1 : n].max())
             self.block_table[row : n - 1, :width] = self.block_table[row + 1 : n, :width]
-            for name in ("num_blocks", *_SAMPLING_ARRAYS):
-                a = getattr(self, name)
-                a[row : n - 1] = a[row + 1 : n]
+            self.num_blocks[row : n - 1] = self.num_blocks[row + 1 : n]
+            self.sampling_columns.close_gap(row, n)
             for rid in self.req_ids[row + 1 :]:
                 self.row_of[rid] -= 1
         del self.req_ids[row]
@@ -145,48 +128,17 @@ class InputBatch:
         """Metadata of the sampled rows (None: every row, in order; built once per change)."""
         if rows is None:
             if self._metadata is None:
-                self._metadata = self._build(slice(0, len(self.req_ids)),
-                                             self.states)
+                self._metadata = self._build(slice(0, len(self.req_ids)), self.states)
             return self._metadata
         return self._build(rows, [self.states[i] for i in rows.tolist()])
 
     def _build(self, sel: slice | np.ndarray, states: list[CachedRequestState]) -> SamplingMetadata:
-        dev = self.device
-
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a[sel])).to(dev)
-
-        greedy = self.greedy[sel]
-        all_greedy = bool(greedy.all())
-        all_random = not greedy.any()
-        top_p = self.top_p[sel]
-        top_k = self.top_k[sel]
-        min_p = self.min_p[sel]
-        presence, frequency = self.presence[sel], self.frequency[sel]
-        repetition = self.repetition[sel]
-        use_rep = bool((repetition != 1.0).any())
-        no_penalties = not (use_rep or presence.any() or frequency.any())
-        num_logprobs = int(self.num_logprobs[sel].max(initial=-1))
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        min_tokens = {i: (s.params.min_tokens, s.banned_until_min)
-                      for i, s in enumerate(states) if s.params.min_tokens > 0}
-        return SamplingMetadata(
-            temperature=tensor(self.temperature),
-            greedy=None if all_greedy or all_random else tensor(self.greedy),
-            all_greedy=all_greedy,
-            all_random=all_random,
-            top_p=tensor(self.top_p) if bool((top_p < 1.0).any()) else None,
-            top_k=tensor(self.top_k) if bool(top_k.any()) else None,
-            min_p=tensor(self.min_p) if bool(min_p.any()) else None,
-            max_top_k=int(top_k.max(initial=0)),
-            generators=generators,
-            no_penalties=no_penalties,
-            presence_penalties=tensor(self.presence),
-            frequency_penalties=tensor(self.frequency),
-            repetition_penalties=tensor(self.repetition),
-            prompt_token_ids=[s.request.prompt_token_ids for s in states] if use_rep else None,
+        return SamplingMetadata.build(
+            self.sampling_columns.take(sel),
+            [s.params for s in states],
             output_token_ids=[s.request.output_token_ids for s in states],
-            min_tokens=min_tokens,
-            max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
-            logit_bias=LogitBias.from_rows([s.params.logit_bias for s in states], dev),
+            prompt_token_ids=[s.request.prompt_token_ids for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            banned_until_min=[s.banned_until_min for s in states],
+            device=self.device,
         )

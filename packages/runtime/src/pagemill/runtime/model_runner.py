@@ -208,7 +208,7 @@ class ModelRunner:
             nb = math.ceil(n / self.block_size)
             blocks = list(range(next_block, next_block + nb))
             record = Request(f"profile-{i}", [0] * n, sampling_params=greedy)
-            sched.append(ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, nb, True,
+            sched.append(ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, True,
                                           True, record))
             next_block += nb
         return SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens), next_block
@@ -261,14 +261,14 @@ class ModelRunner:
                 if state is None or state.request is not s.request:
                     state = self.requests[rid] = CachedRequestState.create(s.request, self.device)
                 batch.remove(rid)
-                batch.add(state, s.block_ids)
-            elif s.num_new_blocks:
+                batch.add(state, s.new_block_ids)
+            elif s.new_block_ids:
                 try:
                     row = batch.row_of[rid]
                 except KeyError:
                     raise ValueError(f"request {rid!r} is scheduled as running but was never "
                                      "scheduled as new") from None
-                batch.append_blocks(row, s.block_ids[len(s.block_ids) - s.num_new_blocks :])
+                batch.append_blocks(row, s.new_block_ids)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | None:
         prepared = self._prepare_batch(out)
@@ -316,7 +316,7 @@ class ModelRunner:
             s = scheduled[int(short[0])]
             raise ValueError(
                 f"request {s.request_id!r}: tokens up to position {s.start_pos + s.num_tokens} "
-                f"lie beyond its block table of {len(s.block_ids)} blocks"
+                f"lie beyond its block table of {int(batch.num_blocks[rows[short[0]]])} blocks"
             )
         in_order = bool(np.array_equal(rows, self._arange[:n]))
         if total == n:  # decode only: one token per request at its own position

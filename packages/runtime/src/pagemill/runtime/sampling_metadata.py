@@ -1,22 +1,26 @@
 """What the sampler knows of a step's sampled rows: tensors, plus a few host scalars.
 
 The sampler never sees requests or `SamplingParams`. A model runner that keeps one row per
-running request in preallocated arrays hands the sampler slices of them, built once per
-change of the batch, so a decode step costs no per-request Python to describe. The host
-scalars (`all_greedy`, `max_top_k`, ...) are what the sampler must know to choose its code
-path without reading the tensors back from the device.
+running request in preallocated arrays (`SamplingColumns`) hands the sampler slices of them,
+built once per change of the batch, so a decode step costs no per-request Python to
+describe. The host scalars (`all_greedy`, `max_top_k`, ...) are what the sampler must know
+to choose its code path without reading the tensors back from the device.
 
-`from_params` builds the same thing from scratch, for tests and simple callers.
+There is one set of rules, here: `SamplingColumns.set_row` turns one request's
+`SamplingParams` into its row of numbers, and `SamplingMetadata.build` turns rows into the
+metadata. The model runner's input batch calls both; `from_params` (tests, simple
+callers) is the same two steps over a list of params.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
-from pagemill.runtime.sampling_params import SamplingParams, SamplingType
+from pagemill.runtime.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -55,26 +59,105 @@ class LogitBias:
                    torch.tensor(values, dtype=torch.float32, device=device))
 
 
+@dataclass(slots=True)
+class SamplingColumns:
+    """The per-row numbers of the metadata, one NumPy array per field (row i = request i).
+
+    A runner keeps one of these at its batch's capacity and writes a row per admitted
+    request (`set_row`); `take` cuts out the rows of a step.
+    """
+
+    temperature: np.ndarray
+    """float32; 1.0 in greedy rows (never read there: the value only keeps them finite)."""
+    greedy: np.ndarray
+    """bool: temperature below SAMPLING_EPS."""
+    top_p: np.ndarray
+    """float32, 1.0 = off."""
+    top_k: np.ndarray
+    """int64, 0 = off."""
+    min_p: np.ndarray
+    """float32, 0.0 = off."""
+    presence: np.ndarray
+    """float32."""
+    frequency: np.ndarray
+    """float32."""
+    repetition: np.ndarray
+    """float32, 1.0 = off."""
+    num_logprobs: np.ndarray
+    """int64, -1 = no logprobs asked."""
+
+    @classmethod
+    def empty(cls, num_rows: int) -> SamplingColumns:
+        """`num_rows` rows of neutral values (greedy off, every filter and penalty off)."""
+        return cls(
+            temperature=np.ones(num_rows, dtype=np.float32),
+            greedy=np.zeros(num_rows, dtype=np.bool_),
+            top_p=np.ones(num_rows, dtype=np.float32),
+            top_k=np.zeros(num_rows, dtype=np.int64),
+            min_p=np.zeros(num_rows, dtype=np.float32),
+            presence=np.zeros(num_rows, dtype=np.float32),
+            frequency=np.zeros(num_rows, dtype=np.float32),
+            repetition=np.ones(num_rows, dtype=np.float32),
+            num_logprobs=np.full(num_rows, -1, dtype=np.int64),
+        )
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> SamplingColumns:
+        columns = cls.empty(len(params))
+        for row, p in enumerate(params):
+            columns.set_row(row, p)
+        return columns
+
+    def set_row(self, row: int, p: SamplingParams) -> None:
+        """Row `row` holds `p`'s numbers (the one place they are derived from params)."""
+        greedy = p.is_greedy
+        self.greedy[row] = greedy
+        self.temperature[row] = 1.0 if greedy else p.temperature
+        self.top_p[row] = p.top_p
+        self.top_k[row] = p.top_k
+        self.min_p[row] = p.min_p
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+
+    def take(self, rows: slice | np.ndarray) -> SamplingColumns:
+        """The selected rows, in that order (a slice gives views, an index array copies)."""
+        return SamplingColumns(*(getattr(self, f.name)[rows] for f in fields(self)))
+
+    def close_gap(self, row: int, num_rows: int) -> None:
+        """Move rows row+1 .. num_rows-1 up by one (row `row` is dropped)."""
+        for f in fields(self):
+            a = getattr(self, f.name)
+            a[row : num_rows - 1] = a[row + 1 : num_rows]
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+
 @dataclass
 class SamplingMetadata:
     """One row per sampled request, in the order of the logits rows."""
 
     temperature: torch.Tensor
-    """[R] fp32. Greedy rows may hold any value: `greedy` / `all_greedy` decide."""
+    """[R] fp32. Greedy rows hold 1.0, never read: `greedy` / `all_greedy` decide."""
     greedy: torch.Tensor | None
     """[R] bool, rows sampled by argmax; None when all_greedy or all_random."""
     all_greedy: bool
     all_random: bool
     top_p: torch.Tensor | None
-    """[R] fp32; None when no row uses top-p (every value 1.0)."""
+    """[R] fp32; None when no random row uses top-p (filters never act on greedy rows)."""
     top_k: torch.Tensor | None
-    """[R] int64, 0 = off (so is any value >= the vocabulary); None when no row uses top-k."""
+    """[R] int64, 0 = off (so is any value >= the vocabulary); None when no random row
+    uses top-k."""
     min_p: torch.Tensor | None
-    """[R] fp32; None when no row uses min-p."""
+    """[R] fp32; None when no random row uses min-p."""
     max_top_k: int
-    """Largest top_k in use (0 if none): sizes the topk head without reading `top_k` back."""
+    """Largest top_k of a random row (0 if none): sizes the topk head without reading
+    `top_k` back."""
     generators: dict[int, torch.Generator]
-    """Row -> that request's own generator (seeded rows); other random rows share one."""
+    """Row -> that request's own generator (seeded random rows); other random rows share
+    one."""
     no_penalties: bool
     presence_penalties: torch.Tensor
     """[R] fp32."""
@@ -103,90 +186,99 @@ class SamplingMetadata:
         return self.temperature.shape[0]
 
     @classmethod
-    def from_params(
+    def build(
         cls,
+        columns: SamplingColumns,
         params: Sequence[SamplingParams],
         *,
         output_token_ids: Sequence[Sequence[int]],
         prompt_token_ids: Sequence[Sequence[int]] | None,
-        generators: dict[int, torch.Generator] | None = None,
+        generators: Mapping[int, torch.Generator] | None = None,
         banned_until_min: Sequence[frozenset[int]] | None = None,
         token_bitmask: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
-        """The metadata of `params`, one row each, built from scratch.
+        """The metadata of R rows: `columns` (R rows, as `SamplingColumns.set_row` wrote
+        them from `params[i]`) plus what is not a number.
 
-        A seeded random row without a generator in `generators` gets one here, kept in the
-        returned metadata: sampling with the same metadata again continues its stream.
-        `banned_until_min[row]` adds ids (EOS, unless the caller ignores it) to the row's
-        own `stop_token_ids` as what cannot be sampled before `min_tokens`.
+        `generators` maps rows to their request's own generator; a seeded random row
+        without one gets one here, kept in the returned metadata (sampling with the same
+        metadata again continues its stream). `banned_until_min[row]` adds ids (EOS, unless
+        the request ignores it) to the row's own `stop_token_ids` as what cannot be sampled
+        before `min_tokens`. `prompt_token_ids` are required when a row has a repetition
+        penalty (and dropped otherwise).
         """
         num_rows = len(params)
         for name, rows in (
+            ("columns", columns),
             ("output_token_ids", output_token_ids),
             ("prompt_token_ids", prompt_token_ids),
             ("banned_until_min", banned_until_min),
         ):
             if rows is not None and len(rows) != num_rows:
                 raise ValueError(f"{name} has {len(rows)} rows for {num_rows} params")
-        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        greedy = columns.greedy
         # Filters of greedy rows never act, so only random rows decide which are in use.
-        random = [p for p, g in zip(params, greedy) if not g]
-        use_rep = any(p.repetition_penalty != 1.0 for p in params)
+        random = ~greedy
+        all_greedy = not bool(random.any())
+        all_random = num_rows > 0 and not bool(greedy.any())
+        top_k_random = columns.top_k[random]
+        use_rep = bool((columns.repetition != 1.0).any())
         if use_rep and prompt_token_ids is None:
             raise ValueError("prompt_token_ids are required when a row has a repetition_penalty")
 
-        def column(
-            values: list[float] | list[int] | list[bool], dtype: torch.dtype
-        ) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        gens = dict(generators or {})
-        for row, p in enumerate(params):
-            if p.sampling_type == SamplingType.RANDOM_SEED and row not in gens:
-                assert p.seed is not None
-                gens[row] = make_generator(p.seed, device)
+        gens = {row: g for row, g in (generators or {}).items() if not greedy[row]}
         min_tokens: dict[int, tuple[int, frozenset[int]]] = {}
         for row, p in enumerate(params):
+            if p.seed is not None and row not in gens and not greedy[row]:
+                gens[row] = make_generator(p.seed, device)
             if p.min_tokens > 0:
                 extra = banned_until_min[row] if banned_until_min is not None else frozenset()
                 min_tokens[row] = (p.min_tokens, frozenset(p.stop_token_ids) | extra)
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        all_greedy = all(greedy)
-        all_random = bool(params) and not any(greedy)
+        num_logprobs = int(columns.num_logprobs.max(initial=-1))
         return cls(
-            temperature=column([p.temperature for p in params], torch.float32),
-            greedy=None if all_greedy or all_random else column(greedy, torch.bool),
+            temperature=tensor(columns.temperature),
+            greedy=None if all_greedy or all_random else tensor(greedy),
             all_greedy=all_greedy,
             all_random=all_random,
-            top_p=(
-                column([p.top_p for p in params], torch.float32)
-                if any(p.top_p < 1.0 for p in random)
-                else None
-            ),
-            top_k=(
-                column([p.top_k for p in params], torch.int64)
-                if any(p.top_k > 0 for p in random)
-                else None
-            ),
-            min_p=(
-                column([p.min_p for p in params], torch.float32)
-                if any(p.min_p > 0.0 for p in random)
-                else None
-            ),
-            max_top_k=max((p.top_k for p in random), default=0),
+            top_p=tensor(columns.top_p) if bool((columns.top_p[random] < 1.0).any()) else None,
+            top_k=tensor(columns.top_k) if bool((top_k_random > 0).any()) else None,
+            min_p=tensor(columns.min_p) if bool((columns.min_p[random] > 0.0).any()) else None,
+            max_top_k=int(top_k_random.max(initial=0)),
             generators=gens,
-            no_penalties=not use_rep
-            and all(p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 for p in params),
-            presence_penalties=column([p.presence_penalty for p in params], torch.float32),
-            frequency_penalties=column([p.frequency_penalty for p in params], torch.float32),
-            repetition_penalties=column([p.repetition_penalty for p in params], torch.float32),
-            prompt_token_ids=None
-            if prompt_token_ids is None or not use_rep
-            else list(prompt_token_ids),
+            no_penalties=not (use_rep or columns.presence.any() or columns.frequency.any()),
+            presence_penalties=tensor(columns.presence),
+            frequency_penalties=tensor(columns.frequency),
+            repetition_penalties=tensor(columns.repetition),
+            prompt_token_ids=list(prompt_token_ids)
+            if use_rep and prompt_token_ids is not None
+            else None,
             output_token_ids=list(output_token_ids),
             min_tokens=min_tokens,
-            max_num_logprobs=max(want) if want else None,
+            max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
             logit_bias=LogitBias.from_rows([p.logit_bias for p in params], device),
             token_bitmask=token_bitmask,
+        )
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        *,
+        output_token_ids: Sequence[Sequence[int]],
+        prompt_token_ids: Sequence[Sequence[int]] | None,
+        generators: Mapping[int, torch.Generator] | None = None,
+        banned_until_min: Sequence[frozenset[int]] | None = None,
+        token_bitmask: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """The metadata of `params`, one row each, built from scratch: `build` over
+        `SamplingColumns.of(params)` (see `build` for the arguments)."""
+        return cls.build(
+            SamplingColumns.of(params), params, output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids, generators=generators,
+            banned_until_min=banned_until_min, token_bitmask=token_bitmask, device=device,
         )

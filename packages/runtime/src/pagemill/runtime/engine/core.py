@@ -32,7 +32,7 @@ from ..model_config import ModelConfig
 from ..model_runner import ModelRunner, ModelRunnerOutput
 from ..sampler import Sampler
 from ..structured_output import StructuredOutputManager
-from .fault_isolation import FaultIsolator, is_unrecoverable
+from .fault_isolation import FaultIsolator
 from .protocol import (
     FINISH_REASONS,
     EngineCoreOutput,
@@ -303,8 +303,7 @@ class EngineCore:
             model_output = self.model_runner.execute_model(scheduler_output)
             token_ids, logprobs = self._sample(model_output)
         except Exception as exc:
-            if is_unrecoverable(exc):
-                raise
+            # Undone and isolated; re-raised there when not containable (device errors).
             failed = self.isolator.on_step_failed(scheduler_output, exc)
             if self.structured_output is not None and failed:
                 self.structured_output.remove_requests([u.request_id for u in failed])
