@@ -74,7 +74,7 @@ class ServeThread:
         self.error: BaseException | None = None
 
         def run() -> None:
-            from pagemill.server.shutdown import serve
+            from pagemill.server.entrypoints.shutdown import serve
 
             try:
                 self.code = serve(app, client, host="127.0.0.1", port=port, log_level="warning",

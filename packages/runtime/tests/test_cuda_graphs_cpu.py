@@ -11,10 +11,10 @@ import torch
 from pagemill.kernels._dispatch import interpreting, triton_available
 from pagemill.runtime import LLM
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.cuda_graphs import BucketInputs, DecodeGraphs
-from pagemill.runtime.loader import load_model
-from pagemill.runtime.model_runner import ModelRunner
+from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.worker.cuda_graphs import BucketInputs, DecodeGraphs
+from pagemill.runtime.worker.model_runner import ModelRunner
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 

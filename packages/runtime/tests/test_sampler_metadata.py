@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import pagemill.runtime.sampler as sampler_module
-from pagemill.runtime.sampler import Sampler
-from pagemill.runtime.sampling_metadata import SamplingMetadata, make_generator
+import pagemill.runtime.sample.sampler as sampler_module
+from pagemill.runtime.sample.sampler import Sampler
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 from pagemill.runtime.sampling_params import SamplingParams
 
 VOCAB = 512
@@ -218,7 +218,7 @@ def test_prefix_views_of_persistent_tensors_sample_like_fresh_ones() -> None:
 def _batch_rows(params: Sequence[SamplingParams]):
     """An InputBatch holding one request per param (prompt and outputs from the tables
     above), with rows 3 and 0 added then removed again (the gap is closed up)."""
-    from pagemill.runtime.input_batch import CachedRequestState, InputBatch
+    from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
     from pagemill.scheduler import Request
 
     batch = InputBatch(len(params) + 2, 4, torch.device("cpu"))

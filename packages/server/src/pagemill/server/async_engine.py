@@ -59,8 +59,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.model_config import ModelConfig
     from pagemill.runtime.outputs import RequestOutput
     from pagemill.runtime.sampling_params import SamplingParams
-
-    from .dashboard import DashboardSettings
+    from pagemill.server.dashboard import DashboardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +225,7 @@ class AsyncEngine:
         assets = ModelAssets.load(config)  # the front end's tokenizer; a download happens here
         watchers = factory = None
         if dashboard is not None:
-            from .dashboard.tap import SnapshotTap
+            from pagemill.server.dashboard.tap import SnapshotTap
 
             watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
             factory = functools.partial(SnapshotTap, dashboard, watchers)

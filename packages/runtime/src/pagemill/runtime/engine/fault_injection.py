@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pagemill.runtime.worker.model_runner import ModelRunnerOutput
     from pagemill.scheduler import SchedulerOutput
-
-    from ..model_runner import ModelRunnerOutput
 
 Fault = Callable[["SchedulerOutput"], BaseException | None]
 """Given a step's SchedulerOutput, the exception its forward should raise (None: none)."""
