@@ -99,7 +99,7 @@ class ServeThread:
         return self.code
 
     def __exit__(self, *exc: object) -> None:
-        from pagemill.server import shutdown
+        from pagemill.server.entrypoints import shutdown
 
         server = shutdown.LAST_SERVER
         if server is not None and self.thread.is_alive():

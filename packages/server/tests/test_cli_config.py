@@ -142,7 +142,6 @@ def test_api_key_from_the_environment() -> None:
 
 def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     import pagemill.server.async_engine as async_engine
-    import pagemill.server.engine_process  # noqa: F401  (subclasses AsyncEngine: import before the patch)
     import pagemill.server.entrypoints.openai.api_server as api_server
     import pagemill.server.entrypoints.shutdown as shutdown
     import pagemill.server.metrics as metrics
