@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.model_executor import loader as loader_module
 from pagemill.runtime.config import ModelConfig
+from pagemill.runtime.model_executor import loader as loader_module
 from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagemill.runtime import LLM, LLMEngine, SamplingParams
-from pagemill.runtime.model_executor import default_model as dm
 from pagemill.runtime.config import EngineConfig, ModelConfig
+from pagemill.runtime.model_executor import default_model as dm
 from pagemill.runtime.model_executor.loader import resolve_model_path
 from pagemill.runtime.sampling_params import RequestOutputKind
 

@@ -14,7 +14,6 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -166,7 +165,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     max_model_len = client.max_model_len
     model_config = client.model_config
     # One tokenizer thread for both endpoints: tokenization never runs on the event loop.
-    tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagemill-tokenizer")
+    # The front end's one tokenizer thread serves the endpoints too (chat templates,
+    # /tokenize): tokenization never runs on the event loop, and encodes never race.
+    tokenizer_pool = client.input_pool
     common = {"max_model_len": max_model_len, "tokenizer": tokenizer,
               "vocab_limit": getattr(model_config, "vocab_size", None),
               "tokenizer_pool": tokenizer_pool}
@@ -179,7 +180,6 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if owns_client:
             client.shutdown()
 
