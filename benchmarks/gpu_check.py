@@ -423,7 +423,7 @@ def cmd_steps(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """A short `pagemill bench serve` that launches its own server on the dummy model."""
-    from pagemill.server import benchmark
+    from pagemill.server.bench import benchmark
     from pagemill.server.cli import main as cli_main
 
     if importlib.util.find_spec("matplotlib") is None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pagemill.runtime import DEFAULT_MODEL, LLMEngine, SamplingParams, StructuredOutputsParams
-from pagemill.runtime import sampler as sampler_module
+from pagemill.runtime.sample import sampler as sampler_module
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 SCHEMAS: list[dict[str, Any]] = [

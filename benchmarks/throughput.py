@@ -68,7 +68,10 @@ def build_workload(
 
 def resolve_model_dir(model: str) -> Path:
     """A folder transformers can load: the default model is converted (once) by pagemill."""
-    from pagemill.runtime.default_model import ensure_default_model, is_default_model_name
+    from pagemill.runtime.model_executor.default_model import (
+        ensure_default_model,
+        is_default_model_name,
+    )
 
     if is_default_model_name(model):
         return ensure_default_model()
@@ -141,8 +144,8 @@ def machine_limits(device: str, seconds: float = 1.0) -> dict[str, float]:
 
 def model_costs(llm: Any) -> dict[str, float]:
     """What one token costs this model: bytes a small step streams and FLOPs per token."""
-    from pagemill.runtime.layers import Linear
-    from pagemill.runtime.quantization.report import weight_report
+    from pagemill.runtime.model_executor.layers import Linear
+    from pagemill.runtime.model_executor.quantization.report import weight_report
 
     model = llm.llm_engine.engine_core.model_runner.model
     report = weight_report(model)

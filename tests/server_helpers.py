@@ -125,7 +125,7 @@ class ServeThread:
         self.error: BaseException | None = None
 
         def run() -> None:
-            from pagemill.server.shutdown import serve
+            from pagemill.server.entrypoints.shutdown import serve
 
             try:
                 self.code = serve(app, client, host="127.0.0.1", port=port, log_level="warning",
@@ -150,7 +150,7 @@ class ServeThread:
         return self.code
 
     def __exit__(self, *exc: object) -> None:
-        from pagemill.server import shutdown
+        from pagemill.server.entrypoints import shutdown
 
         server = shutdown.LAST_SERVER
         if server is not None and self.thread.is_alive():

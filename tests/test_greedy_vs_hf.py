@@ -64,7 +64,7 @@ def test_greedy_matches_transformers(smollm2) -> None:
 def test_converted_folder_is_reused_and_clean(smollm2, monkeypatch) -> None:
     import json
 
-    from pagemill.runtime import default_model
+    from pagemill.runtime.model_executor import default_model
 
     llm, _ = smollm2
     folder = llm.llm_engine.model_path
@@ -96,7 +96,7 @@ def test_default_model_serves_its_q4_1_weights() -> None:
 
 @pytest.mark.slow
 def test_conversion_into_a_fresh_cache(tmp_path, monkeypatch) -> None:
-    from pagemill.runtime import default_model
+    from pagemill.runtime.model_executor import default_model
 
     monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path))
     folder = default_model.ensure_default_model()

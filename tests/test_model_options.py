@@ -137,8 +137,8 @@ def test_unset_fields_take_the_model_defaults(server, reference) -> None:
 
 
 def test_sampling_params_built_from_defaults(reference) -> None:
-    from pagemill.server.protocol import CompletionRequest
-    from pagemill.server.serving_completion import CompletionServing
+    from pagemill.server.entrypoints.openai.protocol import CompletionRequest
+    from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
 
     # The front end's view of the model (`AsyncEngine` has these), from a real engine.
     client = SimpleNamespace(generation_defaults=reference.generation_defaults,

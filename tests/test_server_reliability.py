@@ -32,12 +32,12 @@ from server_helpers import (
 
 from pagemill.runtime import LLMEngine, SamplingParams
 from pagemill.runtime.engine.core_client import ThreadedClient
-from pagemill.runtime.engine.fault_isolation import inject_token_fault
+from pagemill.runtime.engine.fault_injection import inject_token_fault
 from pagemill.runtime.engine.protocol import EngineCoreOutputs
 from pagemill.runtime.sampling_params import RequestOutputKind
 from pagemill.server import AsyncEngine, ServerThread, build_app
-from pagemill.server.connection_limits import ConnectionLimits
-from pagemill.server.watchdog import Watchdog
+from pagemill.server.entrypoints.connection_limits import ConnectionLimits
+from pagemill.server.entrypoints.watchdog import Watchdog
 
 MODEL = "tiny"
 KEY = "sk-reliability"

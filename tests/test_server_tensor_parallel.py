@@ -21,7 +21,7 @@ from server_helpers import ServeThread, build_tiny_llama, engine_kwargs
 from pagemill.runtime.config import EngineConfig
 from pagemill.server import AsyncEngine, build_app
 from pagemill.server.cli import build_parser
-from pagemill.server.watchdog import Watchdog
+from pagemill.server.entrypoints.watchdog import Watchdog
 
 MODEL = "tiny"
 

@@ -28,10 +28,10 @@ from pagemill.runtime.engine.protocol import (
 )
 from pagemill.server import AsyncEngine, EngineDeadError, QueueFullError
 from pagemill.server.cli import build_parser, parse_size
-from pagemill.server.errors import error_body
+from pagemill.server.entrypoints.openai.errors import error_body
+from pagemill.server.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagemill.server.entrypoints.openai.serving_base import split_logprobs
 from pagemill.server.metrics import EngineMetrics
-from pagemill.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagemill.server.serving_base import split_logprobs
 
 # ---------------------------------------------------------------- protocol
 

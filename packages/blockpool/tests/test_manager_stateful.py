@@ -258,6 +258,16 @@ class ManagerMachine(RuleBasedStateMachine):
         assert counts == [b.ref_cnt for b in self.m.block_pool.blocks]
 
     @invariant()
+    def the_table_is_one_table(self) -> None:
+        """What the manager reports of a table (ids, length) is its one table, read fresh."""
+        for rid, table in self.m.req_to_blocks.items():
+            ids = self.m.get_block_ids(rid)
+            assert ids == [b.block_id for b in table] and ids is not self.m.get_block_ids(rid)
+            assert self.m.num_request_blocks(rid) == len(table)
+            assert self.m.has_request(rid)
+        assert self.m.num_request_blocks("never-seen") == 0
+
+    @invariant()
     def tables_cover_exactly_the_computed_tokens(self) -> None:
         for rid in self.running:
             r = self.requests[rid]

@@ -147,7 +147,7 @@ def _all_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
         nb = -(-len(p) // 16)
         record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
         blocks = list(range(next_block, next_block + nb))
-        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, nb, True, True,
+        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True,
                                       record))
         next_block += nb
     out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.compilation import (
+from pagemill.runtime.worker.compilation import (
     ENFORCE_EAGER_ENV,
     compile_forward,
     compile_unavailable_reason,
@@ -62,7 +62,7 @@ def test_compiled_seeded_sampling_equals_eager(compiled_llm, tiny_llama, random_
 
 
 def test_no_compiler_falls_back_to_eager_with_one_warning(tiny_llama, monkeypatch, caplog) -> None:
-    import pagemill.runtime.compilation as compilation
+    import pagemill.runtime.worker.compilation as compilation
 
     monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
     monkeypatch.setattr(compilation, "_cxx_compiler", lambda: None)

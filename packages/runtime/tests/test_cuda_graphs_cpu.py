@@ -11,10 +11,10 @@ import torch
 from pagemill.kernels._dispatch import interpreting, triton_available
 from pagemill.runtime import LLM
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.cuda_graphs import BucketInputs, DecodeGraphs
-from pagemill.runtime.loader import load_model
-from pagemill.runtime.model_runner import ModelRunner
+from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.worker.cuda_graphs import BucketInputs, DecodeGraphs
+from pagemill.runtime.worker.model_runner import ModelRunner
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 
@@ -39,9 +39,9 @@ def _steps(prompts: list[list[int]], next_ids: list[int]) -> tuple[SchedulerOutp
         record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
         blocks = list(range(next_block, next_block + 2))
         next_block += 2
-        prefill.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, 2, True, True,
+        prefill.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True,
                                         record))
-        decode.append(ScheduledRequest(record.request_id, [tok], len(p), 1, blocks, 0, True,
+        decode.append(ScheduledRequest(record.request_id, [tok], len(p), 1, [], True,
                                        False, record))
     return (SchedulerOutput(prefill, sum(map(len, prompts))),
             SchedulerOutput(decode, len(prompts)))

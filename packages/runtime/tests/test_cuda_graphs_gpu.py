@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM
-from pagemill.runtime.compilation import ENFORCE_EAGER_ENV
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.loader import load_model
-from pagemill.runtime.model_runner import ModelRunner
+from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV
+from pagemill.runtime.worker.model_runner import ModelRunner
 
 pytestmark = [
     pytest.mark.gpu,

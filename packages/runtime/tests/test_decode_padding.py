@@ -14,7 +14,12 @@ import torch
 
 from pagemill.kernels import paged_attention, plan_attention, write_kv_cache
 from pagemill.kernels._dispatch import interpreting, triton_available
-from pagemill.runtime.decode_padding import DecodeLayout, bucket_for, graph_buckets, pad_decode
+from pagemill.runtime.worker.decode_padding import (
+    DecodeLayout,
+    bucket_for,
+    graph_buckets,
+    pad_decode,
+)
 
 
 def test_buckets_are_powers_of_two_then_max() -> None:

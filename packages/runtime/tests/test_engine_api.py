@@ -294,7 +294,7 @@ def test_runner_checks_each_requests_own_table(llm) -> None:
     engine.add_request("short", [6] * 3, SamplingParams(max_tokens=4, **GREEDY))
     out = engine.scheduler.schedule()
     wide, short = out.scheduled
-    assert len(wide.block_ids) == 3 and len(short.block_ids) == 1
+    assert len(wide.new_block_ids) == 3 and len(short.new_block_ids) == 1
     # Pretend `short` computes 20 tokens: its one block cannot hold them.
     short.token_ids, short.num_tokens = [6] * 20, 20
     bad = SchedulerOutput([wide, short], wide.num_tokens + 20, [], out.finished_req_ids)

@@ -1,7 +1,8 @@
 """A step that raises for one request: that request fails, the others finish exactly.
 
-The model's forward is wrapped so that it raises whenever a marked token id is in the
-batch; only one request carries the mark. Before fault isolation the first failing step
+The engine core's model runner is replaced by a double (`FaultyModelRunner`, through the
+public `EngineCore.model_runner`) that raises whenever a marked token id is in the batch;
+only one request carries the mark. Before fault isolation the first failing step
 killed every request for good; now the culprit finishes with finish_reason "error", the
 others' tokens equal transformers' greedy continuation, and the pool ends empty.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pagemill.runtime import LLMEngine, SamplingParams
+from pagemill.runtime.engine.fault_injection import FaultyModelRunner, TokenFault, inject_fault
 from pagemill.runtime.engine.fault_isolation import MAX_CONSECUTIVE_CULPRITS, EngineFaultError
 from pagemill.runtime.sampling_params import RequestOutputKind
 
@@ -24,18 +26,16 @@ def _engine(folder, **kw) -> LLMEngine:
 
 
 def _poison(engine: LLMEngine, message: str = "boom: bad token in the batch") -> list[int]:
-    """Make the forward raise while MARK is among the step's input ids; returns a call log."""
-    runner = engine.engine_core.model_runner
-    forward = runner._forward
+    """Make a step raise while MARK is among its input ids; returns a log of step sizes."""
     calls: list[int] = []
+    token_fault = TokenFault(MARK, message)
 
-    def poisoned(input_ids, positions, attn):
-        calls.append(int(input_ids.numel()))
-        if bool((input_ids == MARK).any()):
-            raise RuntimeError(message)
-        return forward(input_ids, positions, attn)
+    def fault(out):
+        calls.append(out.total_num_scheduled_tokens)
+        return token_fault(out)
 
-    runner._forward = poisoned
+    inject_fault(engine, fault)
+    assert isinstance(engine.engine_core.model_runner, FaultyModelRunner)
     return calls
 
 
@@ -50,8 +50,9 @@ def _assert_pool_clean(engine: LLMEngine) -> None:
     assert core.kv_cache_manager.get_num_free_blocks() == core.num_blocks
     assert core.kv_cache_manager.req_to_blocks == {}
     assert core.scheduler.requests == {} and core.scheduler.running == []
-    assert core.scheduler._held == [] and core.scheduler._allowed is None
-    assert not core.isolator.active
+    assert core.scheduler.restricted_to is None
+    assert core.scheduler.get_stats().num_waiting == 0
+    assert not core.isolator.active and core.isolator.suspects == []
 
 
 def _run(engine: LLMEngine, late: dict[int, tuple[str, list[int]]] | None = None) -> dict:
@@ -135,7 +136,9 @@ def test_abort_during_isolation(tiny_llama, random_prompts) -> None:
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     engine.step()  # fails: isolation starts, half of the requests are held aside
-    assert engine.engine_core.isolator.active
+    core = engine.engine_core
+    assert core.isolator.active and core.isolator.suspects == ["r0", "r1"]
+    assert core.scheduler.restricted_to == {"r0", "r1"}
     engine.abort_request(["r1", "r3"])
     final = _run(engine)
     assert final["r0"].outputs[0].finish_reason == "error"
@@ -155,12 +158,7 @@ def test_device_error_is_not_contained(tiny_llama, random_prompts) -> None:
 def test_a_fault_every_request_hits_stops_the_engine(tiny_llama, random_prompts) -> None:
     folder, _ = tiny_llama
     engine = _engine(folder)
-    runner = engine.engine_core.model_runner
-
-    def broken(*_):
-        raise RuntimeError("the weights are gone")
-
-    runner._forward = broken
+    inject_fault(engine, lambda _out: RuntimeError("the weights are gone"))
     prompts = _clean_prompts(random_prompts, MAX_CONSECUTIVE_CULPRITS + 2,
                              engine.model_config.vocab_size)
     for i, p in enumerate(prompts):

@@ -17,8 +17,12 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.gguf_model import GGUF_ARCHITECTURES, gguf_file_for_folder, needs_dense_copy
-from pagemill.runtime.model_source import resolve_model
+from pagemill.runtime.model_executor.gguf_model import (
+    GGUF_ARCHITECTURES,
+    gguf_file_for_folder,
+    needs_dense_copy,
+)
+from pagemill.runtime.model_executor.model_source import resolve_model
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -16,12 +16,17 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime import loader as loader_module
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.gguf_weights import GGUFCheckpoint
-from pagemill.runtime.layers import Linear
-from pagemill.runtime.models.llama import LlamaForCausalLM
-from pagemill.runtime.quantization import Int4Groups, Int8Blocks, WeightPlan, WeightScheme
+from pagemill.runtime.model_executor import loader as loader_module
+from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
+from pagemill.runtime.model_executor.layers import Linear
+from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.model_executor.quantization import (
+    Int4Groups,
+    Int8Blocks,
+    WeightPlan,
+    WeightScheme,
+)
 
 gguf = pytest.importorskip("gguf")
 QT = gguf.GGMLQuantizationType

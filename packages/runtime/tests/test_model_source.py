@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.loader import resolve_model_path
-from pagemill.runtime.model_source import hub_cache_dir, is_hub_id, resolve_model
+from pagemill.runtime.model_executor.loader import resolve_model_path
+from pagemill.runtime.model_executor.model_source import hub_cache_dir, is_hub_id, resolve_model
 
 COMMIT_MAIN = "a" * 40
 COMMIT_V2 = "b" * 40
@@ -117,7 +117,7 @@ def test_hub_repo_is_checked_before_its_weights(hub, tmp_path) -> None:
 
 
 def test_tokenizer_hub_id_comes_from_the_cache(hub, tiny_llama, tmp_path) -> None:
-    from pagemill.runtime.model_source import resolve_tokenizer
+    from pagemill.runtime.model_executor.model_source import resolve_tokenizer
 
     folder, _ = tiny_llama
     snapshot = lay_out_hub_cache(hub, "tiny-org/tok", "main", COMMIT_MAIN, folder)

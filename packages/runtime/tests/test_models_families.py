@@ -17,9 +17,9 @@ import torch
 
 from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.loader import load_model
 from pagemill.runtime.model_config import FULL, SLIDING, SUPPORTED_ARCHITECTURES
-from pagemill.runtime.model_runner import ModelRunner
+from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.worker.model_runner import ModelRunner
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

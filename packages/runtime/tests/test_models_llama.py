@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.loader import load_model
-from pagemill.runtime.model_runner import ModelRunner
+from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.worker.model_runner import ModelRunner
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagemill.runtime import LLM, LLMEngine, SamplingParams
-from pagemill.runtime import default_model as dm
 from pagemill.runtime.config import EngineConfig, ModelConfig
-from pagemill.runtime.loader import resolve_model_path
+from pagemill.runtime.model_executor import default_model as dm
+from pagemill.runtime.model_executor.loader import resolve_model_path
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 
@@ -152,7 +152,7 @@ def test_cpu_dtype_auto_follows_native_bf16(tiny_llama, monkeypatch, native_bf16
 
 
 def test_cpu_features_read_the_flags() -> None:
-    from pagemill.runtime.cpu_features import _BF16_FLAGS, _cpuinfo_flags
+    from pagemill.runtime.worker.cpu_features import _BF16_FLAGS, _cpuinfo_flags
 
     x86 = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni\n"
     arm = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n"

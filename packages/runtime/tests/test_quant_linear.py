@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from pagemill.runtime.config import ModelConfig
-from pagemill.runtime.layers import Linear, packed_row_limits
-from pagemill.runtime.loader import load_model
-from pagemill.runtime.quantization import (
+from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
+from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.model_executor.quantization import (
     PACKED_MAX_TOKENS,
     Int8Blocks,
     WeightScheme,
@@ -123,15 +123,15 @@ def test_compiled_forward_matches_eager(branch, dtype, monkeypatch) -> None:
 
 def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """Last-position logits of a prompt through the model (a fresh KV cache each call)."""
-    from pagemill.runtime.model_runner import ModelRunner
     from pagemill.runtime.sampling_params import SamplingParams
+    from pagemill.runtime.worker.model_runner import ModelRunner
     from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
     runner = ModelRunner(model, model.config, torch.device("cpu"), model.dtype, 16, 4, 256, 256)
     runner.init_kv_cache(16)
     record = Request("r", ids, sampling_params=SamplingParams(temperature=0.0))
     nb = -(-len(ids) // 16)
-    sched = ScheduledRequest("r", ids, 0, len(ids), list(range(nb)), nb, True, True, record)
+    sched = ScheduledRequest("r", ids, 0, len(ids), list(range(nb)), True, True, record)
     batch = runner.prepare(SchedulerOutput([sched], len(ids), [], []))
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, batch.attn)

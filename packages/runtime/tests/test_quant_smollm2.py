@@ -47,7 +47,10 @@ TEXTS = [
 def reference():
     """(folder, prompts, transformers' fp32 greedy continuations on the dequantized GGUF)."""
     transformers = pytest.importorskip("transformers")
-    from pagemill.runtime.default_model import ensure_default_model, ensure_dense_weights
+    from pagemill.runtime.model_executor.default_model import (
+        ensure_default_model,
+        ensure_dense_weights,
+    )
 
     folder = ensure_default_model()
     ensure_dense_weights(folder)
@@ -71,10 +74,10 @@ def test_q4_1_rows_are_served_exactly(reference) -> None:
     from safetensors import safe_open
 
     from pagemill.runtime.config import ModelConfig
-    from pagemill.runtime.default_model import gguf_for_folder
-    from pagemill.runtime.gguf_weights import GGUFCheckpoint
-    from pagemill.runtime.layers import Linear
-    from pagemill.runtime.quantization import WeightScheme
+    from pagemill.runtime.model_executor.default_model import gguf_for_folder
+    from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
+    from pagemill.runtime.model_executor.layers import Linear
+    from pagemill.runtime.model_executor.quantization import WeightScheme
 
     folder, _, _ = reference
     config = ModelConfig.from_pretrained(folder)
@@ -97,9 +100,9 @@ def _agreement(outs: list[list[int]], refs: list[list[int]]) -> float:
 
 @pytest.mark.slow
 def test_packed_q4_1_agrees_with_transformers(reference) -> None:
-    from pagemill.runtime.layers import Linear
-    from pagemill.runtime.model_runner import ModelRunner
+    from pagemill.runtime.model_executor.layers import Linear
     from pagemill.runtime.sampling_params import SamplingParams as SP
+    from pagemill.runtime.worker.model_runner import ModelRunner
     from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
     _, prompts, refs = reference
@@ -123,7 +126,7 @@ def test_packed_q4_1_agrees_with_transformers(reference) -> None:
     for i, s in enumerate(seqs):
         nb = -(-len(s) // 16)
         record = Request(f"r{i}", s, sampling_params=SP(temperature=0.0))
-        sched.append(ScheduledRequest(record.request_id, s, 0, len(s), list(range(block, block + nb)), nb,
+        sched.append(ScheduledRequest(record.request_id, s, 0, len(s), list(range(block, block + nb)),
                                       True, True, record))
         block += nb
     batch = runner.prepare(SchedulerOutput(sched, sum(map(len, seqs)), [], []))

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pagemill.runtime.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
-from pagemill.runtime.sampling_metadata import SamplingMetadata
+from pagemill.runtime.sample.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

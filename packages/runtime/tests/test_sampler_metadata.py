@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import pagemill.runtime.sampler as sampler_module
-from pagemill.runtime.sampler import Sampler
-from pagemill.runtime.sampling_metadata import SamplingMetadata, make_generator
+import pagemill.runtime.sample.sampler as sampler_module
+from pagemill.runtime.sample.sampler import Sampler
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 from pagemill.runtime.sampling_params import SamplingParams
 
 VOCAB = 512
@@ -32,7 +32,8 @@ def test_from_params_fields() -> None:
     )
     assert md.num_rows == 4
     assert md.temperature.dtype == torch.float32
-    assert md.temperature.tolist() == pytest.approx([0.0, 0.7, 1.2, 0.9])
+    # a greedy row's temperature is never read: 1.0 keeps it finite
+    assert md.temperature.tolist() == pytest.approx([1.0, 0.7, 1.2, 0.9])
     assert md.greedy is not None and md.greedy.tolist() == [True, False, False, False]
     assert not md.all_greedy and not md.all_random
     assert md.top_p is not None and md.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
@@ -209,3 +210,83 @@ def test_prefix_views_of_persistent_tensors_sample_like_fresh_ones() -> None:
         if value is not None:
             setattr(md, name, _in_larger_buffer(value, 64))
     assert _run(md, logits) == _run(_fresh(params, rows), logits)
+
+
+# ---- the model runner's input batch builds its metadata with the same one builder --------
+
+
+def _batch_rows(params: Sequence[SamplingParams]):
+    """An InputBatch holding one request per param (prompt and outputs from the tables
+    above), with rows 3 and 0 added then removed again (the gap is closed up)."""
+    from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
+    from pagemill.scheduler import Request
+
+    batch = InputBatch(len(params) + 2, 4, torch.device("cpu"))
+    states = {}
+    for r, p in enumerate(params):
+        record = Request(f"r{r}", _PROMPTS[r] or [1], eos_token_id=0, min_tokens=p.min_tokens,
+                         stop_token_ids=p.stop_token_ids, sampling_params=p)
+        for t in _OUTPUTS[r]:
+            record.append_output_token(t)
+        states[r] = CachedRequestState.create(record, torch.device("cpu"))
+        batch.add(states[r], [r])
+    batch.remove("r3")
+    batch.remove("r0")
+    batch.add(states[3], [3])
+    return batch, states, [r for r in range(len(params)) if r not in (0, 3)] + [3]
+
+
+def _assert_same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> None:
+    from dataclasses import fields
+
+    for f in fields(SamplingMetadata):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is not None and y is not None, f.name
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif f.name == "generators":
+            assert x.keys() == y.keys()
+        elif f.name == "logit_bias":
+            assert (x is None) == (y is None)
+            if x is not None:
+                for name in ("rows", "token_ids", "values"):
+                    assert torch.equal(getattr(x, name), getattr(y, name))
+        elif f.name in ("prompt_token_ids", "output_token_ids"):
+            assert (x is None) == (y is None), f.name
+            if x is not None:
+                assert [list(t) for t in x] == [list(t) for t in y], f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("subset", [None, [4, 0, 7], [2], [8, 3, 1, 9, 5]])
+def test_input_batch_metadata_is_from_params_metadata(subset: list[int] | None) -> None:
+    """Every row kind, rows removed and re-added, all rows or a subset: the runner's
+    metadata equals what from_params builds for the same requests, and samples the same."""
+    import numpy as np
+
+    params = [*_params()]
+    params[5] = SamplingParams(temperature=0.9, seed=4, presence_penalty=0.8,
+                               logit_bias={3: 5.0, 9: -2.0})
+    params[8] = SamplingParams(temperature=0.0, min_tokens=2, seed=9)  # greedy: no generator
+    batch, states, kept = _batch_rows(params)
+    assert batch.req_ids == [f"r{r}" for r in kept]
+    rows = kept if subset is None else [kept[i] for i in subset]
+    got = batch.sampling_metadata(None if subset is None else np.array(subset))
+    want = SamplingMetadata.from_params(
+        [params[r] for r in rows],
+        output_token_ids=[_OUTPUTS[r] for r in rows],
+        prompt_token_ids=[_PROMPTS[r] or [1] for r in rows],
+        banned_until_min=[states[r].banned_until_min for r in rows],
+    )
+    _assert_same_metadata(got, want)
+    logits = [x[: len(rows)] for x in _step_logits(len(params), steps=3)]
+    assert _run(got, logits) == _run(want, logits)
+
+
+def test_input_batch_reuses_its_metadata_until_the_batch_changes() -> None:
+    batch, _, _ = _batch_rows(_params())
+    md = batch.sampling_metadata()
+    assert batch.sampling_metadata() is md
+    batch.remove("r5")
+    assert batch.sampling_metadata() is not md

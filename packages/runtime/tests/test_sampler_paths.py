@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import pagemill.runtime.sampler as sampler_module
-from pagemill.runtime.sampler import Sampler, apply_top_k_top_p_min_p
-from pagemill.runtime.sampling_metadata import SamplingMetadata
+import pagemill.runtime.sample.sampler as sampler_module
+from pagemill.runtime.sample.sampler import Sampler, apply_top_k_top_p_min_p
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
 
 CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47}

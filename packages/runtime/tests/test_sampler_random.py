@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from pagemill.runtime.sampler import Sampler
-from pagemill.runtime.sampling_metadata import SamplingMetadata, make_generator
+from pagemill.runtime.sample.sampler import Sampler
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 from pagemill.runtime.sampling_params import SamplingParams
 
 # Chi-square critical values at p = 0.001 (so a correct sampler fails 1 time in 1000 seeds;

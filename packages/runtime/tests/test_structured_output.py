@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagemill.runtime import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
-from pagemill.runtime.sampler import Sampler, apply_token_bitmask
-from pagemill.runtime.sampling_metadata import SamplingMetadata
+from pagemill.runtime.sample.sampler import Sampler, apply_token_bitmask
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 FINAL = RequestOutputKind.FINAL_ONLY

@@ -71,19 +71,20 @@ def test_three_long_prompts_chunked_400_400_224() -> None:
 
 
 def test_prefix_hit_skips_exactly_the_shared_full_blocks() -> None:
-    s, _ = make(block_size=4)
+    s, kv = make(block_size=4)
     shared = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 + 2 tokens
     s.add_request(req("a", [*shared, 1, 1, 1], max_tokens=1))
     out_a, _ = step(s)
-    a_blocks = list(out_a.scheduled[0].block_ids)
+    a_blocks = list(out_a.scheduled[0].new_block_ids)
     assert s.get_request("a") is None  # finished after one token; its blocks stay cached
     s.add_request(req("b", [*shared, 9, 9]))
     out = s.schedule()
     (b,) = out.scheduled
     assert (b.start_pos, b.num_tokens) == (8, 4)
     assert b.token_ids == [108, 109, 9, 9]
-    assert b.block_ids[:2] == a_blocks[:2]
-    assert b.block_ids[2] not in a_blocks[:2]
+    assert b.is_new and b.new_block_ids == kv.get_block_ids("b")
+    assert b.new_block_ids[:2] == a_blocks[:2]
+    assert b.new_block_ids[2] not in a_blocks[:2]
     assert s.get_request("b").num_cached_tokens == 8
     stats = s.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13 + 12, 8)
@@ -124,7 +125,7 @@ def test_finished_requests_blocks_are_reused_next_step() -> None:
     out = s.schedule()
     assert shape(out) == [("b", 0, 10, True)]
     assert out.finished_req_ids == ["a"]
-    assert sorted(out.scheduled[0].block_ids) == [0, 1, 2]
+    assert sorted(out.scheduled[0].new_block_ids) == [0, 1, 2]
 
 
 def test_pool_dry_preempts_newest_and_it_resumes_with_all_tokens() -> None:
@@ -350,15 +351,17 @@ def test_priority_admission_order() -> None:
     assert [x.request_id for x in out.scheduled] == ["urgent", "a", "b"]
 
 
-def test_block_table_grows_in_place_and_reports_new_blocks() -> None:
+def test_block_table_is_the_managers_and_steps_report_new_blocks() -> None:
     s, kv = make(block_size=4)
     s.add_request(req("a", [1] * 4))
     out, _ = step(s)
     (x,) = out.scheduled
-    assert x.num_new_blocks == 1 and x.block_ids == kv.get_block_ids("a")
+    assert x.num_new_blocks == 1 and x.new_block_ids == kv.get_block_ids("a")
     out = s.schedule()  # position 4 opens block 2
-    assert out.scheduled[0].num_new_blocks == 1
-    assert out.scheduled[0].block_ids == kv.get_block_ids("a") and len(x.block_ids) == 2
+    (y,) = out.scheduled
+    assert y.num_new_blocks == 1 and not y.is_new
+    assert x.new_block_ids + y.new_block_ids == kv.get_block_ids("a")
+    assert kv.num_request_blocks("a") == 2 and len(x.new_block_ids) == 1
 
 
 def test_duplicate_and_reused_requests_are_rejected() -> None:
@@ -447,7 +450,8 @@ def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
     s.add_request(req("old", [1] * 7, max_tokens=8))
     s.add_request(req("new", [3] * 7, max_tokens=8))
     out, _ = step(s, token=5)
-    assert [(x.is_new, x.num_new_blocks, len(x.block_ids)) for x in out.scheduled] == [
+    assert [(x.is_new, x.num_new_blocks, kv.num_request_blocks(x.request_id))
+            for x in out.scheduled] == [
         (True, 2, 2), (True, 2, 2)]
     assert [x.request for x in out.scheduled] == [s.get_request("old"), s.get_request("new")]
     out, _ = step(s, token=5)  # decodes inside the second block: nothing new
@@ -455,14 +459,14 @@ def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
     out = s.schedule()  # old opens its third block, new is preempted
     (x,) = out.scheduled
     assert (x.request_id, x.is_new, x.num_new_blocks) == ("old", False, 1)
-    assert x.block_ids[-1:] == kv.get_block_ids("old")[-1:]
+    assert x.new_block_ids == kv.get_block_ids("old")[-1:]
     s.update_from_output(out, {"old": 5})
     new = s.get_request("new")
     first_time = new.first_scheduled_time
     run_until_finished(s, "old")
     (x,) = s.schedule().scheduled
     # Re-admitted: a new table (whatever the runner had for it is stale), same record.
-    assert (x.request_id, x.is_new, x.num_new_blocks) == ("new", True, len(x.block_ids))
+    assert (x.request_id, x.is_new, x.num_new_blocks) == ("new", True, kv.num_request_blocks("new"))
     assert x.request is new and new.first_scheduled_time == first_time
 
 
@@ -502,3 +506,49 @@ def test_a_request_with_hashes_from_elsewhere_is_not_new() -> None:
     r.block_hashes.extend(kv.block_hasher(r))
     with pytest.raises(ValueError, match="must be new"):
         s.add_request(r)
+
+
+def test_undo_step_preempts_everything_and_uncaches_the_steps_blocks() -> None:
+    s, kv = make(block_size=4)
+    s.add_request(req("a", [9] * 9, max_tokens=4))
+    step(s)  # a computed 9 tokens (2 full blocks cached) and sampled one
+    s.add_request(req("b", [8] * 8, max_tokens=4))
+    out = s.schedule()
+    assert shape(out) == [("a", 9, 1, True), ("b", 0, 8, True)]
+    s.undo_step(out)  # the step's forward raised: nothing it was to compute is
+    a, b = s.get_request("a"), s.get_request("b")
+    assert a.status == b.status == RequestStatus.PREEMPTED
+    assert a.num_computed_tokens == b.num_computed_tokens == 0 and a.num_tokens == 10
+    assert kv.get_num_free_blocks() == kv.num_blocks
+    # a's first 2 blocks were written by an earlier step: still hit-able. b's were not.
+    assert kv.get_computed_blocks(a)[1] == 8 and kv.get_computed_blocks(b)[1] == 0
+    out = s.schedule()  # the runner hears of the preemptions, then both come back
+    assert out.preempted_req_ids == ["b", "a"]  # newest first
+    assert shape(out) == [("a", 8, 2, True), ("b", 0, 8, True)]
+    assert all(x.is_new for x in out.scheduled)
+
+
+def test_restrict_to_schedules_only_the_subset_and_holds_the_rest_in_order() -> None:
+    s, _ = make(max_num_seqs=8)
+    for rid in "abc":
+        s.add_request(req(rid, [5, 6], max_tokens=8))
+    step(s)
+    with pytest.raises(ValueError, match="preempt the running requests"):
+        s.restrict_to(["b"])
+    s.preempt_all_running()
+    s.restrict_to(["b"])
+    assert s.restricted_to == {"b"}
+    s.add_request(req("d", [5], max_tokens=8))  # arrives while restricted: held
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["c", "b", "a"] and shape(out) == [("b", 0, 3, True)]
+    stats = s.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 3)
+    assert [r.request_id for r in s.iter_waiting()] == []
+    s.abort_requests("c")  # a held request can be aborted
+    s.preempt_all_running()
+    s.restrict_to(None)
+    assert s.restricted_to is None
+    assert [r.request_id for r in s.iter_waiting()] == ["a", "b", "d"]  # arrival order
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["a", "b", "d"]
+    assert out.finished_req_ids == ["c"]

@@ -8,8 +8,18 @@ block table after each step therefore checks block tables, prefix sharing and re
 after preemption together, independent of how the scheduler decided.
 
 The request record is checked against the same independent view: its block hashes are
-always the chain over its full blocks, `is_new` / `num_new_blocks` describe exactly how each
-table changed, and the prefix-cache stats count each admission once.
+always the chain over its full blocks, and the prefix-cache stats count each admission once.
+
+One block table per request: the KV cache manager's. The test keeps the table a model runner
+would mirror, built only from each step's `new_block_ids` (the whole table when `is_new`, the
+appended blocks otherwise), reads and writes its fake KV through that mirror, and checks it
+equals the manager's table after every step.
+
+Failed steps and restrictions (what the engine's fault isolation does through the
+scheduler's public surface) are rules too: a step whose forward "raises" writes garbage
+into the slots it was given and is undone (`undo_step`), and `restrict_to` limits
+scheduling to a random subset of the live requests until lifted. No request may ever read
+the garbage back, lose a token, or be scheduled outside the subset.
 """
 
 from __future__ import annotations
@@ -102,6 +112,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expect_ignored: list[str] = []
         self.expect_finished_ids: set[str] = set()
         self.kv_slots: dict[int, tuple] = {}
+        self.expect_preempted: list[str] = []  # preempted between steps, for the next output
         self.next_id = 0
         self.clock = 0.0
         self.consistent = True
@@ -159,6 +170,40 @@ class SchedulerMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self._drain()
 
+    @rule()
+    def failed_step(self) -> None:
+        """The step's forward raises after writing part of its KV: the step is undone."""
+        self.consistent = False
+        sched, bs = self.sched, self.bs
+        waiting_before = [r.request_id for r in sched.iter_waiting()]
+        running_before = {r.request_id for r in sched.running}
+        out = sched.schedule()
+        self._check_output(out, waiting_before, running_before)
+        for s in out.scheduled:
+            t = self.tracked[s.request_id]
+            for p in range(s.start_pos, s.start_pos + s.num_tokens):
+                self.kv_slots[t.table[p // bs] * bs + p % bs] = ("garbage",)
+        order = [r.request_id for r in reversed(sched.running)]
+        sched.undo_step(out)
+        self._after_preempt_all(order)
+        self.consistent = True
+
+    @precondition(lambda self: any(not t.finished for t in self.tracked.values()))
+    @rule(data=st.data())
+    def restrict(self, data) -> None:
+        live = sorted(r for r, t in self.tracked.items() if not t.finished)
+        subset = data.draw(st.lists(st.sampled_from(live), unique=True))
+        order = [r.request_id for r in reversed(self.sched.running)]
+        self.sched.preempt_all_running()
+        self._after_preempt_all(order)
+        self.sched.restrict_to(subset)
+        assert self.sched.restricted_to == set(subset)
+
+    @rule()
+    def lift(self) -> None:
+        self.sched.restrict_to(None)
+        assert self.sched.restricted_to is None
+
     def teardown(self) -> None:
         # After a failed check the test's record is stale: draining would only add a
         # second, misleading failure (and slow the shrinking down).
@@ -178,6 +223,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expect_finished_ids.add(rid)
         self.consistent = was_consistent
 
+    def _after_preempt_all(self, order: list[str]) -> None:
+        assert not self.sched.running
+        for rid in order:
+            t = self.tracked[rid]
+            assert t.req.status == RequestStatus.PREEMPTED and t.req.num_computed_tokens == 0
+            assert not self.kv.has_request(rid)
+            t.running, t.computed, t.table = False, 0, ()
+        self.expect_preempted += order
+
     def _live(self) -> list[Tracked]:
         return [t for t in self.tracked.values() if not t.finished]
 
@@ -186,6 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # least one token; a life is at most max_model_len tokens. Drains measured on
         # thousands of runs stay under 1 * max_model_len * (live + 1) steps; the bound leaves
         # 4x headroom for recomputation after preemption, and fails a livelock fast.
+        self.sched.restrict_to(None)
         bound = 4 * self.cfg.max_model_len * (len(self._live()) + 1) + 20
         for _ in range(bound):
             if not self.sched.has_unfinished_requests():
@@ -214,12 +269,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             t = self.tracked[s.request_id]
             for p in range(s.start_pos, s.start_pos + s.num_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
+                slot = t.table[p // bs] * bs + p % bs
                 self.kv_slots[slot] = (t.salt, tuple(t.tokens[: p + 1]))
         for s in out.scheduled:
             t = self.tracked[s.request_id]
             for p in range(s.start_pos + s.num_tokens):
-                slot = s.block_ids[p // bs] * bs + p % bs
+                slot = t.table[p // bs] * bs + p % bs
                 assert self.kv_slots.get(slot) == (t.salt, tuple(t.tokens[: p + 1])), (
                     f"{s.request_id}: wrong KV at position {p}")
 
@@ -251,7 +306,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # the lowest-priority / newest of what ran, and the step admitted nobody.
         admitted = [rid for rid in ids if rid not in running_before]
         running_keys = [self.tracked[r.request_id].key for r in sched.running]
-        for rid in out.preempted_req_ids:
+        # Preempted between steps (undo_step, preempt_all_running) come first, in order.
+        between = self.expect_preempted
+        self.expect_preempted = []
+        assert out.preempted_req_ids[: len(between)] == between
+        in_step = out.preempted_req_ids[len(between) :]
+        for rid in in_step:
             t = self.tracked[rid]
             assert rid in running_before and rid not in ids
             assert t.req.status == RequestStatus.PREEMPTED and t.req.num_computed_tokens == 0
@@ -261,7 +321,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert all(t.key > k for k in running_keys)
             t.running, t.computed, t.table = False, 0, ()
-        if out.preempted_req_ids:
+        if in_step:
             assert not admitted
         # Admission follows policy order: the admitted are the head of the waiting queue.
         assert admitted == waiting_before[: len(admitted)]
@@ -278,19 +338,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert s.num_tokens <= cfg.long_prefill_token_threshold
             if not cfg.enable_chunked_prefill:
                 assert s.sample  # whole prompts only
-            assert len(s.block_ids) * bs >= end  # blocks cover computed + scheduled
-            assert s.block_ids == self.kv.get_block_ids(s.request_id)
             assert s.request is t.req
             assert s.is_new == (s.request_id not in running_before)
             if s.request_id in running_before:
                 assert s.start_pos == t.computed
                 # The table only grew, by exactly the blocks reported as new.
-                assert tuple(s.block_ids[: len(t.table)]) == t.table
-                assert s.num_new_blocks == len(s.block_ids) - len(t.table)
+                t.table = t.table + tuple(s.new_block_ids)
                 assert t.req.first_scheduled_time == t.first_scheduled_time
             else:  # (re)admitted: any skipped prefix is whole cached blocks
                 assert s.start_pos % bs == 0 and s.start_pos < len(t.tokens)
-                assert s.num_new_blocks == len(s.block_ids)
+                t.table = tuple(s.new_block_ids)
                 if not self.prefix:
                     assert s.start_pos == 0
                 else:
@@ -304,7 +361,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 else:
                     assert t.req.first_scheduled_time == t.first_scheduled_time
                 t.running = True
-            t.table = tuple(s.block_ids)
+            # The runner's mirror is the manager's table, and covers computed + scheduled.
+            assert list(t.table) == self.kv.get_block_ids(s.request_id)
+            assert s.num_new_blocks == len(s.new_block_ids)
+            assert len(t.table) * bs >= end
             t.computed = end
             assert t.req.num_computed_tokens == end
 
@@ -314,10 +374,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         waiting_ids = [r.request_id for r in waiting]
         assert not set(running_ids) & set(waiting_ids)
         live = {t.req.request_id for t in self._live()}
-        assert set(running_ids) | set(waiting_ids) == live
-        assert len(running_ids) + len(waiting_ids) == len(live)
+        assert len(running_ids) + len(waiting_ids) == len(set(running_ids) | set(waiting_ids))
+        allowed = sched.restricted_to
+        if allowed is None:
+            assert set(running_ids) | set(waiting_ids) == live
+        else:  # the others wait aside
+            assert set(running_ids) | set(waiting_ids) == live & allowed
+            assert set(ids) <= allowed
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING and self.tracked[r.request_id].running
+            # Running but not scheduled this step: its table did not change either.
+            assert list(self.tracked[r.request_id].table) == self.kv.get_block_ids(r.request_id)
             assert len(self.kv.get_block_ids(r.request_id)) * bs >= r.num_computed_tokens
         for r in waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -370,7 +437,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         stats = self.sched.get_stats()
         assert stats.num_running == len(self.sched.running)
-        assert stats.num_waiting == len(self.sched.waiting)
+        live = sum(1 for t in self.tracked.values() if not t.finished)
+        assert stats.num_waiting == live - len(self.sched.running)
         assert 0 <= stats.prefix_cache_hits <= stats.prefix_cache_queries
         # One owner, one count per admission: a head of the queue retried while the pool is
         # full must not add to either figure.

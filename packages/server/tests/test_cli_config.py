@@ -141,10 +141,10 @@ def test_api_key_from_the_environment() -> None:
 
 
 def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
-    import pagemill.server.api_server as api_server
     import pagemill.server.async_engine as async_engine
+    import pagemill.server.entrypoints.openai.api_server as api_server
+    import pagemill.server.entrypoints.shutdown as shutdown
     import pagemill.server.metrics as metrics
-    import pagemill.server.shutdown as shutdown
 
     seen: dict[str, Any] = {}
 
@@ -160,8 +160,8 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     monkeypatch.setattr(cli, "_make_engine", make_engine)
     monkeypatch.setattr(cli, "check_model", lambda config: seen.update(checked=config.model))
     monkeypatch.setattr(async_engine, "AsyncEngine",
-                        lambda engine, **kw: SimpleNamespace(engine=engine, shutdown=lambda: None,
-                                                             max_model_len=engine.max_model_len))
+                        lambda engine, **kw: SimpleNamespace(max_model_len=engine.max_model_len,
+                                                             shutdown=lambda: None))
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
     monkeypatch.setattr(api_server, "build_app", build_app)
     monkeypatch.setattr(shutdown, "serve",

@@ -11,12 +11,12 @@ import pytest
 from pagemill.blockpool import KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, Scheduler
 from pagemill.scheduler.config import SchedulerConfig
-from pagemill.server.auth import basic_key_matches
 from pagemill.server.cli import build_parser, dashboard_enabled
 from pagemill.server.dashboard import DashboardSettings, LocalWatchers, SnapshotTap
 from pagemill.server.dashboard.events import events_between
 from pagemill.server.dashboard.series import SeriesRecorder
 from pagemill.server.dashboard.snapshot import snapshot_scheduler
+from pagemill.server.entrypoints.openai.auth import basic_key_matches
 
 PREFIX = list(range(1, 33))  # two full blocks
 

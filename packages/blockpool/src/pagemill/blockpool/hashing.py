@@ -71,7 +71,7 @@ def _serialize_extra(key: object, out: list[bytes]) -> None:
 
 
 def serialize_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()
 ) -> bytes:
     """Deterministic, unambiguous bytes for (parent, token ids, extra keys)."""
     parts: list[bytes] = []
@@ -94,7 +94,7 @@ def hash_block_tokens(
     hash_fn: HashFn,
     parent: BlockHash | None,
     token_ids: Sequence[int],
-    extra_keys: tuple = (),
+    extra_keys: tuple[object, ...] = (),
 ) -> BlockHash:
     """Hash one block: H(parent hash, token ids, extra keys)."""
     return hash_fn(serialize_block(parent, token_ids, extra_keys))
@@ -104,7 +104,7 @@ def hash_block_chain(
     hash_fn: HashFn,
     token_ids: Sequence[int],
     block_size: int,
-    extra_keys: tuple = (),
+    extra_keys: tuple[object, ...] = (),
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids` (a trailing partial block gets none).

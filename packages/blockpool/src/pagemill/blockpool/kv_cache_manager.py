@@ -1,6 +1,7 @@
 """Per-request block tables on top of the block pool, with prefix caching.
 
-The manager owns the mapping request -> list of blocks. The chained hashes of a request's
+The manager owns the mapping request -> list of blocks: it is the one block table of each
+request (the scheduler keeps none, and hands the model runner only the ids a step adds). The chained hashes of a request's
 full blocks live on the request itself (`request.block_hashes`), extended by the caller with
 what `block_hasher` returns as tokens arrive: the record that owns the tokens owns their
 hashes, so there is no per-request cache here to invalidate, key by id or leak.
@@ -22,18 +23,23 @@ from pagemill.blockpool.hashing import BlockHash, BlockHasher, get_hash_fn
 
 @runtime_checkable
 class CacheRequest(Protocol):
-    """What the manager reads from a request.
+    """What the manager reads from a request (read-only: any object with these attributes).
 
     `all_token_ids` only ever grows while the manager knows the request, and
     `block_hashes` holds the hashes of a prefix of its full blocks (see
     `KVCacheManager.block_hasher`).
     """
 
-    request_id: str
-    all_token_ids: Sequence[int]
-    num_computed_tokens: int
-    cache_salt: str | None
-    block_hashes: list[BlockHash]
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def block_hashes(self) -> Sequence[BlockHash]: ...
 
 
 @dataclass
@@ -260,7 +266,13 @@ class KVCacheManager:
             raise KeyError(f"request {request_id!r} holds no blocks") from None
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a fresh list of ids; the manager's is the only one)."""
         return [b.block_id for b in self._table(request_id)]
+
+    def num_request_blocks(self, request_id: str) -> int:
+        """Length of the request's block table; 0 when it holds none (O(1))."""
+        table = self.req_to_blocks.get(request_id)
+        return 0 if table is None else len(table)
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """KV slot of each position in [start, end): table[p // B] * B + p % B."""

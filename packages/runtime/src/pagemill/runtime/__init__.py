@@ -14,13 +14,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import DEFAULT_MODEL, EngineConfig
-    from .engine import EngineStats, LLMEngine
-    from .llm import LLM
-    from .model_config import ModelConfig
-    from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from .sampling_params import RequestOutputKind, SamplingParams
-    from .structured_output import StructuredOutputsParams
+    from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
+    from pagemill.runtime.engine import EngineStats, LLMEngine
+    from pagemill.runtime.llm import LLM
+    from pagemill.runtime.model_config import ModelConfig
+    from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pagemill.runtime.sample.structured_output import StructuredOutputsParams
+    from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.2.0"
 
@@ -36,7 +36,7 @@ _LAZY = {
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
     "RequestOutputKind": ".sampling_params",
-    "StructuredOutputsParams": ".structured_output",
+    "StructuredOutputsParams": ".sample.structured_output",
 }
 
 __all__ = [

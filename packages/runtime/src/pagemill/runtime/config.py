@@ -18,10 +18,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from pagemill.blockpool.config import CacheConfig
+from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
 from pagemill.scheduler.config import SchedulerConfig
-
-from .cpu_features import cpu_has_native_bf16
-from .model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .sampling_params import SamplingParams
+from pagemill.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from .chat_template import resolve_chat_template
-from .config import DEFAULT_MODEL, EngineConfig
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
+from pagemill.runtime.chat_template import resolve_chat_template
+from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
+from pagemill.runtime.engine import LLMEngine
+from pagemill.runtime.outputs import RequestOutput
+from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
 Message = dict[str, Any]

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .structured_output.params import StructuredOutputsParams
+from pagemill.runtime.sample.structured_output.params import StructuredOutputsParams
 
 # Below this temperature, dividing the logits would overflow fp32 or make sampling a
 # numerically noisy argmax; such requests are treated as greedy instead.

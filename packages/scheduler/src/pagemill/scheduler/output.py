@@ -1,7 +1,7 @@
 """What one schedule() hands the model runner, and what update_from_output hands back.
 
 The runner builds its batch from these objects alone: per request the input ids of this
-step, the position of the first one, the block table and what changed in it, and the
+step, the position of the first one, what changed in its block table, and the
 request record itself for whatever per-request state it mirrors (sampling parameters,
 output tokens); it never reads scheduler internals. Slotted dataclasses keep 256 of them
 per step cheap to build.
@@ -21,26 +21,29 @@ class ScheduledRequest:
     """One request's share of a step.
 
     `token_ids` is a fresh slice (`all_token_ids[start_pos:start_pos + num_tokens]`), the
-    runner may keep it. `block_ids` is the scheduler's own live block table of the request
-    (a reference, not a copy, so a decode step does not copy every table): the runner must
-    treat it as read-only and must not keep it across steps expecting it to stay unchanged.
-    `num_new_blocks` says how many entries this step appended (`block_ids[-num_new_blocks:]`),
-    so a runner that mirrors tables appends instead of rewriting the row; when `is_new` it is
-    the whole table. `is_new` marks the first step after an admission or a re-admission after
-    preemption: the table and the computed prefix start over, so a runner that keeps
-    per-request state must (re)build it from `request` rather than patch what it had.
-    `request` is read-only to the runner.
+    runner may keep it. The block table itself is the KV cache manager's
+    (`KVCacheManager.get_block_ids`); the step carries only what changed in it:
+    `new_block_ids` (a fresh list the runner may keep) is the whole table when `is_new`, and
+    otherwise the block ids this step appended (usually none), so a runner that mirrors
+    tables appends instead of rewriting the row. `is_new` marks the first step after an
+    admission or a re-admission after preemption: the table and the computed prefix start
+    over, so a runner that keeps per-request state must (re)build it from `request` rather
+    than patch what it had. `request` is read-only to the runner.
     """
 
     request_id: str
     token_ids: list[int]
     start_pos: int
     num_tokens: int
-    block_ids: list[int]
-    num_new_blocks: int
+    new_block_ids: list[int]
     sample: bool
     is_new: bool
     request: Request
+
+    @property
+    def num_new_blocks(self) -> int:
+        """Entries this step added to the request's table (the whole table when is_new)."""
+        return len(self.new_block_ids)
 
 
 @dataclass(slots=True)

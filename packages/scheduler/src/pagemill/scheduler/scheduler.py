@@ -10,6 +10,11 @@ sampled tokens, applies the stop rules and frees finished requests' blocks at on
 Prefix caching is the KV cache manager's: whether it is on (`enable_caching`), the block
 hasher the scheduler attaches to each request, and the hit statistics.
 
+Block tables are the KV cache manager's alone (`KVCacheManager.req_to_blocks`): the
+scheduler keeps no copy, and hands the runner only what changed in each table this step
+(`ScheduledRequest.new_block_ids`: the whole table on (re)admission, else the appended
+blocks).
+
 Per step the work is O(scheduled requests + new tokens): no request's prompt or block table
 is copied whole, and the waiting queue is only touched at its head.
 """
@@ -17,7 +22,7 @@ is copied whole, and the waiting queue is only touched at its head.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagemill.scheduler.config import SchedulerConfig
@@ -28,7 +33,7 @@ from pagemill.scheduler.stopping import check_stop
 from pagemill.scheduler.waiting_queue import make_waiting_queue, priority_key
 
 if TYPE_CHECKING:
-    from pagemill.blockpool import KVCacheManager
+    from pagemill.blockpool import KVCacheBlock, KVCacheManager
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
@@ -36,8 +41,8 @@ _PREEMPTED = RequestStatus.PREEMPTED
 
 
 class Scheduler:
-    """Continuous-batching scheduler over a KVCacheManager (which it does not own alone:
-    the runner may read block tables from the manager, but only the scheduler allocates)."""
+    """Continuous-batching scheduler over a KVCacheManager (which owns the block tables:
+    only the scheduler allocates, anyone may read them from the manager)."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         if not isinstance(config, SchedulerConfig):
@@ -55,17 +60,15 @@ class Scheduler:
         self.waiting = make_waiting_queue(config.policy)
         # Admission order; under FCFS the last one is also the newest.
         self.running: list[Request] = []
-        # The scheduler's copy of each running request's block ids, extended in place.
-        self._block_ids: dict[str, list[int]] = {}
 
         self._finished_req_ids: list[str] = []
         self._pending_updates: list[RequestUpdate] = []
-        # Preempted between steps (after a failed step): told to the runner by the next
-        # schedule(), like preemptions made inside it.
+        # Preempted between steps (undo_step, preempt_all_running): told to the runner by
+        # the next schedule(), like preemptions made inside it.
         self._preempted_between: list[str] = []
-        # While the engine isolates a failing request (`restrict_to`), only `_allowed` ids
-        # are scheduled; every other live request waits in `_held`, in queue order.
-        self._allowed: set[str] | None = None
+        # While restricted (`restrict_to`), only `_allowed` ids are scheduled; every other
+        # live request waits aside in `_held`, in queue order.
+        self._allowed: frozenset[str] | None = None
         self._held: list[Request] = []
         self._next_seq = 0
 
@@ -170,7 +173,6 @@ class Scheduler:
         rid = req.request_id
         if req.status == _RUNNING:
             self.kv_cache_manager.free(rid)
-            del self._block_ids[rid]
         req.status = status
         del self.requests[rid]
         self._finished_req_ids.append(rid)
@@ -185,7 +187,6 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         max_model_len = cfg.max_model_len
         running = self.running
-        block_ids_of = self._block_ids
         bs = self.block_size
         scheduled: dict[str, tuple[Request, ScheduledRequest]] = {}
         preempted_ids: list[str] = []
@@ -206,9 +207,9 @@ class Scheduler:
                 i += 1
                 continue
             rid = req.request_id
-            table = block_ids_of[rid]
             end = start + n
-            if start // bs == end // bs and start < len(table) * bs:
+            new_blocks: Sequence[KVCacheBlock] | None
+            if start // bs == end // bs and start < kv.num_request_blocks(rid) * bs:
                 # Fast path (most decodes): the step neither needs a new block nor completes
                 # one, so allocate_slots would change nothing (no growth, nothing to cache).
                 new_blocks = ()
@@ -231,12 +232,11 @@ class Scheduler:
                     break
             if new_blocks is None:  # `req` itself was preempted; running[i] is the next one
                 continue
-            for b in new_blocks:
-                table.append(b.block_id)
             scheduled[rid] = (
                 req,
-                ScheduledRequest(rid, req.all_token_ids[start:end], start, n, table,
-                                 len(new_blocks), end == req.num_tokens, False, req),
+                ScheduledRequest(rid, req.all_token_ids[start:end], start, n,
+                                 [b.block_id for b in new_blocks], end == req.num_tokens,
+                                 False, req),
             )
             budget -= n
             i += 1
@@ -272,14 +272,12 @@ class Scheduler:
                 req.status = _RUNNING
                 req.num_computed_tokens = num_hit
                 table = [b.block_id for b in hit_blocks]
-                for b in new_blocks:
-                    table.append(b.block_id)
-                block_ids_of[rid] = table
+                table += [b.block_id for b in new_blocks]
                 running.append(req)
                 scheduled[rid] = (
                     req,
                     ScheduledRequest(rid, req.all_token_ids[num_hit : num_hit + n], num_hit, n,
-                                     table, len(table), num_hit + n == num_tokens, True, req),
+                                     table, num_hit + n == num_tokens, True, req),
                 )
                 budget -= n
 
@@ -315,25 +313,22 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep every token, requeue at the head."""
         req = self.running.pop(idx)
         self.kv_cache_manager.free(req.request_id)
-        del self._block_ids[req.request_id]
         req.status = _PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        if self._allowed is not None and req.request_id not in self._allowed:
-            self._held.append(req)
-        else:
-            self.waiting.add_front(req)
+        # While restricted, every running request is an allowed one (see restrict_to).
+        self.waiting.add_front(req)
 
     # ------------------------------------------------------------------ failed steps
 
     def undo_step(self, output: SchedulerOutput) -> None:
-        """Forget a step whose forward (or sampling) raised: nothing it was to compute is.
+        """Forget a step the runner did not compute (its forward or sampling raised).
 
         Every running request is preempted (recompute keeps every token, so nothing is
         lost but time) and the blocks this step was to fill leave the prefix index, so no
         request can hit KV that was never written. The runner hears of the preemptions
-        in the next SchedulerOutput.
+        in the next SchedulerOutput. Do not call update_from_output for an undone step.
         """
         bs = self.block_size
         kv = self.kv_cache_manager
@@ -350,40 +345,32 @@ class Scheduler:
             self._preempted_between.append(rid)
 
     def restrict_to(self, request_ids: Iterable[str] | None) -> None:
-        """Schedule only these requests until called with None (fault isolation).
+        """Schedule only these requests until called with None (e.g. to isolate a fault).
 
         Running requests outside the set must have been preempted first
-        (`preempt_all_running`); waiting ones move aside in order and come back, ahead
-        of nothing newer, when the restriction ends.
+        (`preempt_all_running`, or ValueError). Waiting ones outside it, and requests added
+        meanwhile, wait aside (they still count as waiting in `get_stats`, and can be
+        aborted). Every change re-queues the waiting requests in arrival order (FCFS) or
+        priority order, so a lifted restriction leaves the queue as if it never happened.
+        Ids that are not (or no longer) in the scheduler are allowed and ignored.
         """
-        if request_ids is None:
-            self._allowed = None
-            held, self._held = self._held, []
-            for req in reversed(held):
-                self.waiting.add_front(req)
-            return
-        allowed = set(request_ids)
-        if any(r.request_id not in allowed for r in self.running):
+        allowed = None if request_ids is None else frozenset(request_ids)
+        if allowed is not None and any(r.request_id not in allowed for r in self.running):
             raise ValueError("restrict_to: preempt the running requests outside the set first")
+        queued = sorted([*self.waiting, *self._held], key=lambda r: r._seq)
         self._allowed = allowed
-        keep = [r for r in self.waiting if r.request_id in allowed]
-        moved = [r for r in self.waiting if r.request_id not in allowed]
-        for req in moved + keep:
-            self.waiting.remove(req)
-        held, self._held = self._held, []
-        for req in held + moved:
-            if req.request_id in allowed:
-                keep.append(req)
+        self.waiting = make_waiting_queue(self.config.policy)
+        self._held = []
+        for req in queued:
+            if allowed is None or req.request_id in allowed:
+                self.waiting.add(req)
             else:
                 self._held.append(req)
-        for req in reversed(keep):
-            self.waiting.add_front(req)
 
-    def fail_requests(self, request_ids: Iterable[str], reason: str) -> list[RequestUpdate]:
-        """Finish requests that a step cannot compute (FINISHED_ERROR): blocks freed now."""
-        ids = [rid for rid in request_ids if rid in self.requests]
-        self.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-        return [RequestUpdate(rid, [], True, "error", reason) for rid in ids]
+    @property
+    def restricted_to(self) -> frozenset[str] | None:
+        """The ids `restrict_to` limits scheduling to; None when unrestricted."""
+        return self._allowed
 
     # ------------------------------------------------------------------ after the forward
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .version import __version__
+from pagemill.server.version import __version__
 
 if TYPE_CHECKING:
-    from .api_server import ServerThread, build_app, run_server
-    from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
-    from .metrics import EngineMetrics
+    from pagemill.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+    from pagemill.server.entrypoints.openai.api_server import ServerThread, build_app, run_server
+    from pagemill.server.metrics import EngineMetrics
 
 _LAZY = {
-    "ServerThread": ".api_server",
-    "build_app": ".api_server",
-    "run_server": ".api_server",
+    "ServerThread": ".entrypoints.openai.api_server",
+    "build_app": ".entrypoints.openai.api_server",
+    "run_server": ".entrypoints.openai.api_server",
     "AsyncEngine": ".async_engine",
     "EngineDeadError": ".async_engine",
     "QueueFullError": ".async_engine",

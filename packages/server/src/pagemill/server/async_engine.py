@@ -59,8 +59,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.model_config import ModelConfig
     from pagemill.runtime.outputs import RequestOutput
     from pagemill.runtime.sampling_params import SamplingParams
-
-    from .dashboard import DashboardSettings
+    from pagemill.server.dashboard import DashboardSettings
 
 logger = logging.getLogger(__name__)
 
@@ -186,10 +185,11 @@ class AsyncEngine:
         self._core_stats = SchedulerStats(num_blocks=client.info.num_blocks,
                                           block_size=client.info.block_size)
         self.iteration_stats = IterationStats()
-        # Tokenization and validation: never on the event loop (a multi-megabyte prompt
-        # takes seconds), one thread so encodes do not race each other.
-        self._input_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pagemill-input")
+        # Tokenization, chat templates and validation: never on the event loop (a
+        # multi-megabyte prompt takes seconds), one thread so encodes never race (a fast
+        # tokenizer used from two threads at once can fail with "Already borrowed").
+        self.input_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="pagemill-tokenizer")
         # With a dashboard: how many pages watch (shared with a core process), and where
         # its pictures go.
         self.dashboard_watchers: Any = None
@@ -229,7 +229,7 @@ class AsyncEngine:
             raise RuntimeError(f"the engine could not start: {exc}") from exc
         watchers = factory = None
         if dashboard is not None:
-            from .dashboard.tap import SnapshotTap
+            from pagemill.server.dashboard.tap import SnapshotTap
 
             watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
             factory = functools.partial(SnapshotTap, dashboard, watchers)
@@ -369,7 +369,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
         try:
-            processed = await loop.run_in_executor(self._input_pool, functools.partial(
+            processed = await loop.run_in_executor(self.input_pool, functools.partial(
                 self.input_processor.process, request_id, prompt, params, priority=priority,
                 cache_salt=cache_salt, arrival_time=arrival))
             self._check_alive()
@@ -531,4 +531,4 @@ class AsyncEngine:
         self._closed = True
         self.client.shutdown(timeout)
         self._output_thread.join(timeout)
-        self._input_pool.shutdown(wait=False, cancel_futures=True)
+        self.input_pool.shutdown(wait=False, cancel_futures=True)

@@ -16,8 +16,7 @@ from typing import Any
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
 from pagemill.scheduler.config import SchedulerConfig
-
-from .config_args import add_field_arg, parse_size, positive_int
+from pagemill.server.config_args import add_field_arg, parse_size, positive_int
 
 __all__ = ["add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main",
            "parse_size", "resolve_api_key"]
@@ -90,7 +89,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def check_model(config: EngineConfig) -> None:
     """Resolve (download) and check the model here, before an engine starts: a bad name,
     architecture, GGUF or template is then one line and exit code 2, not a traceback."""
-    from pagemill.runtime.model_source import check_model_source
+    from pagemill.runtime.model_executor.model_source import check_model_source
 
     check_model_source(config.model, config.revision, chat_template=config.chat_template,
                        generation_config=config.generation_config)
@@ -134,12 +133,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return worker_main(["--device", config.device, "--log-level", args.log_level])
     check_model(config)
 
-    from .api_server import build_app
-    from .async_engine import AsyncEngine
-    from .connection_limits import ConnectionLimits
-    from .metrics import EngineMetrics
-    from .shutdown import serve
-    from .watchdog import Watchdog
+    from pagemill.server.async_engine import AsyncEngine
+    from pagemill.server.entrypoints.connection_limits import ConnectionLimits
+    from pagemill.server.entrypoints.openai.api_server import build_app
+    from pagemill.server.entrypoints.shutdown import serve
+    from pagemill.server.entrypoints.watchdog import Watchdog
+    from pagemill.server.metrics import EngineMetrics
 
     names = args.served_model_name or [config.model]
     name = names[0]  # what responses and metrics report; every name is accepted
@@ -149,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = resolve_api_key(args.api_key)
     hub = settings = None
     if dashboard_enabled(args.dashboard, args.host, api_key):
-        from .dashboard import DashboardHub, DashboardSettings
+        from pagemill.server.dashboard import DashboardHub, DashboardSettings
 
         settings = DashboardSettings(args.dashboard_interval, args.dashboard_show_prompts)
         hub = DashboardHub(settings, model_name=name)
@@ -323,7 +322,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from pagemill.runtime.model_source import check_model_source
+    from pagemill.runtime.model_executor.model_source import check_model_source
 
     print(check_model_source(args.model, args.revision).folder)
     return 0
@@ -347,7 +346,7 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .benchmark import add_bench_serve_args, cmd_bench_serve
+    from pagemill.server.bench.benchmark import add_bench_serve_args, cmd_bench_serve
 
     p = sub.add_parser("bench", help="benchmarks (bench serve: load-test a running server)")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="{serve}", required=True)
@@ -363,7 +362,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .version import __version__
+    from pagemill.server.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="pagemill",

@@ -12,7 +12,7 @@ embedding), and the vocab-parallel logits are gathered on rank 0, which samples.
 * `worker` — the other ranks' side: load a shard, then run whatever step rank 0 sends.
 """
 
-from .parallel_state import TensorParallelError, TensorParallelGroup
-from .sharding import ShardLayout, check_tensor_parallel
+from pagemill.runtime.distributed.parallel_state import TensorParallelError, TensorParallelGroup
+from pagemill.runtime.distributed.sharding import ShardLayout, check_tensor_parallel
 
 __all__ = ["ShardLayout", "TensorParallelError", "TensorParallelGroup", "check_tensor_parallel"]

@@ -28,14 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from .parallel_state import (
+from pagemill.runtime.distributed.parallel_state import (
     TensorParallelError,
     TensorParallelGroup,
     collective_timeout,
     init_group,
     torchrun_env,
 )
-from .worker import CHECK_IN_KEY, KEEPALIVE, STOP, worker_main
+from pagemill.runtime.distributed.worker import CHECK_IN_KEY, KEEPALIVE, STOP, worker_main
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layers import Linear
-from .parallel_state import TensorParallelGroup
+from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
+from pagemill.runtime.model_executor.layers import Linear
 
 
 class RowParallelLinear(Linear):

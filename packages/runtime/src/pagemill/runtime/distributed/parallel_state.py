@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.fault_isolation import EngineFaultError
+from pagemill.runtime.engine.fault_isolation import EngineFaultError
 
 logger = logging.getLogger(__name__)
 

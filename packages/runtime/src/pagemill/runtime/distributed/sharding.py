@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..model_config import ModelConfig
-from ..quantization.formats import QuantizedRows, dequantize
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:

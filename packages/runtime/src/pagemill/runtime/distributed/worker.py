@@ -26,7 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .parallel_state import TensorParallelGroup, collective_timeout, init_group, torchrun_env
+from pagemill.runtime.distributed.parallel_state import (
+    TensorParallelGroup,
+    collective_timeout,
+    init_group,
+    torchrun_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +64,9 @@ class InitKVCache:
 
 def serve(tp: TensorParallelGroup) -> None:
     """Receive the spec, build the shard, run steps until rank 0 says stop."""
-    from ..loader import load_model
-    from ..model_runner import ModelRunner, StepBatch
-    from .sharding import ShardLayout
+    from pagemill.runtime.distributed.sharding import ShardLayout
+    from pagemill.runtime.model_executor.loader import load_model
+    from pagemill.runtime.worker.model_runner import ModelRunner, StepBatch
 
     spec: WorkerSpec = tp.broadcast_object()
     torch.manual_seed(spec.seed)

@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .llm_engine import EngineStats, LLMEngine
+    from pagemill.runtime.engine.llm_engine import EngineStats, LLMEngine
 
 __all__ = ["EngineStats", "LLMEngine"]
 

@@ -20,20 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagemill.blockpool import KVCacheManager
-from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
-
-from ..compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
-from ..config import EngineConfig, resolve_dtype, torch_dtype
-from ..distributed.parallel_state import TensorParallelGroup
-from ..distributed.sharding import ShardLayout, check_tensor_parallel
-from ..kv_cache import size_kv_pool
-from ..loader import load_model
-from ..model_config import ModelConfig
-from ..model_runner import ModelRunner, ModelRunnerOutput
-from ..sampler import Sampler
-from ..structured_output import StructuredOutputManager
-from .fault_isolation import FaultIsolator, is_unrecoverable
-from .protocol import (
+from pagemill.runtime.config import EngineConfig, resolve_dtype, torch_dtype
+from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
+from pagemill.runtime.distributed.sharding import ShardLayout, check_tensor_parallel
+from pagemill.runtime.engine.fault_isolation import FaultIsolator
+from pagemill.runtime.engine.protocol import (
     FINISH_REASONS,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -42,9 +33,17 @@ from .protocol import (
     FinishReason,
     SchedulerStats,
 )
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.sample.sampler import Sampler
+from pagemill.runtime.sample.structured_output import StructuredOutputManager
+from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+from pagemill.runtime.worker.kv_cache import size_kv_pool
+from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
-    from ..distributed.launcher import TensorParallelWorkers
+    from pagemill.runtime.distributed.launcher import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +110,8 @@ class EngineCore:
 
     def _start_workers(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
                        scheduler_config: SchedulerConfig) -> None:
-        from ..distributed.launcher import TensorParallelWorkers
-        from ..distributed.worker import WorkerSpec
+        from pagemill.runtime.distributed.launcher import TensorParallelWorkers
+        from pagemill.runtime.distributed.worker import WorkerSpec
 
         workers = TensorParallelWorkers.start(config.tensor_parallel_size, self.device)
         self._workers = workers
@@ -140,7 +139,7 @@ class EngineCore:
     def _build_model(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
                      scheduler_config: SchedulerConfig) -> None:
         """Load the model (this rank's shard under TP), size and bind the KV pool, compile."""
-        from ..distributed.worker import PROFILE, InitKVCache
+        from pagemill.runtime.distributed.worker import PROFILE, InitKVCache
 
         cache = config.cache
         torch.manual_seed(config.seed)
@@ -223,7 +222,7 @@ class EngineCore:
     def from_config(cls, config: EngineConfig) -> EngineCore:
         """Build a core from its config alone (what a core process receives): the model
         folder, its config and, for grammars only, its tokenizer."""
-        from .model_assets import ModelAssets
+        from pagemill.runtime.engine.model_assets import ModelAssets
 
         assets = ModelAssets.load(config)
         return cls(config, assets.path, assets.model_config, assets.structured_output_manager(
@@ -303,8 +302,7 @@ class EngineCore:
             model_output = self.model_runner.execute_model(scheduler_output)
             token_ids, logprobs = self._sample(model_output)
         except Exception as exc:
-            if is_unrecoverable(exc):
-                raise
+            # Undone and isolated; re-raised there when not containable (device errors).
             failed = self.isolator.on_step_failed(scheduler_output, exc)
             if self.structured_output is not None and failed:
                 self.structured_output.remove_requests([u.request_id for u in failed])

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .protocol import (
+from pagemill.runtime.engine.protocol import (
     AbortRequests,
     Codec,
     EngineCoreEvent,
@@ -58,8 +58,8 @@ from .protocol import (
 )
 
 if TYPE_CHECKING:
-    from ..config import EngineConfig
-    from .core import EngineCore
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class EngineCoreLoop:
                 core.add_request(msg)
             except Exception as exc:  # validated by the front end: a bug there, not here
                 logger.exception("request %s could not be added", msg.request_id)
-                from .protocol import EngineCoreOutput
+                from pagemill.runtime.engine.protocol import EngineCoreOutput
 
                 self.send(EngineCoreOutputs([EngineCoreOutput(
                     msg.request_id, [], FinishReason.ERROR, f"{type(exc).__name__}: {exc}")]))
@@ -532,7 +532,7 @@ def run_engine_core(commands: Connection, outputs: Connection, config: EngineCon
         if engine_threads is not None:
             torch.set_num_threads(engine_threads)
         logger.info("engine process %d: %d torch threads", os.getpid(), torch.get_num_threads())
-        from .core import EngineCore
+        from pagemill.runtime.engine.core import EngineCore
 
         core = EngineCore.from_config(config)
     except BaseException as exc:

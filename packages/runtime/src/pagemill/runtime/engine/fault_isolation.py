@@ -14,6 +14,13 @@ Not containable, and re-raised for the process to exit (a supervisor restarts it
 errors (CUDA's are sticky: every later kernel launch fails too) and a fault that keeps
 striking requests one after another with no good step between — then the engine itself,
 not a request, is broken.
+
+`FaultIsolator` is a component beside the scheduler that uses only its public surface:
+`undo_step` (forget a step the runner did not compute), `preempt_all_running`,
+`restrict_to` (schedule only a subset until lifted), `finish_requests` and `get_request`.
+The engine core calls `on_step_failed` when a step raises and `on_step_done` after a good
+one. Faults are injected for drills and tests from outside, through the engine core's
+public `model_runner` (see `pagemill.runtime.fault_injection`).
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
+from pagemill.scheduler import RequestStatus, RequestUpdate
+
 if TYPE_CHECKING:
-    from pagemill.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+    from pagemill.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +77,19 @@ class FaultIsolator:
     def active(self) -> bool:
         return self._testing is not None
 
+    @property
+    def suspects(self) -> list[str]:
+        """The group of suspects the scheduler is restricted to now (empty when inactive)."""
+        return list(self._testing or ())
+
     def on_step_failed(self, output: SchedulerOutput, exc: Exception) -> list[RequestUpdate]:
-        """Undo the step and take the next isolation move; returns error updates (if any)."""
+        """Undo the step and take the next isolation move; returns error updates (if any).
+
+        Re-raises `exc` when it cannot be contained (`is_unrecoverable`), and raises
+        EngineFaultError when the engine, not a request, is at fault.
+        """
+        if is_unrecoverable(exc):
+            raise exc
         self.num_failed_steps += 1
         ids = [s.request_id for s in output.scheduled]
         if not ids:
@@ -92,14 +112,21 @@ class FaultIsolator:
             logger.error("request %s fails every step it is in (%s); finishing it with an "
                          "error", ids[0], type(exc).__name__)
             self._targets.pop(ids[0], None)
-            updates = sched.fail_requests(ids, f"the engine failed on this request "
-                                               f"({type(exc).__name__})")
+            updates = self._fail(ids, f"the engine failed on this request "
+                                      f"({type(exc).__name__})")
         else:
             half = len(ids) // 2
             self._groups.appendleft(ids[half:])
             self._groups.appendleft(ids[:half])
         self._next_group()
         return updates
+
+    def _fail(self, request_ids: list[str], reason: str) -> list[RequestUpdate]:
+        """Finish the culprit(s) with finish_reason "error"; their blocks are freed now."""
+        sched = self.scheduler
+        ids = [rid for rid in request_ids if sched.get_request(rid) is not None]
+        sched.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return [RequestUpdate(rid, [], True, "error", reason) for rid in ids]
 
     def on_step_done(self) -> None:
         """After a good step: clear the group under test once it has recomputed everything."""
@@ -128,22 +155,3 @@ class FaultIsolator:
         self._targets.clear()
         sched.restrict_to(None)
 
-
-def inject_token_fault(engine: object, token_id: int,
-                       message: str = "injected fault: a poisoned token in the batch") -> None:
-    """Make `engine`'s forward raise RuntimeError(message) whenever `token_id` is an input.
-
-    For fault-injection drills and tests (picklable with functools.partial, so it also
-    runs in an engine process through `client.submit`). `message` containing "CUDA error"
-    simulates a device error, which is not containable. Returns None (picklable result).
-    """
-    core = getattr(engine, "engine_core", engine)
-    runner = core.model_runner  # type: ignore[attr-defined]
-    forward = runner._forward
-
-    def poisoned(input_ids, positions, attn):  # type: ignore[no-untyped-def]
-        if bool((input_ids == token_id).any()):
-            raise RuntimeError(message)
-        return forward(input_ids, positions, attn)
-
-    runner._forward = poisoned

@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling_params import SamplingParams
-from ..tool_calling.prompt import render_chat
-from .model_assets import eos_ids
-from .protocol import EngineCoreRequest
+from pagemill.runtime.engine.model_assets import eos_ids
+from pagemill.runtime.engine.protocol import EngineCoreRequest
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.tool_calling.prompt import render_chat
 
 
 @dataclass(slots=True)

@@ -16,16 +16,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import EngineConfig
-from ..model_config import ModelConfig
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
-from .core import EngineCore
-from .core_client import EngineCoreClient, InprocClient
-from .input_processor import InputProcessor
-from .model_assets import ModelAssets
-from .output_processor import IterationStats, OutputProcessor
-from .protocol import EngineCoreReady, FinishReason, SchedulerStats
+from pagemill.runtime.config import EngineConfig
+from pagemill.runtime.engine.core import EngineCore
+from pagemill.runtime.engine.core_client import EngineCoreClient, InprocClient
+from pagemill.runtime.engine.input_processor import InputProcessor
+from pagemill.runtime.engine.model_assets import ModelAssets
+from pagemill.runtime.engine.output_processor import IterationStats, OutputProcessor
+from pagemill.runtime.engine.protocol import EngineCoreReady, FinishReason, SchedulerStats
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.outputs import RequestOutput
+from pagemill.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

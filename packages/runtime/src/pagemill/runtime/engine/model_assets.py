@@ -12,15 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..chat_template import apply_chat_template_override
-from ..config import EngineConfig
-from ..generation_defaults import load_generation_defaults
-from ..loader import check_model_folder, load_tokenizer, resolve_model_path
-from ..model_config import ModelConfig
-from ..model_source import resolve_tokenizer
+from pagemill.runtime.chat_template import apply_chat_template_override
+from pagemill.runtime.config import EngineConfig
+from pagemill.runtime.generation_defaults import load_generation_defaults
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.loader import (
+    check_model_folder,
+    load_tokenizer,
+    resolve_model_path,
+)
+from pagemill.runtime.model_executor.model_source import resolve_tokenizer
 
 if TYPE_CHECKING:
-    from ..structured_output import StructuredOutputManager
+    from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
 
 def eos_ids(tokenizer: Any | None, model_eos_ids: list[int] | tuple[int, ...]) -> list[int]:
@@ -61,7 +65,7 @@ class ModelAssets:
         """The core's grammar state; None for a model without a tokenizer."""
         if self.tokenizer is None:
             return None
-        from ..structured_output import StructuredOutputManager
+        from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
         return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                        self.eos_token_ids, max_num_seqs)

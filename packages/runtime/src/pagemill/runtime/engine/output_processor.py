@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampling_params import RequestOutputKind, SamplingParams
-from .detokenizer import IncrementalDetokenizer
-from .protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
+from pagemill.runtime.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

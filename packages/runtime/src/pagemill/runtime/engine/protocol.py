@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from ..sampling_params import SamplingParams
+from pagemill.runtime.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

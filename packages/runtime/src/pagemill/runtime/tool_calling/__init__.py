@@ -6,15 +6,19 @@ function); `get_tool_parser` returns the parser of a model family's call format
 (`hermes`, `llama3_json`), for tool_choice "auto".
 """
 
-from .parser import (
+from pagemill.runtime.tool_calling.parser import (
     ExtractedToolCalls,
     ToolCall,
     ToolParser,
     get_tool_parser,
     parser_for_template,
 )
-from .prompt import render_chat
-from .schema import calls_from_required, named_function_schema, required_schema
+from pagemill.runtime.tool_calling.prompt import render_chat
+from pagemill.runtime.tool_calling.schema import (
+    calls_from_required,
+    named_function_schema,
+    required_schema,
+)
 
 __all__ = [
     "ExtractedToolCalls",

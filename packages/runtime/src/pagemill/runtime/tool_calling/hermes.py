@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from .parser import ExtractedToolCalls, ToolCall, ToolParser, held_back
+from pagemill.runtime.tool_calling.parser import ExtractedToolCalls, ToolCall, ToolParser, held_back
 
 START, END = "<tool_call>", "</tool_call>"
 # A closed block, or an unclosed last one (the output was cut where the call ended).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .parser import ExtractedToolCalls, ToolCall, ToolParser
+from pagemill.runtime.tool_calling.parser import ExtractedToolCalls, ToolCall, ToolParser
 
 PYTHON_TAG = "<|python_tag|>"
 _decoder = json.JSONDecoder()

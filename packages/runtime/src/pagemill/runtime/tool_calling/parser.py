@@ -67,8 +67,8 @@ def held_back(text: str, marker: str) -> int:
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    from .hermes import HermesToolParser
-    from .llama3_json import Llama3JsonToolParser
+    from pagemill.runtime.tool_calling.hermes import HermesToolParser
+    from pagemill.runtime.tool_calling.llama3_json import Llama3JsonToolParser
 
     parsers: dict[str, type[ToolParser]] = {
         "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}

@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from .parser import ToolCall
+from pagemill.runtime.tool_calling.parser import ToolCall
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

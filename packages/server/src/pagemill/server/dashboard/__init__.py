@@ -11,9 +11,9 @@ limit) run with the engine — in the engine process by default; `series`, `even
 the self-contained page of a simulation; `static/` holds the page (and the vendored uPlot).
 """
 
-from .hub import DashboardHub
-from .snapshot import snapshot_engine, snapshot_scheduler
-from .tap import DashboardSettings, LocalWatchers, SnapshotTap
+from pagemill.server.dashboard.hub import DashboardHub
+from pagemill.server.dashboard.snapshot import snapshot_engine, snapshot_scheduler
+from pagemill.server.dashboard.tap import DashboardSettings, LocalWatchers, SnapshotTap
 
 __all__ = ["DashboardHub", "DashboardSettings", "LocalWatchers", "SnapshotTap",
            "snapshot_engine", "snapshot_scheduler"]

@@ -18,10 +18,15 @@ import threading
 from collections import deque
 from typing import Any
 
-from .events import events_between
-from .series import SeriesRecorder
-from .snapshot import PROMPT_PREVIEW_CHARS, snapshot_engine
-from .tap import DashboardSettings, LocalWatchers, SnapshotTap, WatcherCount
+from pagemill.server.dashboard.events import events_between
+from pagemill.server.dashboard.series import SeriesRecorder
+from pagemill.server.dashboard.snapshot import PROMPT_PREVIEW_CHARS, snapshot_engine
+from pagemill.server.dashboard.tap import (
+    DashboardSettings,
+    LocalWatchers,
+    SnapshotTap,
+    WatcherCount,
+)
 
 logger = logging.getLogger(__name__)
 

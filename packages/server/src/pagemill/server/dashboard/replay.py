@@ -23,10 +23,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .assets import read_static
-from .events import events_between
-from .series import SeriesRecorder, TokenClock
-from .snapshot import snapshot_scheduler
+from pagemill.server.dashboard.assets import read_static
+from pagemill.server.dashboard.events import events_between
+from pagemill.server.dashboard.series import SeriesRecorder, TokenClock
+from pagemill.server.dashboard.snapshot import snapshot_scheduler
 
 DEFAULT_MAX_FRAMES = 120
 DEFAULT_MAX_POINTS = 240

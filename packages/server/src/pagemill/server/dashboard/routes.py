@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from .assets import read_static
-from .hub import DashboardHub
+from pagemill.server.dashboard.assets import read_static
+from pagemill.server.dashboard.hub import DashboardHub
 
 STATIC_FILES = {
     "dashboard.js": "text/javascript; charset=utf-8",
@@ -72,7 +72,9 @@ async def feed(hub: DashboardHub) -> AsyncIterator[str]:
 
 def install_dashboard(app: FastAPI, hub: DashboardHub) -> None:
     """Add GET /dashboard, /dashboard/static/{name}, /dashboard/snapshot, /dashboard/events."""
-    from ..api_server import SSEResponse  # here: api_server imports this module
+    from pagemill.server.entrypoints.openai.api_server import (
+        SSEResponse,  # here: api_server imports this module
+    )
 
     page = read_static("index.html")
     files = {name: (read_static(name), media) for name, media in STATIC_FILES.items()}

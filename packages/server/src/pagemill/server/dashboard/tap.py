@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .snapshot import snapshot_engine
+from pagemill.server.dashboard.snapshot import snapshot_engine
 
 DEFAULT_INTERVAL_S = 0.25
 

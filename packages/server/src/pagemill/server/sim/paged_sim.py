@@ -75,8 +75,8 @@ class PagedSimulator:
         by_id = {r.request_id: r for r in reqs}
         if len(by_id) != len(reqs):
             raise ValueError("request ids must be unique")
-        # Requests holding blocks -> the scheduler's live block table of each (a reference).
-        holding: dict[str, tuple[Request, list[int]]] = {}
+        # Requests holding blocks (their tables are the KV cache manager's).
+        holding: dict[str, Request] = {}
         sim_reqs: dict[str, Request] = {}
         clock = 0.0
         nxt = 0
@@ -110,7 +110,7 @@ class PagedSimulator:
                 for s in out.scheduled:
                     end = s.start_pos + s.num_tokens
                     chunks.append((s.num_tokens, end))
-                    holding[s.request_id] = (sim_reqs[s.request_id], s.block_ids)
+                    holding[s.request_id] = sim_reqs[s.request_id]
                     p = sim_reqs[s.request_id].num_prompt_tokens
                     if s.start_pos < p:
                         prompt_tokens += min(end, p) - s.start_pos
@@ -119,7 +119,8 @@ class PagedSimulator:
                 # real = reserved minus each table's unfilled tail (only full blocks are shared).
                 used_blocks = kv.num_blocks - kv.get_num_free_blocks()
                 reserved = used_blocks * block_size
-                slack = sum(len(t) * block_size - q.num_computed_tokens for q, t in holding.values())
+                slack = sum(kv.num_request_blocks(rid) * block_size - q.num_computed_tokens
+                            for rid, q in holding.items())
                 clock += dt
                 rec.step(
                     clock,

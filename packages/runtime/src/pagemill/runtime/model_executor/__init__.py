@@ -1,0 +1,1 @@
+"""Models and their weights: architectures, layers, quantized formats, loading (safetensors, GGUF, the Hub)."""

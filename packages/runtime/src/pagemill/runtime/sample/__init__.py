@@ -1,0 +1,1 @@
+"""Choosing tokens: the sampler, its per-step metadata and grammar-constrained decoding."""

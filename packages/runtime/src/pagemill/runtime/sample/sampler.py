@@ -1,0 +1,630 @@
+"""Turns one row of logits per sampled request into one token per row, for the whole batch.
+
+The sampler reads only a `SamplingMetadata` (tensors and a few host scalars), never requests,
+so a model runner can keep those tensors across steps and hand over slices of them.
+
+Order of operations (HF's and vLLM's): logit_bias, min_tokens bans and penalties on the raw
+logits, then the grammar's token bitmask (structured output), then temperature, then top-k, top-p and min-p, then the draw. Everything runs in fp32 and is
+vectorised over the batch; Python loops only over seeded rows (each draws from its own
+generator), min_tokens rows and penalised rows (their token lists live on the host).
+
+Random rows use the exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is
+distributed exactly as Categorical(p). It needs no cumulative sum or searchsorted, works on
+unnormalised masked rows, and each seeded row consumes a fixed amount of randomness (one draw
+per vocab entry) from its own generator, so its token depends only on its own logits and its
+own generator, never on which other requests share the batch. Rows that top-k, top-p or
+min-p filter race only among their best tokens (the "head" found with `topk`, see
+`_filter_head`): a token outside it cannot win, so unseeded rows draw noise for the head only,
+which is most of what a filtered step saves.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "apply_penalties",
+    "apply_token_bitmask",
+    "apply_top_k_top_p_min_p",
+    "make_generator",
+]
+
+_TINY = torch.finfo(torch.float32).tiny
+# Head width for rows filtered by top-p or min-p alone (see _filter_head): topk costs grow
+# with the width (on 256 x 49152 fp32, 2 cores: 13 ms at 64, 26 ms at 256, 85 ms at 4096).
+_HEAD_WIDTH_CAP = 256
+_CUT_MARGIN = 1e-4
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    """One per row."""
+    logprob_token_ids: list[list[int]] | None
+    """Per row: [sampled, top-1, ..., top-n], n = max_num_logprobs; None when no row asked."""
+    logprobs: list[list[float]] | None
+    """Same shape: the raw model logprobs of those ids."""
+
+
+class _Scratch:
+    """Per-device [rows, vocab] fp32 buffers, reused from step to step.
+
+    A fresh [256, 49152] fp32 tensor is 50 MB, which glibc serves with a new mmap every time:
+    on a 2-core CPU its page faults cost ~12 ms, more than the arithmetic done in it. Buffers
+    only grow; each name is used for one thing at a time.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get((name, device))
+        if buf is None or buf.numel() < rows * cols:
+            buf = torch.empty(rows * cols, dtype=torch.float32, device=device)
+            self._buffers[(name, device)] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+
+class Sampler:
+    """Stateless apart from the shared generator that unseeded random rows draw from."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._scratch = _Scratch()
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = make_generator(self._seed, device)
+            self._shared[device] = gen
+        return gen
+
+    # Always in inference mode: the reused buffers are then always inference tensors, which
+    # may only be updated in place inside it, whether or not the caller's step is.
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
+            raise ValueError(
+                f"Sampler expects logits [num_rows, vocab] with one row per metadata row, got "
+                f"shape {tuple(logits.shape)} for {metadata.num_rows} rows"
+            )
+        num_rows, vocab = logits.shape
+        if num_rows == 0:
+            return SamplerOutput(sampled_token_ids=[], logprob_token_ids=None, logprobs=None)
+        raw = logits
+        if logits.dtype != torch.float32:
+            # Converted once into a reused buffer: on CPU, argmax, topk and division are
+            # several times slower on bf16 than on fp32 (the conversion is exact).
+            raw = self._scratch.get("raw", num_rows, vocab, logits.device).copy_(logits)
+        # A converted copy is the sampler's own: bans and penalties may go into it unless
+        # the logprobs still need the raw values.
+        x = self._apply_min_tokens_and_penalties(
+            raw, metadata, in_place=raw is not logits and metadata.max_num_logprobs is None
+        )
+        tokens = x.argmax(dim=-1) if metadata.all_greedy else self._sample(x, metadata)
+        sampled = tokens.tolist()
+        if metadata.max_num_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
+        aux = self._scratch.get("aux", num_rows, vocab, logits.device)
+        ids, values = _logprobs(raw, tokens, metadata.max_num_logprobs, aux)
+        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=ids, logprobs=values)
+
+    def _apply_min_tokens_and_penalties(
+        self, logits: torch.Tensor, md: SamplingMetadata, *, in_place: bool
+    ) -> torch.Tensor:
+        """The logits to sample from: `logits` itself, or with bans and penalties applied.
+
+        Into a copy unless `in_place`: the raw logits stay the model's distribution for the
+        logprobs, and the caller's logits must not change. The copy goes into a reused buffer.
+        """
+        num_rows, vocab = logits.shape
+        rows, cols = _min_tokens_bans(md, vocab)
+        bias, bitmask = md.logit_bias, md.token_bitmask
+        if md.no_penalties and not rows and bias is None and bitmask is None:
+            return logits
+        x = logits
+        if not in_place:
+            x = self._scratch.get("rules", num_rows, vocab, logits.device).copy_(logits)
+        if bias is not None:
+            x.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+        if rows:
+            device = logits.device
+            x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        apply_penalties(x, md)
+        if bitmask is not None:
+            apply_token_bitmask(x, bitmask)
+        return x
+
+    def _sample(self, x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Tokens of a batch with random rows: rows filtered by top-k/top-p/min-p race in
+        their head, the other random rows over the whole vocabulary, greedy rows argmax."""
+        num_rows, vocab = x.shape
+        random = None if md.all_random else ~_required(md.greedy, "greedy")
+        filtered = _filter_flags(md.top_k, md.top_p, md.min_p, vocab)
+        # An argmax over every row reads the logits once and copies nothing; picking the
+        # greedy rows out first would copy them. Random rows' results are overwritten.
+        tokens = x.argmax(dim=-1) if random is not None else None
+        groups: list[tuple[torch.Tensor | None, bool]]
+        if filtered is None:
+            groups = [(random, False)]
+        elif random is None:
+            groups = [(filtered, True), (~filtered, False)]
+        else:
+            groups = [(filtered & random, True), (~filtered & random, False)]
+        for mask, is_filtered in groups:
+            rows = None if mask is None else mask.nonzero().squeeze(1)
+            if rows is not None and rows.numel() == 0:
+                continue
+            if rows is not None and rows.numel() == num_rows:
+                rows = None
+            drawn = self._sample_rows(x, md, rows, is_filtered)
+            if rows is None:
+                tokens = drawn
+            else:
+                if tokens is None:
+                    tokens = torch.empty(num_rows, dtype=torch.long, device=x.device)
+                tokens[rows] = drawn
+        assert tokens is not None
+        return tokens
+
+    def _sample_rows(
+        self, x: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None, filtered: bool
+    ) -> torch.Tensor:
+        """Random tokens for `rows` of `x` (every row when None), in that order."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if rows is None or t is None else t.index_select(0, rows)
+
+        vocab = x.shape[1]
+        count = x.shape[0] if rows is None else rows.numel()
+        gens = _generators_of(md.generators, rows)
+        z = self._scratch.get("scaled", count, vocab, x.device)
+        temperature = md.temperature.unsqueeze(1)
+        if rows is None:
+            torch.div(x, temperature, out=z)
+        else:
+            torch.index_select(x, 0, rows, out=z).div_(temperature.index_select(0, rows))
+        if not filtered:
+            return self._race_full(z, gens)
+        return self._race_filtered(
+            z, pick(md.top_k), pick(md.top_p), pick(md.min_p), md.max_top_k, gens, _HEAD_WIDTH_CAP
+        )
+
+    def _race_filtered(
+        self,
+        z: torch.Tensor,
+        top_k: torch.Tensor | None,
+        top_p: torch.Tensor | None,
+        min_p: torch.Tensor | None,
+        max_top_k: int,
+        gens: dict[int, torch.Generator],
+        width_cap: int | None,
+    ) -> torch.Tensor:
+        """Tokens of rows that top-k, top-p or min-p filter; `z` is theirs to modify."""
+        vocab = z.shape[1]
+        aux = self._scratch.get("aux", z.shape[0], vocab, z.device)
+        head, wider = _filter_head(z, top_k, top_p, min_p, max_top_k, aux, width_cap)
+        if wider is None:
+            if head.order.shape[1] < vocab:
+                return self._race_head(head, gens, vocab)
+            # A head as wide as the vocabulary (it was sorted): mask the rows in place and
+            # race over them like unfiltered rows, rather than in sorted order with
+            # [rows, vocab] index and weight tensors on the side.
+            z.masked_fill_(_head_mask(head, None, vocab), float("-inf"))
+            return self._race_full(z, gens)
+        # Rows whose filters may keep more than the capped head: the others race now, these
+        # on their own with a head sized for them alone. Their seeded generators draw only
+        # there, so a row's stream never depends on which pass its batch put it in.
+        rows = wider.nonzero().squeeze(1)
+        later = set(rows.tolist())
+        tokens = self._race_head(head, {p: g for p, g in gens.items() if p not in later}, vocab)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.index_select(0, rows)
+
+        tokens[rows] = self._race_filtered(
+            z.index_select(0, rows),
+            pick(top_k),
+            pick(top_p),
+            pick(min_p),
+            max_top_k,
+            _generators_of(gens, rows),
+            None,
+        )
+        return tokens
+
+    def _race_full(self, z: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
+        """The race over whole rows of `z` (scaled, maybe masked logits), in place."""
+        # Unnormalised probabilities are enough for the race; masked tokens get exactly 0.
+        weights = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
+        noise = self._scratch.get("aux", z.shape[0], z.shape[1], z.device)
+        if len(gens) < z.shape[0]:
+            _fill_exponential(noise, self._shared_generator(z.device))
+        for pos, gen in gens.items():
+            _fill_exponential(noise[pos], gen)
+        return weights.div_(noise).argmax(dim=-1)
+
+    def _race_head(self, head: _Head, gens: dict[int, torch.Generator], vocab: int) -> torch.Tensor:
+        weights = head.rel_probs.masked_fill_(head.drop, 0.0)
+        noise = torch.empty_like(weights)
+        if len(gens) < weights.shape[0]:
+            _fill_exponential(noise, self._shared_generator(weights.device))
+        for pos, gen in gens.items():
+            # A seeded row still draws one value per vocab entry (its stream must not depend
+            # on the batch's head width) and keeps those of its head's tokens.
+            own = _fill_exponential(torch.empty(vocab, device=weights.device), gen)
+            noise[pos] = own[head.order[pos]]
+        choice = weights.div_(noise).argmax(dim=-1, keepdim=True)
+        return head.order.gather(1, choice).squeeze(1)
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit whose bit in the packed `bitmask` is clear.
+
+    `bitmask` is [rows, >= ceil(vocab/32)] int32, bit t % 32 of word t // 32 = token t
+    allowed (xgrammar's layout). A grammar's mask is mostly whole words: all clear (32
+    banned tokens) or all set; only the few mixed words are unpacked bit by bit. That costs
+    ~9 ms at 64 x 49152 on one CPU core against ~75 ms for unpacking every word, and is
+    plain torch, so it runs wherever the logits are. (xgrammar's own CPU kernel is not
+    used: on this build it wrote past the logits of vocabularies that are not a multiple
+    of 32 and corrupted the heap.)
+    """
+    rows, vocab = x.shape
+    if bitmask.device != x.device:
+        bitmask = bitmask.to(x.device, non_blocking=True)
+    shifts = _bit_shifts(x.device)
+    full = vocab // 32
+    if full:
+        body = x[:, : full * 32].view(rows, full, 32)
+        words = bitmask[:, :full]
+        body.masked_fill_((words == 0).unsqueeze(-1), float("-inf"))
+        r, w = ((words != 0) & (words != -1)).nonzero(as_tuple=True)
+        if r.numel():
+            banned = ((words[r, w].unsqueeze(1) >> shifts) & 1) == 0
+            body[r, w] = body[r, w].masked_fill_(banned, float("-inf"))
+    tail = vocab - full * 32
+    if tail:
+        banned = ((bitmask[:, full : full + 1] >> shifts[:tail]) & 1) == 0
+        x[:, full * 32 :].masked_fill_(banned, float("-inf"))
+
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def _required(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"SamplingMetadata.{name} is required when the batch is mixed")
+    return t
+
+
+def _generators_of(
+    generators: dict[int, torch.Generator], rows: torch.Tensor | None
+) -> dict[int, torch.Generator]:
+    """The seeded rows among `rows` (ascending), keyed by position in `rows`.
+
+    Looks up each seeded row rather than indexing every row: only seeded rows cost Python.
+    """
+    if rows is None or not generators:
+        return generators
+    ids = rows.tolist()
+    found: dict[int, torch.Generator] = {}
+    for row, gen in generators.items():
+        pos = bisect_left(ids, row)
+        if pos < len(ids) and ids[pos] == row:
+            found[pos] = gen
+    return found
+
+
+def _fill_exponential(out: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fills `out` with Exp(1) noise from `gen` (drawn where the generator lives)."""
+    draw = out if out.device == gen.device else torch.empty(out.shape, device=gen.device)
+    # -log(1 - U), U uniform in [0, 1): 1 - U is exact in fp32, and log is ~3x faster than
+    # log1p on CPU (and uniform_ + log ~6x faster than exponential_).
+    draw.uniform_(generator=gen).neg_().add_(1.0).log_().neg_()
+    # A draw of exactly 0 (u = 0 happens: millions of draws per step) would turn p / q into
+    # inf, or NaN for a masked p = 0, and argmax would pick it; the clamp keeps masked
+    # tokens at 0 and changes nothing else measurable.
+    draw.clamp_min_(_TINY)
+    if draw is not out:
+        out.copy_(draw)
+    return out
+
+
+def _min_tokens_bans(md: SamplingMetadata, vocab: int) -> tuple[list[int], list[int]]:
+    """(rows, cols) that cannot be sampled yet: until min_tokens are out, the stop tokens
+    (and EOS unless ignored) are masked.
+
+    The scheduler would not stop on them anyway, but they would still be appended to the
+    output; masking them here is what makes min_tokens mean "at least n real tokens".
+    """
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, (min_tokens, banned) in md.min_tokens.items():
+        if len(md.output_token_ids[row]) >= min_tokens:
+            continue
+        for t in banned:
+            if 0 <= t < vocab:
+                rows.append(row)
+                cols.append(t)
+    return rows, cols
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Repetition (prompt + output), presence and frequency (output) penalties, in place.
+
+    A row has seen a few hundred tokens of a vocabulary of tens of thousands, so penalties
+    are computed at those (row, token) positions only, never over [rows, vocab].
+    """
+    if md.no_penalties:
+        return
+    vocab = logits.shape[1]
+    rep = md.repetition_penalties
+    rep_rows = (rep != 1.0).nonzero().squeeze(1).tolist()
+    if rep_rows:
+        # HF semantics: every token seen in prompt or output is pushed towards zero
+        # probability mass: positive logits divided, negative multiplied.
+        prompts = _required_list(md.prompt_token_ids)
+        seqs = [chain(prompts[r], md.output_token_ids[r]) for r in rep_rows]
+        lengths = [len(prompts[r]) + len(md.output_token_ids[r]) for r in rep_rows]
+        rows, cols, _ = _occurrences(rep_rows, seqs, lengths, vocab, logits.device)
+        values = logits[rows, cols]
+        penalty = rep[rows]
+        logits[rows, cols] = torch.where(values > 0, values / penalty, values * penalty)
+    freq, pres = md.frequency_penalties, md.presence_penalties
+    out_rows = ((freq != 0.0) | (pres != 0.0)).nonzero().squeeze(1).tolist()
+    if out_rows:
+        # OpenAI semantics, on generated tokens only.
+        outputs = [md.output_token_ids[r] for r in out_rows]
+        rows, cols, counts = _occurrences(
+            out_rows, outputs, [len(o) for o in outputs], vocab, logits.device
+        )
+        logits[rows, cols] = logits[rows, cols] - (freq[rows] * counts + pres[rows])
+
+
+def _required_list(seqs: list[Sequence[int]] | None) -> list[Sequence[int]]:
+    if seqs is None:
+        raise ValueError("SamplingMetadata.prompt_token_ids is required by a repetition_penalty")
+    return seqs
+
+
+def _occurrences(
+    rows: list[int],
+    seqs: Iterable[Iterable[int]],
+    lengths: list[int],
+    vocab: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token, count) of every distinct token of each row's sequence.
+
+    Counted on the host, where the token lists live (np.fromiter reads them ~8x faster than
+    torch.tensor does), and moved to `device` once.
+    """
+    ids = torch.from_numpy(np.fromiter(chain.from_iterable(seqs), np.int64, sum(lengths)))
+    row_of = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths))
+    # Ids the logits have no column for (a tokenizer's added tokens beyond the model's
+    # vocab) cannot be penalised; they are dropped rather than failing the whole batch.
+    ok = (ids >= 0) & (ids < vocab)
+    flat, counts = torch.unique(row_of[ok] * vocab + ids[ok], return_counts=True)
+    return (flat // vocab).to(device), (flat % vocab).to(device), counts.float().to(device)
+
+
+@dataclass
+class _Head:
+    """The best tokens of each row, best first, and which of them the filters drop."""
+
+    order: torch.Tensor
+    """[rows, width] token ids."""
+    drop: torch.Tensor
+    """[rows, width] bool."""
+    rel_probs: torch.Tensor
+    """[rows, width] fp32: each token's probability divided by its row's largest."""
+
+
+def _filter_flags(
+    top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None, vocab: int
+) -> torch.Tensor | None:
+    """[rows] bool: rows that top-k, top-p or min-p can filter; None when none can."""
+    flags = None
+    for f in (
+        None if top_k is None else (top_k > 0) & (top_k < vocab),
+        None if top_p is None else top_p < 1.0,
+        None if min_p is None else min_p > 0.0,
+    ):
+        if f is not None:
+            flags = f if flags is None else flags | f
+    return flags
+
+
+def _filter_head(
+    z: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    max_top_k: int,
+    scratch: torch.Tensor | None,
+    width_cap: int | None = None,
+) -> tuple[_Head, torch.Tensor | None]:
+    """What top-k, then top-p, then min-p keep of each row of `z` (logits / temperature).
+
+    HF's order. Top-k and top-p need the tokens in descending order, but a full sort of the
+    vocabulary is by far the slowest op of a step on CPU, and only the head of the order
+    matters:
+    - a top-k row needs its k best tokens;
+    - a top-p row (without top-k) can only keep tokens with p_i >= (1 - top_p) / vocab:
+      all tokens below that bound hold less than 1 - top_p of the mass together, so the
+      ones above it already reach top_p and the cut falls among them;
+    - a min-p row (without top-k) keeps exactly the tokens with p_i >= min_p * max_j p_j.
+    So one `topk` over the largest head any row needs replaces the sort (a sort is used
+    when that head is a sizeable part of the vocabulary anyway). Top-p acts on what top-k
+    kept, renormalised. min-p compares each probability with the row's largest; that
+    ratio is unchanged by masking others, so it needs no order at all. The top token
+    always survives all three. `scratch` ([rows, vocab] fp32 or None) holds the
+    probabilities needed to size the head of rows without top-k.
+
+    Those bounds are loose (a top-p 0.9 nucleus of ~10 tokens can have thousands above
+    its bound), and one row's bound sizes every row's head. With `width_cap`, the head
+    of rows without top-k is capped, and rows whose filters provably cut inside the capped
+    head are done: a top-p row whose head holds top_p of the mass, a min-p row whose last
+    head token is below min_p. The rows left over are returned as a mask (None when there
+    are none) for a second, uncapped head of their own.
+    """
+    vocab = z.shape[1]
+    use_k: torch.Tensor | None = None
+    k: torch.Tensor | None = None
+    if top_k is not None:
+        use_k = (top_k > 0) & (top_k < vocab)
+        k = torch.where(use_k, top_k, vocab)  # vocab: no cut
+    use_p = None if top_p is None else top_p < 1.0
+    use_m = None if min_p is None else min_p > 0.0
+    # Rows whose head is found by counting: filtered by top-p or min-p but not top-k.
+    counted = None
+    for f in (use_p, use_m):
+        if f is not None:
+            counted = f if counted is None else counted | f
+    if counted is not None and use_k is not None:
+        counted = counted & ~use_k
+    total = None  # the sum of rel_probs over the whole row, for top-p rows without top-k
+    num_candidates = None
+    if counted is not None and bool(counted.any()):
+        rel = torch.sub(z, z.amax(dim=-1, keepdim=True), out=scratch).exp_()
+        total = rel.sum(dim=-1, keepdim=True)
+        # Thresholds on rel_probs, halved: a margin against rounding in the sums below
+        # (the head only has to contain what the filters keep).
+        bound = torch.zeros_like(total)
+        if top_p is not None and use_p is not None:
+            p_bound = total * (1.0 - top_p.unsqueeze(1)) / (2 * vocab)
+            bound = torch.where(use_p.unsqueeze(1), p_bound, bound)
+        if min_p is not None:
+            bound = torch.maximum(bound, min_p.unsqueeze(1) / 2)
+        num_candidates = rel.ge_(bound).sum(dim=-1).long()
+        need = torch.where(counted, num_candidates, 1)
+        if width_cap is not None:
+            need = need.clamp_max(width_cap)
+        if use_k is not None and k is not None:
+            need = torch.where(use_k, k, need)
+        width = int(need.max())
+    elif 0 < max_top_k < vocab:
+        width = max_top_k
+    else:
+        width = 1 if use_k is None or k is None else int(torch.where(use_k, k, 1).max())
+    if width <= vocab // 4:
+        values, order = z.topk(width, dim=-1)
+    else:
+        width = vocab
+        values, order = z.sort(dim=-1, descending=True)
+    rel_probs = (values - values[:, :1]).exp_()
+    ranks = torch.arange(width, device=z.device).unsqueeze(0)
+    if k is not None:
+        drop = ranks >= k.unsqueeze(1)
+    else:
+        drop = torch.zeros_like(rel_probs, dtype=torch.bool)
+    if top_p is not None and use_p is not None:
+        kept = rel_probs.masked_fill(drop, 0.0)
+        # Renormalise over the top-k set (the head holds it); rows without top-k over the
+        # whole vocabulary, i.e. by the sum of the full row.
+        head_total = kept.sum(dim=-1, keepdim=True)
+        if total is None:
+            row_total = head_total
+        elif use_k is None:
+            row_total = total
+        else:
+            row_total = torch.where(use_k.unsqueeze(1), head_total, total)
+        mass_before = (kept.cumsum(dim=-1) - kept) / row_total
+        # Keep the smallest prefix whose mass reaches p: drop a token once the mass of
+        # those ranked above it already reaches p.
+        # (Only in top-p rows: with top_p = 1 the rounded sum may still reach 1.0.)
+        drop |= (mass_before >= top_p.unsqueeze(1)) & use_p.unsqueeze(1)
+    drop[:, 0] = False
+    if min_p is not None:
+        drop |= rel_probs < min_p.unsqueeze(1)
+    head = _Head(order=order, drop=drop, rel_probs=rel_probs)
+    if num_candidates is None or counted is None or width == vocab:
+        return head, None
+    wider = counted & (num_candidates > width)
+    if not bool(wider.any()):
+        return head, None
+    # The cut is inside the head if the tokens after it are dropped whatever they are: in
+    # a top-p row once the head's mass reaches top_p, in a min-p row once the head's last
+    # token is below min_p. With a margin far above the rounding (fp32 sums of a head in
+    # different orders differ by ~width x 6e-8), so the capped and the uncapped heads agree.
+    cut_inside = torch.zeros_like(wider)
+    if total is not None and top_p is not None and use_p is not None:
+        head_mass = rel_probs.sum(dim=-1) / total.squeeze(1)
+        cut_inside |= use_p & (head_mass >= top_p + _CUT_MARGIN)
+    if min_p is not None and use_m is not None:
+        cut_inside |= use_m & (rel_probs[:, -1] < min_p * (1.0 - _CUT_MARGIN))
+    wider &= ~cut_inside
+    return head, wider if bool(wider.any()) else None
+
+
+def _head_mask(head: _Head, filtered: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """[rows, vocab] bool, True where a filter drops the token.
+
+    Outside the head everything is dropped in filtered rows (every row when `filtered` is
+    None) and kept in the others.
+    """
+    num_rows = head.order.shape[0]
+    if filtered is None:
+        mask = torch.ones(num_rows, vocab, dtype=torch.bool, device=head.order.device)
+    else:
+        mask = filtered.unsqueeze(1).expand(-1, vocab).clone()
+    return mask.scatter_(1, head.order, head.drop)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    max_top_k: int,
+) -> torch.Tensor:
+    """`logits` (already divided by the temperature) with what the filters drop set to -inf.
+
+    The sampler's filters as one mask over the vocabulary (the sampler itself races within
+    the head when it can); the arguments are `SamplingMetadata`'s fields for these rows.
+    """
+    vocab = logits.shape[1]
+    filtered = _filter_flags(top_k, top_p, min_p, vocab)
+    if filtered is None:
+        return logits
+    z = logits.float()
+    head, _ = _filter_head(z, top_k, top_p, min_p, max_top_k, None)
+    return z.masked_fill(_head_mask(head, filtered, vocab), float("-inf"))
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, n: int, scratch: torch.Tensor
+) -> tuple[list[list[int]], list[list[float]]]:
+    """[sampled, top-1, ..., top-n] ids per row and their logprobs in the model's own
+    distribution: log_softmax of the raw (fp32) logits.
+
+    Taken before penalties, temperature and masks (vLLM's default "raw_logprobs"), so a
+    logprob means the same thing whatever sampling options produced the token, and greedy
+    and sampled requests report comparable numbers. Only the row's log-normaliser needs the
+    whole row (into `scratch`, no [rows, vocab] result); the wanted entries are gathered.
+    """
+    peak = raw.amax(dim=-1, keepdim=True)
+    log_total = torch.sub(raw, peak, out=scratch).exp_().sum(dim=-1, keepdim=True).log_()
+    ids = tokens.unsqueeze(1)
+    if n > 0:
+        ids = torch.cat([ids, raw.topk(n, dim=-1).indices], dim=1)
+    values = (raw.gather(1, ids) - peak) - log_total
+    return ids.tolist(), values.tolist()

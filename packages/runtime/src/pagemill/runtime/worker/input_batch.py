@@ -1,0 +1,143 @@
+"""The persistent batch: one row per running request, kept across steps.
+
+Between two steps the batch barely changes: most requests decode one more token, a few
+finish, a few arrive. So the model runner keeps each running request's block table and
+sampling parameters in preallocated arrays, row by row, and a step only writes what
+changed: new block ids at the end of a row, a row for an admitted request, a row removed
+for a finished or preempted one. The sampling metadata of the whole batch is built once
+per change of composition and reused by every step in between, by the one builder
+(`SamplingColumns` rows written at admission, `SamplingMetadata.build`).
+
+The block table here is a mirror for the device, not an owner: the KV cache manager holds
+each request's table, and a row is written from the scheduler output's `new_block_ids`
+only (the whole table when a request is (re)admitted, appended blocks otherwise).
+
+Rows stay in admission order (a removed row is closed up, not swapped with the last one),
+which is the scheduler's order too: in the common step that schedules every running
+request, the flattened batch and the sampling rows are plain prefixes of these arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagemill.runtime.sample.sampling_metadata import SamplingColumns, SamplingMetadata
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.scheduler import Request
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What the runner keeps of a live request, across preemptions, until it finishes.
+
+    The seeded generator lives here and not in the row: a preempted request gets a new
+    row when it comes back, but must continue its random stream, not restart it.
+    """
+
+    request: Request
+    params: SamplingParams
+    generator: torch.Generator | None
+    # Ids that cannot be sampled before min_tokens: the stop ids, and EOS unless ignored.
+    banned_until_min: frozenset[int]
+
+    @classmethod
+    def create(cls, request: Request, device: torch.device) -> CachedRequestState:
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams()
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(params.seed)
+        banned = set(request.stop_token_ids)
+        if request.eos_token_id is not None and not request.ignore_eos:
+            banned.add(request.eos_token_id)
+        return cls(request, params, gen, frozenset(banned))
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_blocks_per_req = max_blocks_per_req
+        self.device = device
+        self.req_ids: list[str] = []
+        self.states: list[CachedRequestState] = []
+        self.row_of: dict[str, int] = {}
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        self.sampling_columns = SamplingColumns.empty(max_num_reqs)
+        self._metadata: SamplingMetadata | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    # ------------------------------------------------------------------ composition
+
+    def add(self, state: CachedRequestState, block_ids: list[int]) -> int:
+        row = len(self.req_ids)
+        if row >= self.max_num_reqs:
+            raise ValueError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
+        rid = state.request.request_id
+        if rid in self.row_of:
+            raise ValueError(f"request {rid!r} already has a row in the batch")
+        self.req_ids.append(rid)
+        self.states.append(state)
+        self.row_of[rid] = row
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        self.sampling_columns.set_row(row, state.params)
+        self._metadata = None
+        return row
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(
+                f"request {self.req_ids[row]!r} would hold {end} blocks; max_model_len allows "
+                f"{self.max_blocks_per_req}"
+            )
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def remove(self, request_id: str) -> None:
+        """Drop a request's row (no-op if it has none) and close the gap, keeping the order."""
+        row = self.row_of.pop(request_id, None)
+        if row is None:
+            return
+        n = len(self.req_ids)
+        if row < n - 1:
+            width = int(self.num_blocks[row + 1 : n].max())
+            self.block_table[row : n - 1, :width] = self.block_table[row + 1 : n, :width]
+            self.num_blocks[row : n - 1] = self.num_blocks[row + 1 : n]
+            self.sampling_columns.close_gap(row, n)
+            for rid in self.req_ids[row + 1 :]:
+                self.row_of[rid] -= 1
+        del self.req_ids[row]
+        del self.states[row]
+        self._metadata = None
+
+    # ------------------------------------------------------------------ sampling
+
+    def sampling_metadata(self, rows: np.ndarray | None = None) -> SamplingMetadata:
+        """Metadata of the sampled rows (None: every row, in order; built once per change)."""
+        if rows is None:
+            if self._metadata is None:
+                self._metadata = self._build(slice(0, len(self.req_ids)), self.states)
+            return self._metadata
+        return self._build(rows, [self.states[i] for i in rows.tolist()])
+
+    def _build(self, sel: slice | np.ndarray, states: list[CachedRequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            self.sampling_columns.take(sel),
+            [s.params for s in states],
+            output_token_ids=[s.request.output_token_ids for s in states],
+            prompt_token_ids=[s.request.prompt_token_ids for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            banned_until_min=[s.banned_until_min for s in states],
+            device=self.device,
+        )

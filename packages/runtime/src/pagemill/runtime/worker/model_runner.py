@@ -1,0 +1,487 @@
+"""Turns a `SchedulerOutput` into one forward pass over the flattened batch.
+
+Every scheduled token of every request is laid end to end (no padding): prefill chunks and
+single decode tokens mix freely. What a step needs beyond the token ids is built once, here,
+and read by everything downstream: the per-token positions and KV slots, the attention plan
+(shared by all layers) and the sampling metadata (shared with the sampler). Per-request
+state persists across steps in the `InputBatch`, so a step only writes what changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagemill.kernels import plan_attention
+from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.layers import packed_row_limits
+from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.worker.attention_metadata import AttentionMetadata
+from pagemill.runtime.worker.compilation import compile_forward
+from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
+from pagemill.runtime.worker.decode_padding import graph_buckets
+from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
+from pagemill.runtime.worker.kv_cache import KVCache
+from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Logits of the rows that sample this step, in the order of `req_ids`, and their metadata."""
+
+    req_ids: list[str]
+    logits: torch.Tensor  # [len(req_ids), vocab], model dtype
+    sampling_metadata: SamplingMetadata | None
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's token layout on the host: all a rank needs to run the forward.
+
+    Under tensor parallelism rank 0 broadcasts this (and only this: no request records, no
+    sampling state) to the other ranks each step.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [n + 1] int32
+    seq_lens: np.ndarray  # [n] int64
+    block_tables: np.ndarray  # [n, width] int32
+    query_lens: np.ndarray  # [n] int64
+    # Hidden rows that produce logits; None when every token of the step samples (decode).
+    sample_indices: torch.Tensor | None
+    num_samples: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    # Hidden rows that produce logits; None when every token of the step samples (decode).
+    sample_indices: torch.Tensor | None
+    sample_req_ids: list[str]
+    sampling_metadata: SamplingMetadata | None
+    batch: StepBatch | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        tp: TensorParallelGroup | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        """Under tensor parallelism (`tp`) `model_config` is this rank's share of the model
+        (its heads size the KV cache and the attention plan) and `vocab_size` the full
+        vocabulary, whose logits are gathered on rank 0."""
+        self.model = model
+        self.tp = tp
+        self.vocab_size = model_config.vocab_size if vocab_size is None else vocab_size
+        self.model_config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
+        self.kv_cache: KVCache | None = None
+        self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, device)
+        # Live requests (running or preempted) until they finish; rows come and go.
+        self.requests: dict[str, CachedRequestState] = {}
+        self._arange = np.arange(max(max_num_seqs, max_num_batched_tokens), dtype=np.int64)
+        self._pin = device.type == "cuda"
+        # On CPU the tensors are used where they are built; tests may force packing on.
+        self.pack_inputs = device.type != "cpu"
+        self._staging: torch.Tensor | None = None
+        self._copy_done: torch.cuda.Event | None = None
+        # Seconds spent in the model's forward (and LM head) by the last step; the rest of a
+        # step is host overhead (scheduling, planning, sampling, detokenizing).
+        self.last_forward_s = 0.0
+        self._forward: Callable[..., torch.Tensor] = model.forward
+        self.compiled = False
+        # CUDA graphs of pure-decode steps (see `cuda_graphs`); None runs every step eagerly.
+        self.graphs: DecodeGraphs | None = None
+        # Set by the engine before the pool is sized: capture graphs once the pool exists.
+        self.use_cuda_graphs = False
+
+    def compile(self) -> float:
+        """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
+
+        Every graph (one token; any other count; each side of a packed layer's dense
+        switch, see `packed_row_limits`) is compiled on a throwaway single-request step, so
+        no request ever waits for a compilation.
+        """
+        start = time.perf_counter()
+        self._forward = compile_forward(self.model)
+        self.compiled = True
+        counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
+        longest = min(self.max_num_batched_tokens, self.max_model_len)
+        for num_tokens in sorted(n for n in counts if n <= longest):
+            batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
+            saved = self.input_batch, self.requests
+            self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.requests = {}
+            try:
+                self.execute_model(batch)
+            finally:
+                self.input_batch, self.requests = saved
+        return time.perf_counter() - start
+
+    # ---- KV cache ------------------------------------------------------------------------
+
+    def init_kv_cache(self, num_blocks: int) -> KVCache:
+        self.kv_cache = KVCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.model.bind_kv_caches(self.kv_cache.caches)
+        return self.kv_cache
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+
+    def _build_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeGraphs:
+        graphs = DecodeGraphs(graph_buckets(self.max_num_seqs), self.max_blocks_per_seq,
+                              self.device)
+        graphs.capture(self._forward, self.model.compute_logits, kv_caches,
+                       self.model_config.num_attention_heads, self.dtype)
+        return graphs
+
+    def measure_cuda_graph_memory(self) -> int:
+        """Device bytes the decode graphs will hold, for the KV pool's budget (CUDA only).
+
+        A trial capture against a one-block scratch cache (capture only records kernels;
+        every row is padded, so nothing reads or writes the cache), measured and released.
+        """
+        caches = KVCache(self.model_config, 1, self.block_size, self.dtype, self.device).caches
+        self.model.bind_kv_caches(caches)
+        try:
+            return measure_graph_memory(lambda: self._build_graphs(caches), self.device)
+        finally:
+            self.model.unbind_kv_caches()
+
+    def capture_cuda_graphs(self) -> float:
+        """Capture the decode graphs over the bound KV cache; returns seconds."""
+        assert self.kv_cache is not None, "init_kv_cache first"
+        if self.tp is not None:
+            raise ValueError("CUDA graphs are single-rank for now")
+        start = time.perf_counter()
+        self.graphs = self._build_graphs(self.kv_cache.caches)
+        return time.perf_counter() - start
+
+    def dummy_batch(self, num_tokens: int | None = None,
+                    max_seqs: int | None = None) -> tuple[SchedulerOutput, int]:
+        """The heaviest step the limits allow (or `num_tokens` over at most `max_seqs`
+        sequences), and the KV blocks it needs.
+
+        By default `max_num_batched_tokens` tokens spread over as many sequences as may share
+        a step (so the logits rows peak too), none longer than max_model_len.
+        """
+        # A step can never hold more than max_num_seqs full-length sequences.
+        tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        if num_tokens is not None:
+            tokens = min(tokens, num_tokens)
+        most = self.max_num_seqs if max_seqs is None else max_seqs
+        num_seqs = max(math.ceil(tokens / self.max_model_len), min(most, tokens))
+        per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
+        sched, next_block = [], 0
+        greedy = SamplingParams(temperature=0.0)
+        for i, n in enumerate(per_seq):
+            nb = math.ceil(n / self.block_size)
+            blocks = list(range(next_block, next_block + nb))
+            record = Request(f"profile-{i}", [0] * n, sampling_params=greedy)
+            sched.append(ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, True,
+                                          True, record))
+            next_block += nb
+        return SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens), next_block
+
+    @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Extra device memory (bytes) that the heaviest possible step needs (CUDA only).
+
+        Runs `dummy_batch()` against a throwaway KV cache just large enough for it (and a
+        throwaway persistent batch) and reads the allocator's peak above what was
+        allocated before (the weights).
+        """
+        batch, blocks_needed = self.dummy_batch()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        scratch = KVCache(self.model_config, blocks_needed, self.block_size, self.dtype, self.device)
+        # Only a torch-allocated scratch cache shows up in torch's counters.
+        scratch_bytes = scratch.nbytes if scratch.storage is None else 0
+        saved = self.kv_cache, self.input_batch, self.requests
+        self.kv_cache = scratch
+        self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.requests = {}
+        self.model.bind_kv_caches(scratch.caches)
+        try:
+            self.execute_model(batch)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.kv_cache, self.input_batch, self.requests = saved
+            self.model.unbind_kv_caches()
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch_bytes
+        del scratch
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
+    # ---- the step's inputs -----------------------------------------------------------------
+
+    def _update_states(self, out: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in out.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove(rid)
+        for rid in out.preempted_req_ids:
+            batch.remove(rid)  # its cached state stays: it comes back with its generator
+        for s in out.scheduled:
+            rid = s.request_id
+            if s.is_new:
+                state = self.requests.get(rid)
+                if state is None or state.request is not s.request:
+                    state = self.requests[rid] = CachedRequestState.create(s.request, self.device)
+                batch.remove(rid)
+                batch.add(state, s.new_block_ids)
+            elif s.new_block_ids:
+                try:
+                    row = batch.row_of[rid]
+                except KeyError:
+                    raise ValueError(f"request {rid!r} is scheduled as running but was never "
+                                     "scheduled as new") from None
+                batch.append_blocks(row, s.new_block_ids)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs | None:
+        prepared = self._prepare_batch(out)
+        if prepared is None:
+            return None
+        return self._step_inputs(*prepared)
+
+    def _prepare_batch(
+        self, out: SchedulerOutput
+    ) -> tuple[StepBatch, list[str], SamplingMetadata | None] | None:
+        """The step's host-side layout, the requests that sample and their metadata."""
+        self._update_states(out)
+        scheduled = out.scheduled
+        n = len(scheduled)
+        if n == 0:
+            return None
+        if n > self.max_num_seqs:
+            raise ValueError(f"{n} scheduled requests exceed max_num_seqs={self.max_num_seqs}")
+        batch = self.input_batch
+        row_of = batch.row_of
+        rows = np.empty(n, dtype=np.int64)
+        q_lens = np.empty(n, dtype=np.int64)
+        starts = np.empty(n, dtype=np.int64)
+        ids: list[int] = []
+        sample_pos: list[int] = []
+        for i, s in enumerate(scheduled):
+            try:
+                rows[i] = row_of[s.request_id]
+            except KeyError:
+                raise ValueError(f"request {s.request_id!r} is scheduled as running but was "
+                                 "never scheduled as new") from None
+            q_lens[i] = s.num_tokens
+            starts[i] = s.start_pos
+            ids += s.token_ids
+            if s.sample:
+                sample_pos.append(i)
+        total = len(ids)
+        if total != int(q_lens.sum()):
+            raise ValueError("ScheduledRequest.token_ids lengths disagree with num_tokens")
+        bs = self.block_size
+        seq_lens = starts + q_lens
+        # Each request's own table must reach its last token (not just the widest table).
+        short = np.flatnonzero(seq_lens > batch.num_blocks[rows].astype(np.int64) * bs)
+        if short.size:
+            s = scheduled[int(short[0])]
+            raise ValueError(
+                f"request {s.request_id!r}: tokens up to position {s.start_pos + s.num_tokens} "
+                f"lie beyond its block table of {int(batch.num_blocks[rows[short[0]]])} blocks"
+            )
+        in_order = bool(np.array_equal(rows, self._arange[:n]))
+        if total == n:  # decode only: one token per request at its own position
+            positions, token_rows = starts, rows
+        else:
+            first = np.cumsum(q_lens) - q_lens
+            positions = self._arange[:total] + np.repeat(starts - first, q_lens)
+            token_rows = np.repeat(rows, q_lens)
+        table = batch.block_table
+        slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(batch.num_blocks[rows].max())
+        block_tables = np.ascontiguousarray(table[:n, :width] if in_order else table[rows, :width])
+        qsl = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+
+        if len(sample_pos) == total:  # every token samples: all hidden rows, in order
+            sample_indices = None
+        else:
+            sample_indices = torch.from_numpy(qsl[1:][sample_pos].astype(np.int64) - 1)
+        if sample_pos and in_order and len(sample_pos) == n == batch.num_reqs:
+            metadata = batch.sampling_metadata()
+        elif sample_pos:
+            metadata = batch.sampling_metadata(rows[sample_pos])
+        else:
+            metadata = None
+
+        batch = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
+                          block_tables, q_lens, sample_indices, len(sample_pos))
+        req_ids = [scheduled[i].request_id for i in sample_pos]
+        return batch, req_ids, metadata
+
+    def _step_inputs(self, batch: StepBatch, req_ids: list[str],
+                     metadata: SamplingMetadata | None) -> StepInputs:
+        """The batch's tensors on the device and the step's attention plan."""
+        tensors = [batch.input_ids, torch.from_numpy(batch.positions),
+                   torch.from_numpy(batch.slots), torch.from_numpy(batch.query_start_loc),
+                   torch.from_numpy(batch.seq_lens.astype(np.int32)),
+                   torch.from_numpy(batch.block_tables)]
+        sample_indices = batch.sample_indices
+        if sample_indices is not None:
+            tensors.append(sample_indices)
+        moved = self._to_device(tensors)
+        input_ids, positions_t, slots_t, qsl_t, seq_lens_t, tables_t = moved[:6]
+        if sample_indices is not None:
+            sample_indices = moved[6]
+        assert self.kv_cache is not None, "init_kv_cache first"
+        plan = plan_attention(
+            qsl_t.to(torch.int32), seq_lens_t.to(torch.int32), tables_t.to(torch.int32),
+            k_cache_shape=tuple(self.kv_cache.caches[0][0].shape),
+            num_heads=self.model_config.num_attention_heads, dtype=self.dtype,
+            query_lens=batch.query_lens, context_lens=batch.seq_lens,
+        )
+        attn = AttentionMetadata(slot_mapping=slots_t.to(torch.int64), plan=plan)
+        return StepInputs(input_ids.to(torch.int64), positions_t.to(torch.int64), attn,
+                          sample_indices, req_ids, metadata, batch)
+
+    def _to_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Move the step's index tensors to the device in one copy.
+
+        Many tiny host-to-device copies cost more than the data: everything is packed into
+        one reused pinned int32 buffer (every index here fits in int32), copied once, and
+        split back into views on the device. On CPU the tensors are used where they are.
+        """
+        if not self.pack_inputs:
+            return pieces
+        sizes = [p.numel() for p in pieces]
+        n = sum(sizes)
+        if self._copy_done is not None:
+            self._copy_done.synchronize()  # the previous step's copy may still read the buffer
+        if self._staging is None or self._staging.numel() < n:
+            grown = 2 * (self._staging.numel() if self._staging is not None else 0)
+            self._staging = torch.empty(max(n, grown), dtype=torch.int32, pin_memory=self._pin)
+        buf = self._staging[:n]
+        torch.cat([p.reshape(-1).to(torch.int32) for p in pieces], out=buf)
+        moved = buf.to(self.device, non_blocking=True)
+        if self._pin:
+            self._copy_done = torch.cuda.Event()
+            self._copy_done.record()
+        return [t.view(p.shape) for t, p in zip(moved.split(sizes), pieces)]
+
+    # ---- the forward -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the step's tokens; logits only at the last token of each sampling request."""
+        prepared = self._prepare_batch(out)
+        vocab = self.vocab_size
+        if prepared is None:
+            self.last_forward_s = 0.0
+            return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
+                                     None)
+        graphs = self.graphs
+        if graphs is not None:
+            batch = prepared[0]
+            if graphs.serves(batch.input_ids.numel(), len(batch.seq_lens),
+                             batch.block_tables.shape[1]):
+                return self._replay(graphs, *prepared)
+        step = self._step_inputs(*prepared)
+        if self.tp is not None:
+            return self._execute_parallel(step)
+        start = time.perf_counter()
+        hidden = self._forward(step.input_ids, step.positions, step.attn)
+        if not step.sample_req_ids:
+            logits = hidden.new_empty(0, vocab)
+        else:
+            rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+            logits = self.model.compute_logits(rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+
+    def _replay(self, graphs: DecodeGraphs, batch: StepBatch, req_ids: list[str],
+                metadata: SamplingMetadata | None) -> ModelRunnerOutput:
+        """A pure-decode step through its bucket's CUDA graph (the eager step's logits)."""
+        start = time.perf_counter()
+        logits = graphs.replay(batch.input_ids.numpy(), batch.positions, batch.slots,
+                               batch.seq_lens, batch.block_tables)
+        if batch.sample_indices is not None:  # one-token prefill chunks that do not sample
+            logits = logits.index_select(0, batch.sample_indices.to(self.device))
+        torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(req_ids, logits, metadata)
+
+    # ---- tensor parallelism ------------------------------------------------------------------
+
+    def _local_logits(self, step: StepInputs) -> torch.Tensor | None:
+        """This rank's forward, and its vocabulary columns of the sampled rows' logits."""
+        hidden = self._forward(step.input_ids, step.positions, step.attn)
+        assert step.batch is not None
+        if not step.batch.num_samples:
+            return None
+        rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+        return self.model.compute_logits(rows)
+
+    def _execute_parallel(self, step: StepInputs) -> ModelRunnerOutput:
+        """Rank 0: send the batch, run our shard with the others, gather the logits.
+
+        Anything that fails from the broadcast on is fatal (`TensorParallelError`): the
+        other ranks are mid-step, so the step cannot be retried or isolated.
+        """
+        tp = self.tp
+        assert tp is not None
+        start = time.perf_counter()
+        with tp.exclusive():
+            try:
+                if tp.failed:
+                    raise RuntimeError("the group failed earlier")
+                tp.broadcast_object(step.batch)
+                local = self._local_logits(step)
+                logits = None if local is None else tp.gather_to_driver(local)
+            except Exception as exc:
+                raise tp.failure(exc) from exc
+        if logits is None:
+            logits = torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
+        elif logits.shape[-1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size].contiguous()  # the last rank's padding
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_forward_s = time.perf_counter() - start
+        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+
+    @torch.inference_mode()
+    def execute_batch(self, batch: StepBatch) -> None:
+        """A worker rank's step: the forward over rank 0's batch, logits sent to rank 0."""
+        assert self.tp is not None
+        local = self._local_logits(self._step_inputs(batch, [], None))
+        if local is not None:
+            self.tp.gather_to_driver(local)

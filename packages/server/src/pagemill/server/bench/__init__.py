@@ -1,0 +1,1 @@
+"""Load tests of a running server (`pagemill bench serve`)."""

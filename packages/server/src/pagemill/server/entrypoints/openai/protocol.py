@@ -1,0 +1,300 @@
+"""The OpenAI wire format: request bodies (validated here) and response bodies.
+
+Requests are validated by pydantic so that every malformed field becomes a 400 that names
+the field (see errors.py); cross-field rules and features we do not implement are refused
+here too, rather than silently ignored, so a client never gets an answer to a question it
+did not ask. Unknown extra fields are ignored (OpenAI clients send fields like `store`).
+
+Request bodies are strict (`STRICT`): JSON's types are taken as they are, so `true` is not
+the integer 1 (nor a token id), `"yes"` is not a boolean, and floats must be finite; a
+number may stand for a float. Strings must be valid Unicode: a lone UTF-16 surrogate
+(`"\ud800"`, which JSON can spell) is refused with the field it is in.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from pagemill.server.entrypoints.openai.limits import (
+    MAX_CHOICES_PER_REQUEST,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SEED_MAX,
+    SEED_MIN,
+    STRICT,
+    find_lone_surrogate,
+)
+from pagemill.server.entrypoints.openai.protocol_structured import (
+    ChatTool,
+    ResponseFormat,
+    StructuredOutputsField,
+    ToolCallMessage,
+    ToolChoice,
+)
+
+# OpenAI's own caps: top logprobs per position and the number of stop strings.
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_N = 128
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    model_config = STRICT
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields shared by completions and chat: OpenAI's plus vLLM's extras."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_tokens: NonNegInt = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[NonNegInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        where = find_lone_surrogate(data, info.field_name or "")
+        if where is not None:
+            raise ValueError(f"'{where}' contains a lone UTF-16 surrogate, which is not valid "
+                             "Unicode text")
+        return data
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingFields:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"'stop' takes at most {MAX_STOP_STRINGS} strings")
+        if any(not s for s in stops):
+            raise ValueError("'stop' strings must be non-empty")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("'cache_salt' must be a non-empty string")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptType
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, p: PromptType) -> PromptType:
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("'prompt' must not be empty")
+            if any(isinstance(x, list) and not x for x in p):
+                raise ValueError("'prompt' token lists must not be empty")
+            if any(isinstance(x, int) and x < 0 for x in p) or any(
+                isinstance(x, list) and any(t < 0 for t in x) for x in p
+            ):
+                raise ValueError("'prompt' token ids must be non-negative")
+        return p
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("'echo' is not supported")
+        if self.suffix:
+            raise ValueError("'suffix' is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("'best_of' other than n is not supported")
+        choices = len(self.prompts()) * self.n
+        if choices > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"this request asks for {choices} completions (prompts x n); at "
+                             f"most {MAX_CHOICES_PER_REQUEST} are allowed per request")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a batch: OpenAI accepts one string, strings, ids, or lists of ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(OpenAIModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    model_config = STRICT
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        return self
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCallMessage] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagemill"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,61 @@
+"""POST /tokenize and /detokenize, in vLLM's shapes: the server's own tokenizer and chat
+template, so a client can count tokens exactly as the engine will."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagemill.runtime.tool_calling.prompt import render_chat
+from pagemill.server.entrypoints.openai.errors import APIError, internal_error
+from pagemill.server.entrypoints.openai.protocol_structured import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagemill.server.entrypoints.openai.serving_base import ServingBase
+
+
+class TokenizeServing(ServingBase):
+    def _tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        tok = self._require_tokenizer()
+        if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
+            try:
+                text = render_chat(tok, req.messages, req.add_generation_prompt, tools)
+            except Exception as exc:  # as in chat: the template's own words, else generic
+                if type(exc).__module__.startswith("jinja2"):
+                    raise APIError(400, f"the chat template refused these messages: "
+                                        f"{str(exc)[:300]}", param="messages") from exc
+                raise internal_error(400, "the chat template could not render these messages",
+                                     exc) from exc
+            # The template writes its own special tokens (vLLM's default for messages).
+            special = bool(req.add_special_tokens)
+        else:
+            text = req.prompt or ""
+            special = req.add_special_tokens is not False
+        ids = list(tok.encode(text, add_special_tokens=special))
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    def _detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        tok = self._require_tokenizer()
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_limit]
+        if bad:
+            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (ids "
+                                f"0..{self.vocab_limit - 1})", param="tokens")
+        return DetokenizeResponse(prompt=tok.decode(req.tokens))
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return self.tokenizer
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        return await self.off_loop(self._tokenize, req)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        return await self.off_loop(self._detokenize, req)
