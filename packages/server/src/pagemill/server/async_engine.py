@@ -372,8 +372,8 @@ class AsyncEngine:
             processed = await loop.run_in_executor(self.input_pool, functools.partial(
                 self.input_processor.process, request_id, prompt, params, priority=priority,
                 cache_salt=cache_salt, arrival_time=arrival))
-            self._check_alive()
-            with self._lock:
+            with self._lock:  # checked under the lock `_die` takes: no stream is left behind
+                self._check_alive()
                 known = self.output_processor.is_known
                 taken = [r.request_id for r in processed.completions if known(r.request_id)]
                 if known(request_id) or taken:
