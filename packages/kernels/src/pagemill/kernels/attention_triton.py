@@ -74,9 +74,9 @@ def plan_triton(
     dot_fp32 = interp or dtype == torch.float32
     d_pad = max(16, next_pow2(head_dim))
     # Tiles, checked ahead of time for sm_80 and sm_90 (tests/test_aot_compile.py): 16-bit
-    # inputs take tensor-core tiles (BLOCK_M 64 for prefill, 8 warps once the fp32
-    # accumulator would spill with 4); fp32 runs its dots on the CUDA cores (ieee), whose
-    # operands live in registers, so its tiles are smaller. The interpreter gets small tiles.
+    # inputs take tensor-core tiles (BLOCK_M 64 for prefill); fp32 runs its dots on the CUDA
+    # cores (ieee), whose operands live in registers, so its tiles are smaller. The
+    # interpreter gets small tiles. Warps: see below.
     if block_m is None:
         block_m = 16 if decode_only or dot_fp32 else 64
     block_m = max(next_pow2(block_m), group_pad, 16)
@@ -97,7 +97,13 @@ def plan_triton(
     # Slices are whole KV tiles; rounding up may leave fewer slices than asked.
     split_len = cdiv(cdiv(capacity, max(1, num_splits)), block_n) * block_n
     num_splits = cdiv(capacity, split_len)
-    num_warps = 8 if not dot_fp32 and block_m * d_pad > 64 * 64 else 4
+    # Warps: 4, or 8 where a tile's per-thread registers (fp32 accumulator and scores, and
+    # for fp32 also the Q/K/V dot operands) make ptxas spill with 4 on sm_80 or sm_90 (the
+    # AOT test fails on any spill). 16-bit: every 64-row prefill tile, head size 64 included
+    # (its 64 x 64 accumulator is at the edge and spills on sm_80); decode tiles (BLOCK_M
+    # 16) keep 4. fp32: head size 128 and up (hd128 prefill spills on sm_80), decode too:
+    # one rule per head size, and 8 warps halve each thread's share of the dot operands.
+    num_warps = 8 if (d_pad >= 128 if dot_fp32 else block_m >= 64) else 4
     part_acc = part_ml = None
     if num_splits > 1:
         parts = num_tokens * num_heads * num_splits
