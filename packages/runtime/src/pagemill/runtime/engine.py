@@ -70,7 +70,8 @@ class LLMEngine:
         grammars = None
         if self.tokenizer is not None:
             grammars = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                               eos_ids, config.scheduler.max_num_seqs)
+                                               eos_ids, config.scheduler.max_num_seqs,
+                                               config.structured_outputs)
         self.engine_core = EngineCore(config, path, self.model_config, grammars)
         self.max_model_len = self.engine_core.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size,

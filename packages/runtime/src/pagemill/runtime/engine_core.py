@@ -31,7 +31,7 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner, ModelRunnerOutput
 from .output_processor import LogprobsRow
 from .sampler import Sampler
-from .structured_output import StructuredOutputManager
+from .structured_output import StructuredOutputManager, grammar_failure_message
 
 if TYPE_CHECKING:
     from .distributed.launcher import TensorParallelWorkers
@@ -301,8 +301,9 @@ class EngineCore:
             if error is not None:
                 manager.remove_requests([rid])
                 logger.error("request %s: grammar compilation failed: %s", rid, error)
+                # "error", never a cut-off: the client must not read an empty 200 as output.
                 self._grammar_failures.append(RequestUpdate(
-                    rid, [], True, "abort", f"grammar compilation failed: {error}"))
+                    rid, [], True, "error", grammar_failure_message(error)))
                 continue
             manager.start(rid)
             self.scheduler.add_request(request)

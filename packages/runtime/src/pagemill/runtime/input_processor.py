@@ -16,6 +16,7 @@ from typing import Any
 from pagemill.scheduler import Request
 
 from .sampling_params import SamplingParams
+from .structured_output.params import validate as validate_structured_output
 from .tool_calling.prompt import render_chat
 
 
@@ -99,6 +100,8 @@ class InputProcessor:
                                  f"vocabulary (ids must be < {self.vocab_size})")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer, and this model folder has none")
+        if params.structured_outputs is not None:
+            validate_structured_output(params.structured_outputs)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         eos = self.eos_token_ids

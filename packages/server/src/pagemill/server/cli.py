@@ -15,6 +15,7 @@ from typing import Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
+from pagemill.runtime.structured_output.config import StructuredOutputsConfig
 from pagemill.scheduler.config import SchedulerConfig
 
 from .config_args import add_field_arg, parse_size, positive_int
@@ -27,6 +28,7 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
     None: (EngineConfig, "model and device"),
     "scheduler": (SchedulerConfig, "scheduler"),
     "cache": (CacheConfig, "KV cache"),
+    "structured_outputs": (StructuredOutputsConfig, "structured output"),
 }
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
 _ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),

@@ -10,18 +10,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .params import GrammarKey, StructuredOutputsParams, check_grammar, choice_grammar
+from .config import StructuredOutputsConfig
+from .limits import LIMITS
+from .params import GrammarKey, StructuredOutputsParams, check_grammar, choice_grammar, validate
 
 if TYPE_CHECKING:
     from .manager import StructuredOutputManager
 
 __all__ = [
+    "LIMITS",
     "GrammarKey",
     "StructuredOutputManager",
+    "StructuredOutputsConfig",
     "StructuredOutputsParams",
     "check_grammar",
     "choice_grammar",
+    "grammar_failure_message",
+    "validate",
 ]
+
+
+def grammar_failure_message(error: BaseException) -> str:
+    """What a request whose grammar failed after admission is told: pagemill's own words,
+    never xgrammar's internals."""
+    from .worker import GrammarCompileError, GrammarCompileTimeout
+
+    if isinstance(error, GrammarCompileTimeout):
+        return str(error)
+    if isinstance(error, GrammarCompileError):
+        return "the grammar cannot be compiled"
+    return "the grammar could not be compiled (internal error)"
 
 
 def __getattr__(name: str) -> Any:
