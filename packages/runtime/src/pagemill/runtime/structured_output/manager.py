@@ -149,6 +149,7 @@ class StructuredOutputManager:
         state = self._requests[request_id]
         if state.matcher is None:
             state.matcher = xgr.GrammarMatcher(state.future.result())
+            self._evict()  # its size is known now
 
     def wait_any(self, request_ids: Iterable[str], timeout: float) -> None:
         """Block up to `timeout` s until one of these requests' grammars is ready."""
