@@ -15,7 +15,7 @@ import pytest
 
 from pagemill.runtime import LLMEngine, SamplingParams, StructuredOutputsParams
 from pagemill.runtime.sampling_params import RequestOutputKind
-from pagemill.runtime.structured_output import LIMITS, StructuredOutputsConfig, validate
+from pagemill.runtime.structured_output import LIMITS, validate
 from pagemill.runtime.structured_output.worker import (
     CompileWorkers,
     GrammarCompileCancelled,
