@@ -46,6 +46,7 @@ class EngineStats:
     num_requests_finished: int
     num_blocks: int
     block_size: int
+    grammar_cache_bytes: int = 0  # compiled grammars held (structured output)
 
 
 class LLMEngine:
@@ -199,4 +200,6 @@ class LLMEngine:
             num_requests_finished=out.num_requests_finished,
             num_blocks=self.engine_core.num_blocks,
             block_size=self.config.cache.block_size,
+            grammar_cache_bytes=(self.engine_core.structured_output.cache_bytes
+                                 if self.engine_core.structured_output is not None else 0),
         )

@@ -82,6 +82,7 @@ class StructuredOutputManager:
         self._requests: dict[str, _Constrained] = {}
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         self.num_compiles = 0
+        self._cache_bytes = 0
 
     def _submit(self, key: GrammarKey) -> CompileJob:
         if self._workers is None:
@@ -96,8 +97,9 @@ class StructuredOutputManager:
 
     @property
     def cache_bytes(self) -> int:
-        """Bytes held by the compiled grammars in the cache (xgrammar's own measure)."""
-        return sum(e.size() for e in self._cache.values())
+        """Bytes held by the compiled grammars in the cache (xgrammar's own measure), as of
+        the last admission (read every step by the metrics: constant time)."""
+        return self._cache_bytes
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -125,7 +127,7 @@ class StructuredOutputManager:
     def _evict(self) -> None:
         """Least recently used grammars nobody waits for go, until the cache holds at most
         _CACHE_SIZE entries and cache_limit_bytes bytes."""
-        total = self.cache_bytes
+        total = sum(e.size() for e in self._cache.values())
         for key in list(self._cache):
             if len(self._cache) <= _CACHE_SIZE and total <= self.cache_limit_bytes:
                 break
@@ -134,6 +136,7 @@ class StructuredOutputManager:
                 continue
             total -= entry.size()
             del self._cache[key]
+        self._cache_bytes = total
 
     def is_ready(self, request_id: str) -> bool:
         """True once the grammar is compiled (or failed: `error` says so)."""
