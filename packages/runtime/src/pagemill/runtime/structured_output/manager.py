@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -71,29 +72,41 @@ class StructuredOutputManager:
     """Compiled-grammar cache and matchers, driven from the engine thread only."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_num_seqs: int, config: StructuredOutputsConfig | None = None) -> None:
+                 max_num_seqs: int, config: StructuredOutputsConfig | None = None, *,
+                 prestart: bool = True) -> None:
         self.vocab_size = vocab_size
         self.config = config = config or StructuredOutputsConfig()
         self.cache_limit_bytes = config.structured_outputs_cache_bytes
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids,
                                         cache_limit_bytes=self.cache_limit_bytes)
-        self._workers: CompileWorkers | None = None  # started by the first grammar
+        # Started now, in the background (the first start of the forkserver imports
+        # xgrammar and torch: seconds), so the first grammar does not wait for it.
+        self._workers: CompileWorkers | None = None
+        self._workers_lock = threading.Lock()
+        if prestart:
+            threading.Thread(target=self._start_workers, name="pagemill-grammar-start",
+                             daemon=True).start()
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         self.num_compiles = 0
         self._cache_bytes = 0
 
+    def _start_workers(self) -> CompileWorkers:
+        with self._workers_lock:
+            if self._workers is None:
+                workers = CompileWorkers(
+                    self.compiler.tokenizer_info,
+                    num_workers=self.config.structured_outputs_compile_workers,
+                    timeout=self.config.structured_outputs_compile_timeout,
+                    cache_limit_bytes=self.cache_limit_bytes)
+                # The workers stop with the manager (or at exit, or with the process).
+                weakref.finalize(self, workers.shutdown)
+                self._workers = workers
+            return self._workers
+
     def _submit(self, key: GrammarKey) -> CompileJob:
-        if self._workers is None:
-            self._workers = CompileWorkers(
-                self.compiler.tokenizer_info,
-                num_workers=self.config.structured_outputs_compile_workers,
-                timeout=self.config.structured_outputs_compile_timeout,
-                cache_limit_bytes=self.cache_limit_bytes)
-            # The workers stop with the manager (or at exit, or with the process).
-            weakref.finalize(self, self._workers.shutdown)
-        return self._workers.submit(key)
+        return self._start_workers().submit(key)
 
     @property
     def cache_bytes(self) -> int:

@@ -4,9 +4,11 @@ Why processes: xgrammar releases the GIL while it compiles (a compile on a threa
 stall the engine or the event loop), but nothing can stop a compile once it started: a
 runaway grammar would burn a core and hold its thread for minutes, and with one worker
 thread every later grammar waited behind it. A process can be killed. Each of
-`num_workers` slots owns one process (forked from a forkserver that has xgrammar imported,
-so a replacement starts in milliseconds rather than the 5 s an import of torch takes) and
-takes jobs first in, first out; a compile that runs past `timeout` seconds, or that nobody
+`num_workers` slots owns one process and takes jobs first in, first out. Workers are forked
+by a small "zygote" process (one per engine process, started with `python -m` so it never
+re-imports the caller's `__main__`, as multiprocessing's spawn and forkserver would) that
+imported xgrammar once: a replacement starts in milliseconds rather than the seconds an
+import of xgrammar (and so torch) takes. A compile a compile that runs past `timeout` seconds, or that nobody
 waits for any more, is ended by killing its process, which the slot then replaces. The
 compiled grammar comes back serialized (xgrammar's JSON: about 50 KB and 1 ms for a small
 schema) and is rebuilt here against the same `TokenizerInfo`.
@@ -17,12 +19,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import multiprocessing
+import multiprocessing.connection
 import os
 import queue
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,12 +92,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker_main(conn: Any, info_json: str, cache_limit_bytes: int) -> None:
-    _die_with_parent()
+def _serve(conn: Any) -> None:
+    """A worker: the tokenizer table, then one compile per message, until EOF."""
     import xgrammar as xgr
 
     from .params import _short
 
+    info_json, cache_limit_bytes = conn.recv()
     info = xgr.TokenizerInfo.deserialize_json(info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
     conn.send(("ready", os.getpid()))
@@ -107,50 +113,88 @@ def _worker_main(conn: Any, info_json: str, cache_limit_bytes: int) -> None:
             conn.send(("error", _short(exc)))
 
 
-@contextlib.contextmanager
-def _children_allowed() -> Iterator[None]:
-    """A daemonic process (the server's engine process) may start these workers: they die
-    with it (PR_SET_PDEATHSIG) and are killed by `shutdown`."""
-    me = multiprocessing.current_process()
-    daemon = me.daemon
-    if daemon:
-        me.daemon = False
-    try:
-        yield
-    finally:
-        if daemon:
-            me.daemon = True
+def _zygote_main(fd: int) -> None:
+    """Import xgrammar once, then fork one worker per socket received on `fd`."""
+    _die_with_parent()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
+    sock = socket.socket(fileno=fd)
+    import xgrammar  # noqa: F401  (the costly import, inherited by every worker)
+
+    sock.sendall(b"R")
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+        except OSError:
+            return
+        if not msg:
+            return
+        for child_fd in fds:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    sock.close()
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    _die_with_parent()
+                    _serve(multiprocessing.connection.Connection(child_fd))
+                finally:
+                    os._exit(0)
+            os.close(child_fd)
 
 
-_FORKSERVER_LOCK = threading.Lock()
+class _Zygote:
+    """The process that forks workers (one per engine process, started on first use)."""
 
+    _lock = threading.Lock()
+    _instance: _Zygote | None = None
 
-def _context() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    with _FORKSERVER_LOCK:
-        # Only takes effect if the forkserver is not running yet; harmless otherwise.
-        ctx.set_forkserver_preload(["xgrammar", "pagemill.runtime.structured_output.worker"])
-    return ctx
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.sock = ours
+        ours.settimeout(START_TIMEOUT_S)
+        try:
+            if ours.recv(1) != b"R":
+                raise RuntimeError("the grammar zygote did not start")
+        except BaseException:
+            self.process.kill()
+            raise
+        ours.settimeout(None)
+
+    @classmethod
+    def fork(cls) -> Any:
+        """A new worker's end of its pipe."""
+        with cls._lock:
+            z = cls._instance
+            if z is None or z.process.poll() is not None:
+                z = cls._instance = _Zygote()
+            ours, theirs = multiprocessing.Pipe(duplex=True)
+            try:
+                socket.send_fds(z.sock, [b"F"], [theirs.fileno()])
+            except OSError:
+                cls._instance = None
+                raise
+            finally:
+                theirs.close()
+            return ours
 
 
 class _Worker:
     def __init__(self, info_json: str, cache_limit_bytes: int) -> None:
-        ctx = _context()
-        self.conn, child = ctx.Pipe(duplex=True)
-        with _FORKSERVER_LOCK, _children_allowed():
-            self.process = ctx.Process(target=_worker_main, name="pagemill-grammar-worker",
-                                       args=(child, info_json, cache_limit_bytes), daemon=True)
-            self.process.start()
-        child.close()
+        self.conn = _Zygote.fork()
+        self.pid: int | None = None
+        self.conn.send((info_json, cache_limit_bytes))
         if not self.conn.poll(START_TIMEOUT_S):
-            self.kill()
+            self.conn.close()
             raise RuntimeError("the grammar worker did not start")
-        self.conn.recv()
+        _, self.pid = self.conn.recv()
 
     def kill(self) -> None:
-        with contextlib.suppress(Exception):
-            self.process.kill()
-            self.process.join(5)
+        if self.pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             self.conn.close()
 
@@ -249,3 +293,7 @@ class CompileWorkers:
             return worker, xgr.CompiledGrammar.deserialize_json(payload, self.info)
         except Exception as exc:
             return worker, RuntimeError(f"the compiled grammar could not be read back: {exc}")
+
+
+if __name__ == "__main__":
+    _zygote_main(int(sys.argv[1]))
