@@ -26,8 +26,18 @@ __all__ = [
     "check_grammar",
     "choice_grammar",
     "grammar_failure_message",
+    "is_grammar_failure",
     "validate",
 ]
+
+
+# Every message of a request ended by its grammar starts so (the server answers 400).
+GRAMMAR_FAILURE_PREFIX = "the grammar "
+
+
+def is_grammar_failure(stop_reason: object) -> bool:
+    """Did the request's own grammar end it (finish_reason "error")?"""
+    return isinstance(stop_reason, str) and stop_reason.startswith(GRAMMAR_FAILURE_PREFIX)
 
 
 def grammar_failure_message(error: BaseException) -> str:
