@@ -196,7 +196,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     # After a fatal engine error the port is already closed and the engine may be wedged:
     # stop it without waiting on it, so the process exits now, not after its timeouts.
-    if code:
+    from . import shutdown
+
+    server = shutdown.LAST_SERVER
+    if server is not None and server.fatal_reason is not None:
         client.shutdown(timeout=0.5)
     else:
         client.shutdown()
