@@ -17,9 +17,10 @@ class StructuredOutputsConfig:
     """Grammar compiles that may run at once, each in its own killable process: a slow
     grammar holds up at most one of them."""
 
-    structured_outputs_cache_bytes: int = 256 * 2**20
-    """Memory the compiled-grammar cache may hold (the engine's and each worker's), e.g.
-    256MiB; least recently used grammars go first."""
+    structured_outputs_cache_bytes: int = 64 * 2**20
+    """Memory the engine's compiled-grammar cache may hold, e.g. 64MiB (each compile
+    worker's own xgrammar cache gets a quarter of it); least recently used grammars go
+    first."""
 
     def __post_init__(self) -> None:
         t = self.structured_outputs_compile_timeout

@@ -99,7 +99,7 @@ class StructuredOutputManager:
                     self.compiler.tokenizer_info,
                     num_workers=self.config.structured_outputs_compile_workers,
                     timeout=self.config.structured_outputs_compile_timeout,
-                    cache_limit_bytes=self.cache_limit_bytes)
+                    cache_limit_bytes=self.cache_limit_bytes // 4)
                 # The workers stop with the manager (or at exit, or with the process).
                 weakref.finalize(self, workers.shutdown)
                 self._workers = workers
