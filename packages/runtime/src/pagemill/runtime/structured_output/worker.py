@@ -114,8 +114,12 @@ def _serve(conn: Any) -> None:
 
 
 def _zygote_main(fd: int) -> None:
-    """Import xgrammar once, then fork one worker per socket received on `fd`."""
-    _die_with_parent()
+    """Import xgrammar once, then fork one worker per socket received on `fd`.
+
+    No PR_SET_PDEATHSIG here: it fires when the *thread* that started this process ends,
+    and a short-lived thread starts it. The zygote ends instead when its socket reaches
+    EOF (the engine process closed it, or died); its workers die with it (they are its
+    children, forked from its only thread)."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped automatically
     sock = socket.socket(fileno=fd)
     import xgrammar  # noqa: F401  (the costly import, inherited by every worker)
@@ -252,9 +256,14 @@ class CompileWorkers:
                 break
             if job.abandoned.is_set() or not job.future.set_running_or_notify_cancel():
                 continue
-            if worker is None:
-                job.future.set_exception(RuntimeError("no grammar worker could be started"))
-                continue
+            if worker is None:  # try once more now that someone waits
+                try:
+                    worker = _Worker(self._info_json, self._cache_limit)
+                except Exception as exc:
+                    logger.error("grammar worker failed to start: %s", exc)
+                    job.future.set_exception(RuntimeError("no grammar worker could be started"))
+                    continue
+                self._workers[index] = worker
             worker, outcome = self._run(worker, job)
             if isinstance(outcome, BaseException):
                 job.future.set_exception(outcome)
