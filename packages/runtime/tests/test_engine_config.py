@@ -17,6 +17,7 @@ from pagemill.runtime.config import (
     torch_dtype,
 )
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.sample.structured_output import StructuredOutputsConfig
 from pagemill.scheduler import SchedulerConfig
 
 # ---------------------------------------------------------------- dtypes
@@ -82,10 +83,12 @@ def test_every_field_has_exactly_one_flat_name() -> None:
     routed = {(section, name) for section, name in KWARG_ROUTES.values()}
     assert len(routed) == len(KWARG_ROUTES)
     expected = {(None, f.name) for f in dataclasses.fields(EngineConfig)
-                if f.name not in ("scheduler", "cache")}
+                if f.name not in ("scheduler", "cache", "structured_outputs")}
     expected |= {("scheduler", f.name) for f in dataclasses.fields(SchedulerConfig)
                  if f.name != "max_model_len"}  # the engine's max_model_len decides it
     expected |= {("cache", f.name) for f in dataclasses.fields(CacheConfig)}
+    expected |= {("structured_outputs", f.name)
+                 for f in dataclasses.fields(StructuredOutputsConfig)}
     assert routed == expected
     assert KWARG_ROUTES["scheduling_policy"] == ("scheduler", "policy")
 

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from pagemill.runtime import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from pagemill.runtime.sample.sampler import Sampler, apply_token_bitmask
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
+from pagemill.runtime.sample.structured_output import validate
+from pagemill.runtime.sample.structured_output.worker import CompileJob
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 FINAL = RequestOutputKind.FINAL_ONLY
@@ -97,9 +99,10 @@ def test_logit_bias_is_validated() -> None:
     (dict(choice=[]), "choice"),
     (dict(json={"type": "object"}, regex="a"), "exactly one"),
 ])
-def test_bad_constraints_fail_when_built(bad: dict, match: str) -> None:
+def test_bad_constraints_fail_validation(bad: dict, match: str) -> None:
+    """Types and sizes fail when built; the rest in `validate` (InputProcessor's check)."""
     with pytest.raises(ValueError, match=match):
-        StructuredOutputsParams(**bad)
+        validate(StructuredOutputsParams(**bad))
 
 
 # ---------------------------------------------------------------- through the engine
@@ -199,13 +202,19 @@ def test_a_compiling_grammar_holds_up_nobody(tiny_llama) -> None:
                        kv_cache_memory_bytes=2 << 20)
     manager = engine.engine_core.structured_output
     release = threading.Event()
-    compile_ = manager.compiler.compile
+    submit = manager._submit
 
-    def slow_compile(key):
-        assert release.wait(30)
-        return compile_(key)
+    def slow_submit(key):
+        inner, outer = submit(key), CompileJob(key)
 
-    manager.compiler.compile = slow_compile
+        def later() -> None:
+            assert release.wait(30)
+            outer.future.set_result(inner.future.result(timeout=60))
+
+        threading.Thread(target=later, daemon=True).start()
+        return outer
+
+    manager._submit = slow_submit
     engine.add_request("slow", "hello", SamplingParams(
         temperature=0.0, max_tokens=20, output_kind=FINAL,
         structured_outputs=so(regex=r"[0-9]{4}")))

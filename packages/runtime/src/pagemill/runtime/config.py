@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
 from pagemill.scheduler.config import SchedulerConfig
 
@@ -108,6 +109,7 @@ class EngineConfig:
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -160,6 +162,9 @@ class EngineConfig:
             raise TypeError(
                 f"EngineConfig.cache must be a CacheConfig, got {type(self.cache).__name__}"
             )
+        if not isinstance(self.structured_outputs, StructuredOutputsConfig):
+            raise TypeError("EngineConfig.structured_outputs must be a StructuredOutputsConfig, "
+                            f"got {type(self.structured_outputs).__name__}")
         if self.max_model_len is not None and self.scheduler.max_model_len != self.max_model_len:
             self.scheduler = replace(self.scheduler, max_model_len=self.max_model_len)
 
@@ -177,7 +182,8 @@ class EngineConfig:
                 f"EngineConfig.from_kwargs() got unknown option(s) {', '.join(hints)}; "
                 f"valid options: {', '.join(sorted(KWARG_ROUTES))}"
             )
-        parts: dict[str | None, dict[str, Any]] = {None: {}, "scheduler": {}, "cache": {}}
+        parts: dict[str | None, dict[str, Any]] = {None: {}, "scheduler": {}, "cache": {},
+                                                   "structured_outputs": {}}
         for name, value in kwargs.items():
             section, field_name = KWARG_ROUTES[name]
             parts[section][field_name] = value
@@ -195,6 +201,7 @@ class EngineConfig:
             **parts[None],
             scheduler=SchedulerConfig(**scheduler),
             cache=CacheConfig(**parts["cache"]),
+            structured_outputs=StructuredOutputsConfig(**parts["structured_outputs"]),
         )
 
     def resolve_device(self) -> str:
@@ -210,7 +217,8 @@ class EngineConfig:
 
 def _routes() -> dict[str, tuple[str | None, str]]:
     routes: dict[str, tuple[str | None, str]] = {
-        f.name: (None, f.name) for f in fields(EngineConfig) if f.name not in ("scheduler", "cache")
+        f.name: (None, f.name) for f in fields(EngineConfig)
+        if f.name not in ("scheduler", "cache", "structured_outputs")
     }
     for f in fields(SchedulerConfig):
         if f.name == "max_model_len":  # the engine's max_model_len decides it
@@ -219,6 +227,8 @@ def _routes() -> dict[str, tuple[str | None, str]]:
         routes["scheduling_policy" if f.name == "policy" else f.name] = ("scheduler", f.name)
     for f in fields(CacheConfig):
         routes[f.name] = ("cache", f.name)
+    for f in fields(StructuredOutputsConfig):
+        routes[f.name] = ("structured_outputs", f.name)
     return routes
 
 

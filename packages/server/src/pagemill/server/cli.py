@@ -15,6 +15,7 @@ from typing import Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
+from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.config_args import add_field_arg, parse_size, positive_int
 
@@ -26,6 +27,7 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
     None: (EngineConfig, "model and device"),
     "scheduler": (SchedulerConfig, "scheduler"),
     "cache": (CacheConfig, "KV cache"),
+    "structured_outputs": (StructuredOutputsConfig, "structured output"),
 }
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
 _ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),
@@ -146,6 +148,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("loading %s", config.model)
     metrics = EngineMetrics(name)
     api_key = resolve_api_key(args.api_key)
+    if args.metrics_require_api_key and api_key is None:
+        print("pagemill: --metrics-require-api-key needs --api-key (or $PAGEMILL_API_KEY)",
+              file=sys.stderr)
+        return 2
     hub = settings = None
     if dashboard_enabled(args.dashboard, args.host, api_key):
         from pagemill.server.dashboard import DashboardHub, DashboardSettings
@@ -174,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         app = build_app(client, names, api_key=api_key, dashboard=hub,
                         max_body_bytes=args.max_body_size, metrics=metrics, watchdog=watchdog,
                         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser,
+                        metrics_require_api_key=args.metrics_require_api_key)
         print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len={client.max_model_len})", file=sys.stderr, flush=True)
         if hub is not None:
@@ -183,7 +190,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
         code = serve(app, client, host=args.host, port=args.port, log_level=args.log_level,
                      shutdown_timeout=args.shutdown_timeout, watchdog=watchdog, limits=limits)
-    finally:
+    except BaseException:
+        client.shutdown()
+        raise
+    # After a fatal engine error the port is already closed and the engine may be wedged:
+    # stop it without waiting on it, so the process exits now, not after its timeouts.
+    from pagemill.server import shutdown
+
+    server = shutdown.LAST_SERVER
+    if server is not None and server.fatal_reason is not None:
+        client.shutdown(timeout=0.5)
+    else:
         client.shutdown()
     return code
 
@@ -203,6 +220,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* requests "
                         "(default: $PAGEMILL_API_KEY when set, else no key)")
+    s.add_argument("--metrics-require-api-key", action="store_true",
+                   help="put /metrics behind the API key too (needs --api-key or "
+                        "$PAGEMILL_API_KEY; default: /metrics is open, for scrapers)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model name(s) clients may send, all listed by /v1/models; "
                         "responses report the first (default: the model argument)")

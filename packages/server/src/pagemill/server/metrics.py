@@ -55,6 +55,9 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
+        self.grammar_cache_bytes = gauge(
+            "grammar_cache_bytes", "Bytes held by compiled grammars (structured output), "
+            "bounded by --structured-outputs-cache-bytes.")
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -80,6 +83,7 @@ class EngineMetrics:
         self._last_iteration: Any = None
         # Touch every labelled child so each series is exported (at 0) from the first scrape.
         for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
+                       self.grammar_cache_bytes,
                        self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
                        self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
                        self.queue_time, self.request_prompt_tokens, self.request_generation_tokens):
@@ -98,6 +102,7 @@ class EngineMetrics:
         self.num_requests_running.labels(m).set(stats.num_running)
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
+        self.grammar_cache_bytes.labels(m).set(getattr(stats, "grammar_cache_bytes", 0))
         # The engine reports running totals; Prometheus counters take increments.
         for key, metric in (("num_preemptions", self.num_preemptions),
                             ("prefix_cache_queries", self.prefix_cache_queries),

@@ -36,7 +36,10 @@ from pagemill.runtime.engine.protocol import (
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.sampler import Sampler
-from pagemill.runtime.sample.structured_output import StructuredOutputManager
+from pagemill.runtime.sample.structured_output import (
+    StructuredOutputManager,
+    grammar_failure_message,
+)
 from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from pagemill.runtime.worker.kv_cache import size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -225,8 +228,8 @@ class EngineCore:
         from pagemill.runtime.engine.model_assets import ModelAssets
 
         assets = ModelAssets.load(config)
-        return cls(config, assets.path, assets.model_config, assets.structured_output_manager(
-            config.scheduler.max_num_seqs))
+        return cls(config, assets.path, assets.model_config,
+                   assets.structured_output_manager(config))
 
     def ready_message(self) -> EngineCoreReady:
         """What the front end learns once the core is built."""
@@ -283,7 +286,9 @@ class EngineCore:
             num_running=s.num_running, num_waiting=s.num_waiting + len(self._waiting_for_grammar),
             kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            num_blocks=self.num_blocks, block_size=self.config.cache.block_size)
+            num_blocks=self.num_blocks, block_size=self.config.cache.block_size,
+            grammar_cache_bytes=(0 if self.structured_output is None
+                                 else self.structured_output.cache_bytes))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -353,8 +358,9 @@ class EngineCore:
             if error is not None:
                 manager.remove_requests([rid])
                 logger.error("request %s: grammar compilation failed: %s", rid, error)
+                # "error", never a cut-off: the client must not read an empty 200 as output.
                 self._grammar_failures.append(RequestUpdate(
-                    rid, [], True, "error", f"grammar compilation failed: {error}"))
+                    rid, [], True, "error", grammar_failure_message(error)))
                 continue
             manager.start(rid)
             self.scheduler.add_request(request)

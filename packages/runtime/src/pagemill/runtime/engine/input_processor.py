@@ -17,6 +17,7 @@ from typing import Any
 
 from pagemill.runtime.engine.model_assets import eos_ids
 from pagemill.runtime.engine.protocol import EngineCoreRequest
+from pagemill.runtime.sample.structured_output.params import validate as validate_structured_output
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.runtime.tool_calling.prompt import render_chat
 
@@ -128,6 +129,8 @@ class InputProcessor:
                                  f"vocabulary (ids must be < {self.vocab_size})")
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer, and this model folder has none")
+        if params.structured_outputs is not None:
+            validate_structured_output(params.structured_outputs)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none")
         eos = self.eos_token_ids

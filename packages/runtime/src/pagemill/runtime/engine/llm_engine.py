@@ -45,6 +45,7 @@ class EngineStats:
     num_requests_finished: int
     num_blocks: int
     block_size: int
+    grammar_cache_bytes: int = 0  # compiled grammars held (structured output)
 
     @classmethod
     def combine(cls, core: SchedulerStats, out: OutputProcessor) -> EngineStats:
@@ -52,7 +53,8 @@ class EngineStats:
         return cls(core.num_running, core.num_waiting, core.kv_cache_usage,
                    core.prefix_cache_queries, core.prefix_cache_hits, core.num_preemptions,
                    out.prompt_tokens_total, out.generation_tokens_total,
-                   out.num_requests_finished, core.num_blocks, core.block_size)
+                   out.num_requests_finished, core.num_blocks, core.block_size,
+                   core.grammar_cache_bytes)
 
 
 def make_processors(assets: ModelAssets, info: EngineCoreReady
@@ -75,7 +77,7 @@ class LLMEngine:
         self.config = config
         self.assets = ModelAssets.load(config)
         core = EngineCore(config, self.assets.path, self.assets.model_config,
-                          self.assets.structured_output_manager(config.scheduler.max_num_seqs))
+                          self.assets.structured_output_manager(config))
         self.engine_core_client: EngineCoreClient = InprocClient(core)
         self.input_processor, self.output_processor = make_processors(
             self.assets, self.engine_core_client.info)

@@ -61,11 +61,12 @@ class ModelAssets:
     def eos_token_ids(self) -> list[int]:
         return eos_ids(self.tokenizer, self.model_config.eos_token_ids)
 
-    def structured_output_manager(self, max_num_seqs: int) -> StructuredOutputManager | None:
+    def structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
         """The core's grammar state; None for a model without a tokenizer."""
         if self.tokenizer is None:
             return None
         from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
         return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                       self.eos_token_ids, max_num_seqs)
+                                       self.eos_token_ids, config.scheduler.max_num_seqs,
+                                       config.structured_outputs)

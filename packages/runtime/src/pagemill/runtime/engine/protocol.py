@@ -92,6 +92,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     num_blocks: int = 0
     block_size: int = 16
+    grammar_cache_bytes: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="outputs"):

@@ -1,10 +1,12 @@
 """Per-request grammar state for the engine core: compile, wait, mask, advance.
 
 The engine core owns one `StructuredOutputManager`. A constrained request is handed to
-it on arrival; its grammar compiles on a worker thread (one compile per distinct
-`GrammarKey`, shared by every request that asks for it, kept in a bounded cache), and the
-core holds the request back from the scheduler until it is ready, so other requests keep
-running meanwhile. Once admitted, the request gets its own matcher: each step the manager
+it on arrival; its grammar compiles in a worker process under a deadline (`worker.py`: one
+compile per distinct `GrammarKey`, shared by every request that asks for it, stopped when
+no request waits for it any more, kept in a cache bounded in entries and in bytes; a
+failure is remembered too, so a repeated runaway grammar fails at once), and the core holds
+the request back from the scheduler until it is ready, so other requests keep running
+meanwhile. Once admitted, the request gets its own matcher: each step the manager
 fills the token bitmask of the constrained rows (`grammar_bitmask`), the sampler applies
 it as a tensor, and every accepted token advances the matcher (`accept_tokens`). A matcher
 that has terminated (the grammar is complete and a stop token was taken) ends the request.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,7 +27,13 @@ import torch
 import xgrammar as xgr
 
 from pagemill.runtime.sample.structured_output.compiler import GrammarCompiler
+from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.runtime.sample.structured_output.params import GrammarKey, StructuredOutputsParams
+from pagemill.runtime.sample.structured_output.worker import (
+    CompileJob,
+    CompileWorkers,
+    GrammarCompileError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,39 +45,115 @@ class _Constrained:
     """A request's grammar: the compile in flight, then its matcher."""
 
     future: cf.Future[xgr.CompiledGrammar]
+    key: GrammarKey | None = None
     matcher: xgr.GrammarMatcher | None = None
     rejected: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """A cached grammar: its compile, how many requests wait for it, its size once known."""
+
+    job: CompileJob
+    waiters: int = 0
+    nbytes: int | None = None
+
+    @property
+    def future(self) -> cf.Future[xgr.CompiledGrammar]:
+        return self.job.future
+
+    def size(self) -> int:
+        if self.nbytes is None:
+            f = self.future
+            if not f.done():
+                return 0
+            ok = not f.cancelled() and f.exception() is None
+            self.nbytes = f.result().memory_size_bytes if ok else 0
+        return self.nbytes
 
 
 class StructuredOutputManager:
     """Compiled-grammar cache and matchers, driven from the engine thread only."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_num_seqs: int, max_workers: int = 1) -> None:
+                 max_num_seqs: int, config: StructuredOutputsConfig | None = None, *,
+                 prestart: bool = True) -> None:
         self.vocab_size = vocab_size
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
-        self._executor = cf.ThreadPoolExecutor(max_workers=max_workers,
-                                               thread_name_prefix="pagemill-grammar")
-        self._cache: OrderedDict[GrammarKey, cf.Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.config = config = config or StructuredOutputsConfig()
+        self.cache_limit_bytes = config.structured_outputs_cache_bytes
+        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids,
+                                        cache_limit_bytes=self.cache_limit_bytes)
+        # Started now, in the background (the first start of the forkserver imports
+        # xgrammar and torch: seconds), so the first grammar does not wait for it.
+        self._workers: CompileWorkers | None = None
+        self._workers_lock = threading.Lock()
+        if prestart:
+            threading.Thread(target=self._start_workers, name="pagemill-grammar-start",
+                             daemon=True).start()
+        self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
         self.num_compiles = 0
+        self._cache_bytes = 0
+
+    def _start_workers(self) -> CompileWorkers:
+        with self._workers_lock:
+            if self._workers is None:
+                workers = CompileWorkers(
+                    self.compiler.tokenizer_info,
+                    num_workers=self.config.structured_outputs_compile_workers,
+                    timeout=self.config.structured_outputs_compile_timeout,
+                    cache_limit_bytes=self.cache_limit_bytes // 4)
+                # The workers stop with the manager (or at exit, or with the process).
+                weakref.finalize(self, workers.shutdown)
+                self._workers = workers
+            return self._workers
+
+    def _submit(self, key: GrammarKey) -> CompileJob:
+        return self._start_workers().submit(key)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the compiled grammars in the cache (xgrammar's own measure), as of
+        the last admission (read every step by the metrics: constant time)."""
+        return self._cache_bytes
 
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Start (or join) the compile of the request's grammar; returns at once."""
         key = params.key
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            future = self._executor.submit(self.compiler.compile, key)
+        entry = self._cache.get(key)
+        if entry is not None and entry.future.done():
+            exc = None if entry.future.cancelled() else entry.future.exception()
+            # A grammar that cannot compile (or ran out of time) fails again at once; a
+            # crashed or cancelled compile is tried again.
+            if entry.future.cancelled() or (exc is not None
+                                            and not isinstance(exc, GrammarCompileError)):
+                entry = None
+        if entry is None:
+            entry = _Entry(self._submit(key))
             self.num_compiles += 1
-            self._cache[key] = future
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache[key] = entry
+            self._evict()
         else:
             self._cache.move_to_end(key)
-        self._requests[request_id] = _Constrained(future)
+        entry.waiters += 1
+        self._requests[request_id] = _Constrained(entry.future, key)
+
+    def _evict(self) -> None:
+        """Least recently used grammars nobody waits for go, until the cache holds at most
+        _CACHE_SIZE entries and cache_limit_bytes bytes."""
+        total = sum(e.size() for e in self._cache.values())
+        for key in list(self._cache):
+            if len(self._cache) <= _CACHE_SIZE and total <= self.cache_limit_bytes:
+                break
+            entry = self._cache[key]
+            if entry.waiters:
+                continue
+            total -= entry.size()
+            del self._cache[key]
+        self._cache_bytes = total
 
     def is_ready(self, request_id: str) -> bool:
         """True once the grammar is compiled (or failed: `error` says so)."""
@@ -83,6 +169,7 @@ class StructuredOutputManager:
         state = self._requests[request_id]
         if state.matcher is None:
             state.matcher = xgr.GrammarMatcher(state.future.result())
+            self._evict()  # its size is known now
 
     def wait_any(self, request_ids: Iterable[str], timeout: float) -> None:
         """Block up to `timeout` s until one of these requests' grammars is ready."""
@@ -91,8 +178,18 @@ class StructuredOutputManager:
             cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget these requests; a compile that nobody waits for any more is stopped."""
         for rid in request_ids:
-            self._requests.pop(rid, None)
+            state = self._requests.pop(rid, None)
+            if state is None or state.key is None:
+                continue
+            entry = self._cache.get(state.key)
+            if entry is None or entry.future is not state.future:
+                continue
+            entry.waiters -= 1
+            if entry.waiters <= 0 and not entry.future.done():
+                entry.job.abandon()
+                del self._cache[state.key]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -148,4 +245,5 @@ class StructuredOutputManager:
         return done
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._workers is not None:
+            self._workers.shutdown()

@@ -1,16 +1,22 @@
 """What a request asks its output to match: a JSON schema, a regex, a choice, a grammar.
 
-`StructuredOutputsParams` follows vLLM's names. Exactly one constraint is set. It is
-checked when built (the grammar is parsed, without a tokenizer, which takes about a
-millisecond), so an invalid or unsupported schema fails at the API boundary as a
-ValueError naming the problem, never later inside a compile on the engine's side.
+`StructuredOutputsParams` follows vLLM's names. Exactly one constraint is set. Building
+one checks only types and sizes (constant time); `validate` (called by
+`InputProcessor.process` for every request, whatever its entry point) checks the documented
+limits (`limits.py`) and parses the grammar without a tokenizer, so an invalid, unsupported
+or too costly grammar fails as a ValueError naming the problem before the engine queues it.
+A grammar that passes still compiles under a deadline on the engine's side.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+from pagemill.runtime.sample.structured_output import limits
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -63,7 +69,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a bool")
-        check_grammar(self.key, self.disable_any_whitespace)
+        # Sizes only here (constant time): the rest is `validate`, off the caller's loop.
+        _kind, text = self.key
+        limits.check_text(self.kind if self.kind != "json" else "JSON schema", text)
 
     @property
     def kind(self) -> str:
@@ -95,8 +103,31 @@ def _dumps(schema: dict[str, Any]) -> str:
         raise ValueError(f"structured_outputs.json is not JSON-serialisable: {exc}") from exc
 
 
+# Keys that passed `validate` lately: a completions request with 16 prompts (or a client
+# that repeats its schema) is checked once.
+_VALID: OrderedDict[GrammarKey, None] = OrderedDict()
+_VALID_LOCK = threading.Lock()
+_VALID_SIZE = 256
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """The one check of a request's constraint: limits, keywords, references, then a parse
+    without a tokenizer (bounded by the limits: milliseconds). A ValueError names the
+    problem. Blocking: callers on an event loop run it on a worker thread."""
+    key = params.key
+    with _VALID_LOCK:
+        if key in _VALID:
+            _VALID.move_to_end(key)
+            return
+    check_grammar(key, params.disable_any_whitespace)
+    with _VALID_LOCK:
+        _VALID[key] = None
+        while len(_VALID) > _VALID_SIZE:
+            _VALID.popitem(last=False)
+
+
 def check_grammar(key: GrammarKey, compact: bool = False) -> None:
-    """Parse the grammar without a tokenizer; a ValueError says what is wrong with it."""
+    """Limits, then a parse without a tokenizer; a ValueError says what is wrong."""
     import xgrammar as xgr  # here, not at import: SamplingParams stays torch-free
 
     kind, text = key
@@ -107,12 +138,17 @@ def check_grammar(key: GrammarKey, compact: bool = False) -> None:
                 schema = json.loads(text)
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from exc
+            except RecursionError:
+                raise ValueError("the JSON schema nests too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema must be an object (or a bool)")
+            limits.check_schema(schema)
             xgr.Grammar.from_json_schema(text, any_whitespace=not compact)
         elif kind == "regex":
+            limits.check_regex(text)
             xgr.Grammar.from_regex(text)
         elif kind == "grammar":
+            limits.check_regex(text, "grammar")
             xgr.Grammar.from_ebnf(text)
     except ValueError:
         raise

@@ -131,7 +131,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
               metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
               allow_special_tokens_in_chat: bool = False,
               tool_call_parser: str | None = None,
-              dashboard: DashboardHub | None = None) -> FastAPI:
+              dashboard: DashboardHub | None = None,
+              metrics_require_api_key: bool = False) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
@@ -139,7 +140,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     thread). `served_model_name` may be several names: requests may use any of them,
     /v1/models lists them all, responses report the first. With `api_key`, /v1/* requires
     `Authorization: Bearer <api_key>` (checked before the body is read, see `auth`);
-    /health, /metrics, /version and /openapi.json stay open. `watchdog` decides what
+    /health, /version and /openapi.json stay open, and /metrics too unless
+    `metrics_require_api_key`. `watchdog` decides what
     /health says (default: the default step timeout). `allow_special_tokens_in_chat`
     lets special-token strings in chat messages act as control tokens (see serving_chat).
     `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by default it is
@@ -174,7 +176,8 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     completions = CompletionServing(client, names, **common)
     chat = ChatServing(client, names, tool_parser=tool_call_parser,
                        allow_special_tokens=allow_special_tokens_in_chat, **common)
-    tokens = TokenizeServing(client, names, **common)
+    tokens = TokenizeServing(client, names, allow_special_tokens=allow_special_tokens_in_chat,
+                             **common)
     watchdog = watchdog if watchdog is not None else Watchdog(client)
 
     @contextlib.asynccontextmanager
@@ -195,7 +198,10 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # outermost: before the body is read or a route matched
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           protect_metrics=metrics_require_api_key)
+    elif metrics_require_api_key:
+        raise ValueError("metrics_require_api_key needs an api_key")
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:

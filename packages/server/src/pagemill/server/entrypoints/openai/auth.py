@@ -24,6 +24,7 @@ from pagemill.server.entrypoints.openai.errors import error_response
 
 PROTECTED_PREFIX = "/v1"
 DASHBOARD_PREFIX = "/dashboard"
+METRICS_PATH = "/metrics"
 
 
 def key_matches(header: str, api_key: str) -> bool:
@@ -51,14 +52,18 @@ def _is_dashboard(path: str) -> bool:
 
 class APIKeyMiddleware:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
-                 api_key: str) -> None:
+                 api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self.api_key = api_key
+        # /metrics behind the key too (`--metrics-require-api-key`): Bearer only.
+        self.protect_metrics = protect_metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         dashboard = _is_dashboard(path)
-        if path.startswith(PROTECTED_PREFIX) or dashboard:
+        metrics = self.protect_metrics and (path == METRICS_PATH
+                                            or path.startswith(METRICS_PATH + "/"))
+        if path.startswith(PROTECTED_PREFIX) or dashboard or metrics:
             header = ""
             for name, value in scope.get("headers", []):
                 if name == b"authorization":

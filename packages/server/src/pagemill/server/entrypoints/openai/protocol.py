@@ -42,6 +42,23 @@ MAX_STOP_STRINGS = 16
 MAX_N = 128
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# Request priority (vLLM's: lower runs first), bounded to a 32-bit integer.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+# Fields other servers honour that pagemill does not (yet): refused by name, never ignored,
+# since ignoring them would return output that breaks what the client asked for.
+UNHONOURED_FIELDS = {
+    "guided_json": "structured_outputs.json (or response_format)",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "guided_decoding_backend": None,
+    "guided_whitespace_pattern": "structured_outputs.disable_any_whitespace",
+    "allowed_token_ids": None,
+    "bad_words": None,
+    "functions": "tools",
+    "function_call": "tool_choice",
+}
 
 
 def random_id(prefix: str) -> str:
@@ -61,6 +78,16 @@ class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's plus vLLM's extras."""
 
     model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unhonoured(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, instead in UNHONOURED_FIELDS.items():
+                if data.get(name) is not None:
+                    hint = f"; use {instead}" if instead else ""
+                    raise ValueError(f"'{name}' is not supported by this server{hint}")
+        return data
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -83,7 +110,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[NonNegInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsField | None = None
     response_format: ResponseFormat | None = None

@@ -52,8 +52,12 @@ class ResponseFormat(_Model):
         return self
 
 
+# OpenAI's rule for function (tool) names.
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
 class FunctionDefinition(_Model):
-    name: str = Field(min_length=1)
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -65,7 +69,7 @@ class ChatTool(_Model):
 
 
 class NamedFunction(_Model):
-    name: str
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
 
 
 class NamedToolChoice(_Model):

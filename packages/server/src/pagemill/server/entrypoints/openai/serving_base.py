@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagemill.runtime import RequestOutputKind, SamplingParams
+from pagemill.runtime.sample.structured_output import is_grammar_failure
 from pagemill.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -74,6 +75,8 @@ def failure_events(exc: BaseException) -> list[str]:
 def check_failed(outputs: Sequence[Any]) -> None:
     for c in outputs:
         if c.finish_reason == "error":
+            if is_grammar_failure(c.stop_reason):  # the client's grammar: a 400
+                raise APIError(400, c.stop_reason, param="structured_outputs")
             raise RequestFailedError(f"choice {c.index}: {c.stop_reason}")
 
 
@@ -251,8 +254,10 @@ class ServingBase:
         except EngineDeadError as exc:
             raise failure(exc) from exc
         for out in final.values():
-            if any(c.finish_reason == "error" for c in out.outputs):
-                raise failure(RequestFailedError(f"{out.request_id}: {out.outputs}"))
+            try:
+                check_failed(out.outputs)
+            except RequestFailedError as exc:
+                raise failure(RequestFailedError(f"{out.request_id}: {out.outputs}")) from exc
         return [final[rid] for rid in ids]
 
 

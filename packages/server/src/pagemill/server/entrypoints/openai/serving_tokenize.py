@@ -14,12 +14,44 @@ from pagemill.server.entrypoints.openai.protocol_structured import (
     TokenizeResponse,
 )
 from pagemill.server.entrypoints.openai.serving_base import ServingBase
+from pagemill.server.entrypoints.openai.serving_chat import special_token_pattern
+
+
+def _content_text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 class TokenizeServing(ServingBase):
+    """Chat's rules hold here too: the same size cap, and no special-token strings in
+    message content unless the server allows them in chat."""
+
+    def __init__(self, *args: Any, allow_special_tokens: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._special = None if allow_special_tokens else special_token_pattern(self.tokenizer)
+
+    def _check_messages(self, messages: list[dict[str, Any]]) -> None:
+        texts = [_content_text(m.get("content")) for m in messages]
+        self.check_text_size("".join(texts), "messages")
+        if self._special is not None:
+            for i, text in enumerate(texts):
+                found = self._special.search(text)
+                if found:
+                    raise APIError(400, f"messages[{i}].content contains the special token "
+                                        f"{found.group()!r}, which chat refuses (the server "
+                                        "allows these only when started with "
+                                        "--allow-special-tokens-in-chat)",
+                                   param="messages", code="special_token_in_content")
+
     def _tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         tok = self._require_tokenizer()
         if req.messages is not None:
+            self._check_messages(req.messages)
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
             try:
                 text = render_chat(tok, req.messages, req.add_generation_prompt, tools)
@@ -33,6 +65,7 @@ class TokenizeServing(ServingBase):
             special = bool(req.add_special_tokens)
         else:
             text = req.prompt or ""
+            self.check_text_size(text, "prompt")
             special = req.add_special_tokens is not False
         ids = list(tok.encode(text, add_special_tokens=special))
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None

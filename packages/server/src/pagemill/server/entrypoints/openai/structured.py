@@ -8,6 +8,7 @@ one is a 400 that says what is wrong before anything reaches the engine.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagemill.runtime.sample.structured_output import StructuredOutputsParams
@@ -46,17 +47,21 @@ def structured_params(req: SamplingFields, tool_schema: dict[str, Any] | None = 
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
 
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
 def logit_bias(req: SamplingFields, vocab_limit: int) -> dict[int, float] | None:
     """OpenAI's {"token id as text": bias}; ids must lie in the vocabulary."""
     if not req.logit_bias:
         return None
     out: dict[int, float] = {}
     for key, value in req.logit_bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
-                           param="logit_bias") from None
+        # Canonical decimal only: int() would also take " 28 ", "2_8" and non-ASCII digits.
+        if not _TOKEN_ID.fullmatch(key):
+            raise APIError(400, f"logit_bias keys must be token ids written in decimal "
+                                f"digits (e.g. \"28\"), got {key[:32]!r}",
+                           param="logit_bias")
+        token = int(key)
         if not 0 <= token < vocab_limit:
             raise APIError(400, f"logit_bias token id {token} is outside the vocabulary "
                                 f"(ids 0..{vocab_limit - 1})", param="logit_bias")

@@ -1,0 +1,211 @@
+"""Hostile grammars: refused by the documented limits, or stopped by the compile deadline.
+
+Each case comes from an attack on `pagemill serve` (issue 23): a schema, regex or grammar
+that stalled the server or compiled forever. Refusals name their problem; a compile past
+its deadline is killed, and the next grammar compiles at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+from pagemill.runtime import LLMEngine, SamplingParams, StructuredOutputsParams
+from pagemill.runtime.sample.structured_output import LIMITS, validate
+from pagemill.runtime.sample.structured_output.worker import (
+    CompileWorkers,
+    GrammarCompileCancelled,
+    GrammarCompileTimeout,
+)
+from pagemill.runtime.sampling_params import RequestOutputKind
+
+FINAL = RequestOutputKind.FINAL_ONLY
+# Parses, and compiles for minutes: 5,000 optional properties (even on the tiny vocabulary
+# here; `(.*){1,1000}`, a runaway on a 49k one, compiles in 1 s on 300 tokens).
+RUNAWAY = ("json", json.dumps({"type": "object",
+                               "properties": {str(i): {} for i in range(5000)}}))
+
+
+def deep(n: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return schema
+
+
+def check(**kw) -> None:
+    validate(StructuredOutputsParams(**kw))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(json={"type": "object", "properties": {str(i): {} for i in range(5000)}}),
+     "5,000 properties"),
+    (dict(regex="(.*){1,1000}"), "can match any length"),
+    (dict(regex="a{1,5000}"), "exceeds the limit of 1,000"),
+    (dict(json={"type": "string", "pattern": "(.+){1,50}"}), "pattern.*any length"),
+    (dict(json=deep(300)), "deeper than 32"),
+    (dict(json={"$ref": "#"}), "recursive"),
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}),
+     "refers back to itself"),
+    (dict(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a"}), "refers back to itself"),
+    (dict(json={"$ref": "#/$defs/missing"}), "does not resolve"),
+    (dict(json={"$ref": "https://example.com/s.json"}), "only references inside"),
+    (dict(json={"type": "string", "format": "idn-email"}), "unsupported format 'idn-email'"),
+    (dict(json={"type": "integer", "not": {"const": 3}}), "keyword.*not"),
+    (dict(json={"type": "object", "if": {}, "then": {}, "unevaluatedProperties": False}),
+     "if, then, unevaluatedProperties"),
+    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (dict(json={"type": "string", "maxLength": 100000}), "maxLength=100000"),
+])
+def test_hostile_constraints_are_refused_by_name(kw: dict, match: str) -> None:
+    t = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        check(**kw)
+    assert time.perf_counter() - t < 1.0  # never a long parse
+
+
+def test_oversized_text_fails_when_built() -> None:
+    ebnf = "root ::= " + " | ".join(f'"w{i}"' for i in range(120_000))  # ~1.2 MB
+    assert len(ebnf) > 1_000_000
+    with pytest.raises(ValueError, match="bytes; at most 65,536"):
+        StructuredOutputsParams(grammar=ebnf)
+
+
+def test_what_is_supported_still_passes() -> None:
+    check(json=deep(20))
+    check(json={"type": "object", "properties": {"d": {"type": "string", "format": "date"},
+                                                 "n": {"type": "integer", "minimum": 0}},
+                "$defs": {"t": {"enum": ["a", "b"]}}, "additionalProperties": False})
+    check(json={"$defs": {"t": {"type": "string"}},
+                "type": "object", "properties": {"a": {"$ref": "#/$defs/t"},
+                                                 "b": {"$ref": "#/$defs/t"}}})
+    check(regex=r"(ab|cd){1,8}[0-9]{3,1000}\{1,5000\}")
+    check(grammar='root ::= "{1,5000}" | "x"{1,4}')
+    check(choice=["a{99999}", "b"])
+    assert LIMITS["schema_depth"] == 32
+
+
+# ---------------------------------------------------------------- the compile workers
+
+
+@pytest.fixture(scope="module")
+def tokenizer_info(tiny_llama):
+    import transformers
+    import xgrammar as xgr
+
+    folder, _ = tiny_llama
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+
+
+def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_info) -> None:
+    workers = CompileWorkers(tokenizer_info, num_workers=2, timeout=1.0,
+                             cache_limit_bytes=8 << 20)
+    try:
+        warm = workers.submit(("regex", "[ab]+"))  # workers started (forkserver warm)
+        assert warm.future.result(timeout=120) is not None
+        t0 = time.monotonic()
+        runaway = workers.submit(RUNAWAY)
+        small = workers.submit(("json", json.dumps({"type": "object", "properties": {
+            "a": {"type": "string"}, "b": {"type": "integer"}}})))
+        assert small.future.result(timeout=10) is not None
+        assert time.monotonic() - t0 < 1.0  # beside the runaway, not behind it
+        with pytest.raises(GrammarCompileTimeout, match="within 1 s"):
+            runaway.future.result(timeout=30)
+        assert time.monotonic() - t0 < 5.0
+        assert workers.num_killed == 1
+        # The slot replaced its worker: the next grammar compiles promptly.
+        t1 = time.monotonic()
+        assert workers.submit(("regex", "[0-9]{4}")).future.result(timeout=30) is not None
+        assert time.monotonic() - t1 < 5.0
+    finally:
+        workers.shutdown()
+
+
+def test_a_compile_nobody_waits_for_is_stopped(tokenizer_info) -> None:
+    workers = CompileWorkers(tokenizer_info, num_workers=1, timeout=60.0,
+                             cache_limit_bytes=8 << 20)
+    try:
+        assert workers.submit(("regex", "a+")).future.result(timeout=120) is not None
+        runaway = workers.submit(RUNAWAY)
+        time.sleep(0.3)
+        runaway.abandon()
+        t = time.monotonic()
+        assert workers.submit(("regex", "b+")).future.result(timeout=30) is not None
+        assert time.monotonic() - t < 5.0  # not the 60 s deadline
+        assert workers.num_killed == 1
+        assert runaway.future.cancelled() or isinstance(runaway.future.exception(),
+                                                        GrammarCompileCancelled)
+    finally:
+        workers.shutdown()
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    folder, _ = tiny_llama
+    return LLMEngine(model=str(folder), dtype="float32", max_model_len=128,
+                     kv_cache_memory_bytes=2 << 20, structured_outputs_compile_timeout=1.0,
+                     structured_outputs_cache_bytes=1 << 20)
+
+
+def _run(engine: LLMEngine) -> dict:
+    done = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for out in engine.step():
+            done[out.request_id] = out
+    return done
+
+
+def test_engine_refuses_hostile_grammar_at_add_request(engine) -> None:
+    with pytest.raises(ValueError, match="deeper than 32"):
+        engine.add_request("deep", "hello", SamplingParams(
+            structured_outputs=StructuredOutputsParams(json=deep(300))))
+    assert not engine.has_unfinished_requests()
+
+
+def test_compile_timeout_ends_the_request_with_error_and_the_next_grammar_works(
+        engine, monkeypatch) -> None:
+    # A grammar the limits let through but that compiles too long: skip the limits.
+    monkeypatch.setattr("pagemill.runtime.input_processor.validate_structured_output",
+                        lambda params: None)
+    engine.add_request("runaway", "hello", SamplingParams(
+        max_tokens=8, output_kind=FINAL,
+        structured_outputs=StructuredOutputsParams(json=RUNAWAY[1])))
+    engine.add_request("free", "hello", SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=FINAL))
+    done = _run(engine)
+    out = done["runaway"].outputs[0]
+    assert out.finish_reason == "error" and out.text == ""
+    assert done["free"].outputs[0].finish_reason == "length"
+    engine.add_request("small", "hello", SamplingParams(
+        temperature=0.0, max_tokens=8, output_kind=FINAL,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))
+    assert re.fullmatch("[0-9]{3}", _run(engine)["small"].outputs[0].text)
+    # The same runaway again fails at once: its failure is cached.
+    t = time.monotonic()
+    engine.add_request("again", "hello", SamplingParams(
+        max_tokens=8, output_kind=FINAL,
+        structured_outputs=StructuredOutputsParams(json=RUNAWAY[1])))
+    assert _run(engine)["again"].outputs[0].finish_reason == "error"
+    assert time.monotonic() - t < 0.9
+
+
+def test_grammar_cache_is_bounded_in_bytes(engine) -> None:
+    manager = engine.engine_core.structured_output
+    for i in range(60):
+        engine.add_request(f"c{i}", "hello", SamplingParams(
+            max_tokens=2, output_kind=FINAL, structured_outputs=StructuredOutputsParams(
+                json={"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"}
+                                                       for j in range(6)}})))
+        _run(engine)
+    assert 0 < manager.cache_bytes <= manager.cache_limit_bytes == 1 << 20
+    assert manager.num_requests == 0
