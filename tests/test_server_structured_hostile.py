@@ -129,7 +129,7 @@ def test_runaway_grammar_wedges_nothing(url: str, monkeypatch: pytest.MonkeyPatc
     # A grammar past what the limits let through: skip them to get a runaway compile.
     # Once the compile workers are up (their first start imports xgrammar: seconds).
     assert post(url, "/v1/completions", completion(SMALL_SCHEMA)).status_code == 200
-    monkeypatch.setattr("pagemill.runtime.input_processor.validate_structured_output",
+    monkeypatch.setattr("pagemill.runtime.engine.input_processor.validate_structured_output",
                         lambda params: None)
     results: dict[str, httpx.Response] = {}
 

@@ -175,7 +175,7 @@ def test_engine_refuses_hostile_grammar_at_add_request(engine) -> None:
 def test_compile_timeout_ends_the_request_with_error_and_the_next_grammar_works(
         engine, monkeypatch) -> None:
     # A grammar the limits let through but that compiles too long: skip the limits.
-    monkeypatch.setattr("pagemill.runtime.input_processor.validate_structured_output",
+    monkeypatch.setattr("pagemill.runtime.engine.input_processor.validate_structured_output",
                         lambda params: None)
     engine.add_request("runaway", "hello", SamplingParams(
         max_tokens=8, output_kind=FINAL,

@@ -195,7 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise
     # After a fatal engine error the port is already closed and the engine may be wedged:
     # stop it without waiting on it, so the process exits now, not after its timeouts.
-    from pagemill.server import shutdown
+    from pagemill.server.entrypoints import shutdown
 
     server = shutdown.LAST_SERVER
     if server is not None and server.fatal_reason is not None:

@@ -4,7 +4,7 @@ Nothing in the engine knows about this module: a fault is injected by replacing 
 core's public `model_runner` with `FaultyModelRunner`, a double that runs the real runner
 and then raises whatever its `fault` callable returns for the step (so the runner's own
 state follows the step exactly as when a real forward raises). The engine core's fault
-isolation (`pagemill.runtime.fault_isolation`) then handles it like any other failed step.
+isolation (`pagemill.runtime.engine.fault_isolation`) then handles it like any other failed step.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ not a request, is broken.
 `restrict_to` (schedule only a subset until lifted), `finish_requests` and `get_request`.
 The engine core calls `on_step_failed` when a step raises and `on_step_done` after a good
 one. Faults are injected for drills and tests from outside, through the engine core's
-public `model_runner` (see `pagemill.runtime.fault_injection`).
+public `model_runner` (see `pagemill.runtime.engine.fault_injection`).
 """
 
 from __future__ import annotations

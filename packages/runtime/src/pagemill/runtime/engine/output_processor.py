@@ -21,6 +21,7 @@ from typing import Any
 from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
 from pagemill.runtime.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagemill.runtime.sample.structured_output import is_grammar_failure
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -236,8 +237,9 @@ class OutputProcessor:
                 reason = upd.finish_reason
                 c.finish_reason = reason.as_api()
                 c.stop_reason = upd.stop_reason
-                if reason == FinishReason.ERROR:
-                    # The core's words are for the log; a caller learns only that it failed.
+                if reason == FinishReason.ERROR and not is_grammar_failure(upd.stop_reason):
+                    # The core's words are for the log; a caller learns only that it failed
+                    # (a grammar failure is worded for the caller: it says what to fix).
                     logger.error("request %s failed in the engine: %s", upd.request_id,
                                  upd.stop_reason)
                     c.stop_reason = None
