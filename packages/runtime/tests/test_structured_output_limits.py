@@ -60,6 +60,8 @@ def check(**kw) -> None:
      "if, then, unevaluatedProperties"),
     (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
     (dict(json={"type": "string", "maxLength": 100000}), "maxLength=100000"),
+    (dict(json={"type": "number", "minimum": 0, "maximum": 10}), "minimum, maximum can be"),
+    (dict(json={"type": "integer", "multipleOf": 2}), "keyword.*multipleOf"),
 ])
 def test_hostile_constraints_are_refused_by_name(kw: dict, match: str) -> None:
     t = time.perf_counter()

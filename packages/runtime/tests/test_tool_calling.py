@@ -82,6 +82,11 @@ def test_forcing_schemas_accept_exactly_valid_calls() -> None:
     calls = calls_from_required('[{"name": "get_time", "arguments": {}}]')
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
     assert calls_from_required('[{"name": "get_ti') == []
+    # Cut short by max_tokens: the calls it completed are still calls.
+    cut = ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
+           '{"city": "Paris"}},\n {"name": "get_wea')
+    assert [(c.name, c.arguments) for c in calls_from_required(cut)] == [
+        ("get_time", "{}"), ("get_weather", '{"city": "Paris"}')]
 
 
 @pytest.fixture(scope="module")

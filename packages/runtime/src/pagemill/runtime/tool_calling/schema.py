@@ -46,12 +46,35 @@ def required_schema(tools: Sequence[dict[str, Any]], parallel: bool = True) -> d
 
 
 def calls_from_required(text: str) -> list[ToolCall]:
-    """The calls of an output constrained by `required_schema` (empty if cut short)."""
+    """The calls of an output constrained by `required_schema`.
+
+    An output cut short (max_tokens) still holds every call it completed: the grammar
+    makes the text a prefix of a JSON array of call objects, so the complete objects are
+    read one by one and the unfinished last one is dropped.
+    """
     try:
         items = json.loads(text)
     except ValueError:
-        return []
+        items = _complete_items(text)
     if not isinstance(items, list):
         return []
     return [ToolCall.make(i["name"], i.get("arguments", {})) for i in items
             if isinstance(i, dict) and isinstance(i.get("name"), str)]
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete elements of a JSON array that was cut short."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[")
+    if pos < 0:
+        return []
+    pos += 1
+    items: list[Any] = []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            return items
+        items.append(item)

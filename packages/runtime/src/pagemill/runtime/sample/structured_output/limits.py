@@ -51,11 +51,16 @@ _SUPPORTED = frozenset({
     "propertyNames", "minProperties", "items", "prefixItems", "minItems", "maxItems",
     "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
     "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "nullable",
+    "exclusiveMinimum", "exclusiveMaximum", "nullable",
     # annotations: no constraint on the output
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
     "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "strict",
 })
+# Bounds xgrammar enforces exactly on integers only: on a "number" it both lets values past
+# the bound through (10.5 under maximum 10) and refuses values inside it (0.5 above
+# minimum 0), so there they are refused rather than half-honoured. (`multipleOf` it
+# ignores on every type, so it is not in _SUPPORTED.)
+_INTEGER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _FORMATS = frozenset({
     "email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
     "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
@@ -91,6 +96,11 @@ def _walk(node: Any, root: Any, path: str, depth: int, state: dict[str, int]) ->
     if unknown:
         raise ValueError(f"{path}: unsupported JSON schema keyword(s) {', '.join(unknown)} "
                          "(pagemill enforces only what it can; remove them)")
+    bounds = [k for k in _INTEGER_ONLY if k in node]
+    if bounds and node.get("type") != "integer":
+        raise ValueError(f"{path}: {', '.join(bounds)} can be enforced only on \"type\": "
+                         "\"integer\" (the grammar engine cannot bound a number exactly); "
+                         "use an integer or remove them")
     fmt = node.get("format")
     if fmt is not None and fmt not in _FORMATS:
         raise ValueError(f"{path}: unsupported format {fmt!r} (supported: "
