@@ -368,26 +368,41 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
+        admit = functools.partial(self._admit, request_id, prompt, params, priority, cache_salt,
+                                  arrival, _Tracked(q, loop))
+        done = self.input_pool.submit(admit)
         try:
-            processed = await loop.run_in_executor(self.input_pool, functools.partial(
-                self.input_processor.process, request_id, prompt, params, priority=priority,
-                cache_salt=cache_salt, arrival_time=arrival))
-            with self._lock:  # checked under the lock `_die` takes: no stream is left behind
-                self._check_alive()
-                known = self.output_processor.is_known
-                taken = [r.request_id for r in processed.completions if known(r.request_id)]
-                if known(request_id) or taken:
-                    raise ValueError(f"request id {request_id!r} is already in use")
-                self.output_processor.add_request(
-                    request_id, processed.prompt, processed.prompt_token_ids,
-                    params.output_kind, arrival, processed.completions)
-                self._tracked[request_id] = _Tracked(q, loop)
-            for request in processed.completions:
-                self.client.add_request(request)
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The admission may still run to its end on the tokenizer thread: abort once it
+            # has (an abort sent before the request itself would find nothing to stop).
+            done.add_done_callback(lambda _: self.release(request_id, finished=False))
+            raise
         except BaseException:
             self.release(request_id, finished=False)
             raise
         return q
+
+    def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+               priority: int, cache_salt: str | None, arrival: float,
+               tracked: _Tracked) -> None:
+        """On the tokenizer thread: validate, register with the output processor, send to
+        the core. It returns once the core's channel holds the request, so a caller that
+        then stalls the event loop (or its whole interpreter) cannot hold the request back."""
+        processed = self.input_processor.process(request_id, prompt, params, priority=priority,
+                                                 cache_salt=cache_salt, arrival_time=arrival)
+        with self._lock:  # checked under the lock `_die` takes: no stream is left behind
+            self._check_alive()
+            known = self.output_processor.is_known
+            taken = [r.request_id for r in processed.completions if known(r.request_id)]
+            if known(request_id) or taken:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.output_processor.add_request(
+                request_id, processed.prompt, processed.prompt_token_ids,
+                params.output_kind, arrival, processed.completions)
+            self._tracked[request_id] = tracked
+        for request in processed.completions:
+            self.client.add_request(request)
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests (no-op for finished or unknown ids); blocks are freed before the

@@ -487,28 +487,38 @@ def _engine_environment() -> Iterator[None]:
 
 
 class _PipeSender:
-    """Encodes and writes on its own thread, so whoever sends never waits on the pipe."""
+    """Encodes and writes on its own thread, so whoever sends never waits on the pipe
+    (unless it asks to: `send(msg, wait=True)` returns once the bytes are in the pipe)."""
 
     def __init__(self, conn: Connection, codec: Codec) -> None:
         self.conn = conn
         self.codec = codec
-        self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Message, threading.Event | None] | None] = (
+            queue.SimpleQueue())
         self._thread = threading.Thread(target=self._run, name="pagemill-engine-sender",
                                         daemon=True)
         self._thread.start()
 
-    def send(self, msg: Message) -> None:
-        self._queue.put(msg)
+    def send(self, msg: Message, wait: bool = False) -> None:
+        done = threading.Event() if wait else None
+        self._queue.put((msg, done))
+        if done is not None:
+            done.wait()
 
     def _run(self) -> None:
-        try:
-            while True:
-                msg = self._queue.get()
-                if msg is None:
-                    return
-                self.conn.send_bytes(self.codec.encode(msg))
-        except OSError:  # the front end is gone; the command pipe says so too
-            pass
+        broken = False  # the other side is gone: keep draining, so no sender waits forever
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            msg, done = item
+            if not broken:
+                try:
+                    self.conn.send_bytes(self.codec.encode(msg))
+                except OSError:  # the peer is gone; its own pipe says so too
+                    broken = True
+            if done is not None:
+                done.set()
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
@@ -637,10 +647,12 @@ class MPClient(_LoopClient):
         self._writer.send(msg)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Returns once the request is in the pipe (the writer thread orders it with every
+        other command); call it off the event loop."""
         error = self._stopped()
         if error is not None:
             raise error
-        self._write(request)
+        self._writer.send(request, wait=True)
 
     def abort_requests(self, request_ids: list[str],
                        reason: FinishReason = FinishReason.ABORT) -> None:
