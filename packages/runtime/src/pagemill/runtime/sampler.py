@@ -244,29 +244,69 @@ class Sampler:
         )
         return tokens
 
-    def _race_full(self, z: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
-        """The race over whole rows of `z` (scaled, maybe masked logits), in place."""
-        # Unnormalised probabilities are enough for the race; masked tokens get exactly 0.
-        weights = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
-        noise = self._scratch.get("aux", z.shape[0], z.shape[1], z.device)
-        if len(gens) < z.shape[0]:
-            _fill_exponential(noise, self._shared_generator(z.device))
+    def _uniforms(self, rows: int, gens: dict[int, torch.Generator],
+                  device: torch.device) -> torch.Tensor:
+        """[rows] float64 uniforms in [0, 1): one per row, a seeded row's from its own
+        generator (so its token depends on its own logits and stream only)."""
+        u = torch.empty(rows, dtype=torch.float64, device=device)
+        if len(gens) < rows:
+            gen = self._shared_generator(device)
+            u.copy_(torch.rand(rows, dtype=torch.float64, generator=gen, device=gen.device))
         for pos, gen in gens.items():
-            _fill_exponential(noise[pos], gen)
-        return weights.div_(noise).argmax(dim=-1)
+            u[pos] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)[0]
+        return u
+
+    def _race_full(self, z: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
+        """A draw from softmax over whole rows of `z` (scaled, maybe masked logits), in place."""
+        # Unnormalised probabilities are enough; masked tokens get exactly 0.
+        weights = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
+        return _inverse_cdf(weights, self._uniforms(z.shape[0], gens, z.device))
 
     def _race_head(self, head: _Head, gens: dict[int, torch.Generator], vocab: int) -> torch.Tensor:
         weights = head.rel_probs.masked_fill_(head.drop, 0.0)
-        noise = torch.empty_like(weights)
-        if len(gens) < weights.shape[0]:
-            _fill_exponential(noise, self._shared_generator(weights.device))
-        for pos, gen in gens.items():
-            # A seeded row still draws one value per vocab entry (its stream must not depend
-            # on the batch's head width) and keeps those of its head's tokens.
-            own = _fill_exponential(torch.empty(vocab, device=weights.device), gen)
-            noise[pos] = own[head.order[pos]]
-        choice = weights.div_(noise).argmax(dim=-1, keepdim=True)
-        return head.order.gather(1, choice).squeeze(1)
+        # In token-id order, as a whole-row draw orders them: a seeded row then draws the
+        # same token from a head of any width (its batch decides the width) or from a row.
+        order, perm = head.order.sort(dim=-1)
+        weights = weights.gather(1, perm)
+        u = self._uniforms(weights.shape[0], gens, weights.device)
+        return order.gather(1, _inverse_cdf(weights, u).unsqueeze(1)).squeeze(1)
+
+
+_BLOCK = 256
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows] column drawn from each row of `weights` (>= 0, unnormalised, at least one > 0)
+    with probability weight / row sum: the first column whose running sum exceeds u x sum.
+
+    One uniform per row instead of one noise value per column (generating and dividing by
+    those was most of a random row's cost). Sums are float64: the row is cut into blocks of
+    `_BLOCK` columns, the block sums' running sum finds the block, the block's own running
+    sum the column; a column of weight 0 is never chosen.
+    """
+    rows, cols = weights.shape
+    nb = -(-cols // _BLOCK)
+    if nb * _BLOCK != cols:
+        padded = weights.new_zeros(rows, nb * _BLOCK)
+        padded[:, :cols] = weights
+        weights = padded
+    blocks = weights.view(rows, nb, _BLOCK)
+    cum = blocks.sum(dim=-1, dtype=torch.float64).cumsum_(dim=-1)  # [rows, nb]
+    target = (u * cum[:, -1]).unsqueeze(1)
+    b = torch.searchsorted(cum, target, right=True)
+    # Rounding may put the target at the very end: the last block with any weight.
+    idx = torch.arange(nb, device=weights.device)
+    last_b = torch.where(cum > torch.cat([cum.new_zeros(rows, 1), cum[:, :-1]], dim=1),
+                         idx, 0).amax(dim=-1, keepdim=True)
+    b = torch.minimum(b, last_b)
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
+    inner = blocks.gather(1, b.unsqueeze(2).expand(rows, 1, _BLOCK)).squeeze(1)
+    icum = inner.to(torch.float64).cumsum(dim=-1)
+    j = torch.searchsorted(icum, target - before, right=True)
+    cols_in = torch.arange(_BLOCK, device=weights.device)
+    last_j = torch.where(inner > 0, cols_in, 0).amax(dim=-1, keepdim=True)
+    j = torch.minimum(j, last_j)
+    return (b * _BLOCK + j).squeeze(1)
 
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
