@@ -40,9 +40,8 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
 
 
 def _start(folder: Path, cache: Path, max_num_seqs: int = 4) -> tuple[dict, str]:
-    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache))
+    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache), **{COMPILE_CACHE_ENV: "1"})
     env.pop(ENFORCE_EAGER_ENV, None)
-    env.pop(COMPILE_CACHE_ENV, None)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", _START, str(folder), str(max_num_seqs)],
                           env=env, capture_output=True, text=True, timeout=600)
