@@ -27,10 +27,14 @@ CASES = {
 }
 
 
-def logits_like_a_model(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+def logits_like_a_model(rows: int, vocab: int, seed: int = 0, flat: bool = False) -> torch.Tensor:
+    """Peaked rows (a few strong tokens over a long tail: top-p 0.95 keeps tens to hundreds)
+    or, with `flat`, rows whose tail holds most of the mass (a top-p 0.95 nucleus of
+    thousands of tokens: the hard case for any sampler that orders tokens)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, vocab, generator=g) * 2.0
-    x[:, :64] += 6.0 * torch.rand(rows, 64, generator=g)  # a few likely tokens
+    boost = 6.0 if flat else 14.0
+    x[:, :64] += boost * torch.rand(rows, 64, generator=g)  # a few likely tokens
     return x[:, torch.randperm(vocab, generator=g)].to(torch.bfloat16)
 
 
@@ -51,15 +55,17 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--flat", action="store_true", help="flat rows (see logits_like_a_model)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     sampler = Sampler(seed=0)
-    print(f"vocab {args.vocab}, {torch.get_num_threads()} threads, best of {args.iters}")
+    print(f"vocab {args.vocab}, {'flat' if args.flat else 'peaked'} rows, "
+          f"{torch.get_num_threads()} threads, best of {args.iters}")
     print(f"{'case':<20}" + "".join(f"{'batch ' + b:>22}" for b in args.batch_sizes.split(",")))
     results: dict[str, list[str]] = {name: [] for name in CASES}
     for b in (int(s) for s in args.batch_sizes.split(",")):
-        logits = logits_like_a_model(b, args.vocab)
+        logits = logits_like_a_model(b, args.vocab, flat=args.flat)
         base = None
         for name, kw in CASES.items():
             params = [SamplingParams(**kw)] * b
