@@ -33,7 +33,7 @@ from .decode_padding import graph_buckets
 from .distributed.parallel_state import TensorParallelGroup
 from .input_batch import CachedRequestState, InputBatch
 from .kv_cache import KVCache
-from .layers import packed_row_limits
+from .layers import Linear, packed_row_limits
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .sampling_metadata import SamplingMetadata
@@ -150,6 +150,9 @@ class ModelRunner:
             self._forward = compile_forward(self.model)
             self._warm_up_graphs()
             return time.perf_counter() - start
+        for module in self.model.modules():  # see Linear.opaque_packed
+            if isinstance(module, Linear):
+                module.opaque_packed = True
         key, parts = compile_cache_key(self.model, self.compile_settings())
         cache = self.compile_cache = CompileCache(CompileCache.root(), key, parts)
         existed = (cache.folder / "dynamo").is_dir()
