@@ -30,8 +30,12 @@ removed and rebuilt.
 
 Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`). A tiny model's compile goes from 24.6 s cold
 to 5.9 s warm, with the same tokens; but unfrozen, SmolLM2's compiled step over its packed
-GGUF weights measured 347 ms at batch 1 against 7.4 ms frozen (same busy 2-core box), so
-the default stays the frozen graph, compiled at every start, until that is understood.
+GGUF weights measured 350-670 ms at batch 1 (227 ms with the packed matmuls as opaque ops,
+`Linear.opaque_packed`) against 7.4 ms frozen, on the same busy 2-core box: the frozen graph
+runs inductor's own weight-only-int4 kernels over constant weights, and ~half of the
+unfrozen step is in the generated code itself. The default stays the frozen graph, compiled
+at every start, until a cached graph can be frozen too (freezing bypasses AOT autograd's
+cache, which is what a dynamo package stores) or runs as fast.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ class Linear(nn.Module):
     compiled_branch = "guard"
     # Packed matmuls as opaque ops in a compiled graph (the compile cache compiles without
     # `freezing`; unfrozen, inductor's own int4 lowering re-reads the packed weight through
-    # a slow wrapper: SmolLM2's batch-1 step measured ~50x the frozen one).
+    # a slow wrapper: SmolLM2's batch-1 step measured 674 ms, 227 ms with these opaque
+    # ops, against 7.4 ms frozen; see `compilation`).
     opaque_packed = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
