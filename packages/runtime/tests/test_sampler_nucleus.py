@@ -31,8 +31,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kwargs", [{"top_p": 0.9}, {"top_p": 0.6, "min_p": 0.3},
-                                    {"min_p": 0.2}])
+@pytest.mark.parametrize("kwargs", [{"top_p": 0.9}, {"top_p": 0.6, "min_p": 0.1},
+                                    {"min_p": 0.1}])
 def test_flat_rows_follow_the_filtered_distribution(kwargs, monkeypatch) -> None:
     calls = _spy(monkeypatch)
     vocab, temperature, n = 1000, 0.7, 40000

@@ -611,10 +611,10 @@ def _filter_head(
     head token is below min_p. The rows left over are returned as a mask (None when there
     are none) for a second, uncapped head of their own.
 
-    With `split_flat`, rows without top-k whose head could exceed a quarter of the
-    vocabulary (flat rows: only a full sort would order them) are left out, the head's
-    width is sized without them, and `head.flat` marks them for `_draw_nucleus`. Which rows
-    are flat depends on each row alone, never on its batch.
+    With `split_flat` (and a `width_cap`), rows without top-k whose head could exceed a
+    quarter of the vocabulary and whose cut is not within their `width_cap` best tokens
+    (flat rows: only a full sort would order them) are marked in `head.flat` for
+    `_draw_nucleus`. Which rows are flat depends on each row alone, never on its batch.
     """
     vocab = z.shape[1]
     use_k: torch.Tensor | None = None
@@ -646,12 +646,6 @@ def _filter_head(
         if min_p is not None:
             bound = torch.maximum(bound, min_p.unsqueeze(1) / 2)
         num_candidates = rel.ge_(bound).sum(dim=-1).long()
-        if split_flat:
-            flat = counted & (num_candidates > vocab // 4)
-            if bool(flat.any()):
-                flat_rows = flat
-                counted = counted & ~flat
-                num_candidates = torch.where(flat, 1, num_candidates)
         need = torch.where(counted, num_candidates, 1)
         if width_cap is not None:
             need = need.clamp_max(width_cap)
@@ -692,6 +686,20 @@ def _filter_head(
     drop[:, 0] = False
     if min_p is not None:
         drop |= rel_probs < min_p.unsqueeze(1)
+    if split_flat and width_cap is not None and num_candidates is not None and counted is not None:
+        flat = counted & (num_candidates > vocab // 4)
+        if bool(flat.any()):
+            # ... unless the cut falls within their `width_cap` best tokens (the head holds
+            # at least those: their need was capped there), as for `wider` below.
+            cap = min(width_cap, width)
+            inside = torch.zeros_like(flat)
+            if total is not None and top_p is not None and use_p is not None:
+                cap_mass = rel_probs[:, :cap].sum(dim=-1) / total.squeeze(1)
+                inside |= use_p & (cap_mass >= top_p + _CUT_MARGIN)
+            if min_p is not None and use_m is not None:
+                inside |= use_m & (rel_probs[:, cap - 1] < min_p * (1.0 - _CUT_MARGIN))
+            flat &= ~inside
+            flat_rows = flat if bool(flat.any()) else None
     head = _Head(order=order, drop=drop, rel_probs=rel_probs, flat=flat_rows)
     if num_candidates is None or counted is None or width == vocab:
         return head, None
