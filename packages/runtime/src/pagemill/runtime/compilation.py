@@ -28,14 +28,15 @@ oneDNN weights bypass AOT autograd's cache, so a cached start compiles without i
 warm start loads the package instead of tracing; an entry that fails to load is logged,
 removed and rebuilt.
 
-Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`). A tiny model's compile goes from 24.6 s cold
-to 5.9 s warm, with the same tokens; but unfrozen, SmolLM2's compiled step over its packed
-GGUF weights measured 350-670 ms at batch 1 (227 ms with the packed matmuls as opaque ops,
-`Linear.opaque_packed`) against 7.4 ms frozen, on the same busy 2-core box: the frozen graph
-runs inductor's own weight-only-int4 kernels over constant weights, and ~half of the
-unfrozen step is in the generated code itself. The default stays the frozen graph, compiled
-at every start, until a cached graph can be frozen too (freezing bypasses AOT autograd's
-cache, which is what a dynamo package stores) or runs as fast.
+Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`) until its step speed is compared with the
+frozen graph's on a quiet machine. Measured on the shared 2-core box (December 2026):
+SmolLM2 `LLM()` 85-207 s cold, 9.0-10.0 s warm (same tokens); a warm process's batch-1
+step 6.6-7.2 ms when the box was quiet, against 7.4 ms for the frozen graph in another
+run; but the same process later measured 20-490 ms per step as other jobs loaded the box,
+and one unfrozen run's step table (36 / 127 / 244 ms at batch 1 / 16 / 64, load ~3) was
+~5x the frozen run's (7.4 / 21 / 51 ms, an hour earlier): not comparable. To decide, run
+`benchmarks/throughput.py --modes gguf --step-batch-sizes 1,16,64,256` twice back to back,
+with and without `PAGEMILL_COMPILE_CACHE=1`, on an idle machine.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[.
 
 def compile_cache_enabled() -> bool:
     """Opt-in (`PAGEMILL_COMPILE_CACHE=1`) for now: a cached graph is compiled without
-    `freezing`, and on SmolLM2's packed GGUF weights that step measured ~50x slower than the
-    frozen one (see the module docstring); tiny dense models are not affected."""
+    `freezing`, and its step speed against the frozen graph's is not settled yet (see the
+    module docstring)."""
     return os.environ.get(COMPILE_CACHE_ENV, "0") == "1"
 
 

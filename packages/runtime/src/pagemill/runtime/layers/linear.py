@@ -66,10 +66,9 @@ class Linear(nn.Module):
     #   dense side is a plain mm and the graph fuses less around the conds: SmolLM2 decode
     #   steps measured 1.2-1.7x slower than "guard" (4 rows 26 vs 15 ms, 64 rows 121 vs 102).
     compiled_branch = "guard"
-    # Packed matmuls as opaque ops in a compiled graph (the compile cache compiles without
-    # `freezing`; unfrozen, inductor's own int4 lowering re-reads the packed weight through
-    # a slow wrapper: SmolLM2's batch-1 step measured 674 ms, 227 ms with these opaque
-    # ops, against 7.4 ms frozen; see `compilation`).
+    # Packed matmuls as opaque ops (PyTorch's own CPU kernels) in a graph compiled for the
+    # compile cache, which compiles without `freezing`: unfrozen, inductor lowers them
+    # through `quantized::int4mm_packed_weight_cpu` instead (see `compilation`'s status).
     opaque_packed = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
