@@ -218,8 +218,8 @@ class EngineCore:
                 logger.warning("running the model eagerly: %s", reason)
             return
         seconds = self.model_runner.compile()
-        logger.info("compiled the model forward in %.1f s (inductor's cache keeps the generated "
-                    "code; dynamo traces again at each start; --enforce-eager skips this)", seconds)
+        how = "loaded from the compile cache" if self.model_runner.compile_cache_loaded else "compiled"
+        logger.info("%s the model forward in %.1f s (--enforce-eager skips this)", how, seconds)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:

@@ -8,14 +8,16 @@ logits, then the grammar's token bitmask (structured output), then temperature, 
 vectorised over the batch; Python loops only over seeded rows (each draws from its own
 generator), min_tokens rows and penalised rows (their token lists live on the host).
 
-Random rows use the exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is
-distributed exactly as Categorical(p). It needs no cumulative sum or searchsorted, works on
-unnormalised masked rows, and each seeded row consumes a fixed amount of randomness (one draw
-per vocab entry) from its own generator, so its token depends only on its own logits and its
-own generator, never on which other requests share the batch. Rows that top-k, top-p or
-min-p filter race only among their best tokens (the "head" found with `topk`, see
-`_filter_head`): a token outside it cannot win, so unseeded rows draw noise for the head only,
-which is most of what a filtered step saves.
+Random rows are drawn by inverse CDF in token-id order: one float64 uniform per row (a
+seeded row's from its own generator), the first token whose running sum of unnormalised
+probabilities exceeds u x the row's sum (block sums, then the block's own running sum; see
+`_inverse_cdf`). It needs no noise per vocab entry (generating that was most of a random
+row's cost), works on unnormalised masked rows, and because the order is the token ids, a
+seeded row draws the same token from a head of any width as from its whole row: its token
+depends only on its own logits and generator, never on which requests share the batch.
+Rows that top-k, top-p or min-p filter draw among their best tokens (the "head" found with
+`topk`, see `_filter_head`); flat rows, whose top-p/min-p head would be a sizeable part of
+the vocabulary, are drawn by rejection instead of a sort (`Sampler._draw_nucleus`).
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ class Sampler:
         if rows is None:
             torch.div(x, temperature, out=z)
         else:
-            torch.index_select(x, 0, rows, out=z).div_(temperature.index_select(0, rows))
+            torch.div(_take_rows(x, rows), temperature.index_select(0, rows), out=z)
         if not filtered:
             return self._race_full(z, gens)
         return self._race_filtered(
@@ -214,7 +216,29 @@ class Sampler:
         """Tokens of rows that top-k, top-p or min-p filter; `z` is theirs to modify."""
         vocab = z.shape[1]
         aux = self._scratch.get("aux", z.shape[0], vocab, z.device)
-        head, wider = _filter_head(z, top_k, top_p, min_p, max_top_k, aux, width_cap)
+        head, wider = _filter_head(z, top_k, top_p, min_p, max_top_k, aux, width_cap,
+                                   split_flat=True)
+        if head.flat is not None:
+            # Flat rows leave the head (its width was sized without them) for rejection.
+            flat = head.flat
+            rows = flat.nonzero().squeeze(1)
+            if wider is not None:
+                wider = wider & ~flat
+                wider = wider if bool(wider.any()) else None
+            head.drop |= flat.unsqueeze(1)  # their head entries are never drawn
+            others = (~flat).nonzero().squeeze(1)
+            tokens = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
+
+            def take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+                return None if t is None else t.index_select(0, idx)
+
+            tokens[rows] = self._draw_nucleus(_take_rows(z, rows), take(top_p, rows),
+                                              take(min_p, rows), _generators_of(gens, rows))
+            if others.numel():
+                tokens[others] = self._race_filtered(
+                    _take_rows(z, others), take(top_k, others), take(top_p, others),
+                    take(min_p, others), max_top_k, _generators_of(gens, others), width_cap)
+            return tokens
         if wider is None:
             if head.order.shape[1] < vocab:
                 return self._race_head(head, gens, vocab)
@@ -234,7 +258,7 @@ class Sampler:
             return None if t is None else t.index_select(0, rows)
 
         tokens[rows] = self._race_filtered(
-            z.index_select(0, rows),
+            _take_rows(z, rows),
             pick(top_k),
             pick(top_p),
             pick(min_p),
@@ -244,29 +268,127 @@ class Sampler:
         )
         return tokens
 
-    def _race_full(self, z: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
-        """The race over whole rows of `z` (scaled, maybe masked logits), in place."""
-        # Unnormalised probabilities are enough for the race; masked tokens get exactly 0.
-        weights = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
-        noise = self._scratch.get("aux", z.shape[0], z.shape[1], z.device)
-        if len(gens) < z.shape[0]:
-            _fill_exponential(noise, self._shared_generator(z.device))
+    def _draw_nucleus(self, z: torch.Tensor, top_p: torch.Tensor | None,
+                      min_p: torch.Tensor | None, gens: dict[int, torch.Generator]) -> torch.Tensor:
+        """Tokens of flat rows filtered by top-p and/or min-p (no top-k), without ordering
+        the vocabulary: rejection sampling, as FlashInfer's top-p sampling does.
+
+        Draw a token s from the min-p set; top-p keeps s iff the mass ranked above it (every
+        larger probability, and equal ones of smaller token id: a sort's order, ties broken
+        by id) is below top_p of the row. Accepted draws follow the filtered distribution
+        exactly (the conditional of a draw on acceptance). A rejected s cannot be kept, nor
+        anything ranked below it, so the next round draws only among the tokens above it:
+        at least one token fewer each round, and a round accepts with probability at least
+        top_p of what is left. Each round costs a few passes over the row and one uniform,
+        a seeded row's from its own generator. `z` is the rows' scaled logits, theirs to modify.
+        """
+        rows, vocab = z.shape
+        w = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # probability / the row's largest
+        if top_p is None:
+            limit = torch.full((rows,), float("inf"), dtype=torch.float64, device=z.device)
+        else:
+            limit = w.sum(dim=-1).double() * top_p.double()
+        cand = w if min_p is None else w.masked_fill(w < min_p.unsqueeze(1), 0.0)
+        ids = torch.arange(vocab, device=z.device).unsqueeze(0)
+        tokens = torch.empty(rows, dtype=torch.long, device=z.device)
+        active = torch.arange(rows, device=z.device)
+        while active.numel():
+            s = _inverse_cdf(cand, self._uniforms(active.numel(), _generators_of(gens, active),
+                                                  z.device)).unsqueeze(1)
+            wa = w if active.numel() == rows else _take_rows(w, active)
+            ws = wa.gather(1, s)
+            mass = torch.where(wa > ws, wa, 0.0).sum(dim=-1).double()
+            ties = (wa == ws).sum(dim=-1)
+            if bool((ties > 1).any()):  # equal probabilities rank by token id
+                before = ((wa == ws) & (ids < s)).sum(dim=-1)
+                mass += ws.squeeze(1).double() * before
+            ok = mass < limit.index_select(0, active)
+            tokens[active[ok]] = s.squeeze(1)[ok]
+            rejected = ~ok
+            if not bool(rejected.any()):
+                break
+            wr, sr = wa[rejected], s[rejected]
+            wsr = wr.gather(1, sr)
+            above = (wr > wsr) | ((wr == wsr) & (ids < sr))
+            cand = cand[rejected].masked_fill_(~above, 0.0)
+            active = active[rejected]
+        return tokens
+
+    def _uniforms(self, rows: int, gens: dict[int, torch.Generator],
+                  device: torch.device) -> torch.Tensor:
+        """[rows] float64 uniforms in [0, 1): one per row, a seeded row's from its own
+        generator (so its token depends on its own logits and stream only)."""
+        u = torch.empty(rows, dtype=torch.float64, device=device)
+        if len(gens) < rows:
+            gen = self._shared_generator(device)
+            u.copy_(torch.rand(rows, dtype=torch.float64, generator=gen, device=gen.device))
         for pos, gen in gens.items():
-            _fill_exponential(noise[pos], gen)
-        return weights.div_(noise).argmax(dim=-1)
+            u[pos] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)[0]
+        return u
+
+    def _race_full(self, z: torch.Tensor, gens: dict[int, torch.Generator]) -> torch.Tensor:
+        """A draw from softmax over whole rows of `z` (scaled, maybe masked logits), in place."""
+        # Unnormalised probabilities are enough; masked tokens get exactly 0.
+        weights = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()
+        return _inverse_cdf(weights, self._uniforms(z.shape[0], gens, z.device))
 
     def _race_head(self, head: _Head, gens: dict[int, torch.Generator], vocab: int) -> torch.Tensor:
         weights = head.rel_probs.masked_fill_(head.drop, 0.0)
-        noise = torch.empty_like(weights)
-        if len(gens) < weights.shape[0]:
-            _fill_exponential(noise, self._shared_generator(weights.device))
-        for pos, gen in gens.items():
-            # A seeded row still draws one value per vocab entry (its stream must not depend
-            # on the batch's head width) and keeps those of its head's tokens.
-            own = _fill_exponential(torch.empty(vocab, device=weights.device), gen)
-            noise[pos] = own[head.order[pos]]
-        choice = weights.div_(noise).argmax(dim=-1, keepdim=True)
-        return head.order.gather(1, choice).squeeze(1)
+        # In token-id order, as a whole-row draw orders them: a seeded row then draws the
+        # same token from a head of any width (its batch decides the width) or from a row.
+        order, perm = head.order.sort(dim=-1)
+        weights = weights.gather(1, perm)
+        u = self._uniforms(weights.shape[0], gens, weights.device)
+        return order.gather(1, _inverse_cdf(weights, u).unsqueeze(1)).squeeze(1)
+
+
+_BLOCK = 256
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of a [rows, vocab] tensor: `t` itself when that is all of them in order.
+
+    Advanced indexing, not index_select: on this CPU build index_select copies a [64, 49152]
+    fp32 tensor ~5x slower (measured 100 vs 20 ms on 2 busy cores).
+    """
+    if rows.numel() == t.shape[0] and bool((rows == torch.arange(t.shape[0],
+                                                                   device=rows.device)).all()):
+        return t
+    return t[rows]
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows] column drawn from each row of `weights` (>= 0, unnormalised, at least one > 0)
+    with probability weight / row sum: the first column whose running sum exceeds u x sum.
+
+    One uniform per row instead of one noise value per column (generating and dividing by
+    those was most of a random row's cost). Sums are float64: the row is cut into blocks of
+    `_BLOCK` columns, the block sums' running sum finds the block, the block's own running
+    sum the column; a column of weight 0 is never chosen.
+    """
+    rows, cols = weights.shape
+    nb = -(-cols // _BLOCK)
+    if nb * _BLOCK != cols:
+        padded = weights.new_zeros(rows, nb * _BLOCK)
+        padded[:, :cols] = weights
+        weights = padded
+    blocks = weights.view(rows, nb, _BLOCK)
+    cum = blocks.sum(dim=-1).double().cumsum_(dim=-1)  # [rows, nb]
+    target = (u * cum[:, -1]).unsqueeze(1)
+    b = torch.searchsorted(cum, target, right=True)
+    # Rounding may put the target at the very end: the last block with any weight.
+    idx = torch.arange(nb, device=weights.device)
+    last_b = torch.where(cum > torch.cat([cum.new_zeros(rows, 1), cum[:, :-1]], dim=1),
+                         idx, 0).amax(dim=-1, keepdim=True)
+    b = torch.minimum(b, last_b)
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
+    inner = blocks.gather(1, b.unsqueeze(2).expand(rows, 1, _BLOCK)).squeeze(1)
+    icum = inner.to(torch.float64).cumsum(dim=-1)
+    j = torch.searchsorted(icum, target - before, right=True)
+    cols_in = torch.arange(_BLOCK, device=weights.device)
+    last_j = torch.where(inner > 0, cols_in, 0).amax(dim=-1, keepdim=True)
+    j = torch.minimum(j, last_j)
+    return (b * _BLOCK + j).squeeze(1)
 
 
 def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -436,6 +558,8 @@ class _Head:
     """[rows, width] bool."""
     rel_probs: torch.Tensor
     """[rows, width] fp32: each token's probability divided by its row's largest."""
+    flat: torch.Tensor | None = None
+    """[rows] bool or None: rows left out of the head (`split_flat`), drawn by rejection."""
 
 
 def _filter_flags(
@@ -461,6 +585,7 @@ def _filter_head(
     max_top_k: int,
     scratch: torch.Tensor | None,
     width_cap: int | None = None,
+    split_flat: bool = False,
 ) -> tuple[_Head, torch.Tensor | None]:
     """What top-k, then top-p, then min-p keep of each row of `z` (logits / temperature).
 
@@ -485,6 +610,11 @@ def _filter_head(
     head are done: a top-p row whose head holds top_p of the mass, a min-p row whose last
     head token is below min_p. The rows left over are returned as a mask (None when there
     are none) for a second, uncapped head of their own.
+
+    With `split_flat` (and a `width_cap`), rows without top-k whose head could exceed a
+    quarter of the vocabulary and whose cut is not within their `width_cap` best tokens
+    (flat rows: only a full sort would order them) are marked in `head.flat` for
+    `_draw_nucleus`. Which rows are flat depends on each row alone, never on its batch.
     """
     vocab = z.shape[1]
     use_k: torch.Tensor | None = None
@@ -503,6 +633,7 @@ def _filter_head(
         counted = counted & ~use_k
     total = None  # the sum of rel_probs over the whole row, for top-p rows without top-k
     num_candidates = None
+    flat_rows: torch.Tensor | None = None
     if counted is not None and bool(counted.any()):
         rel = torch.sub(z, z.amax(dim=-1, keepdim=True), out=scratch).exp_()
         total = rel.sum(dim=-1, keepdim=True)
@@ -555,7 +686,21 @@ def _filter_head(
     drop[:, 0] = False
     if min_p is not None:
         drop |= rel_probs < min_p.unsqueeze(1)
-    head = _Head(order=order, drop=drop, rel_probs=rel_probs)
+    if split_flat and width_cap is not None and num_candidates is not None and counted is not None:
+        flat = counted & (num_candidates > vocab // 4)
+        if bool(flat.any()):
+            # ... unless the cut falls within their `width_cap` best tokens (the head holds
+            # at least those: their need was capped there), as for `wider` below.
+            cap = min(width_cap, width)
+            inside = torch.zeros_like(flat)
+            if total is not None and top_p is not None and use_p is not None:
+                cap_mass = rel_probs[:, :cap].sum(dim=-1) / total.squeeze(1)
+                inside |= use_p & (cap_mass >= top_p + _CUT_MARGIN)
+            if min_p is not None and use_m is not None:
+                inside |= use_m & (rel_probs[:, cap - 1] < min_p * (1.0 - _CUT_MARGIN))
+            flat &= ~inside
+            flat_rows = flat if bool(flat.any()) else None
+    head = _Head(order=order, drop=drop, rel_probs=rel_probs, flat=flat_rows)
     if num_candidates is None or counted is None or width == vocab:
         return head, None
     wider = counted & (num_candidates > width)

@@ -14,17 +14,43 @@ bound. Guards: dynamo would check every parameter and module attribute on every 
 (~3,700 guards, ~3 ms a step); the model does not change between steps, so only the
 inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk cache
 (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
-generated code, so a later start skips code generation and C++ builds; dynamo's trace and
-AOT's graph preparation still run each start (~50 s for SmolLM2 on 2 cores, measured).
+generated code, so a later start skips code generation and C++ builds.
+
+The compile cache (`CompileCache`): dynamo's trace is kept too, with torch's caching
+precompile (a dynamo package per compiled function, its graphs and the AOT-autograd/inductor
+artefacts they call), in a folder of its own per key under `<pagemill cache>/compiled/`.
+The key is everything that changes the graph: the model's structure (every module's type
+and plain attributes, every tensor's name, shape, dtype and layout: weights formats
+included), its config, dtype, the engine limits and KV pool shape, torch and Python
+versions, the CPU's features and pagemill's own source. Weights' values are not in the
+key: without `freezing` they are inputs of the graph, not constants (freezing's prepacked
+oneDNN weights bypass AOT autograd's cache, so a cached start compiles without it). A
+warm start loads the package instead of tracing; an entry that fails to load is logged,
+removed and rebuilt.
+
+Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`) until its step speed is compared with the
+frozen graph's on a quiet machine. Measured on the shared 2-core box (December 2026):
+SmolLM2 `LLM()` 85-207 s cold, 9.0-10.0 s warm (same tokens); a warm process's batch-1
+step 6.6-7.2 ms when the box was quiet, against 7.4 ms for the frozen graph in another
+run; but the same process later measured 20-490 ms per step as other jobs loaded the box,
+and one unfrozen run's step table (36 / 127 / 244 ms at batch 1 / 16 / 64, load ~3) was
+~5x the frozen run's (7.4 / 21 / 51 ms, an hour earlier): not comparable. To decide, run
+`benchmarks/throughput.py --modes gguf --step-batch-sizes 1,16,64,256` twice back to back,
+with and without `PAGEMILL_COMPILE_CACHE=1`, on an idle machine.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
 import shutil
+import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +60,10 @@ logger = logging.getLogger(__name__)
 # Set (to 1) to make `enforce_eager` the default, e.g. for a test suite that builds many
 # engines and only wants to pay for compilation in the tests about it.
 ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
+# Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache.
+COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
+# Bump when what a cache entry holds, or how it is keyed, changes.
+_CACHE_FORMAT = 1
 
 _INPUTS = ("input_ids", "positions", "meta")
 
@@ -82,17 +112,193 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return types.MethodType(private, model)
 
 
-def compile_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
-    from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
-
+def _set_inductor_cache_dir() -> None:
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         from pagemill.runtime.model_executor.default_model import cache_dir
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+
+
+def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[..., torch.Tensor]:
+    """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
+    from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
+
+    _set_inductor_cache_dir()
     return torch.compile(
         _private_forward(model),
         dynamic=True,
         fullgraph=True,
-        options={"freezing": True, "guard_filter_fn": _keep_input_guards},
+        options={"freezing": freezing, "guard_filter_fn": _keep_input_guards},
     )
+
+
+# ---- the compile cache ---------------------------------------------------------------------
+
+def compile_cache_enabled() -> bool:
+    """Opt-in (`PAGEMILL_COMPILE_CACHE=1`) for now: a cached graph is compiled without
+    `freezing`, and its step speed against the frozen graph's is not settled yet (see the
+    module docstring)."""
+    return os.environ.get(COMPILE_CACHE_ENV, "0") == "1"
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _tensor_sig(t: torch.Tensor) -> list[Any]:
+    return [list(t.shape), list(t.stride()), str(t.dtype), t.device.type, t.layout.__repr__(),
+            type(t).__name__]
+
+
+def model_signature(model: torch.nn.Module) -> list[Any]:
+    """What of `model` a compiled graph depends on: per module its type, plain attributes
+    (formats, flags, sizes) and tensors' metadata (parameters, buffers and plain tensor
+    attributes such as KV caches and packed weights); never the tensors' values."""
+    sig: list[Any] = []
+    for name, module in model.named_modules():
+        attrs: list[Any] = []
+        for key, value in sorted(vars(module).items()):
+            if key in ("_parameters", "_buffers"):
+                for pname, p in sorted(value.items()):
+                    attrs.append([key, pname, None if p is None else _tensor_sig(p)])
+            elif key == "_modules" or key.startswith("__"):
+                continue
+            elif isinstance(value, torch.Tensor):
+                attrs.append([key, _tensor_sig(value)])
+            elif _plain(value):
+                attrs.append([key, repr(value)])
+            elif isinstance(value, (tuple, list)) and value and all(
+                    isinstance(v, torch.Tensor) for v in value):
+                attrs.append([key, [_tensor_sig(v) for v in value]])
+            else:
+                attrs.append([key, type(value).__qualname__])
+        sig.append([name, type(module).__module__ + "." + type(module).__qualname__, attrs])
+    return sig
+
+
+# The runtime's sources the forward's graph is traced from (the kernels package: all of it).
+_GRAPH_SOURCES = ("models", "layers", "quantization", "distributed", "attention_metadata.py",
+                  "compilation.py")
+
+
+def _source_digest() -> str:
+    """The source the graph is traced from: editing it may change the graph."""
+    import pagemill.kernels
+    import pagemill.runtime
+
+    paths: list[tuple[str, Path]] = []
+    for root in map(Path, pagemill.kernels.__path__):
+        paths += [(f"kernels/{p.relative_to(root)}", p) for p in root.rglob("*.py")]
+    for root in map(Path, pagemill.runtime.__path__):
+        for name in _GRAPH_SOURCES:
+            top = root / name
+            found = [top] if top.is_file() else sorted(top.rglob("*.py"))
+            paths += [(f"runtime/{p.relative_to(root)}", p) for p in found]
+    h = hashlib.sha256()
+    for rel, path in sorted(paths):
+        h.update(rel.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _cpu_flags() -> str:
+    from pagemill.runtime.worker.cpu_features import _cpuinfo_flags
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    return " ".join(sorted(_cpuinfo_flags(text)))
+
+
+def compile_cache_key(model: torch.nn.Module, settings: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The key of a compiled forward (hex digest) and what it was computed from."""
+    parts = {
+        "format": _CACHE_FORMAT,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpu": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
+        "threads": torch.get_num_threads(),
+        "pagemill_source": _source_digest()[:16],
+        "settings": {k: repr(v) for k, v in sorted(settings.items())},
+        "model": hashlib.sha256(json.dumps(model_signature(model)).encode()).hexdigest()[:16],
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    return key, parts
+
+
+class CompileCache:
+    """One key's folder of compiled artefacts; `session()` wraps a compilation.
+
+    Inside `session()`, `torch.compile` creates a dynamo package for the forward; the first
+    call of each graph either loads it from this folder (no trace) or traces and compiles,
+    and `save()` writes what was compiled. `loaded` says whether the package came from here.
+    """
+
+    def __init__(self, root: Path, key: str, parts: dict[str, Any]) -> None:
+        self.folder = root / key[:32]
+        self.key = key
+        self.parts = parts
+        self.loaded = False
+        self._hits = 0
+
+    @staticmethod
+    def root() -> Path:
+        from pagemill.runtime.worker.default_model import cache_dir
+
+        return cache_dir() / "compiled"
+
+    def _counters(self) -> dict[str, int]:
+        from torch._dynamo.utils import counters
+
+        return counters["dynamo_cache"]
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[CompileCache]:
+        from torch._dynamo import package
+        from torch._dynamo.precompile_context import PrecompileContext
+
+        _set_inductor_cache_dir()
+        store = package.DynamoCache
+        dynamo_dir = str(self.folder / "dynamo")
+        # The store's folder is this key's: a package is found by its function's name and
+        # line only, which every model shares.
+        store.path_prefix = lambda: dynamo_dir  # type: ignore[method-assign]
+        PrecompileContext.clear()
+        before = dict(self._counters())
+        try:
+            with torch._dynamo.config.patch(caching_precompile=True):
+                yield self
+        finally:
+            del store.path_prefix  # back to the class's own
+            after = self._counters()
+            self.loaded = after.get("dynamo_cache_hit", 0) > before.get("dynamo_cache_hit", 0)
+            if after.get("dynamo_cache_error", 0) > before.get("dynamo_cache_error", 0):
+                logger.warning("compile cache: the entry in %s failed to load (see above); "
+                               "it was compiled again and is rewritten", self.folder)
+
+    def save(self) -> None:
+        """Write the packages compiled in this session (call inside `session()`)."""
+        from torch._dynamo.precompile_context import PrecompileContext
+
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            PrecompileContext.save_to_dynamo_cache()
+            tmp = self.folder / "key.json.tmp"
+            tmp.write_text(json.dumps({"key": self.key, **self.parts}, indent=1))
+            tmp.replace(self.folder / "key.json")
+        except Exception:
+            logger.warning("compile cache: could not save to %s; the next start compiles "
+                           "again", self.folder, exc_info=True)
+        finally:
+            PrecompileContext.clear()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)

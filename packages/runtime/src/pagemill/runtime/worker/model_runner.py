@@ -21,12 +21,17 @@ import torch
 from pagemill.kernels import plan_attention
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
-from pagemill.runtime.model_executor.layers import packed_row_limits
+from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
-from pagemill.runtime.worker.compilation import compile_forward
+from pagemill.runtime.worker.compilation import (
+    CompileCache,
+    compile_cache_enabled,
+    compile_cache_key,
+    compile_forward,
+)
 from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
 from pagemill.runtime.worker.decode_padding import graph_buckets
 from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
@@ -120,6 +125,9 @@ class ModelRunner:
         self.last_forward_s = 0.0
         self._forward: Callable[..., torch.Tensor] = model.forward
         self.compiled = False
+        # The compile cache of the last `compile()` (None when off) and whether it loaded.
+        self.compile_cache: CompileCache | None = None
+        self.compile_cache_loaded = False
         # CUDA graphs of pure-decode steps (see `cuda_graphs`); None runs every step eagerly.
         self.graphs: DecodeGraphs | None = None
         # Set by the engine before the pool is sized: capture graphs once the pool exists.
@@ -130,14 +138,62 @@ class ModelRunner:
 
         Every graph (one token; any other count; each side of a packed layer's dense
         switch, see `packed_row_limits`) is compiled on a throwaway single-request step, so
-        no request ever waits for a compilation.
+        no request ever waits for a compilation. With the compile cache on, a start whose
+        key was compiled before loads the graphs instead (`compile_cache_loaded`); an entry
+        that breaks is logged, removed and compiled again.
         """
         start = time.perf_counter()
-        self._forward = compile_forward(self.model)
+        self.compile_cache = None
+        self.compile_cache_loaded = False
+        if not compile_cache_enabled():
+            self._forward = compile_forward(self.model)
+            self._warm_up_graphs()
+            return time.perf_counter() - start
+        for module in self.model.modules():  # see Linear.opaque_packed
+            if isinstance(module, Linear):
+                module.opaque_packed = True
+        key, parts = compile_cache_key(self.model, self.compile_settings())
+        cache = self.compile_cache = CompileCache(CompileCache.root(), key, parts)
+        existed = (cache.folder / "dynamo").is_dir()
+        logger.info("compile cache: %s entry %s (%s)", "loading" if existed else "no",
+                    cache.folder, "warm start" if existed else "cold start: tracing and compiling")
+        try:
+            with cache.session():
+                self._forward = compile_forward(self.model, freezing=False)
+                self._warm_up_graphs()
+                if not cache.loaded:
+                    cache.save()
+        except Exception:
+            if not existed:
+                raise
+            logger.warning("compile cache: the entry in %s broke the compilation; removing it "
+                           "and compiling again", cache.folder, exc_info=True)
+            cache.discard()
+            with cache.session():
+                self._forward = compile_forward(self.model, freezing=False)
+                self._warm_up_graphs()
+                cache.save()
+        self.compile_cache_loaded = cache.loaded
+        return time.perf_counter() - start
+
+    def compile_settings(self) -> dict[str, object]:
+        """The runner's settings that enter the compiled graph (for the compile cache's key)."""
+        return {
+            "model_config": self.model_config, "dtype": self.dtype, "device": self.device.type,
+            "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+            "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
+            "packed_row_limits": packed_row_limits(self.model),
+        }
+
+    def _warm_up_graphs(self) -> None:
         self.compiled = True
         counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
         longest = min(self.max_num_batched_tokens, self.max_model_len)
-        for num_tokens in sorted(n for n in counts if n <= longest):
+        todo = sorted(n for n in counts if n <= longest)
+        for i, num_tokens in enumerate(todo):
+            t0 = time.perf_counter()
             batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
             saved = self.input_batch, self.requests
             self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
@@ -146,7 +202,8 @@ class ModelRunner:
                 self.execute_model(batch)
             finally:
                 self.input_batch, self.requests = saved
-        return time.perf_counter() - start
+            logger.info("compile: graph %d/%d (a %d-token step) ready in %.1f s", i + 1,
+                        len(todo), num_tokens, time.perf_counter() - t0)
 
     # ---- KV cache ------------------------------------------------------------------------
 

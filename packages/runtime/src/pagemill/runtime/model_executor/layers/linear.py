@@ -71,6 +71,10 @@ class Linear(nn.Module):
     #   dense side is a plain mm and the graph fuses less around the conds: SmolLM2 decode
     #   steps measured 1.2-1.7x slower than "guard" (4 rows 26 vs 15 ms, 64 rows 121 vs 102).
     compiled_branch = "guard"
+    # Packed matmuls as opaque ops (PyTorch's own CPU kernels) in a graph compiled for the
+    # compile cache, which compiles without `freezing`: unfrozen, inductor lowers them
+    # through `quantized::int4mm_packed_weight_cpu` instead (see `compilation`'s status).
+    opaque_packed = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -232,14 +236,16 @@ class Linear(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
+        opaque = self.opaque_packed and torch.compiler.is_compiling()
         if self.format == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(xk.contiguous(), self.qweight, self.scales)
+            mm8 = torch.ops.pagemill.weight_int8pack_mm if opaque else torch.ops.aten._weight_int8pack_mm
+            y = mm8(xk.contiguous(), self.qweight, self.scales)
         else:
             if self.int4_planes == 2:
                 xk = torch.cat([xk, xk], dim=-1)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xk.contiguous(), self.qweight, self.group_size, self.scales_and_zeros
-            )
+            mm4 = (torch.ops.pagemill.weight_int4pack_mm if opaque
+                   else torch.ops.aten._weight_int4pack_mm_for_cpu)
+            y = mm4(xk.contiguous(), self.qweight, self.group_size, self.scales_and_zeros)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -253,3 +259,28 @@ def packed_row_limits(model: nn.Module) -> list[int]:
     return sorted({m.packed_max_tokens for name, m in model.named_modules()
                    if isinstance(m, Linear) and m.has_dense_fallback
                    and not name.startswith("logits_proj")})  # the LM head runs outside forward()
+
+
+@torch.library.custom_op("pagemill::weight_int4pack_mm", mutates_args=())
+def _opaque_int4pack_mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
+                        scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """PyTorch's int4 CPU kernel, opaque to inductor (see `Linear.opaque_packed`)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)
+
+
+@_opaque_int4pack_mm.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
+      scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
+
+
+@torch.library.custom_op("pagemill::weight_int8pack_mm", mutates_args=())
+def _opaque_int8pack_mm(x: torch.Tensor, qweight: torch.Tensor,
+                        scales: torch.Tensor) -> torch.Tensor:
+    """PyTorch's int8 CPU kernel, opaque to inductor (see `Linear.opaque_packed`)."""
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+
+
+@_opaque_int8pack_mm.register_fake
+def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])

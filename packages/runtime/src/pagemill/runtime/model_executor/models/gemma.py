@@ -103,7 +103,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids) * self.embed_scale
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        layers = self.layers
+        for i in range(len(layers)):  # by index: see LlamaForCausalLM.forward
+            layer = layers[i]
             cos_sin = self.cos_sin_local if layer.is_sliding else self.cos_sin
             x, residual = layer(positions, x, residual, cos_sin, meta)
         x, _ = self.norm(x, residual)

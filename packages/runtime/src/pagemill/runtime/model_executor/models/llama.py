@@ -239,8 +239,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.cos_sin, meta)
+        # By index, not `for layer in self.layers`: iterating a ModuleList makes dynamo
+        # guard on its dict's key order, a guard that cannot be rebuilt when a compiled
+        # graph is loaded from the compile cache (`compilation`).
+        layers = self.layers
+        for i in range(len(layers)):
+            x, residual = layers[i](positions, x, residual, self.cos_sin, meta)
         x, _ = self.norm(x, residual)
         return x
 
