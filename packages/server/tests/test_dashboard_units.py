@@ -254,3 +254,29 @@ def test_the_hub_keeps_the_newest_picture_and_names_what_happened() -> None:
     hub.publish_snapshot(pic(4.0, 1))
     assert hub.latest is not None and hub.latest["t"] == 4.0
     assert [(e["kind"], e["count"], e["ids"]) for e in hub.events] == [("preempt", 1, ["x"])]
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_prompts_are_joined_on_the_api_side_only_when_asked(show: bool) -> None:
+    """The engine core holds no text (a picture from a core process has ids only): with
+    --dashboard-show-prompts the hub adds each row's prompt from the front end."""
+    from pagemill.server.dashboard import DashboardHub
+
+    s = _scheduler()
+    s.add_request(Request("r-1", [*PREFIX, 7], max_tokens=4, ignore_eos=True))
+    s.add_request(Request("r-2", [*PREFIX, 8], max_tokens=4, ignore_eos=True))
+    _step(s)
+    picture = snapshot_scheduler(s, now=1.0)  # what the core sends: no prompt text
+    assert all("prompt" not in row for row in picture["running"] + picture["waiting"])
+    prompts = {"r-1": "the first prompt " * 40, "r-2": None}  # r-2 was sent as token ids
+    client = SimpleNamespace(prompt_of=prompts.get, dashboard_watchers=LocalWatchers())
+    hub = DashboardHub(DashboardSettings(show_prompts=show))
+    hub.attach(client)
+    hub.publish_snapshot(picture)
+    assert hub.latest is not None
+    rows = {row["id"]: row for row in hub.latest["running"] + hub.latest["waiting"]}
+    if show:
+        assert rows["r-1"]["prompt"] == prompts["r-1"][:240]
+    else:
+        assert "prompt" not in rows["r-1"]
+    assert "prompt" not in rows["r-2"]
