@@ -28,7 +28,7 @@ from pagemill.kernels.rotary import (
     rope_cos_sin,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "AttentionPlan",
