@@ -17,16 +17,14 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 def register_opaque(cls: type) -> bool:
     """Register `cls` as a symbolic opaque type; False when this torch cannot."""
     try:
-        from torch._library.opaque_object import register_custom_class
-    except ImportError:  # pragma: no cover - older torch
-        register_custom_class = None
-    try:
-        if register_custom_class is not None:
-            register_custom_class(cls, typ="symbolic")
-            return True
-        from torch._library.opaque_object import register_opaque_type  # pragma: no cover
+        try:
+            from torch._library.opaque_object import register_custom_class
+        except ImportError:  # pragma: no cover - older torch
+            from torch._library.opaque_object import register_opaque_type
 
-        register_opaque_type(cls, typ="reference")  # pragma: no cover
-        return True  # pragma: no cover
+            register_opaque_type(cls, typ="reference")
+            return True
+        register_custom_class(cls, typ="symbolic")
+        return True
     except (ImportError, TypeError, ValueError, AttributeError):  # pragma: no cover
         return False

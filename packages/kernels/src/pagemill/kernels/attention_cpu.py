@@ -127,7 +127,7 @@ def plan_torch(
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
     decode_seqs = np.flatnonzero(is_decode)
-    decode: tuple[DecodeChunk, ...] = ()
+    decode = ()
     native_decode = None
     if decode_seqs.size:
         rows = torch.from_numpy(starts[decode_seqs]).to(dev)

@@ -29,6 +29,7 @@ def _inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | Non
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) or "default"
     if rope_type == "default":
         return inv_freq
+    assert rope_scaling is not None  # a non-default rope_type came from it
     if rope_type == "linear":
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":

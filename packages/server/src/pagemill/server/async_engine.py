@@ -36,11 +36,12 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 from pagemill.runtime.engine.core_client import (
+    CoreObserver,
     EngineCoreClient,
     EngineDeadError,
     MPClient,
@@ -53,6 +54,7 @@ from pagemill.runtime.engine.protocol import EngineCoreOutputs, FinishReason, Sc
 if TYPE_CHECKING:
     from pagemill.runtime import LLMEngine
     from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.engine.input_processor import InputProcessor
     from pagemill.runtime.engine.model_assets import ModelAssets
     from pagemill.runtime.engine.output_processor import OutputProcessor
@@ -60,6 +62,10 @@ if TYPE_CHECKING:
     from pagemill.runtime.outputs import RequestOutput
     from pagemill.runtime.sampling_params import SamplingParams
     from pagemill.server.dashboard import DashboardSettings
+    from pagemill.server.dashboard.tap import WatcherCount
+
+    # What a request's queue carries: its outputs, then possibly the error that ended it.
+    QueueItem: TypeAlias = RequestOutput | BaseException
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +92,7 @@ class StepObserver(Protocol):
     no step. Called on the front end's output thread.
     """
 
-    def on_step(self, engine: Any, step_seconds: float | None = None) -> None: ...
+    def on_step(self, engine: StatsView, step_seconds: float | None = None) -> None: ...
 
 
 class StepObservers:
@@ -96,7 +102,7 @@ class StepObservers:
     def __init__(self, *observers: StepObserver) -> None:
         self.observers = observers
 
-    def on_step(self, engine: Any, step_seconds: float | None = None) -> None:
+    def on_step(self, engine: StatsView, step_seconds: float | None = None) -> None:
         for observer in self.observers:
             try:
                 observer.on_step(engine, step_seconds)
@@ -119,22 +125,22 @@ class StatsView:
 class _Tracked:
     """Where the outputs of one live request go."""
 
-    out_queue: asyncio.Queue[Any]
+    out_queue: asyncio.Queue[QueueItem]
     loop: asyncio.AbstractEventLoop
 
 
-def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+def _put_all(batch: list[tuple[asyncio.Queue[QueueItem], QueueItem]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
 
 
-def deliver(items: Iterable[tuple[_Tracked, Any]]) -> None:
+def deliver(items: Iterable[tuple[_Tracked, QueueItem]]) -> None:
     """Hand items to their queues: one wake-up of each event loop, however many items.
 
     Thread-safe and never blocking: the loop runs the puts when it gets to them. A loop
     that is gone (server shut down mid-request) has nobody left to tell.
     """
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[QueueItem], QueueItem]]] = {}
     for tracked, item in items:
         by_loop.setdefault(tracked.loop, []).append((tracked.out_queue, item))
     for loop, batch in by_loop.items():
@@ -192,7 +198,7 @@ class AsyncEngine:
             max_workers=1, thread_name_prefix="pagemill-tokenizer")
         # With a dashboard: how many pages watch (shared with a core process), and where
         # its pictures go.
-        self.dashboard_watchers: Any = None
+        self.dashboard_watchers: WatcherCount | None = None
         self.on_dashboard: Callable[[dict[str, Any]], None] | None = None
         client.on_event = self._on_event
         self._output_thread = threading.Thread(target=self._output_loop,
@@ -342,9 +348,9 @@ class AsyncEngine:
     # ------------------------------------------------------------ requests
 
     async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, *, out_queue: asyncio.Queue[Any] | None = None,
+                          params: SamplingParams, *, out_queue: asyncio.Queue[QueueItem] | None = None,
                           priority: int = 0, cache_salt: str | None = None,
-                          arrival_time: float | None = None) -> asyncio.Queue[Any]:
+                          arrival_time: float | None = None) -> asyncio.Queue[QueueItem]:
         """Validate a request (off the event loop) and hand it to the core; its outputs
         arrive on the returned queue.
 
@@ -367,7 +373,7 @@ class AsyncEngine:
             self._num_slots += slots
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Any] = out_queue if out_queue is not None else asyncio.Queue()
+        q: asyncio.Queue[QueueItem] = out_queue if out_queue is not None else asyncio.Queue()
         admit = functools.partial(self._admit, request_id, prompt, params, priority, cache_salt,
                                   arrival, _Tracked(q, loop))
         done = self.input_pool.submit(admit)
@@ -430,8 +436,8 @@ class AsyncEngine:
         if not finished:
             self.abort(request_id)
 
-    async def stream(self, out_queue: asyncio.Queue[Any], request_ids: Sequence[str]
-                     ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, out_queue: asyncio.Queue[QueueItem], request_ids: Sequence[str]
+                     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished.
 
         Leaving early (an exception, a cancelled task, a closed generator) aborts the ones
@@ -463,7 +469,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ calls into the core
 
-    def submit(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    def submit(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         """Run `fn(engine_core)` between steps (thread-safe; for stats, tests, the
         dashboard). With a core process, `fn` and its result must pickle."""
         error = self._stopped_error()
@@ -473,10 +479,10 @@ class AsyncEngine:
             return fut
         return self.client.call(fn)
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
         return await asyncio.wrap_future(self.submit(fn))
 
-    def attach_core_observer(self, observer: Any) -> bool:
+    def attach_core_observer(self, observer: CoreObserver) -> bool:
         """Have `observer.poll(core)` run after each step in the core's own thread (a
         dashboard tap); False when the core runs in a process (pass it at `launch`)."""
         if isinstance(self.client, ThreadedClient):
@@ -484,7 +490,7 @@ class AsyncEngine:
             return True
         return False
 
-    def _on_event(self, kind: str, payload: Any) -> None:
+    def _on_event(self, kind: str, payload: dict[str, Any]) -> None:
         callback = self.on_dashboard
         if kind == "dashboard" and callback is not None:
             callback(payload)

@@ -23,6 +23,7 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ def _children_allowed() -> Iterator[None]:
 class TensorParallelWorkers:
     """The other ranks as rank 0 sees them, and the group they share."""
 
-    def __init__(self, tp: TensorParallelGroup, processes: list[multiprocessing.Process],
+    def __init__(self, tp: TensorParallelGroup, processes: list[BaseProcess],
                  threads: int | None = None) -> None:
         self.tp = tp
         self.processes = processes
@@ -107,7 +108,7 @@ class TensorParallelWorkers:
         store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
                               wait_for_workers=False)
         ctx = torch_mp.get_context("spawn")
-        processes: list[multiprocessing.Process] = []
+        processes: list[BaseProcess] = []
         try:
             with _children_allowed():
                 first_gpu = device.index or 0  # rank r on the r-th GPU from rank 0's
@@ -201,7 +202,7 @@ class TensorParallelWorkers:
             torch.set_num_threads(self._saved_threads)
 
 
-def _wait_check_in(store: dist.TCPStore, processes: list[multiprocessing.Process]) -> None:
+def _wait_check_in(store: dist.TCPStore, processes: list[BaseProcess]) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     for rank, p in enumerate(processes, start=1):
         while not store.check([CHECK_IN_KEY.format(rank=rank)]):
@@ -214,7 +215,7 @@ def _wait_check_in(store: dist.TCPStore, processes: list[multiprocessing.Process
             time.sleep(0.02)
 
 
-def _kill(processes: list[multiprocessing.Process]) -> None:
+def _kill(processes: list[BaseProcess]) -> None:
     for p in processes:
         if p.is_alive():
             p.terminate()

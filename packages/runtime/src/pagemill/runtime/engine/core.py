@@ -330,7 +330,10 @@ class EngineCore:
         its first-scheduled time and prefix hit for the front end's metrics."""
         outputs = []
         for u in updates:
-            reason = FINISH_REASONS[u.finish_reason] if u.finished else None
+            reason = None
+            if u.finished:
+                assert u.finish_reason is not None  # a finished update names its reason
+                reason = FINISH_REASONS[u.finish_reason]
             out = EngineCoreOutput(u.request_id, u.new_token_ids, reason, u.stop_reason,
                                    None if logprobs is None else logprobs.get(u.request_id))
             record = records.get(u.request_id)

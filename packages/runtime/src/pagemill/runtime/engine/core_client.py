@@ -75,7 +75,16 @@ class CoreObserver(Protocol):
     """Looks at the core after each step, in the core's own thread or process (the
     dashboard's picture tap): returns plain data to send to the front end, or None."""
 
-    def poll(self, core: Any) -> dict[str, Any] | None: ...
+    def poll(self, core: EngineCore) -> dict[str, Any] | None: ...
+
+
+class Heartbeat(Protocol):
+    """[steps run, end of the last step, start of the running one]: a list on a thread, a
+    shared `RawArray("d", 3)` for a process."""
+
+    def __getitem__(self, index: int, /) -> float: ...
+
+    def __setitem__(self, index: int, value: float, /) -> None: ...
 
 
 class EngineCoreClient(ABC):
@@ -84,7 +93,7 @@ class EngineCoreClient(ABC):
     info: EngineCoreReady
     # Called with (kind, payload) for each `EngineCoreEvent` (a dashboard picture), on the
     # thread that receives it.
-    on_event: Callable[[str, Any], None] | None = None
+    on_event: Callable[[str, dict[str, Any]], None] | None = None
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
@@ -98,7 +107,7 @@ class EngineCoreClient(ABC):
         """The next outputs (None if `timeout` passed first); raises EngineDeadError."""
 
     @abstractmethod
-    def call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         """Run `fn(core)` between steps. A process client pickles `fn` (a module-level
         function or a `functools.partial` of one) and its result."""
 
@@ -160,7 +169,7 @@ class InprocClient(EngineCoreClient):
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         try:
             fut.set_result(fn(self.engine_core))
@@ -183,8 +192,12 @@ class InprocClient(EngineCoreClient):
 class _LocalCall:
     """A utility call within one process: the function and future as they are."""
 
-    fn: Callable[[Any], Any]
+    fn: Callable[[EngineCore], Any]
     future: concurrent.futures.Future[Any]
+
+
+# What the core's loop takes from its command channel.
+Command = Message | _LocalCall
 
 
 class EngineCoreLoop:
@@ -198,8 +211,8 @@ class EngineCoreLoop:
     written after every step for a watchdog to read without any message.
     """
 
-    def __init__(self, core: EngineCore, recv: Callable[[bool], Any],
-                 send: Callable[[Message], None], heartbeat: Any,
+    def __init__(self, core: EngineCore, recv: Callable[[bool], Command | None],
+                 send: Callable[[Message], None], heartbeat: Heartbeat,
                  observer: CoreObserver | None = None) -> None:
         self.core = core
         self.recv = recv
@@ -249,7 +262,7 @@ class EngineCoreLoop:
                 if payload is not None:
                     self.send(EngineCoreEvent("dashboard", payload))
 
-    def _apply(self, msg: Any) -> None:
+    def _apply(self, msg: Command) -> None:
         core = self.core
         if isinstance(msg, EngineCoreRequest):
             try:
@@ -336,7 +349,7 @@ class _LoopClient(EngineCoreClient):
             self._dead_event.set()
             self._outputs.put(_Dead(error))
 
-    def _emit_event(self, kind: str, payload: Any) -> None:
+    def _emit_event(self, kind: str, payload: dict[str, Any]) -> None:
         callback = self.on_event
         if callback is not None:
             try:
@@ -353,7 +366,7 @@ class ThreadedClient(_LoopClient):
         super().__init__()
         self.engine_core = core
         self.info = core.ready_message()
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.heartbeat = [0.0, 0.0, 0.0]
         self._loop = EngineCoreLoop(core, self._recv, self._send, self.heartbeat, observer)
         core.on_worker_failure(self._die)
@@ -364,7 +377,7 @@ class ThreadedClient(_LoopClient):
         """Look at the core after each step from now on (the loop reads it each step)."""
         self._loop.observer = observer
 
-    def _recv(self, block: bool) -> Any:
+    def _recv(self, block: bool) -> Command | None:
         if block:
             return self._commands.get()
         try:
@@ -409,7 +422,7 @@ class ThreadedClient(_LoopClient):
                        reason: FinishReason = FinishReason.ABORT) -> None:
         self._commands.put(AbortRequests(list(request_ids), reason))
 
-    def call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         error = self._stopped()
         if error is not None:
@@ -448,7 +461,7 @@ class ThreadedClient(_LoopClient):
 ENGINE_GOMP_SPINCOUNT = "20000"
 
 
-def default_engine_threads(config: Any, own_process: bool = True) -> int | None:
+def default_engine_threads(config: EngineConfig, own_process: bool = True) -> int | None:
     """Torch threads for a served CPU engine: one per usable core in an engine process, one
     per core but one on a thread of the server process (`own_process=False`).
 
@@ -526,7 +539,7 @@ class _PipeSender:
 
 
 def run_engine_core(commands: Connection, outputs: Connection, config: EngineConfig,
-                    engine_threads: int | None, log_level: int, heartbeat: Any,
+                    engine_threads: int | None, log_level: int, heartbeat: Heartbeat,
                     observer_factory: Callable[[], CoreObserver] | None = None) -> None:
     """Entry point of an engine-core process (spawned: nothing is inherited but these)."""
     # Ctrl-C reaches the whole process group: the front end decides when to stop.
@@ -659,7 +672,7 @@ class MPClient(_LoopClient):
         if self._stopped() is None:
             self._write(AbortRequests(list(request_ids), reason))
 
-    def call(self, fn: Callable[[Any], T]) -> concurrent.futures.Future[T]:
+    def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         error = self._stopped()
         if error is not None:

@@ -155,7 +155,7 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, tag="event"):
     picture): `kind` names it, `payload` is plain data."""
 
     kind: str
-    payload: Any
+    payload: dict[str, Any]
 
 
 Message = (EngineCoreRequest | EngineCoreOutputs | AbortRequests | UtilityCall | UtilityResult

@@ -244,7 +244,7 @@ def ensure_dense_weights(folder: Path, gguf: Path | None = None) -> Path:
         )
         # The weights are plain tensors now; a config that still names the GGUF quantizer
         # would make every later load try to dequantize again.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # set by transformers, undeclared
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp), safe_serialization=True)

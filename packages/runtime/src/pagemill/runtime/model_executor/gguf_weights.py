@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +100,7 @@ def read_gguf_tensor(kind: int, shape: tuple[int, ...], raw: np.ndarray) -> torc
     k = shape[-1]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     raw = raw.reshape(rows, -1)
-    decoders = {
+    decoders: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, int, int], QuantizedRows]] = {
         gguf.GGMLQuantizationType.Q4_0: decode_q4_0,
         gguf.GGMLQuantizationType.Q4_1: decode_q4_1,
         gguf.GGMLQuantizationType.Q8_0: decode_q8_0,
@@ -112,8 +112,8 @@ def read_gguf_tensor(kind: int, shape: tuple[int, ...], raw: np.ndarray) -> torc
     if qtype in plain:
         values = torch.from_numpy(np.array(raw, copy=True).view(plain[qtype])).reshape(shape)
         return values.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else values
-    values = gguf.quants.dequantize(raw, qtype)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+    dequantized = gguf.quants.dequantize(raw, qtype)
+    return torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32)).reshape(shape)
 
 
 _INDEX_VERSION = 1

@@ -251,7 +251,7 @@ class CompileCache:
 
     @staticmethod
     def root() -> Path:
-        from pagemill.runtime.worker.default_model import cache_dir
+        from pagemill.runtime.model_executor.default_model import cache_dir
 
         return cache_dir() / "compiled"
 

@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,11 +45,20 @@ from pagemill.kernels.attention import Backend
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
 from pagemill.runtime.worker.decode_padding import DecodeLayout, bucket_for, pad_decode
 
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
 logger = logging.getLogger(__name__)
 
 # hidden = forward(input_ids, positions, meta); logits = compute_logits(hidden)
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 Logits = Callable[[torch.Tensor], torch.Tensor]
+
+
+def cache_shape(k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """A K cache's shape [blocks, block_size, kv_heads, head_dim], as the planner takes it."""
+    blocks, block_size, heads, head_dim = k_cache.shape
+    return blocks, block_size, heads, head_dim
 
 
 @dataclass(slots=True)
@@ -70,7 +80,7 @@ class BucketInputs:
 
     @classmethod
     def create(cls, bucket: int, table_width: int, device: torch.device,
-               k_cache_shape: tuple[int, ...], num_heads: int, dtype: torch.dtype,
+               k_cache_shape: tuple[int, int, int, int], num_heads: int, dtype: torch.dtype,
                backend: Backend | None = None) -> BucketInputs:
         """Buffers with every row padded (no KV read or written) and the bucket's plan."""
         layout = DecodeLayout(bucket, table_width)
@@ -84,7 +94,7 @@ class BucketInputs:
         tables = buf[o[5]:o[6]].view(bucket, table_width)
         # Host lengths only satisfy the planner's checks; the Triton plan reads shapes only.
         plan = plan_attention(
-            qsl, lens, tables, k_cache_shape=tuple(k_cache_shape), num_heads=num_heads,
+            qsl, lens, tables, k_cache_shape=k_cache_shape, num_heads=num_heads,
             dtype=dtype, query_lens=np.ones(bucket, dtype=np.int64),
             context_lens=np.ones(bucket, dtype=np.int64), backend=backend,
         )
@@ -138,7 +148,7 @@ class DecodeGraphs:
         """Capture every bucket, largest first, into one shared pool; returns seconds."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        k_shape = tuple(kv_caches[0][0].shape)
+        k_shape = cache_shape(kv_caches[0][0])
         for bucket in sorted(self.buckets, reverse=True):
             inputs = BucketInputs.create(bucket, self.table_width, self.device, k_shape,
                                          num_heads, dtype)
@@ -147,7 +157,7 @@ class DecodeGraphs:
         return time.perf_counter() - start
 
     def _record(self, inputs: BucketInputs, forward: Forward, compute_logits: Logits,
-                pool: object) -> _BucketGraph:
+                pool: _POOL_HANDLE) -> _BucketGraph:
         # Warm up on a side stream (Triton compiles and loads its kernels outside capture).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

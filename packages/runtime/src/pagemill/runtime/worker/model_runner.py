@@ -32,7 +32,7 @@ from pagemill.runtime.worker.compilation import (
     compile_cache_key,
     compile_forward,
 )
-from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, measure_graph_memory
+from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, cache_shape, measure_graph_memory
 from pagemill.runtime.worker.decode_padding import graph_buckets
 from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
 from pagemill.runtime.worker.kv_cache import KVCache
@@ -399,10 +399,10 @@ class ModelRunner:
         else:
             metadata = None
 
-        batch = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
-                          block_tables, q_lens, sample_indices, len(sample_pos))
+        step = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
+                         block_tables, q_lens, sample_indices, len(sample_pos))
         req_ids = [scheduled[i].request_id for i in sample_pos]
-        return batch, req_ids, metadata
+        return step, req_ids, metadata
 
     def _step_inputs(self, batch: StepBatch, req_ids: list[str],
                      metadata: SamplingMetadata | None) -> StepInputs:
@@ -421,7 +421,7 @@ class ModelRunner:
         assert self.kv_cache is not None, "init_kv_cache first"
         plan = plan_attention(
             qsl_t.to(torch.int32), seq_lens_t.to(torch.int32), tables_t.to(torch.int32),
-            k_cache_shape=tuple(self.kv_cache.caches[0][0].shape),
+            k_cache_shape=cache_shape(self.kv_cache.caches[0][0]),
             num_heads=self.model_config.num_attention_heads, dtype=self.dtype,
             query_lens=batch.query_lens, context_lens=batch.seq_lens,
         )

@@ -49,7 +49,7 @@ class GracefulServer(uvicorn.Server):
         if not shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
         # uvicorn's own wait outlives ours: the streams end themselves first.
-        config.timeout_graceful_shutdown = shutdown_timeout + 5.0
+        config.timeout_graceful_shutdown = shutdown_timeout + 5.0  # type: ignore[assignment]  # uvicorn annotates int, takes float seconds
         super().__init__(config)
         self.client = client
         self.shutdown_timeout = shutdown_timeout
@@ -96,8 +96,8 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
         # No drain for a broken engine: what is still streaming cannot finish anyway.
         self.shutdown_timeout = 0.0
-        self.config.timeout_graceful_shutdown = min(self.config.timeout_graceful_shutdown or 2.0,
-                                                    2.0)
+        self.config.timeout_graceful_shutdown = min(  # type: ignore[assignment]  # float seconds, as above
+            self.config.timeout_graceful_shutdown or 2.0, 2.0)
         with contextlib.suppress(Exception):
             self.client.fail_all(ServerShuttingDownError("the engine failed; the server "
                                                          "is restarting"))
@@ -131,7 +131,8 @@ def serve(app: Any, client: Any, *, host: str = "127.0.0.1", port: int = 8000,
     """Serve in the foreground until a signal or a fatal engine error; returns the exit code."""
     limits = limits or ConnectionLimits()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            http=limits.protocol(), timeout_keep_alive=timeout_keep_alive)
+                            http=limits.protocol(),
+                            timeout_keep_alive=timeout_keep_alive)  # type: ignore[arg-type]  # uvicorn annotates int, takes float seconds
     global LAST_SERVER
     server = LAST_SERVER = GracefulServer(config, client, shutdown_timeout=shutdown_timeout,
                                           watchdog=watchdog)

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pagemill.blockpool.config import CacheConfig
@@ -73,7 +73,7 @@ _SIM_DEFAULTS = {"max_model_len": 4096}
 
 def _add_hardware_args(
     p: argparse.ArgumentParser, gpu: str, scheduler_flags: tuple[str, ...],
-    defaults: dict[str, object] | None = None,
+    defaults: Mapping[str, object] | None = None,
 ) -> None:
     p.add_argument("--model", default="llama-3.1-8b",
                    help=f"one of {', '.join(known_models())}, or a path to a HF config.json")

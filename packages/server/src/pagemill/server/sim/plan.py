@@ -236,6 +236,8 @@ def format_plan(plan: CapacityPlan) -> str:
     ]
     tp = plan.tensor_parallel_size
     if tp > 1:
+        # make_plan's cost model refuses tensor parallelism on a GPU without link figures
+        assert g.link_bandwidth_bytes_per_s is not None and g.link_latency_s is not None
         lines.append(
             f"tensor parallel over {tp} GPUs (link {g.link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s "
             f"each way, {g.link_latency_s * 1e6:.0f} us a ring step): everything below is per "

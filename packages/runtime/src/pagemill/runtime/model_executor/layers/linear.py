@@ -76,6 +76,11 @@ class Linear(nn.Module):
     # through `quantized::int4mm_packed_weight_cpu` instead (see `compilation`'s status).
     opaque_packed = False
 
+    # Buffers (None until `finalize` packs the weight).
+    qweight: torch.Tensor | None
+    scales: torch.Tensor | None
+    scales_and_zeros: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features = in_features
@@ -120,6 +125,8 @@ class Linear(nn.Module):
         if self._finalized:
             return
         self._finalized = True
+        weight = self.weight
+        assert weight is not None  # only finalize (this, once) drops the dense weight
         pieces = dict(sorted(self._pieces.items()))
         self._pieces, self._loaded = {}, {}
         method = self.scheme.method
@@ -134,27 +141,27 @@ class Linear(nn.Module):
                 logger.info("%s rows [%d, %d] %s: %s", self.source, self.out_features, self.in_features,
                             "stay dense" if method == "native" else "are requantized", why)
             for off, p in pieces.items():
-                self.weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
+                weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
             pieces = {}
         if method == "dense" or (method == "native" and not pieces):
             return
         self.kernel_dtype = kdt
         if method == "int8":
-            q, scales = quantize_int8_per_channel(self.weight, kdt)
+            q, scales = quantize_int8_per_channel(weight, kdt)
             self._set_packed("int8", qweight=q, scales=scales)
             if self.scheme.dense_fallback:
-                self.weight.copy_((q.float() * scales.float()[:, None]).to(self.dtype))
+                weight.copy_((q.float() * scales.float()[:, None]).to(self.dtype))
         else:
             if pieces:
                 q, s, z, g, planes = int4_planes(list(pieces.values()))
             else:
-                rows = quantize_int4_groups(self.weight, self.scheme.group_size, kdt)
+                rows = quantize_int4_groups(weight, self.scheme.group_size, kdt)
                 q, s, z, g, planes = rows.q, rows.scales, rows.zeros, rows.group_size, 1
             packed, scales_and_zeros = pack_int4(q, s, z, kdt)
             self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
             self.group_size, self.int4_planes = g, planes
             if self.scheme.dense_fallback:
-                self.weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, kdt))
+                weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, kdt))
         if not self.scheme.dense_fallback:
             self.weight = None
         limit = self.scheme.packed_max_tokens
@@ -222,6 +229,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         if self.format == "dense":
+            assert self.weight is not None  # a dense layer keeps its weight
             return F.linear(x, self.weight, self.bias)
         if self.weight is None:
             return self._packed(x)
@@ -232,6 +240,7 @@ class Linear(nn.Module):
         return self._dense(x) if x.shape[0] > self.packed_max_tokens else self._packed(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.weight is not None  # the dense path is taken only with a dense copy
         return F.linear(x, self.weight, self.bias)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:

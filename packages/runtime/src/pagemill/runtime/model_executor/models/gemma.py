@@ -121,6 +121,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         t = super()._targets()
         h = self.config.hidden_size
         for i, layer in enumerate(self.layers):
+            assert isinstance(layer, GemmaDecoderLayer)  # layer_cls
             p = f"model.layers.{i}."
             t[p + "pre_feedforward_layernorm.weight"] = [(layer.pre_feedforward_layernorm.weight, 0, h)]
             t[p + "post_feedforward_layernorm.weight"] = [(layer.post_feedforward_layernorm.weight, 0, h)]

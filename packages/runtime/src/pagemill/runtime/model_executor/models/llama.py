@@ -14,6 +14,7 @@ returns hidden states; logits are computed separately and only for the rows that
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,15 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class DecoderLayer(Protocol):
+    """What `LlamaForCausalLM` reads of each of its layers (every ``layer_cls`` has it)."""
+
+    input_layernorm: RMSNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: RMSNorm
+    mlp: LlamaMLP
+
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head. Build it on the target device: `with torch.device(d): ...`.
 
@@ -217,15 +227,19 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed: a ModuleList yields plain Modules."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
+
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}")
-        for layer, (k, v) in zip(self.layers, kv_caches):
+        for layer, (k, v) in zip(self.decoder_layers(), kv_caches):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
 
     def unbind_kv_caches(self) -> None:
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.self_attn.k_cache = None
             layer.self_attn.v_cache = None
 
@@ -281,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
             t["lm_head.weight"] = [(self.lm_head if self.logits_proj is None else self.logits_proj, 0, c.vocab_size)]
         elif self.logits_proj is not None:
             t["model.embed_tokens.weight"].append((self.logits_proj, 0, c.vocab_size))
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
             t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
@@ -344,6 +358,7 @@ class LlamaForCausalLM(nn.Module):
         """Let every layer convert its loaded weights to the format it computes with."""
         proj = self.logits_proj
         if proj is not None and self.lm_head is None and not proj.finalized:
+            assert proj.weight is not None  # not finalized yet: the dense weight is there
             proj.weight.copy_(self.embed_tokens)  # dummy weights: a tied head is the embedding
         for module in self.modules():
             if isinstance(module, Linear):

@@ -20,7 +20,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
         c = self.config
         t = super()._targets()
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             for name in ("q_proj", "k_proj", "v_proj"):
                 del t[p + f"self_attn.{name}.weight"]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from pagemill.runtime.model_executor.quantization.formats import INT4_GROUP_SIZES, INT4_N_MULTIPLE
 from pagemill.runtime.model_executor.quantization.scheme import (
@@ -15,6 +15,9 @@ from pagemill.runtime.model_executor.quantization.scheme import (
     WeightScheme,
     default_dense_fallback,
 )
+
+if TYPE_CHECKING:
+    from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4")
 
@@ -28,7 +31,7 @@ class WeightPlan:
     def quantized(self) -> bool:
         return self.linear.method != "dense"
 
-    def apply(self, model: nn.Module) -> None:
+    def apply(self, model: LlamaForCausalLM) -> None:
         """Set every `Linear`'s scheme (and the LM head's), or raise naming every layer that
         cannot be served as asked — before a single weight is read."""
         from pagemill.runtime.model_executor.layers.linear import Linear

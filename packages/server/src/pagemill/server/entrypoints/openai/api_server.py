@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
 import uvicorn
@@ -50,6 +50,9 @@ from pagemill.server.metrics import CONTENT_TYPE_LATEST, EngineMetrics
 from pagemill.server.version import __version__
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagemill.runtime import LLMEngine
     from pagemill.server.dashboard import DashboardHub
 
 logger = logging.getLogger(__name__)
@@ -125,7 +128,16 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
-def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequence[str],
+class _ServingArgs(TypedDict):
+    """What every endpoint's serving object takes (`ServingBase`'s keywords)."""
+
+    max_model_len: int
+    tokenizer: Any
+    vocab_limit: int | None
+    tokenizer_pool: ThreadPoolExecutor
+
+
+def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | Sequence[str],
               api_key: str | None = None,
               *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
@@ -153,7 +165,7 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
         raise ValueError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
     served_model_name = names[0]
     owns_client = not isinstance(engine_client, AsyncEngine)
-    client: AsyncEngine = AsyncEngine(engine_client) if owns_client else engine_client
+    client = engine_client if isinstance(engine_client, AsyncEngine) else AsyncEngine(engine_client)
     if metrics is None:
         metrics = client.observer if isinstance(client.observer, EngineMetrics) else None
     if metrics is None:
@@ -170,9 +182,9 @@ def build_app(engine_client: AsyncEngine | Any, served_model_name: str | Sequenc
     # The front end's one tokenizer thread serves the endpoints too (chat templates,
     # /tokenize): tokenization never runs on the event loop, and encodes never race.
     tokenizer_pool = client.input_pool
-    common = {"max_model_len": max_model_len, "tokenizer": tokenizer,
-              "vocab_limit": getattr(model_config, "vocab_size", None),
-              "tokenizer_pool": tokenizer_pool}
+    common: _ServingArgs = {"max_model_len": max_model_len, "tokenizer": tokenizer,
+                            "vocab_limit": getattr(model_config, "vocab_size", None),
+                            "tokenizer_pool": tokenizer_pool}
     completions = CompletionServing(client, names, **common)
     chat = ChatServing(client, names, tool_parser=tool_call_parser,
                        allow_special_tokens=allow_special_tokens_in_chat, **common)

@@ -87,8 +87,8 @@ class ChatServing(ServingBase):
         if self.tokenizer is not None:
             self.check_text_size("".join(m["content"] for m in messages), "messages")
         if self._special is not None:
-            for i, m in enumerate(messages):
-                found = self._special.search(m["content"])
+            for i, message in enumerate(messages):
+                found = self._special.search(message["content"])
                 if found:
                     raise APIError(400, f"messages[{i}].content contains the special token "
                                         f"{found.group()!r}, which could forge a turn of the "

@@ -127,11 +127,11 @@ class ToolStream:
         """The deltas still owed once the choice has ended."""
         mode = self.plan.mode
         if mode == "named":
-            out = self.feed("") if self.named_call is None else []
+            named: list[dict[str, Any]] = self.feed("") if self.named_call is None else []
             assert self.named_call is not None
             self.named_call.arguments = self.text
             self.calls = [self.named_call]
-            return out
+            return named
         if mode not in ("auto", "required"):
             return []
         content, self.calls = self.plan.finish(self.text)

@@ -21,9 +21,9 @@ def structured_params(req: SamplingFields, tool_schema: dict[str, Any] | None = 
     sources: list[tuple[str, dict[str, Any]]] = []
     so = req.structured_outputs
     if so is not None:
-        fields = {"json": so.json_, "regex": so.regex, "choice": so.choice,
+        given = {"json": so.json_, "regex": so.regex, "choice": so.choice,
                   "grammar": so.grammar, "json_object": so.json_object}
-        sources.append(("structured_outputs", {k: v for k, v in fields.items()
+        sources.append(("structured_outputs", {k: v for k, v in given.items()
                                                if v not in (None, False)}))
     compact = bool(so and so.disable_any_whitespace)
     fmt = req.response_format
