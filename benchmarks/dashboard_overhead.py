@@ -41,18 +41,31 @@ def build_tiny_llama(folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog"] * 8,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<eos>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=fast.eos_token_id, bos_token_id=None, pad_token_id=None,
-        tie_word_embeddings=False)
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=fast.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder))
 
 
@@ -65,16 +78,18 @@ def engine_run(model: str, batch: int, tokens: int, interval: float) -> dict[str
         SnapshotTap,
     )
 
-    engine = LLMEngine(model=model, device="cpu", max_model_len=2048,
-                       kv_cache_memory_bytes=64 << 20)
+    engine = LLMEngine(
+        model=model, device="cpu", max_model_len=2048, kv_cache_memory_bytes=64 << 20
+    )
     watchers = LocalWatchers()
     tap = SnapshotTap(DashboardSettings(interval), watchers)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
 
     def run(watched: bool, every_step: bool = False) -> dict[str, list[float]]:
         for i in range(batch):
-            engine.add_request(f"r{watched}{every_step}{i}", "the quick brown fox " * (4 + i),
-                               params)
+            engine.add_request(
+                f"r{watched}{every_step}{i}", "the quick brown fox " * (4 + i), params
+            )
         watchers.value = 1 if watched else 0
         tap.interval = 0.0 if every_step else interval
         steps, taps, pictures = [], [], []
@@ -138,11 +153,16 @@ def big_pool(num_blocks: int, running: int, context: int) -> dict[str, float]:
     from pagemill.server.dashboard import snapshot_scheduler
 
     kv = KVCacheManager(num_blocks, 16, enable_caching=True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=1 << 20, max_num_seqs=running,
-                                      max_model_len=context + 16), kv)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=1 << 20, max_num_seqs=running, max_model_len=context + 16
+        ),
+        kv,
+    )
     for i in range(running):
-        sched.add_request(Request(f"req-{i}", [1 + (i * 7 + j) % 30000 for j in range(context)],
-                                  max_tokens=8))
+        sched.add_request(
+            Request(f"req-{i}", [1 + (i * 7 + j) % 30000 for j in range(context)], max_tokens=8)
+        )
     sched.schedule()
     times = []
     for _ in range(20):
@@ -151,19 +171,32 @@ def big_pool(num_blocks: int, running: int, context: int) -> dict[str, float]:
         data = pickle.dumps(snap, protocol=pickle.HIGHEST_PROTOCOL)
         times.append(time.perf_counter() - t0)
     text = json.dumps(snap)
-    return {"blocks": num_blocks, "in_use": snap["in_use"], "running": len(snap["running"]),
-            "picture_us": 1e6 * statistics.median(times), "pickle_bytes": len(data),
-            "json_bytes": len(text), "gzip_bytes": len(gzip.compress(text.encode()))}
+    return {
+        "blocks": num_blocks,
+        "in_use": snap["in_use"],
+        "running": len(snap["running"]),
+        "picture_us": 1e6 * statistics.median(times),
+        "pickle_bytes": len(data),
+        "json_bytes": len(text),
+        "gzip_bytes": len(gzip.compress(text.encode())),
+    }
 
 
 def page_payload() -> dict[str, int]:
     static = resources.files("pagemill.server.dashboard").joinpath("static")
-    names = ["index.html", "dashboard.js", "dashboard.css", "vendor/uPlot.iife.min.js",
-             "vendor/uPlot.min.css"]
+    names = [
+        "index.html",
+        "dashboard.js",
+        "dashboard.css",
+        "vendor/uPlot.iife.min.js",
+        "vendor/uPlot.min.css",
+    ]
     raw = {n: static.joinpath(n).read_bytes() for n in names}
-    return {"bytes": sum(len(b) for b in raw.values()),
-            "gzip_bytes": sum(len(gzip.compress(b)) for b in raw.values()),
-            "uplot_bytes": len(raw["vendor/uPlot.iife.min.js"])}
+    return {
+        "bytes": sum(len(b) for b in raw.values()),
+        "gzip_bytes": sum(len(gzip.compress(b)) for b in raw.values()),
+        "uplot_bytes": len(raw["vendor/uPlot.iife.min.js"]),
+    }
 
 
 def main() -> None:
@@ -183,31 +216,44 @@ def main() -> None:
             build_tiny_llama(Path(tmp))
             model = tmp
         r = engine_run(model, args.batch, args.tokens, args.interval)
-    print(f"engine: batch {args.batch}, {r['num_blocks']} blocks, median step "
-          f"{r['step_ms']:.2f} ms ({multiprocessing.cpu_count()} CPUs)")
+    print(
+        f"engine: batch {args.batch}, {r['num_blocks']} blocks, median step "
+        f"{r['step_ms']:.2f} ms ({multiprocessing.cpu_count()} CPUs)"
+    )
     print(f"  unwatched: {r['unwatched_us_per_step']:.2f} µs per step (the watcher check)")
-    print(f"  --no-engine-process, unwatched: {r['in_process_observer_us']:.1f} µs per step "
-          f"(median; mean {r['in_process_observer_mean_us']:.1f}: charts folded on the engine "
-          f"thread + the watcher check); Prometheus metrics, for scale: "
-          f"{r['prometheus_us']:.1f} µs")
-    print(f"  one picture (snapshot + pickle): {r['picture_us']:.0f} µs, "
-          f"{r['picture_bytes']:,} bytes of JSON")
-    print(f"  watched, one picture per {args.interval:g} s: {r['watched_us_per_step']:.1f} µs "
-          f"per step on average ({r['watched_pictures']} pictures in {r['watched_steps']} steps)"
-          f" = {100 * r['watched_us_per_step'] / (1e3 * r['step_ms']):.2f}% of a step")
+    print(
+        f"  --no-engine-process, unwatched: {r['in_process_observer_us']:.1f} µs per step "
+        f"(median; mean {r['in_process_observer_mean_us']:.1f}: charts folded on the engine "
+        f"thread + the watcher check); Prometheus metrics, for scale: "
+        f"{r['prometheus_us']:.1f} µs"
+    )
+    print(
+        f"  one picture (snapshot + pickle): {r['picture_us']:.0f} µs, "
+        f"{r['picture_bytes']:,} bytes of JSON"
+    )
+    print(
+        f"  watched, one picture per {args.interval:g} s: {r['watched_us_per_step']:.1f} µs "
+        f"per step on average ({r['watched_pictures']} pictures in {r['watched_steps']} steps)"
+        f" = {100 * r['watched_us_per_step'] / (1e3 * r['step_ms']):.2f}% of a step"
+    )
     steady = r["picture_us"] * min(1.0, 1e-3 * r["step_ms"] / args.interval)
-    print(f"  steady state (one picture per {args.interval:g} s of steps): {steady:.1f} µs per "
-          f"step = {100 * steady / (1e3 * r['step_ms']):.2f}% of a step")
-    print("big pools (full, no model): blocks, in use, running, µs per picture, pickle, "
-          "JSON, gzip")
+    print(
+        f"  steady state (one picture per {args.interval:g} s of steps): {steady:.1f} µs per "
+        f"step = {100 * steady / (1e3 * r['step_ms']):.2f}% of a step"
+    )
+    print("big pools (full, no model): blocks, in use, running, µs per picture, pickle, JSON, gzip")
     for blocks, running, context in ((4096, 64, 1000), (16384, 128, 2000), (65536, 256, 4000)):
         b = big_pool(blocks, running, context)
-        print(f"  {b['blocks']:>6} {b['in_use']:>6} {b['running']:>4} "
-              f"{b['picture_us']:>9.0f} µs {b['pickle_bytes']:>9,} B {b['json_bytes']:>9,} B "
-              f"{b['gzip_bytes']:>8,} B")
+        print(
+            f"  {b['blocks']:>6} {b['in_use']:>6} {b['running']:>4} "
+            f"{b['picture_us']:>9.0f} µs {b['pickle_bytes']:>9,} B {b['json_bytes']:>9,} B "
+            f"{b['gzip_bytes']:>8,} B"
+        )
     p = page_payload()
-    print(f"page: {p['bytes']:,} bytes ({p['gzip_bytes']:,} gzipped), of which uPlot "
-          f"{p['uplot_bytes']:,}")
+    print(
+        f"page: {p['bytes']:,} bytes ({p['gzip_bytes']:,} gzipped), of which uPlot "
+        f"{p['uplot_bytes']:,}"
+    )
 
 
 if __name__ == "__main__":

@@ -42,23 +42,57 @@ BENCH = REPO / "benchmarks"
 
 # Llama-3.1-8B's published config.json (the shapes; weights are random).
 LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                             "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu",
-    "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128001,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
 }
-TINY_LLAMA = dict(LLAMA_31_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                  torch_dtype="float32", rope_scaling=None, rope_theta=10000.0)
+TINY_LLAMA = dict(
+    LLAMA_31_8B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+    rope_scaling=None,
+    rope_theta=10000.0,
+)
 
-GPU_PLAN_NAMES = [("H200", "h200"), ("H100", "h100"), ("A100", "a100-80g"), ("L40S", "l40s"),
-                  ("4090", "rtx-4090")]
+GPU_PLAN_NAMES = [
+    ("H200", "h200"),
+    ("H100", "h100"),
+    ("A100", "a100-80g"),
+    ("L40S", "l40s"),
+    ("4090", "rtx-4090"),
+]
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -81,23 +115,44 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     info: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "python": sys.version.split()[0], "platform": platform.platform(),
-        "cpus": os.cpu_count(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
         "git": _git_head(),
     }
-    for dist in ("triton", "cupy-cuda12x", "cupy-cuda13x", "numpy", "transformers", "fastapi",
-                 "uvicorn", "pytest"):
+    for dist in (
+        "triton",
+        "cupy-cuda12x",
+        "cupy-cuda13x",
+        "numpy",
+        "transformers",
+        "fastapi",
+        "uvicorn",
+        "pytest",
+    ):
         info[dist] = _version(dist)
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
-                       "sms": p.multi_processor_count, "memory_gib": p.total_memory / 2**30,
-                       "count": torch.cuda.device_count()}
+        info["gpu"] = {
+            "name": p.name,
+            "capability": f"{p.major}.{p.minor}",
+            "sms": p.multi_processor_count,
+            "memory_gib": p.total_memory / 2**30,
+            "count": torch.cuda.device_count(),
+        }
         with contextlib.suppress(Exception):
             info["nvidia_smi"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
-                 "power.limit", "--format=csv,noheader"], capture_output=True, text=True,
-                timeout=20).stdout.strip()
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                    "--format=csv,noheader",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
     write_json(args.out, info)
     print(json.dumps(info, indent=1))
     return 0
@@ -105,8 +160,15 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 def _git_head() -> str | None:
     with contextlib.suppress(Exception):
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
     return None
 
 
@@ -119,8 +181,13 @@ def cmd_deps(args: argparse.Namespace) -> int:
     wheels go to --target, which gpu_check.sh puts on PYTHONPATH after the sources)."""
     wheels = Path(args.wheels)
     req = wheels / "requirements.txt"
-    report: dict[str, Any] = {"wheels": str(wheels), "target": args.target, "installed": [],
-                              "present": {}, "missing_after": []}
+    report: dict[str, Any] = {
+        "wheels": str(wheels),
+        "target": args.target,
+        "installed": [],
+        "present": {},
+        "missing_after": [],
+    }
     if not req.is_file():
         report["note"] = f"no {req}: nothing to install (see benchmarks/gpu_wheels.sh)"
     else:
@@ -137,14 +204,31 @@ def cmd_deps(args: argparse.Namespace) -> int:
         if missing:
             installer = _pip_install if _has_pip() else _unzip_install
             report["installer"] = installer.__name__
-            report["installed"], report["missing_after"] = installer(missing, wheels,
-                                                                    args.target)
+            report["installed"], report["missing_after"] = installer(missing, wheels, args.target)
     # What the source tree needs, importable now (the target folder is on sys.path next run).
     sys.path.append(args.target)
     importlib.invalidate_caches()
-    needed = ["torch", "triton", "numpy", "transformers", "tokenizers", "safetensors",
-              "xxhash", "fastapi", "uvicorn", "prometheus_client", "pydantic", "anyio",
-              "httpx", "jinja2", "tqdm", "platformdirs", "pytest", "cupy", "matplotlib"]
+    needed = [
+        "torch",
+        "triton",
+        "numpy",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "xxhash",
+        "fastapi",
+        "uvicorn",
+        "prometheus_client",
+        "pydantic",
+        "anyio",
+        "httpx",
+        "jinja2",
+        "tqdm",
+        "platformdirs",
+        "pytest",
+        "cupy",
+        "matplotlib",
+    ]
     report["importable"] = {}
     for mod in needed:
         try:
@@ -159,14 +243,28 @@ def cmd_deps(args: argparse.Namespace) -> int:
 
 
 def _has_pip() -> bool:
-    return subprocess.run([sys.executable, "-m", "pip", "--version"],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode
+        == 0
+    )
 
 
 def _pip_install(specs: list[str], wheels: Path, target: str) -> tuple[list, list]:
-    cmd = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--find-links",
-           str(wheels), "--target", target, "--upgrade", "--disable-pip-version-check",
-           "--no-warn-conflicts"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--no-deps",
+        "--find-links",
+        str(wheels),
+        "--target",
+        target,
+        "--upgrade",
+        "--disable-pip-version-check",
+        "--no-warn-conflicts",
+    ]
     if subprocess.run([*cmd, *specs], capture_output=True, text=True).returncode == 0:
         return specs, []
     done, failed = [], []  # one at a time, to keep what can be installed
@@ -239,15 +337,33 @@ def cmd_model(args: argparse.Namespace) -> int:
 def cmd_tests(args: argparse.Namespace) -> int:
     """pytest -m gpu over the test files that mark tests `gpu` (so other files' imports,
     e.g. an HTTP client, are not needed)."""
-    files = sorted(str(p.relative_to(REPO)) for p in REPO.glob("**/test_*.py")
-                   if ".venv" not in p.parts and re.search(r"mark\.gpu\b", p.read_text()))
+    files = sorted(
+        str(p.relative_to(REPO))
+        for p in REPO.glob("**/test_*.py")
+        if ".venv" not in p.parts and re.search(r"mark\.gpu\b", p.read_text())
+    )
     junit = Path(args.out).with_suffix(".xml")
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-q",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        *files,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-    report = {"files": files, "returncode": proc.returncode,
-              "seconds": time.perf_counter() - start, "tail": proc.stdout[-3000:] + proc.stderr[-2000:]}
+    report = {
+        "files": files,
+        "returncode": proc.returncode,
+        "seconds": time.perf_counter() - start,
+        "tail": proc.stdout[-3000:] + proc.stderr[-2000:],
+    }
     report.update(_junit_counts(junit))
     write_json(args.out, report)
     print(proc.stdout[-6000:], proc.stderr[-3000:])
@@ -261,13 +377,18 @@ def _junit_counts(path: Path) -> dict[str, Any]:
         return {}
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
-    counts = {k: sum(int(s.get(k, 0)) for s in suites)
-              for k in ("tests", "failures", "errors", "skipped")}
+    counts = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
+    }
     failed = []
     for case in root.iter("testcase"):
         for bad in list(case.findall("failure")) + list(case.findall("error")):
-            failed.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                           "message": (bad.get("message") or "")[:500]})
+            failed.append(
+                {
+                    "test": f"{case.get('classname')}::{case.get('name')}",
+                    "message": (bad.get("message") or "")[:500],
+                }
+            )
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     counts["failed_tests"] = failed
     return counts
@@ -283,16 +404,19 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if args.cpu:
         report = bench.run(True, ["fp32"], iters=2, only="decode 64 x 300,prefill 4 x 512")
     else:
-        report = bench.run(False, ["bf16"], only="decode 64 x 4096,decode 256,prefill 4 x 4096,"
-                                                  "prefill 2k,mixed")
+        report = bench.run(
+            False, ["bf16"], only="decode 64 x 4096,decode 256,prefill 4 x 4096,prefill 2k,mixed"
+        )
     bench.print_report(report)
     decode = [r for r in report["rows"] if r["case"].startswith("decode 64 x")]
     report["summary"] = {
         "decode_gb_per_s": decode[0]["gb_per_s"] if decode else None,
         "decode_of_copy": decode[0]["of_copy"] if decode else None,
         "copy_gb_per_s": report["copy_bandwidth"] / 1e9 if report["copy_bandwidth"] else None,
-        "prefill_tflop_per_s": max((r["tflop_per_s"] for r in report["rows"]
-                                    if r["case"].startswith("prefill")), default=None),
+        "prefill_tflop_per_s": max(
+            (r["tflop_per_s"] for r in report["rows"] if r["case"].startswith("prefill")),
+            default=None,
+        ),
         "target_decode_of_copy": 0.70,
     }
     write_json(args.out, report)
@@ -313,8 +437,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
             name = torch.cuda.get_device_name()
             gpu = next((key for sub, key in GPU_PLAN_NAMES if sub in name), "h200")
     model = str(Path(args.model_dir) / "config.json") if args.model_dir else "llama-3.1-8b"
-    cmd = [sys.executable, "-m", "pagemill.server.cli", "plan", "--model", model, "--gpu", gpu,
-           "--context-len", str(args.context), "--batch-sizes", args.batch_sizes, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagemill.server.cli",
+        "plan",
+        "--model",
+        model,
+        "--gpu",
+        gpu,
+        "--context-len",
+        str(args.context),
+        "--batch-sizes",
+        args.batch_sizes,
+        "--json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         print(proc.stderr[-3000:])
@@ -322,8 +459,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = json.loads(proc.stdout)
     plan["gpu_key"] = gpu
     write_json(args.out, plan)
-    print(f"{plan['model']} on {plan['gpu']}: weights stream in "
-          f"{plan['weight_stream_time_s'] * 1e3:.2f} ms")
+    print(
+        f"{plan['model']} on {plan['gpu']}: weights stream in "
+        f"{plan['weight_stream_time_s'] * 1e3:.2f} ms"
+    )
     return 0
 
 
@@ -341,10 +480,16 @@ def cmd_steps(args: argparse.Namespace) -> int:
     device = "cpu" if args.cpu else "cuda"
     sizes = sorted({int(s) for s in args.batch_sizes.split(",")})
     eager = args.mode == "eager"
-    kwargs: dict[str, Any] = dict(load_format="dummy", device=device, enforce_eager=eager,
-                                  max_num_seqs=max(sizes), max_model_len=args.context + args.max_tokens,
-                                  max_num_batched_tokens=max(4096, args.context + args.max_tokens),
-                                  enable_prefix_caching=False, seed=0)
+    kwargs: dict[str, Any] = dict(
+        load_format="dummy",
+        device=device,
+        enforce_eager=eager,
+        max_num_seqs=max(sizes),
+        max_model_len=args.context + args.max_tokens,
+        max_num_batched_tokens=max(4096, args.context + args.max_tokens),
+        enable_prefix_caching=False,
+        seed=0,
+    )
     kwargs["dtype"] = "float32" if args.cpu else "bfloat16"
     if args.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
@@ -370,7 +515,8 @@ def cmd_steps(args: argparse.Namespace) -> int:
     def count(outs: list[Any]) -> None:
         for out in outs:
             sampled[out.request_id] = sampled.get(out.request_id, 0) + sum(
-                len(c.token_ids) for c in out.outputs)
+                len(c.token_ids) for c in out.outputs
+            )
             if out.finished:
                 raise RuntimeError(f"{out.request_id} finished: raise --max-tokens")
 
@@ -398,20 +544,42 @@ def cmd_steps(args: argparse.Namespace) -> int:
                 times.append(time.perf_counter() - t)
                 count(outs)
                 if len(outs) != n or any(o.finished for o in outs):
-                    raise RuntimeError(f"a step with {n} decoding requests returned "
-                                       f"{len(outs)} outputs (finish or preemption)")
+                    raise RuntimeError(
+                        f"a step with {n} decoding requests returned "
+                        f"{len(outs)} outputs (finish or preemption)"
+                    )
             med = statistics.median(times)
-            rows.append({"batch_size": n, "step_ms": med * 1e3, "min_ms": min(times) * 1e3,
-                         "tokens_per_s": n / med, "warmup_s": warm_s,
-                         "graph_steps": (graphs.replays - replays_before) if graphs is not None else 0,
-                         "mean_context": mean_context + args.iters / 2})
-            print(f"{args.mode:6s} batch {n:4d}: {med * 1e3:8.3f} ms/step "
-                  f"(min {min(times) * 1e3:.3f}), {n / med:9.1f} tok/s", flush=True)
+            rows.append(
+                {
+                    "batch_size": n,
+                    "step_ms": med * 1e3,
+                    "min_ms": min(times) * 1e3,
+                    "tokens_per_s": n / med,
+                    "warmup_s": warm_s,
+                    "graph_steps": (graphs.replays - replays_before) if graphs is not None else 0,
+                    "mean_context": mean_context + args.iters / 2,
+                }
+            )
+            print(
+                f"{args.mode:6s} batch {n:4d}: {med * 1e3:8.3f} ms/step "
+                f"(min {min(times) * 1e3:.3f}), {n / med:9.1f} tok/s",
+                flush=True,
+            )
     finally:
-        write_json(args.out, {"mode": args.mode, "enforce_eager": eager, "device": device,
-                              "engine_kwargs": kwargs, "load_s": load_s,
-                              "context": args.context, "iters": args.iters, "rows": rows,
-                              "graph_buckets": graphs.buckets if graphs is not None else None})
+        write_json(
+            args.out,
+            {
+                "mode": args.mode,
+                "enforce_eager": eager,
+                "device": device,
+                "engine_kwargs": kwargs,
+                "load_s": load_s,
+                "context": args.context,
+                "iters": args.iters,
+                "rows": rows,
+                "graph_buckets": graphs.buckets if graphs is not None else None,
+            },
+        )
         engine.abort_request(live)
         del llm, engine
         gc.collect()
@@ -430,18 +598,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
         benchmark.plot = lambda *a, **k: print("matplotlib is missing: no plot")
     out_dir = Path(args.out).parent / "serve"
     if args.cpu:
-        bench = ["--concurrency", "1,4", "--num-prompts", "4,8", "--input-len", "32",
-                 "--output-len", "8"]
-        serve = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
-                 "--enforce-eager"]
+        bench = [
+            "--concurrency",
+            "1,4",
+            "--num-prompts",
+            "4,8",
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+        ]
+        serve = [
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+        ]
     else:
-        bench = ["--concurrency", "1,16,64", "--num-prompts", "8,64,128", "--input-len", "128",
-                 "--output-len", "64"]
-        serve = ["--dtype", "bfloat16", "--max-model-len", "4096", "--max-num-seqs", "128",
-                 "--kv-cache-memory-bytes", str(16 * 2**30)]
-    argv = ["bench", "serve", *bench, "--token-low", "3", "--token-high", "500",
-            "--out-dir", str(out_dir), "--tag", "serve", "--timeout", "120",
-            "--launch", str(args.model_dir), "--load-format", "dummy", *serve]
+        bench = [
+            "--concurrency",
+            "1,16,64",
+            "--num-prompts",
+            "8,64,128",
+            "--input-len",
+            "128",
+            "--output-len",
+            "64",
+        ]
+        serve = [
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "128",
+            "--kv-cache-memory-bytes",
+            str(16 * 2**30),
+        ]
+    argv = [
+        "bench",
+        "serve",
+        *bench,
+        "--token-low",
+        "3",
+        "--token-high",
+        "500",
+        "--out-dir",
+        str(out_dir),
+        "--tag",
+        "serve",
+        "--timeout",
+        "120",
+        "--launch",
+        str(args.model_dir),
+        "--load-format",
+        "dummy",
+        *serve,
+    ]
     print("pagemill " + " ".join(argv), flush=True)
     rc = cli_main(argv)
     result = out_dir / "serve.json"
@@ -472,13 +688,25 @@ def cmd_merge(args: argparse.Namespace) -> int:
         log = root / "logs" / f"{st['stage']}.log"
         if log.is_file() and st.get("rc") != 0:
             st["log_tail"] = log.read_text(errors="replace")[-2500:]
-    parts = {name: _load(root / f"{name}.json") for name in
-             ("env", "deps", "tests", "kernels", "plan", "steps-eager", "steps-graphs", "serve")}
+    parts = {
+        name: _load(root / f"{name}.json")
+        for name in (
+            "env",
+            "deps",
+            "tests",
+            "kernels",
+            "plan",
+            "steps-eager",
+            "steps-graphs",
+            "serve",
+        )
+    }
     result: dict[str, Any] = {"stages": stages, **{k: v for k, v in parts.items() if v}}
     result["decode_step_table"] = _step_table(parts)
     cpu = (parts.get("steps-eager") or parts.get("steps-graphs") or {}).get("device") == "cpu"
-    result["targets"] = ({"note": "CPU dry run (--cpu): the targets are for a GPU"} if cpu
-                         else _targets(result))
+    result["targets"] = (
+        {"note": "CPU dry run (--cpu): the targets are for a GPU"} if cpu else _targets(result)
+    )
     write_json(root / "gpu_check.json", result)
     _print_summary(result)
     return 0
@@ -498,13 +726,21 @@ def _step_table(parts: dict[str, Any]) -> list[dict[str, Any]]:
         weights_s = roof.get(n, math.nan)
         ctx = (graphs.get(n) or eager.get(n) or {}).get("mean_context", 0.0)
         kv_s = n * ctx * plan.get("kv_bytes_per_token", math.nan) / bandwidth if plan else math.nan
-        with_kv_s = max(weights_s, (plan.get("weight_bytes", math.nan) / bandwidth) + kv_s) \
-            if plan else math.nan
-        row = {"batch_size": n, "eager_ms": eager.get(n, {}).get("step_ms"),
-               "graphs_ms": graphs.get(n, {}).get("step_ms"), "mean_context": ctx,
-               # Timed steps that replayed a CUDA graph (None: not recorded).
-               "graph_steps": graphs.get(n, {}).get("graph_steps"),
-               "roofline_ms": weights_s * 1e3, "roofline_with_kv_ms": with_kv_s * 1e3}
+        with_kv_s = (
+            max(weights_s, (plan.get("weight_bytes", math.nan) / bandwidth) + kv_s)
+            if plan
+            else math.nan
+        )
+        row = {
+            "batch_size": n,
+            "eager_ms": eager.get(n, {}).get("step_ms"),
+            "graphs_ms": graphs.get(n, {}).get("step_ms"),
+            "mean_context": ctx,
+            # Timed steps that replayed a CUDA graph (None: not recorded).
+            "graph_steps": graphs.get(n, {}).get("graph_steps"),
+            "roofline_ms": weights_s * 1e3,
+            "roofline_with_kv_ms": with_kv_s * 1e3,
+        }
         for mode in ("eager", "graphs"):
             ms = row[f"{mode}_ms"]
             ok = ms is not None and math.isfinite(with_kv_s)
@@ -522,37 +758,52 @@ def _targets(result: dict[str, Any]) -> dict[str, Any]:
     for key in ("graphs_over_roofline", "graphs_over_roofline_with_kv"):
         ratios = [r[key] for r in rows if r[key] is not None]
         if ratios:
-            targets[f"decode_step_{key}_le_1.25_up_to_128"] = {"worst": max(ratios),
-                                                                "met": max(ratios) <= 1.25}
+            targets[f"decode_step_{key}_le_1.25_up_to_128"] = {
+                "worst": max(ratios),
+                "met": max(ratios) <= 1.25,
+            }
     summary = (result.get("kernels") or {}).get("summary") or {}
     if summary.get("decode_of_copy") is not None:
         targets["decode_attention_ge_70pct_of_copy"] = {
-            "value": summary["decode_of_copy"], "met": summary["decode_of_copy"] >= 0.70}
+            "value": summary["decode_of_copy"],
+            "met": summary["decode_of_copy"] >= 0.70,
+        }
     return targets
 
 
 def _print_summary(result: dict[str, Any]) -> None:
-    print("stages: " + ", ".join(f"{s['stage']}={s['rc']} ({s['seconds']}s)"
-                                 for s in result["stages"]))
+    print(
+        "stages: "
+        + ", ".join(f"{s['stage']}={s['rc']} ({s['seconds']}s)" for s in result["stages"])
+    )
     tests = result.get("tests") or {}
     if tests:
-        print(f"gpu tests: {tests.get('passed')} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
-              f"failed, {tests.get('skipped')} skipped")
+        print(
+            f"gpu tests: {tests.get('passed')} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
+            f"failed, {tests.get('skipped')} skipped"
+        )
     summary = (result.get("kernels") or {}).get("summary") or {}
     if summary:
-        print(f"paged decode attention: {summary.get('decode_gb_per_s')} GB/s = "
-              f"{summary.get('decode_of_copy')} of copy; prefill {summary.get('prefill_tflop_per_s')} TFLOP/s")
+        print(
+            f"paged decode attention: {summary.get('decode_gb_per_s')} GB/s = "
+            f"{summary.get('decode_of_copy')} of copy; prefill {summary.get('prefill_tflop_per_s')} TFLOP/s"
+        )
     if result["decode_step_table"]:
+
         def f(x: float | None, d: int = 3) -> str:
             return "-" if x is None else f"{x:.{d}f}"
 
-        print(f"{'batch':>5} {'eager ms':>9} {'graphs ms':>9} {'roof ms':>8} {'+kv ms':>8} "
-              f"{'graphs/roof':>11} {'graphs/+kv':>10} {'speedup':>7} {'replays':>7}")
+        print(
+            f"{'batch':>5} {'eager ms':>9} {'graphs ms':>9} {'roof ms':>8} {'+kv ms':>8} "
+            f"{'graphs/roof':>11} {'graphs/+kv':>10} {'speedup':>7} {'replays':>7}"
+        )
         for r in result["decode_step_table"]:
-            print(f"{r['batch_size']:>5} {f(r['eager_ms']):>9} {f(r['graphs_ms']):>9} "
-                  f"{f(r['roofline_ms']):>8} {f(r['roofline_with_kv_ms']):>8} "
-                  f"{f(r['graphs_over_roofline'], 2):>11} {f(r['graphs_over_roofline_with_kv'], 2):>10} "
-                  f"{f(r.get('graphs_speedup'), 2):>7} {'-' if r.get('graph_steps') is None else r['graph_steps']!s:>7}")
+            print(
+                f"{r['batch_size']:>5} {f(r['eager_ms']):>9} {f(r['graphs_ms']):>9} "
+                f"{f(r['roofline_ms']):>8} {f(r['roofline_with_kv_ms']):>8} "
+                f"{f(r['graphs_over_roofline'], 2):>11} {f(r['graphs_over_roofline_with_kv'], 2):>10} "
+                f"{f(r.get('graphs_speedup'), 2):>7} {'-' if r.get('graph_steps') is None else r['graph_steps']!s:>7}"
+            )
     for name, t in result["targets"].items():
         print(f"target {name}: {t}")
     print(f"results: {json.dumps(result['targets'])}")
@@ -562,7 +813,9 @@ def _print_summary(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def add(name: str, fn: Any) -> argparse.ArgumentParser:

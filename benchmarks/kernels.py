@@ -42,8 +42,16 @@ class Case:
     ctx_lens: list[int]
 
 
-def build(case: Case, heads: int, kv_heads: int, head_dim: int, block_size: int,
-          dtype: torch.dtype, device: str, seed: int = 0):
+def build(
+    case: Case,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+):
     """A batch whose blocks are shuffled over the pool, as after a while of serving."""
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-c // block_size) for c in case.ctx_lens]
@@ -125,8 +133,13 @@ def fmt(x: float | None, scale: float, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x / scale:.{digits}f}"
 
 
-def run(cpu: bool, dtype_names: list[str] | None = None, iters: int | None = None,
-        only: str | None = None, threads: int | None = None) -> dict:
+def run(
+    cpu: bool,
+    dtype_names: list[str] | None = None,
+    iters: int | None = None,
+    only: str | None = None,
+    threads: int | None = None,
+) -> dict:
     """Time every case; returns the setup and one row per (dtype, case) as plain data."""
     if cpu and threads:
         torch.set_num_threads(threads)
@@ -142,8 +155,10 @@ def run(cpu: bool, dtype_names: list[str] | None = None, iters: int | None = Non
         device, fn, timer = "cpu", paged_attention_torch, time_cpu
         names = dtype_names or ["bf16", "fp32"]
         iters = iters or 5
-        cases = [Case(f"decode {n} x {c}", [1] * n, [c] * n)
-                 for n, c in ((1, 1000), (16, 500), (64, 300), (64, 1000), (256, 100), (256, 1000))]
+        cases = [
+            Case(f"decode {n} x {c}", [1] * n, [c] * n)
+            for n, c in ((1, 1000), (16, 500), (64, 300), (64, 1000), (256, 100), (256, 1000))
+        ]
         cases.append(Case("prefill 4 x 512", [512] * 4, [512] * 4))
         cases.append(Case("mixed 32 dec x 600 + 256 pf", [1] * 32 + [256], [600] * 32 + [256]))
         bw_peak, flop_peak = cpu_copy_bandwidth(), None
@@ -168,10 +183,18 @@ def run(cpu: bool, dtype_names: list[str] | None = None, iters: int | None = Non
     if only:
         cases = [c for c in cases if any(key.strip() in c.name for key in only.split(","))]
     report: dict = {
-        "label": label, "device": device, "heads": heads, "kv_heads": kv_heads,
-        "head_dim": head_dim, "block_size": block_size, "iters": iters,
-        "spec_bandwidth": None if cpu else bw_peak, "spec_bf16_flops": flop_peak,
-        "copy_bandwidth": copy_bw, "rows": [], "checks": [],
+        "label": label,
+        "device": device,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "iters": iters,
+        "spec_bandwidth": None if cpu else bw_peak,
+        "spec_bf16_flops": flop_peak,
+        "copy_bandwidth": copy_bw,
+        "rows": [],
+        "checks": [],
     }
     for dname in names:
         dtype = dtypes[dname]
@@ -186,30 +209,43 @@ def run(cpu: bool, dtype_names: list[str] | None = None, iters: int | None = Non
             out = torch.empty_like(batch[0])
             secs = timer(lambda b=batch, o=out, s=scale: fn(*b, s, out=o), iters)
             nbytes, flops = work(case, heads, kv_heads, head_dim, batch[0].element_size())
-            report["rows"].append({
-                "case": case.name, "dtype": dname, "ms": secs * 1e3,
-                "gb_per_s": nbytes / secs / 1e9, "tflop_per_s": flops / secs / 1e12,
-                "of_copy": nbytes / secs / copy_bw if copy_bw else None,
-                "of_spec_bw": None if cpu or bw_peak is None else nbytes / secs / bw_peak,
-                "of_spec_flops": None if flop_peak is None else flops / secs / flop_peak,
-                "decode": all(q == 1 for q in case.q_lens),
-            })
+            report["rows"].append(
+                {
+                    "case": case.name,
+                    "dtype": dname,
+                    "ms": secs * 1e3,
+                    "gb_per_s": nbytes / secs / 1e9,
+                    "tflop_per_s": flops / secs / 1e12,
+                    "of_copy": nbytes / secs / copy_bw if copy_bw else None,
+                    "of_spec_bw": None if cpu or bw_peak is None else nbytes / secs / bw_peak,
+                    "of_spec_flops": None if flop_peak is None else flops / secs / flop_peak,
+                    "decode": all(q == 1 for q in case.q_lens),
+                }
+            )
             del batch, out
     return report
 
 
 def print_report(report: dict) -> None:
     cpu = report["device"] == "cpu"
-    print(f"# {report['label']}; heads {report['heads']}/{report['kv_heads']}, head_dim "
-          f"{report['head_dim']}, block {report['block_size']}")
-    print(f"# copy: {fmt(report['copy_bandwidth'], 1e9)} GB/s measured (read + write); spec: "
-          f"{fmt(report['spec_bandwidth'], 1e9)} GB/s, {fmt(report['spec_bf16_flops'], 1e12, 0)} "
-          "TFLOP/s dense bf16")
+    print(
+        f"# {report['label']}; heads {report['heads']}/{report['kv_heads']}, head_dim "
+        f"{report['head_dim']}, block {report['block_size']}"
+    )
+    print(
+        f"# copy: {fmt(report['copy_bandwidth'], 1e9)} GB/s measured (read + write); spec: "
+        f"{fmt(report['spec_bandwidth'], 1e9)} GB/s, {fmt(report['spec_bf16_flops'], 1e12, 0)} "
+        "TFLOP/s dense bf16"
+    )
     for check in report["checks"]:
-        print(f"# check vs torch path ({check['dtype']}, {check['case']}): relative error "
-              f"{check['rel_err']:.2e}")
-    header = (f"{'case':34s} {'dtype':5s} {'ms':>9s} {'GB/s':>9s} {'%copy':>6s} {'%bw':>6s} "
-              f"{'TFLOP/s':>9s} {'%flop':>6s}")
+        print(
+            f"# check vs torch path ({check['dtype']}, {check['case']}): relative error "
+            f"{check['rel_err']:.2e}"
+        )
+    header = (
+        f"{'case':34s} {'dtype':5s} {'ms':>9s} {'GB/s':>9s} {'%copy':>6s} {'%bw':>6s} "
+        f"{'TFLOP/s':>9s} {'%flop':>6s}"
+    )
     print(header)
     print("-" * len(header))
 
@@ -218,23 +254,32 @@ def print_report(report: dict) -> None:
 
     for r in report["rows"]:
         tflops = f"{r['tflop_per_s']:9.3f}" if cpu else f"{r['tflop_per_s']:9.1f}"
-        print(f"{r['case']:34s} {r['dtype']:5s} {r['ms']:9.3f} {r['gb_per_s']:9.2f} "
-              f"{pct(r['of_copy']):>6s} {pct(r['of_spec_bw']):>6s} {tflops} "
-              f"{pct(r['of_spec_flops']):>6s}")
+        print(
+            f"{r['case']:34s} {r['dtype']:5s} {r['ms']:9.3f} {r['gb_per_s']:9.2f} "
+            f"{pct(r['of_copy']):>6s} {pct(r['of_spec_bw']):>6s} {tflops} "
+            f"{pct(r['of_spec_flops']):>6s}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="time the torch path on CPU with small shapes")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--cpu", action="store_true", help="time the torch path on CPU with small shapes"
+    )
     ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
+    )
     ap.add_argument("--dtypes", default=None, help="comma list, e.g. bf16,fp32")
     ap.add_argument("--cases", default=None, help="comma list of substrings of case names")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
     cpu = args.cpu or not torch.cuda.is_available()
-    report = run(cpu, args.dtypes.split(",") if args.dtypes else None, args.iters, args.cases,
-                 args.threads)
+    report = run(
+        cpu, args.dtypes.split(",") if args.dtypes else None, args.iters, args.cases, args.threads
+    )
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

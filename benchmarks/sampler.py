@@ -60,8 +60,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampler = Sampler(seed=0)
-    print(f"vocab {args.vocab}, {'flat' if args.flat else 'peaked'} rows, "
-          f"{torch.get_num_threads()} threads, best of {args.iters}")
+    print(
+        f"vocab {args.vocab}, {'flat' if args.flat else 'peaked'} rows, "
+        f"{torch.get_num_threads()} threads, best of {args.iters}"
+    )
     print(f"{'case':<20}" + "".join(f"{'batch ' + b:>22}" for b in args.batch_sizes.split(",")))
     results: dict[str, list[str]] = {name: [] for name in CASES}
     for b in (int(s) for s in args.batch_sizes.split(",")):
@@ -69,8 +71,12 @@ def main() -> None:
         base = None
         for name, kw in CASES.items():
             params = [SamplingParams(**kw)] * b
-            md = SamplingMetadata.from_params(params, output_token_ids=[[] for _ in params],
-                                              prompt_token_ids=None, generators=None)
+            md = SamplingMetadata.from_params(
+                params,
+                output_token_ids=[[] for _ in params],
+                prompt_token_ids=None,
+                generators=None,
+            )
             s = time_case(sampler, logits, md, args.iters)
             base = s if base is None else base
             results[name].append(f"{s * 1e3:8.2f} ms ({s / base:5.2f}x)")

@@ -28,24 +28,49 @@ from pagemill.runtime.sample import sampler as sampler_module
 from pagemill.runtime.sampling_params import RequestOutputKind
 
 SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer"},
-        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 3}},
-     "required": ["name", "age", "tags"]},
-    {"type": "object", "properties": {
-        "size": {"enum": ["small", "medium", "large"]},
-        "notes": {"type": "array", "items": {"type": "string"}, "minItems": 4}},
-     "required": ["size", "notes"]},
-    {"type": "object", "properties": {
-        "city": {"type": "string"}, "lat": {"type": "number"}, "lon": {"type": "number"},
-        "landmarks": {"type": "array", "items": {"type": "string"}, "minItems": 3}},
-     "required": ["city", "lat", "lon", "landmarks"]},
-    {"type": "array", "items": {"type": "object", "properties": {
-        "k": {"type": "string"}, "v": {"type": "integer"}}, "required": ["k", "v"]},
-     "minItems": 6},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 3},
+        },
+        "required": ["name", "age", "tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "size": {"enum": ["small", "medium", "large"]},
+            "notes": {"type": "array", "items": {"type": "string"}, "minItems": 4},
+        },
+        "required": ["size", "notes"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "lat": {"type": "number"},
+            "lon": {"type": "number"},
+            "landmarks": {"type": "array", "items": {"type": "string"}, "minItems": 3},
+        },
+        "required": ["city", "lat", "lon", "landmarks"],
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"k": {"type": "string"}, "v": {"type": "integer"}},
+            "required": ["k", "v"],
+        },
+        "minItems": 6,
+    },
 ]
-PROMPTS = ["Describe a person in JSON.", "Order a pizza as JSON.", "Describe a city in JSON.",
-           "List some key/value pairs in JSON."]
+PROMPTS = [
+    "Describe a person in JSON.",
+    "Order a pizza as JSON.",
+    "Describe a city in JSON.",
+    "List some key/value pairs in JSON.",
+]
 
 
 class Timer:
@@ -74,13 +99,18 @@ def run(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool) -> di
     try:
         for i in range(batch):
             so = StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]) if constrained else None
-            engine.add_request(f"{'c' if constrained else 'u'}{i}",
-                               engine.apply_chat_template([{"role": "user",
-                                                            "content": PROMPTS[i % 4]}]),
-                               SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens,
-                                              ignore_eos=not constrained,
-                                              output_kind=RequestOutputKind.FINAL_ONLY,
-                                              structured_outputs=so))
+            engine.add_request(
+                f"{'c' if constrained else 'u'}{i}",
+                engine.apply_chat_template([{"role": "user", "content": PROMPTS[i % 4]}]),
+                SamplingParams(
+                    temperature=0.8,
+                    seed=i,
+                    max_tokens=max_tokens,
+                    ignore_eos=not constrained,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    structured_outputs=so,
+                ),
+            )
         steps: list[tuple[float, float, float, float]] = []
         while engine.has_unfinished_requests():
             fill.step_s = accept.step_s = apply.step_s = 0.0
@@ -125,20 +155,32 @@ def main() -> None:
     # SmolLM2's KV is 23 KB a token (30 layers x 3 heads x 64 x K,V x bf16): room for
     # every request's prompt and answer at once, so no step preempts.
     per_seq = 64 + args.max_tokens + 16
-    engine = LLMEngine(model=args.model, max_model_len=256, max_num_seqs=args.batch,
-                       kv_cache_memory_bytes=args.batch * per_seq * 64 * 1024 + (8 << 20))
+    engine = LLMEngine(
+        model=args.model,
+        max_model_len=256,
+        max_num_seqs=args.batch,
+        kv_cache_memory_bytes=args.batch * per_seq * 64 * 1024 + (8 << 20),
+    )
     # Warm-up: compile the four grammars and touch every code path once.
     run(engine, 4, 8, constrained=True)
     constrained = run(engine, args.batch, args.max_tokens, constrained=True)
     plain = run(engine, args.batch, args.max_tokens, constrained=False)
-    result = {"model": args.model, "device": str(engine.device), "dtype": str(engine.dtype),
-              "threads": torch.get_num_threads(), "batch": args.batch,
-              "constrained": constrained, "unconstrained_step_ms": plain["step_ms"]}
+    result = {
+        "model": args.model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "constrained": constrained,
+        "unconstrained_step_ms": plain["step_ms"],
+    }
     print(json.dumps(result, indent=2))
     share = constrained["grammar_share"]
-    print(f"grammar + bitmask: {constrained['grammar_ms']:.2f} ms of a "
-          f"{constrained['step_ms']:.1f} ms step = {100 * share:.1f}% "
-          f"(target <= 10%); unconstrained step {plain['step_ms']:.1f} ms")
+    print(
+        f"grammar + bitmask: {constrained['grammar_ms']:.2f} ms of a "
+        f"{constrained['step_ms']:.1f} ms step = {100 * share:.1f}% "
+        f"(target <= 10%); unconstrained step {plain['step_ms']:.1f} ms"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -139,7 +139,10 @@ def machine_limits(device: str, seconds: float = 1.0) -> dict[str, float]:
 
     read_s = best(lambda: x.sum())
     gemm_s = best(lambda: a @ b)
-    return {"read_gb_s": x.numel() * 4 / read_s / 1e9, "bf16_gemm_gflop_s": 2 * 2048**3 / gemm_s / 1e9}
+    return {
+        "read_gb_s": x.numel() * 4 / read_s / 1e9,
+        "bf16_gemm_gflop_s": 2 * 2048**3 / gemm_s / 1e9,
+    }
 
 
 def model_costs(llm: Any) -> dict[str, float]:
@@ -149,9 +152,10 @@ def model_costs(llm: Any) -> dict[str, float]:
 
     model = llm.llm_engine.engine_core.model_runner.model
     report = weight_report(model)
-    flops = sum(2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
-    return {"step_bytes": report.step_bytes, "flops_per_token": flops,
-            "weights": report.summary()}
+    flops = sum(
+        2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear)
+    )
+    return {"step_bytes": report.step_bytes, "flops_per_token": flops, "weights": report.summary()}
 
 
 def _sync(device: str) -> None:
@@ -361,11 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-cache-gib", type=float, default=None, help="KV pool size (default: engine's)"
     )
-    ap.add_argument("--mode", default="gguf", choices=sorted(MODES),
-                    help="how pagemill serves the weights in the offline comparison")
-    ap.add_argument("--modes", default=None,
-                    help=f"comma-separated modes for the step table (default: --mode); of "
-                         f"{', '.join(MODES)}")
+    ap.add_argument(
+        "--mode",
+        default="gguf",
+        choices=sorted(MODES),
+        help="how pagemill serves the weights in the offline comparison",
+    )
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated modes for the step table (default: --mode); of {', '.join(MODES)}",
+    )
     ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")
     ap.add_argument("--step-iters", type=int, default=5)
@@ -416,8 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     limits = machine_limits(args.device)
     result["machine"] = limits
-    print(f"machine: read {limits['read_gb_s']:.1f} GB/s, bf16 GEMM "
-          f"{limits['bf16_gemm_gflop_s']:.0f} GFLOP/s (measured now)")
+    print(
+        f"machine: read {limits['read_gb_s']:.1f} GB/s, bf16 GEMM "
+        f"{limits['bf16_gemm_gflop_s']:.0f} GFLOP/s (measured now)"
+    )
     pm = hf = None
     llm = None
     if not args.skip_pagemill:
@@ -446,8 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                 llm = make_llm(args, model_dir, mode)
                 print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             costs = model_costs(llm)
-            print(f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",
-                  file=sys.stderr)
+            print(
+                f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",
+                file=sys.stderr,
+            )
             rows = step_time_table(llm, args, vocab_size)
             floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3
             roof = limits["bf16_gemm_gflop_s"] * 1e9 / costs["flops_per_token"]
@@ -480,15 +494,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"greedy agreement on the first 16 tokens: {agree:.0%} of requests")
     for mode, table in result.get("step_tables", {}).items():
         rows = table["rows"]
-        print(f"\npagemill decode step, {mode}: {table['step_bytes'] / 1e6:.0f} MB per small "
-              f"step, floor {rows[0]['floor_ms']:.2f} ms; GEMM roofline "
-              f"{rows[0]['roofline_tok_s']:.0f} tok/s")
-        print(f"{'batch':>6} {'step ms':>10} {'x floor':>8} {'forward ms':>11} {'host ms':>9} "
-              f"{'host':>6} {'tok/s':>10} {'of roof':>8}")
+        print(
+            f"\npagemill decode step, {mode}: {table['step_bytes'] / 1e6:.0f} MB per small "
+            f"step, floor {rows[0]['floor_ms']:.2f} ms; GEMM roofline "
+            f"{rows[0]['roofline_tok_s']:.0f} tok/s"
+        )
+        print(
+            f"{'batch':>6} {'step ms':>10} {'x floor':>8} {'forward ms':>11} {'host ms':>9} "
+            f"{'host':>6} {'tok/s':>10} {'of roof':>8}"
+        )
         for row in rows:
-            print(f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['x_floor']:8.2f} "
-                  f"{row['forward_ms']:11.2f} {row['host_ms']:9.2f} {row['host_share']:6.1%} "
-                  f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%}")
+            print(
+                f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['x_floor']:8.2f} "
+                f"{row['forward_ms']:11.2f} {row['host_ms']:9.2f} {row['host_share']:6.1%} "
+                f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%}"
+            )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

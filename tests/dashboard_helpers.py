@@ -33,12 +33,21 @@ BLOCK_SIZE = 16
 
 
 class ScriptedCore:
-    def __init__(self, num_blocks: int = 64, *, max_num_seqs: int = 8, step_delay: float = 0.0,
-                 max_model_len: int = 1024) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        *,
+        max_num_seqs: int = 8,
+        step_delay: float = 0.0,
+        max_model_len: int = 1024,
+    ) -> None:
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=True)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=256,
-                                                   max_num_seqs=max_num_seqs,
-                                                   max_model_len=max_model_len), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=256, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+            ),
+            self.kv,
+        )
         self.num_blocks = num_blocks
         self.max_model_len = max_model_len
         self.paused = True
@@ -46,12 +55,19 @@ class ScriptedCore:
 
     # ---- what a client drives
     def ready_message(self) -> EngineCoreReady:
-        return EngineCoreReady(self.max_model_len, self.num_blocks, BLOCK_SIZE, "float32", "cpu",
-                               os.getpid())
+        return EngineCoreReady(
+            self.max_model_len, self.num_blocks, BLOCK_SIZE, "float32", "cpu", os.getpid()
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids,
-                                           max_tokens=request.max_tokens, ignore_eos=True))
+        self.scheduler.add_request(
+            Request(
+                request.request_id,
+                request.prompt_token_ids,
+                max_tokens=request.max_tokens,
+                ignore_eos=True,
+            )
+        )
 
     def abort_requests(self, request_ids: Any, reason: FinishReason = FinishReason.ABORT) -> None:
         self.scheduler.abort_requests(list(request_ids))
@@ -62,9 +78,15 @@ class ScriptedCore:
     def get_stats(self) -> SchedulerStats:
         s = self.scheduler.get_stats()
         return SchedulerStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, num_blocks=self.num_blocks, block_size=BLOCK_SIZE)
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_blocks=self.num_blocks,
+            block_size=BLOCK_SIZE,
+        )
 
     def step(self) -> EngineCoreOutputs:
         if self.step_delay:
@@ -73,9 +95,16 @@ class ScriptedCore:
         sampled = {s.request_id: 7 for s in out.scheduled if s.sample}
         updates = self.scheduler.update_from_output(out, sampled)
         return EngineCoreOutputs(
-            [EngineCoreOutput(u.request_id, u.new_token_ids,
-                              FINISH_REASONS[u.finish_reason] if u.finished else None)
-             for u in updates], num_scheduled_tokens=out.total_num_scheduled_tokens)
+            [
+                EngineCoreOutput(
+                    u.request_id,
+                    u.new_token_ids,
+                    FINISH_REASONS[u.finish_reason] if u.finished else None,
+                )
+                for u in updates
+            ],
+            num_scheduled_tokens=out.total_num_scheduled_tokens,
+        )
 
     def on_worker_failure(self, handler: Any) -> None:
         pass
@@ -85,14 +114,14 @@ class ScriptedCore:
 
     # ---- scripting (call through client.submit, on the core's thread)
     def add(self, request_id: str, prompt: list[int], max_tokens: int = 8) -> None:
-        self.scheduler.add_request(Request(request_id, prompt, max_tokens=max_tokens,
-                                           ignore_eos=True))
+        self.scheduler.add_request(
+            Request(request_id, prompt, max_tokens=max_tokens, ignore_eos=True)
+        )
 
     def schedule_once(self) -> None:
         """One step's scheduling and a token for each sampling request, regardless of pause."""
         out = self.scheduler.schedule()
-        self.scheduler.update_from_output(out, {s.request_id: 7 for s in out.scheduled
-                                                if s.sample})
+        self.scheduler.update_from_output(out, {s.request_id: 7 for s in out.scheduled if s.sample})
 
     def finish_all(self) -> None:
         ids = list(self.scheduler.requests)

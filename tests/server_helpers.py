@@ -17,15 +17,23 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CORPUS = ["the quick brown fox jumps over the lazy dog",
-          "hello world, hello server, hello paged attention",
-          "streaming tokens to clients over server sent events"] * 4
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello server, hello paged attention",
+    "streaming tokens to clients over server sent events",
+] * 4
 BLOCK_SIZE = 16
 
 
-def build_tiny_llama(folder: Path, max_len: int = 1024, *, corpus: Sequence[str] = CORPUS,
-                     vocab_size: int = 300, extra_special: Sequence[str] = ("<|im_start|>",),
-                     chat_template: str = CHAT_TEMPLATE) -> None:
+def build_tiny_llama(
+    folder: Path,
+    max_len: int = 1024,
+    *,
+    corpus: Sequence[str] = CORPUS,
+    vocab_size: int = 300,
+    extra_special: Sequence[str] = ("<|im_start|>",),
+    chat_template: str = CHAT_TEMPLATE,
+) -> None:
     """A 2-layer random Llama with a trained BPE tokenizer (`<eos>` and `extra_special` as
     special tokens), saved like a real checkpoint."""
     import torch
@@ -35,27 +43,49 @@ def build_tiny_llama(folder: Path, max_len: int = 1024, *, corpus: Sequence[str]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(list(corpus), trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<eos>", *extra_special], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
-                                                additional_special_tokens=list(extra_special))
+    tok.train_from_iterator(
+        list(corpus),
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<eos>", *extra_special],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", additional_special_tokens=list(extra_special)
+    )
     fast.chat_template = chat_template
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len,
-        initializer_range=0.2, eos_token_id=fast.eos_token_id, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False)
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        initializer_range=0.2,
+        eos_token_id=fast.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(config).eval().save_pretrained(str(folder))
 
 
 def engine_kwargs(folder: Path, num_blocks: int = 64, max_model_len: int = 256) -> dict[str, Any]:
     # 2 (K, V) x 2 layers x 2 KV heads x head_dim 16 x 4 bytes per token.
-    return dict(model=str(folder), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-                kv_cache_memory_bytes=num_blocks * BLOCK_SIZE * 2 * 2 * 2 * 16 * 4,
-                max_num_batched_tokens=512, max_model_len=max_model_len)
+    return dict(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        kv_cache_memory_bytes=num_blocks * BLOCK_SIZE * 2 * 2 * 2 * 16 * 4,
+        max_num_batched_tokens=512,
+        max_model_len=max_model_len,
+    )
 
 
 class CoreDouble:
@@ -71,8 +101,9 @@ class CoreDouble:
     def ready_message(self) -> Any:
         from pagemill.runtime.engine.protocol import EngineCoreReady
 
-        return EngineCoreReady(self.max_model_len, self.num_blocks, self.block_size, "float32",
-                               "cpu", os.getpid())
+        return EngineCoreReady(
+            self.max_model_len, self.num_blocks, self.block_size, "float32", "cpu", os.getpid()
+        )
 
     def get_stats(self) -> Any:
         from pagemill.runtime.engine.protocol import SchedulerStats
@@ -86,8 +117,9 @@ class CoreDouble:
         pass
 
 
-def toy_assets(vocab_size: int = 1000, eos_token_ids: Sequence[int] = (0,),
-               tokenizer: Any = None) -> Any:
+def toy_assets(
+    vocab_size: int = 1000, eos_token_ids: Sequence[int] = (0,), tokenizer: Any = None
+) -> Any:
     """`ModelAssets` for a core double: no folder, no tokenizer (token-id prompts only)."""
     from pagemill.runtime.engine.model_assets import ModelAssets
 
@@ -102,8 +134,9 @@ def front_end(core: Any, *, assets: Any = None, client_cls: Any = None, **kwargs
     from pagemill.server import AsyncEngine
 
     client = (client_cls or ThreadedClient)(core)
-    return AsyncEngine(client=client, assets=assets if assets is not None else toy_assets(),
-                       **kwargs)
+    return AsyncEngine(
+        client=client, assets=assets if assets is not None else toy_assets(), **kwargs
+    )
 
 
 def free_socket() -> socket.socket:
@@ -128,8 +161,15 @@ class ServeThread:
             from pagemill.server.entrypoints.shutdown import serve
 
             try:
-                self.code = serve(app, client, host="127.0.0.1", port=port, log_level="warning",
-                                  sockets=[self.sock], **kwargs)
+                self.code = serve(
+                    app,
+                    client,
+                    host="127.0.0.1",
+                    port=port,
+                    log_level="warning",
+                    sockets=[self.sock],
+                    **kwargs,
+                )
             except BaseException as exc:
                 self.error = exc
 
@@ -139,8 +179,10 @@ class ServeThread:
         self.thread.start()
         deadline = time.monotonic() + 30
         while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port),
-                                                                       timeout=1):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1),
+            ):
                 return self
             assert time.monotonic() < deadline, "server did not start"
             time.sleep(0.05)

@@ -47,8 +47,9 @@ def browser() -> Iterator[Any]:
         pytest.skip("no Chromium found (apt-get install chromium, or set PAGEMILL_CHROMIUM)")
     with sync_playwright() as pw:
         try:
-            b = pw.chromium.launch(executable_path=path, headless=True,
-                                   args=["--no-sandbox", "--disable-gpu"])
+            b = pw.chromium.launch(
+                executable_path=path, headless=True, args=["--no-sandbox", "--disable-gpu"]
+            )
         except Exception as exc:
             pytest.skip(f"Chromium at {path} does not start headless: {exc}")
         yield b
@@ -75,8 +76,9 @@ def _wait_snapshots(page: Any, more_than: int) -> int:
 
 def _cells(page: Any) -> list[dict[str, str]]:
     return page.eval_on_selector_all(
-        "#grid .cell", "cs => cs.map(c => ({state: c.dataset.state, ref: c.dataset.ref, "
-                       "text: c.textContent}))")
+        "#grid .cell",
+        "cs => cs.map(c => ({state: c.dataset.state, ref: c.dataset.ref, text: c.textContent}))",
+    )
 
 
 def _script_shared_prefix(e: ScriptedCore) -> None:
@@ -99,8 +101,9 @@ def _workload(client: AsyncEngine) -> Iterator[None]:
         for i, rid in enumerate(ids):
             prompt = [*PREFIX, *range(1000 + 50 * i, 1000 + 50 * i + 20 + 7 * i)]
             params = SamplingParams(max_tokens=150 + 60 * (i % 4), ignore_eos=True)
-            asyncio.run_coroutine_threadsafe(client.add_request(rid, prompt, params),
-                                             loop).result(10)
+            asyncio.run_coroutine_threadsafe(client.add_request(rid, prompt, params), loop).result(
+                10
+            )
         client.submit(_unpause).result(10)
         yield
     finally:
@@ -157,8 +160,9 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
 
     # Everything ends: no block in use, the full prefix blocks stay cached (evictable).
     client.submit(lambda e: e.finish_all()).result(10)
-    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
-                           timeout=10_000)
+    page.wait_for_function(
+        "() => document.querySelectorAll('#running tr').length === 0", timeout=10_000
+    )
     cells = _cells(page)
     assert not [c for c in cells if c["state"] in ("used", "shared")]
     assert sum(c["state"] == "cached" for c in cells) >= 3
@@ -186,8 +190,9 @@ def test_dashboard_page_shows_the_pool(browser: Any, served: Any, tmp_path: Path
         deadline = time.monotonic() + 20
         while engine.scheduler.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.05)
-        page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
-                               timeout=10_000)
+        page.wait_for_function(
+            "() => document.querySelectorAll('#running tr').length === 0", timeout=10_000
+        )
         assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
         assert engine.kv.get_num_free_blocks() == NUM_BLOCKS
         assert not errors, errors
@@ -198,12 +203,40 @@ def _simulate_html(out: Path) -> Path:
     from pagemill.server.cli import main
 
     html = out / "sim.html"
-    code = main(["simulate", "--model", "smollm2-135m", "--gpu", "rtx-4090",
-                 "--num-blocks", "96", "--max-model-len", "512", "--max-num-seqs", "16",
-                 "--max-num-batched-tokens", "256", "--num-requests", "24", "--prompt-len", "64",
-                 "--output-len", "48", "--system-prompt-len", "128", "--budgets", "64,256",
-                 "--request-rate", "200", "--no-plots", "--out-dir", str(out),
-                 "--html", str(html)])
+    code = main(
+        [
+            "simulate",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "rtx-4090",
+            "--num-blocks",
+            "96",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "256",
+            "--num-requests",
+            "24",
+            "--prompt-len",
+            "64",
+            "--output-len",
+            "48",
+            "--system-prompt-len",
+            "128",
+            "--budgets",
+            "64,256",
+            "--request-rate",
+            "200",
+            "--no-plots",
+            "--out-dir",
+            str(out),
+            "--html",
+            str(html),
+        ]
+    )
     assert code == 0
     return html
 
@@ -227,13 +260,15 @@ def test_simulation_replays_in_the_same_page(browser: Any, tmp_path: Path) -> No
     # Somewhere in the run the pool is in use; at the end every block is free again.
     page.fill("#replay-slider", str(frames // 3))
     page.dispatch_event("#replay-slider", "input")
-    page.wait_for_function("() => document.querySelectorAll('#running tr').length > 0",
-                           timeout=5_000)
+    page.wait_for_function(
+        "() => document.querySelectorAll('#running tr').length > 0", timeout=5_000
+    )
     assert any(c["state"] in ("used", "shared") for c in _cells(page))
     page.fill("#replay-slider", str(frames))
     page.dispatch_event("#replay-slider", "input")
-    page.wait_for_function("() => document.querySelectorAll('#running tr').length === 0",
-                           timeout=5_000)
+    page.wait_for_function(
+        "() => document.querySelectorAll('#running tr').length === 0", timeout=5_000
+    )
     assert not [c for c in _cells(page) if c["state"] in ("used", "shared")]
     page.select_option("#replay-run", label="prefix: prefix cache on")
     page.click("#replay-play")

@@ -64,14 +64,21 @@ def served(model_dir: Path) -> Iterator[tuple[str, Any, DashboardHub]]:
 @pytest.fixture(scope="module")
 def served_process(model_dir: Path) -> Iterator[tuple[str, Any, DashboardHub]]:
     config = EngineConfig.from_kwargs(**engine_kwargs(model_dir, num_blocks=64))
-    yield from _serve(AsyncEngine.launch(config, observer=EngineMetrics("tiny"),
-                                         dashboard=DashboardSettings(0.02)))
+    yield from _serve(
+        AsyncEngine.launch(
+            config, observer=EngineMetrics("tiny"), dashboard=DashboardSettings(0.02)
+        )
+    )
 
 
 def test_the_page_and_its_files_are_served_behind_the_key(served: Any) -> None:
     url, _, _ = served
-    for path in ("/dashboard", "/dashboard/static/dashboard.js", "/dashboard/snapshot",
-                 "/dashboard/events"):
+    for path in (
+        "/dashboard",
+        "/dashboard/static/dashboard.js",
+        "/dashboard/snapshot",
+        "/dashboard/events",
+    ):
         r = httpx.get(url + path)
         assert r.status_code == 401, path
         assert r.headers["www-authenticate"].startswith("Basic")
@@ -81,8 +88,13 @@ def test_the_page_and_its_files_are_served_behind_the_key(served: Any) -> None:
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
-    for name in ("dashboard.js", "dashboard.css", "vendor/uPlot.iife.min.js",
-                 "vendor/uPlot.min.css", "vendor/uPlot.LICENSE"):
+    for name in (
+        "dashboard.js",
+        "dashboard.css",
+        "vendor/uPlot.iife.min.js",
+        "vendor/uPlot.min.css",
+        "vendor/uPlot.LICENSE",
+    ):
         r = httpx.get(f"{url}/dashboard/static/{name}", headers=BEARER)
         assert r.status_code == 200 and r.text, name
     assert httpx.get(url + "/dashboard/static/../auth.py", headers=BEARER).status_code == 404
@@ -138,9 +150,18 @@ def check_feed(url: str, client: Any, hub: DashboardHub) -> None:
     while hub.watchers.value != 1 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert hub.watchers.value == 1  # the engine side now takes pictures
-    r = httpx.post(url + "/v1/completions", headers=BEARER, timeout=60,
-                   json={"model": "tiny", "prompt": SECRET, "max_tokens": 48,
-                         "ignore_eos": True, "temperature": 0})
+    r = httpx.post(
+        url + "/v1/completions",
+        headers=BEARER,
+        timeout=60,
+        json={
+            "model": "tiny",
+            "prompt": SECRET,
+            "max_tokens": 48,
+            "ignore_eos": True,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -253,8 +274,12 @@ def test_the_engine_loop_sends_pictures_only_while_watched() -> None:
             if isinstance(msg, UtilityResult):
                 assert msg.ok, pickle.loads(msg.value)
             stats = getattr(msg, "scheduler_stats", None)
-            if (isinstance(msg, EngineCoreOutputs) and msg.step_seconds is not None
-                    and stats.num_running == 0 and stats.num_waiting == 0):
+            if (
+                isinstance(msg, EngineCoreOutputs)
+                and msg.step_seconds is not None
+                and stats.num_running == 0
+                and stats.num_waiting == 0
+            ):
                 # the last step; a picture may follow it
                 while out_read.poll(0.5):
                     msgs.append(codec.decode(out_read.recv_bytes()))
@@ -265,8 +290,9 @@ def test_the_engine_loop_sends_pictures_only_while_watched() -> None:
     assert not [m for m in unwatched if isinstance(m, EngineCoreEvent)]
     assert tap.num_snapshots == 0
     watchers.value = 1
-    watched = [m.payload for m in run("b")
-               if isinstance(m, EngineCoreEvent) and m.kind == "dashboard"]
+    watched = [
+        m.payload for m in run("b") if isinstance(m, EngineCoreEvent) and m.kind == "dashboard"
+    ]
     assert watched and any(p["running"] for p in watched)
     assert watched[-1]["in_use"] == 0 and not watched[-1]["running"]  # the idle picture
     cmd_write.send_bytes(codec.encode(Shutdown()))

@@ -39,15 +39,25 @@ def test_dummy_model_folder(gpu_check, tmp_path: Path) -> None:
 
 def test_merge_step_table_and_targets(gpu_check, tmp_path: Path) -> None:
     weight_bytes, stream_s, kv_per_token = 16e9, 3.35e-3, 131072
-    plan = {"weight_bytes": weight_bytes, "weight_stream_time_s": stream_s,
-            "kv_bytes_per_token": kv_per_token,
-            "roofline": [{"batch_size": n, "weights_only_step_time_s": stream_s}
-                         for n in (1, 128, 256)]}
-    rows = [{"batch_size": n, "step_ms": ms, "mean_context": 200.0}
-            for n, ms in ((1, 3.6), (128, 4.5), (256, 9.0))]
+    plan = {
+        "weight_bytes": weight_bytes,
+        "weight_stream_time_s": stream_s,
+        "kv_bytes_per_token": kv_per_token,
+        "roofline": [
+            {"batch_size": n, "weights_only_step_time_s": stream_s} for n in (1, 128, 256)
+        ],
+    }
+    rows = [
+        {"batch_size": n, "step_ms": ms, "mean_context": 200.0}
+        for n, ms in ((1, 3.6), (128, 4.5), (256, 9.0))
+    ]
     eager = {"device": "cuda", "rows": [dict(r, step_ms=r["step_ms"] * 2) for r in rows]}
-    files = {"plan": plan, "steps-eager": eager, "steps-graphs": {"device": "cuda", "rows": rows},
-             "kernels": {"summary": {"decode_of_copy": 0.75}}}
+    files = {
+        "plan": plan,
+        "steps-eager": eager,
+        "steps-graphs": {"device": "cuda", "rows": rows},
+        "kernels": {"summary": {"decode_of_copy": 0.75}},
+    }
     for name, data in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     (tmp_path / "stages.jsonl").write_text('{"stage": "plan", "rc": 0, "seconds": 1}\n')
@@ -62,6 +72,8 @@ def test_merge_step_table_and_targets(gpu_check, tmp_path: Path) -> None:
     targets = result["targets"]
     worst = max(3.6 / 3.35, 4.5 / 3.35)  # batch 256 is past the target's range
     assert targets["decode_step_graphs_over_roofline_le_1.25_up_to_128"] == {
-        "worst": pytest.approx(worst), "met": False}
+        "worst": pytest.approx(worst),
+        "met": False,
+    }
     assert targets["decode_attention_ge_70pct_of_copy"]["met"] is True
     assert not math.isnan(table[256]["roofline_with_kv_ms"])

@@ -20,8 +20,14 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[LLM, torch.nn.Module]:
     transformers = pytest.importorskip("transformers")
-    llm = LLM(DEFAULT_MODEL, dtype="float32", load_format="safetensors", max_model_len=256,
-              kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=96)
+    llm = LLM(
+        DEFAULT_MODEL,
+        dtype="float32",
+        load_format="safetensors",
+        max_model_len=256,
+        kv_cache_memory_bytes=64 << 20,
+        max_num_batched_tokens=96,
+    )
     model = llm.llm_engine.engine_core.model_runner.model
     assert model.logits_proj is None and model.layers[0].mlp.down_proj.weight_format == "dense"
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -34,7 +40,12 @@ def test_default_model_config_is_right(smollm2) -> None:
     llm, hf = smollm2
     cfg = llm.llm_engine.model_config
     assert cfg.tie_word_embeddings and hf.config.tie_word_embeddings
-    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    ) == (30, 9, 3, 64)
     assert cfg.vocab_size == 49152
     assert llm.get_tokenizer().chat_template
 
@@ -54,9 +65,13 @@ def test_greedy_matches_transformers(smollm2) -> None:
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0,
-            )[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=[],
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert out.outputs[0].token_ids == ref
     assert "Paris" in outs[0].outputs[0].text
 
@@ -83,14 +98,21 @@ def test_converted_folder_is_reused_and_clean(smollm2, monkeypatch) -> None:
 
 def test_default_model_serves_its_q4_1_weights() -> None:
     """In bf16 the default model's projections are the GGUF's Q4_1 rows, packed."""
-    llm = LLM(DEFAULT_MODEL, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=16 << 20,
-              enforce_eager=True)
+    llm = LLM(
+        DEFAULT_MODEL,
+        dtype="bfloat16",
+        max_model_len=128,
+        kv_cache_memory_bytes=16 << 20,
+        enforce_eager=True,
+    )
     model = llm.llm_engine.engine_core.model_runner.model
     projections = [m for m in model.modules() if getattr(m, "source", None) == "Q4_1"]
     assert len(projections) == 4 * 30 and {m.weight_format for m in projections} == {"int4"}
     assert model.logits_proj is not None and model.logits_proj.weight_format == "int4x2"  # Q8_0
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    chat = llm.llm_engine.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    chat = llm.llm_engine.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     assert "Paris" in llm.generate([chat], params, use_tqdm=False)[0].outputs[0].text
 
 

@@ -24,8 +24,14 @@ from pagemill.server import ServerThread, build_app, cli
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 OTHER_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
-GEN_CONFIG = {"temperature": 0.0, "top_k": 7, "repetition_penalty": 1.3, "max_new_tokens": 5,
-              "top_p": 1.0, "eos_token_id": 0}
+GEN_CONFIG = {
+    "temperature": 0.0,
+    "top_k": 7,
+    "repetition_penalty": 1.3,
+    "max_new_tokens": 5,
+    "top_p": 1.0,
+    "eos_token_id": 0,
+}
 DEFAULTS = {"temperature": 0.0, "top_k": 7, "repetition_penalty": 1.3, "max_tokens": 5}
 
 
@@ -37,19 +43,33 @@ def build_tiny_llama(folder: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["hello world, the quick brown fox", "paged attention serves"] * 4,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                show_progress=False,
-                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["hello world, the quick brown fox", "paged attention serves"] * 4,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<eos>"],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.chat_template = TEMPLATE
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        initializer_range=0.2, eos_token_id=fast.eos_token_id, bos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False)
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        eos_token_id=fast.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
     (folder / "generation_config.json").write_text(json.dumps(GEN_CONFIG))
     return folder
@@ -107,8 +127,9 @@ def test_offline_llm_uses_the_model_defaults(model_dir, reference) -> None:
     [out] = llm.generate([[5, 6, 7, 8]], use_tqdm=False)
     expected = run(reference, [5, 6, 7, 8], SamplingParams(**DEFAULTS))
     assert out.outputs[0].token_ids == expected and len(expected) == 5
-    plain = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 20,
-                generation_config="vllm")
+    plain = LLM(
+        str(model_dir), dtype="float32", kv_cache_memory_bytes=1 << 20, generation_config="vllm"
+    )
     assert plain.get_default_sampling_params() == SamplingParams()
 
 
@@ -128,8 +149,11 @@ def test_unset_fields_take_the_model_defaults(server, reference) -> None:
     # The request's own values win: max_tokens 3, and no repetition penalty.
     body.update(max_tokens=3, repetition_penalty=1.0)
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
-    want = run(reference, [5, 6, 7, 8], SamplingParams(**{**DEFAULTS, "max_tokens": 3,
-                                                           "repetition_penalty": 1.0}))
+    want = run(
+        reference,
+        [5, 6, 7, 8],
+        SamplingParams(**{**DEFAULTS, "max_tokens": 3, "repetition_penalty": 1.0}),
+    )
     assert r["choices"][0]["text"] == reference.tokenizer.decode(want)
     chat = {"model": "tiny-b", "messages": [{"role": "user", "content": "hello"}]}
     r = httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60).json()
@@ -141,12 +165,15 @@ def test_sampling_params_built_from_defaults(reference) -> None:
     from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
 
     # The front end's view of the model (`AsyncEngine` has these), from a real engine.
-    client = SimpleNamespace(generation_defaults=reference.generation_defaults,
-                             input_processor=reference.input_processor)
+    client = SimpleNamespace(
+        generation_defaults=reference.generation_defaults, input_processor=reference.input_processor
+    )
     serving = CompletionServing(client, "m", max_model_len=128, tokenizer=None, vocab_limit=300)
     sp = serving.sampling_params(CompletionRequest(prompt=[1]), 5, None)
     assert (sp.temperature, sp.top_k, sp.repetition_penalty, sp.top_p) == (0.0, 7, 1.3, 1.0)
-    sp = serving.sampling_params(CompletionRequest(prompt=[1], temperature=0.5, top_k=None), 5, None)
+    sp = serving.sampling_params(
+        CompletionRequest(prompt=[1], temperature=0.5, top_k=None), 5, None
+    )
     assert (sp.temperature, sp.top_k) == (0.5, 7)  # null is unset, as vLLM
     # max_tokens unset: the model's default, capped to the room the prompt leaves (the input
     # processor, the one validator, decides once it knows the prompt).
@@ -154,8 +181,9 @@ def test_sampling_params_built_from_defaults(reference) -> None:
     assert sp.max_tokens is None
 
     def max_tokens(n_prompt: int) -> int:
-        processed = reference.input_processor.process("d", [1] * n_prompt, sp, priority=0,
-                                                      cache_salt=None, arrival_time=0.0)
+        processed = reference.input_processor.process(
+            "d", [1] * n_prompt, sp, priority=0, cache_salt=None, arrival_time=0.0
+        )
         return processed.completions[0].max_tokens
 
     assert reference.max_model_len == 128
@@ -169,8 +197,11 @@ def test_several_served_model_names(server) -> None:
     models = httpx.get(f"{server}/v1/models").json()["data"]
     assert [m["id"] for m in models] == ["tiny-a", "tiny-b"]
     for name in ("tiny-a", "tiny-b"):
-        r = httpx.post(f"{server}/v1/completions",
-                       json={"model": name, "prompt": [5, 6], "max_tokens": 2}, timeout=60)
+        r = httpx.post(
+            f"{server}/v1/completions",
+            json={"model": name, "prompt": [5, 6], "max_tokens": 2},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["model"] == "tiny-a"
     r = httpx.post(f"{server}/v1/completions", json={"model": "tiny-c", "prompt": [5]})
     assert r.status_code == 404 and "'tiny-a', 'tiny-b'" in r.json()["error"]["message"]
@@ -186,7 +217,8 @@ def test_chat_template_inline_or_file(model_dir, tmp_path) -> None:
     for value in (OTHER_TEMPLATE, str(file)):
         eng = make_engine(model_dir, chat_template=value)
         assert eng.apply_chat_template(messages) == eng.tokenizer.encode(
-            "<hello>A:", add_special_tokens=False)
+            "<hello>A:", add_special_tokens=False
+        )
     with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
         resolve_chat_template(str(tmp_path / "missing.jinja"))
     # Per call, as vLLM's LLM.chat(chat_template=...): this call only.
@@ -205,7 +237,9 @@ def test_chat_template_reaches_the_api_process_side(model_dir) -> None:
     from pagemill.runtime.engine.model_assets import ModelAssets
 
     # What `AsyncEngine.launch` loads on the API side (the core process loads its own).
-    config = EngineConfig(model=str(model_dir), chat_template=OTHER_TEMPLATE, generation_config="vllm")
+    config = EngineConfig(
+        model=str(model_dir), chat_template=OTHER_TEMPLATE, generation_config="vllm"
+    )
     assets = ModelAssets.load(config)
     assert assets.tokenizer.chat_template == OTHER_TEMPLATE
     assert assets.generation_defaults == {}
@@ -234,18 +268,23 @@ def test_bad_models_are_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys, 
     monkeypatch.setattr(cli, "_make_engine", lambda config: pytest.fail("engine built"))
     falcon = tmp_path / "falcon"
     falcon.mkdir()
-    (falcon / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"],
-                                                    "model_type": "falcon"}))
+    (falcon / "config.json").write_text(
+        json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
+    )
     cases = {
         "/no/such/model": r"unknown model '/no/such/model'",
         "no-org/no-model": r"not in the Hugging Face cache .*HF_HUB_OFFLINE",
         str(falcon): r"unsupported model architecture.*LlamaForCausalLM",
-        _gguf(tmp_path / "g.gguf", "gemma2", np.zeros((4, 32), np.float32)):
-            r"GGUF architecture 'gemma2' .*llama, qwen2",
+        _gguf(
+            tmp_path / "g.gguf", "gemma2", np.zeros((4, 32), np.float32)
+        ): r"GGUF architecture 'gemma2' .*llama, qwen2",
         _gguf(tmp_path / "i.gguf", "llama", np.zeros((4, 32), np.int8)): r"GGML type\(s\) I8",
     }
     for model, message in cases.items():
-        for command in (["serve", model, "--no-engine-process"], ["generate", "hi", "--model", model]):
+        for command in (
+            ["serve", model, "--no-engine-process"],
+            ["generate", "hi", "--model", model],
+        ):
             assert cli.main(command) == 2, model
             err = capsys.readouterr().err
             assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

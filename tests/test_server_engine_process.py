@@ -33,8 +33,14 @@ MODEL = "tiny-llama"
 
 
 def engine_kwargs(folder: Path) -> dict[str, Any]:
-    return {"model": str(folder), "device": "cpu", "dtype": "float32", "block_size": 16,
-            "kv_cache_memory_bytes": 4 << 20, "max_num_batched_tokens": 512}
+    return {
+        "model": str(folder),
+        "device": "cpu",
+        "dtype": "float32",
+        "block_size": 16,
+        "kv_cache_memory_bytes": 4 << 20,
+        "max_num_batched_tokens": 512,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +59,9 @@ def proc_client(model_dir: Path) -> Iterator[AsyncEngine]:
 
 def reference_text(folder: Path, prompt: Any, **params: Any) -> tuple[str, list[int]]:
     engine = LLMEngine(**engine_kwargs(folder))
-    engine.add_request("ref", prompt, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY,
-                                                     **params))
+    engine.add_request(
+        "ref", prompt, SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY, **params)
+    )
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -63,35 +70,53 @@ def reference_text(folder: Path, prompt: Any, **params: Any) -> tuple[str, list[
     return final.outputs[0].text, list(final.outputs[0].token_ids)
 
 
-def test_http_through_an_engine_process_equals_the_engine(model_dir: Path,
-                                                          proc_client: AsyncEngine) -> None:
+def test_http_through_an_engine_process_equals_the_engine(
+    model_dir: Path, proc_client: AsyncEngine
+) -> None:
     app = build_app(proc_client, MODEL)
     assert proc_client.engine.max_model_len == 1024 and proc_client.engine.tokenizer is not None
-    text, ids = reference_text(model_dir, "hello world", max_tokens=12, temperature=0.0,
-                               ignore_eos=True)
+    text, ids = reference_text(
+        model_dir, "hello world", max_tokens=12, temperature=0.0, ignore_eos=True
+    )
     with ServerThread(app) as url:
         oc = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        whole = oc.completions.create(model=MODEL, prompt="hello world", max_tokens=12,
-                                      temperature=0, extra_body={"ignore_eos": True})
+        whole = oc.completions.create(
+            model=MODEL,
+            prompt="hello world",
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert whole.choices[0].text == text
         assert whole.usage.completion_tokens == 12
-        chunks = list(oc.completions.create(model=MODEL, prompt="hello world", max_tokens=12,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+        chunks = list(
+            oc.completions.create(
+                model=MODEL,
+                prompt="hello world",
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == text
         # The prompt travels with a request's first output only; usage still counts it.
         assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
-        ids_whole = oc.completions.create(model=MODEL, prompt=ids[:5], max_tokens=4,
-                                          temperature=0)
+        ids_whole = oc.completions.create(model=MODEL, prompt=ids[:5], max_tokens=4, temperature=0)
         assert ids_whole.usage.prompt_tokens == 5
-        chat = oc.chat.completions.create(model=MODEL, max_tokens=6, temperature=0,
-                                          messages=[{"role": "user", "content": "hello"}])
+        chat = oc.chat.completions.create(
+            model=MODEL,
+            max_tokens=6,
+            temperature=0,
+            messages=[{"role": "user", "content": "hello"}],
+        )
         assert chat.choices[0].finish_reason in ("stop", "length")
         assert httpx.get(url + "/health").status_code == 200
         metrics = httpx.get(url + "/metrics").text
-        assert 'pagemill:engine_step_seconds_count{model_name="tiny-llama",phase="decode"}' \
-            in metrics
+        assert (
+            'pagemill:engine_step_seconds_count{model_name="tiny-llama",phase="decode"}' in metrics
+        )
         assert 'pagemill:generation_tokens_total{model_name="tiny-llama"}' in metrics
     # Functions sent to the engine process must pickle by reference to a module that
     # process can import: the standard library's are safe; this test module is not (under
@@ -133,8 +158,9 @@ def test_engine_steps_while_the_event_loop_holds_the_gil(proc_client: AsyncEngin
 
     async def main() -> list[Any]:
         start = proc_client.engine_steps  # before the add: the engine starts at once
-        q = await proc_client.add_request("gil", [5, 6, 7, 8], SamplingParams(
-            max_tokens=n, ignore_eos=True, temperature=0.0))
+        q = await proc_client.add_request(
+            "gil", [5, 6, 7, 8], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        )
         old = sys.getswitchinterval()
         sys.setswitchinterval(1000.0)
         try:
@@ -182,8 +208,9 @@ def test_shutdown_ends_streams_and_refuses_later_requests(model_dir: Path) -> No
     client = AsyncEngine.launch(**engine_kwargs(model_dir))
 
     async def main() -> None:
-        q = await client.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1000,
-                                                                    ignore_eos=True))
+        q = await client.add_request(
+            "a", [1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True)
+        )
         stream = client.stream(q, ["a"])
         await stream.__anext__()
         await asyncio.get_running_loop().run_in_executor(None, client.shutdown)
@@ -205,13 +232,21 @@ def test_an_engine_that_cannot_start_says_why(tmp_path: Path) -> None:
         AsyncEngine.launch(model=str(tmp_path / "missing"), device="cpu", start_timeout=300)
 
 
-def test_tools_reach_the_prompt_through_the_engine_process(model_dir: Path,
-                                                           proc_client: AsyncEngine) -> None:
+def test_tools_reach_the_prompt_through_the_engine_process(
+    model_dir: Path, proc_client: AsyncEngine
+) -> None:
     """The engine-process front end renders tools as the in-process engine does (a template
     without tools gets them in the Hermes format, in the system turn)."""
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": "the weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "the weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [{"role": "user", "content": "hello"}]
     ids = proc_client.engine.apply_chat_template(messages, tools=tools)
     reference = LLMEngine(**engine_kwargs(model_dir))

@@ -42,18 +42,25 @@ def fuzz(url: str, examples: int) -> dict[str, Any]:
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def run(case: Any) -> None:
             for headers in ({"Authorization": f"Bearer {KEY}"}, {}):
                 response = case.call(headers=headers, timeout=120)
                 seen["cases"] += 1
-                seen["statuses"][response.status_code] = \
+                seen["statuses"][response.status_code] = (
                     seen["statuses"].get(response.status_code, 0) + 1
+                )
                 assert response.status_code < 500, (
                     f"{case.method} {case.path} -> {response.status_code}: "
-                    f"{response.text[:500]}\nbody: {str(case.body)[:500]}")
+                    f"{response.text[:500]}\nbody: {str(case.body)[:500]}"
+                )
 
         run()
     return seen
@@ -72,6 +79,7 @@ def test_openapi_is_published_and_fuzzing_finds_no_5xx(fuzz_server: tuple[str, A
 def test_long_fuzz_run(fuzz_server: tuple[str, Any]) -> None:
     url, client = fuzz_server
     seen = fuzz(url, 300)
-    print(f"schemathesis (long): {seen['cases']} calls, statuses "
-          f"{sorted(seen['statuses'].items())}")
+    print(
+        f"schemathesis (long): {seen['cases']} calls, statuses {sorted(seen['statuses'].items())}"
+    )
     assert not client.is_dead

@@ -42,10 +42,32 @@ def start(model_dir: Path, *extra: str) -> Served:
     sock.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PAGEMILL_ENFORCE_EAGER": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagemill.server", "serve", str(model_dir), "--port", str(port),
-         "--served-model-name", "tiny", "--device", "cpu", "--dtype", "float32",
-         "--kv-cache-memory", "4MiB", "--log-level", "warning", "--engine-threads", "1",
-         *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "pagemill.server",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "4MiB",
+            "--log-level",
+            "warning",
+            "--engine-threads",
+            "1",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -72,9 +94,18 @@ def served(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Served]:
 
 
 def stream(url: str, max_tokens: int, events: list[str], first: threading.Event) -> None:
-    with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-            "prompt": [5, 6, 8], "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "temperature": 0}) as r:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        timeout=60,
+        json={
+            "prompt": [5, 6, 8],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        },
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
@@ -85,8 +116,10 @@ def test_sigterm_drains_then_ends_the_rest_and_exits_zero(served: Served) -> Non
     long_events: list[str] = []
     short_events: list[str] = []
     got_long, got_short = threading.Event(), threading.Event()
-    threads = [threading.Thread(target=stream, args=(served.url, 2000, long_events, got_long)),
-               threading.Thread(target=stream, args=(served.url, 4, short_events, got_short))]
+    threads = [
+        threading.Thread(target=stream, args=(served.url, 2000, long_events, got_long)),
+        threading.Thread(target=stream, args=(served.url, 4, short_events, got_short)),
+    ]
     for t in threads:
         t.start()
     assert got_long.wait(60) and got_short.wait(60)
@@ -132,5 +165,3 @@ def _engine_pid(parent: int) -> int:
                 return int(kid)
         time.sleep(0.1)
     raise AssertionError("no engine process found")
-
-

@@ -33,9 +33,11 @@ def rss_mib(pid: int) -> float:
 
 
 async def one(http: httpx.AsyncClient, url: str, i: int) -> str:
-    async with http.stream("POST", url + "/v1/completions", json={
-            "prompt": [5 + i % 50, 6, 8], "max_tokens": 4, "ignore_eos": True,
-            "stream": True}) as r:
+    async with http.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": [5 + i % 50, 6, 8], "max_tokens": 4, "ignore_eos": True, "stream": True},
+    ) as r:
         if r.status_code == 429:
             assert r.headers.get("retry-after")
             await r.aread()
@@ -65,8 +67,10 @@ def test_thousand_concurrent_streams(tmp_path: Path) -> None:
         after_first = rss_mib(s.proc.pid)
         counts2 = asyncio.run(soak(s.url))
         after = rss_mib(s.proc.pid)
-        print(f"soak: {STREAMS} streams x2 -> {counts} / {counts2} in {took:.1f} s; server RSS "
-              f"{before:.0f} -> {after_first:.0f} -> {after:.0f} MiB")
+        print(
+            f"soak: {STREAMS} streams x2 -> {counts} / {counts2} in {took:.1f} s; server RSS "
+            f"{before:.0f} -> {after_first:.0f} -> {after:.0f} MiB"
+        )
         assert set(counts) <= {"ok", "429"} and set(counts2) <= {"ok", "429"}
         assert counts.get("ok", 0) >= 128
         # A second identical round must not keep growing the server (no per-request leak).

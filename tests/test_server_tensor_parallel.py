@@ -60,10 +60,14 @@ def test_tp2_server_streams_and_a_dead_worker_ends_it(model_dir: Path) -> None:
     try:
         [worker] = _children(client.engine_pid)
         app = build_app(client, MODEL)
-        with ServeThread(app, client, shutdown_timeout=1,
-                         watchdog=Watchdog(client, 30, 1)) as srv:
-            body = {"model": MODEL, "prompt": [5, 6, 8], "max_tokens": 8, "ignore_eos": True,
-                    "temperature": 0}
+        with ServeThread(app, client, shutdown_timeout=1, watchdog=Watchdog(client, 30, 1)) as srv:
+            body = {
+                "model": MODEL,
+                "prompt": [5, 6, 8],
+                "max_tokens": 8,
+                "ignore_eos": True,
+                "temperature": 0,
+            }
             whole = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
             events = _stream(srv.url + "/v1/completions", body)
             assert events[-1] == "[DONE]"
@@ -71,9 +75,15 @@ def test_tp2_server_streams_and_a_dead_worker_ends_it(model_dir: Path) -> None:
             text = "".join(c["choices"][0]["text"] for c in chunks)
             assert text == whole["choices"][0]["text"]
             assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            chat = _stream(srv.url + "/v1/chat/completions", {
-                "model": MODEL, "messages": [{"role": "user", "content": "hello"}],
-                "max_tokens": 4, "temperature": 0})
+            chat = _stream(
+                srv.url + "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hello"}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                },
+            )
             assert chat[-1] == "[DONE]" and len(chat) >= 3
             assert httpx.get(srv.url + "/health").status_code == 200
 
@@ -111,11 +121,38 @@ def test_torchrun_launch_serves(model_dir: Path) -> None:
         s.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PAGEMILL_ENFORCE_EAGER": "1"}
     proc = subprocess.Popen(
-        [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(master_port), "-m", "pagemill.server", "serve", str(model_dir),
-         "-tp", "2", "--device", "cpu", "--dtype", "float32", "--port", str(http_port),
-         "--kv-cache-memory", "4MiB", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            torchrun,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(master_port),
+            "-m",
+            "pagemill.server",
+            "serve",
+            str(model_dir),
+            "-tp",
+            "2",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--port",
+            str(http_port),
+            "--kv-cache-memory",
+            "4MiB",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{http_port}"
     try:
         deadline = time.monotonic() + 180
@@ -126,10 +163,15 @@ def test_torchrun_launch_serves(model_dir: Path) -> None:
             except httpx.TransportError:
                 pass
             assert proc.poll() is None and time.monotonic() < deadline, (
-                proc.stdout.read().decode() if proc.poll() is not None and proc.stdout else "timeout")
+                proc.stdout.read().decode()
+                if proc.poll() is not None and proc.stdout
+                else "timeout"
+            )
             time.sleep(0.2)
-        events = _stream(url + "/v1/completions", {"prompt": [5, 6, 8], "max_tokens": 6,
-                                                   "ignore_eos": True, "temperature": 0})
+        events = _stream(
+            url + "/v1/completions",
+            {"prompt": [5, 6, 8], "max_tokens": 6, "ignore_eos": True, "temperature": 0},
+        )
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     finally:

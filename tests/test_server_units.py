@@ -43,42 +43,67 @@ def test_prompt_forms() -> None:
     assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": []}, {"prompt": [[]]}, {"prompt": [-1]}, {"prompt": 5},
-    {"prompt": "x", "n": 0}, {"prompt": "x", "temperature": 3}, {"prompt": "x", "top_p": 0},
-    {"prompt": "x", "stop": [""]}, {"prompt": "x", "logit_bias": {"1": "much"}},
-    {"prompt": "x", "best_of": 3}, {"prompt": "x", "top_k": -2}, {"prompt": "x", "min_p": 2},
-    {"prompt": "x", "presence_penalty": 5}, {"prompt": "x", "stop_token_ids": [-1]},
-    {"prompt": "x", "cache_salt": ""},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": []},
+        {"prompt": [[]]},
+        {"prompt": [-1]},
+        {"prompt": 5},
+        {"prompt": "x", "n": 0},
+        {"prompt": "x", "temperature": 3},
+        {"prompt": "x", "top_p": 0},
+        {"prompt": "x", "stop": [""]},
+        {"prompt": "x", "logit_bias": {"1": "much"}},
+        {"prompt": "x", "best_of": 3},
+        {"prompt": "x", "top_k": -2},
+        {"prompt": "x", "min_p": 2},
+        {"prompt": "x", "presence_penalty": 5},
+        {"prompt": "x", "stop_token_ids": [-1]},
+        {"prompt": "x", "cache_salt": ""},
+    ],
+)
 def test_completion_request_rejects(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate(body)
 
 
 def test_chat_request_rules() -> None:
-    req = ChatCompletionRequest(messages=[{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        max_tokens=5, max_completion_tokens=7, logprobs=True)
+    req = ChatCompletionRequest(
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ],
+        max_tokens=5,
+        max_completion_tokens=7,
+        logprobs=True,
+    )
     assert req.messages[0].text() == "ab"
     assert req.effective_max_tokens == 7  # the newer field wins
     assert req.num_logprobs == 0
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).num_logprobs is None
-    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-                {"messages": [{"role": "user"}], "response_format": {"type": "json_schema"}},
-                {"messages": [{"role": "user"}], "response_format": {"type": "yaml"}},
-                {"messages": [{"role": "user"}], "tool_choice": "sometimes"}):
+    for bad in (
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+        {"messages": [{"role": "user"}], "response_format": {"type": "json_schema"}},
+        {"messages": [{"role": "user"}], "response_format": {"type": "yaml"}},
+        {"messages": [{"role": "user"}], "tool_choice": "sometimes"},
+    ):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
     # Fields OpenAI clients send that we do not use are ignored, not refused.
-    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                          "store": False, "metadata": {"a": "b"}})
+    ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "store": False, "metadata": {"a": "b"}}
+    )
 
 
 def test_error_body_shape() -> None:
     body = error_body(429, "busy")
-    assert body == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
-                              "code": 429}}
+    assert body == {
+        "error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": 429}
+    }
 
 
 # ---------------------------------------------------------------- deltas
@@ -140,11 +165,35 @@ def test_serve_defaults_bind_loopback() -> None:
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.model, args.api_key) == ("127.0.0.1", 8000, None, None)
     assert args.max_body_size == 4 * 2**20 and not args.no_prefix_caching
-    args = build_parser().parse_args([
-        "serve", "/models/x", "--dtype", "bfloat16", "--block-size", "32", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", "512", "--kv-cache-memory", "1GiB", "--no-prefix-caching",
-        "--scheduling-policy", "priority", "--seed", "3", "--host", "0.0.0.0", "--port", "9000",
-        "--api-key", "k", "--max-queue-len", "10"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/x",
+            "--dtype",
+            "bfloat16",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--kv-cache-memory",
+            "1GiB",
+            "--no-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--seed",
+            "3",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--max-queue-len",
+            "10",
+        ]
+    )
     from pagemill.server.cli import engine_kwargs
 
     kw = engine_kwargs(args)
@@ -154,9 +203,17 @@ def test_serve_defaults_bind_loopback() -> None:
     assert (args.host, args.port, args.api_key, args.max_queue_len) == ("0.0.0.0", 9000, "k", 10)
 
 
-@pytest.mark.parametrize("argv", [["serve", "--port", "0"], ["serve", "--block-size", "x"],
-                                  ["serve", "--scheduling-policy", "lifo"], ["generate"],
-                                  ["bench", "serve", "--concurrency", "0,4"], []])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "0"],
+        ["serve", "--block-size", "x"],
+        ["serve", "--scheduling-policy", "lifo"],
+        ["generate"],
+        ["bench", "serve", "--concurrency", "0,4"],
+        [],
+    ],
+)
 def test_cli_rejects(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(argv)

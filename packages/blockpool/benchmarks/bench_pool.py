@@ -125,7 +125,9 @@ def main() -> None:
             )
     for algo in ("sha256", "xxh3_128"):
         us = bench_decode(20_000 // scale, algo)
-        print(f"  {algo:8s} decode step (hasher + allocate_slots for 1 token, 2k context): {us:6.2f} us")
+        print(
+            f"  {algo:8s} decode step (hasher + allocate_slots for 1 token, 2k context): {us:6.2f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -12,12 +12,22 @@ from pagemill.blockpool.hashing import HASH_ALGOS
 
 def test_defaults_and_frozen() -> None:
     c = CacheConfig()
-    assert (c.block_size, c.enable_prefix_caching, c.prefix_caching_hash_algo) == (16, True, "sha256")
+    assert (c.block_size, c.enable_prefix_caching, c.prefix_caching_hash_algo) == (
+        16,
+        True,
+        "sha256",
+    )
     assert c.kv_cache_memory_bytes is None and c.gpu_memory_utilization == 0.9
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_size = 32  # type: ignore[misc]
-    assert CacheConfig(prefix_caching_hash_algo="xxh3_128", kv_cache_memory_bytes=1 << 20,
-                       gpu_memory_utilization=1).kv_cache_memory_bytes == 1 << 20
+    assert (
+        CacheConfig(
+            prefix_caching_hash_algo="xxh3_128",
+            kv_cache_memory_bytes=1 << 20,
+            gpu_memory_utilization=1,
+        ).kv_cache_memory_bytes
+        == 1 << 20
+    )
 
 
 def test_hash_algo_choices_are_the_hashers() -> None:

@@ -30,8 +30,10 @@ def decode_step(batch: int, ctx: int, layers: int, seed: int = 0):
     pool = batch * nblk
     tables = torch.randperm(pool, generator=g).view(batch, nblk).to(torch.int32)
     shape = (pool, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
-              for _ in range(layers)]
+    caches = [
+        (torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16())
+        for _ in range(layers)
+    ]
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).bfloat16()
     query_lens = np.ones(batch, dtype=np.int64)
     context_lens = np.full(batch, ctx, dtype=np.int64)
@@ -50,15 +52,23 @@ def bench(batch: int, ctx: int, layers: int, steps: int) -> dict[str, float]:
             paged_attention(q, kc, vc, tables, qsl, seq_lens, scale, out=out)
 
     def plan() -> object:
-        return plan_attention(qsl, seq_lens, tables, k_cache_shape=tuple(caches[0][0].shape),
-                              num_heads=HEADS, dtype=q.dtype, query_lens=query_lens,
-                              context_lens=context_lens)
+        return plan_attention(
+            qsl,
+            seq_lens,
+            tables,
+            k_cache_shape=tuple(caches[0][0].shape),
+            num_heads=HEADS,
+            dtype=q.dtype,
+            query_lens=query_lens,
+            context_lens=context_lens,
+        )
 
     def planned() -> None:
         p = plan()
         for kc, vc in caches:
-            paged_attention(q, kc, vc, p.block_tables, p.query_start_loc, p.seq_lens, scale,
-                            out=out, plan=p)
+            paged_attention(
+                q, kc, vc, p.block_tables, p.query_start_loc, p.seq_lens, scale, out=out, plan=p
+            )
 
     def median_s(fn) -> float:
         fn()  # warm-up: workspace buffers, allocator, first-call paths
@@ -96,13 +106,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"decode attention, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16, {args.context}-token "
-          f"contexts, {args.layers} layers, {args.threads} thread(s); medians of {args.steps} steps")
+    print(
+        f"decode attention, {HEADS}/{KV_HEADS} heads x {HEAD_DIM}, bf16, {args.context}-token "
+        f"contexts, {args.layers} layers, {args.threads} thread(s); medians of {args.steps} steps"
+    )
     for batch in args.batches:
         r = bench(batch, args.context, args.layers, args.steps)
-        print(f"batch {batch:4d}: per layer {r['unplanned_layer_us']:8.1f} us unplanned, "
-              f"{r['planned_layer_us']:8.1f} us with a plan (+ {r['plan_us']:.1f} us per step "
-              f"to plan); step {r['step_unplanned_ms']:.2f} -> {r['step_planned_ms']:.2f} ms")
+        print(
+            f"batch {batch:4d}: per layer {r['unplanned_layer_us']:8.1f} us unplanned, "
+            f"{r['planned_layer_us']:8.1f} us with a plan (+ {r['plan_us']:.1f} us per step "
+            f"to plan); step {r['step_unplanned_ms']:.2f} -> {r['step_planned_ms']:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

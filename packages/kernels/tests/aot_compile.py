@@ -92,9 +92,19 @@ def _install_recorder() -> None:
 # ------------------------------------------------------------------ the served configurations
 
 
-def _attention(dtype: torch.dtype, head_dim: int, group: int, mode: str, *, kv_heads: int = 2,
-               num_seqs: int = 3, context: int = 4096, sm_count: int | None = None,
-               softcap: float = 0.0, window: int = 0) -> None:
+def _attention(
+    dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    mode: str,
+    *,
+    kv_heads: int = 2,
+    num_seqs: int = 3,
+    context: int = 4096,
+    sm_count: int | None = None,
+    softcap: float = 0.0,
+    window: int = 0,
+) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
     sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
@@ -113,14 +123,34 @@ def _attention(dtype: torch.dtype, head_dim: int, group: int, mode: str, *, kv_h
         splits = split_count(sm_count or 132, num_seqs * kv_heads, width * BLOCK_SIZE)
         if splits < 2:
             return
-    plan = plan_triton(num_tokens, num_seqs, width, tuple(k_cache.shape), heads, dtype,
-                       torch.device("cpu"), num_splits=splits)
-    run_triton(plan, q, k_cache, k_cache, tables, qsl, lens, head_dim**-0.5, torch.empty_like(q),
-               window=window, softcap=softcap)
+    plan = plan_triton(
+        num_tokens,
+        num_seqs,
+        width,
+        tuple(k_cache.shape),
+        heads,
+        dtype,
+        torch.device("cpu"),
+        num_splits=splits,
+    )
+    run_triton(
+        plan,
+        q,
+        k_cache,
+        k_cache,
+        tables,
+        qsl,
+        lens,
+        head_dim**-0.5,
+        torch.empty_like(q),
+        window=window,
+        softcap=softcap,
+    )
 
 
-def _small_ops(dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int,
-               inter: int) -> None:
+def _small_ops(
+    dtype: torch.dtype, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int
+) -> None:
     from pagemill.kernels import (
         apply_rotary_triton,
         rms_norm_triton,
@@ -148,7 +178,8 @@ def record_launches(grid: str) -> list[Launch]:
     main = {"dtype": "bf16", "head_dim": 128, "group": 4}  # Llama-3.1-8B in bf16
     if grid == "default":
         attention = [
-            dict(main, mode="decode"), dict(main, mode="decode-split"),
+            dict(main, mode="decode"),
+            dict(main, mode="decode-split"),
             dict(main, mode="prefill"),
             dict(dtype="fp16", head_dim=64, group=3, mode="decode"),  # SmolLM2
             dict(dtype="fp32", head_dim=64, group=1, mode="prefill"),
@@ -160,25 +191,47 @@ def record_launches(grid: str) -> list[Launch]:
     else:
         layouts = {(d, g) for d in HEAD_DIMS for g in GROUPS}
         layouts |= {(m[3], m[1] // m[2]) for m in MODELS.values()}
-        attention = [dict(dtype=dt, head_dim=d, group=g, mode=mode)
-                     for dt in DTYPES for d, g in sorted(layouts)
-                     for mode in ("decode", "decode-split", "prefill")]
+        attention = [
+            dict(dtype=dt, head_dim=d, group=g, mode=mode)
+            for dt in DTYPES
+            for d, g in sorted(layouts)
+            for mode in ("decode", "decode-split", "prefill")
+        ]
         # The merge kernel is compiled per power-of-two bucket of the split count: reach
         # every bucket the planner can choose (few long decodes on a large GPU .. many).
         for sms in SM_COUNTS.values():
             for num_seqs in (1, 2, 4, 8, 16, 32):
                 for context in (1024, 2048, 4096, 16384):
-                    attention.append(dict(main, mode="decode-split", num_seqs=num_seqs,
-                                          context=context, sm_count=sms, kv_heads=8))
-        attention += [dict(dtype=dt, head_dim=d, group=2, mode=mode, softcap=50.0)
-                      for dt in DTYPES for d in HEAD_DIMS
-                      for mode in ("decode", "decode-split", "prefill")]
+                    attention.append(
+                        dict(
+                            main,
+                            mode="decode-split",
+                            num_seqs=num_seqs,
+                            context=context,
+                            sm_count=sms,
+                            kv_heads=8,
+                        )
+                    )
+        attention += [
+            dict(dtype=dt, head_dim=d, group=2, mode=mode, softcap=50.0)
+            for dt in DTYPES
+            for d in HEAD_DIMS
+            for mode in ("decode", "decode-split", "prefill")
+        ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
     for case in attention:
         _CASE = dict(case, kernel_family="attention")
-        _attention(DTYPES[case["dtype"]], case["head_dim"], case["group"], case["mode"],
-                   **{k: case[k] for k in ("num_seqs", "context", "sm_count", "kv_heads",
-                                           "softcap", "window") if k in case})
+        _attention(
+            DTYPES[case["dtype"]],
+            case["head_dim"],
+            case["group"],
+            case["mode"],
+            **{
+                k: case[k]
+                for k in ("num_seqs", "context", "sm_count", "kv_heads", "softcap", "window")
+                if k in case
+            },
+        )
     for dt, model in models:
         _CASE = {"dtype": dt, "model": model, "kernel_family": "small"}
         _small_ops(DTYPES[dt], *MODELS[model])
@@ -199,8 +252,9 @@ def specialise(launch: Launch, capability: int) -> dict:
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(launch.kwargs)
     bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
-                                                          specialization, options)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
     names = {(i,): name for i, name in enumerate(fn.arg_names)}
     return {
         "module": fn.fn.__module__,
@@ -210,18 +264,28 @@ def specialise(launch: Launch, capability: int) -> dict:
         "constexprs": constexprs,
         "attrs": attrs,
         "options": options.__dict__,
-        "meta": {names.get(k, str(k)): v for k, v in constexprs.items()
-                 if isinstance(v, (bool, int, float, str)) and names.get(k, "").isupper()},
+        "meta": {
+            names.get(k, str(k)): v
+            for k, v in constexprs.items()
+            if isinstance(v, (bool, int, float, str)) and names.get(k, "").isupper()
+        },
         "num_warps": options.num_warps,
         "case": launch.case,
     }
 
 
 def _key(job: dict) -> str:
-    return json.dumps([job["module"], job["kernel"], job["capability"], job["signature"],
-                       sorted((str(k), str(v)) for k, v in job["constexprs"].items()),
-                       sorted((str(k), str(v)) for k, v in job["attrs"].items()),
-                       job["num_warps"]])
+    return json.dumps(
+        [
+            job["module"],
+            job["kernel"],
+            job["capability"],
+            job["signature"],
+            sorted((str(k), str(v)) for k, v in job["constexprs"].items()),
+            sorted((str(k), str(v)) for k, v in job["attrs"].items()),
+            job["num_warps"],
+        ]
+    )
 
 
 def _res_usage(cubin: bytes) -> dict:
@@ -233,18 +297,24 @@ def _res_usage(cubin: bytes) -> dict:
 
         tool = knobs.nvidia.cuobjdump.path
     except Exception:  # pragma: no cover - older layouts
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                            "cuobjdump")
+        tool = os.path.join(
+            os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
+        )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        text = subprocess.run(
+            [tool, "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
     for line in text.splitlines():
         if "REG:" in line:
             fields = dict(item.split(":", 1) for item in line.split() if ":" in item)
-            return {"regs": int(fields["REG"]), "stack": int(fields["STACK"]),
-                    "static_shared": int(fields["SHARED"]), "local": int(fields["LOCAL"])}
+            return {
+                "regs": int(fields["REG"]),
+                "stack": int(fields["STACK"]),
+                "static_shared": int(fields["SHARED"]),
+                "local": int(fields["LOCAL"]),
+            }
     raise RuntimeError(f"no resource usage in cuobjdump output:\n{text}")
 
 
@@ -260,18 +330,25 @@ def compile_job(job: dict) -> dict:
     result["signature"] = {k: v for k, v in job["signature"].items() if v != "constexpr"}
     start = time.perf_counter()
     try:
-        compiled = triton.compile(ASTSource(fn, job["signature"], job["constexprs"], job["attrs"]),
-                                  target=GPUTarget("cuda", job["capability"], 32),
-                                  options=job["options"])
+        compiled = triton.compile(
+            ASTSource(fn, job["signature"], job["constexprs"], job["attrs"]),
+            target=GPUTarget("cuda", job["capability"], 32),
+            options=job["options"],
+        )
         usage = _res_usage(compiled.asm["cubin"])
     except Exception as exc:  # a kernel that does not compile is the finding
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}"[-4000:])
         return result
     shared = int(compiled.metadata.shared) + usage["static_shared"]
     limit = SHARED_LIMIT.get(job["capability"], 99 * 1024)
-    result.update(ok=True, shared=shared, shared_limit=limit, regs=usage["regs"],
-                  spill_bytes=usage["stack"] + usage["local"],
-                  compile_s=round(time.perf_counter() - start, 3))
+    result.update(
+        ok=True,
+        shared=shared,
+        shared_limit=limit,
+        regs=usage["regs"],
+        spill_bytes=usage["stack"] + usage["local"],
+        compile_s=round(time.perf_counter() - start, 3),
+    )
     return result
 
 
@@ -298,8 +375,9 @@ def run(grid: str, capabilities: list[int], jobs: int) -> dict:
         "torch": torch.__version__,
         "grid": grid,
         "capabilities": capabilities,
-        "launched_kernels": sorted({f"{la.fn.fn.__module__}.{la.fn.fn.__name__}"
-                                    for la in launches}),
+        "launched_kernels": sorted(
+            {f"{la.fn.fn.__module__}.{la.fn.fn.__name__}" for la in launches}
+        ),
         "defined_kernels": defined_kernels(),
         "results": results,
     }
@@ -341,11 +419,19 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
     bad = [r for r in report["results"] if not r["ok"]]
     for r in report["results"]:
-        status = "FAIL" if not r["ok"] else (
-            f"shared {r['shared']:>6} regs {r['regs']:>3} spill {r['spill_bytes']:>4} "
-            f"{r['compile_s']:.2f}s")
-        print(f"sm_{r['capability']} {r['kernel']:26s} {json.dumps(r['meta'])[:150]} "
-              f"w{r['num_warps']} {status}", file=sys.stderr)
+        status = (
+            "FAIL"
+            if not r["ok"]
+            else (
+                f"shared {r['shared']:>6} regs {r['regs']:>3} spill {r['spill_bytes']:>4} "
+                f"{r['compile_s']:.2f}s"
+            )
+        )
+        print(
+            f"sm_{r['capability']} {r['kernel']:26s} {json.dumps(r['meta'])[:150]} "
+            f"w{r['num_warps']} {status}",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 

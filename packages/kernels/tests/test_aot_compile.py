@@ -53,7 +53,10 @@ def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     jobs = "2" if grid == "full" else "1"
     proc = subprocess.run(
         [sys.executable, str(HARNESS), "--grid", grid, "--jobs", jobs, "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=1800,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if not out.exists():
         pytest.fail(f"the AOT harness did not run (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -79,23 +82,37 @@ def test_every_kernel_is_compiled(report: dict) -> None:
 
 
 def test_shared_memory_fits(report: dict) -> None:
-    over = [f"{_describe(r)}: {r['shared']} B > {r['shared_limit']} B"
-            for r in report["results"] if r["ok"] and r["shared"] > r["shared_limit"]]
+    over = [
+        f"{_describe(r)}: {r['shared']} B > {r['shared_limit']} B"
+        for r in report["results"]
+        if r["ok"] and r["shared"] > r["shared_limit"]
+    ]
     assert not over, "shared memory over the target's limit:\n" + "\n".join(over)
 
 
 def test_no_register_spills(report: dict) -> None:
-    spills = [f"{_describe(r)}: {r['regs']} registers, {r['spill_bytes']} B spilled"
-              for r in report["results"] if r["ok"] and r["spill_bytes"]]
+    spills = [
+        f"{_describe(r)}: {r['regs']} registers, {r['spill_bytes']} B spilled"
+        for r in report["results"]
+        if r["ok"] and r["spill_bytes"]
+    ]
     assert not spills, "kernels that spill registers:\n" + "\n".join(spills)
 
 
 def test_main_configs_are_in_the_default_grid(report: dict) -> None:
     """The decode and prefill configurations of the Llama-3.1-8B layout in bf16 are compiled
     (and so checked above) in every run, not only in the slow one."""
-    main = [r for r in report["results"]
-            if r["kernel"] == "paged_attention_kernel" and r["meta"].get("HEAD_DIM") == 128
-            and r["meta"].get("GROUP") == 4 and not r["meta"].get("DOT_FP32")]
+    main = [
+        r
+        for r in report["results"]
+        if r["kernel"] == "paged_attention_kernel"
+        and r["meta"].get("HEAD_DIM") == 128
+        and r["meta"].get("GROUP") == 4
+        and not r["meta"].get("DOT_FP32")
+    ]
     kinds = {(r["capability"], r["meta"]["BLOCK_Q"] > 1, r["meta"]["SPLIT"]) for r in main}
-    assert kinds >= {(c, prefill, split) for c in (80, 90)
-                     for prefill, split in ((False, False), (False, True), (True, False))}
+    assert kinds >= {
+        (c, prefill, split)
+        for c in (80, 90)
+        for prefill, split in ((False, False), (False, True), (True, False))
+    }

@@ -51,8 +51,9 @@ def make_batch(
     return q, k_cache, v_cache, tables, qsl, torch.tensor(ctx_lens, dtype=torch.int32)
 
 
-def naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, window=0,
-                    softcap=0.0) -> torch.Tensor:
+def naive_attention(
+    q, k_cache, v_cache, tables, qsl, seq_lens, scale, window=0, softcap=0.0
+) -> torch.Tensor:
     """Dense causal attention per request in float64, K/V read token by token; ``window`` >
     0 also hides keys at or before ``q_pos - window``, ``softcap`` > 0 caps the scores."""
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -70,8 +71,7 @@ def naive_attention(q, k_cache, v_cache, tables, qsl, seq_lens, scale, window=0,
         q_pos = torch.arange(ctx - (b - a), ctx)
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         if window:
-            scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window,
-                                float("-inf"))
+            scores.masked_fill_(pos[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
         out[a:b] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
@@ -114,9 +114,7 @@ def test_torch_matches_naive(dtype, num_heads, num_kv_heads, lens, decode_path):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    data=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(0, 50)), min_size=1, max_size=5
-    ),
+    data=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 50)), min_size=1, max_size=5),
     heads=st.sampled_from(GQA),
     block_size=st.sampled_from([4, 8, 16]),
     seed=st.integers(0, 2**16),
@@ -250,8 +248,7 @@ def test_torch_window_matches_naive_random(data, window, softcap, block_size, se
     ctx = [q + prefix for q, prefix in data]
     batch = make_batch(seed, q_lens, ctx, 6, 2, head_dim=16, block_size=block_size)
     ref = naive_attention(*batch, 0.25, window=window, softcap=softcap)
-    assert rel_err(paged_attention_torch(*batch, 0.25, window=window, softcap=softcap),
-                   ref) < 1e-5
+    assert rel_err(paged_attention_torch(*batch, 0.25, window=window, softcap=softcap), ref) < 1e-5
 
 
 def test_window_and_softcap_are_checked():
@@ -279,11 +276,18 @@ def test_triton_window_small_tiles_and_splits(interpreter, tiled_triton_plan, wi
     q, kc, _, bt, qsl, sl = batch
     plan = tiled_triton_plan(q, kc, bt, qsl, sl, block_m=16, block_n=16)
     ref = naive_attention(*batch, 0.4, window=window, softcap=3.0)
-    assert rel_err(paged_attention_triton(*batch, 0.4, plan=plan, window=window, softcap=3.0),
-                   ref) < 1e-5
+    assert (
+        rel_err(paged_attention_triton(*batch, 0.4, plan=plan, window=window, softcap=3.0), ref)
+        < 1e-5
+    )
     dec = make_batch(15, [1] * 4, [1, 40, 16, 75], 8, 2)
     q, kc, _, bt, qsl, sl = dec
     split = tiled_triton_plan(q, kc, bt, qsl, sl, block_n=16, num_splits=4)
     assert split.impl.num_splits == 4
-    assert rel_err(paged_attention_triton(*dec, 0.3, plan=split, window=window),
-                   naive_attention(*dec, 0.3, window=window)) < 1e-5
+    assert (
+        rel_err(
+            paged_attention_triton(*dec, 0.3, plan=split, window=window),
+            naive_attention(*dec, 0.3, window=window),
+        )
+        < 1e-5
+    )

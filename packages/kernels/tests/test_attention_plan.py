@@ -27,22 +27,35 @@ from pagemill.kernels.attention_triton import TritonPlan
 GQA = [(4, 4), (9, 3), (8, 2)]
 
 
-def make_batch(seed, q_lens, ctx_lens, num_heads, num_kv_heads, *, head_dim=16, block_size=8,
-               dtype=torch.float32, layers=1):
+def make_batch(
+    seed,
+    q_lens,
+    ctx_lens,
+    num_heads,
+    num_kv_heads,
+    *,
+    head_dim=16,
+    block_size=8,
+    dtype=torch.float32,
+    layers=1,
+):
     """Tables over a shuffled pool with junk padding, and ``layers`` caches of one shape."""
     g = torch.Generator().manual_seed(seed)
     nblocks = [-(-c // block_size) for c in ctx_lens]
     pool = sum(nblocks) + 5
     perm = torch.randperm(pool, generator=g)
-    tables = torch.randint(-1, pool, (len(q_lens), max(nblocks, default=0) + 2), generator=g,
-                           dtype=torch.int32)
+    tables = torch.randint(
+        -1, pool, (len(q_lens), max(nblocks, default=0) + 2), generator=g, dtype=torch.int32
+    )
     used = 0
     for s, n in enumerate(nblocks):
         tables[s, :n] = perm[used : used + n]
         used += n
     shape = (pool, block_size, num_kv_heads, head_dim)
-    caches = [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
-              for _ in range(layers)]
+    caches = [
+        (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+        for _ in range(layers)
+    ]
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
@@ -51,9 +64,17 @@ def make_batch(seed, q_lens, ctx_lens, num_heads, num_kv_heads, *, head_dim=16, 
 
 def host_plan(q, caches, tables, qsl, seq_lens, q_lens, ctx_lens, **kw) -> AttentionPlan:
     """A plan built the way the model runner builds it: host lengths as numpy arrays."""
-    return plan_attention(qsl, seq_lens, tables, k_cache_shape=tuple(caches[0][0].shape),
-                          num_heads=q.shape[1], dtype=q.dtype, query_lens=np.array(q_lens),
-                          context_lens=np.array(ctx_lens), **kw)
+    return plan_attention(
+        qsl,
+        seq_lens,
+        tables,
+        k_cache_shape=tuple(caches[0][0].shape),
+        num_heads=q.shape[1],
+        dtype=q.dtype,
+        query_lens=np.array(q_lens),
+        context_lens=np.array(ctx_lens),
+        **kw,
+    )
 
 
 # Knobs of the CPU planner: default, GEMM path forced, length-sorted chunks forced.
@@ -67,8 +88,11 @@ CPU_KNOBS = [
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    data=st.lists(st.tuples(st.sampled_from([0, 1, 1, 1, 2, 7, 16]), st.integers(0, 60)),
-                  min_size=1, max_size=8),
+    data=st.lists(
+        st.tuples(st.sampled_from([0, 1, 1, 1, 2, 7, 16]), st.integers(0, 60)),
+        min_size=1,
+        max_size=8,
+    ),
     heads=st.sampled_from(GQA),
     block_size=st.sampled_from([4, 8, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
@@ -78,8 +102,9 @@ CPU_KNOBS = [
 def test_torch_plan_equals_no_plan(data, heads, block_size, dtype, knobs, seed):
     q_lens = [q for q, _ in data]
     ctx = [max(1, q + prefix) for q, prefix in data]
-    q, caches, tables, qsl, seq_lens = make_batch(seed, q_lens, ctx, *heads,
-                                                  block_size=block_size, dtype=dtype)
+    q, caches, tables, qsl, seq_lens = make_batch(
+        seed, q_lens, ctx, *heads, block_size=block_size, dtype=dtype
+    )
     kc, vc = caches[0]
     # The default knobs run the native decode kernel where it was built; the others the
     # gather paths it replaces.
@@ -87,12 +112,14 @@ def test_torch_plan_equals_no_plan(data, heads, block_size, dtype, knobs, seed):
     with mock.patch.multiple(attention_cpu, **knobs), mock.patch.object(cpu_native, "load", native):
         ref = paged_attention_torch(q, kc, vc, tables, qsl, seq_lens, 0.3)
         from_host = host_plan(q, caches, tables, qsl, seq_lens, q_lens, ctx)
-        from_tensors = plan_attention(qsl, seq_lens, tables, k_cache_shape=tuple(kc.shape),
-                                      num_heads=q.shape[1], dtype=dtype)
+        from_tensors = plan_attention(
+            qsl, seq_lens, tables, k_cache_shape=tuple(kc.shape), num_heads=q.shape[1], dtype=dtype
+        )
     for plan in (from_host, from_tensors):
         assert plan.backend == "torch" and plan.num_tokens == sum(q_lens)
-        got = paged_attention(q, kc, vc, plan.block_tables, plan.query_start_loc, plan.seq_lens,
-                              0.3, plan=plan)
+        got = paged_attention(
+            q, kc, vc, plan.block_tables, plan.query_start_loc, plan.seq_lens, 0.3, plan=plan
+        )
         assert torch.equal(got, ref)
 
 
@@ -100,17 +127,25 @@ def test_torch_plan_structure():
     """Decode chunks are length-sorted and bounded, prefill gets one segment per request."""
     q_lens, ctx = [1, 5, 1, 1, 3, 1], [60, 9, 4, 58, 3, 30]
     batch = make_batch(1, q_lens, ctx, 8, 2)
-    with mock.patch.object(attention_cpu, "_DECODE_CHUNK_ELEMS", 2 * 60 * 2 * 16), \
-            mock.patch.object(cpu_native, "load", lambda: None):
+    with (
+        mock.patch.object(attention_cpu, "_DECODE_CHUNK_ELEMS", 2 * 60 * 2 * 16),
+        mock.patch.object(cpu_native, "load", lambda: None),
+    ):
         plan = host_plan(*batch, q_lens, ctx)
     impl = plan.impl
     assert isinstance(impl, TorchPlan)
     # Decode rows of q are 0, 6, 7, 11 (contexts 60, 4, 58, 30): sorted 60, 58 | 30 | 4.
     assert [c.rows.tolist() for c in impl.decode] == [[0, 7], [11], [6]]
-    assert [(c.max_len, c.mask is None) for c in impl.decode] == [(60, False), (30, True), (4, True)]
+    assert [(c.max_len, c.mask is None) for c in impl.decode] == [
+        (60, False),
+        (30, True),
+        (4, True),
+    ]
     # Prefill: a 5-token query over a 9-token context (masked), a whole 3-token context (causal).
     assert [(s.start, s.stop, s.ctx, s.mask is None) for s in impl.prefill] == [
-        (1, 6, 9, False), (8, 11, 3, True)]
+        (1, 6, 9, False),
+        (8, 11, 3, True),
+    ]
     assert impl.prefill[0].block_ids.tolist() == batch[2][1, :2].tolist()
 
 
@@ -137,9 +172,11 @@ def test_calls_with_a_plan_do_no_planning():
     plan = host_plan(q, caches, tables, qsl, seq_lens, q_lens, ctx)
     ref = paged_attention_torch(q, kc, vc, tables, qsl, seq_lens, 0.5)
     forbidden = mock.Mock(side_effect=AssertionError("planned during a call"))
-    with (mock.patch.object(attention, "plan_torch", forbidden),
-          mock.patch.object(attention, "_host_lens", forbidden),
-          mock.patch.object(torch.Tensor, "tolist", forbidden)):
+    with (
+        mock.patch.object(attention, "plan_torch", forbidden),
+        mock.patch.object(attention, "_host_lens", forbidden),
+        mock.patch.object(torch.Tensor, "tolist", forbidden),
+    ):
         assert torch.equal(paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.5, plan=plan), ref)
         with pytest.raises(AssertionError, match="planned during a call"):
             paged_attention(q, kc, vc, tables, qsl, seq_lens, 0.5)
@@ -194,8 +231,9 @@ def test_call_must_match_its_plan():
     with pytest.raises(ValueError, match="the plan is for 3 tokens"):
         paged_attention(q[:2], kc, vc, tables, qsl, seq_lens, 1.0, plan=plan)
     with pytest.raises(ValueError, match=r"the plan is for 3 tokens of 4 heads in torch\.float32"):
-        paged_attention(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, qsl, seq_lens, 1.0,
-                        plan=plan)
+        paged_attention(
+            q.bfloat16(), kc.bfloat16(), vc.bfloat16(), tables, qsl, seq_lens, 1.0, plan=plan
+        )
     with pytest.raises(ValueError, match="the caches are"):
         paged_attention(q, kc[:-1], vc[:-1], tables, qsl, seq_lens, 1.0, plan=plan)
     with pytest.raises(ValueError, match="must be the plan's"):
@@ -225,11 +263,15 @@ def test_triton_plan_equals_no_plan_across_layers(interpreter, lens, dtype):
         assert torch.equal(got, ref)
 
 
-@settings(max_examples=6, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(
-    data=st.lists(st.tuples(st.sampled_from([0, 1, 1, 3, 9]), st.integers(0, 30)),
-                  min_size=1, max_size=4),
+    data=st.lists(
+        st.tuples(st.sampled_from([0, 1, 1, 3, 9]), st.integers(0, 30)), min_size=1, max_size=4
+    ),
     heads=st.sampled_from(GQA),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
@@ -241,7 +283,9 @@ def test_triton_plan_equals_no_plan_random(interpreter, data, heads, dtype, seed
     kc, vc = caches[0]
     plan = host_plan(q, caches, tables, qsl, seq_lens, q_lens, ctx, backend="triton")
     ref = paged_attention_triton(q, kc, vc, tables, qsl, seq_lens, 0.3)
-    assert torch.equal(paged_attention_triton(q, kc, vc, tables, qsl, seq_lens, 0.3, plan=plan), ref)
+    assert torch.equal(
+        paged_attention_triton(q, kc, vc, tables, qsl, seq_lens, 0.3, plan=plan), ref
+    )
 
 
 def test_triton_split_workspace_reused_across_layers(interpreter, tiled_triton_plan):

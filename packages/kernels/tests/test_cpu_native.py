@@ -54,8 +54,10 @@ def _dense(q, kc, vc, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 24), (16, 2, 256)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 1, 24), (16, 2, 256)],
+)
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_native_decode_matches_dense(lib, dtype, num_heads, num_kv_heads, head_dim, block_size):
     ctx = [1, 2, 15, 16, 17, 70, 33]
@@ -83,8 +85,9 @@ def test_native_rows_write_only_their_rows(lib):
 def test_native_is_the_plan_for_decodes_and_matches_the_gather_path(lib, monkeypatch):
     q, kc, vc, tables, lens = _batch(2, [5, 90, 17, 64, 1, 33], 9, 3, 64, 16, torch.bfloat16)
     qsl = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    plan = plan_attention(qsl, lens, tables, k_cache_shape=tuple(kc.shape), num_heads=9,
-                          dtype=q.dtype)
+    plan = plan_attention(
+        qsl, lens, tables, k_cache_shape=tuple(kc.shape), num_heads=9, dtype=q.dtype
+    )
     assert plan.impl.native is not None and not plan.impl.decode
     native = paged_attention(q, kc, vc, tables, qsl, lens, 0.125, plan=plan)
     monkeypatch.setattr(cpu_native, "load", lambda: None)

@@ -51,7 +51,9 @@ def test_paged_attention(tiled_triton_plan, dtype, heads, kv_heads, head_dim):
     tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
     assert rel_err(K.paged_attention(*gpu, 0.1).cpu(), ref) < tol
     dec_cpu, dec_gpu = batch([1] * 5, [1, 4000, 17, 900, 64], heads, kv_heads, head_dim, dtype)
-    dref = K.paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in dec_cpu), 0.1)
+    dref = K.paged_attention_torch(
+        *(t.float() if t.is_floating_point() else t for t in dec_cpu), 0.1
+    )
     q, kc, _, bt, qsl, sl = dec_gpu
     for splits in (1, 7):
         plan = tiled_triton_plan(q, kc, bt, qsl, sl, num_splits=splits)
@@ -67,18 +69,31 @@ def test_small_ops(dtype):
     r = torch.randn(37, 576, generator=g).to(dtype)
     w = torch.randn(576, generator=g).to(dtype)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for got, ref in zip(K.rms_norm(x.cuda(), w.cuda(), 1e-5, r.cuda()), K.rms_norm_torch(x, w, 1e-5, r)):
+    for got, ref in zip(
+        K.rms_norm(x.cuda(), w.cuda(), 1e-5, r.cuda()), K.rms_norm_torch(x, w, 1e-5, r)
+    ):
         assert rel_err(got.cpu(), ref) < tol
     y = torch.randn(37, 2 * 1536, generator=g).to(dtype)
     assert rel_err(K.silu_and_mul(y.cuda()).cpu(), K.silu_and_mul_torch(y)) < tol
     q = torch.randn(37, 9, 64, generator=g).to(dtype)
     k = torch.randn(37, 3, 64, generator=g).to(dtype)
     pos = torch.randint(0, 8192, (37,), generator=g)
-    table = K.rope_cos_sin(64, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0,
-                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                               "original_max_position_embeddings": 8192})
-    for got, ref in zip(K.apply_rotary(pos.cuda(), q.cuda(), k.cuda(), table.cuda()),
-                        K.apply_rotary_torch(pos, q, k, table)):
+    table = K.rope_cos_sin(
+        64,
+        8192,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
+    for got, ref in zip(
+        K.apply_rotary(pos.cuda(), q.cuda(), k.cuda(), table.cuda()),
+        K.apply_rotary_torch(pos, q, k, table),
+    ):
         assert rel_err(got.cpu(), ref) < tol
     kc = torch.zeros(8, 16, 3, 64, dtype=dtype)
     slots = torch.randperm(128, generator=g)[:37]

@@ -21,10 +21,19 @@ SCALINGS = [None, LLAMA3, {"rope_type": "linear", "factor": 4.0}]
 
 
 def hf_rotary(theta: float, scaling: dict | None, head_dim: int = 64) -> LlamaRotaryEmbedding:
-    params = {"rope_type": "default", "rope_theta": theta} if scaling is None else {
-        **scaling, "rope_theta": theta}
-    cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=head_dim, max_position_embeddings=4096, rope_parameters=params)
+    params = (
+        {"rope_type": "default", "rope_theta": theta}
+        if scaling is None
+        else {**scaling, "rope_theta": theta}
+    )
+    cfg = LlamaConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters=params,
+    )
     return LlamaRotaryEmbedding(config=cfg)
 
 
@@ -55,7 +64,9 @@ def test_apply_matches_transformers(dtype, scaling):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (6, 2, 24)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (6, 2, 24)]
+)
 def test_triton_matches_torch(interpreter, dtype, num_heads, num_kv_heads, head_dim):
     g = torch.Generator().manual_seed(1)
     q = torch.randn(7, num_heads, head_dim, generator=g).to(dtype)
@@ -87,4 +98,6 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="even"):
         rope_cos_sin(7, 16, 10000.0)
     with pytest.raises(ValueError, match="cos_sin"):
-        apply_rotary(torch.tensor([0]), torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(4, 6))
+        apply_rotary(
+            torch.tensor([0]), torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(4, 6)
+        )

@@ -75,17 +75,21 @@ SCRIPT = textwrap.dedent(
 
 def test_kernels_import_and_run_without_triton() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
 
 
 def test_importing_kernels_does_not_import_triton() -> None:
     """Even where Triton is installed, it is imported at the first launch, not at import."""
-    script = ("import sys, pagemill.kernels, pagemill.kernels.ops; "
-              "print(any(m == 'triton' or m.startswith('triton.') for m in sys.modules))")
+    script = (
+        "import sys, pagemill.kernels, pagemill.kernels.ops; "
+        "print(any(m == 'triton' or m.startswith('triton.') for m in sys.modules))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.strip() == "False"

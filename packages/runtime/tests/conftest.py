@@ -99,7 +99,11 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         # HF initialises biases to zero; random ones make the test see whether they are used.
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.2)
     model.save_pretrained(str(folder))
     return model
@@ -114,7 +118,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     folder = tmp_path_factory.mktemp("tiny-qwen2")
-    return folder, build_model(folder, "qwen2", seed=1, num_hidden_layers=3, tie_word_embeddings=True)
+    return folder, build_model(
+        folder, "qwen2", seed=1, num_hidden_layers=3, tie_word_embeddings=True
+    )
 
 
 def _hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -147,8 +153,7 @@ def _all_logits(runner: Any, prompts: list[list[int]]) -> list[torch.Tensor]:
         nb = -(-len(p) // 16)
         record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
         blocks = list(range(next_block, next_block + nb))
-        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True,
-                                      record))
+        sched.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True, record))
         next_block += nb
     out = SchedulerOutput(sched, sum(len(p) for p in prompts), [], list(runner.requests))
     batch = runner.prepare(out)

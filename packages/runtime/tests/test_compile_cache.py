@@ -43,15 +43,25 @@ def _start(folder: Path, cache: Path, max_num_seqs: int = 4) -> tuple[dict, str]
     env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache), **{COMPILE_CACHE_ENV: "1"})
     env.pop(ENFORCE_EAGER_ENV, None)
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", _START, str(folder), str(max_num_seqs)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _START, str(folder), str(max_num_seqs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
 def _eager(folder: Path, **kwargs) -> LLM:
-    return LLM(str(folder), enforce_eager=True, kv_cache_memory_bytes=16 * 16 * 512,
-               max_model_len=128, **kwargs)
+    return LLM(
+        str(folder),
+        enforce_eager=True,
+        kv_cache_memory_bytes=16 * 16 * 512,
+        max_model_len=128,
+        **kwargs,
+    )
 
 
 def _key(llm: LLM) -> str:

@@ -30,8 +30,14 @@ def compiled_llm(tiny_llama) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
         # 8 blocks of 16 for prompts of up to 120 tokens: requests are preempted.
-        llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, max_num_seqs=6,
-                  kv_cache_memory_bytes=8 * 16 * 512, max_model_len=128)
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_num_batched_tokens=64,
+            max_num_seqs=6,
+            kv_cache_memory_bytes=8 * 16 * 512,
+            max_model_len=128,
+        )
     assert llm.llm_engine.engine_core.model_runner.compiled
     return llm
 
@@ -42,8 +48,9 @@ def test_compiled_greedy_matches_hf(compiled_llm, tiny_llama, hf_greedy, random_
     prompts = [prefix + p for p in random_prompts([1, 9, 40, 60], model.config.vocab_size, seed=22)]
     prompts += random_prompts([1, 3, 70], model.config.vocab_size, seed=23)
     max_tokens = [12, 20, 5, 16, 9, 24, 10]
-    outs = compiled_llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens],
-                                 use_tqdm=False)
+    outs = compiled_llm.generate(
+        prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens], use_tqdm=False
+    )
     for prompt, m, out in zip(prompts, max_tokens, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, m)
     stats = compiled_llm.llm_engine.get_stats()
@@ -83,7 +90,9 @@ class _Branchy(torch.nn.Module):
         super().__init__()
         self.double = double
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object
+    ) -> torch.Tensor:
         return input_ids * 2 if self.double else input_ids + 1
 
 
@@ -101,8 +110,9 @@ def test_each_model_compiles_its_own_graph() -> None:
 
 
 @pytest.mark.slow  # compiling a fresh model costs ~90 s on two shared cores
-def test_compiled_gemma2_windows_and_softcap(tmp_path, build_tiny_model, hf_greedy,
-                                             random_prompts) -> None:
+def test_compiled_gemma2_windows_and_softcap(
+    tmp_path, build_tiny_model, hf_greedy, random_prompts
+) -> None:
     """Per-layer windows and soft-caps enter the compiled graph as plain numbers of the
     attention op: Gemma 2 (alternating windows, capped scores) compiled equals transformers."""
     import torch
@@ -110,13 +120,21 @@ def test_compiled_gemma2_windows_and_softcap(tmp_path, build_tiny_model, hf_gree
     reason = compile_unavailable_reason(torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
-    model = build_tiny_model(tmp_path, "gemma2", seed=2, head_dim=16, sliding_window=10,
-                             query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
-                             tie_word_embeddings=True)
+    model = build_tiny_model(
+        tmp_path,
+        "gemma2",
+        seed=2,
+        head_dim=16,
+        sliding_window=10,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        tie_word_embeddings=True,
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
-        llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16,
-                  kv_cache_memory_bytes=1 << 20)
+        llm = LLM(
+            str(tmp_path), dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20
+        )
     assert llm.llm_engine.engine_core.model_runner.compiled
     prompts = random_prompts([40, 3, 25], model.config.vocab_size, seed=24)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)

@@ -32,19 +32,22 @@ def test_decode_graphs_refuse_a_cpu_device() -> None:
         DecodeGraphs([1, 2], 4, torch.device("cpu"))
 
 
-def _steps(prompts: list[list[int]], next_ids: list[int]) -> tuple[SchedulerOutput, SchedulerOutput]:
+def _steps(
+    prompts: list[list[int]], next_ids: list[int]
+) -> tuple[SchedulerOutput, SchedulerOutput]:
     """A prefill step of every prompt, then one decode step of one token each."""
     prefill, decode, next_block = [], [], 0
     for i, (p, tok) in enumerate(zip(prompts, next_ids)):
         record = Request(f"r{i}", p, sampling_params=SamplingParams(temperature=0.0))
         blocks = list(range(next_block, next_block + 2))
         next_block += 2
-        prefill.append(ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True,
-                                        record))
-        decode.append(ScheduledRequest(record.request_id, [tok], len(p), 1, [], True,
-                                       False, record))
-    return (SchedulerOutput(prefill, sum(map(len, prompts))),
-            SchedulerOutput(decode, len(prompts)))
+        prefill.append(
+            ScheduledRequest(record.request_id, p, 0, len(p), blocks, True, True, record)
+        )
+        decode.append(
+            ScheduledRequest(record.request_id, [tok], len(p), 1, [], True, False, record)
+        )
+    return (SchedulerOutput(prefill, sum(map(len, prompts))), SchedulerOutput(decode, len(prompts)))
 
 
 def _runner(folder) -> ModelRunner:
@@ -75,9 +78,11 @@ def test_eager_decode_step_is_prepare_then_forward(tiny_llama, random_prompts) -
     assert torch.equal(got.logits, want)
 
 
-@pytest.mark.skipif(not (interpreting() and triton_available()),
-                    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
-                           "conftest when there is no GPU)")
+@pytest.mark.skipif(
+    not (interpreting() and triton_available()),
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
+    "conftest when there is no GPU)",
+)
 def test_bucket_step_matches_the_eager_decode(tiny_llama, random_prompts) -> None:
     """Three decodes padded to a bucket of 4 with full-width tables (the graph's inputs and
     its once-made Triton plan) give the eager step's logits on the real rows."""
@@ -91,12 +96,22 @@ def test_bucket_step_matches_the_eager_decode(tiny_llama, random_prompts) -> Non
         step = runner.prepare(decode)
         assert step is not None and step.batch is not None
         batch = step.batch
-        inputs = BucketInputs.create(4, runner.max_blocks_per_seq, runner.device,
-                                     tuple(runner.kv_cache.caches[0][0].shape),
-                                     runner.model_config.num_attention_heads, runner.dtype,
-                                     backend="triton")
-        inputs.load(batch.input_ids.numpy(), batch.positions, batch.slots, batch.seq_lens,
-                    batch.block_tables)
+        inputs = BucketInputs.create(
+            4,
+            runner.max_blocks_per_seq,
+            runner.device,
+            tuple(runner.kv_cache.caches[0][0].shape),
+            runner.model_config.num_attention_heads,
+            runner.dtype,
+            backend="triton",
+        )
+        inputs.load(
+            batch.input_ids.numpy(),
+            batch.positions,
+            batch.slots,
+            batch.seq_lens,
+            batch.block_tables,
+        )
         padded = inputs.step(runner.model.forward, runner.model.compute_logits)
         eager = runner.model.compute_logits(runner.model(step.input_ids, step.positions, step.attn))
     assert padded.shape == (4, model.config.vocab_size)

@@ -40,9 +40,16 @@ def engines(tiny_llama):
         # The root conftest makes eager the default for the suite; these engines choose.
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
         for eager in (True, False):
-            built[eager] = LLM(str(folder), device="cuda", dtype="float32",
-                               enforce_eager=eager, max_num_seqs=32, max_num_batched_tokens=64,
-                               max_model_len=128, kv_cache_memory_bytes=64 << 20)
+            built[eager] = LLM(
+                str(folder),
+                device="cuda",
+                dtype="float32",
+                enforce_eager=eager,
+                max_num_seqs=32,
+                max_num_batched_tokens=64,
+                max_model_len=128,
+                kv_cache_memory_bytes=64 << 20,
+            )
     yield built
     built.clear()
     gc.collect()
@@ -66,8 +73,9 @@ def test_enforce_eager_builds_no_graphs_and_the_default_does(engines) -> None:
 
 
 @pytest.mark.parametrize("num_requests", [3, 5, 17])
-def test_graphs_and_eager_give_identical_tokens(engines, tiny_llama, random_prompts,
-                                                num_requests) -> None:
+def test_graphs_and_eager_give_identical_tokens(
+    engines, tiny_llama, random_prompts, num_requests
+) -> None:
     _, model = tiny_llama
     lengths = [3 + (7 * i) % 40 for i in range(num_requests)]
     prompts = random_prompts(lengths, model.config.vocab_size, seed=num_requests)

@@ -43,16 +43,19 @@ def _decode_step(n: int, width: int, block_size: int = 4, seed: int = 0):
     tables = np.zeros((n, width), dtype=np.int32)
     blocks = rng.permutation(n * width) + 1  # block 0 is never a real request's here
     for i in range(n):
-        tables[i] = blocks[i * width:(i + 1) * width]
+        tables[i] = blocks[i * width : (i + 1) * width]
     positions = seq_lens - 1
-    slots = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = (
+        tables[np.arange(n), positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     ids = rng.integers(0, 100, size=n).astype(np.int64)
     return ids, positions, slots, seq_lens, tables
 
 
 def _unpack(packed: np.ndarray, layout: DecodeLayout) -> list[np.ndarray]:
     o = layout.offsets()
-    parts = [packed[o[i]:o[i + 1]] for i in range(6)]
+    parts = [packed[o[i] : o[i + 1]] for i in range(6)]
     parts[5] = parts[5].reshape(layout.bucket, layout.table_width)
     return parts
 
@@ -89,9 +92,11 @@ def test_padding_refuses_what_the_graph_cannot_hold() -> None:
         pad_decode(*_decode_step(2, 3), DecodeLayout(4, 2))
 
 
-@pytest.mark.skipif(not (interpreting() and triton_available()),
-                    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
-                           "conftest when there is no GPU)")
+@pytest.mark.skipif(
+    not (interpreting() and triton_available()),
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
+    "conftest when there is no GPU)",
+)
 def test_padded_rows_leave_real_rows_and_the_cache_alone() -> None:
     """The graph's padded batch through the KV write and the Triton attention kernel (its
     plan made once for the bucket and full table width, as at capture) equals the unpadded
@@ -109,7 +114,8 @@ def test_padded_rows_leave_real_rows_and_the_cache_alone() -> None:
     layout = DecodeLayout(bucket, width + 2)
     packed = torch.from_numpy(pad_decode(ids, positions, slots, seq_lens, tables, layout))
     _, _, p_slots, p_qsl, p_lens, p_tables = (
-        t for t in (torch.from_numpy(a) for a in _unpack(packed.numpy(), layout)))
+        t for t in (torch.from_numpy(a) for a in _unpack(packed.numpy(), layout))
+    )
 
     k_pad, v_pad = k_cache.clone(), v_cache.clone()
     write_kv_cache(k_new, v_new, k_pad, v_pad, p_slots.to(torch.int64))
@@ -117,14 +123,29 @@ def test_padded_rows_leave_real_rows_and_the_cache_alone() -> None:
     write_kv_cache(k_new[:n], v_new[:n], k_ref, v_ref, torch.from_numpy(slots))
     assert torch.equal(k_pad, k_ref) and torch.equal(v_pad, v_ref)  # padding wrote nothing
 
-    plan = plan_attention(p_qsl, p_lens, p_tables, k_cache_shape=tuple(k_pad.shape),
-                          num_heads=heads, dtype=torch.float32, backend="triton",
-                          query_lens=np.ones(bucket, dtype=np.int64),
-                          context_lens=np.ones(bucket, dtype=np.int64))
-    out = paged_attention(q, k_pad, v_pad, plan.block_tables, plan.query_start_loc,
-                          plan.seq_lens, 0.25, plan=plan)
+    plan = plan_attention(
+        p_qsl,
+        p_lens,
+        p_tables,
+        k_cache_shape=tuple(k_pad.shape),
+        num_heads=heads,
+        dtype=torch.float32,
+        backend="triton",
+        query_lens=np.ones(bucket, dtype=np.int64),
+        context_lens=np.ones(bucket, dtype=np.int64),
+    )
+    out = paged_attention(
+        q, k_pad, v_pad, plan.block_tables, plan.query_start_loc, plan.seq_lens, 0.25, plan=plan
+    )
     qsl = torch.arange(n + 1, dtype=torch.int32)
-    ref = paged_attention(q[:n], k_ref, v_ref, torch.from_numpy(tables), qsl,
-                          torch.from_numpy(seq_lens.astype(np.int32)), 0.25)
+    ref = paged_attention(
+        q[:n],
+        k_ref,
+        v_ref,
+        torch.from_numpy(tables),
+        qsl,
+        torch.from_numpy(seq_lens.astype(np.int32)),
+        0.25,
+    )
     torch.testing.assert_close(out[:n], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))

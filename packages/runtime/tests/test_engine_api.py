@@ -19,7 +19,13 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
     folder, _ = tiny_llama
-    return LLM(str(folder), dtype="float32", max_model_len=128, kv_cache_memory_bytes=2 << 20, max_num_batched_tokens=64)
+    return LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=2 << 20,
+        max_num_batched_tokens=64,
+    )
 
 
 def _drain(engine: LLMEngine) -> dict:
@@ -74,60 +80,96 @@ def test_abort_frees_blocks_and_reports_once(llm) -> None:
 
 def test_stop_strings_cut_the_text(llm) -> None:
     prompt = "hello world, the quick"
-    base = llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0].outputs[0]
+    base = llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0].outputs[
+        0
+    ]
     text = base.text
     assert text and base.token_ids
     # A two-letter stop string from the middle of the greedy text (random weights emit
     # random bytes, so look for plain ASCII letters).
-    k = next(i for i in range(3, len(text) - 2) if text[i : i + 2].isascii() and text[i : i + 2].isalpha())
+    k = next(
+        i
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].isascii() and text[i : i + 2].isalpha()
+    )
     stop = text[k : k + 2]
     cut = text.index(stop)
-    out = llm.generate(prompt, SamplingParams(max_tokens=40, stop=stop, **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(prompt, SamplingParams(max_tokens=40, stop=stop, **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.text == text[:cut]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     kept = llm.generate(
-        prompt, SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=True, **GREEDY), use_tqdm=False
+        prompt,
+        SamplingParams(max_tokens=40, stop=[stop], include_stop_str_in_output=True, **GREEDY),
+        use_tqdm=False,
     )[0].outputs[0]
     assert kept.text == text[: cut + len(stop)]
 
 
 def test_stop_token_ids_and_min_tokens(llm) -> None:
     prompt = [7, 8, 9, 10]
-    base = llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    base = (
+        llm.generate([prompt], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     stop_tok = base[2]
     first = base.index(stop_tok)
-    out = llm.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_tok], **GREEDY), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop_tok], **GREEDY), use_tqdm=False
+    )
     comp = out[0].outputs[0]
     assert comp.token_ids == base[: first + 1]
     assert comp.finish_reason == "stop" and comp.stop_reason == stop_tok
     longer = llm.generate(
-        [prompt], SamplingParams(max_tokens=20, min_tokens=first + 3, stop_token_ids=[stop_tok], **GREEDY), use_tqdm=False
+        [prompt],
+        SamplingParams(max_tokens=20, min_tokens=first + 3, stop_token_ids=[stop_tok], **GREEDY),
+        use_tqdm=False,
     )[0].outputs[0]
     assert len(longer.token_ids) >= first + 3
     assert stop_tok not in longer.token_ids[: first + 3]
 
 
 def test_seeded_sampling_ignores_the_batch_around_it(llm, random_prompts) -> None:
-    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True
+    )
     prompt = [11, 12, 13, 14, 15]
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     others = random_prompts([9, 30, 2, 17], 300, seed=31)
     noisy = [SamplingParams(temperature=1.2, max_tokens=12, ignore_eos=True)] * 4
-    outs = llm.generate([*others[:2], prompt, *others[2:]], [*noisy[:2], params, *noisy[2:]], use_tqdm=False)
+    outs = llm.generate(
+        [*others[:2], prompt, *others[2:]], [*noisy[:2], params, *noisy[2:]], use_tqdm=False
+    )
     assert outs[2].outputs[0].token_ids == alone
     # n copies of a seeded request use seed + i: reproducible, and not all the same.
-    many = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    again = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    many = llm.generate(
+        [prompt],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
+    again = llm.generate(
+        [prompt],
+        SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     ids = [c.token_ids for c in many[0].outputs]
     assert ids == [c.token_ids for c in again[0].outputs]
     assert len({tuple(t) for t in ids}) > 1
-    first = llm.generate([prompt], SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    first = llm.generate(
+        [prompt],
+        SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert ids[0] == first[0].outputs[0].token_ids
 
 
 def test_logprobs_are_reported_per_token(llm) -> None:
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, logprobs=3, **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=5, logprobs=3, **GREEDY), use_tqdm=False
+    )[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 5
     total = 0.0
     for tok, entry in zip(out.token_ids, out.logprobs):
@@ -139,31 +181,45 @@ def test_logprobs_are_reported_per_token(llm) -> None:
 
 def test_step_outputs_are_cumulative_with_metrics(llm) -> None:
     engine = llm.llm_engine
-    engine.add_request("c", [1, 2, 3, 4], SamplingParams(max_tokens=4, output_kind=CUMULATIVE, **GREEDY))
+    engine.add_request(
+        "c", [1, 2, 3, 4], SamplingParams(max_tokens=4, output_kind=CUMULATIVE, **GREEDY)
+    )
     seen = []
     while engine.has_unfinished_requests():
         seen += [o for o in engine.step() if o.request_id == "c"]
     assert [len(o.outputs[0].token_ids) for o in seen] == [1, 2, 3, 4]
     assert [o.finished for o in seen] == [False, False, False, True]
     m = seen[-1].metrics
-    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
+    assert (
+        m.arrival_time
+        <= m.first_scheduled_time
+        <= m.first_token_time
+        <= m.last_token_time
+        <= m.finished_time
+    )
 
 
 def test_chat_and_string_prompts_use_the_tokenizer(llm, tiny_llama) -> None:
     tok = llm.get_tokenizer()
     messages = [{"role": "user", "content": "hello world"}]
     [out] = llm.chat(messages, SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
-    assert out.prompt_token_ids == tok.encode("<|user|>hello world\n<|assistant|>", add_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(
+        "<|user|>hello world\n<|assistant|>", add_special_tokens=False
+    )
     outs = llm.chat([messages, messages], SamplingParams(max_tokens=3, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [out.outputs[0].token_ids] * 2
-    [res] = llm.generate("the quick brown fox", SamplingParams(max_tokens=3, **GREEDY), use_tqdm=True)
+    [res] = llm.generate(
+        "the quick brown fox", SamplingParams(max_tokens=3, **GREEDY), use_tqdm=True
+    )
     assert res.prompt == "the quick brown fox"
     assert res.prompt_token_ids == tok.encode("the quick brown fox")
 
 
 def test_stats_count_tokens_and_requests(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    )
     for i, n in enumerate([5, 9, 12]):
         engine.add_request(f"s{i}", list(range(1, n + 1)), SamplingParams(max_tokens=4, **GREEDY))
     stats = engine.get_stats()
@@ -179,11 +235,21 @@ def test_stats_count_tokens_and_requests(tiny_llama) -> None:
 def test_streamed_text_is_never_taken_back(llm) -> None:
     """Successive outputs extend each other's text, even while a stop string is half matched."""
     prompt = "hello world, the quick"
-    full = llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0].outputs[0].text
-    k = next(i for i in range(6, len(full) - 3) if full[i : i + 3].isascii() and full[i : i + 3].isalpha())
+    full = (
+        llm.generate(prompt, SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    k = next(
+        i
+        for i in range(6, len(full) - 3)
+        if full[i : i + 3].isascii() and full[i : i + 3].isalpha()
+    )
     stop = full[k : k + 3]
     engine = llm.llm_engine
-    engine.add_request("s", prompt, SamplingParams(max_tokens=40, stop=stop, output_kind=CUMULATIVE, **GREEDY))
+    engine.add_request(
+        "s", prompt, SamplingParams(max_tokens=40, stop=stop, output_kind=CUMULATIVE, **GREEDY)
+    )
     texts = []
     while engine.has_unfinished_requests():
         texts += [o.outputs[0].text for o in engine.step() if o.request_id == "s"]
@@ -194,7 +260,9 @@ def test_streamed_text_is_never_taken_back(llm) -> None:
 
 def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20))
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    )
     prompt = list(range(1, 50))
     engine.add_request("a", prompt, SamplingParams(max_tokens=1, **GREEDY), cache_salt="tenant-a")
     _drain(engine)
@@ -209,8 +277,13 @@ def test_cache_salt_isolates_prefix_cache(tiny_llama) -> None:
 def test_priority_policy_serves_urgent_requests_first(tiny_llama) -> None:
     folder, _ = tiny_llama
     engine = LLMEngine(
-        EngineConfig.from_kwargs(model=str(folder), dtype="float32", kv_cache_memory_bytes=1 << 20, max_num_seqs=1,
-                                 scheduling_policy="priority")
+        EngineConfig.from_kwargs(
+            model=str(folder),
+            dtype="float32",
+            kv_cache_memory_bytes=1 << 20,
+            max_num_seqs=1,
+            scheduling_policy="priority",
+        )
     )
     engine.add_request("late", [1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), priority=5)
     engine.add_request("urgent", [4, 5, 6], SamplingParams(max_tokens=2, **GREEDY), priority=-1)
@@ -276,8 +349,12 @@ def test_delta_text_is_held_back_only_for_a_possible_stop(llm) -> None:
 
 def test_arrival_time_reaches_the_request_record(llm) -> None:
     engine = llm.llm_engine
-    engine.add_request("t", [1, 2, 3], SamplingParams(max_tokens=2, output_kind=CUMULATIVE, **GREEDY),
-                       arrival_time=12.5)
+    engine.add_request(
+        "t",
+        [1, 2, 3],
+        SamplingParams(max_tokens=2, output_kind=CUMULATIVE, **GREEDY),
+        arrival_time=12.5,
+    )
     record = engine.scheduler.get_request("t")
     assert record.arrival_time == 12.5
     outs = []

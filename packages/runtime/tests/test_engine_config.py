@@ -25,9 +25,19 @@ from pagemill.scheduler import SchedulerConfig
 
 @pytest.mark.parametrize(
     ("spelling", "canonical"),
-    [("float32", "float32"), ("fp32", "float32"), ("float", "float32"), ("float16", "float16"),
-     ("fp16", "float16"), ("half", "float16"), ("bfloat16", "bfloat16"), ("bf16", "bfloat16"),
-     ("torch.bfloat16", "bfloat16"), ("BF16", "bfloat16"), ("torch.float16", "float16")],
+    [
+        ("float32", "float32"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+        ("float16", "float16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("bfloat16", "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+        ("BF16", "bfloat16"),
+        ("torch.float16", "float16"),
+    ],
 )
 def test_canonical_dtype(spelling: str, canonical: str) -> None:
     assert canonical_dtype(spelling) == canonical
@@ -54,8 +64,14 @@ def test_resolve_dtype_gives_canonical_names() -> None:
 
 
 def test_model_config_dtype_is_a_canonical_name() -> None:
-    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=64,
-               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    raw = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
     assert ModelConfig.from_dict(dict(raw, torch_dtype="bfloat16")).config_dtype == "bfloat16"
     assert ModelConfig.from_dict(dict(raw, dtype="torch.float16")).config_dtype == "float16"
     assert ModelConfig.from_dict(dict(raw, dtype="float8_e4m3fn")).config_dtype is None
@@ -82,34 +98,66 @@ def test_defaults_compose_the_sub_configs() -> None:
 def test_every_field_has_exactly_one_flat_name() -> None:
     routed = {(section, name) for section, name in KWARG_ROUTES.values()}
     assert len(routed) == len(KWARG_ROUTES)
-    expected = {(None, f.name) for f in dataclasses.fields(EngineConfig)
-                if f.name not in ("scheduler", "cache", "structured_outputs")}
-    expected |= {("scheduler", f.name) for f in dataclasses.fields(SchedulerConfig)
-                 if f.name != "max_model_len"}  # the engine's max_model_len decides it
+    expected = {
+        (None, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ("scheduler", "cache", "structured_outputs")
+    }
+    expected |= {
+        ("scheduler", f.name)
+        for f in dataclasses.fields(SchedulerConfig)
+        if f.name != "max_model_len"
+    }  # the engine's max_model_len decides it
     expected |= {("cache", f.name) for f in dataclasses.fields(CacheConfig)}
-    expected |= {("structured_outputs", f.name)
-                 for f in dataclasses.fields(StructuredOutputsConfig)}
+    expected |= {
+        ("structured_outputs", f.name) for f in dataclasses.fields(StructuredOutputsConfig)
+    }
     assert routed == expected
     assert KWARG_ROUTES["scheduling_policy"] == ("scheduler", "policy")
 
 
 def test_from_kwargs_routes_flat_names() -> None:
     config = EngineConfig.from_kwargs(
-        model="/m", tokenizer="/t", dtype="half", device="cpu", seed=3, load_format="dummy",
-        max_model_len=512, max_num_batched_tokens=1024, max_num_seqs=8,
-        long_prefill_token_threshold=64, enable_chunked_prefill=True,
-        scheduling_policy="priority", block_size=32, enable_prefix_caching=False,
-        prefix_caching_hash_algo="xxh3_128", kv_cache_memory_bytes=1 << 20,
+        model="/m",
+        tokenizer="/t",
+        dtype="half",
+        device="cpu",
+        seed=3,
+        load_format="dummy",
+        max_model_len=512,
+        max_num_batched_tokens=1024,
+        max_num_seqs=8,
+        long_prefill_token_threshold=64,
+        enable_chunked_prefill=True,
+        scheduling_policy="priority",
+        block_size=32,
+        enable_prefix_caching=False,
+        prefix_caching_hash_algo="xxh3_128",
+        kv_cache_memory_bytes=1 << 20,
         gpu_memory_utilization=0.5,
     )
     assert config == EngineConfig(
-        model="/m", tokenizer="/t", dtype="float16", device="cpu", seed=3, load_format="dummy",
+        model="/m",
+        tokenizer="/t",
+        dtype="float16",
+        device="cpu",
+        seed=3,
+        load_format="dummy",
         max_model_len=512,
-        scheduler=SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8, max_model_len=512,
-                                  long_prefill_token_threshold=64, policy="priority"),
-        cache=CacheConfig(block_size=32, enable_prefix_caching=False,
-                          prefix_caching_hash_algo="xxh3_128", kv_cache_memory_bytes=1 << 20,
-                          gpu_memory_utilization=0.5),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=1024,
+            max_num_seqs=8,
+            max_model_len=512,
+            long_prefill_token_threshold=64,
+            policy="priority",
+        ),
+        cache=CacheConfig(
+            block_size=32,
+            enable_prefix_caching=False,
+            prefix_caching_hash_algo="xxh3_128",
+            kv_cache_memory_bytes=1 << 20,
+            gpu_memory_utilization=0.5,
+        ),
     )
 
 
@@ -118,8 +166,9 @@ def test_max_model_len_reaches_the_scheduler() -> None:
     assert EngineConfig.from_kwargs(max_model_len=300).scheduler.max_model_len == 300
     # Without chunking a whole prompt must fit one step: a given length is checked at once...
     with pytest.raises(ValueError, match="without chunked prefill"):
-        EngineConfig.from_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=512,
-                                 max_model_len=1024)
+        EngineConfig.from_kwargs(
+            enable_chunked_prefill=False, max_num_batched_tokens=512, max_model_len=1024
+        )
     # ... an unknown one (the model's own) when the engine knows it.
     config = EngineConfig.from_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=512)
     assert not config.scheduler.enable_chunked_prefill

@@ -31,14 +31,22 @@ def test_mixed_batch_matches_hf(fixture, request, hf_greedy, random_prompts) -> 
     lengths = [1, 2, 7, 16, 17, 31, 33, 48, 64, 90, 5, 120]
     prompts = random_prompts(lengths, model.config.vocab_size, seed=3)
     max_tokens = [12, 20, 5, 16, 9, 24, 1, 18, 11, 7, 30, 14]
-    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        str(folder), dtype="float32", max_num_batched_tokens=256, kv_cache_memory_bytes=4 << 20
+    )
     _check_against_hf(llm, model, prompts, max_tokens, hf_greedy)
 
 
 def test_chunked_prefill_matches_hf(tiny_llama, hf_greedy, random_prompts) -> None:
     folder, model = tiny_llama
     prompts = random_prompts([70, 45, 3, 100, 18], model.config.vocab_size, seed=4)
-    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, max_num_seqs=3, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        kv_cache_memory_bytes=4 << 20,
+    )
     _check_against_hf(llm, model, prompts, [10, 14, 8, 6, 12], hf_greedy)
     # Every prompt longer than the budget was split over several steps.
     assert llm.llm_engine.get_stats().num_running == 0
@@ -50,7 +58,9 @@ def test_prefix_cache_hits_match_hf(tiny_qwen2, hf_greedy, random_prompts) -> No
     prefix = random_prompts([48], vocab, seed=5)[0]
     suffixes = random_prompts([1, 9, 16, 23, 30], vocab, seed=6)
     prompts = [prefix + s for s in suffixes] + [prefix[:32], list(prefix)]
-    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        str(folder), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20
+    )
     # Warm the cache with the shared prefix, then run the batch that reuses it.
     llm.generate([[*prefix, 7]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     before = llm.llm_engine.get_stats().prefix_cache_hits
@@ -65,7 +75,11 @@ def test_preemption_recomputes_exactly(tiny_llama, hf_greedy, random_prompts) ->
     prompts = random_prompts([20, 33, 12, 40, 27, 8], model.config.vocab_size, seed=7)
     # 512 B/token x 16 tokens = 8 KiB a block: 10 blocks for six requests of up to 4 blocks.
     llm = LLM(
-        str(folder), dtype="float32", max_model_len=128, kv_cache_memory_bytes=10 * 8192, max_num_batched_tokens=64
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=10 * 8192,
+        max_num_batched_tokens=64,
     )
     assert llm.llm_engine.num_blocks == 10
     _check_against_hf(llm, model, prompts, [30, 25, 40, 20, 28, 35], hf_greedy)

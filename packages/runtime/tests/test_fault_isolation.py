@@ -21,8 +21,14 @@ NEW_TOKENS = 6
 
 
 def _engine(folder, **kw) -> LLMEngine:
-    return LLMEngine(model=str(folder), dtype="float32", max_model_len=128,
-                     kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=256, **kw)
+    return LLMEngine(
+        model=str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=1 << 20,
+        max_num_batched_tokens=256,
+        **kw,
+    )
 
 
 def _poison(engine: LLMEngine, message: str = "boom: bad token in the batch") -> list[int]:
@@ -61,9 +67,16 @@ def _run(engine: LLMEngine, late: dict[int, tuple[str, list[int]]] | None = None
     while engine.has_unfinished_requests() or (late and step <= max(late)):
         if late and step in late:
             rid, prompt = late[step]
-            engine.add_request(rid, prompt, SamplingParams(
-                max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                output_kind=RequestOutputKind.FINAL_ONLY))
+            engine.add_request(
+                rid,
+                prompt,
+                SamplingParams(
+                    max_tokens=NEW_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                ),
+            )
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
@@ -73,8 +86,9 @@ def _run(engine: LLMEngine, late: dict[int, tuple[str, list[int]]] | None = None
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_one_poisoned_prompt_fails_alone(tiny_llama, hf_greedy, random_prompts,
-                                         prefix_caching) -> None:
+def test_one_poisoned_prompt_fails_alone(
+    tiny_llama, hf_greedy, random_prompts, prefix_caching
+) -> None:
     folder, hf_model = tiny_llama
     engine = _engine(folder, enable_prefix_caching=prefix_caching)
     vocab = engine.model_config.vocab_size
@@ -82,8 +96,12 @@ def test_one_poisoned_prompt_fails_alone(tiny_llama, hf_greedy, random_prompts,
     bad = [*prompts[4][:5], MARK, *prompts[4][5:]]
     prompts[4] = bad
     calls = _poison(engine)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     final = _run(engine)
@@ -114,8 +132,12 @@ def test_poison_arriving_mid_decode(tiny_llama, hf_greedy, random_prompts) -> No
     vocab = engine.model_config.vocab_size
     prompts = _clean_prompts(random_prompts, 4, vocab)
     _poison(engine)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     final = _run(engine, {2: ("bad", [MARK, 3, 4, 5]), 3: ("late", prompts[1][:6])})
@@ -159,8 +181,9 @@ def test_a_fault_every_request_hits_stops_the_engine(tiny_llama, random_prompts)
     folder, _ = tiny_llama
     engine = _engine(folder)
     inject_fault(engine, lambda _out: RuntimeError("the weights are gone"))
-    prompts = _clean_prompts(random_prompts, MAX_CONSECUTIVE_CULPRITS + 2,
-                             engine.model_config.vocab_size)
+    prompts = _clean_prompts(
+        random_prompts, MAX_CONSECUTIVE_CULPRITS + 2, engine.model_config.vocab_size
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=2))
     with pytest.raises(EngineFaultError, match="in a row"):

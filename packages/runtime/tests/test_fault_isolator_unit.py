@@ -33,25 +33,36 @@ def _good(n: int, seed: int) -> list[int]:
     return [2 + (seed * 7 + i * 3) % (VOCAB - 2) for i in range(n)]
 
 
-def _engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_num_seqs: int = 8,
-            prefix: bool = True) -> tuple[Scheduler, FaultIsolator, KVCacheManager]:
+def _engine(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 64,
+    max_num_seqs: int = 8,
+    prefix: bool = True,
+) -> tuple[Scheduler, FaultIsolator, KVCacheManager]:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=prefix, hash_algo="xxh3_128")
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                          max_model_len=64)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=64
+    )
     sched = Scheduler(cfg, kv)
     return sched, FaultIsolator(sched), kv
 
 
-def _step(sched: Scheduler, iso: FaultIsolator, finished: dict[str, tuple[str, list[int]]],
-          errors: list[str]) -> SchedulerOutput:
+def _step(
+    sched: Scheduler,
+    iso: FaultIsolator,
+    finished: dict[str, tuple[str, list[int]]],
+    errors: list[str],
+) -> SchedulerOutput:
     out = sched.schedule()
     if any(POISON in s.token_ids for s in out.scheduled):
         for u in iso.on_step_failed(out, RuntimeError("boom")):
             assert u.finished and u.finish_reason == "error" and u.new_token_ids == []
             errors.append(u.request_id)
         return out
-    sampled = {s.request_id: _next_token(s.request.all_token_ids)
-               for s in out.scheduled if s.sample}
+    sampled = {
+        s.request_id: _next_token(s.request.all_token_ids) for s in out.scheduled if s.sample
+    }
     for u in sched.update_from_output(out, sampled):
         if u.finished:
             req = next(s.request for s in out.scheduled if s.request_id == u.request_id)
@@ -70,7 +81,7 @@ def _expected(prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     for _ in range(n):
         tokens.append(_next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def test_the_culprit_fails_alone_and_the_others_lose_nothing() -> None:
@@ -148,16 +159,20 @@ def test_device_errors_and_a_broken_engine_are_not_contained() -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    reqs=st.lists(st.tuples(st.integers(1, 14), st.booleans(), st.integers(0, 6),
-                            st.integers(1, 4)), min_size=1, max_size=10),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 14), st.booleans(), st.integers(0, 6), st.integers(1, 4)),
+        min_size=1,
+        max_size=10,
+    ),
     num_blocks=st.integers(8, 24),
     budget=st.integers(4, 40),
     max_num_seqs=st.integers(1, 6),
     prefix=st.booleans(),
     seed=st.integers(0, 1000),
 )
-def test_isolation_finds_every_culprit_and_loses_no_token(reqs, num_blocks, budget,
-                                                          max_num_seqs, prefix, seed) -> None:
+def test_isolation_finds_every_culprit_and_loses_no_token(
+    reqs, num_blocks, budget, max_num_seqs, prefix, seed
+) -> None:
     """Random arrivals (some during isolation), at most 3 poisoned prompts, pools small
     enough to preempt: each poisoned request, and only those, ends with "error"; every other
     one generates exactly its tokens; the pool ends empty and the restriction lifted."""

@@ -29,18 +29,30 @@ transformers = pytest.importorskip("transformers")
 QT = gguf.GGMLQuantizationType
 
 # Not the tiny tokenizer's own template: what the engine renders with must be the file's.
-GGUF_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+GGUF_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
-def write_gguf(model: torch.nn.Module, tokenizer_dir: Path, path: Path, qtype=QT.F32,
-               arch: str = "llama", chat_template: str | None = GGUF_TEMPLATE) -> Path:
+def write_gguf(
+    model: torch.nn.Module,
+    tokenizer_dir: Path,
+    path: Path,
+    qtype=QT.F32,
+    arch: str = "llama",
+    chat_template: str | None = GGUF_TEMPLATE,
+) -> Path:
     """`model` (a tiny HF llama / qwen2) as one GGUF file; 2-D weights in `qtype`."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -62,14 +74,19 @@ def write_gguf(model: torch.nn.Module, tokenizer_dir: Path, path: Path, qtype=QT
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
+    w.add_token_types(
+        [
+            gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+            for i in range(len(tokens))
+        ]
+    )
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     w.add_eos_token_id(c.eos_token_id)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(
-        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers
+    )
     for hf, t in model.state_dict().items():
         if hf == "lm_head.weight" and c.tie_word_embeddings:
             continue
@@ -92,12 +109,16 @@ def write_gguf(model: torch.nn.Module, tokenizer_dir: Path, path: Path, qtype=QT
 
 def _reference(path: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
-_FILES = {"llama-F32": ("llama", QT.F32, 11, {}), "llama-Q8_0": ("llama", QT.Q8_0, 12, {}),
-          "qwen2-F32": ("qwen2", QT.F32, 13, {"tie_word_embeddings": True}),
-          "llama-Q5_0": ("llama", QT.Q5_0, 14, {})}
+_FILES = {
+    "llama-F32": ("llama", QT.F32, 11, {}),
+    "llama-Q8_0": ("llama", QT.Q8_0, 12, {}),
+    "qwen2-F32": ("qwen2", QT.F32, 13, {"tie_word_embeddings": True}),
+    "llama-Q5_0": ("llama", QT.Q5_0, 14, {}),
+}
 
 
 class _Files(dict):
@@ -163,8 +184,9 @@ def test_tokenizer_and_chat_template_come_from_the_file(tiny_ggufs, tmp_path) ->
     assert tok.encode(text) == hf_tok.encode(text)
     messages = [{"role": "user", "content": "hello engine"}]
     [out] = llm.chat(messages, GREEDY, use_tqdm=False)
-    assert out.prompt_token_ids == tok.encode("[user] hello engine\n[assistant] ",
-                                              add_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(
+        "[user] hello engine\n[assistant] ", add_special_tokens=False
+    )
 
 
 def test_q8_0_stays_packed_in_bf16(tiny_ggufs) -> None:
@@ -188,7 +210,9 @@ def _minimal_gguf(path: Path, arch: str, tensor: np.ndarray) -> Path:
 
 def test_unsupported_gguf_architecture_and_type_say_what_is_supported(tmp_path) -> None:
     gemma = _minimal_gguf(tmp_path / "g.gguf", "gemma2", np.zeros((4, 32), np.float32))
-    with pytest.raises(ValueError, match=r"GGUF architecture 'gemma2'.*not supported.*llama, qwen2"):
+    with pytest.raises(
+        ValueError, match=r"GGUF architecture 'gemma2'.*not supported.*llama, qwen2"
+    ):
         resolve_model(str(gemma))
     ints = _minimal_gguf(tmp_path / "i.gguf", "llama", np.zeros((4, 32), np.int8))
     with pytest.raises(ValueError, match=r"GGML type\(s\) I8.*supported: Q4_0.*F32.*Q4_K"):
@@ -199,7 +223,9 @@ def test_unsupported_gguf_architecture_and_type_say_what_is_supported(tmp_path) 
         resolve_model(str(junk))
 
 
-def test_hub_gguf_repo_with_quant_suffix(tiny_ggufs, tmp_path, monkeypatch, random_prompts, hf_greedy) -> None:
+def test_hub_gguf_repo_with_quant_suffix(
+    tiny_ggufs, tmp_path, monkeypatch, random_prompts, hf_greedy
+) -> None:
     """`org/name:Q8_0` (vLLM's spelling) serves that one file of a GGUF repository in the
     Hub cache (a snapshot file linking to its blob, as huggingface_hub stores it)."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -33,21 +33,43 @@ QT = gguf.GGMLQuantizationType
 
 # GGUF type per tensor: layer 0 mixes types inside the fused q/k/v and gate/up.
 LAYER_TYPES = [
-    {"attn_q": QT.Q4_1, "attn_k": QT.Q4_1, "attn_v": QT.Q4_0, "attn_output": QT.Q8_0,
-     "ffn_gate": QT.Q4_1, "ffn_up": QT.Q8_0, "ffn_down": QT.Q4_0},
-    {"attn_q": QT.Q4_1, "attn_k": QT.Q4_1, "attn_v": QT.Q4_1, "attn_output": QT.Q4_1,
-     "ffn_gate": QT.Q4_1, "ffn_up": QT.Q4_1, "ffn_down": QT.F16},
+    {
+        "attn_q": QT.Q4_1,
+        "attn_k": QT.Q4_1,
+        "attn_v": QT.Q4_0,
+        "attn_output": QT.Q8_0,
+        "ffn_gate": QT.Q4_1,
+        "ffn_up": QT.Q8_0,
+        "ffn_down": QT.Q4_0,
+    },
+    {
+        "attn_q": QT.Q4_1,
+        "attn_k": QT.Q4_1,
+        "attn_v": QT.Q4_1,
+        "attn_output": QT.Q4_1,
+        "ffn_gate": QT.Q4_1,
+        "ffn_up": QT.Q4_1,
+        "ffn_down": QT.F16,
+    },
 ]
 HF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _add(writer, name: str, w: torch.Tensor, qtype) -> None:
@@ -120,7 +142,9 @@ def test_reader_rows_dequantize_to_transformers_weights(tiny_gguf) -> None:
     config = ModelConfig.from_pretrained(folder)
     seen = {}
     for name, value in GGUFCheckpoint(path).weights(expected.keys(), config):
-        dense = value.float() if isinstance(value, torch.Tensor) else value.dequantize(torch.float32)
+        dense = (
+            value.float() if isinstance(value, torch.Tensor) else value.dequantize(torch.float32)
+        )
         assert torch.equal(dense, expected[name].float()), name  # bit-exact, q/k rows in HF order
         seen[name] = type(value).__name__
     assert seen["model.layers.0.self_attn.q_proj.weight"] == "Int4Groups"
@@ -162,9 +186,11 @@ def test_packed_layers_are_lossless(tiny_gguf) -> None:
                 continue
             assert proj.weight is None  # fp32: no dense copy is kept
             assert torch.equal(_served_weight(proj), want), (i, names)
-    formats = {(i, n): getattr(getattr(layer, n.split(".")[0]), n.split(".")[1]).weight_format
-               for i, layer in enumerate(model.layers)
-               for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    formats = {
+        (i, n): getattr(getattr(layer, n.split(".")[0]), n.split(".")[1]).weight_format
+        for i, layer in enumerate(model.layers)
+        for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    }
     assert formats[(0, "self_attn.qkv_proj")] == "int4"  # Q4_1 + Q4_0 rows: one plane
     assert formats[(0, "self_attn.o_proj")] == "int4x2"  # Q8_0: two planes, exact
     assert formats[(0, "mlp.gate_up_proj")] == "int4x2"  # Q4_1 + Q8_0 rows
@@ -179,7 +205,9 @@ def test_packed_layers_are_lossless(tiny_gguf) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gguf_model_generates_like_transformers(tiny_gguf, monkeypatch, random_prompts, hf_greedy, dtype) -> None:
+def test_gguf_model_generates_like_transformers(
+    tiny_gguf, monkeypatch, random_prompts, hf_greedy, dtype
+) -> None:
     """Through the engine vs transformers on the dequantized GGUF: fp32 serves the rows
     dequantized (exactly), bf16 serves them packed."""
     folder, path, ref = tiny_gguf
@@ -210,7 +238,10 @@ def test_q8_0_two_planes_and_q4_rows_roundtrip() -> None:
     assert lin.weight_format == "int4x2"
     assert torch.equal(_served_weight(lin), q8.float() * d.repeat_interleave(32, 1))
     q4 = torch.randint(0, 16, (16, 64), generator=g, dtype=torch.uint8)
-    scales, mins = torch.rand(16, 2, generator=g).half().float(), -torch.rand(16, 2, generator=g).half().float()
+    scales, mins = (
+        torch.rand(16, 2, generator=g).half().float(),
+        -torch.rand(16, 2, generator=g).half().float(),
+    )
     rows4 = Int4Groups(q4, scales, mins + 8 * scales, 32, "Q4_1")
     want = q4.float() * scales.repeat_interleave(32, 1) + mins.repeat_interleave(32, 1)
     assert torch.equal(rows4.dequantize(torch.float32), want)

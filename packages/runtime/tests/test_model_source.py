@@ -38,7 +38,9 @@ def hub(tmp_path, monkeypatch) -> Path:
     return tmp_path / "hf" / "hub"
 
 
-def test_hub_id_is_served_from_the_cache(hub, tiny_llama, tiny_qwen2, random_prompts, hf_greedy) -> None:
+def test_hub_id_is_served_from_the_cache(
+    hub, tiny_llama, tiny_qwen2, random_prompts, hf_greedy
+) -> None:
     folder, ref = tiny_llama
     assert hub_cache_dir() == hub  # HF_HOME read now, not at huggingface_hub's import
     main = lay_out_hub_cache(hub, "tiny-org/tiny-llama", "main", COMMIT_MAIN, folder)
@@ -55,13 +57,18 @@ def test_hub_id_is_served_from_the_cache(hub, tiny_llama, tiny_qwen2, random_pro
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 6)
-    other = LLM("tiny-org/tiny-llama", revision="v2", dtype="float32", kv_cache_memory_bytes=1 << 20)
+    other = LLM(
+        "tiny-org/tiny-llama", revision="v2", dtype="float32", kv_cache_memory_bytes=1 << 20
+    )
     assert other.llm_engine.model_config.architecture == "Qwen2ForCausalLM"
 
 
 def test_hub_id_offline_without_a_cached_copy_says_how_to_fix_it(hub) -> None:
-    with pytest.raises(ValueError, match=r"'tiny-org/absent' is not in the Hugging Face cache "
-                                         r".*HF_HUB_OFFLINE is set.*unset HF_HUB_OFFLINE.*HF_HOME"):
+    with pytest.raises(
+        ValueError,
+        match=r"'tiny-org/absent' is not in the Hugging Face cache "
+        r".*HF_HUB_OFFLINE is set.*unset HF_HUB_OFFLINE.*HF_HOME",
+    ):
         resolve_model("tiny-org/absent")
     with pytest.raises(ValueError, match=r"at revision 'v9'"):
         resolve_model("tiny-org/absent", revision="v9")
@@ -71,8 +78,11 @@ def test_hub_id_without_network_says_so(hub, monkeypatch) -> None:
     """Online mode with the Hub unreachable (a closed local port stands in for no network)."""
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    with pytest.raises(ValueError, match=r"not in the Hugging Face cache .*could not be reached"
-                                         r".*connect to the network"):
+    with pytest.raises(
+        ValueError,
+        match=r"not in the Hugging Face cache .*could not be reached"
+        r".*connect to the network",
+    ):
         resolve_model("tiny-org/absent")
 
 
@@ -93,9 +103,12 @@ def test_unsupported_architecture_names_what_is_supported(tmp_path) -> None:
     from safetensors.torch import save_file
 
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 10}')
+        '{"architectures": ["FalconForCausalLM"], "model_type": "falcon", "vocab_size": 10}'
+    )
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"unsupported model architecture.*Falcon.*LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"unsupported model architecture.*Falcon.*LlamaForCausalLM"
+    ):
         LLM(str(tmp_path), dtype="float32")
 
 
@@ -104,7 +117,9 @@ def test_hub_repo_is_checked_before_its_weights(hub, tmp_path) -> None:
     not a model folder."""
     falcon = tmp_path / "falcon"
     falcon.mkdir()
-    (falcon / "config.json").write_text('{"architectures": ["FalconForCausalLM"], "model_type": "falcon"}')
+    (falcon / "config.json").write_text(
+        '{"architectures": ["FalconForCausalLM"], "model_type": "falcon"}'
+    )
     lay_out_hub_cache(hub, "tiny-org/falcon", "main", COMMIT_MAIN, falcon)
     with pytest.raises(ValueError, match=r"unsupported model architecture.*Qwen2ForCausalLM"):
         resolve_model("tiny-org/falcon")

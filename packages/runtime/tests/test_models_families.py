@@ -26,22 +26,41 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 # Every family with its own code path, each with a window shorter than the test prompts.
 FAMILIES = {
     # Per-head q/k norms, head_dim != hidden / heads, Qwen's window on layers >= 1 only.
-    "qwen3": ("qwen3", dict(head_dim=32, use_sliding_window=True, sliding_window=12,
-                            max_window_layers=1)),
+    "qwen3": (
+        "qwen3",
+        dict(head_dim=32, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    ),
     # Fused qkv / gate_up in the checkpoint, half the head rotated, every layer windowed.
     "phi3": ("phi3", dict(sliding_window=12, partial_rotary_factor=0.5)),
     # Soft-capped scores and logits, query_pre_attn_scalar, alternating windowed layers.
     # (A cap of 2 bends these tiny models' scores; the default 50 would hardly touch them.)
-    "gemma2": ("gemma2", dict(head_dim=16, sliding_window=10, query_pre_attn_scalar=24,
-                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-                              tie_word_embeddings=True)),
+    "gemma2": (
+        "gemma2",
+        dict(
+            head_dim=16,
+            sliding_window=10,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     # q/k norms, a local RoPE base for windowed layers and a scaled global one.
-    "gemma3": ("gemma3", dict(
-        head_dim=16, sliding_window=9, num_hidden_layers=3, query_pre_attn_scalar=16,
-        tie_word_embeddings=True, layer_types=[SLIDING, FULL, SLIDING],
-        rope_parameters={FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
-                         SLIDING: {"rope_type": "default", "rope_theta": 1000.0}},
-    )),
+    "gemma3": (
+        "gemma3",
+        dict(
+            head_dim=16,
+            sliding_window=9,
+            num_hidden_layers=3,
+            query_pre_attn_scalar=16,
+            tie_word_embeddings=True,
+            layer_types=[SLIDING, FULL, SLIDING],
+            rope_parameters={
+                FULL: {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                SLIDING: {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
     "mistral": ("mistral", dict(sliding_window=11)),
 }
 
@@ -58,7 +77,8 @@ def _check_against_hf(llm, model, prompts, max_tokens, hf_greedy) -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, m), (
-            f"prompt of {len(prompt)} tokens diverged")
+            f"prompt of {len(prompt)} tokens diverged"
+        )
 
 
 def test_config_reads_the_family(family) -> None:
@@ -77,8 +97,16 @@ def test_prefill_logits_match_transformers(family, random_prompts, all_logits) -
     """Logits at every position of prompts up to 9x the window, in one flattened batch."""
     _, folder, model = family
     config = ModelConfig.from_pretrained(folder)
-    runner = ModelRunner(load_model(folder, config, torch.float32, torch.device("cpu"), 512),
-                         config, torch.device("cpu"), torch.float32, 16, 8, 512, 512)
+    runner = ModelRunner(
+        load_model(folder, config, torch.float32, torch.device("cpu"), 512),
+        config,
+        torch.device("cpu"),
+        torch.float32,
+        16,
+        8,
+        512,
+        512,
+    )
     runner.init_kv_cache(64)
     prompts = random_prompts([1, 9, 16, 40, 100], model.config.vocab_size, seed=11)
     got = all_logits(runner, prompts)
@@ -93,21 +121,28 @@ def test_chunked_prefill_past_the_window_matches_hf(family, hf_greedy, random_pr
     window; decodes run far past it too."""
     _, folder, model = family
     prompts = random_prompts([70, 5, 33, 21], model.config.vocab_size, seed=4)
-    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, max_num_seqs=3,
-              kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        kv_cache_memory_bytes=4 << 20,
+    )
     _check_against_hf(llm, model, prompts, [12, 30, 8, 10], hf_greedy)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
-def test_prefix_hits_past_the_window_match_hf(name, tmp_path, build_tiny_model, hf_greedy,
-                                              random_prompts) -> None:
+def test_prefix_hits_past_the_window_match_hf(
+    name, tmp_path, build_tiny_model, hf_greedy, random_prompts
+) -> None:
     arch, overrides = FAMILIES[name]
     model = build_tiny_model(tmp_path, arch, seed=5, **overrides)
     vocab = model.config.vocab_size
     prefix = random_prompts([48], vocab, seed=5)[0]
     prompts = [prefix + s for s in random_prompts([1, 9, 20], vocab, seed=6)]
-    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=64,
-              kv_cache_memory_bytes=4 << 20)
+    llm = LLM(
+        str(tmp_path), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=4 << 20
+    )
     llm.generate([[*prefix, 7]], SamplingParams(max_tokens=2, **GREEDY), use_tqdm=False)
     before = llm.llm_engine.get_stats().prefix_cache_hits
     _check_against_hf(llm, model, prompts, [8, 8, 8], hf_greedy)
@@ -115,16 +150,22 @@ def test_prefix_hits_past_the_window_match_hf(name, tmp_path, build_tiny_model, 
 
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])
-def test_preemption_with_windows_recomputes_exactly(name, tmp_path, build_tiny_model,
-                                                    hf_greedy, random_prompts) -> None:
+def test_preemption_with_windows_recomputes_exactly(
+    name, tmp_path, build_tiny_model, hf_greedy, random_prompts
+) -> None:
     arch, overrides = FAMILIES[name]
     model = build_tiny_model(tmp_path, arch, seed=7, **overrides)
     prompts = random_prompts([20, 33, 12, 40, 27], model.config.vocab_size, seed=7)
     probe = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=1 << 20)
     block_bytes = (1 << 20) // probe.llm_engine.num_blocks
     del probe
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=128,
-              kv_cache_memory_bytes=9 * block_bytes, max_num_batched_tokens=64)
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=9 * block_bytes,
+        max_num_batched_tokens=64,
+    )
     assert llm.llm_engine.num_blocks == 9
     _check_against_hf(llm, model, prompts, [30, 25, 40, 20, 28], hf_greedy)
     assert llm.llm_engine.get_stats().num_preemptions > 0
@@ -139,16 +180,24 @@ def test_window_models_are_not_capped_at_the_window(family) -> None:
 def test_layer_types_without_transformers() -> None:
     """Configs without ``layer_types`` (older files, or read without transformers) get
     transformers' own patterns."""
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
-                num_attention_heads=2, sliding_window=8)
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=2,
+        sliding_window=8,
+    )
     gemma2 = ModelConfig.from_dict(dict(base, model_type="gemma2"))
     assert gemma2.layer_types == [SLIDING, FULL] * 3 + [SLIDING]
-    gemma3 = ModelConfig.from_dict(dict(base, model_type="gemma3_text", rope_theta=1e6,
-                                        rope_local_base_freq=1e4))
+    gemma3 = ModelConfig.from_dict(
+        dict(base, model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4)
+    )
     assert gemma3.layer_types == [SLIDING] * 5 + [FULL, SLIDING]
     assert gemma3.rope_for(SLIDING) == (1e4, None) and gemma3.rope_for(FULL)[0] == 1e6
-    qwen3 = ModelConfig.from_dict(dict(base, model_type="qwen3", use_sliding_window=True,
-                                       max_window_layers=5))
+    qwen3 = ModelConfig.from_dict(
+        dict(base, model_type="qwen3", use_sliding_window=True, max_window_layers=5)
+    )
     assert [qwen3.layer_window(i) for i in range(7)] == [0] * 5 + [8, 8]
     off = ModelConfig.from_dict(dict(base, model_type="qwen3"))
     assert off.sliding_window is None and off.layer_window(6) == 0
@@ -159,8 +208,15 @@ def test_layer_types_without_transformers() -> None:
 
 
 def test_unsupported_architecture_names_the_supported(tmp_path) -> None:
-    raw = dict(architectures=["FalconForCausalLM"], model_type="falcon", vocab_size=64,
-               hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    raw = dict(
+        architectures=["FalconForCausalLM"],
+        model_type="falcon",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="FalconForCausalLM") as err:
         ModelConfig.from_dict(raw)

@@ -44,8 +44,9 @@ def _hf_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_prefill_logits_match_transformers(case, tmp_path, build_tiny_model, random_prompts,
-                                           all_logits) -> None:
+def test_prefill_logits_match_transformers(
+    case, tmp_path, build_tiny_model, random_prompts, all_logits
+) -> None:
     arch, overrides = CASES[case]
     model = build_tiny_model(tmp_path, arch, **overrides)
     runner = _runner_for(tmp_path)
@@ -61,11 +62,15 @@ def test_fused_weights_hold_the_separate_projections(tmp_path, build_tiny_model)
     attn = runner.model.layers[1].self_attn
     hf_attn = model.model.layers[1].self_attn
     q, kv = attn.q_size, attn.kv_size
-    torch.testing.assert_close(attn.qkv_proj.weight[q + kv :], hf_attn.v_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        attn.qkv_proj.weight[q + kv :], hf_attn.v_proj.weight, rtol=0, atol=0
+    )
     torch.testing.assert_close(attn.qkv_proj.bias[q : q + kv], hf_attn.k_proj.bias, rtol=0, atol=0)
     assert attn.o_proj.bias is None  # Qwen2 has q/k/v biases only
     mlp, hf_mlp = runner.model.layers[0].mlp, model.model.layers[0].mlp
-    torch.testing.assert_close(mlp.gate_up_proj.weight[hf_mlp.up_proj.weight.shape[0] :], hf_mlp.up_proj.weight)
+    torch.testing.assert_close(
+        mlp.gate_up_proj.weight[hf_mlp.up_proj.weight.shape[0] :], hf_mlp.up_proj.weight
+    )
 
 
 def test_tied_embeddings_share_one_tensor(tmp_path, build_tiny_model) -> None:

@@ -20,25 +20,55 @@ from pagemill.runtime import DEFAULT_MODEL, LLM, SamplingParams
 
 N = 16
 QUESTIONS = [
-    "What is the capital of France?", "Name three colors.", "How do airplanes fly?",
-    "Write a haiku about the sea.", "What is 12 times 7?", "Explain photosynthesis in one sentence.",
-    "Who wrote Romeo and Juliet?", "Give me a tip for learning Python.", "What causes rain?",
-    "Translate 'good morning' into Spanish.", "What is the largest planet in our solar system?",
-    "Suggest a name for a pet cat.", "Why is the sky blue?", "List two benefits of exercise.",
-    "What is a prime number?", "How many days are in a leap year?", "Describe a sunset.",
-    "What does a computer's CPU do?", "Recommend a book for a long flight.", "What is gravity?",
-    "How do I boil an egg?", "What is the boiling point of water?", "Tell me a fun fact about octopuses.",
-    "What is machine learning?", "Write one sentence about autumn.", "What language is spoken in Brazil?",
-    "How do vaccines work?", "What is the speed of light?", "Give an example of a mammal that can fly.",
-    "What is the difference between weather and climate?", "Who painted the Mona Lisa?",
+    "What is the capital of France?",
+    "Name three colors.",
+    "How do airplanes fly?",
+    "Write a haiku about the sea.",
+    "What is 12 times 7?",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a tip for learning Python.",
+    "What causes rain?",
+    "Translate 'good morning' into Spanish.",
+    "What is the largest planet in our solar system?",
+    "Suggest a name for a pet cat.",
+    "Why is the sky blue?",
+    "List two benefits of exercise.",
+    "What is a prime number?",
+    "How many days are in a leap year?",
+    "Describe a sunset.",
+    "What does a computer's CPU do?",
+    "Recommend a book for a long flight.",
+    "What is gravity?",
+    "How do I boil an egg?",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "What is machine learning?",
+    "Write one sentence about autumn.",
+    "What language is spoken in Brazil?",
+    "How do vaccines work?",
+    "What is the speed of light?",
+    "Give an example of a mammal that can fly.",
+    "What is the difference between weather and climate?",
+    "Who painted the Mona Lisa?",
     "What is an API?",
 ]
 TEXTS = [
-    "The quick brown fox", "Once upon a time, in a small village,", "The history of the Roman Empire",
-    "In mathematics, a group is", "def fibonacci(n):", "The best way to make coffee is",
-    "Paris is known for", "Water is made of", "The first step in baking bread is",
-    "Neural networks are", "My favorite season is", "The ocean covers",
-    "To install a Python package, run", "The moon orbits", "A good breakfast includes",
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "The history of the Roman Empire",
+    "In mathematics, a group is",
+    "def fibonacci(n):",
+    "The best way to make coffee is",
+    "Paris is known for",
+    "Water is made of",
+    "The first step in baking bread is",
+    "Neural networks are",
+    "My favorite season is",
+    "The ocean covers",
+    "To install a Python package, run",
+    "The moon orbits",
+    "A good breakfast includes",
     "The main causes of the French Revolution were",
 ]
 
@@ -55,8 +85,15 @@ def reference():
     folder = ensure_default_model()
     ensure_dense_weights(folder)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
     prompts += [tok.encode(t) for t in TEXTS]
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     # One left-padded batch: the mask keeps padding out of every row's attention.
@@ -64,8 +101,14 @@ def reference():
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=N, do_sample=False,
-                          eos_token_id=[], pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=N,
+            do_sample=False,
+            eos_token_id=[],
+            pad_token_id=0,
+        )
     return folder, prompts, out[:, width:].tolist()
 
 
@@ -81,7 +124,11 @@ def test_q4_1_rows_are_served_exactly(reference) -> None:
 
     folder, _, _ = reference
     config = ModelConfig.from_pretrained(folder)
-    wanted = [f"model.layers.{i}.{n}.weight" for i in (0, 29) for n in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
+    wanted = [
+        f"model.layers.{i}.{n}.weight"
+        for i in (0, 29)
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")
+    ]
     rows = dict(GGUFCheckpoint(gguf_for_folder(folder)).weights(wanted, config))
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         for name in wanted:
@@ -106,12 +153,22 @@ def test_packed_q4_1_agrees_with_transformers(reference) -> None:
     from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
     _, prompts, refs = reference
-    llm = LLM(DEFAULT_MODEL, dtype="bfloat16", enforce_eager=True, max_model_len=512,
-              kv_cache_memory_bytes=128 << 20)
+    llm = LLM(
+        DEFAULT_MODEL,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=128 << 20,
+    )
     model = llm.llm_engine.engine_core.model_runner.model
-    assert model.layers[0].mlp.down_proj.source == "Q4_1" and model.layers[0].mlp.down_proj.weight_format == "int4"
+    assert (
+        model.layers[0].mlp.down_proj.source == "Q4_1"
+        and model.layers[0].mlp.down_proj.weight_format == "int4"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
-    free = _agreement([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], refs)
+    free = _agreement(
+        [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], refs
+    )
 
     # Teacher-forced: every prompt + reference continuation in one flattened prefill, through
     # the packed kernels (the decode path) rather than the dense copies prefill would use.
@@ -119,23 +176,39 @@ def test_packed_q4_1_agrees_with_transformers(reference) -> None:
         if isinstance(m, Linear):
             m.packed_max_tokens = 1 << 30
     seqs = [p + r[:-1] for p, r in zip(prompts, refs)]
-    runner = ModelRunner(model, model.config, torch.device("cpu"), torch.bfloat16, 16, len(seqs),
-                         sum(map(len, seqs)), 512)
+    runner = ModelRunner(
+        model,
+        model.config,
+        torch.device("cpu"),
+        torch.bfloat16,
+        16,
+        len(seqs),
+        sum(map(len, seqs)),
+        512,
+    )
     runner.init_kv_cache(sum(-(-len(s) // 16) for s in seqs))
     sched, block = [], 0
     for i, s in enumerate(seqs):
         nb = -(-len(s) // 16)
         record = Request(f"r{i}", s, sampling_params=SP(temperature=0.0))
-        sched.append(ScheduledRequest(record.request_id, s, 0, len(s), list(range(block, block + nb)),
-                                      True, True, record))
+        sched.append(
+            ScheduledRequest(
+                record.request_id, s, 0, len(s), list(range(block, block + nb)), True, True, record
+            )
+        )
         block += nb
     batch = runner.prepare(SchedulerOutput(sched, sum(map(len, seqs)), [], []))
     with torch.inference_mode():
         logits = model.compute_logits(model(batch.input_ids, batch.positions, batch.attn))
     starts = batch.attn.plan.query_start_loc.tolist()
-    picks = [logits[starts[i] + len(p) - 1 : starts[i + 1]].argmax(-1).tolist() for i, p in enumerate(prompts)]
+    picks = [
+        logits[starts[i] + len(p) - 1 : starts[i + 1]].argmax(-1).tolist()
+        for i, p in enumerate(prompts)
+    ]
     forced = _agreement(picks, refs)
-    print(f"\nQ4_1 packed int4, bf16, vs transformers fp32 over {len(prompts)} prompts x {N} tokens: "
-          f"teacher-forced {forced:.3f}, free-running {free:.3f}")
+    print(
+        f"\nQ4_1 packed int4, bf16, vs transformers fp32 over {len(prompts)} prompts x {N} tokens: "
+        f"teacher-forced {forced:.3f}, free-running {free:.3f}"
+    )
     assert forced >= 0.95
     assert free >= 0.75  # bf16's own level (see the module docstring), with room for noise

@@ -224,8 +224,14 @@ def _batch_rows(params: Sequence[SamplingParams]):
     batch = InputBatch(len(params) + 2, 4, torch.device("cpu"))
     states = {}
     for r, p in enumerate(params):
-        record = Request(f"r{r}", _PROMPTS[r] or [1], eos_token_id=0, min_tokens=p.min_tokens,
-                         stop_token_ids=p.stop_token_ids, sampling_params=p)
+        record = Request(
+            f"r{r}",
+            _PROMPTS[r] or [1],
+            eos_token_id=0,
+            min_tokens=p.min_tokens,
+            stop_token_ids=p.stop_token_ids,
+            sampling_params=p,
+        )
         for t in _OUTPUTS[r]:
             record.append_output_token(t)
         states[r] = CachedRequestState.create(record, torch.device("cpu"))
@@ -266,8 +272,9 @@ def test_input_batch_metadata_is_from_params_metadata(subset: list[int] | None) 
     import numpy as np
 
     params = [*_params()]
-    params[5] = SamplingParams(temperature=0.9, seed=4, presence_penalty=0.8,
-                               logit_bias={3: 5.0, 9: -2.0})
+    params[5] = SamplingParams(
+        temperature=0.9, seed=4, presence_penalty=0.8, logit_bias={3: 5.0, 9: -2.0}
+    )
     params[8] = SamplingParams(temperature=0.0, min_tokens=2, seed=9)  # greedy: no generator
     batch, states, kept = _batch_rows(params)
     assert batch.req_ids == [f"r{r}" for r in kept]

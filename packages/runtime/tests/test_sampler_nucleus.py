@@ -15,8 +15,9 @@ CHI2_CRIT_001_9DOF = 27.88
 
 
 def _metadata(params: list[SamplingParams], generators=None) -> SamplingMetadata:
-    return SamplingMetadata.from_params(params, output_token_ids=[[] for _ in params],
-                                        prompt_token_ids=None, generators=generators)
+    return SamplingMetadata.from_params(
+        params, output_token_ids=[[] for _ in params], prompt_token_ids=None, generators=generators
+    )
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -31,8 +32,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("kwargs", [{"top_p": 0.9}, {"top_p": 0.6, "min_p": 0.1},
-                                    {"min_p": 0.1}])
+@pytest.mark.parametrize("kwargs", [{"top_p": 0.9}, {"top_p": 0.6, "min_p": 0.1}, {"min_p": 0.1}])
 def test_flat_rows_follow_the_filtered_distribution(kwargs, monkeypatch) -> None:
     calls = _spy(monkeypatch)
     vocab, temperature, n = 1000, 0.7, 40000
@@ -64,8 +64,11 @@ def test_seeded_flat_rows_ignore_their_batch() -> None:
     flat = torch.randn(vocab, generator=g) * 0.3
     target = SamplingParams(temperature=0.9, top_p=0.8, seed=7)
     runs = []
-    for others in ([], [SamplingParams(temperature=0.9, top_k=600)] * 3,
-                   [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)]):
+    for others in (
+        [],
+        [SamplingParams(temperature=0.9, top_k=600)] * 3,
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.5)],
+    ):
         params = [*others, target]
         md = _metadata(params, generators={len(others): make_generator(7)})
         sampler = Sampler(seed=len(others))

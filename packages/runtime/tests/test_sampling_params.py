@@ -77,14 +77,17 @@ def test_good_values_accepted(kwargs: dict) -> None:
     # Accepted means kept: every given value survives (up to the documented normalisation).
     normalised = {"top_k": {-1: 0}, "stop_token_ids": {(5, 6): [5, 6]}}
     for name, value in kwargs.items():
-        expected = normalised.get(name, {}).get(value, value) if isinstance(
-            value, int | tuple) else value
+        expected = (
+            normalised.get(name, {}).get(value, value) if isinstance(value, int | tuple) else value
+        )
         assert getattr(p, name) == expected, name
     assert p.output_kind == RequestOutputKind.DELTA
 
 
 def test_output_kind_is_checked() -> None:
-    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind.value == "final_only"
+    assert (
+        SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind.value == "final_only"
+    )
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")  # type: ignore[arg-type]
 

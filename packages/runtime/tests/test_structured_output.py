@@ -48,8 +48,9 @@ def test_bitmask_matches_plain_torch_unpacking(rows: int, vocab: int, seed: int)
 
 
 def _metadata(params: list[SamplingParams], bitmask: torch.Tensor | None) -> SamplingMetadata:
-    return SamplingMetadata.from_params(params, output_token_ids=[[] for _ in params],
-                                        prompt_token_ids=None, token_bitmask=bitmask)
+    return SamplingMetadata.from_params(
+        params, output_token_ids=[[] for _ in params], prompt_token_ids=None, token_bitmask=bitmask
+    )
 
 
 def test_sampler_draws_only_allowed_tokens_greedy_and_random() -> None:
@@ -62,8 +63,12 @@ def test_sampler_draws_only_allowed_tokens_greedy_and_random() -> None:
     for r, t in allowed.nonzero().tolist():
         words[r, t // 32] |= 1 << (t % 32)
     bitmask = words.to(torch.int32)  # wraps bit 31 to the sign, as xgrammar stores it
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5),
-              SamplingParams(temperature=1.0, top_k=50, seed=3), SamplingParams(temperature=0.7)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=1.0, top_k=50, seed=3),
+        SamplingParams(temperature=0.7),
+    ]
     sampler = Sampler(seed=0)
     for step in range(30):
         logits = torch.randn(rows, vocab, generator=g)
@@ -91,14 +96,17 @@ def test_logit_bias_is_validated() -> None:
         SamplingParams(logit_bias={-1: 1.0})
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(json={"type": "nope"}), "Unsupported type"),
-    (dict(json="{not json"), "not valid JSON"),
-    (dict(regex="(unclosed"), "regex"),
-    (dict(grammar="root ::= "), "grammar"),
-    (dict(choice=[]), "choice"),
-    (dict(json={"type": "object"}, regex="a"), "exactly one"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(json={"type": "nope"}), "Unsupported type"),
+        (dict(json="{not json"), "not valid JSON"),
+        (dict(regex="(unclosed"), "regex"),
+        (dict(grammar="root ::= "), "grammar"),
+        (dict(choice=[]), "choice"),
+        (dict(json={"type": "object"}, regex="a"), "exactly one"),
+    ],
+)
 def test_bad_constraints_fail_validation(bad: dict, match: str) -> None:
     """Types and sizes fail when built; the rest in `validate` (InputProcessor's check)."""
     with pytest.raises(ValueError, match=match):
@@ -111,8 +119,13 @@ def test_bad_constraints_fail_validation(bad: dict, match: str) -> None:
 @pytest.fixture(scope="module")
 def llm(tiny_llama) -> LLM:
     folder, _ = tiny_llama
-    return LLM(str(folder), dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20,
-               max_num_batched_tokens=128)
+    return LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=4 << 20,
+        max_num_batched_tokens=128,
+    )
 
 
 def _gen(llm: LLM, params: list[SamplingParams], prompt: str = "hello world") -> list:
@@ -127,12 +140,23 @@ def so(**kw) -> StructuredOutputsParams:
 def test_regex_choice_and_grammar_are_matched_exactly(llm) -> None:
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so(regex=r"[ab]{3,6}x")),
-        SamplingParams(temperature=1.0, seed=1, max_tokens=40,
-                       structured_outputs=so(regex=r"(fox|dog) [0-9]{2}")),
-        SamplingParams(temperature=0.0, max_tokens=40,
-                       structured_outputs=so(choice=["brown fox", "lazy dog", "héllo"])),
-        SamplingParams(temperature=0.9, seed=2, max_tokens=40,
-                       structured_outputs=so(grammar='root ::= "yes" | "no" | "maybe"')),
+        SamplingParams(
+            temperature=1.0,
+            seed=1,
+            max_tokens=40,
+            structured_outputs=so(regex=r"(fox|dog) [0-9]{2}"),
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured_outputs=so(choice=["brown fox", "lazy dog", "héllo"]),
+        ),
+        SamplingParams(
+            temperature=0.9,
+            seed=2,
+            max_tokens=40,
+            structured_outputs=so(grammar='root ::= "yes" | "no" | "maybe"'),
+        ),
         SamplingParams(temperature=0.0, max_tokens=12),  # unconstrained, same batch
     ]
     regex_g, regex_r, choice, grammar, free = _gen(llm, params)
@@ -147,29 +171,34 @@ def test_regex_choice_and_grammar_are_matched_exactly(llm) -> None:
 
 BOUNDED_SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
-    {"type": "object",
-     "properties": {"color": {"enum": ["red", "green", "blue"]},
-                    "flags": {"type": "array", "items": {"type": "boolean"},
-                              "minItems": 1, "maxItems": 3},
-                    "inner": {"type": "object", "properties": {"n": {"type": "null"}},
-                              "required": ["n"]}},
-     "required": ["color", "flags", "inner"]},
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+            "inner": {"type": "object", "properties": {"n": {"type": "null"}}, "required": ["n"]},
+        },
+        "required": ["color", "flags", "inner"],
+    },
 ]
 
 
 @pytest.mark.parametrize("schema", BOUNDED_SCHEMAS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_output_validates(llm, schema: dict, temperature: float) -> None:
-    params = SamplingParams(temperature=temperature, seed=5, max_tokens=120,
-                            structured_outputs=so(json=schema, disable_any_whitespace=True))
+    params = SamplingParams(
+        temperature=temperature,
+        seed=5,
+        max_tokens=120,
+        structured_outputs=so(json=schema, disable_any_whitespace=True),
+    )
     (out,) = _gen(llm, [params])
     assert out.finish_reason == "stop", out.text
     jsonschema.validate(json.loads(out.text), schema)
 
 
 def test_grammar_that_cannot_finish_ends_with_length(llm) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=5,
-                            structured_outputs=so(regex=r"a{50}"))
+    params = SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=so(regex=r"a{50}"))
     (out,) = _gen(llm, [params])
     assert out.finish_reason == "length"
     assert len(out.token_ids) == 5 and set(out.text) <= {"a"}
@@ -178,8 +207,9 @@ def test_grammar_that_cannot_finish_ends_with_length(llm) -> None:
 def test_min_tokens_past_the_grammar_never_crashes(llm) -> None:
     # EOS is banned until 8 tokens while the grammar wants to stop after "yes": the row has
     # no allowed token; the request must still end cleanly.
-    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=8,
-                            structured_outputs=so(choice=["yes"]))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=10, min_tokens=8, structured_outputs=so(choice=["yes"])
+    )
     (out,) = _gen(llm, [params])
     assert out.finish_reason in ("stop", "length")
     assert out.text.startswith("yes")
@@ -188,8 +218,14 @@ def test_min_tokens_past_the_grammar_never_crashes(llm) -> None:
 def test_logit_bias_through_the_engine(llm) -> None:
     engine = llm.llm_engine
     target = engine.tokenizer.encode("fox")[0]
-    (out,) = _gen(llm, [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                       logit_bias={target: 100.0})])
+    (out,) = _gen(
+        llm,
+        [
+            SamplingParams(
+                temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias={target: 100.0}
+            )
+        ],
+    )
     assert out.token_ids == [target] * 4
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad-bias", "hi", SamplingParams(logit_bias={10**6: 1.0}))
@@ -198,8 +234,9 @@ def test_logit_bias_through_the_engine(llm) -> None:
 def test_a_compiling_grammar_holds_up_nobody(tiny_llama) -> None:
     """While one request's grammar compiles, another runs to the end; then it runs too."""
     folder, _ = tiny_llama
-    engine = LLMEngine(model=str(folder), dtype="float32", max_model_len=128,
-                       kv_cache_memory_bytes=2 << 20)
+    engine = LLMEngine(
+        model=str(folder), dtype="float32", max_model_len=128, kv_cache_memory_bytes=2 << 20
+    )
     manager = engine.engine_core.structured_output
     release = threading.Event()
     submit = manager._submit
@@ -215,11 +252,21 @@ def test_a_compiling_grammar_holds_up_nobody(tiny_llama) -> None:
         return outer
 
     manager._submit = slow_submit
-    engine.add_request("slow", "hello", SamplingParams(
-        temperature=0.0, max_tokens=20, output_kind=FINAL,
-        structured_outputs=so(regex=r"[0-9]{4}")))
-    engine.add_request("free", "hello", SamplingParams(
-        temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=FINAL))
+    engine.add_request(
+        "slow",
+        "hello",
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=20,
+            output_kind=FINAL,
+            structured_outputs=so(regex=r"[0-9]{4}"),
+        ),
+    )
+    engine.add_request(
+        "free",
+        "hello",
+        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=FINAL),
+    )
     finished = {}
     for _ in range(50):
         for out in engine.step():
@@ -238,11 +285,17 @@ def test_a_compiling_grammar_holds_up_nobody(tiny_llama) -> None:
 
 def test_abort_while_compiling_and_cached_grammars(tiny_llama) -> None:
     folder, _ = tiny_llama
-    engine = LLMEngine(model=str(folder), dtype="float32", max_model_len=128,
-                       kv_cache_memory_bytes=2 << 20)
+    engine = LLMEngine(
+        model=str(folder), dtype="float32", max_model_len=128, kv_cache_memory_bytes=2 << 20
+    )
     manager = engine.engine_core.structured_output
-    params = SamplingParams(temperature=0.0, max_tokens=8, output_kind=FINAL, n=3,
-                            structured_outputs=so(regex=r"[a-c]+"))
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=8,
+        output_kind=FINAL,
+        n=3,
+        structured_outputs=so(regex=r"[a-c]+"),
+    )
     engine.add_request("a", "hello", params)
     engine.add_request("b", "hello", params)
     engine.abort_request("b")

@@ -25,8 +25,7 @@ from pagemill.runtime.sampling_params import RequestOutputKind
 FINAL = RequestOutputKind.FINAL_ONLY
 # Parses, and compiles for minutes: 5,000 optional properties (even on the tiny vocabulary
 # here; `(.*){1,1000}`, a runaway on a 49k one, compiles in 1 s on 300 tokens).
-RUNAWAY = ("json", json.dumps({"type": "object",
-                               "properties": {str(i): {} for i in range(5000)}}))
+RUNAWAY = ("json", json.dumps({"type": "object", "properties": {str(i): {} for i in range(5000)}}))
 
 
 def deep(n: int) -> dict:
@@ -40,29 +39,45 @@ def check(**kw) -> None:
     validate(StructuredOutputsParams(**kw))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(json={"type": "object", "properties": {str(i): {} for i in range(5000)}}),
-     "5,000 properties"),
-    (dict(regex="(.*){1,1000}"), "can match any length"),
-    (dict(regex="a{1,5000}"), "exceeds the limit of 1,000"),
-    (dict(json={"type": "string", "pattern": "(.+){1,50}"}), "pattern.*any length"),
-    (dict(json=deep(300)), "deeper than 32"),
-    (dict(json={"$ref": "#"}), "recursive"),
-    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}),
-     "refers back to itself"),
-    (dict(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
-                "$ref": "#/$defs/a"}), "refers back to itself"),
-    (dict(json={"$ref": "#/$defs/missing"}), "does not resolve"),
-    (dict(json={"$ref": "https://example.com/s.json"}), "only references inside"),
-    (dict(json={"type": "string", "format": "idn-email"}), "unsupported format 'idn-email'"),
-    (dict(json={"type": "integer", "not": {"const": 3}}), "keyword.*not"),
-    (dict(json={"type": "object", "if": {}, "then": {}, "unevaluatedProperties": False}),
-     "if, then, unevaluatedProperties"),
-    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
-    (dict(json={"type": "string", "maxLength": 100000}), "maxLength=100000"),
-    (dict(json={"type": "number", "minimum": 0, "maximum": 10}), "minimum, maximum can be"),
-    (dict(json={"type": "integer", "multipleOf": 2}), "keyword.*multipleOf"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(json={"type": "object", "properties": {str(i): {} for i in range(5000)}}),
+            "5,000 properties",
+        ),
+        (dict(regex="(.*){1,1000}"), "can match any length"),
+        (dict(regex="a{1,5000}"), "exceeds the limit of 1,000"),
+        (dict(json={"type": "string", "pattern": "(.+){1,50}"}), "pattern.*any length"),
+        (dict(json=deep(300)), "deeper than 32"),
+        (dict(json={"$ref": "#"}), "recursive"),
+        (
+            dict(json={"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}}),
+            "refers back to itself",
+        ),
+        (
+            dict(
+                json={
+                    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                    "$ref": "#/$defs/a",
+                }
+            ),
+            "refers back to itself",
+        ),
+        (dict(json={"$ref": "#/$defs/missing"}), "does not resolve"),
+        (dict(json={"$ref": "https://example.com/s.json"}), "only references inside"),
+        (dict(json={"type": "string", "format": "idn-email"}), "unsupported format 'idn-email'"),
+        (dict(json={"type": "integer", "not": {"const": 3}}), "keyword.*not"),
+        (
+            dict(json={"type": "object", "if": {}, "then": {}, "unevaluatedProperties": False}),
+            "if, then, unevaluatedProperties",
+        ),
+        (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
+        (dict(json={"type": "string", "maxLength": 100000}), "maxLength=100000"),
+        (dict(json={"type": "number", "minimum": 0, "maximum": 10}), "minimum, maximum can be"),
+        (dict(json={"type": "integer", "multipleOf": 2}), "keyword.*multipleOf"),
+    ],
+)
 def test_hostile_constraints_are_refused_by_name(kw: dict, match: str) -> None:
     t = time.perf_counter()
     with pytest.raises(ValueError, match=match):
@@ -79,12 +94,24 @@ def test_oversized_text_fails_when_built() -> None:
 
 def test_what_is_supported_still_passes() -> None:
     check(json=deep(20))
-    check(json={"type": "object", "properties": {"d": {"type": "string", "format": "date"},
-                                                 "n": {"type": "integer", "minimum": 0}},
-                "$defs": {"t": {"enum": ["a", "b"]}}, "additionalProperties": False})
-    check(json={"$defs": {"t": {"type": "string"}},
-                "type": "object", "properties": {"a": {"$ref": "#/$defs/t"},
-                                                 "b": {"$ref": "#/$defs/t"}}})
+    check(
+        json={
+            "type": "object",
+            "properties": {
+                "d": {"type": "string", "format": "date"},
+                "n": {"type": "integer", "minimum": 0},
+            },
+            "$defs": {"t": {"enum": ["a", "b"]}},
+            "additionalProperties": False,
+        }
+    )
+    check(
+        json={
+            "$defs": {"t": {"type": "string"}},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/t"}, "b": {"$ref": "#/$defs/t"}},
+        }
+    )
     check(regex=r"(ab|cd){1,8}[0-9]{3,1000}\{1,5000\}")
     check(grammar='root ::= "{1,5000}" | "x"{1,4}')
     check(choice=["a{99999}", "b"])
@@ -105,15 +132,23 @@ def tokenizer_info(tiny_llama):
 
 
 def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_info) -> None:
-    workers = CompileWorkers(tokenizer_info, num_workers=2, timeout=1.0,
-                             cache_limit_bytes=8 << 20)
+    workers = CompileWorkers(tokenizer_info, num_workers=2, timeout=1.0, cache_limit_bytes=8 << 20)
     try:
         warm = workers.submit(("regex", "[ab]+"))  # workers started (forkserver warm)
         assert warm.future.result(timeout=120) is not None
         t0 = time.monotonic()
         runaway = workers.submit(RUNAWAY)
-        small = workers.submit(("json", json.dumps({"type": "object", "properties": {
-            "a": {"type": "string"}, "b": {"type": "integer"}}})))
+        small = workers.submit(
+            (
+                "json",
+                json.dumps(
+                    {
+                        "type": "object",
+                        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                    }
+                ),
+            )
+        )
         assert small.future.result(timeout=10) is not None
         assert time.monotonic() - t0 < 1.0  # beside the runaway, not behind it
         with pytest.raises(GrammarCompileTimeout, match="within 1 s"):
@@ -129,8 +164,7 @@ def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_i
 
 
 def test_a_compile_nobody_waits_for_is_stopped(tokenizer_info) -> None:
-    workers = CompileWorkers(tokenizer_info, num_workers=1, timeout=60.0,
-                             cache_limit_bytes=8 << 20)
+    workers = CompileWorkers(tokenizer_info, num_workers=1, timeout=60.0, cache_limit_bytes=8 << 20)
     try:
         assert workers.submit(("regex", "a+")).future.result(timeout=120) is not None
         runaway = workers.submit(RUNAWAY)
@@ -140,8 +174,9 @@ def test_a_compile_nobody_waits_for_is_stopped(tokenizer_info) -> None:
         assert workers.submit(("regex", "b+")).future.result(timeout=30) is not None
         assert time.monotonic() - t < 5.0  # not the 60 s deadline
         assert workers.num_killed == 1
-        assert runaway.future.cancelled() or isinstance(runaway.future.exception(),
-                                                        GrammarCompileCancelled)
+        assert runaway.future.cancelled() or isinstance(
+            runaway.future.exception(), GrammarCompileCancelled
+        )
     finally:
         workers.shutdown()
 
@@ -152,9 +187,14 @@ def test_a_compile_nobody_waits_for_is_stopped(tokenizer_info) -> None:
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     folder, _ = tiny_llama
-    return LLMEngine(model=str(folder), dtype="float32", max_model_len=128,
-                     kv_cache_memory_bytes=2 << 20, structured_outputs_compile_timeout=1.0,
-                     structured_outputs_cache_bytes=1 << 20)
+    return LLMEngine(
+        model=str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=2 << 20,
+        structured_outputs_compile_timeout=1.0,
+        structured_outputs_cache_bytes=1 << 20,
+    )
 
 
 def _run(engine: LLMEngine) -> dict:
@@ -169,34 +209,61 @@ def _run(engine: LLMEngine) -> dict:
 
 def test_engine_refuses_hostile_grammar_at_add_request(engine) -> None:
     with pytest.raises(ValueError, match="deeper than 32"):
-        engine.add_request("deep", "hello", SamplingParams(
-            structured_outputs=StructuredOutputsParams(json=deep(300))))
+        engine.add_request(
+            "deep",
+            "hello",
+            SamplingParams(structured_outputs=StructuredOutputsParams(json=deep(300))),
+        )
     assert not engine.has_unfinished_requests()
 
 
 def test_compile_timeout_ends_the_request_with_error_and_the_next_grammar_works(
-        engine, monkeypatch) -> None:
+    engine, monkeypatch
+) -> None:
     # A grammar the limits let through but that compiles too long: skip the limits.
-    monkeypatch.setattr("pagemill.runtime.engine.input_processor.validate_structured_output",
-                        lambda params: None)
-    engine.add_request("runaway", "hello", SamplingParams(
-        max_tokens=8, output_kind=FINAL,
-        structured_outputs=StructuredOutputsParams(json=RUNAWAY[1])))
-    engine.add_request("free", "hello", SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=FINAL))
+    monkeypatch.setattr(
+        "pagemill.runtime.engine.input_processor.validate_structured_output", lambda params: None
+    )
+    engine.add_request(
+        "runaway",
+        "hello",
+        SamplingParams(
+            max_tokens=8,
+            output_kind=FINAL,
+            structured_outputs=StructuredOutputsParams(json=RUNAWAY[1]),
+        ),
+    )
+    engine.add_request(
+        "free",
+        "hello",
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=FINAL),
+    )
     done = _run(engine)
     out = done["runaway"].outputs[0]
     assert out.finish_reason == "error" and out.text == ""
     assert done["free"].outputs[0].finish_reason == "length"
-    engine.add_request("small", "hello", SamplingParams(
-        temperature=0.0, max_tokens=8, output_kind=FINAL,
-        structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")))
+    engine.add_request(
+        "small",
+        "hello",
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            output_kind=FINAL,
+            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"),
+        ),
+    )
     assert re.fullmatch("[0-9]{3}", _run(engine)["small"].outputs[0].text)
     # The same runaway again fails at once: its failure is cached.
     t = time.monotonic()
-    engine.add_request("again", "hello", SamplingParams(
-        max_tokens=8, output_kind=FINAL,
-        structured_outputs=StructuredOutputsParams(json=RUNAWAY[1])))
+    engine.add_request(
+        "again",
+        "hello",
+        SamplingParams(
+            max_tokens=8,
+            output_kind=FINAL,
+            structured_outputs=StructuredOutputsParams(json=RUNAWAY[1]),
+        ),
+    )
     assert _run(engine)["again"].outputs[0].finish_reason == "error"
     assert time.monotonic() - t < 0.9
 
@@ -204,10 +271,20 @@ def test_compile_timeout_ends_the_request_with_error_and_the_next_grammar_works(
 def test_grammar_cache_is_bounded_in_bytes(engine) -> None:
     manager = engine.engine_core.structured_output
     for i in range(60):
-        engine.add_request(f"c{i}", "hello", SamplingParams(
-            max_tokens=2, output_kind=FINAL, structured_outputs=StructuredOutputsParams(
-                json={"type": "object", "properties": {f"k{i}_{j}": {"type": "integer"}
-                                                       for j in range(6)}})))
+        engine.add_request(
+            f"c{i}",
+            "hello",
+            SamplingParams(
+                max_tokens=2,
+                output_kind=FINAL,
+                structured_outputs=StructuredOutputsParams(
+                    json={
+                        "type": "object",
+                        "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(6)},
+                    }
+                ),
+            ),
+        )
         _run(engine)
     assert 0 < manager.cache_bytes <= manager.cache_limit_bytes == 1 << 20
     assert manager.num_requests == 0

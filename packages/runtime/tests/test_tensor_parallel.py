@@ -36,9 +36,16 @@ def _bytes_per_token(folder: Path, tp: int) -> int:
 def _engine(folder: Path, tp: int) -> LLM:
     # A pool of 14 blocks on every rank (the budget is per rank: half the heads, half the
     # bytes): too few for the batch below, so requests are preempted and recomputed.
-    return LLM(str(folder), tensor_parallel_size=tp, dtype="float32", block_size=BLOCK,
-               max_model_len=MAX_LEN, max_num_batched_tokens=32, max_num_seqs=4,
-               kv_cache_memory_bytes=14 * BLOCK * _bytes_per_token(folder, tp))
+    return LLM(
+        str(folder),
+        tensor_parallel_size=tp,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=MAX_LEN,
+        max_num_batched_tokens=32,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=14 * BLOCK * _bytes_per_token(folder, tp),
+    )
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -93,8 +100,10 @@ def test_tp2_equals_tp1_until_a_worker_fails(fixture, fault, request, random_pro
         engine.add_request("after", prompts[1], SamplingParams(max_tokens=4, **GREEDY))
         code = 1 if fault == "raises" else -9
         start = time.monotonic()
-        with pytest.raises(TensorParallelError,
-                           match=rf"worker rank 1 \(pid {worker.pid}\) exited with code {code}"):
+        with pytest.raises(
+            TensorParallelError,
+            match=rf"worker rank 1 \(pid {worker.pid}\) exited with code {code}",
+        ):
             while engine.has_unfinished_requests():
                 engine.step()
         assert time.monotonic() - start < 30
@@ -110,9 +119,12 @@ def test_tp2_equals_tp1_until_a_worker_fails(fixture, fault, request, random_pro
 
 def test_tp_that_does_not_divide_the_heads_is_refused(tiny_llama) -> None:
     folder, _ = tiny_llama  # 4 heads, 2 KV heads
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split LlamaForCausalLM: "
-                                         r"num_attention_heads=4 is not divisible by it.*"
-                                         r"sizes that work: 1, 2, 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=3 cannot split LlamaForCausalLM: "
+        r"num_attention_heads=4 is not divisible by it.*"
+        r"sizes that work: 1, 2, 4",
+    ):
         LLM(str(folder), tensor_parallel_size=3, dtype="float32")
     assert not torch.distributed.is_initialized()
 
@@ -128,10 +140,17 @@ def test_quantized_tp_is_refused() -> None:
 
 
 def _config(heads: int, kv: int, inter: int = 128, vocab: int = 301) -> ModelConfig:
-    return ModelConfig.from_dict({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 8 * heads,
-        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
-        "num_key_value_heads": kv})
+    return ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": 8 * heads,
+            "intermediate_size": inter,
+            "num_hidden_layers": 1,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+        }
+    )
 
 
 def test_kv_heads_split_or_replicated() -> None:
@@ -143,8 +162,12 @@ def test_kv_heads_split_or_replicated() -> None:
     assert [s.q_heads for s in rep] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     assert [s.kv_heads for s in rep] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     local = rep[3].local_config(_config(8, 2))
-    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size,
-            local.vocab_size) == (2, 1, 32, 76)  # 301 padded to 304 rows, 76 a rank
+    assert (
+        local.num_attention_heads,
+        local.num_key_value_heads,
+        local.intermediate_size,
+        local.vocab_size,
+    ) == (2, 1, 32, 76)  # 301 padded to 304 rows, 76 a rank
 
 
 def test_fused_and_split_checkpoints_shard_alike() -> None:
@@ -155,16 +178,25 @@ def test_fused_and_split_checkpoints_shard_alike() -> None:
     gate, up = torch.randn(inter, c.hidden_size), torch.randn(inter, c.hidden_size)
     for rank in range(2):
         s = ShardLayout.create(c, 2, rank)
-        split = torch.cat([s.shard("model.layers.0.self_attn.q_proj.weight", q),
-                           s.shard("model.layers.0.self_attn.k_proj.weight", k),
-                           s.shard("model.layers.0.self_attn.v_proj.weight", v)])
+        split = torch.cat(
+            [
+                s.shard("model.layers.0.self_attn.q_proj.weight", q),
+                s.shard("model.layers.0.self_attn.k_proj.weight", k),
+                s.shard("model.layers.0.self_attn.v_proj.weight", v),
+            ]
+        )
         fused = s.shard("model.layers.0.self_attn.qkv_proj.weight", torch.cat([q, k, v]))
         assert torch.equal(split, fused)
-        assert torch.equal(s.shard("model.layers.0.mlp.gate_up_proj.weight", torch.cat([gate, up])),
-                           torch.cat([s.shard("x.mlp.gate_proj.weight", gate),
-                                      s.shard("x.mlp.up_proj.weight", up)]))
+        assert torch.equal(
+            s.shard("model.layers.0.mlp.gate_up_proj.weight", torch.cat([gate, up])),
+            torch.cat(
+                [s.shard("x.mlp.gate_proj.weight", gate), s.shard("x.mlp.up_proj.weight", up)]
+            ),
+        )
         bias = torch.ones(c.hidden_size)
-        assert s.shard("x.self_attn.o_proj.bias", bias).sum().item() == (c.hidden_size if rank == 0 else 0)
+        assert s.shard("x.self_attn.o_proj.bias", bias).sum().item() == (
+            c.hidden_size if rank == 0 else 0
+        )
 
 
 def test_check_tensor_parallel_names_every_problem() -> None:

@@ -17,21 +17,33 @@ from pagemill.runtime.tool_calling import (
     required_schema,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
 
 
 def test_hermes_parser_splits_content_and_calls() -> None:
     p = get_tool_parser("hermes")
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-            '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
     found = p.extract(text)
     assert found.content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in found.tool_calls] == [
-        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
     assert found.tool_calls[0].id != found.tool_calls[1].id
     # Unclosed last block (cut at the end of the call) still parses; broken JSON is text.
     assert p.extract('<tool_call>{"name": "f", "arguments": {"a": 1}}').tool_calls[0].name == "f"
@@ -50,10 +62,14 @@ def test_hermes_streaming_holds_back_a_possible_marker() -> None:
 
 def test_llama3_json_parser() -> None:
     p = get_tool_parser("llama3_json")
-    found = p.extract('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-                      '{"name": "get_time", "parameters": {}}')
+    found = p.extract(
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
     assert [(c.name, json.loads(c.arguments)) for c in found.tool_calls] == [
-        ("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
     assert found.content is None
     assert not p.extract("The weather is fine.").tools_called
     assert not p.extract('{"no_name": 1}').tools_called
@@ -83,10 +99,14 @@ def test_forcing_schemas_accept_exactly_valid_calls() -> None:
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
     assert calls_from_required('[{"name": "get_ti') == []
     # Cut short by max_tokens: the calls it completed are still calls.
-    cut = ('[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
-           '{"city": "Paris"}},\n {"name": "get_wea')
+    cut = (
+        '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": '
+        '{"city": "Paris"}},\n {"name": "get_wea'
+    )
     assert [(c.name, c.arguments) for c in calls_from_required(cut)] == [
-        ("get_time", "{}"), ("get_weather", '{"city": "Paris"}')]
+        ("get_time", "{}"),
+        ("get_weather", '{"city": "Paris"}'),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +118,26 @@ def plain_tokenizer(tiny_llama) -> PreTrainedTokenizerFast:
 def test_template_without_tools_gets_the_hermes_format(plain_tokenizer) -> None:
     messages = [
         {"role": "user", "content": "weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
     text = render_chat(plain_tokenizer, messages, True, [WEATHER])
     assert text.startswith("<|system|>You are a function calling AI model.")
     assert json.dumps(WEATHER) in text
-    assert '<|assistant|><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' \
-           "\n</tool_call>" in text
+    assert (
+        '<|assistant|><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "\n</tool_call>" in text
+    )
     assert "<|user|><tool_response>\nsunny, 21 C\n</tool_response>" in text
     assert text.endswith("<|assistant|>")
     # Without tools nothing changes.
@@ -121,14 +151,29 @@ def test_template_with_tools_gets_them_natively(plain_tokenizer) -> None:
         "{% if tools %}TOOLS:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n"
         "{% endif %}{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
         "{% if m.tool_calls %}{% for c in m.tool_calls %}[{{ c['function']['name'] }} "
-        "{{ c['function']['arguments'] | tojson }}]{% endfor %}{% endif %}\n{% endfor %}")
+        "{{ c['function']['arguments'] | tojson }}]{% endfor %}{% endif %}\n{% endfor %}"
+    )
     try:
-        text = render_chat(tok, [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": "c", "type": "function",
-                "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
-            {"role": "tool", "content": "12:00"}], False, [WEATHER, TIME])
+        text = render_chat(
+            tok,
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c",
+                            "type": "function",
+                            "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "12:00"},
+            ],
+            False,
+            [WEATHER, TIME],
+        )
     finally:
         tok.chat_template = saved
     # (transformers renders with trim_blocks: a newline after a block tag is dropped)

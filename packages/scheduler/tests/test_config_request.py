@@ -20,10 +20,16 @@ from pagemill.scheduler import Request, RequestStatus, SchedulerConfig, TokenIds
         ({"max_num_seqs": True}, TypeError, "max_num_seqs"),
         ({"long_prefill_token_threshold": -2}, ValueError, "long_prefill_token_threshold"),
         ({"policy": "lifo"}, ValueError, "policy"),
-        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 512,
-          "max_model_len": 1024}, ValueError, "chunked prefill"),
-        ({"enable_chunked_prefill": False, "long_prefill_token_threshold": 8},
-         ValueError, "enable_chunked_prefill"),
+        (
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": 512, "max_model_len": 1024},
+            ValueError,
+            "chunked prefill",
+        ),
+        (
+            {"enable_chunked_prefill": False, "long_prefill_token_threshold": 8},
+            ValueError,
+            "enable_chunked_prefill",
+        ),
     ],
 )
 def test_invalid_config(kw, exc, match) -> None:
@@ -69,8 +75,16 @@ def test_request_token_lists_stay_in_sync() -> None:
 def test_status_helpers() -> None:
     S = RequestStatus
     assert [S.is_finished(s) for s in S] == [False, False, False, True, True, True, True, True]
-    assert [S.finish_reason(s) for s in S] == [None, None, None, "stop", "length", "abort",
-                                               "ignored", "error"]
+    assert [S.finish_reason(s) for s in S] == [
+        None,
+        None,
+        None,
+        "stop",
+        "length",
+        "abort",
+        "ignored",
+        "error",
+    ]
 
 
 def test_arrival_time_is_monotonic_by_default_and_kept_as_given() -> None:

@@ -19,11 +19,11 @@ from pagemill.scheduler import (
 EOS = 2
 
 
-def make(num_blocks: int = 256, block_size: int = 16, enable_caching: bool = True,
-         **cfg) -> tuple[Scheduler, KVCacheManager]:
+def make(
+    num_blocks: int = 256, block_size: int = 16, enable_caching: bool = True, **cfg
+) -> tuple[Scheduler, KVCacheManager]:
     """Prefix caching is the manager's setting; the scheduler reads it from there."""
-    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size,
-                        enable_caching=enable_caching)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size, enable_caching=enable_caching)
     return Scheduler(SchedulerConfig(**cfg), kv), kv
 
 
@@ -51,8 +51,7 @@ def run_until_finished(s: Scheduler, rid: str, max_steps: int = 100) -> None:
 
 
 def test_three_long_prompts_chunked_400_400_224() -> None:
-    s, _ = make(max_num_batched_tokens=1024, long_prefill_token_threshold=400,
-                max_model_len=2048)
+    s, _ = make(max_num_batched_tokens=1024, long_prefill_token_threshold=400, max_model_len=2048)
     for i in range(3):
         s.add_request(req(f"r{i}", [10 + i] * 800, max_tokens=4))
     out = s.schedule()
@@ -62,8 +61,7 @@ def test_three_long_prompts_chunked_400_400_224() -> None:
     assert s.update_from_output(out, {}) == []
     out = s.schedule()
     # Running first: r0, r1 finish their prompts (and sample), r2 gets the rest of the budget.
-    assert shape(out) == [("r0", 400, 400, True), ("r1", 400, 400, True),
-                          ("r2", 224, 224, False)]
+    assert shape(out) == [("r0", 400, 400, True), ("r1", 400, 400, True), ("r2", 224, 224, False)]
     s.update_from_output(out, {"r0": 5, "r1": 6})
     out = s.schedule()
     assert shape(out) == [("r0", 800, 1, True), ("r1", 800, 1, True), ("r2", 448, 352, True)]
@@ -184,8 +182,14 @@ def test_priority_victim_already_served_this_step_leaves_the_batch() -> None:
 
 def _priority_trio(budget: int, prompts: tuple[int, int, int], prios: tuple[int, int, int]):
     """Three requests arriving one step apart in a 6-block pool of 2-token blocks."""
-    s, _ = make(num_blocks=6, block_size=2, max_model_len=12, max_num_batched_tokens=budget,
-                policy="priority", enable_caching=False)
+    s, _ = make(
+        num_blocks=6,
+        block_size=2,
+        max_model_len=12,
+        max_num_batched_tokens=budget,
+        policy="priority",
+        enable_caching=False,
+    )
     shapes = []
     for i, (n, p) in enumerate(zip(prompts, prios)):
         s.add_request(req(f"r{i}", [1] * n, priority=p, arrival_time=float(i)))
@@ -234,7 +238,10 @@ def test_prompt_that_never_fits_is_ignored_and_does_not_block() -> None:
     assert out.finished_req_ids == ["too_long", "too_big"]
     ups = s.update_from_output(out, {"ok": 9})
     assert [(u.request_id, u.finished, u.finish_reason) for u in ups] == [
-        ("too_long", True, "ignored"), ("too_big", True, "ignored"), ("ok", True, "length")]
+        ("too_long", True, "ignored"),
+        ("too_big", True, "ignored"),
+        ("ok", True, "length"),
+    ]
     assert "max_model_len" in ups[0].stop_reason and "pool" in ups[1].stop_reason
     assert s.get_stats().num_ignored == 2
 
@@ -450,9 +457,9 @@ def test_scheduled_request_carries_the_record_and_says_when_it_is_new() -> None:
     s.add_request(req("old", [1] * 7, max_tokens=8))
     s.add_request(req("new", [3] * 7, max_tokens=8))
     out, _ = step(s, token=5)
-    assert [(x.is_new, x.num_new_blocks, kv.num_request_blocks(x.request_id))
-            for x in out.scheduled] == [
-        (True, 2, 2), (True, 2, 2)]
+    assert [
+        (x.is_new, x.num_new_blocks, kv.num_request_blocks(x.request_id)) for x in out.scheduled
+    ] == [(True, 2, 2), (True, 2, 2)]
     assert [x.request for x in out.scheduled] == [s.get_request("old"), s.get_request("new")]
     out, _ = step(s, token=5)  # decodes inside the second block: nothing new
     assert [(x.is_new, x.num_new_blocks) for x in out.scheduled] == [(False, 0), (False, 0)]

@@ -87,8 +87,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         seed=st.integers(0, 2**32 - 1),
     )
-    def setup(self, block_size, max_model_len, extra_blocks, budget, max_num_seqs, threshold,
-              chunked, prefix, policy, seed) -> None:
+    def setup(
+        self,
+        block_size,
+        max_model_len,
+        extra_blocks,
+        budget,
+        max_num_seqs,
+        threshold,
+        chunked,
+        prefix,
+        policy,
+        seed,
+    ) -> None:
         if not chunked:
             budget = max(budget, max_model_len)
             threshold = 0
@@ -96,13 +107,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.num_blocks = cdiv(max_model_len, block_size) + extra_blocks
         self.bs = block_size
         self.cfg = SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-            enable_chunked_prefill=chunked, policy=policy,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=threshold,
+            enable_chunked_prefill=chunked,
+            policy=policy,
         )
         self.prefix = prefix
-        self.kv = KVCacheManager(self.num_blocks, block_size, enable_caching=prefix,
-                                 hash_algo="xxh3_128")
+        self.kv = KVCacheManager(
+            self.num_blocks, block_size, enable_caching=prefix, hash_algo="xxh3_128"
+        )
         self.hash_fn = get_hash_fn("xxh3_128")
         self.sched = Scheduler(self.cfg, self.kv)
         self.expected_prefix_stats = [0, 0, 0]  # admissions, queried tokens, hit tokens
@@ -128,8 +143,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         ignore_eos=st.booleans(),
         salt=st.sampled_from([None, None, "s"]),
     )
-    def add(self, prefix_idx, suffix_len, priority, max_tokens, min_tokens,
-            ignore_eos, salt) -> None:
+    def add(
+        self, prefix_idx, suffix_len, priority, max_tokens, min_tokens, ignore_eos, salt
+    ) -> None:
         prompt = list(self.prefixes[prefix_idx]) if prefix_idx >= 0 else []
         prompt += [self.rng.randrange(2, VOCAB) for _ in range(suffix_len)]
         del prompt[self.cfg.max_model_len - 2 :]  # leave room to generate a little
@@ -142,9 +158,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.clock += self.rng.choice([0.0, 1.0])  # equal arrival times exercise the tie-break
-        r = Request(rid, prompt, max_tokens=max_tokens, min_tokens=min_tokens,
-                    eos_token_id=EOS, stop_token_ids=[STOP], ignore_eos=ignore_eos,
-                    priority=priority, arrival_time=self.clock, cache_salt=salt)
+        r = Request(
+            rid,
+            prompt,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            eos_token_id=EOS,
+            stop_token_ids=[STOP],
+            ignore_eos=ignore_eos,
+            priority=priority,
+            arrival_time=self.clock,
+            cache_salt=salt,
+        )
         self.sched.add_request(r)
         if len(prompt) > min(self.cfg.max_model_len, self.num_blocks * self.bs):
             assert r.status == RequestStatus.FINISHED_IGNORED
@@ -152,14 +177,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.expect_finished_ids.add(rid)
             return
         assert r.block_hasher is self.kv.block_hasher
-        self.tracked[rid] = Tracked(r, list(prompt), len(prompt), max_tokens, min_tokens,
-                                    ignore_eos, salt, (priority, self.clock, self.next_id))
+        self.tracked[rid] = Tracked(
+            r,
+            list(prompt),
+            len(prompt),
+            max_tokens,
+            min_tokens,
+            ignore_eos,
+            salt,
+            (priority, self.clock, self.next_id),
+        )
 
     @precondition(lambda self: any(not t.finished for t in self.tracked.values()))
     @rule(data=st.data())
     def abort(self, data) -> None:
-        rid = data.draw(st.sampled_from(sorted(r for r, t in self.tracked.items()
-                                               if not t.finished)))
+        rid = data.draw(
+            st.sampled_from(sorted(r for r, t in self.tracked.items() if not t.finished))
+        )
         self._abort(rid)
 
     @rule(abort_mid=st.booleans())
@@ -276,7 +310,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             for p in range(s.start_pos + s.num_tokens):
                 slot = t.table[p // bs] * bs + p % bs
                 assert self.kv_slots.get(slot) == (t.salt, tuple(t.tokens[: p + 1])), (
-                    f"{s.request_id}: wrong KV at position {p}")
+                    f"{s.request_id}: wrong KV at position {p}"
+                )
 
         if abort_mid and out.scheduled:
             self._abort(self.rng.choice(out.scheduled).request_id)
@@ -285,14 +320,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         for s in out.scheduled:
             if s.sample:
                 x = self.rng.random()
-                sampled[s.request_id] = EOS if x < 0.12 else STOP if x < 0.16 else (
-                    self.rng.randrange(2, VOCAB))
+                sampled[s.request_id] = (
+                    EOS if x < 0.12 else STOP if x < 0.16 else (self.rng.randrange(2, VOCAB))
+                )
         updates = sched.update_from_output(out, sampled)
         self._check_updates(out, sampled, updates)
         self.consistent = True
 
-    def _check_output(self, out: SchedulerOutput, waiting_before: list[str],
-                      running_before: set[str]) -> None:
+    def _check_output(
+        self, out: SchedulerOutput, waiting_before: list[str], running_before: set[str]
+    ) -> None:
         sched, cfg, bs = self.sched, self.cfg, self.bs
         total = sum(s.num_tokens for s in out.scheduled)
         assert total == out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -400,13 +437,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _check_updates(self, out, sampled, updates) -> None:
         cfg = self.cfg
-        ignored, rest = updates[: len(self.expect_ignored)], updates[len(self.expect_ignored):]
+        ignored, rest = updates[: len(self.expect_ignored)], updates[len(self.expect_ignored) :]
         assert [u.request_id for u in ignored] == self.expect_ignored
-        assert all(u.finished and u.finish_reason == "ignored" and not u.new_token_ids
-                   for u in ignored)
+        assert all(
+            u.finished and u.finish_reason == "ignored" and not u.new_token_ids for u in ignored
+        )
         self.expect_ignored = []
-        expected_ids = [s.request_id for s in out.scheduled
-                        if s.sample and not self.tracked[s.request_id].finished]
+        expected_ids = [
+            s.request_id
+            for s in out.scheduled
+            if s.sample and not self.tracked[s.request_id].finished
+        ]
         assert [u.request_id for u in rest] == expected_ids
         cap = min(cfg.max_model_len, self.num_blocks * self.bs + 1)
         for u in rest:
@@ -421,9 +462,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             elif (t.max_tokens is not None and n_out >= t.max_tokens) or len(t.tokens) >= cap:
                 reason = "length"
             assert (u.finished, u.finish_reason, u.stop_reason) == (
-                reason is not None, reason, stop_reason)
+                reason is not None,
+                reason,
+                stop_reason,
+            )
             assert t.req.all_token_ids == t.tokens
-            assert t.req.output_token_ids == t.tokens[t.prompt_len:]
+            assert t.req.output_token_ids == t.tokens[t.prompt_len :]
             assert t.req.prompt_token_ids == t.tokens[: t.prompt_len]
             if reason is not None:
                 t.finished, t.running = True, False
@@ -445,7 +489,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         totals = self.kv.prefix_cache_stats
         assert [totals.requests, totals.queries, totals.hits] == self.expected_prefix_stats
         assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (
-            totals.queries, totals.hits)
+            totals.queries,
+            totals.hits,
+        )
 
     @invariant()
     def block_hashes_follow_the_tokens(self) -> None:
@@ -455,7 +501,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if self.prefix:
                 extra = () if t.salt is None else (t.salt,)
                 assert t.req.block_hashes == hash_block_chain(
-                    self.hash_fn, t.tokens, self.bs, extra)
+                    self.hash_fn, t.tokens, self.bs, extra
+                )
             else:
                 assert t.req.block_hasher is None and t.req.block_hashes == []
 

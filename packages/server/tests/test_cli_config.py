@@ -21,8 +21,12 @@ from pagemill.server import cli
 from pagemill.server.config_args import field_docs
 from pagemill.server.sim.cli import register
 
-SECTIONS = {None: EngineConfig, "scheduler": SchedulerConfig, "cache": CacheConfig,
-            "structured_outputs": StructuredOutputsConfig}
+SECTIONS = {
+    None: EngineConfig,
+    "scheduler": SchedulerConfig,
+    "cache": CacheConfig,
+    "structured_outputs": StructuredOutputsConfig,
+}
 # argv prefix of each command that takes engine flags
 COMMANDS = {"serve": ["serve"], "generate": ["generate", "a prompt"]}
 
@@ -42,9 +46,12 @@ def field_of(name: str) -> dataclasses.Field:
 
 
 def test_field_docs_read_every_config_field() -> None:
-    for cls, skip in ((EngineConfig, {"scheduler", "cache", "structured_outputs"}),
-                      (SchedulerConfig, set()), (CacheConfig, set()),
-                      (StructuredOutputsConfig, set())):
+    for cls, skip in (
+        (EngineConfig, {"scheduler", "cache", "structured_outputs"}),
+        (SchedulerConfig, set()),
+        (CacheConfig, set()),
+        (StructuredOutputsConfig, set()),
+    ):
         docs = field_docs(cls)
         assert set(docs) == {f.name for f in dataclasses.fields(cls)} - skip, cls
         assert all(len(text) > 20 and "\n" not in text for text in docs.values())
@@ -113,17 +120,41 @@ def test_old_and_vllm_spellings() -> None:
     assert no_cache == config("--no-enable-prefix-caching")
     assert not no_cache.cache.enable_prefix_caching
     assert config("--scheduling-policy", "priority").scheduler.policy == "priority"
-    for spelling, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16"),
-                            ("float16", "float16"), ("float32", "float32"), ("auto", "auto")):
+    for spelling, dtype in (
+        ("half", "float16"),
+        ("float", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+        ("float32", "float32"),
+        ("auto", "auto"),
+    ):
         assert config("--dtype", spelling).dtype == dtype
-    gen = cli.engine_config(parse(["generate", "hi", "--model", "/g", "--no-enable-chunked-prefill",
-                                   "--max-num-batched-tokens", "4096"]))
+    gen = cli.engine_config(
+        parse(
+            [
+                "generate",
+                "hi",
+                "--model",
+                "/g",
+                "--no-enable-chunked-prefill",
+                "--max-num-batched-tokens",
+                "4096",
+            ]
+        )
+    )
     assert gen.model == "/g" and not gen.scheduler.enable_chunked_prefill
 
 
-@pytest.mark.parametrize("argv", [["--dtype", "int4"], ["--prefix-caching-hash-algo", "md5"],
-                                  ["--load-format", "pt"], ["--kv-cache-memory", "lots"],
-                                  ["--max-num-seqs", "1.5"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dtype", "int4"],
+        ["--prefix-caching-hash-algo", "md5"],
+        ["--load-format", "pt"],
+        ["--kv-cache-memory", "lots"],
+        ["--max-num-seqs", "1.5"],
+    ],
+)
 def test_bad_values_are_refused_by_the_parser(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         parse(["serve", *argv])
@@ -162,16 +193,40 @@ def test_serve_passes_the_config_and_the_env_api_key(monkeypatch) -> None:
     monkeypatch.setenv("PAGEMILL_API_KEY", "secret")
     monkeypatch.setattr(cli, "_make_engine", make_engine)
     monkeypatch.setattr(cli, "check_model", lambda config: seen.update(checked=config.model))
-    monkeypatch.setattr(async_engine, "AsyncEngine",
-                        lambda engine, **kw: SimpleNamespace(max_model_len=engine.max_model_len,
-                                                             shutdown=lambda: None))
+    monkeypatch.setattr(
+        async_engine,
+        "AsyncEngine",
+        lambda engine, **kw: SimpleNamespace(
+            max_model_len=engine.max_model_len, shutdown=lambda: None
+        ),
+    )
     monkeypatch.setattr(metrics, "EngineMetrics", lambda name: None)
     monkeypatch.setattr(api_server, "build_app", build_app)
-    monkeypatch.setattr(shutdown, "serve",
-                        lambda app, client, **kw: seen.update(app=app, serve=kw) or 0)
-    assert cli.main(["serve", "/models/x", "--block-size", "32", "--port", "9001",
-                     "--no-engine-process", "--shutdown-timeout", "7", "--step-timeout", "0",
-                     "--max-connections", "64", "--tool-call-parser", "llama3_json"]) == 0
+    monkeypatch.setattr(
+        shutdown, "serve", lambda app, client, **kw: seen.update(app=app, serve=kw) or 0
+    )
+    assert (
+        cli.main(
+            [
+                "serve",
+                "/models/x",
+                "--block-size",
+                "32",
+                "--port",
+                "9001",
+                "--no-engine-process",
+                "--shutdown-timeout",
+                "7",
+                "--step-timeout",
+                "0",
+                "--max-connections",
+                "64",
+                "--tool-call-parser",
+                "llama3_json",
+            ]
+        )
+        == 0
+    )
     assert seen["config"] == EngineConfig(model="/models/x", cache=CacheConfig(block_size=32))
     assert seen["checked"] == "/models/x"
     assert seen["name"] == ["/models/x"] and seen["api_key"] == "secret" and seen["app"] == "app"
@@ -225,14 +280,19 @@ def sim_parser() -> argparse.ArgumentParser:
 def test_planner_flags_come_from_the_same_dataclasses(command: str) -> None:
     flags = actions(sim_parser(), command)
     args = sim_parser().parse_args([command])
-    for cls, name in ((CacheConfig, "block_size"), (CacheConfig, "gpu_memory_utilization"),
-                      (SchedulerConfig, "max_num_seqs"),
-                      (SchedulerConfig, "max_num_batched_tokens")):
+    for cls, name in (
+        (CacheConfig, "block_size"),
+        (CacheConfig, "gpu_memory_utilization"),
+        (SchedulerConfig, "max_num_seqs"),
+        (SchedulerConfig, "max_num_batched_tokens"),
+    ):
         action = flags["--" + name.replace("_", "-")]
         assert action.help.startswith(field_docs(cls)[name])
         assert getattr(args, name) == getattr(cls(), name)
     if command == "simulate":
-        assert flags["--max-model-len"].help.startswith(field_docs(SchedulerConfig)["max_model_len"])
+        assert flags["--max-model-len"].help.startswith(
+            field_docs(SchedulerConfig)["max_model_len"]
+        )
         assert args.max_model_len == 4096
 
 
@@ -256,6 +316,8 @@ def test_field_docs_reads_any_module_source(tmp_path: Path, monkeypatch) -> None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "some_config", module)
     spec.loader.exec_module(module)
-    assert dict(field_docs(module.Knobs)) == {"depth": "How deep, over two lines.",
-                                              "name": "Its name, 100% of it."}
+    assert dict(field_docs(module.Knobs)) == {
+        "depth": "How deep, over two lines.",
+        "name": "Its name, 100% of it.",
+    }
     assert field_docs(dataclasses.make_dataclass("NoSource", [("a", int)])) == {}

@@ -75,10 +75,20 @@ def test_ref_counts_of_ten_and_more_are_plus() -> None:
 
 
 def test_events_name_the_preempted_and_count_evictions() -> None:
-    base = {"t": 0.0, "preemptions": 1, "evictions": 4, "running": [{"id": "x", "preemptions": 1}],
-            "waiting": [{"id": "y", "preemptions": 0}]}
-    cur = {"t": 1.0, "preemptions": 3, "evictions": 6, "running": [{"id": "x", "preemptions": 1}],
-           "waiting": [{"id": "y", "preemptions": 1}, {"id": "z", "preemptions": 1}]}
+    base = {
+        "t": 0.0,
+        "preemptions": 1,
+        "evictions": 4,
+        "running": [{"id": "x", "preemptions": 1}],
+        "waiting": [{"id": "y", "preemptions": 0}],
+    }
+    cur = {
+        "t": 1.0,
+        "preemptions": 3,
+        "evictions": 6,
+        "running": [{"id": "x", "preemptions": 1}],
+        "waiting": [{"id": "y", "preemptions": 1}, {"id": "z", "preemptions": 1}],
+    }
     assert events_between(None, cur) == []
     pre, ev = events_between(base, cur)
     assert pre == {"t": 1.0, "kind": "preempt", "count": 2, "ids": ["y", "z"]}
@@ -103,9 +113,15 @@ def _stats(running: int = 2, kv: float = 0.5) -> SimpleNamespace:
     return SimpleNamespace(num_running=running, num_waiting=1, kv_cache_usage=kv)
 
 
-def _it(gen: int = 2, ttft: tuple[float, ...] = (), itl: tuple[float, ...] = (0.01,)) -> SimpleNamespace:
-    return SimpleNamespace(num_generation_tokens=gen, num_prompt_tokens=0,
-                           time_to_first_tokens=list(ttft), inter_token_latencies=list(itl))
+def _it(
+    gen: int = 2, ttft: tuple[float, ...] = (), itl: tuple[float, ...] = (0.01,)
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_generation_tokens=gen,
+        num_prompt_tokens=0,
+        time_to_first_tokens=list(ttft),
+        inter_token_latencies=list(itl),
+    )
 
 
 def test_series_buckets_and_gaps() -> None:
@@ -169,8 +185,9 @@ def test_dashboard_flags() -> None:
     assert dashboard_enabled(None, "0.0.0.0", "key")
     assert not dashboard_enabled(False, "127.0.0.1", None)
     assert dashboard_enabled(True, "0.0.0.0", None)
-    args = build_parser().parse_args(["serve", "--no-dashboard", "--dashboard-show-prompts",
-                                      "--dashboard-interval", "0.1"])
+    args = build_parser().parse_args(
+        ["serve", "--no-dashboard", "--dashboard-show-prompts", "--dashboard-interval", "0.1"]
+    )
     assert args.dashboard is False and args.dashboard_show_prompts
     assert args.dashboard_interval == 0.1
     with pytest.raises(SystemExit):
@@ -194,8 +211,9 @@ def test_a_page_stream_ends_when_the_hub_closes() -> None:
         task = asyncio.ensure_future(read())
         while hub.watchers.value != 1:
             await asyncio.sleep(0.01)
-        hub.publish_snapshot({"t": 1.0, "preemptions": 0, "evictions": 0, "running": [],
-                              "waiting": []})
+        hub.publish_snapshot(
+            {"t": 1.0, "preemptions": 0, "evictions": 0, "running": [], "waiting": []}
+        )
         await asyncio.sleep(0.05)
         hub.close()  # server shutdown: the stream must end, not hold the drain open
         await asyncio.wait_for(task, 2)
@@ -216,11 +234,23 @@ def test_replay_recording_of_a_simulated_run(tmp_path) -> None:
     from pagemill.server.sim import Deployment, PagedSimulator, load_gpu, load_model
     from pagemill.server.sim.workload import LengthDist, WorkloadSpec, generate_workload
 
-    dep = Deployment(load_model("smollm2-135m"), load_gpu("rtx-4090"), max_model_len=512,
-                     max_num_seqs=16, max_num_batched_tokens=256, num_blocks=64)
-    reqs = generate_workload(WorkloadSpec(num_requests=20, prompt_len=LengthDist(64),
-                                          output_len=LengthDist(40), system_prompt_len=64),
-                             512)
+    dep = Deployment(
+        load_model("smollm2-135m"),
+        load_gpu("rtx-4090"),
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        num_blocks=64,
+    )
+    reqs = generate_workload(
+        WorkloadSpec(
+            num_requests=20,
+            prompt_len=LengthDist(64),
+            output_len=LengthDist(40),
+            system_prompt_len=64,
+        ),
+        512,
+    )
     rec = ReplayRecorder("run", max_frames=8, frame_dt=1e-4)
     result = PagedSimulator(dep, observer=rec).run(reqs)
     run = rec.as_dict()
@@ -245,8 +275,13 @@ def test_the_hub_keeps_the_newest_picture_and_names_what_happened() -> None:
     hub = DashboardHub()
 
     def pic(t: float, preemptions: int) -> dict:
-        return {"t": t, "preemptions": preemptions, "evictions": 0, "waiting": [],
-                "running": [{"id": "x", "preemptions": preemptions}]}
+        return {
+            "t": t,
+            "preemptions": preemptions,
+            "evictions": 0,
+            "waiting": [],
+            "running": [{"id": "x", "preemptions": preemptions}],
+        }
 
     hub.publish_snapshot(pic(1.0, 0))
     hub.publish_snapshot(pic(3.0, 1))

@@ -22,8 +22,9 @@ CUDA = SimpleNamespace(resolve_device=lambda: "cuda")
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(engine_process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3},
-                        raising=False)
+    monkeypatch.setattr(
+        engine_process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False
+    )
     return monkeypatch
 
 

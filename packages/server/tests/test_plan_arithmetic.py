@@ -185,8 +185,11 @@ def test_bad_inputs_have_clear_errors(tmp_path) -> None:
 
 def test_custom_gpu_json(tmp_path) -> None:
     path = tmp_path / "mygpu.json"
-    path.write_text(json.dumps({"memory_bytes": 16 * 1024**3, "bandwidth_bytes_per_s": 5e11,
-                                "bf16_flops": 1e14}))
+    path.write_text(
+        json.dumps(
+            {"memory_bytes": 16 * 1024**3, "bandwidth_bytes_per_s": 5e11, "bf16_flops": 1e14}
+        )
+    )
     gpu = load_gpu(path)
     assert gpu.name == "mygpu" and gpu.memory_bytes == 16 * 1024**3
     cost = RooflineCostModel(load_model("smollm2-135m"), gpu)

@@ -27,9 +27,24 @@ def test_plan_text(capsys) -> None:
 
 def test_plan_json_and_plot(capsys, tmp_path) -> None:
     png = tmp_path / "roofline.png"
-    code = run(["plan", "--model", "smollm2-135m", "--gpu", "rtx-4090", "--json",
-                "--context-len", "2048", "--batch-sizes", "1,8,64", "--plot", str(png),
-                "--activation-reserve-gib", "4"])
+    code = run(
+        [
+            "plan",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "rtx-4090",
+            "--json",
+            "--context-len",
+            "2048",
+            "--batch-sizes",
+            "1,8,64",
+            "--plot",
+            str(png),
+            "--activation-reserve-gib",
+            "4",
+        ]
+    )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
@@ -53,13 +68,37 @@ def test_plan_list_and_errors(capsys) -> None:
 
 
 def test_simulate_small(capsys, tmp_path) -> None:
-    code = run([
-        "simulate", "--model", "smollm2-135m", "--gpu", "rtx-4090", "--num-blocks", "512",
-        "--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
-        "--num-requests", "24", "--prompt-len", "64", "--output-len", "16",
-        "--system-prompt-len", "128", "--budgets", "64,256", "--request-rate", "200",
-        "--out-dir", str(tmp_path),
-    ])
+    code = run(
+        [
+            "simulate",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "rtx-4090",
+            "--num-blocks",
+            "512",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "16",
+            "--max-num-batched-tokens",
+            "256",
+            "--num-requests",
+            "24",
+            "--prompt-len",
+            "64",
+            "--output-len",
+            "16",
+            "--system-prompt-len",
+            "128",
+            "--budgets",
+            "64,256",
+            "--request-rate",
+            "200",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     for title in ("static batching", "prefix caching off vs on", "token budget"):
@@ -74,8 +113,10 @@ def test_simulate_small(capsys, tmp_path) -> None:
 
 def test_simulate_errors(capsys, tmp_path) -> None:
     # A 70B model in bf16 leaves no room for KV on one H100.
-    assert run(["simulate", "--model", "llama-3.1-70b", "--gpu", "h100",
-                "--out-dir", str(tmp_path)]) == 2
+    assert (
+        run(["simulate", "--model", "llama-3.1-70b", "--gpu", "h100", "--out-dir", str(tmp_path)])
+        == 2
+    )
     assert "no memory for the KV cache" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         run(["simulate", "--experiments", "static,bogus"])

@@ -32,7 +32,9 @@ def test_ring_all_reduce_cost() -> None:
     per = two.all_reduce_time_s(8 * model.hidden_size * 2)
     gather = 4e-6 + 8 * model.vocab_size / 2 * 4 / 450e9
     assert step.comm_time_s == pytest.approx((2 * model.num_layers + 1) * per + gather)
-    assert step.time_s == pytest.approx(max(step.memory_time_s, step.compute_time_s) + step.comm_time_s)
+    assert step.time_s == pytest.approx(
+        max(step.memory_time_s, step.compute_time_s) + step.comm_time_s
+    )
     # Each GPU streams half the weights and reads half the KV heads.
     base = one.decode_step(8, 1024)
     assert step.weight_bytes == pytest.approx(base.weight_bytes / 2, rel=1e-9)
@@ -42,8 +44,10 @@ def test_ring_all_reduce_cost() -> None:
 
 def test_kv_heads_replicated_beyond_their_count() -> None:
     model = load_model("llama-3.1-70b")  # 8 KV heads
-    per_gpu = [RooflineCostModel(model, load_gpu("h100"), tensor_parallel_size=n).kv_bytes_per_token
-               for n in (1, 8, 16)]
+    per_gpu = [
+        RooflineCostModel(model, load_gpu("h100"), tensor_parallel_size=n).kv_bytes_per_token
+        for n in (1, 8, 16)
+    ]
     assert per_gpu[1] * 8 == per_gpu[0]
     assert per_gpu[2] == per_gpu[1]  # one KV head per GPU: replicated, not split further
 
@@ -61,7 +65,10 @@ def test_70b_fits_on_two_h100s_not_one() -> None:
     assert not make_plan(model, gpu).fits
     plan = make_plan(model, gpu, tensor_parallel_size=2)
     assert plan.fits and plan.num_blocks > 0
-    assert plan.kv_budget_bytes == plan.usable_bytes - plan.rank_weight_bytes - plan.activation_reserve_bytes
+    assert (
+        plan.kv_budget_bytes
+        == plan.usable_bytes - plan.rank_weight_bytes - plan.activation_reserve_bytes
+    )
 
 
 def _run(argv: list[str]) -> int:
@@ -74,21 +81,64 @@ def _run(argv: list[str]) -> int:
 
 
 def test_plan_and_simulate_take_the_flag(capsys, tmp_path) -> None:
-    assert _run(["plan", "--model", "llama-3.1-70b", "--gpu", "h100", "-tp", "2", "--json",
-                 "--batch-sizes", "1,64"]) == 0
+    assert (
+        _run(
+            [
+                "plan",
+                "--model",
+                "llama-3.1-70b",
+                "--gpu",
+                "h100",
+                "-tp",
+                "2",
+                "--json",
+                "--batch-sizes",
+                "1,64",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["tensor_parallel_size"] == 2 and plan["fits"]
     assert all(p["comm_time_s"] > 0 and p["all_reduce_s"] > 0 for p in plan["roofline"])
-    assert _run(["plan", "--model", "llama-3.1-8b", "--gpu", "h100",
-                 "--tensor-parallel-size", "2"]) == 0
+    assert (
+        _run(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--tensor-parallel-size", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tensor parallel over 2 GPUs" in out and "all-reduce per layer (x2)" in out
     assert _run(["plan", "--model", "llama-3.1-70b", "-tp", "3"]) == 2
-    assert Deployment(load_model("smollm2-135m"), load_gpu("l40s"), tensor_parallel_size=3,
-                      max_model_len=512).cost_model.tensor_parallel_size == 3
-    code = _run(["simulate", "--model", "smollm2-135m", "--gpu", "l40s", "-tp", "3",
-                 "--num-blocks", "256", "--max-model-len", "512", "--num-requests", "12",
-                 "--prompt-len", "32", "--output-len", "8", "--experiments", "static",
-                 "--no-plots", "--out-dir", str(tmp_path)])
+    assert (
+        Deployment(
+            load_model("smollm2-135m"), load_gpu("l40s"), tensor_parallel_size=3, max_model_len=512
+        ).cost_model.tensor_parallel_size
+        == 3
+    )
+    code = _run(
+        [
+            "simulate",
+            "--model",
+            "smollm2-135m",
+            "--gpu",
+            "l40s",
+            "-tp",
+            "3",
+            "--num-blocks",
+            "256",
+            "--max-model-len",
+            "512",
+            "--num-requests",
+            "12",
+            "--prompt-len",
+            "32",
+            "--output-len",
+            "8",
+            "--experiments",
+            "static",
+            "--no-plots",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     assert "on 3 x L40S" in capsys.readouterr().out

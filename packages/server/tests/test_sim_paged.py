@@ -129,8 +129,9 @@ def test_prefix_caching_cuts_prefill_and_ttft_for_a_shared_system_prompt() -> No
 
 def test_smaller_token_budget_lowers_itl_spikes() -> None:
     d = small_deployment(num_blocks=1024, max_model_len=1024)
-    spec = replace(WORKLOAD, prompt_len=LengthDist(600, kind="uniform", spread=0.3),
-                   request_rate=100.0)
+    spec = replace(
+        WORKLOAD, prompt_len=LengthDist(600, kind="uniform", spread=0.3), request_rate=100.0
+    )
     comparison = token_budget(d, spec, budgets=(64, 1024))
     small, big, unchunked = comparison.runs
     assert [r.num_finished for r in comparison.runs] == [spec.num_requests] * 3
@@ -144,8 +145,12 @@ def test_kv_utilization_is_measured_exactly() -> None:
     # no chunking: each step holds 8 prompts of 2 blocks (32 slots) with 24 real tokens each.
     # Static batching reserves 512 slots per prompt.
     d = small_deployment(max_num_batched_tokens=8 * 24)
-    spec = replace(WORKLOAD, prompt_len=LengthDist(24, kind="fixed"),
-                   output_len=LengthDist(1, kind="fixed"), request_rate=math.inf)
+    spec = replace(
+        WORKLOAD,
+        prompt_len=LengthDist(24, kind="fixed"),
+        output_len=LengthDist(1, kind="fixed"),
+        request_rate=math.inf,
+    )
     requests = generate_workload(spec, d.max_model_len)
     paged = PagedSimulator(d, enable_prefix_caching=False).run(requests)
     static = StaticBatchSimulator(d).run(requests)

@@ -31,8 +31,13 @@ def test_length_bounds_and_errors() -> None:
 
 
 def test_poisson_arrivals_and_clipping() -> None:
-    spec = WorkloadSpec(num_requests=2000, request_rate=50.0, prompt_len=LengthDist(300),
-                        output_len=LengthDist(300), seed=3)
+    spec = WorkloadSpec(
+        num_requests=2000,
+        request_rate=50.0,
+        prompt_len=LengthDist(300),
+        output_len=LengthDist(300),
+        seed=3,
+    )
     reqs = generate_workload(spec, max_model_len=512)
     times = [r.arrival_time for r in reqs]
     assert times == sorted(times) and times[0] == 0.0
@@ -43,8 +48,13 @@ def test_poisson_arrivals_and_clipping() -> None:
 
 
 def test_only_the_system_prompt_is_shared() -> None:
-    spec = WorkloadSpec(num_requests=50, system_prompt_len=64, system_prompt_fraction=0.5,
-                        prompt_len=LengthDist(32), seed=5)
+    spec = WorkloadSpec(
+        num_requests=50,
+        system_prompt_len=64,
+        system_prompt_fraction=0.5,
+        prompt_len=LengthDist(32),
+        seed=5,
+    )
     reqs = generate_workload(spec, max_model_len=1024)
     with_system = [r for r in reqs if r.prompt_token_ids[:64] == reqs[0].prompt_token_ids[:64]]
     assert 10 < len(with_system) < 45

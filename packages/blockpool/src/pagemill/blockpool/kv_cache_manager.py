@@ -253,9 +253,10 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request_id)
         if table is None:
             return
-        self.block_pool.uncache_blocks(table[max(0, first_block):])
-        self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id],
-                                                  max(0, first_block))
+        self.block_pool.uncache_blocks(table[max(0, first_block) :])
+        self._num_cached_blocks[request_id] = min(
+            self._num_cached_blocks[request_id], max(0, first_block)
+        )
 
     # ------------------------------------------------------------------ queries
 

@@ -83,9 +83,18 @@ def plan_attention(
     ``backend`` defaults to the tensors' device (CUDA: Triton, else
     torch); "triton" on CPU tensors is for the interpreter (``TRITON_INTERPRET=1``).
     """
-    return _plan(query_start_loc, seq_lens, block_tables, k_cache_shape=k_cache_shape,
-                 num_heads=num_heads, dtype=dtype, query_lens=query_lens,
-                 context_lens=context_lens, backend=backend, num_tokens=None)
+    return _plan(
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        k_cache_shape=k_cache_shape,
+        num_heads=num_heads,
+        dtype=dtype,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        backend=backend,
+        num_tokens=None,
+    )
 
 
 def paged_attention(
@@ -116,8 +125,19 @@ def paged_attention(
     else:
         triton_backend = plan.backend == "triton"
     impl = paged_attention_triton if triton_backend else paged_attention_torch
-    return impl(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
-                plan=plan, window=window, softcap=softcap)
+    return impl(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        out=out,
+        plan=plan,
+        window=window,
+        softcap=softcap,
+    )
 
 
 def paged_attention_torch(
@@ -145,17 +165,27 @@ def paged_attention_torch(
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
     if plan is None:
-        plan = _plan(query_start_loc, seq_lens, block_tables, k_cache_shape=tuple(k_cache.shape),
-                     num_heads=q.shape[1], dtype=q.dtype, query_lens=None, context_lens=None,
-                     backend="torch", num_tokens=q.shape[0])
+        plan = _plan(
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            k_cache_shape=tuple(k_cache.shape),
+            num_heads=q.shape[1],
+            dtype=q.dtype,
+            query_lens=None,
+            context_lens=None,
+            backend="torch",
+            num_tokens=q.shape[0],
+        )
     else:
         _check_plan(plan, "torch", q, k_cache, block_tables, query_start_loc, seq_lens)
     if out is None:
         out = torch.empty_like(q)
     if not isinstance(plan.impl, TorchPlan):
         return out
-    return run_torch(plan.impl, q, k_cache, v_cache, scale, out, window=int(window),
-                     softcap=float(softcap))
+    return run_torch(
+        plan.impl, q, k_cache, v_cache, scale, out, window=int(window), softcap=float(softcap)
+    )
 
 
 def paged_attention_triton(
@@ -180,9 +210,18 @@ def paged_attention_triton(
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
     if plan is None:
-        plan = _plan(query_start_loc, seq_lens, block_tables, k_cache_shape=tuple(k_cache.shape),
-                     num_heads=q.shape[1], dtype=q.dtype, query_lens=None, context_lens=None,
-                     backend="triton", num_tokens=q.shape[0])
+        plan = _plan(
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            k_cache_shape=tuple(k_cache.shape),
+            num_heads=q.shape[1],
+            dtype=q.dtype,
+            query_lens=None,
+            context_lens=None,
+            backend="triton",
+            num_tokens=q.shape[0],
+        )
     else:
         _check_plan(plan, "triton", q, k_cache, block_tables, query_start_loc, seq_lens)
     check_triton_device(q, k_cache, v_cache, *(() if out is None else (out,)))
@@ -190,8 +229,19 @@ def paged_attention_triton(
         out = torch.empty_like(q)
     if not isinstance(plan.impl, TritonPlan):
         return out
-    return run_triton(plan.impl, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
-                      plan.seq_lens, scale, out, window=int(window), softcap=float(softcap))
+    return run_triton(
+        plan.impl,
+        q,
+        k_cache,
+        v_cache,
+        plan.block_tables,
+        plan.query_start_loc,
+        plan.seq_lens,
+        scale,
+        out,
+        window=int(window),
+        softcap=float(softcap),
+    )
 
 
 # ----------------------------------------------------------------------------- planning
@@ -227,25 +277,41 @@ def _plan(
     num_seqs, table_width = block_tables.shape
     qsl, lens, tables = (_int32(t) for t in (query_start_loc, seq_lens, block_tables))
     if backend == "torch":
-        q_lens, ctx_lens = _host_lens(query_start_loc, seq_lens, query_lens, context_lens,
-                                      num_tokens, table_width, shape[1])
+        q_lens, ctx_lens = _host_lens(
+            query_start_loc, seq_lens, query_lens, context_lens, num_tokens, table_width, shape[1]
+        )
         total = int(q_lens.sum())
         impl: TorchPlan | TritonPlan | None = None
         if total and num_seqs:
-            native = (dtype in _FLOAT_DTYPES and qsl.device.type == "cpu"
-                      and cpu_native.load() is not None)
+            native = (
+                dtype in _FLOAT_DTYPES
+                and qsl.device.type == "cpu"
+                and cpu_native.load() is not None
+            )
             impl = plan_torch(q_lens, ctx_lens, tables, shape, native=native)
     else:
-        if (num_tokens is None or not query_start_loc.is_cuda or query_lens is not None
-                or context_lens is not None):
-            num_tokens = int(_host_lens(query_start_loc, seq_lens, query_lens, context_lens,
-                                        num_tokens, table_width, shape[1])[0].sum())
+        if (
+            num_tokens is None
+            or not query_start_loc.is_cuda
+            or query_lens is not None
+            or context_lens is not None
+        ):
+            num_tokens = int(
+                _host_lens(
+                    query_start_loc,
+                    seq_lens,
+                    query_lens,
+                    context_lens,
+                    num_tokens,
+                    table_width,
+                    shape[1],
+                )[0].sum()
+            )
         total = num_tokens
         impl = None
         if total and num_seqs:
             impl = plan_triton(total, num_seqs, table_width, shape, num_heads, dtype, qsl.device)
-    return AttentionPlan(qsl, lens, tables, total, num_seqs, backend, impl, shape,
-                         num_heads, dtype)
+    return AttentionPlan(qsl, lens, tables, total, num_seqs, backend, impl, shape, num_heads, dtype)
 
 
 def _host_lens(
@@ -266,7 +332,9 @@ def _host_lens(
     else:
         q_lens = np.ascontiguousarray(query_lens, dtype=np.int64)
         if q_lens.shape != (num_seqs,):
-            raise ValueError(f"query_lens must hold num_seqs={num_seqs} lengths, got {q_lens.shape}")
+            raise ValueError(
+                f"query_lens must hold num_seqs={num_seqs} lengths, got {q_lens.shape}"
+            )
         starts = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=starts[1:])
     if context_lens is None:
@@ -318,11 +386,17 @@ def _check_layout(
             "k_cache_shape must be (num_blocks, block_size, num_kv_heads, head_dim); "
             f"got {tuple(k_cache_shape)}"
         )
-    shape = (int(k_cache_shape[0]), int(k_cache_shape[1]), int(k_cache_shape[2]),
-             int(k_cache_shape[3]))
+    shape = (
+        int(k_cache_shape[0]),
+        int(k_cache_shape[1]),
+        int(k_cache_shape[2]),
+        int(k_cache_shape[3]),
+    )
     num_kv_heads = shape[2]
     if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"attention runs in fp32/fp16/bf16, got {dtype}")
     return shape
@@ -332,7 +406,9 @@ def _check_metadata(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor
 ) -> None:
     if block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables must be [num_seqs, max_blocks], got {tuple(block_tables.shape)}"
+        )
     num_seqs = block_tables.shape[0]
     if seq_lens.dim() != 1 or seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
@@ -340,8 +416,11 @@ def _check_metadata(
         raise ValueError(
             f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}"
         )
-    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens)):
+    for name, t in (
+        ("block_tables", block_tables),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
 
@@ -401,9 +480,11 @@ def _check_plan(
         )
     if q.device != plan.query_start_loc.device:
         raise ValueError(f"q is on {q.device} but the plan is on {plan.query_start_loc.device}")
-    if (block_tables.shape != plan.block_tables.shape
-            or query_start_loc.shape != plan.query_start_loc.shape
-            or seq_lens.shape != plan.seq_lens.shape):
+    if (
+        block_tables.shape != plan.block_tables.shape
+        or query_start_loc.shape != plan.query_start_loc.shape
+        or seq_lens.shape != plan.seq_lens.shape
+    ):
         raise ValueError(
             "block_tables, query_start_loc and seq_lens must be the plan's "
             f"({tuple(plan.block_tables.shape)}, {tuple(plan.query_start_loc.shape)}, "

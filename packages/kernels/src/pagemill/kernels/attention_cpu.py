@@ -135,8 +135,7 @@ def plan_torch(
         if native:
             native_decode = _plan_native(rows, context_lens[decode_seqs], block_tables[sel])
         else:
-            decode = _plan_decode(rows, context_lens[decode_seqs], block_tables[sel],
-                                  k_cache_shape)
+            decode = _plan_decode(rows, context_lens[decode_seqs], block_tables[sel], k_cache_shape)
     block_size = k_cache_shape[1]
     prefill = []
     for s in np.flatnonzero(query_lens > 1).tolist():
@@ -146,14 +145,22 @@ def plan_torch(
         if q_len != ctx:
             qpos = torch.arange(ctx - q_len, ctx, device=dev)
             mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
-        prefill.append(PrefillSegment(int(starts[s]), int(starts[s + 1]), ctx,
-                                      block_tables[s, :nblk].to(torch.int64), mask))
+        prefill.append(
+            PrefillSegment(
+                int(starts[s]),
+                int(starts[s + 1]),
+                ctx,
+                block_tables[s, :nblk].to(torch.int64),
+                mask,
+            )
+        )
     workspace = max((c.workspace_numel for c in decode), default=0)
     return TorchPlan(decode, tuple(prefill), workspace, native_decode)
 
 
-def _plan_native(rows: torch.Tensor | None, context_lens: np.ndarray,
-                 tables: torch.Tensor) -> NativeDecode:
+def _plan_native(
+    rows: torch.Tensor | None, context_lens: np.ndarray, tables: torch.Tensor
+) -> NativeDecode:
     lens = torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int32))
     return NativeDecode(rows, tables.to(torch.int32).contiguous(), lens)
 
@@ -184,11 +191,16 @@ def _plan_decode(
         longest = lens_list[order[start]]
         cap = max(1, _DECODE_CHUNK_ELEMS // max(1, longest * per_token))
         stop = start + 1
-        while stop < n and stop - start < cap and lens_list[order[stop]] >= _DECODE_MIN_FILL * longest:
+        while (
+            stop < n and stop - start < cap and lens_list[order[stop]] >= _DECODE_MIN_FILL * longest
+        ):
             stop += 1
         idx = torch.tensor(order[start:stop], device=dev)
-        chunks.append(_plan_chunk(idx if rows is None else rows[idx], tables[idx], lens[idx],
-                                  longest, k_cache_shape))
+        chunks.append(
+            _plan_chunk(
+                idx if rows is None else rows[idx], tables[idx], lens[idx], longest, k_cache_shape
+            )
+        )
         start = stop
     return tuple(chunks)
 
@@ -211,18 +223,30 @@ def _plan_chunk(
         mask = None
         if n > 1:
             mask = (torch.arange(width, device=dev) < lens[:, None])[:, None, None, :]
-        return DecodeChunk(rows, max_len, width, True, blocks.reshape(-1), mask,
-                           n * width * num_kv_heads * head_dim, lens)
+        return DecodeChunk(
+            rows,
+            max_len,
+            width,
+            True,
+            blocks.reshape(-1),
+            mask,
+            n * width * num_kv_heads * head_dim,
+            lens,
+        )
     # Row of (position p, KV head h) in the cache viewed as [-1, head_dim]:
     # slot(p) * num_kv_heads + h.
     pos = torch.arange(max_len, device=dev)
-    tokens = (blocks.mul_(block_size * num_kv_heads).index_select(1, pos // block_size)
-              + (pos % block_size) * num_kv_heads)
-    gather = (tokens.unsqueeze(1)
-              + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)).view(-1)
+    tokens = (
+        blocks.mul_(block_size * num_kv_heads).index_select(1, pos // block_size)
+        + (pos % block_size) * num_kv_heads
+    )
+    gather = (
+        tokens.unsqueeze(1) + torch.arange(num_kv_heads, device=dev).view(1, num_kv_heads, 1)
+    ).view(-1)
     mask = (pos >= lens[:, None]).view(n, 1, 1, max_len) if n > 1 else None
-    return DecodeChunk(rows, max_len, max_len, False, gather, mask,
-                       n * num_kv_heads * max_len * head_dim, lens)
+    return DecodeChunk(
+        rows, max_len, max_len, False, gather, mask, n * num_kv_heads * max_len * head_dim, lens
+    )
 
 
 def run_torch(
@@ -245,17 +269,19 @@ def run_torch(
         nd = plan.native
         lib = cpu_native.load()
         if lib is None or not cpu_native.supports(q, k_cache):
-            raise ValueError("this plan was made for the native CPU decode kernel, which "
-                             "cannot serve these tensors; plan again with them")
-        cpu_native.paged_decode(lib, q, k_cache, v_cache, out, nd.tables, nd.lens, nd.rows,
-                                scale, window, softcap)
+            raise ValueError(
+                "this plan was made for the native CPU decode kernel, which "
+                "cannot serve these tensors; plan again with them"
+            )
+        cpu_native.paged_decode(
+            lib, q, k_cache, v_cache, out, nd.tables, nd.lens, nd.rows, scale, window, softcap
+        )
     if plan.decode:
         kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
         for chunk in plan.decode:
             qc = q if chunk.rows is None else q[chunk.rows]
             if not plain:
-                o = _decode_masked(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf, window,
-                                   softcap)
+                o = _decode_masked(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf, window, softcap)
             elif chunk.small:
                 o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
             else:
@@ -275,24 +301,30 @@ def run_torch(
             k, v = k[: seg.ctx].transpose(0, 1), v[: seg.ctx].transpose(0, 1)
             qs = q[seg.start : seg.stop].transpose(0, 1)
             if seg.mask is None:
-                o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qs, k, v, is_causal=True, scale=scale, enable_gqa=True
+                )
             else:
-                o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seg.mask, scale=scale,
-                                                   enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qs, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=True
+                )
             out[seg.start : seg.stop] = o.transpose(0, 1)
     return out
 
 
-def _buffers(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _buffers(
+    numel: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     key = (dtype, str(device))
     cache = getattr(_workspace, "bufs", None)
     if cache is None:
         cache = _workspace.bufs = {}
     bufs = cache.get(key)
     if bufs is None or bufs[0].numel() < numel:
-        bufs = (torch.empty(numel, dtype=dtype, device=device),
-                torch.empty(numel, dtype=dtype, device=device))
+        bufs = (
+            torch.empty(numel, dtype=dtype, device=device),
+            torch.empty(numel, dtype=dtype, device=device),
+        )
         cache[key] = bufs
     return bufs
 
@@ -307,13 +339,20 @@ def _gather_rows(
     if bits is None:
         got = torch.index_select(table, 0, rows, out=buf[:numel].view(-1, width))
     else:
-        got = torch.index_select(table.view(bits), 0, rows,
-                                 out=buf[:numel].view(bits).view(-1, width)).view(table.dtype)
+        got = torch.index_select(
+            table.view(bits), 0, rows, out=buf[:numel].view(bits).view(-1, width)
+        ).view(table.dtype)
     return got.view(shape)
 
 
-def _gather_chunk_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: DecodeChunk, n: int,
-                     kbuf: torch.Tensor, vbuf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_chunk_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: DecodeChunk,
+    n: int,
+    kbuf: torch.Tensor,
+    vbuf: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A decode chunk's K and V as [n, kv_heads, width, head_dim]: a small chunk gathers
     whole blocks (a transposed view), a large one head-major rows (contiguous: what the
     GEMM path multiplies)."""
@@ -325,8 +364,10 @@ def _gather_chunk_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: Decode
         v = _gather_rows(v_cache.view(-1, row), chunk.gather, vbuf, shape)
         return k.transpose(1, 2), v.transpose(1, 2)
     shape = (n, num_kv_heads, chunk.width, head_dim)
-    return (_gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape),
-            _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape))
+    return (
+        _gather_rows(k_cache.view(-1, head_dim), chunk.gather, kbuf, shape),
+        _gather_rows(v_cache.view(-1, head_dim), chunk.gather, vbuf, shape),
+    )
 
 
 def _decode_small(
@@ -350,7 +391,10 @@ def _decode_small(
     if chunk.mask is None:
         k, v = k[:, :, : chunk.max_len], v[:, :, : chunk.max_len]
     o = F.scaled_dot_product_attention(
-        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v, attn_mask=chunk.mask,
+        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        k,
+        v,
+        attn_mask=chunk.mask,
         scale=scale,
     )
     return o.reshape(n, num_heads, head_dim)
@@ -375,8 +419,9 @@ def _decode_gemm(
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k, v = _gather_chunk_kv(k_cache, v_cache, chunk, n, kbuf, vbuf)
-    s = torch.matmul(q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
-                     k.transpose(-1, -2))
+    s = torch.matmul(
+        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim), k.transpose(-1, -2)
+    )
     s = s.float().mul_(scale)
     if chunk.mask is not None:
         s.masked_fill_(chunk.mask, float("-inf"))
@@ -384,8 +429,14 @@ def _decode_gemm(
     return torch.matmul(p, v).view(n, num_heads, head_dim)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
-            scale: float, softcap: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
     """Explicit attention: fp32 scores, optional soft-cap, ``keep`` mask, fp32 softmax.
 
     ``q`` [..., M, D] against ``k``/``v`` [..., N, D] (broadcast over leading axes, which is
@@ -421,8 +472,14 @@ def _decode_masked(
     keep = pos < lens
     if window > 0:
         keep &= pos >= lens - window
-    o = _attend(q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v,
-                keep.view(n, 1, 1, chunk.width), scale, softcap)
+    o = _attend(
+        q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim),
+        k,
+        v,
+        keep.view(n, 1, 1, chunk.width),
+        scale,
+        softcap,
+    )
     return o.reshape(n, num_heads, head_dim)
 
 
@@ -459,9 +516,14 @@ def _prefill_masked(
     if softcap > 0:
         num_heads = qs.shape[0]
         group = num_heads // num_kv_heads
-        o = _attend(qs.reshape(num_kv_heads, group, q_len, head_dim), k[:, None], v[:, None],
-                    keep, scale, softcap).reshape(num_heads, q_len, head_dim)
+        o = _attend(
+            qs.reshape(num_kv_heads, group, q_len, head_dim),
+            k[:, None],
+            v[:, None],
+            keep,
+            scale,
+            softcap,
+        ).reshape(num_heads, q_len, head_dim)
     else:
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)
     out[seg.start : seg.stop] = o.transpose(0, 1)

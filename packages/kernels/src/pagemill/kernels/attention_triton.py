@@ -91,7 +91,9 @@ def plan_triton(
     block_n = max(16, next_pow2(block_n))
     capacity = max(1, table_width * block_size)  # host-side bound on any context: no sync
     if num_splits is None:
-        num_splits = _default_splits(device, num_seqs * num_kv_heads, capacity) if decode_only else 1
+        num_splits = (
+            _default_splits(device, num_seqs * num_kv_heads, capacity) if decode_only else 1
+        )
     if num_splits > 1 and not decode_only:
         raise ValueError("split-context attention is for decode-only batches")
     # Slices are whole KV tiles; rounding up may leave fewer slices than asked.
@@ -174,17 +176,30 @@ def run_triton(
     part_acc = plan.part_acc if split else out  # unused without splits
     part_ml = plan.part_ml if split else out
     _kernels.paged_attention_kernel[plan.grid](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-        part_acc, part_ml,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        part_acc,
+        part_ml,
         float(scale) * math.log2(math.e),
         float(softcap) if softcap > 0 else 1.0,
         int(window),
         block_tables.shape[0],
         plan.split_len,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         BLOCK_SIZE=plan.block_size,
         GROUP=plan.group,
@@ -201,7 +216,11 @@ def run_triton(
     )
     if split:
         _kernels.merge_splits_kernel[(q.shape[0], q.shape[1])](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
             plan.num_splits,
             NUM_HEADS=q.shape[1],
             SPLITS_PAD=next_pow2(plan.num_splits),

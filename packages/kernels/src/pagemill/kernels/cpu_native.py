@@ -40,14 +40,24 @@ def _cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX") or "g++") or shutil.which("c++") or shutil.which("clang++")
+    return (
+        shutil.which(os.environ.get("CXX") or "g++")
+        or shutil.which("c++")
+        or shutil.which("clang++")
+    )
 
 
 def _cpu_signature() -> str:
     """What -march=native depends on: a library built for one CPU may not run on another."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith(("flags", "Features"))), "")
+        flags = next(
+            (
+                line
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith(("flags", "Features"))
+            ),
+            "",
+        )
     except OSError:
         flags = ""
     return f"{platform.machine()}|{flags}"
@@ -69,36 +79,85 @@ def load() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-                   str(_SOURCE), "-o", str(out)]
+            cmd = [
+                cxx,
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "-shared",
+                "-fPIC",
+                "-std=c++17",
+                str(_SOURCE),
+                "-o",
+                str(out),
+            ]
             try:
                 subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
-                logger.warning("building the CPU decode kernel failed (%s); using the torch "
-                               "path", detail.strip()[-500:])
+                logger.warning(
+                    "building the CPU decode kernel failed (%s); using the torch path",
+                    detail.strip()[-500:],
+                )
                 return None
             os.replace(out, target)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(target))
     fn = lib.pagemill_paged_decode
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32,
-                   i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
+    fn.argtypes = [
+        i32,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i64,
+        ptr,
+        ptr,
+        i64,
+        i32,
+        i32,
+        i32,
+        i32,
+        i64,
+        i64,
+        i64,
+        i64,
+        ctypes.c_float,
+        i32,
+        ctypes.c_float,
+        i32,
+    ]
     return lib
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the native kernel serves these tensors (CPU, a float dtype, dense layouts)."""
-    return (q.device.type == "cpu" and q.dtype in _DTYPE_CODES and k_cache.dtype == q.dtype
-            and k_cache.is_contiguous() and q.stride(2) == 1 and k_cache.shape[1] <= 256
-            and k_cache.shape[3] <= 256)
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPE_CODES
+        and k_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and q.stride(2) == 1
+        and k_cache.shape[1] <= 256
+        and k_cache.shape[3] <= 256
+    )
 
 
-def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, out: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, rows: torch.Tensor | None, scale: float,
-                 window: int = 0, softcap: float = 0.0) -> None:
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor | None,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> None:
     """Attention of one query token per request into `out` (at `rows`, else row = request).
 
     `window` > 0 attends to each request's last `window` positions only (the walk starts
@@ -111,11 +170,28 @@ def paged_decode(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor,
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     status = lib.pagemill_paged_decode(
-        _DTYPE_CODES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        out.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        None if rows is None else rows.data_ptr(), num_seqs, q.shape[1], num_kv_heads,
-        head_dim, block_size, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        float(scale), int(window), float(softcap), torch.get_num_threads(),
+        _DTYPE_CODES[q.dtype],
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        None if rows is None else rows.data_ptr(),
+        num_seqs,
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        float(scale),
+        int(window),
+        float(softcap),
+        torch.get_num_threads(),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")

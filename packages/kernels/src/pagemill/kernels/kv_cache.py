@@ -14,8 +14,13 @@ from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_p
 _kernels = lazy_kernels("kv_cache")
 
 
-def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+def _check_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             f"k and v must both be [num_tokens, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}"
@@ -30,7 +35,9 @@ def _check_args(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache
             f"k is [T, {k.shape[1]}, {k.shape[2]}] but the cache holds [.., .., {k_cache.shape[2]}, {k_cache.shape[3]}]"
         )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
-        raise ValueError(f"slot_mapping must be [num_tokens={k.shape[0]}], got {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be [num_tokens={k.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
     if slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
 
@@ -78,10 +85,21 @@ def write_kv_cache_triton(
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
     _kernels.write_kv_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping.contiguous(),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping.contiguous(),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

@@ -27,16 +27,25 @@ from pagemill.kernels.kv_cache import write_kv_cache
 COMPILE_READY = register_opaque(AttentionPlan)
 
 _LIB = torch.library.Library("pagemill", "DEF")
-_LIB.define("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-            "Tensor slot_mapping) -> ()")
+_LIB.define(
+    "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping) -> ()"
+)
 if COMPILE_READY:
-    _LIB.define("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-                f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
-                "float scale, int window=0, float softcap=0.0) -> Tensor")
+    _LIB.define(
+        "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+        f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
+        "float scale, int window=0, float softcap=0.0) -> Tensor"
+    )
 
 
-def _write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     if k_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return
@@ -48,8 +57,13 @@ def _write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(num_slots, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slot_mapping, v)
 
 
-def _write_kv_cache_fake(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _write_kv_cache_fake(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     return None
 
 
@@ -58,14 +72,27 @@ torch.library.register_fake("pagemill::write_kv_cache", _write_kv_cache_fake, li
 
 if COMPILE_READY:
 
-    def _paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         plan: AttentionPlan, scale: float, window: int = 0,
-                         softcap: float = 0.0) -> torch.Tensor:
+    def _paged_attention(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         impl = plan.impl
-        if (isinstance(impl, TorchPlan) and impl.native is not None and not impl.decode
-                and not impl.prefill and q.shape[0] == plan.num_tokens
-                and q.shape[1] == plan.num_heads and q.dtype == plan.dtype
-                and k_cache.shape == plan.k_cache_shape and cpu_native.supports(q, k_cache)):
+        if (
+            isinstance(impl, TorchPlan)
+            and impl.native is not None
+            and not impl.decode
+            and not impl.prefill
+            and q.shape[0] == plan.num_tokens
+            and q.shape[1] == plan.num_heads
+            and q.dtype == plan.dtype
+            and k_cache.shape == plan.k_cache_shape
+            and cpu_native.supports(q, k_cache)
+        ):
             # A decode-only step on the native kernel: the common case at batch 1, where
             # the general entry's checks and dispatch cost about as much as the kernel
             # (12 of 37 us per layer, measured). The plan was built for these tensors.
@@ -73,15 +100,42 @@ if COMPILE_READY:
             if lib is not None:
                 nd = impl.native
                 out = torch.empty_like(q)
-                cpu_native.paged_decode(lib, q, k_cache, v_cache, out, nd.tables, nd.lens,
-                                        nd.rows, scale, window, softcap)
+                cpu_native.paged_decode(
+                    lib,
+                    q,
+                    k_cache,
+                    v_cache,
+                    out,
+                    nd.tables,
+                    nd.lens,
+                    nd.rows,
+                    scale,
+                    window,
+                    softcap,
+                )
                 return out
-        return paged_attention(q, k_cache, v_cache, plan.block_tables, plan.query_start_loc,
-                               plan.seq_lens, scale, plan=plan, window=window, softcap=softcap)
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            plan.block_tables,
+            plan.query_start_loc,
+            plan.seq_lens,
+            scale,
+            plan=plan,
+            window=window,
+            softcap=softcap,
+        )
 
-    def _paged_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              plan: AttentionPlan, scale: float, window: int = 0,
-                              softcap: float = 0.0) -> torch.Tensor:
+    def _paged_attention_fake(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+        scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         return torch.empty_like(q)
 
     _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")

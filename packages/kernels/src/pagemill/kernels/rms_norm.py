@@ -50,8 +50,15 @@ def rms_norm_triton(
     s = torch.empty_like(x2) if residual is not None else y
     if x2.shape[0] > 0:
         _kernels.rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight.contiguous(), y, s,
-            x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
+            x2,
+            r2,
+            weight.contiguous(),
+            y,
+            s,
+            x2.stride(0),
+            r2.stride(0),
+            y.stride(0),
+            s.stride(0),
             float(eps),
             N=hidden,
             BLOCK=next_pow2(hidden),

@@ -19,10 +19,15 @@ from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_p
 _kernels = lazy_kernels("rotary")
 
 
-def _inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | None,
-              device: torch.device | str | None) -> torch.Tensor:
+def _inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    device: torch.device | str | None,
+) -> torch.Tensor:
     inv_freq = 1.0 / (
-        float(theta) ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        float(theta)
+        ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     )
     rope_type = "default"
     if rope_scaling:
@@ -39,7 +44,9 @@ def _inv_freq(head_dim: int, theta: float, rope_scaling: Mapping[str, Any] | Non
             high = float(rope_scaling["high_freq_factor"])
             old_len = float(rope_scaling["original_max_position_embeddings"])
         except KeyError as e:
-            raise ValueError(f"llama3 rope_scaling needs key {e.args[0]!r}; got {dict(rope_scaling)}") from e
+            raise ValueError(
+                f"llama3 rope_scaling needs key {e.args[0]!r}; got {dict(rope_scaling)}"
+            ) from e
         # Wavelengths shorter than old_len/high keep their frequency, longer than old_len/low
         # are slowed by `factor`, and the band between is blended linearly in 1/wavelength.
         wavelen = 2 * math.pi / inv_freq
@@ -70,7 +77,9 @@ def rope_cos_sin(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def _check_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> None:
+def _check_args(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
             f"q must be [T, H, D] and k [T, KVH, D] with the same T and D; got {tuple(q.shape)}, {tuple(k.shape)}"
@@ -78,7 +87,9 @@ def _check_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_s
     if positions.dim() != 1 or positions.shape[0] != q.shape[0]:
         raise ValueError(f"positions must be [T={q.shape[0]}], got {tuple(positions.shape)}")
     if cos_sin.dim() != 2 or cos_sin.shape[1] != q.shape[2]:
-        raise ValueError(f"cos_sin must be [max_position, head_dim={q.shape[2]}], got {tuple(cos_sin.shape)}")
+        raise ValueError(
+            f"cos_sin must be [max_position, head_dim={q.shape[2]}], got {tuple(cos_sin.shape)}"
+        )
     if k.dtype != q.dtype:
         raise ValueError(f"q and k must share a dtype, got {q.dtype} and {k.dtype}")
 
@@ -107,18 +118,35 @@ def apply_rotary_triton(
     if q.stride(2) != 1 or k.stride(2) != 1:
         q, k = q.contiguous(), k.contiguous()
     cs = cos_sin.contiguous()
-    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    qo, ko = (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        torch.empty_like(k, memory_format=torch.contiguous_format),
+    )
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens > 0:
         half = head_dim // 2
         _kernels.rotary_kernel[(num_tokens,)](
-            positions.contiguous(), q, k, qo, ko, cs,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cs.stride(0),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=k.shape[1],
-            H_PAD=next_pow2(num_heads), KVH_PAD=next_pow2(k.shape[1]),
-            HALF=half, HALF_PAD=next_pow2(half),
+            positions.contiguous(),
+            q,
+            k,
+            qo,
+            ko,
+            cs,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            qo.stride(0),
+            qo.stride(1),
+            ko.stride(0),
+            ko.stride(1),
+            cs.stride(0),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=k.shape[1],
+            H_PAD=next_pow2(num_heads),
+            KVH_PAD=next_pow2(k.shape[1]),
+            HALF=half,
+            HALF_PAD=next_pow2(half),
         )
     return qo, ko
 

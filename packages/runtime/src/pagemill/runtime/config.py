@@ -117,7 +117,9 @@ class EngineConfig:
 
         if not isinstance(self.model, str) or not self.model:
             raise bad("model", "must be a non-empty model name or folder path")
-        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not self.tokenizer
+        ):
             raise bad("tokenizer", "must be None or a non-empty tokenizer name or folder path")
         if not isinstance(self.dtype, str):
             raise bad("dtype", f"must be one of {DTYPE_CHOICES}")
@@ -143,7 +145,8 @@ class EngineConfig:
             raise ValueError(
                 f"quantization={self.quantization!r} with tensor_parallel_size={tp} is not "
                 "supported: packed int8/int4 rows are not split across ranks; serve the dense "
-                "weights (no --quantization) or use tensor_parallel_size=1")
+                "weights (no --quantization) or use tensor_parallel_size=1"
+            )
         for name in ("revision", "chat_template"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -151,8 +154,9 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
         length = self.max_model_len
-        if length is not None and (isinstance(length, bool) or not isinstance(length, int)
-                                   or length < 2):
+        if length is not None and (
+            isinstance(length, bool) or not isinstance(length, int) or length < 2
+        ):
             raise bad("max_model_len", "must be None or an integer >= 2")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise TypeError(
@@ -163,8 +167,10 @@ class EngineConfig:
                 f"EngineConfig.cache must be a CacheConfig, got {type(self.cache).__name__}"
             )
         if not isinstance(self.structured_outputs, StructuredOutputsConfig):
-            raise TypeError("EngineConfig.structured_outputs must be a StructuredOutputsConfig, "
-                            f"got {type(self.structured_outputs).__name__}")
+            raise TypeError(
+                "EngineConfig.structured_outputs must be a StructuredOutputsConfig, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
         if self.max_model_len is not None and self.scheduler.max_model_len != self.max_model_len:
             self.scheduler = replace(self.scheduler, max_model_len=self.max_model_len)
 
@@ -182,8 +188,12 @@ class EngineConfig:
                 f"EngineConfig.from_kwargs() got unknown option(s) {', '.join(hints)}; "
                 f"valid options: {', '.join(sorted(KWARG_ROUTES))}"
             )
-        parts: dict[str | None, dict[str, Any]] = {None: {}, "scheduler": {}, "cache": {},
-                                                   "structured_outputs": {}}
+        parts: dict[str | None, dict[str, Any]] = {
+            None: {},
+            "scheduler": {},
+            "cache": {},
+            "structured_outputs": {},
+        }
         for name, value in kwargs.items():
             section, field_name = KWARG_ROUTES[name]
             parts[section][field_name] = value
@@ -217,7 +227,8 @@ class EngineConfig:
 
 def _routes() -> dict[str, tuple[str | None, str]]:
     routes: dict[str, tuple[str | None, str]] = {
-        f.name: (None, f.name) for f in fields(EngineConfig)
+        f.name: (None, f.name)
+        for f in fields(EngineConfig)
         if f.name not in ("scheduler", "cache", "structured_outputs")
     }
     for f in fields(SchedulerConfig):
@@ -237,8 +248,9 @@ def _routes() -> dict[str, tuple[str | None, str]]:
 KWARG_ROUTES: dict[str, tuple[str | None, str]] = _routes()
 
 
-def resolve_dtype(requested: str, config_dtype: str | None, device_type: str,
-                  cpu_bf16: bool | None = None) -> str:
+def resolve_dtype(
+    requested: str, config_dtype: str | None, device_type: str, cpu_bf16: bool | None = None
+) -> str:
     """Pick the compute dtype (a canonical name).
 
     'auto' keeps a half-precision checkpoint's dtype on the GPU and serves fp32 checkpoints

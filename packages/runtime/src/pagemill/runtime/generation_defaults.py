@@ -42,19 +42,28 @@ def load_generation_defaults(mode: str, model_folder: str | Path) -> dict[str, A
     file = folder / "generation_config.json"
     if not file.is_file():
         if mode != "auto":
-            raise ValueError(f"--generation-config {mode!r}: no generation_config.json in that folder")
+            raise ValueError(
+                f"--generation-config {mode!r}: no generation_config.json in that folder"
+            )
         return {}
     try:
         raw = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from e
-    defaults = {field: raw[key] for key, field in GENERATION_KEYS.items()
-                if raw.get(key) is not None and raw[key] != _HF_DEFAULTS.get(key)}
+    defaults = {
+        field: raw[key]
+        for key, field in GENERATION_KEYS.items()
+        if raw.get(key) is not None and raw[key] != _HF_DEFAULTS.get(key)
+    }
     try:
         SamplingParams(**defaults)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{file} has sampling defaults pagemill cannot use: {e}") from e
     if defaults:
-        logger.info("default sampling from %s: %s (requests' own values win; "
-                    "--generation-config vllm ignores them)", file, defaults)
+        logger.info(
+            "default sampling from %s: %s (requests' own values win; "
+            "--generation-config vllm ignores them)",
+            file,
+            defaults,
+        )
     return defaults

@@ -22,7 +22,9 @@ Message = dict[str, Any]
 
 
 def _is_token_ids(x: object) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return isinstance(x, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x
+    )
 
 
 class LLM:
@@ -60,7 +62,9 @@ class LLM:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         for p in prompt_list:
             if not isinstance(p, str) and not _is_token_ids(p):
-                raise TypeError(f"each prompt must be a string or a list of token ids, got {type(p).__name__}")
+                raise TypeError(
+                    f"each prompt must be a string or a list of token ids, got {type(p).__name__}"
+                )
         return self._run(prompt_list, sampling_params, use_tqdm)
 
     def chat(
@@ -84,8 +88,12 @@ class LLM:
         template = None if chat_template is None else resolve_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
-            self.llm_engine.apply_chat_template(c, add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
-                                                chat_template=template, tools=tools)
+            self.llm_engine.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                chat_template=template,
+                tools=tools,
+            )
             for c in conversations
         ]
         return self._run(prompts, sampling_params, use_tqdm)

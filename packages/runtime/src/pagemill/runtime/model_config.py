@@ -26,8 +26,13 @@ logger = logging.getLogger(__name__)
 # module serves Llama, Mistral and Qwen2 (they differ only in config values), Qwen3 and
 # Phi-3 extend it, Gemma 2 and Gemma 3 (text) have their own layer.
 SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -85,8 +90,9 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window) if isinstance(window, int) and window > 0 else None
 
 
-def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int,
-                 strict: bool = True) -> list[str]:
+def _layer_types(
+    raw: dict[str, Any], window: int | None, num_layers: int, strict: bool = True
+) -> list[str]:
     """Which layers attend through the sliding window, as transformers decides it.
 
     transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
@@ -98,8 +104,10 @@ def _layer_types(raw: dict[str, Any], window: int | None, num_layers: int,
     given = raw.get("layer_types")
     if isinstance(given, list) and len(given) == num_layers:
         if strict and any(t not in (SLIDING, FULL) for t in given):
-            raise ValueError(f"unsupported layer_types {sorted(set(given))}: pagemill serves "
-                             f"{SLIDING!r} and {FULL!r} layers")
+            raise ValueError(
+                f"unsupported layer_types {sorted(set(given))}: pagemill serves "
+                f"{SLIDING!r} and {FULL!r} layers"
+            )
         return [str(t) for t in given]
     model_type = raw.get("model_type")
     if model_type == "gemma2":
@@ -125,8 +133,9 @@ def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         params = params[FULL]
     if isinstance(params, dict) and params:
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        scaling = {k: v for k, v in params.items()
-                   if k not in ("rope_theta", "partial_rotary_factor")}
+        scaling = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
     else:
         theta = float(raw.get("rope_theta", 10000.0))
         scaling = dict(raw.get("rope_scaling") or {})
@@ -220,7 +229,10 @@ class ModelConfig:
         """
         arch = _architecture(raw, require_supported=require_supported)
         required = (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
             "num_attention_heads",
         )
         missing = [k for k in required if k not in raw]
@@ -264,8 +276,9 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             eos_token_ids=eos,
             sliding_window=_sliding_window(raw),
-            layer_types=_layer_types(raw, _sliding_window(raw), int(raw["num_hidden_layers"]),
-                                     strict=require_supported),
+            layer_types=_layer_types(
+                raw, _sliding_window(raw), int(raw["num_hidden_layers"]), strict=require_supported
+            ),
             partial_rotary_factor=float(
                 raw.get("partial_rotary_factor")
                 or (raw.get("rope_parameters") or {}).get("partial_rotary_factor")

@@ -129,10 +129,12 @@ class SamplingParams:
             raise bad("top_k", "must be 0 or -1 (disabled) or an integer >= 1")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}] "
-                              "(64-bit signed)")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad(
+                "seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}] (64-bit signed)"
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -156,8 +158,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise bad(name, "must be in [-2, 2]")
-        if (not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0
-                or not math.isfinite(self.repetition_penalty)):
+        if (
+            not _is_number(self.repetition_penalty)
+            or not self.repetition_penalty > 0
+            or not math.isfinite(self.repetition_penalty)
+        ):
             raise bad("repetition_penalty", "must be a finite number > 0")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
@@ -175,8 +180,10 @@ class SamplingParams:
                 if not _is_int(t) or t < 0:
                     raise bad("logit_bias", "must map non-negative integer token ids to biases")
                 if not _is_number(b) or not math.isfinite(b) or abs(b) > MAX_LOGIT_BIAS:
-                    raise bad("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
-                                            f"{MAX_LOGIT_BIAS:g}]")
+                    raise bad(
+                        "logit_bias",
+                        f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                    )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

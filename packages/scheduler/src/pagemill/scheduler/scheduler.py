@@ -110,9 +110,7 @@ class Scheduler:
             self.num_ignored += 1
             self.num_finished += 1
             self._finished_req_ids.append(rid)
-            self._pending_updates.append(
-                RequestUpdate(rid, [], True, "ignored", reason)
-            )
+            self._pending_updates.append(RequestUpdate(rid, [], True, "ignored", reason))
             return
         hasher = self.kv_cache_manager.block_hasher
         request.block_hasher = hasher
@@ -127,9 +125,7 @@ class Scheduler:
     def _never_fits(self, request: Request) -> str | None:
         n = request.num_prompt_tokens
         if n > self.config.max_model_len:
-            return (
-                f"prompt of {n} tokens is longer than max_model_len={self.config.max_model_len}"
-            )
+            return f"prompt of {n} tokens is longer than max_model_len={self.config.max_model_len}"
         if n > self.pool_capacity_tokens:
             return (
                 f"prompt of {n} tokens needs more KV blocks than the whole pool "
@@ -234,9 +230,16 @@ class Scheduler:
                 continue
             scheduled[rid] = (
                 req,
-                ScheduledRequest(rid, req.all_token_ids[start:end], start, n,
-                                 [b.block_id for b in new_blocks], end == req.num_tokens,
-                                 False, req),
+                ScheduledRequest(
+                    rid,
+                    req.all_token_ids[start:end],
+                    start,
+                    n,
+                    [b.block_id for b in new_blocks],
+                    end == req.num_tokens,
+                    False,
+                    req,
+                ),
             )
             budget -= n
             i += 1
@@ -276,8 +279,16 @@ class Scheduler:
                 running.append(req)
                 scheduled[rid] = (
                     req,
-                    ScheduledRequest(rid, req.all_token_ids[num_hit : num_hit + n], num_hit, n,
-                                     table, num_hit + n == num_tokens, True, req),
+                    ScheduledRequest(
+                        rid,
+                        req.all_token_ids[num_hit : num_hit + n],
+                        num_hit,
+                        n,
+                        table,
+                        num_hit + n == num_tokens,
+                        True,
+                        req,
+                    ),
                 )
                 budget -= n
 
@@ -413,8 +424,9 @@ class Scheduler:
                 self._finish(req, status)
                 any_finished = True
                 updates.append(
-                    RequestUpdate(rid, [token], True, RequestStatus.finish_reason(status),
-                                  req.stop_reason)
+                    RequestUpdate(
+                        rid, [token], True, RequestStatus.finish_reason(status), req.stop_reason
+                    )
                 )
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]

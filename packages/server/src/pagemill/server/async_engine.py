@@ -71,8 +71,14 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "ServerShuttingDownError",
-           "StepObserver", "StepObservers"]
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "QueueFullError",
+    "ServerShuttingDownError",
+    "StepObserver",
+    "StepObservers",
+]
 
 
 class ServerShuttingDownError(EngineDeadError):
@@ -157,10 +163,17 @@ class AsyncEngine:
     `AsyncEngine.launch(config)` runs a core in its own process.
     """
 
-    def __init__(self, engine: LLMEngine | None = None, *, max_pending: int | None = None,
-                 observer: StepObserver | None = None, name: str = "pagemill-engine",
-                 client: EngineCoreClient | None = None, assets: ModelAssets | None = None,
-                 config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        max_pending: int | None = None,
+        observer: StepObserver | None = None,
+        name: str = "pagemill-engine",
+        client: EngineCoreClient | None = None,
+        assets: ModelAssets | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
         if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending must be None or >= 1, got {max_pending}")
         if engine is not None:
@@ -188,28 +201,38 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._dead_error: BaseException | None = None
-        self._core_stats = SchedulerStats(num_blocks=client.info.num_blocks,
-                                          block_size=client.info.block_size)
+        self._core_stats = SchedulerStats(
+            num_blocks=client.info.num_blocks, block_size=client.info.block_size
+        )
         self.iteration_stats = IterationStats()
         # Tokenization, chat templates and validation: never on the event loop (a
         # multi-megabyte prompt takes seconds), one thread so encodes never race (a fast
         # tokenizer used from two threads at once can fail with "Already borrowed").
         self.input_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pagemill-tokenizer")
+            max_workers=1, thread_name_prefix="pagemill-tokenizer"
+        )
         # With a dashboard: how many pages watch (shared with a core process), and where
         # its pictures go.
         self.dashboard_watchers: WatcherCount | None = None
         self.on_dashboard: Callable[[dict[str, Any]], None] | None = None
         client.on_event = self._on_event
-        self._output_thread = threading.Thread(target=self._output_loop,
-                                               name="pagemill-engine-output", daemon=True)
+        self._output_thread = threading.Thread(
+            target=self._output_loop, name="pagemill-engine-output", daemon=True
+        )
         self._output_thread.start()
 
     @classmethod
-    def launch(cls, config: EngineConfig | None = None, *, max_pending: int | None = None,
-               observer: StepObserver | None = None, engine_threads: int | None = None,
-               start_timeout: float | None = None, dashboard: DashboardSettings | None = None,
-               **engine_kwargs: Any) -> AsyncEngine:
+    def launch(
+        cls,
+        config: EngineConfig | None = None,
+        *,
+        max_pending: int | None = None,
+        observer: StepObserver | None = None,
+        engine_threads: int | None = None,
+        start_timeout: float | None = None,
+        dashboard: DashboardSettings | None = None,
+        **engine_kwargs: Any,
+    ) -> AsyncEngine:
         """A front end here, an engine core in its own process (`MPClient`).
 
         Returns once the core is built (model loaded, KV pool sized, step compiled);
@@ -239,11 +262,20 @@ class AsyncEngine:
 
             watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
             factory = functools.partial(SnapshotTap, dashboard, watchers)
-        client = MPClient(config, engine_threads=engine_threads, start_timeout=start_timeout,
-                          observer_factory=factory)
+        client = MPClient(
+            config,
+            engine_threads=engine_threads,
+            start_timeout=start_timeout,
+            observer_factory=factory,
+        )
         try:
-            front = cls(max_pending=max_pending, observer=observer, client=client,
-                        assets=assets, config=config)
+            front = cls(
+                max_pending=max_pending,
+                observer=observer,
+                client=client,
+                assets=assets,
+                config=config,
+            )
         except BaseException:
             client.shutdown()
             raise
@@ -277,13 +309,18 @@ class AsyncEngine:
     def num_blocks(self) -> int:
         return self.client.info.num_blocks
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None,
-                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Blocking (templating and tokenizing): call it off the event loop."""
         return self.input_processor.apply_chat_template(
-            messages, add_generation_prompt, chat_template=chat_template, tools=tools)
+            messages, add_generation_prompt, chat_template=chat_template, tools=tools
+        )
 
     def encode(self, prompt: str) -> list[int]:
         """Blocking: call it off the event loop."""
@@ -347,10 +384,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ requests
 
-    async def add_request(self, request_id: str, prompt: str | list[int],
-                          params: SamplingParams, *, out_queue: asyncio.Queue[QueueItem] | None = None,
-                          priority: int = 0, cache_salt: str | None = None,
-                          arrival_time: float | None = None) -> asyncio.Queue[QueueItem]:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        out_queue: asyncio.Queue[QueueItem] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> asyncio.Queue[QueueItem]:
         """Validate a request (off the event loop) and hand it to the core; its outputs
         arrive on the returned queue.
 
@@ -365,8 +409,10 @@ class AsyncEngine:
         slots = int(getattr(params, "n", 1) or 1)
         with self._lock:
             if self.max_pending is not None and self._num_slots + slots > self.max_pending:
-                raise QueueFullError(f"the server already holds {self._num_slots} sequences "
-                                     f"(limit {self.max_pending})")
+                raise QueueFullError(
+                    f"the server already holds {self._num_slots} sequences "
+                    f"(limit {self.max_pending})"
+                )
             if request_id in self._held:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._held[request_id] = slots
@@ -374,8 +420,16 @@ class AsyncEngine:
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[QueueItem] = out_queue if out_queue is not None else asyncio.Queue()
-        admit = functools.partial(self._admit, request_id, prompt, params, priority, cache_salt,
-                                  arrival, _Tracked(q, loop))
+        admit = functools.partial(
+            self._admit,
+            request_id,
+            prompt,
+            params,
+            priority,
+            cache_salt,
+            arrival,
+            _Tracked(q, loop),
+        )
         done = self.input_pool.submit(admit)
         try:
             await asyncio.wrap_future(done)
@@ -389,14 +443,27 @@ class AsyncEngine:
             raise
         return q
 
-    def _admit(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-               priority: int, cache_salt: str | None, arrival: float,
-               tracked: _Tracked) -> None:
+    def _admit(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        arrival: float,
+        tracked: _Tracked,
+    ) -> None:
         """On the tokenizer thread: validate, register with the output processor, send to
         the core. It returns once the core's channel holds the request, so a caller that
         then stalls the event loop (or its whole interpreter) cannot hold the request back."""
-        processed = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                                 cache_salt=cache_salt, arrival_time=arrival)
+        processed = self.input_processor.process(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival,
+        )
         with self._lock:  # checked under the lock `_die` takes: no stream is left behind
             self._check_alive()
             known = self.output_processor.is_known
@@ -404,8 +471,13 @@ class AsyncEngine:
             if known(request_id) or taken:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self.output_processor.add_request(
-                request_id, processed.prompt, processed.prompt_token_ids,
-                params.output_kind, arrival, processed.completions)
+                request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                params.output_kind,
+                arrival,
+                processed.completions,
+            )
             self._tracked[request_id] = tracked
         for request in processed.completions:
             self.client.add_request(request)
@@ -436,8 +508,9 @@ class AsyncEngine:
         if not finished:
             self.abort(request_id)
 
-    async def stream(self, out_queue: asyncio.Queue[QueueItem], request_ids: Sequence[str]
-                     ) -> AsyncGenerator[RequestOutput, None]:
+    async def stream(
+        self, out_queue: asyncio.Queue[QueueItem], request_ids: Sequence[str]
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished.
 
         Leaving early (an exception, a cancelled task, a closed generator) aborts the ones
@@ -517,8 +590,7 @@ class AsyncEngine:
             items = []
             for out in processed.request_outputs:
                 rid = out.request_id
-                tracked = (self._tracked.pop(rid, None) if out.finished
-                           else self._tracked.get(rid))
+                tracked = self._tracked.pop(rid, None) if out.finished else self._tracked.get(rid)
                 if tracked is not None:
                     items.append((tracked, out))
         if processed.reqs_to_finish:  # stop strings: the core frees their blocks

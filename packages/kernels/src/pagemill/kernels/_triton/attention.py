@@ -37,17 +37,30 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, qsl_ptr, seq_lens_ptr,
-    part_acc_ptr, part_ml_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    bt_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
     scale_log2,
     softcap,
     window,
     num_seqs,
     split_len,
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
     BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
@@ -85,7 +98,9 @@ def paged_attention_kernel(
     d_ok = d < HEAD_DIM
 
     q_off = (q_begin + tok).to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    qv = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qv = tl.load(
+        q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if DOT_FP32:
         qv = qv.to(tl.float32)
 
@@ -146,7 +161,9 @@ def paged_attention_kernel(
     if SPLIT:
         # Partial state per (token, head, split): unnormalised acc, running max (log2 units), sum.
         num_splits = tl.num_programs(2)
-        part = ((q_begin + tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        part = (
+            (q_begin + tok).to(tl.int64) * (GROUP * tl.num_programs(1)) + head
+        ) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -154,14 +171,20 @@ def paged_attention_kernel(
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
         o_off = (q_begin + tok).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + o_off[:, None] + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr,
-    stride_ot, stride_oh,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
     num_splits,
     NUM_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -178,10 +201,14 @@ def merge_splits_kernel(
     l_part = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))
-    acc = tl.load(part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None],
-                  other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (base + sp)[:, None] * D_PAD + d[None, :], mask=sp_ok[:, None], other=0.0
+    )
     num = tl.sum(acc * w[:, None], 0)
     den = tl.sum(l_part * w, 0)
     den = tl.where(den == 0.0, 1.0, den)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (num / den).to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        (num / den).to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )

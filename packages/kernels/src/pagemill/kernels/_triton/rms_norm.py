@@ -6,8 +6,15 @@ import triton.language as tl
 
 @triton.jit
 def rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,
-    stride_x, stride_r, stride_y, stride_s,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    y_ptr,
+    s_ptr,
+    stride_x,
+    stride_r,
+    stride_y,
+    stride_s,
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,

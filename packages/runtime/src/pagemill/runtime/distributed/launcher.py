@@ -65,8 +65,9 @@ def _children_allowed() -> Iterator[None]:
 class TensorParallelWorkers:
     """The other ranks as rank 0 sees them, and the group they share."""
 
-    def __init__(self, tp: TensorParallelGroup, processes: list[BaseProcess],
-                 threads: int | None = None) -> None:
+    def __init__(
+        self, tp: TensorParallelGroup, processes: list[BaseProcess], threads: int | None = None
+    ) -> None:
         self.tp = tp
         self.processes = processes
         self._saved_threads = threads
@@ -86,11 +87,15 @@ class TensorParallelWorkers:
         env = torchrun_env()
         if env is not None:
             if env.world_size != world_size:
-                raise ValueError(f"tensor_parallel_size={world_size} but torchrun started "
-                                 f"WORLD_SIZE={env.world_size} processes")
+                raise ValueError(
+                    f"tensor_parallel_size={world_size} but torchrun started "
+                    f"WORLD_SIZE={env.world_size} processes"
+                )
             if env.rank != 0:
-                raise RuntimeError("under torchrun the engine runs on rank 0; run the other "
-                                   "ranks as `python -m pagemill.runtime.distributed.worker`")
+                raise RuntimeError(
+                    "under torchrun the engine runs on rank 0; run the other "
+                    "ranks as `python -m pagemill.runtime.distributed.worker`"
+                )
             if device.type == "cuda":
                 device = torch.device("cuda", env.local_rank)
             logger.info("tensor parallel: joining a torchrun launch of %d ranks", world_size)
@@ -102,11 +107,13 @@ class TensorParallelWorkers:
             saved = torch.get_num_threads()
             threads = max(1, saved // world_size)
             torch.set_num_threads(threads)
-            logger.info("tensor parallel on CPU: %d rank(s) x %d torch thread(s)", world_size,
-                        threads)
+            logger.info(
+                "tensor parallel on CPU: %d rank(s) x %d torch thread(s)", world_size, threads
+            )
         timeout = collective_timeout()
-        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         ctx = torch_mp.get_context("spawn")
         processes: list[BaseProcess] = []
         try:
@@ -114,10 +121,19 @@ class TensorParallelWorkers:
                 first_gpu = device.index or 0  # rank r on the r-th GPU from rank 0's
                 for rank in range(1, world_size):
                     wdevice = f"cuda:{first_gpu + rank}" if device.type == "cuda" else "cpu"
-                    p = ctx.Process(target=worker_main, name=f"pagemill-tp-worker-{rank}",
-                                    args=(rank, world_size, store.port, wdevice, threads,
-                                          logging.getLogger().getEffectiveLevel()),
-                                    daemon=True)
+                    p = ctx.Process(
+                        target=worker_main,
+                        name=f"pagemill-tp-worker-{rank}",
+                        args=(
+                            rank,
+                            world_size,
+                            store.port,
+                            wdevice,
+                            threads,
+                            logging.getLogger().getEffectiveLevel(),
+                        ),
+                        daemon=True,
+                    )
                     p.start()
                     processes.append(p)
             _wait_check_in(store, processes)
@@ -127,8 +143,12 @@ class TensorParallelWorkers:
             if saved is not None:
                 torch.set_num_threads(saved)
             raise
-        logger.info("tensor parallel: %d ranks over %s (workers %s)", world_size,
-                    dist.get_backend(tp.group), ", ".join(str(p.pid) for p in processes))
+        logger.info(
+            "tensor parallel: %d ranks over %s (workers %s)",
+            world_size,
+            dist.get_backend(tp.group),
+            ", ".join(str(p.pid) for p in processes),
+        )
         return cls(tp, processes, saved)
 
     # ---- while serving ------------------------------------------------------------------------
@@ -145,8 +165,9 @@ class TensorParallelWorkers:
         short of the collective timeout with a keepalive every `keepalive` idle seconds."""
         if keepalive is None:
             keepalive = min(60.0, collective_timeout().total_seconds() / 4)
-        self._watcher = threading.Thread(target=self._watch_loop, args=(keepalive,),
-                                         name="pagemill-tp-watcher", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch_loop, args=(keepalive,), name="pagemill-tp-watcher", daemon=True
+        )
         self._watcher.start()
 
     def _watch_loop(self, keepalive: float) -> None:
@@ -207,11 +228,15 @@ def _wait_check_in(store: dist.TCPStore, processes: list[BaseProcess]) -> None:
     for rank, p in enumerate(processes, start=1):
         while not store.check([CHECK_IN_KEY.format(rank=rank)]):
             if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} exited with code "
-                                   f"{p.exitcode} during start-up (see its log above)")
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} exited with code "
+                    f"{p.exitcode} during start-up (see its log above)"
+                )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel worker rank {rank} did not start within "
-                                   f"{START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} did not start within "
+                    f"{START_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.02)
 
 

@@ -19,8 +19,14 @@ class RowParallelLinear(Linear):
     The bias (when any) is rank 0's alone — the others load zeros — so it is added once.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 tp: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         self.tp = tp
 
@@ -31,16 +37,22 @@ class RowParallelLinear(Linear):
         return super().extra_repr() + f", tp={self.tp.rank}/{self.tp.world_size}"
 
 
-def row_parallel_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                        tp: TensorParallelGroup | None) -> Linear:
+def row_parallel_linear(
+    in_features: int,
+    out_features: int,
+    bias: bool,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None,
+) -> Linear:
     """`in_features` is this rank's share; a plain `Linear` without a group."""
     if tp is None:
         return Linear(in_features, out_features, bias, dtype)
     return RowParallelLinear(in_features, out_features, bias, dtype, tp)
 
 
-def vocab_parallel_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
-                             tp: TensorParallelGroup) -> torch.Tensor:
+def vocab_parallel_embedding(
+    input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, tp: TensorParallelGroup
+) -> torch.Tensor:
     """Look up ids in this rank's rows [vocab_start, vocab_start + len(weight)); ids that
     live on another rank give zeros here, and the all-reduce fills them in from there."""
     local = input_ids - vocab_start

@@ -128,7 +128,8 @@ class TensorParallelGroup:
                     time.sleep(0.05)
         detail = f"{peers}; " if peers else ""
         return TensorParallelError(
-            f"tensor parallelism failed: {detail}{type(exc).__name__}: {exc}")
+            f"tensor parallelism failed: {detail}{type(exc).__name__}: {exc}"
+        )
 
     def destroy(self) -> None:
         """Leave the process group (idempotent)."""
@@ -141,18 +142,22 @@ class TensorParallelError(EngineFaultError):
     """A rank died, raised or stopped answering: the engine cannot go on (never retried)."""
 
 
-def init_group(rank: int, world_size: int, device: torch.device, *,
-               store: Any | None = None) -> TensorParallelGroup:
+def init_group(
+    rank: int, world_size: int, device: torch.device, *, store: Any | None = None
+) -> TensorParallelGroup:
     """Join the default process group (from `store`, else env:// as torchrun sets it)."""
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed process group already exists in this process; "
-                           "one process holds one tensor-parallel engine at a time")
+        raise RuntimeError(
+            "a torch.distributed process group already exists in this process; "
+            "one process holds one tensor-parallel engine at a time"
+        )
     backend = default_backend(device)
     kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=collective_timeout(), **kwargs)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=collective_timeout(), **kwargs
+    )
     group = dist.group.WORLD
     object_group = group if backend == "gloo" else dist.new_group(backend="gloo")
     return TensorParallelGroup(rank, world_size, device, group, object_group)

@@ -35,7 +35,11 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     """Refuse a split the model's shape does not allow, saying what would."""
     if tp == 1:
         return
-    heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    heads, kv, inter = (
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.intermediate_size,
+    )
     problems = []
     if heads % tp:
         problems.append(f"num_attention_heads={heads} is not divisible by it")
@@ -44,11 +48,16 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
     if inter % tp:
         problems.append(f"intermediate_size={inter} is not divisible by it")
     if problems:
-        ok = [n for n in range(1, heads + 1) if heads % n == 0 and inter % n == 0
-              and (kv % n == 0 or n % kv == 0)]
+        ok = [
+            n
+            for n in range(1, heads + 1)
+            if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)
+        ]
         raise ValueError(
             f"tensor_parallel_size={tp} cannot split {config.architecture}: "
-            + "; ".join(problems) + f" (sizes that work: {', '.join(map(str, ok))})")
+            + "; ".join(problems)
+            + f" (sizes that work: {', '.join(map(str, ok))})"
+        )
 
 
 @dataclass(frozen=True)
@@ -76,8 +85,17 @@ class ShardLayout:
             nkv, kv_first = 1, rank * kv // size
         ni = config.intermediate_size // size
         per_rank = -(-config.vocab_size // size)
-        return cls(rank, size, config.head_dim, (rank * nq, nq), (kv_first, nkv), kv,
-                   (rank * ni, ni), config.vocab_size, per_rank)
+        return cls(
+            rank,
+            size,
+            config.head_dim,
+            (rank * nq, nq),
+            (kv_first, nkv),
+            kv,
+            (rank * ni, ni),
+            config.vocab_size,
+            per_rank,
+        )
 
     @property
     def vocab_start(self) -> int:
@@ -85,9 +103,13 @@ class ShardLayout:
 
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The config this rank's module is built from (its slice of every split size)."""
-        return replace(config, num_attention_heads=self.q_heads[1],
-                       num_key_value_heads=self.kv_heads[1],
-                       intermediate_size=self.intermediate[1], vocab_size=self.vocab_per_rank)
+        return replace(
+            config,
+            num_attention_heads=self.q_heads[1],
+            num_key_value_heads=self.kv_heads[1],
+            intermediate_size=self.intermediate[1],
+            vocab_size=self.vocab_per_rank,
+        )
 
     # ---- cutting checkpoint tensors ------------------------------------------------------------
 
@@ -106,7 +128,7 @@ class ShardLayout:
 
     def _vocab(self, t: torch.Tensor) -> torch.Tensor:
         start = self.vocab_start
-        part = t[start:start + self.vocab_per_rank]
+        part = t[start : start + self.vocab_per_rank]
         short = self.vocab_per_rank - part.shape[0]
         if short:
             part = torch.cat([part, part.new_zeros(short, *part.shape[1:])])
@@ -139,9 +161,11 @@ class ShardLayout:
         return t
 
 
-def shard_checkpoint(weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]],
-                     layout: ShardLayout, dtype: torch.dtype,
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_checkpoint(
+    weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]],
+    layout: ShardLayout,
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint as this rank's model expects it: every tensor cut to its slice.
 
     Quantized rows (a GGUF checkpoint) are dequantized first: packed int4/int8 groups are

@@ -71,11 +71,28 @@ def serve(tp: TensorParallelGroup) -> None:
     spec: WorkerSpec = tp.broadcast_object()
     torch.manual_seed(spec.seed)
     layout = ShardLayout.create(spec.model_config, tp.world_size, tp.rank)
-    model = load_model(Path(spec.model_path), spec.model_config, spec.dtype, tp.device,
-                       spec.max_model_len, spec.load_format, spec.seed, tp=tp)
-    runner = ModelRunner(model, layout.local_config(spec.model_config), tp.device, spec.dtype,
-                         spec.block_size, spec.max_num_seqs, spec.max_num_batched_tokens,
-                         spec.max_model_len, tp=tp, vocab_size=spec.model_config.vocab_size)
+    model = load_model(
+        Path(spec.model_path),
+        spec.model_config,
+        spec.dtype,
+        tp.device,
+        spec.max_model_len,
+        spec.load_format,
+        spec.seed,
+        tp=tp,
+    )
+    runner = ModelRunner(
+        model,
+        layout.local_config(spec.model_config),
+        tp.device,
+        spec.dtype,
+        spec.block_size,
+        spec.max_num_seqs,
+        spec.max_num_batched_tokens,
+        spec.max_model_len,
+        tp=tp,
+        vocab_size=spec.model_config.vocab_size,
+    )
     logger.info("tensor-parallel rank %d/%d ready on %s", tp.rank, tp.world_size, tp.device)
     while True:
         msg = tp.broadcast_object()
@@ -113,21 +130,24 @@ def _run(tp: TensorParallelGroup) -> int:
     return 0
 
 
-def worker_main(rank: int, world_size: int, store_port: int, device: str,
-                threads: int | None, log_level: int) -> None:
+def worker_main(
+    rank: int, world_size: int, store_port: int, device: str, threads: int | None, log_level: int
+) -> None:
     """Entry point of a worker that rank 0 started on this machine."""
     parent = os.getppid()
     _die_with_parent()
     if os.getppid() != parent:  # the parent went before the death signal was armed
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    logging.basicConfig(level=log_level,
-                        format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s")
+    logging.basicConfig(
+        level=log_level, format=f"%(levelname)s %(name)s [tp rank {rank}]: %(message)s"
+    )
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False,
-                              timeout=collective_timeout())
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, world_size, is_master=False, timeout=collective_timeout()
+        )
         store.set(CHECK_IN_KEY.format(rank=rank), "1")
         tp = init_group(rank, world_size, torch.device(device), store=store)
     except BaseException:
@@ -141,20 +161,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m pagemill.runtime.distributed.worker",
         description="A tensor-parallel worker rank of a pagemill engine launched by torchrun; "
-                    "rank 0 runs `pagemill serve ... --tensor-parallel-size N` (or LLM(...)).")
-    parser.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK when there "
-                        "is a GPU), cpu or cuda:N; must match rank 0's kind of device")
+        "rank 0 runs `pagemill serve ... --tensor-parallel-size N` (or LLM(...)).",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:LOCAL_RANK when there "
+        "is a GPU), cpu or cuda:N; must match rank 0's kind of device",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     env = torchrun_env()
     if env is None:
-        parser.error("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
-                     "must be set")
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(levelname)s %(name)s [tp rank {env.rank}]: %(message)s")
+        parser.error(
+            "not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT must be set"
+        )
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(levelname)s %(name)s [tp rank {env.rank}]: %(message)s",
+    )
     if args.device == "auto":
-        device = (torch.device("cuda", env.local_rank) if torch.cuda.is_available()
-                  else torch.device("cpu"))
+        device = (
+            torch.device("cuda", env.local_rank)
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and device.index is None:

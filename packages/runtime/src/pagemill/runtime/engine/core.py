@@ -65,7 +65,9 @@ def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
     if wanted is None:
         return limit
     if wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        raise ValueError(
+            f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}"
+        )
     return wanted
 
 
@@ -74,8 +76,13 @@ class EngineCore:
     N > 1, over N ranks of which this process is rank 0 (see `distributed`): the scheduler,
     the block pool and the sampler stay here; the model runner broadcasts each step."""
 
-    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
-                 structured_output: StructuredOutputManager | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        structured_output: StructuredOutputManager | None = None,
+    ) -> None:
         self.config = config
         # Grammars of structured-output requests; None when the model has no tokenizer.
         self.structured_output = structured_output
@@ -104,15 +111,22 @@ class EngineCore:
             self.shutdown()
             raise
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks, cache.block_size, enable_caching=cache.enable_prefix_caching,
+            self.num_blocks,
+            cache.block_size,
+            enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
         self.isolator = FaultIsolator(self.scheduler)
 
-    def _start_workers(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
-                       scheduler_config: SchedulerConfig) -> None:
+    def _start_workers(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
         from pagemill.runtime.distributed.launcher import TensorParallelWorkers
         from pagemill.runtime.distributed.worker import WorkerSpec
 
@@ -122,9 +136,17 @@ class EngineCore:
         self.device = workers.tp.device
         # Stopped with the engine, or when it is collected, or at exit.
         self._finalizer = weakref.finalize(self, workers.shutdown)
-        spec = WorkerSpec(str(model_path), model_config, self.dtype, self.max_model_len,
-                          config.load_format, config.seed, config.cache.block_size,
-                          scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        spec = WorkerSpec(
+            str(model_path),
+            model_config,
+            self.dtype,
+            self.max_model_len,
+            config.load_format,
+            config.seed,
+            config.cache.block_size,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+        )
         try:
             self._collective(lambda: workers.tp.broadcast_object(spec))
         except BaseException:
@@ -139,33 +161,59 @@ class EngineCore:
         except Exception as exc:
             raise self.tp.failure(exc) from exc
 
-    def _build_model(self, config: EngineConfig, model_path: Path, model_config: ModelConfig,
-                     scheduler_config: SchedulerConfig) -> None:
+    def _build_model(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        model_config: ModelConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
         """Load the model (this rank's shard under TP), size and bind the KV pool, compile."""
         from pagemill.runtime.distributed.worker import PROFILE, InitKVCache
 
         cache = config.cache
         torch.manual_seed(config.seed)
-        model = load_model(model_path, model_config, self.dtype, self.device, self.max_model_len,
-                           config.load_format, config.seed, quantization=config.quantization,
-                           tp=self.tp)
+        model = load_model(
+            model_path,
+            model_config,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            config.load_format,
+            config.seed,
+            quantization=config.quantization,
+            tp=self.tp,
+        )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config
         if self.tp is not None:
             layout = ShardLayout.create(model_config, self.tp.world_size, self.tp.rank)
             local_config = layout.local_config(model_config)
         self.model_runner = ModelRunner(
-            model, local_config, self.device, self.dtype, cache.block_size,
-            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
-            self.max_model_len, tp=self.tp, vocab_size=model_config.vocab_size,
+            model,
+            local_config,
+            self.device,
+            self.dtype,
+            cache.block_size,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+            self.max_model_len,
+            tp=self.tp,
+            vocab_size=model_config.vocab_size,
         )
         self.model_runner.use_cuda_graphs = self._cuda_graphs_wanted()
         tp = self.tp
         if tp is not None and self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
         # Per rank: every rank holds the same blocks, each with its own KV heads.
-        self.num_blocks = size_kv_pool(self.model_runner, local_config, self.dtype, cache,
-                                       scheduler_config.max_num_seqs, self.max_model_len)
+        self.num_blocks = size_kv_pool(
+            self.model_runner,
+            local_config,
+            self.dtype,
+            cache,
+            scheduler_config.max_num_seqs,
+            self.max_model_len,
+        )
         if tp is not None:
             num_blocks = self.num_blocks
             self._collective(lambda: tp.broadcast_object(InitKVCache(num_blocks)))
@@ -175,8 +223,12 @@ class EngineCore:
             seconds = self.model_runner.capture_cuda_graphs()
             graphs = self.model_runner.graphs
             assert graphs is not None
-            logger.info("captured CUDA graphs for decode batches of %s in %.2f s "
-                        "(--enforce-eager skips this)", graphs.buckets, seconds)
+            logger.info(
+                "captured CUDA graphs for decode batches of %s in %.2f s "
+                "(--enforce-eager skips this)",
+                graphs.buckets,
+                seconds,
+            )
         if self._workers is not None:
             self._workers.start_watching()
 
@@ -206,8 +258,10 @@ class EngineCore:
 
     def _maybe_compile(self) -> None:
         if self.tp is not None:
-            logger.info("tensor parallel: running the model eagerly (the compiled step is "
-                        "single-rank for now)")
+            logger.info(
+                "tensor parallel: running the model eagerly (the compiled step is "
+                "single-rank for now)"
+            )
             return
         if self._eager_forced():
             logger.info("running the model eagerly (enforce_eager)")
@@ -218,7 +272,11 @@ class EngineCore:
                 logger.warning("running the model eagerly: %s", reason)
             return
         seconds = self.model_runner.compile()
-        how = "loaded from the compile cache" if self.model_runner.compile_cache_loaded else "compiled"
+        how = (
+            "loaded from the compile cache"
+            if self.model_runner.compile_cache_loaded
+            else "compiled"
+        )
         logger.info("%s the model forward in %.1f s (--enforce-eager skips this)", how, seconds)
 
     @classmethod
@@ -228,13 +286,20 @@ class EngineCore:
         from pagemill.runtime.engine.model_assets import ModelAssets
 
         assets = ModelAssets.load(config)
-        return cls(config, assets.path, assets.model_config,
-                   assets.structured_output_manager(config))
+        return cls(
+            config, assets.path, assets.model_config, assets.structured_output_manager(config)
+        )
 
     def ready_message(self) -> EngineCoreReady:
         """What the front end learns once the core is built."""
-        return EngineCoreReady(self.max_model_len, self.num_blocks, self.config.cache.block_size,
-                               str(self.dtype), str(self.device), os.getpid())
+        return EngineCoreReady(
+            self.max_model_len,
+            self.num_blocks,
+            self.config.cache.block_size,
+            str(self.dtype),
+            str(self.device),
+            os.getpid(),
+        )
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -242,11 +307,18 @@ class EngineCore:
         """Queue one completion. The front end validated it: a problem found here is a bug
         on that side, and the request fails alone (finish_reason "error")."""
         record = Request(
-            request.request_id, request.prompt_token_ids, max_tokens=request.max_tokens,
-            min_tokens=request.sampling_params.min_tokens, eos_token_id=request.eos_token_id,
-            stop_token_ids=request.stop_token_ids, ignore_eos=request.sampling_params.ignore_eos,
-            priority=request.priority, arrival_time=request.arrival_time,
-            cache_salt=request.cache_salt, sampling_params=request.sampling_params)
+            request.request_id,
+            request.prompt_token_ids,
+            max_tokens=request.max_tokens,
+            min_tokens=request.sampling_params.min_tokens,
+            eos_token_id=request.eos_token_id,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.sampling_params.ignore_eos,
+            priority=request.priority,
+            arrival_time=request.arrival_time,
+            cache_salt=request.cache_salt,
+            sampling_params=request.sampling_params,
+        )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
             if self.structured_output is None:
@@ -256,14 +328,18 @@ class EngineCore:
             return
         self.scheduler.add_request(record)
 
-    def abort_requests(self, request_ids: Iterable[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_requests(
+        self, request_ids: Iterable[str], reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         """End requests now and free their blocks: the caller left (ABORT), or the front end
         found a stop string (STOP). Unknown or finished ids are ignored."""
         ids = list(request_ids)
         self._drop_grammar_state(ids)
-        status = (RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP
-                  else RequestStatus.FINISHED_ABORTED)
+        status = (
+            RequestStatus.FINISHED_STOPPED
+            if reason == FinishReason.STOP
+            else RequestStatus.FINISHED_ABORTED
+        )
         self.scheduler.finish_requests(ids, status)
 
     def _drop_grammar_state(self, request_ids: list[str]) -> None:
@@ -273,8 +349,11 @@ class EngineCore:
             self.structured_output.remove_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._waiting_for_grammar)
-                or bool(self._grammar_failures))
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._waiting_for_grammar)
+            or bool(self._grammar_failures)
+        )
 
     @property
     def num_waiting_for_grammar(self) -> int:
@@ -283,12 +362,18 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         s = self.scheduler.get_stats()
         return SchedulerStats(
-            num_running=s.num_running, num_waiting=s.num_waiting + len(self._waiting_for_grammar),
-            kv_cache_usage=s.kv_cache_usage, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=s.num_preemptions,
-            num_blocks=self.num_blocks, block_size=self.config.cache.block_size,
-            grammar_cache_bytes=(0 if self.structured_output is None
-                                 else self.structured_output.cache_bytes))
+            num_running=s.num_running,
+            num_waiting=s.num_waiting + len(self._waiting_for_grammar),
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+            num_blocks=self.num_blocks,
+            block_size=self.config.cache.block_size,
+            grammar_cache_bytes=(
+                0 if self.structured_output is None else self.structured_output.cache_bytes
+            ),
+        )
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -320,12 +405,17 @@ class EngineCore:
             updates = self._grammar_failures + updates
             self._grammar_failures = []
         records = {s.request_id: s.request for s in scheduler_output.scheduled}
-        return EngineCoreOutputs(self._outputs(updates, logprobs, records),
-                                 num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens)
+        return EngineCoreOutputs(
+            self._outputs(updates, logprobs, records),
+            num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
+        )
 
     @staticmethod
-    def _outputs(updates: list[RequestUpdate], logprobs: dict[str, LogprobsRow] | None,
-                 records: dict[str, Request]) -> list[EngineCoreOutput]:
+    def _outputs(
+        updates: list[RequestUpdate],
+        logprobs: dict[str, LogprobsRow] | None,
+        records: dict[str, Request],
+    ) -> list[EngineCoreOutput]:
         """The scheduler's updates in the protocol's shape; a request's first tokens carry
         its first-scheduled time and prefix hit for the front end's metrics."""
         outputs = []
@@ -334,11 +424,19 @@ class EngineCore:
             if u.finished:
                 assert u.finish_reason is not None  # a finished update names its reason
                 reason = FINISH_REASONS[u.finish_reason]
-            out = EngineCoreOutput(u.request_id, u.new_token_ids, reason, u.stop_reason,
-                                   None if logprobs is None else logprobs.get(u.request_id))
+            out = EngineCoreOutput(
+                u.request_id,
+                u.new_token_ids,
+                reason,
+                u.stop_reason,
+                None if logprobs is None else logprobs.get(u.request_id),
+            )
             record = records.get(u.request_id)
-            if record is not None and u.new_token_ids and (
-                    record.num_output_tokens == len(u.new_token_ids)):
+            if (
+                record is not None
+                and u.new_token_ids
+                and (record.num_output_tokens == len(u.new_token_ids))
+            ):
                 out.first_scheduled_time = record.first_scheduled_time
                 out.num_cached_tokens = record.num_cached_tokens
             outputs.append(out)
@@ -362,14 +460,16 @@ class EngineCore:
                 manager.remove_requests([rid])
                 logger.error("request %s: grammar compilation failed: %s", rid, error)
                 # "error", never a cut-off: the client must not read an empty 200 as output.
-                self._grammar_failures.append(RequestUpdate(
-                    rid, [], True, "error", grammar_failure_message(error)))
+                self._grammar_failures.append(
+                    RequestUpdate(rid, [], True, "error", grammar_failure_message(error))
+                )
                 continue
             manager.start(rid)
             self.scheduler.add_request(request)
 
-    def _advance_grammars(self, token_ids: dict[str, int],
-                          updates: list[RequestUpdate]) -> list[RequestUpdate]:
+    def _advance_grammars(
+        self, token_ids: dict[str, int], updates: list[RequestUpdate]
+    ) -> list[RequestUpdate]:
         """Move each matcher past its token; a finished grammar ends its request (stop)."""
         manager = self.structured_output
         assert manager is not None
@@ -385,7 +485,9 @@ class EngineCore:
         manager.remove_requests(ended)
         return updates
 
-    def _sample(self, out: ModelRunnerOutput) -> tuple[dict[str, int], dict[str, LogprobsRow] | None]:
+    def _sample(
+        self, out: ModelRunnerOutput
+    ) -> tuple[dict[str, int], dict[str, LogprobsRow] | None]:
         if not out.req_ids:
             return {}, None
         assert out.sampling_metadata is not None

@@ -99,8 +99,9 @@ class EngineCoreClient(ABC):
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     @abstractmethod
-    def abort_requests(self, request_ids: list[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None: ...
+    def abort_requests(
+        self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT
+    ) -> None: ...
 
     @abstractmethod
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
@@ -152,8 +153,9 @@ class InprocClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)
 
-    def abort_requests(self, request_ids: list[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_requests(
+        self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         self.engine_core.abort_requests(request_ids, reason)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
@@ -211,9 +213,14 @@ class EngineCoreLoop:
     written after every step for a watchdog to read without any message.
     """
 
-    def __init__(self, core: EngineCore, recv: Callable[[bool], Command | None],
-                 send: Callable[[Message], None], heartbeat: Heartbeat,
-                 observer: CoreObserver | None = None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        recv: Callable[[bool], Command | None],
+        send: Callable[[Message], None],
+        heartbeat: Heartbeat,
+        observer: CoreObserver | None = None,
+    ) -> None:
         self.core = core
         self.recv = recv
         self.send = send
@@ -271,8 +278,18 @@ class EngineCoreLoop:
                 logger.exception("request %s could not be added", msg.request_id)
                 from pagemill.runtime.engine.protocol import EngineCoreOutput
 
-                self.send(EngineCoreOutputs([EngineCoreOutput(
-                    msg.request_id, [], FinishReason.ERROR, f"{type(exc).__name__}: {exc}")]))
+                self.send(
+                    EngineCoreOutputs(
+                        [
+                            EngineCoreOutput(
+                                msg.request_id,
+                                [],
+                                FinishReason.ERROR,
+                                f"{type(exc).__name__}: {exc}",
+                            )
+                        ]
+                    )
+                )
         elif isinstance(msg, AbortRequests):
             core.abort_requests(msg.request_ids, msg.reason)
         elif isinstance(msg, _LocalCall):
@@ -361,8 +378,9 @@ class _LoopClient(EngineCoreClient):
 class ThreadedClient(_LoopClient):
     """The core's loop on a thread of this process: the only code that touches the core."""
 
-    def __init__(self, core: EngineCore, observer: CoreObserver | None = None,
-                 name: str = "pagemill-engine") -> None:
+    def __init__(
+        self, core: EngineCore, observer: CoreObserver | None = None, name: str = "pagemill-engine"
+    ) -> None:
         super().__init__()
         self.engine_core = core
         self.info = core.ready_message()
@@ -418,8 +436,9 @@ class ThreadedClient(_LoopClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._commands.put(request)
 
-    def abort_requests(self, request_ids: list[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_requests(
+        self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         self._commands.put(AbortRequests(list(request_ids), reason))
 
     def call(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[T]:
@@ -507,9 +526,11 @@ class _PipeSender:
         self.conn = conn
         self.codec = codec
         self._queue: queue.SimpleQueue[tuple[Message, threading.Event | None] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="pagemill-engine-sender",
-                                        daemon=True)
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(
+            target=self._run, name="pagemill-engine-sender", daemon=True
+        )
         self._thread.start()
 
     def send(self, msg: Message, wait: bool = False) -> None:
@@ -538,9 +559,15 @@ class _PipeSender:
         self._thread.join(timeout)
 
 
-def run_engine_core(commands: Connection, outputs: Connection, config: EngineConfig,
-                    engine_threads: int | None, log_level: int, heartbeat: Heartbeat,
-                    observer_factory: Callable[[], CoreObserver] | None = None) -> None:
+def run_engine_core(
+    commands: Connection,
+    outputs: Connection,
+    config: EngineConfig,
+    engine_threads: int | None,
+    log_level: int,
+    heartbeat: Heartbeat,
+    observer_factory: Callable[[], CoreObserver] | None = None,
+) -> None:
     """Entry point of an engine-core process (spawned: nothing is inherited but these)."""
     # Ctrl-C reaches the whole process group: the front end decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -594,9 +621,14 @@ class MPClient(_LoopClient):
     """The engine core in a spawned process; returns once it reported ready and raises
     RuntimeError (saying why) if it could not be built."""
 
-    def __init__(self, config: EngineConfig, *, engine_threads: int | None = None,
-                 start_timeout: float | None = None,
-                 observer_factory: Callable[[], CoreObserver] | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        engine_threads: int | None = None,
+        start_timeout: float | None = None,
+        observer_factory: Callable[[], CoreObserver] | None = None,
+    ) -> None:
         super().__init__()
         if engine_threads is not None and engine_threads < 1:
             raise ValueError(f"engine_threads must be None or >= 1, got {engine_threads}")
@@ -609,9 +641,19 @@ class MPClient(_LoopClient):
         cmd_read, cmd_write = ctx.Pipe(duplex=False)
         out_read, out_write = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=run_engine_core, name="pagemill-engine-core", daemon=True,
-            args=(cmd_read, out_write, config, engine_threads,
-                  logging.getLogger().getEffectiveLevel(), self.heartbeat, observer_factory))
+            target=run_engine_core,
+            name="pagemill-engine-core",
+            daemon=True,
+            args=(
+                cmd_read,
+                out_write,
+                config,
+                engine_threads,
+                logging.getLogger().getEffectiveLevel(),
+                self.heartbeat,
+                observer_factory,
+            ),
+        )
         with _engine_environment():
             self.process.start()
         # Our copies of the child's ends: closing them lets EOF mean "the other side is gone".
@@ -627,8 +669,9 @@ class MPClient(_LoopClient):
         # Commands are encoded and written on a thread of their own, so neither the event
         # loop nor the output thread ever waits on a full pipe while the core steps.
         self._writer = _PipeSender(self._commands_conn, self.codec)
-        self._reader = threading.Thread(target=self._read_loop, name="pagemill-engine-reader",
-                                        daemon=True)
+        self._reader = threading.Thread(
+            target=self._read_loop, name="pagemill-engine-reader", daemon=True
+        )
         self._reader.start()
 
     def _wait_ready(self, timeout: float | None) -> EngineCoreReady:
@@ -640,15 +683,18 @@ class MPClient(_LoopClient):
                     msg = self.codec.decode(self._outputs_conn.recv_bytes())
                 except EOFError:
                     self.process.join(5)
-                    raise RuntimeError("the engine process exited during start-up "
-                                       f"(exit code {self.process.exitcode})") from None
+                    raise RuntimeError(
+                        "the engine process exited during start-up "
+                        f"(exit code {self.process.exitcode})"
+                    ) from None
                 if isinstance(msg, EngineCoreReady):
                     return msg
                 if isinstance(msg, EngineCoreFailed):
                     raise RuntimeError(f"the engine could not start: {msg.message}")
             elif not self.process.is_alive():
-                raise RuntimeError("the engine process exited during start-up "
-                                   f"(exit code {self.process.exitcode})")
+                raise RuntimeError(
+                    f"the engine process exited during start-up (exit code {self.process.exitcode})"
+                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise RuntimeError(f"the engine did not start within {timeout:.0f}s")
 
@@ -667,8 +713,9 @@ class MPClient(_LoopClient):
             raise error
         self._writer.send(request, wait=True)
 
-    def abort_requests(self, request_ids: list[str],
-                       reason: FinishReason = FinishReason.ABORT) -> None:
+    def abort_requests(
+        self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT
+    ) -> None:
         if self._stopped() is None:
             self._write(AbortRequests(list(request_ids), reason))
 

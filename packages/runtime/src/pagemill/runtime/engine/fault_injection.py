@@ -45,8 +45,9 @@ class TokenFault:
     A class (not a closure) so that it pickles into an engine process.
     """
 
-    def __init__(self, token_id: int,
-                 message: str = "injected fault: a poisoned token in the batch") -> None:
+    def __init__(
+        self, token_id: int, message: str = "injected fault: a poisoned token in the batch"
+    ) -> None:
         self.token_id = token_id
         self.message = message
 
@@ -64,8 +65,9 @@ def inject_fault(engine: object, fault: Fault) -> None:
     core.model_runner = FaultyModelRunner(core.model_runner, fault)
 
 
-def inject_token_fault(engine: object, token_id: int,
-                       message: str = "injected fault: a poisoned token in the batch") -> None:
+def inject_token_fault(
+    engine: object, token_id: int, message: str = "injected fault: a poisoned token in the batch"
+) -> None:
     """Make `engine`'s steps raise RuntimeError(message) whenever `token_id` is an input.
 
     For fault-injection drills and tests (picklable with functools.partial, so it also

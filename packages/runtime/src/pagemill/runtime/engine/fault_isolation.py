@@ -40,8 +40,15 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_CULPRITS = 8
 
 _DEVICE_ERROR_MARKERS = (
-    "CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "device-side assert", "illegal memory access",
-    "NCCL", "HIP error", "unspecified launch failure", "CUDA driver",
+    "CUDA error",
+    "CUBLAS_STATUS",
+    "CUDNN_STATUS",
+    "device-side assert",
+    "illegal memory access",
+    "NCCL",
+    "HIP error",
+    "unspecified launch failure",
+    "CUDA driver",
 )
 
 
@@ -94,12 +101,18 @@ class FaultIsolator:
         ids = [s.request_id for s in output.scheduled]
         if not ids:
             raise EngineFaultError(f"a step with no request failed: {exc!r}") from exc
-        logger.warning("a step over %d request(s) failed (%s: %s); isolating the cause",
-                       len(ids), type(exc).__name__, exc, exc_info=exc)
+        logger.warning(
+            "a step over %d request(s) failed (%s: %s); isolating the cause",
+            len(ids),
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
         sched = self.scheduler
         for s in output.scheduled:
-            self._targets[s.request_id] = max(self._targets.get(s.request_id, 0),
-                                              s.request.num_tokens)
+            self._targets[s.request_id] = max(
+                self._targets.get(s.request_id, 0), s.request.num_tokens
+            )
         sched.undo_step(output)
         updates: list[RequestUpdate] = []
         if len(ids) == 1:
@@ -108,12 +121,15 @@ class FaultIsolator:
             if self._culprits_in_a_row > MAX_CONSECUTIVE_CULPRITS:
                 raise EngineFaultError(
                     f"{self._culprits_in_a_row} requests in a row failed alone; the engine, "
-                    f"not a request, is at fault: {exc!r}") from exc
-            logger.error("request %s fails every step it is in (%s); finishing it with an "
-                         "error", ids[0], type(exc).__name__)
+                    f"not a request, is at fault: {exc!r}"
+                ) from exc
+            logger.error(
+                "request %s fails every step it is in (%s); finishing it with an error",
+                ids[0],
+                type(exc).__name__,
+            )
             self._targets.pop(ids[0], None)
-            updates = self._fail(ids, f"the engine failed on this request "
-                                      f"({type(exc).__name__})")
+            updates = self._fail(ids, f"the engine failed on this request ({type(exc).__name__})")
         else:
             half = len(ids) // 2
             self._groups.appendleft(ids[half:])
@@ -154,4 +170,3 @@ class FaultIsolator:
         self._testing = None
         self._targets.clear()
         sched.restrict_to(None)
-

@@ -38,8 +38,14 @@ class InputProcessor:
     a request may fill the context.
     """
 
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int,
-                 eos_token_ids: Sequence[int], default_max_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+        default_max_tokens: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -66,9 +72,11 @@ class InputProcessor:
     def check_text_size(self, text: str, what: str = "the prompt") -> None:
         size = len(text.encode("utf-8"))
         if size > self.text_byte_limit():
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
-                             f"tokens; {what} is {size} bytes, more than that many tokens "
-                             "can hold.")
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} "
+                f"tokens; {what} is {size} bytes, more than that many tokens "
+                "can hold."
+            )
 
     def encode(self, prompt: str) -> list[int]:
         if self.tokenizer is None:
@@ -76,10 +84,14 @@ class InputProcessor:
         self.check_text_size(prompt)
         return list(self.tokenizer.encode(prompt))
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None,
-                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of a conversation through `chat_template` (a Jinja template), else the
         tokenizer's own.
 
@@ -87,14 +99,26 @@ class InputProcessor:
         tool results, see `tool_calling.render_chat`: a template that knows tools gets them
         as they are, one that does not gets them written in the Hermes format.
         """
-        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        if self.tokenizer is None or not (
+            chat_template or getattr(self.tokenizer, "chat_template", None)
+        ):
+            raise ValueError(
+                "this model's tokenizer has no chat template; use generate() with a plain prompt"
+            )
         text = render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template)
         # The template already writes every special token it wants; don't add a second BOS.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams, *,
-                priority: int, cache_salt: str | None, arrival_time: float) -> ProcessedRequest:
+    def process(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int,
+        cache_salt: str | None,
+        arrival_time: float,
+    ) -> ProcessedRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
@@ -107,26 +131,32 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
                 f"has {n_prompt} tokens, which leaves no room for a completion: at most "
                 f"max_model_len - 1 = {limit - 1} fit (one position is needed for the first "
-                "generated token).")
+                "generated token)."
+            )
         max_tokens = params.max_tokens
         if max_tokens is None:
             room = limit - n_prompt
-            max_tokens = room if self.default_max_tokens is None else min(
-                self.default_max_tokens, room)
+            max_tokens = (
+                room if self.default_max_tokens is None else min(self.default_max_tokens, room)
+            )
         elif n_prompt + max_tokens > limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens: prompt ({n_prompt} "
                 f"tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} exceeds "
                 f"max_model_len={limit}. Please reduce the prompt or max_tokens (to at most "
-                f"{limit - n_prompt}).")
+                f"{limit - n_prompt})."
+            )
         if params.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens ({params.min_tokens}) must not exceed max_tokens "
-                             f"({max_tokens})")
+            raise ValueError(
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})"
+            )
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
             if bad:
-                raise ValueError(f"logit_bias token id(s) {bad[:5]} are outside the "
-                                 f"vocabulary (ids must be < {self.vocab_size})")
+                raise ValueError(
+                    f"logit_bias token id(s) {bad[:5]} are outside the "
+                    f"vocabulary (ids must be < {self.vocab_size})"
+                )
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer, and this model folder has none")
         if params.structured_outputs is not None:
@@ -142,9 +172,19 @@ class InputProcessor:
             stop_ids = list(child.stop_token_ids)
             if not child.ignore_eos:
                 stop_ids += [t for t in eos[1:] if t not in stop_ids]
-            completions.append(EngineCoreRequest(
-                child_id, prompt_ids, child, max_tokens, eos[0] if eos else None, stop_ids,
-                arrival_time, priority, cache_salt))
+            completions.append(
+                EngineCoreRequest(
+                    child_id,
+                    prompt_ids,
+                    child,
+                    max_tokens,
+                    eos[0] if eos else None,
+                    stop_ids,
+                    arrival_time,
+                    priority,
+                    cache_salt,
+                )
+            )
         return ProcessedRequest(text, prompt_ids, completions)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -157,11 +197,16 @@ class InputProcessor:
             text = None
             ids = list(prompt)
             vocab = self.vocab_size
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [
+                t
+                for t in ids
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+            ]
             if bad:
                 # An id past the embedding table would break the step, not just this request.
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab}) (the "
-                                 f"vocabulary); got {bad[:5]}")
+                raise ValueError(
+                    f"prompt token ids must be ints in [0, {vocab}) (the vocabulary); got {bad[:5]}"
+                )
         if not ids:
             raise ValueError("the prompt is empty (it encodes to no tokens)")
         return text, ids

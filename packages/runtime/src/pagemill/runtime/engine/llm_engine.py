@@ -50,19 +50,33 @@ class EngineStats:
     @classmethod
     def combine(cls, core: SchedulerStats, out: OutputProcessor) -> EngineStats:
         """The core's gauges with the front end's token counters."""
-        return cls(core.num_running, core.num_waiting, core.kv_cache_usage,
-                   core.prefix_cache_queries, core.prefix_cache_hits, core.num_preemptions,
-                   out.prompt_tokens_total, out.generation_tokens_total,
-                   out.num_requests_finished, core.num_blocks, core.block_size,
-                   core.grammar_cache_bytes)
+        return cls(
+            core.num_running,
+            core.num_waiting,
+            core.kv_cache_usage,
+            core.prefix_cache_queries,
+            core.prefix_cache_hits,
+            core.num_preemptions,
+            out.prompt_tokens_total,
+            out.generation_tokens_total,
+            out.num_requests_finished,
+            core.num_blocks,
+            core.block_size,
+            core.grammar_cache_bytes,
+        )
 
 
-def make_processors(assets: ModelAssets, info: EngineCoreReady
-                    ) -> tuple[InputProcessor, OutputProcessor]:
+def make_processors(
+    assets: ModelAssets, info: EngineCoreReady
+) -> tuple[InputProcessor, OutputProcessor]:
     """The front end's two halves, for a core that reported `info`."""
-    inputs = InputProcessor(assets.tokenizer, assets.model_config.vocab_size, info.max_model_len,
-                            assets.model_config.eos_token_ids,
-                            default_max_tokens=assets.generation_defaults.get("max_tokens"))
+    inputs = InputProcessor(
+        assets.tokenizer,
+        assets.model_config.vocab_size,
+        info.max_model_len,
+        assets.model_config.eos_token_ids,
+        default_max_tokens=assets.generation_defaults.get("max_tokens"),
+    )
     return inputs, OutputProcessor(assets.tokenizer)
 
 
@@ -76,11 +90,16 @@ class LLMEngine:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         self.config = config
         self.assets = ModelAssets.load(config)
-        core = EngineCore(config, self.assets.path, self.assets.model_config,
-                          self.assets.structured_output_manager(config))
+        core = EngineCore(
+            config,
+            self.assets.path,
+            self.assets.model_config,
+            self.assets.structured_output_manager(config),
+        )
         self.engine_core_client: EngineCoreClient = InprocClient(core)
         self.input_processor, self.output_processor = make_processors(
-            self.assets, self.engine_core_client.info)
+            self.assets, self.engine_core_client.info
+        )
         # The last step's increments (tokens, latencies, finished requests), for metrics.
         self.iteration_stats = IterationStats()
 
@@ -143,12 +162,17 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         return self.input_processor.encode(prompt)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
-                            add_generation_prompt: bool = True, *,
-                            chat_template: str | None = None,
-                            tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> list[int]:
         return self.input_processor.apply_chat_template(
-            messages, add_generation_prompt, chat_template=chat_template, tools=tools)
+            messages, add_generation_prompt, chat_template=chat_template, tools=tools
+        )
 
     def add_request(
         self,
@@ -169,14 +193,29 @@ class LLMEngine:
         if isinstance(request_id, str) and self.output_processor.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
-        processed = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                                 cache_salt=cache_salt, arrival_time=arrival)
-        taken = [r.request_id for r in processed.completions
-                 if self.output_processor.is_known(r.request_id)]
+        processed = self.input_processor.process(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            arrival_time=arrival,
+        )
+        taken = [
+            r.request_id
+            for r in processed.completions
+            if self.output_processor.is_known(r.request_id)
+        ]
         if taken:
             raise ValueError(f"request id {request_id!r} collides with running request(s) {taken}")
-        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
-                                          params.output_kind, arrival, processed.completions)
+        self.output_processor.add_request(
+            request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            params.output_kind,
+            arrival,
+            processed.completions,
+        )
         for request in processed.completions:
             self.engine_core_client.add_request(request)
 
@@ -193,8 +232,10 @@ class LLMEngine:
             self.engine_core_client.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.output_processor.has_unfinished_requests()
-                or self.engine_core.has_unfinished_requests())
+        return (
+            self.output_processor.has_unfinished_requests()
+            or self.engine_core.has_unfinished_requests()
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

@@ -51,8 +51,9 @@ class ModelAssets:
         path = resolve_model_path(config.model, config.revision)
         check_model_folder(path, config.load_format)
         model_config = ModelConfig.from_pretrained(path)
-        tokenizer = load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer
-                                   else str(path))
+        tokenizer = load_tokenizer(
+            resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path)
+        )
         apply_chat_template_override(tokenizer, config.chat_template)
         defaults = load_generation_defaults(config.generation_config, path)
         return cls(path, model_config, tokenizer, defaults)
@@ -67,6 +68,10 @@ class ModelAssets:
             return None
         from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
-        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                       self.eos_token_ids, config.scheduler.max_num_seqs,
-                                       config.structured_outputs)
+        return StructuredOutputManager(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            config.scheduler.max_num_seqs,
+            config.structured_outputs,
+        )

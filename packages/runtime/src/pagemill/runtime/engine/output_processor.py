@@ -62,12 +62,29 @@ class ProcessedOutputs:
 class _Completion:
     """One of a request's `n` completions: its detokenizer, logprobs and finish state."""
 
-    __slots__ = ("cumulative_logprob", "detokenizer", "finish_reason", "index", "last_token_time",
-                 "logprobs", "num_logprobs", "params", "parent", "request_id", "stop_reason",
-                 "token_ids")
+    __slots__ = (
+        "cumulative_logprob",
+        "detokenizer",
+        "finish_reason",
+        "index",
+        "last_token_time",
+        "logprobs",
+        "num_logprobs",
+        "params",
+        "parent",
+        "request_id",
+        "stop_reason",
+        "token_ids",
+    )
 
-    def __init__(self, request_id: str, index: int, parent: _Parent, params: SamplingParams,
-                 detokenizer: IncrementalDetokenizer | None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        parent: _Parent,
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+    ) -> None:
         self.request_id = request_id
         # The caller's copy of the completion (the core keeps its own on its side of the
         # boundary): what FINAL_ONLY and CUMULATIVE outputs carry.
@@ -107,11 +124,24 @@ class _Completion:
 class _Parent:
     """A request as the caller sees it: a prompt and its `n` completions."""
 
-    __slots__ = ("completions", "kind", "metrics", "num_unfinished", "prompt", "prompt_token_ids",
-                 "request_id")
+    __slots__ = (
+        "completions",
+        "kind",
+        "metrics",
+        "num_unfinished",
+        "prompt",
+        "prompt_token_ids",
+        "request_id",
+    )
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 kind: RequestOutputKind, arrival_time: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        kind: RequestOutputKind,
+        arrival_time: float,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -125,8 +155,14 @@ class _Parent:
         return self.num_unfinished == 0
 
     def output(self, changed: Sequence[CompletionOutput]) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, list(changed),
-                             self.finished, self.metrics)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            list(changed),
+            self.finished,
+            self.metrics,
+        )
 
 
 class OutputProcessor:
@@ -145,9 +181,15 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    kind: RequestOutputKind, arrival_time: float,
-                    completions: Sequence[EngineCoreRequest]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        kind: RequestOutputKind,
+        arrival_time: float,
+        completions: Sequence[EngineCoreRequest],
+    ) -> None:
         parent = _Parent(request_id, prompt, prompt_token_ids, kind, arrival_time)
         for index, request in enumerate(completions):
             params = request.sampling_params
@@ -240,8 +282,9 @@ class OutputProcessor:
                 if reason == FinishReason.ERROR and not is_grammar_failure(upd.stop_reason):
                     # The core's words are for the log; a caller learns only that it failed
                     # (a grammar failure is worded for the caller: it says what to fix).
-                    logger.error("request %s failed in the engine: %s", upd.request_id,
-                                 upd.stop_reason)
+                    logger.error(
+                        "request %s failed in the engine: %s", upd.request_id, upd.stop_reason
+                    )
                     c.stop_reason = None
             if c.finish_reason is not None:
                 del self._completions[upd.request_id]
@@ -261,19 +304,34 @@ class OutputProcessor:
         stats.finished_requests, self._finished_stats = self._finished_stats, []
         return ProcessedOutputs(outputs, reqs_to_finish, stats)
 
-    def _completion_output(self, c: _Completion, tokens: list[int],
-                           entries: list[dict[int, float]] | None = None) -> CompletionOutput:
+    def _completion_output(
+        self, c: _Completion, tokens: list[int], entries: list[dict[int, float]] | None = None
+    ) -> CompletionOutput:
         if c.num_logprobs is not None and entries is None:
             entries = []
-        return CompletionOutput(c.index, c.text_delta(), tokens, c.cumulative_logprob, entries,
-                                c.finish_reason, c.stop_reason)
+        return CompletionOutput(
+            c.index,
+            c.text_delta(),
+            tokens,
+            c.cumulative_logprob,
+            entries,
+            c.finish_reason,
+            c.stop_reason,
+        )
 
-    def _time_tokens(self, c: _Completion, parent: _Parent, upd: EngineCoreOutput, now: float,
-                     stats: IterationStats) -> None:
+    def _time_tokens(
+        self,
+        c: _Completion,
+        parent: _Parent,
+        upd: EngineCoreOutput,
+        now: float,
+        stats: IterationStats,
+    ) -> None:
         n = len(upd.new_token_ids)
         m = parent.metrics
         if upd.first_scheduled_time is not None and (
-                m.first_scheduled_time is None or upd.first_scheduled_time < m.first_scheduled_time):
+            m.first_scheduled_time is None or upd.first_scheduled_time < m.first_scheduled_time
+        ):
             m.first_scheduled_time = upd.first_scheduled_time
         if m.first_token_time is None:
             m.first_token_time = now
@@ -311,8 +369,17 @@ class OutputProcessor:
         m.finished_time = now
         self.num_requests_finished += 1
         reasons = [c.finish_reason for c in parent.completions if c.finish_reason]
-        queue = None if m.first_scheduled_time is None else max(0.0, m.first_scheduled_time - m.arrival_time)
-        self._finished_stats.append(FinishedRequestStats(
-            reasons[0] if reasons else "abort", now - m.arrival_time, queue,
-            len(parent.prompt_token_ids),
-            sum(len(c.token_ids) for c in parent.completions)))
+        queue = (
+            None
+            if m.first_scheduled_time is None
+            else max(0.0, m.first_scheduled_time - m.arrival_time)
+        )
+        self._finished_stats.append(
+            FinishedRequestStats(
+                reasons[0] if reasons else "abort",
+                now - m.arrival_time,
+                queue,
+                len(parent.prompt_token_ids),
+                sum(len(c.token_ids) for c in parent.completions),
+            )
+        )

@@ -36,14 +36,22 @@ class FinishReason(enum.IntEnum):
         return _API_NAMES[self]
 
 
-_API_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-              FinishReason.ABORT: "abort", FinishReason.ERROR: "error",
-              FinishReason.IGNORED: "length"}
+_API_NAMES = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.IGNORED: "length",
+}
 
 # The scheduler's words for a finished request (`RequestStatus.finish_reason`).
-FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
-                  "abort": FinishReason.ABORT, "error": FinishReason.ERROR,
-                  "ignored": FinishReason.IGNORED}
+FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+    "ignored": FinishReason.IGNORED,
+}
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag="add"):
@@ -158,8 +166,17 @@ class EngineCoreEvent(msgspec.Struct, array_like=True, tag="event"):
     payload: dict[str, Any]
 
 
-Message = (EngineCoreRequest | EngineCoreOutputs | AbortRequests | UtilityCall | UtilityResult
-           | Shutdown | EngineCoreReady | EngineCoreFailed | EngineCoreEvent)
+Message = (
+    EngineCoreRequest
+    | EngineCoreOutputs
+    | AbortRequests
+    | UtilityCall
+    | UtilityResult
+    | Shutdown
+    | EngineCoreReady
+    | EngineCoreFailed
+    | EngineCoreEvent
+)
 
 
 class Codec:

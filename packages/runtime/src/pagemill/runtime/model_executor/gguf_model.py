@@ -104,8 +104,7 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
             f"load; supported: {', '.join(DIRECT_TYPES)} (Q4_0/Q4_1/Q8_0 kept packed) and, "
             f"dequantized once, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
         )
-    return {"architecture": arch, "types": types,
-            "tensor_names": [t.name for t in reader.tensors]}
+    return {"architecture": arch, "types": types, "tensor_names": [t.name for t in reader.tensors]}
 
 
 def _key(path: Path) -> dict[str, Any]:
@@ -148,8 +147,12 @@ def prepare_gguf_folder(path: str | Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("extracted %s's config and tokenizer to %s in %.1f s", path.name, target,
-                time.monotonic() - start)
+    logger.info(
+        "extracted %s's config and tokenizer to %s in %.1f s",
+        path.name,
+        target,
+        time.monotonic() - start,
+    )
     return target
 
 
@@ -172,11 +175,17 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer.save_pretrained(str(out))
     except Exception as e:  # a file without tokenizer metadata still serves token ids
-        logger.warning("%s has no usable tokenizer (%s); only token-id prompts will work",
-                       path.name, e)
+        logger.warning(
+            "%s has no usable tokenizer (%s); only token-id prompts will work", path.name, e
+        )
     dense = sorted(t for t in info["types"] if t not in DIRECT_TYPES)
-    meta = {"version": _VERSION, **_key(path), "architecture": info["architecture"],
-            "tensor_types": info["types"], "dense_copy_types": dense}
+    meta = {
+        "version": _VERSION,
+        **_key(path),
+        "architecture": info["architecture"],
+        "tensor_types": info["types"],
+        "dense_copy_types": dense,
+    }
     (out / _MARKER).write_text(json.dumps(meta, indent=2))
 
 

@@ -90,7 +90,9 @@ def decode_q8_0(raw: np.ndarray, rows: int, k: int) -> Int8Blocks:
     return Int8Blocks(q, d, _BLOCK, "Q8_0")
 
 
-def read_gguf_tensor(kind: int, shape: tuple[int, ...], raw: np.ndarray) -> torch.Tensor | QuantizedRows:
+def read_gguf_tensor(
+    kind: int, shape: tuple[int, ...], raw: np.ndarray
+) -> torch.Tensor | QuantizedRows:
     """One tensor from its GGML type, GGUF shape (innermost dimension first) and raw bytes,
     in Hugging Face's [out, in] orientation."""
     import gguf
@@ -107,8 +109,11 @@ def read_gguf_tensor(kind: int, shape: tuple[int, ...], raw: np.ndarray) -> torc
     }
     if qtype in decoders and len(shape) == 2:
         return decoders[qtype](raw, rows, k)
-    plain = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
-             gguf.GGMLQuantizationType.BF16: np.int16}
+    plain = {
+        gguf.GGMLQuantizationType.F32: np.float32,
+        gguf.GGMLQuantizationType.F16: np.float16,
+        gguf.GGMLQuantizationType.BF16: np.int16,
+    }
     if qtype in plain:
         values = torch.from_numpy(np.array(raw, copy=True).view(plain[qtype])).reshape(shape)
         return values.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else values
@@ -140,14 +145,24 @@ class GGUFCheckpoint:
                 **key,
                 "architecture": arch,
                 "block_count": int(reader.fields[f"{arch}.block_count"].contents()),
-                "tensors": [[t.name, int(t.tensor_type), [int(n) for n in t.shape.tolist()],
-                             int(t.data_offset), int(t.n_bytes)] for t in reader.tensors],
+                "tensors": [
+                    [
+                        t.name,
+                        int(t.tensor_type),
+                        [int(n) for n in t.shape.tolist()],
+                        int(t.data_offset),
+                        int(t.n_bytes),
+                    ]
+                    for t in reader.tensors
+                ],
             }
             if index_file is not None:
                 self._write_index(Path(index_file), index)
         self.architecture: str = index["architecture"]
         self.block_count: int = index["block_count"]
-        self.tensors: list[tuple[str, int, list[int], int, int]] = [tuple(t) for t in index["tensors"]]
+        self.tensors: list[tuple[str, int, list[int], int, int]] = [
+            tuple(t) for t in index["tensors"]
+        ]
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     @staticmethod
@@ -185,7 +200,9 @@ class GGUFCheckpoint:
 
         archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if self.architecture not in archs:
-            raise ValueError(f"GGUF architecture {self.architecture!r} is not known to the gguf package")
+            raise ValueError(
+                f"GGUF architecture {self.architecture!r} is not known to the gguf package"
+            )
         tmap = gguf.get_tensor_name_map(archs[self.architecture], self.block_count)
         out: dict[str, str] = {}
         for hf in names:
@@ -194,7 +211,9 @@ class GGUFCheckpoint:
                 out[g] = hf
         return out
 
-    def weights(self, names: Iterable[str], config: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+    def weights(
+        self, names: Iterable[str], config: ModelConfig
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """Yield (Hugging Face name, tensor or quantized rows) for every tensor of the file
         that one of `names` maps to; tensors nothing asks for (rope tables, ...) are skipped."""
         mapping = self._name_map(names)
@@ -203,8 +222,12 @@ class GGUFCheckpoint:
             if hf is None:
                 continue
             value = read_gguf_tensor(kind, tuple(shape), self._data[offset : offset + n_bytes])
-            if self.architecture in _PERMUTED_QK_ARCHS and (".attn_q." in name or ".attn_k." in name):
-                heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            if self.architecture in _PERMUTED_QK_ARCHS and (
+                ".attn_q." in name or ".attn_k." in name
+            ):
+                heads = (
+                    config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+                )
                 index = _reverse_permute_index(value.shape[0], heads)
                 value = value[index] if isinstance(value, torch.Tensor) else value.index_rows(index)
             yield hf, value

@@ -103,10 +103,17 @@ def load_model(
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} cannot be split across ranks")
         if gguf is not None:
-            logger.info("tensor parallel: %s is served dense (packed GGUF rows are not split "
-                        "across ranks)", gguf.name)
-    plan = plan_weights(quantization, gguf=gguf is not None and layout is None, dtype=dtype,
-                        device=device, dense_fallback=dense_fallback)
+            logger.info(
+                "tensor parallel: %s is served dense (packed GGUF rows are not split across ranks)",
+                gguf.name,
+            )
+    plan = plan_weights(
+        quantization,
+        gguf=gguf is not None and layout is None,
+        dtype=dtype,
+        device=device,
+        dense_fallback=dense_fallback,
+    )
     with torch.device(device):
         if layout is None:
             model = cls(model_config, dtype, max_position)

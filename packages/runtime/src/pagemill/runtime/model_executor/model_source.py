@@ -42,8 +42,14 @@ logger = logging.getLogger(__name__)
 
 # What a model needs from a Hub repository; pytorch .bin, GGUF, ONNX and the like are not
 # downloaded (a safetensors model has all it needs in these).
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt",
-                      "*.jinja"]
+HUB_ALLOW_PATTERNS = [
+    "*.json",
+    "*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jinja",
+]
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # `org/name-GGUF:Q4_K_M` (vLLM's spelling): the one .gguf file of that quantization.
 _QUANT = re.compile(r"[A-Za-z0-9_]+")
@@ -69,7 +75,8 @@ def hub_cache_dir() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
     return Path(home).expanduser() / "hub"
 
 
@@ -88,7 +95,8 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSource:
         if path.suffix.lower() != ".gguf":
             raise ValueError(
                 f"model {model!r} is a file but not a .gguf; pass a .gguf file, a Hugging Face "
-                f"model folder (config.json, *.safetensors, tokenizer) or a Hub id (org/name)")
+                f"model folder (config.json, *.safetensors, tokenizer) or a Hub id (org/name)"
+            )
         folder = prepare_gguf_folder(path)
         return ModelSource(model, "gguf", folder, gguf_file_for_folder(folder))
     if is_hub_id(model):
@@ -114,7 +122,8 @@ def download_from_hub(repo_id: str, revision: str | None = None) -> Path:
         raise ValueError(
             f"Hub repository {repo_id!r}{at} has no config.json; pagemill serves Hugging Face "
             f"(safetensors) repositories, GGUF repositories as '{repo_id}:QUANT' (e.g. :Q8_0), "
-            f"or a local .gguf file")
+            f"or a local .gguf file"
+        )
     _check_architecture(config_file)
     folder = _snapshot(repo_id, revision, HUB_ALLOW_PATTERNS)
     logger.info("%s%s: %s", repo_id, at, folder)
@@ -137,18 +146,31 @@ def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> Path:
     cache = hub_cache_dir()
     at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(snapshot_download(
-            repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
-            allow_patterns=patterns, endpoint=os.environ.get("HF_ENDPOINT") or None,
-        ))
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                cache_dir=cache,
+                local_files_only=offline,
+                allow_patterns=patterns,
+                endpoint=os.environ.get("HF_ENDPOINT") or None,
+            )
+        )
     except (RevisionNotFoundError, RepositoryNotFoundError, GatedRepoError) as e:
-        raise ValueError(f"Hugging Face Hub model {repo_id!r}{at}: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0]}") from e
+        raise ValueError(
+            f"Hugging Face Hub model {repo_id!r}{at}: {type(e).__name__}: {str(e).splitlines()[0]}"
+        ) from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        why = ("HF_HUB_OFFLINE is set" if offline
-               else f"the Hub could not be reached ({str(e).splitlines()[0]})")
-        fix = ("unset HF_HUB_OFFLINE to download it" if offline
-               else "connect to the network and run again")
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if offline
+            else f"the Hub could not be reached ({str(e).splitlines()[0]})"
+        )
+        fix = (
+            "unset HF_HUB_OFFLINE to download it"
+            if offline
+            else "connect to the network and run again"
+        )
         raise ValueError(
             f"model {repo_id!r}{at} is not in the Hugging Face cache ({cache}) and {why}. To "
             f"fix: {fix}; or fill the cache elsewhere (`hf download {repo_id}`) and point "
@@ -169,14 +191,16 @@ def resolve_tokenizer(name: str) -> str:
 def download_gguf_from_hub(repo_id: str, quant: str, revision: str | None = None) -> Path:
     """The one `.gguf` file of quantization `quant` in Hub repository `repo_id`."""
     folder = _snapshot(repo_id, revision, [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"])
-    files = sorted(p for p in folder.rglob("*.gguf")
-                   if quant.lower() in p.name.lower() and p.is_file())
+    files = sorted(
+        p for p in folder.rglob("*.gguf") if quant.lower() in p.name.lower() and p.is_file()
+    )
     if len(files) != 1:
         found = ", ".join(str(p.relative_to(folder)) for p in files) or "none"
         raise ValueError(
             f"Hub repository {repo_id!r} must hold exactly one .gguf file of quantization "
             f"{quant!r} for '{repo_id}:{quant}'; found {found} (split multi-file GGUFs are not "
-            f"supported)")
+            f"supported)"
+        )
     return files[0]
 
 
@@ -199,9 +223,13 @@ def gguf_for_folder(folder: str | Path) -> Path | None:
     return _default_gguf_for_folder(folder) or gguf_file_for_folder(folder)
 
 
-def check_model_source(model: str, revision: str | None = None, *,
-                       chat_template: str | None = None,
-                       generation_config: str = "auto") -> ModelSource:
+def check_model_source(
+    model: str,
+    revision: str | None = None,
+    *,
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+) -> ModelSource:
     """Everything about a model that can be wrong before a weight is read: the name, the
     architecture, the GGUF's types, the chat template and generation-config options.
 

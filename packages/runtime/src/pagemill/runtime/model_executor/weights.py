@@ -33,14 +33,18 @@ def safetensors_files(folder: str | Path) -> list[Path]:
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} lists shard(s) missing from {folder}: {', '.join(missing)}")
+            raise FileNotFoundError(
+                f"{index} lists shard(s) missing from {folder}: {', '.join(missing)}"
+            )
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-        hint = " (PyTorch .bin checkpoints are not supported; convert to safetensors)" if any(
-            n.endswith(".bin") for n in present
-        ) else ""
+        hint = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
+            if any(n.endswith(".bin") for n in present)
+            else ""
+        )
         raise FileNotFoundError(
             f"no *.safetensors weights in {folder}{hint}; folder holds: {', '.join(present) or 'nothing'}"
         )

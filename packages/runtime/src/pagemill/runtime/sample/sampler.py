@@ -216,8 +216,9 @@ class Sampler:
         """Tokens of rows that top-k, top-p or min-p filter; `z` is theirs to modify."""
         vocab = z.shape[1]
         aux = self._scratch.get("aux", z.shape[0], vocab, z.device)
-        head, wider = _filter_head(z, top_k, top_p, min_p, max_top_k, aux, width_cap,
-                                   split_flat=True)
+        head, wider = _filter_head(
+            z, top_k, top_p, min_p, max_top_k, aux, width_cap, split_flat=True
+        )
         if head.flat is not None:
             # Flat rows leave the head (its width was sized without them) for rejection.
             flat = head.flat
@@ -232,12 +233,22 @@ class Sampler:
             def take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
                 return None if t is None else t.index_select(0, idx)
 
-            tokens[rows] = self._draw_nucleus(_take_rows(z, rows), take(top_p, rows),
-                                              take(min_p, rows), _generators_of(gens, rows))
+            tokens[rows] = self._draw_nucleus(
+                _take_rows(z, rows),
+                take(top_p, rows),
+                take(min_p, rows),
+                _generators_of(gens, rows),
+            )
             if others.numel():
                 tokens[others] = self._race_filtered(
-                    _take_rows(z, others), take(top_k, others), take(top_p, others),
-                    take(min_p, others), max_top_k, _generators_of(gens, others), width_cap)
+                    _take_rows(z, others),
+                    take(top_k, others),
+                    take(top_p, others),
+                    take(min_p, others),
+                    max_top_k,
+                    _generators_of(gens, others),
+                    width_cap,
+                )
             return tokens
         if wider is None:
             if head.order.shape[1] < vocab:
@@ -268,8 +279,13 @@ class Sampler:
         )
         return tokens
 
-    def _draw_nucleus(self, z: torch.Tensor, top_p: torch.Tensor | None,
-                      min_p: torch.Tensor | None, gens: dict[int, torch.Generator]) -> torch.Tensor:
+    def _draw_nucleus(
+        self,
+        z: torch.Tensor,
+        top_p: torch.Tensor | None,
+        min_p: torch.Tensor | None,
+        gens: dict[int, torch.Generator],
+    ) -> torch.Tensor:
         """Tokens of flat rows filtered by top-p and/or min-p (no top-k), without ordering
         the vocabulary: rejection sampling, as FlashInfer's top-p sampling does.
 
@@ -293,8 +309,9 @@ class Sampler:
         tokens = torch.empty(rows, dtype=torch.long, device=z.device)
         active = torch.arange(rows, device=z.device)
         while active.numel():
-            s = _inverse_cdf(cand, self._uniforms(active.numel(), _generators_of(gens, active),
-                                                  z.device)).unsqueeze(1)
+            s = _inverse_cdf(
+                cand, self._uniforms(active.numel(), _generators_of(gens, active), z.device)
+            ).unsqueeze(1)
             wa = w if active.numel() == rows else _take_rows(w, active)
             ws = wa.gather(1, s)
             mass = torch.where(wa > ws, wa, 0.0).sum(dim=-1).double()
@@ -314,8 +331,9 @@ class Sampler:
             active = active[rejected]
         return tokens
 
-    def _uniforms(self, rows: int, gens: dict[int, torch.Generator],
-                  device: torch.device) -> torch.Tensor:
+    def _uniforms(
+        self, rows: int, gens: dict[int, torch.Generator], device: torch.device
+    ) -> torch.Tensor:
         """[rows] float64 uniforms in [0, 1): one per row, a seeded row's from its own
         generator (so its token depends on its own logits and stream only)."""
         u = torch.empty(rows, dtype=torch.float64, device=device)
@@ -351,8 +369,9 @@ def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     Advanced indexing, not index_select: on this CPU build index_select copies a [64, 49152]
     fp32 tensor ~5x slower (measured 100 vs 20 ms on 2 busy cores).
     """
-    if rows.numel() == t.shape[0] and bool((rows == torch.arange(t.shape[0],
-                                                                   device=rows.device)).all()):
+    if rows.numel() == t.shape[0] and bool(
+        (rows == torch.arange(t.shape[0], device=rows.device)).all()
+    ):
         return t
     return t[rows]
 
@@ -378,8 +397,9 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     b = torch.searchsorted(cum, target, right=True)
     # Rounding may put the target at the very end: the last block with any weight.
     idx = torch.arange(nb, device=weights.device)
-    last_b = torch.where(cum > torch.cat([cum.new_zeros(rows, 1), cum[:, :-1]], dim=1),
-                         idx, 0).amax(dim=-1, keepdim=True)
+    last_b = torch.where(
+        cum > torch.cat([cum.new_zeros(rows, 1), cum[:, :-1]], dim=1), idx, 0
+    ).amax(dim=-1, keepdim=True)
     b = torch.minimum(b, last_b)
     before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
     inner = blocks.gather(1, b.unsqueeze(2).expand(rows, 1, _BLOCK)).squeeze(1)

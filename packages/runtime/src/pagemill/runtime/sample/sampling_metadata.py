@@ -42,8 +42,9 @@ class LogitBias:
     """[N] fp32."""
 
     @classmethod
-    def from_rows(cls, biases: Sequence[Mapping[int, float] | None],
-                  device: torch.device | str = "cpu") -> LogitBias | None:
+    def from_rows(
+        cls, biases: Sequence[Mapping[int, float] | None], device: torch.device | str = "cpu"
+    ) -> LogitBias | None:
         rows: list[int] = []
         ids: list[int] = []
         values: list[float] = []
@@ -54,9 +55,11 @@ class LogitBias:
                 values += bias.values()
         if not rows:
             return None
-        return cls(torch.tensor(rows, dtype=torch.int64, device=device),
-                   torch.tensor(ids, dtype=torch.int64, device=device),
-                   torch.tensor(values, dtype=torch.float32, device=device))
+        return cls(
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
 
 
 @dataclass(slots=True)
@@ -278,7 +281,12 @@ class SamplingMetadata:
         """The metadata of `params`, one row each, built from scratch: `build` over
         `SamplingColumns.of(params)` (see `build` for the arguments)."""
         return cls.build(
-            SamplingColumns.of(params), params, output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids, generators=generators,
-            banned_until_min=banned_until_min, token_bitmask=token_bitmask, device=device,
+            SamplingColumns.of(params),
+            params,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            generators=generators,
+            banned_until_min=banned_until_min,
+            token_bitmask=token_bitmask,
+            device=device,
         )

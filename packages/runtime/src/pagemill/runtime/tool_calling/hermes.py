@@ -28,8 +28,9 @@ class HermesToolParser(ToolParser):
                 return ExtractedToolCalls([], text)  # not a call after all: keep the text
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 return ExtractedToolCalls([], text)
-            calls.append(ToolCall.make(obj["name"], obj.get("arguments",
-                                                            obj.get("parameters", {}))))
+            calls.append(
+                ToolCall.make(obj["name"], obj.get("arguments", obj.get("parameters", {})))
+            )
         content = text[:start].strip()
         return ExtractedToolCalls(calls, content or None)
 

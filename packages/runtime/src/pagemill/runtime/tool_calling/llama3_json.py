@@ -17,7 +17,7 @@ class Llama3JsonToolParser(ToolParser):
     def extract(self, text: str) -> ExtractedToolCalls:
         body = text.strip()
         if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):].lstrip()
+            body = body[len(PYTHON_TAG) :].lstrip()
         if not body.startswith("{"):
             return ExtractedToolCalls([], text)
         calls, pos = [], 0

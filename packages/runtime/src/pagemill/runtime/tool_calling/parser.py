@@ -26,13 +26,17 @@ class ToolCall:
 
     @classmethod
     def make(cls, name: str, arguments: Any) -> ToolCall:
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                        ensure_ascii=False)
+        text = (
+            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        )
         return cls(name, text)
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass
@@ -71,7 +75,9 @@ def get_tool_parser(name: str) -> ToolParser:
     from pagemill.runtime.tool_calling.llama3_json import Llama3JsonToolParser
 
     parsers: dict[str, type[ToolParser]] = {
-        "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+        "hermes": HermesToolParser,
+        "llama3_json": Llama3JsonToolParser,
+    }
     try:
         return parsers[name]()
     except KeyError:

@@ -56,16 +56,18 @@ def _calls(message: dict[str, Any]) -> list[dict[str, Any]]:
     return calls
 
 
-def hermes_messages(messages: Sequence[dict[str, Any]],
-                    tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def hermes_messages(
+    messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """The conversation in the Hermes format, as plain role/content messages."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role = m.get("role")
         text = content_text(m.get("content"))
         if role == "assistant" and m.get("tool_calls"):
-            blocks = [f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>"
-                      for c in _calls(m)]
+            blocks = [
+                f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in _calls(m)
+            ]
             text = "\n".join(([text] if text else []) + blocks)
             out.append({"role": "assistant", "content": text})
         elif role == "tool":
@@ -81,7 +83,8 @@ def hermes_messages(messages: Sequence[dict[str, Any]],
         m.pop("_tool_results", None)
     if tools:
         system = HERMES_SYSTEM.format(
-            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        )
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{system}" if out[0]["content"] else system
         else:
@@ -89,33 +92,54 @@ def hermes_messages(messages: Sequence[dict[str, Any]],
     return out
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, Any]],
-                add_generation_prompt: bool = True,
-                tools: Sequence[dict[str, Any]] | None = None,
-                chat_template: str | None = None) -> str:
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+) -> str:
     """The prompt text of a conversation (with tools, tool calls and tool results), through
     `chat_template` (a Jinja template) where given, else the tokenizer's own."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     messages = list(messages)
     uses_tools = bool(tools) or any(
-        m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        m.get("tool_calls") or m.get("role") == "tool" for m in messages
+    )
     if not uses_tools:
         plain = [{**m, "content": content_text(m.get("content"))} for m in messages]
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, chat_template=chat_template)
+        return tokenizer.apply_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template,
+        )
     if template_knows_tools(template):
         native = []
         for m in messages:
             m = {**m, "content": content_text(m.get("content"))}
             if m.get("tool_calls"):
                 m["tool_calls"] = [
-                    {**c, "function": {**c["function"],
-                                       "arguments": _arguments(c["function"].get("arguments"))}}
-                    for c in m["tool_calls"]]
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": _arguments(c["function"].get("arguments")),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
             native.append(m)
-        return tokenizer.apply_chat_template(native, tools=list(tools or []) or None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             tokenize=False, chat_template=chat_template)
-    return tokenizer.apply_chat_template(hermes_messages(messages, tools),
-                                         add_generation_prompt=add_generation_prompt,
-                                         tokenize=False, chat_template=chat_template)
+        return tokenizer.apply_chat_template(
+            native,
+            tools=list(tools or []) or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=chat_template,
+        )
+    return tokenizer.apply_chat_template(
+        hermes_messages(messages, tools),
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        chat_template=chat_template,
+    )

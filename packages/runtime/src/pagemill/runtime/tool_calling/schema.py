@@ -27,19 +27,26 @@ def named_function_schema(tools: Sequence[dict[str, Any]], name: str) -> dict[st
         if tool.get("function", tool).get("name") == name:
             return function_parameters(tool)
     known = [t.get("function", t).get("name") for t in tools]
-    raise ValueError(f"tool_choice names function {name!r}, which is not among the tools "
-                     f"{known}")
+    raise ValueError(f"tool_choice names function {name!r}, which is not among the tools {known}")
 
 
 def required_schema(tools: Sequence[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
-    items = [{
-        "type": "object",
-        "properties": {"name": {"type": "string", "enum": [t.get("function", t)["name"]]},
-                       "arguments": function_parameters(t)},
-        "required": ["name", "arguments"],
-    } for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.get("function", t)["name"]]},
+                "arguments": function_parameters(t),
+            },
+            "required": ["name", "arguments"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
@@ -58,8 +65,11 @@ def calls_from_required(text: str) -> list[ToolCall]:
         items = _complete_items(text)
     if not isinstance(items, list):
         return []
-    return [ToolCall.make(i["name"], i.get("arguments", {})) for i in items
-            if isinstance(i, dict) and isinstance(i.get("name"), str)]
+    return [
+        ToolCall.make(i["name"], i.get("arguments", {}))
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("name"), str)
+    ]
 
 
 def _complete_items(text: str) -> list[Any]:

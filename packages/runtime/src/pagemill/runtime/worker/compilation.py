@@ -80,11 +80,15 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     from pagemill.kernels.ops import COMPILE_READY
 
     if not COMPILE_READY:
-        return (f"torch {torch.__version__} cannot pass the attention plan through a "
-                "compiled graph (needs torch's opaque custom classes)")
+        return (
+            f"torch {torch.__version__} cannot pass the attention plan through a "
+            "compiled graph (needs torch's opaque custom classes)"
+        )
     if _cxx_compiler() is None:
-        return ("no C++ compiler found (inductor needs g++ or clang++; install one, "
-                "e.g. `apt-get install g++`, or set CXX)")
+        return (
+            "no C++ compiler found (inductor needs g++ or clang++; install one, "
+            "e.g. `apt-get install g++`, or set CXX)"
+        )
     return None
 
 
@@ -92,8 +96,9 @@ def _keep_input_guards(guards: list[Any]) -> list[bool]:
     """Keep the guards on the forward's inputs (shapes, dtypes) and on symbolic sizes (a
     layer may branch on the token count, e.g. packed vs dense weights); drop the model's
     own (parameters, modules, globals), which do not change between steps."""
-    return [g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in _INPUTS
-            for g in guards]
+    return [
+        g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in _INPUTS for g in guards
+    ]
 
 
 def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
@@ -106,8 +111,13 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     cache.
     """
     forward = type(model).forward
-    private = types.FunctionType(forward.__code__.replace(), forward.__globals__,
-                                 forward.__name__, forward.__defaults__, forward.__closure__)
+    private = types.FunctionType(
+        forward.__code__.replace(),
+        forward.__globals__,
+        forward.__name__,
+        forward.__defaults__,
+        forward.__closure__,
+    )
     private.__kwdefaults__ = forward.__kwdefaults__
     return types.MethodType(private, model)
 
@@ -134,6 +144,7 @@ def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[.
 
 # ---- the compile cache ---------------------------------------------------------------------
 
+
 def compile_cache_enabled() -> bool:
     """Opt-in (`PAGEMILL_COMPILE_CACHE=1`) for now: a cached graph is compiled without
     `freezing`, and its step speed against the frozen graph's is not settled yet (see the
@@ -151,8 +162,14 @@ def _plain(value: Any) -> bool:
 
 
 def _tensor_sig(t: torch.Tensor) -> list[Any]:
-    return [list(t.shape), list(t.stride()), str(t.dtype), t.device.type, t.layout.__repr__(),
-            type(t).__name__]
+    return [
+        list(t.shape),
+        list(t.stride()),
+        str(t.dtype),
+        t.device.type,
+        t.layout.__repr__(),
+        type(t).__name__,
+    ]
 
 
 def model_signature(model: torch.nn.Module) -> list[Any]:
@@ -172,8 +189,11 @@ def model_signature(model: torch.nn.Module) -> list[Any]:
                 attrs.append([key, _tensor_sig(value)])
             elif _plain(value):
                 attrs.append([key, repr(value)])
-            elif isinstance(value, (tuple, list)) and value and all(
-                    isinstance(v, torch.Tensor) for v in value):
+            elif (
+                isinstance(value, (tuple, list))
+                and value
+                and all(isinstance(v, torch.Tensor) for v in value)
+            ):
                 attrs.append([key, [_tensor_sig(v) for v in value]])
             else:
                 attrs.append([key, type(value).__qualname__])
@@ -182,8 +202,14 @@ def model_signature(model: torch.nn.Module) -> list[Any]:
 
 
 # The runtime's sources the forward's graph is traced from (the kernels package: all of it).
-_GRAPH_SOURCES = ("models", "layers", "quantization", "distributed", "attention_metadata.py",
-                  "compilation.py")
+_GRAPH_SOURCES = (
+    "models",
+    "layers",
+    "quantization",
+    "distributed",
+    "attention_metadata.py",
+    "compilation.py",
+)
 
 
 def _source_digest() -> str:
@@ -218,7 +244,9 @@ def _cpu_flags() -> str:
     return " ".join(sorted(_cpuinfo_flags(text)))
 
 
-def compile_cache_key(model: torch.nn.Module, settings: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def compile_cache_key(
+    model: torch.nn.Module, settings: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
     """The key of a compiled forward (hex digest) and what it was computed from."""
     parts = {
         "format": _CACHE_FORMAT,
@@ -281,8 +309,11 @@ class CompileCache:
             after = self._counters()
             self.loaded = after.get("dynamo_cache_hit", 0) > before.get("dynamo_cache_hit", 0)
             if after.get("dynamo_cache_error", 0) > before.get("dynamo_cache_error", 0):
-                logger.warning("compile cache: the entry in %s failed to load (see above); "
-                               "it was compiled again and is rewritten", self.folder)
+                logger.warning(
+                    "compile cache: the entry in %s failed to load (see above); "
+                    "it was compiled again and is rewritten",
+                    self.folder,
+                )
 
     def save(self) -> None:
         """Write the packages compiled in this session (call inside `session()`)."""
@@ -295,8 +326,11 @@ class CompileCache:
             tmp.write_text(json.dumps({"key": self.key, **self.parts}, indent=1))
             tmp.replace(self.folder / "key.json")
         except Exception:
-            logger.warning("compile cache: could not save to %s; the next start compiles "
-                           "again", self.folder, exc_info=True)
+            logger.warning(
+                "compile cache: could not save to %s; the next start compiles again",
+                self.folder,
+                exc_info=True,
+            )
         finally:
             PrecompileContext.clear()
 

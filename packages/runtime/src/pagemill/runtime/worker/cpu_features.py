@@ -36,8 +36,13 @@ def cpu_has_native_bf16() -> bool:
             return False
     if platform.system() == "Darwin":
         try:
-            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
-                                 capture_output=True, text=True, timeout=5, check=False)
+            out = subprocess.run(
+                ["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            )
         except (OSError, subprocess.SubprocessError):
             return False
         return out.stdout.strip() == "1"

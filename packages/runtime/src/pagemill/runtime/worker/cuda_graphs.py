@@ -79,43 +79,66 @@ class BucketInputs:
     plan: AttentionPlan  # keeps its split workspace alive
 
     @classmethod
-    def create(cls, bucket: int, table_width: int, device: torch.device,
-               k_cache_shape: tuple[int, int, int, int], num_heads: int, dtype: torch.dtype,
-               backend: Backend | None = None) -> BucketInputs:
+    def create(
+        cls,
+        bucket: int,
+        table_width: int,
+        device: torch.device,
+        k_cache_shape: tuple[int, int, int, int],
+        num_heads: int,
+        dtype: torch.dtype,
+        backend: Backend | None = None,
+    ) -> BucketInputs:
         """Buffers with every row padded (no KV read or written) and the bucket's plan."""
         layout = DecodeLayout(bucket, table_width)
         host = torch.empty(layout.numel, dtype=torch.int32, pin_memory=device.type == "cuda")
         empty = np.empty(0, dtype=np.int64)
-        pad_decode(empty, empty, empty, empty, np.empty((0, 0), dtype=np.int32), layout,
-                   out=host.numpy())
+        pad_decode(
+            empty, empty, empty, empty, np.empty((0, 0), dtype=np.int32), layout, out=host.numpy()
+        )
         buf = host.to(device)
         o = layout.offsets()
-        ids, pos, slots, qsl, lens = (buf[o[i]:o[i + 1]] for i in range(5))
-        tables = buf[o[5]:o[6]].view(bucket, table_width)
+        ids, pos, slots, qsl, lens = (buf[o[i] : o[i + 1]] for i in range(5))
+        tables = buf[o[5] : o[6]].view(bucket, table_width)
         # Host lengths only satisfy the planner's checks; the Triton plan reads shapes only.
         plan = plan_attention(
-            qsl, lens, tables, k_cache_shape=k_cache_shape, num_heads=num_heads,
-            dtype=dtype, query_lens=np.ones(bucket, dtype=np.int64),
-            context_lens=np.ones(bucket, dtype=np.int64), backend=backend,
+            qsl,
+            lens,
+            tables,
+            k_cache_shape=k_cache_shape,
+            num_heads=num_heads,
+            dtype=dtype,
+            query_lens=np.ones(bucket, dtype=np.int64),
+            context_lens=np.ones(bucket, dtype=np.int64),
+            backend=backend,
         )
         if plan.backend != "triton":
-            raise RuntimeError("decode graphs need the Triton attention backend (its plan "
-                               "depends on shapes only)")
+            raise RuntimeError(
+                "decode graphs need the Triton attention backend (its plan depends on shapes only)"
+            )
         return cls(layout, host, buf, ids, pos, slots, plan)
 
-    def load(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-             seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+    def load(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> None:
         """Pad a decode step of n <= bucket rows into the buffers (one host-to-device copy)."""
-        pad_decode(input_ids, positions, slots, seq_lens, block_tables, self.layout,
-                   out=self.host.numpy())
+        pad_decode(
+            input_ids, positions, slots, seq_lens, block_tables, self.layout, out=self.host.numpy()
+        )
         # On CUDA the runner synchronises after every step, so the pinned twin is free again.
         self.device_buffer.copy_(self.host, non_blocking=True)
 
     def step(self, forward: Forward, compute_logits: Logits) -> torch.Tensor:
         """The bucket's forward over the buffers: what a graph records, logits [bucket, vocab]."""
         meta = AttentionMetadata(slot_mapping=self.slots.to(torch.int64), plan=self.plan)
-        return compute_logits(forward(self.input_ids.to(torch.int64),
-                                      self.positions.to(torch.int64), meta))
+        return compute_logits(
+            forward(self.input_ids.to(torch.int64), self.positions.to(torch.int64), meta)
+        )
 
 
 @dataclass(slots=True)
@@ -142,22 +165,29 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     @torch.inference_mode()
-    def capture(self, forward: Forward, compute_logits: Logits,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
-                dtype: torch.dtype) -> float:
+    def capture(
+        self,
+        forward: Forward,
+        compute_logits: Logits,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        num_heads: int,
+        dtype: torch.dtype,
+    ) -> float:
         """Capture every bucket, largest first, into one shared pool; returns seconds."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         k_shape = cache_shape(kv_caches[0][0])
         for bucket in sorted(self.buckets, reverse=True):
-            inputs = BucketInputs.create(bucket, self.table_width, self.device, k_shape,
-                                         num_heads, dtype)
+            inputs = BucketInputs.create(
+                bucket, self.table_width, self.device, k_shape, num_heads, dtype
+            )
             self.graphs[bucket] = self._record(inputs, forward, compute_logits, pool)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def _record(self, inputs: BucketInputs, forward: Forward, compute_logits: Logits,
-                pool: _POOL_HANDLE) -> _BucketGraph:
+    def _record(
+        self, inputs: BucketInputs, forward: Forward, compute_logits: Logits, pool: _POOL_HANDLE
+    ) -> _BucketGraph:
         # Warm up on a side stream (Triton compiles and loads its kernels outside capture).
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -171,11 +201,20 @@ class DecodeGraphs:
 
     def serves(self, num_tokens: int, num_seqs: int, table_width: int) -> bool:
         """A pure-decode step (one token per request) that fits the largest bucket."""
-        return (num_tokens == num_seqs and 0 < num_seqs <= self.max_bucket
-                and table_width <= self.table_width)
+        return (
+            num_tokens == num_seqs
+            and 0 < num_seqs <= self.max_bucket
+            and table_width <= self.table_width
+        )
 
-    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-               seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+    def replay(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+    ) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n rows: a view of the bucket's static
         output, valid until the next replay of that bucket."""
         n = int(input_ids.shape[0])

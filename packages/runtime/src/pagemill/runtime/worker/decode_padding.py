@@ -93,15 +93,19 @@ def pad_decode(
     b, width = layout.bucket, layout.table_width
     if n > b:
         raise ValueError(f"{n} rows do not fit the bucket of {b}")
-    if not (positions.shape[0] == slots.shape[0] == seq_lens.shape[0] == block_tables.shape[0] == n):
+    if not (
+        positions.shape[0] == slots.shape[0] == seq_lens.shape[0] == block_tables.shape[0] == n
+    ):
         raise ValueError("a decode step has one position, slot, length and table row per token")
     if block_tables.shape[1] > width:
-        raise ValueError(f"block tables of {block_tables.shape[1]} blocks exceed the graph's {width}")
+        raise ValueError(
+            f"block tables of {block_tables.shape[1]} blocks exceed the graph's {width}"
+        )
     if out is None:
         out = np.empty(layout.numel, dtype=np.int32)
     o = layout.offsets()
-    ids, pos, slot, qsl, lens = (out[o[i]:o[i + 1]] for i in range(5))
-    tables = out[o[5]:o[6]].reshape(b, width)
+    ids, pos, slot, qsl, lens = (out[o[i] : o[i + 1]] for i in range(5))
+    tables = out[o[5] : o[6]].reshape(b, width)
     ids[:n] = input_ids
     ids[n:] = 0
     pos[:n] = positions

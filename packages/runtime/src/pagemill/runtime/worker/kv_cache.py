@@ -29,7 +29,9 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 
 
 def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype_name(dtype))
+    return kv_bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype_name(dtype)
+    )
 
 
 def max_useful_blocks(block_size: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -38,7 +40,12 @@ def max_useful_blocks(block_size: int, max_num_seqs: int, max_model_len: int) ->
 
 
 def cpu_num_blocks(
-    config: ModelConfig, dtype: torch.dtype, block_size: int, budget_bytes: int | None, max_num_seqs: int, max_model_len: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    block_size: int,
+    budget_bytes: int | None,
+    max_num_seqs: int,
+    max_model_len: int,
 ) -> int:
     budget = DEFAULT_CPU_KV_BYTES if budget_bytes is None else budget_bytes
     n = num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype))
@@ -74,8 +81,14 @@ def cuda_num_blocks(
     return num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype))
 
 
-def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: CacheConfig,
-                 max_num_seqs: int, max_model_len: int) -> int:
+def size_kv_pool(
+    runner: Any,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    cache: CacheConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
     """Blocks for the pool: profiled on CUDA, a byte budget on CPU; too small fails here.
 
     On CUDA with decode graphs on (`runner.use_cuda_graphs`), the graphs' memory is
@@ -92,13 +105,23 @@ def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: Ca
         # CUDA graphs hold their own pool (and buffers) for the engine's life, beside the
         # eager activation peak: measured by a trial capture, taken out of the budget.
         graph_bytes = runner.measure_cuda_graph_memory() if runner.use_cuda_graphs else 0
-        num_blocks = cuda_num_blocks(config, dtype, block_size, runner.device, peak + graph_bytes,
-                                     cache.gpu_memory_utilization)
-        logger.info("profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
-                    peak / 2**20, graph_bytes / 2**20)
+        num_blocks = cuda_num_blocks(
+            config,
+            dtype,
+            block_size,
+            runner.device,
+            peak + graph_bytes,
+            cache.gpu_memory_utilization,
+        )
+        logger.info(
+            "profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
+            peak / 2**20,
+            graph_bytes / 2**20,
+        )
     else:
-        num_blocks = cpu_num_blocks(config, dtype, block_size, cache.kv_cache_memory_bytes,
-                                    max_num_seqs, max_model_len)
+        num_blocks = cpu_num_blocks(
+            config, dtype, block_size, cache.kv_cache_memory_bytes, max_num_seqs, max_model_len
+        )
     needed = -(-max_model_len // block_size)
     if num_blocks < needed:
         raise ValueError(
@@ -109,8 +132,11 @@ def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: Ca
         )
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
-        num_blocks, block_size, num_blocks * block_size,
-        num_blocks * block_size * per_token / 2**20, kv_dtype_name(dtype),
+        num_blocks,
+        block_size,
+        num_blocks * block_size,
+        num_blocks * block_size * per_token / 2**20,
+        kv_dtype_name(dtype),
     )
     return num_blocks
 
@@ -118,7 +144,14 @@ def size_kv_pool(runner: Any, config: ModelConfig, dtype: torch.dtype, cache: Ca
 class KVCache:
     """Per-layer (K, V) torch views of the pool; keeps the backing storage alive."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.storage: KVStorage | None = None
@@ -126,16 +159,28 @@ class KVCache:
         if device.type == "cuda":
             try:
                 self.storage = KVStorage(
-                    config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                    config.head_dim, kv_dtype_name(dtype), device=f"cuda:{device.index or 0}",
+                    config.num_hidden_layers,
+                    num_blocks,
+                    block_size,
+                    config.num_key_value_heads,
+                    config.head_dim,
+                    kv_dtype_name(dtype),
+                    device=f"cuda:{device.index or 0}",
                 )
             except RuntimeError as e:
                 # Without CuPy the pool is allocated by torch directly: same layout, same use.
-                logger.warning("KVStorage unavailable on CUDA (%s); allocating the KV cache with torch", e)
+                logger.warning(
+                    "KVStorage unavailable on CUDA (%s); allocating the KV cache with torch", e
+                )
         else:
             self.storage = KVStorage(
-                config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                config.head_dim, kv_dtype_name(dtype), device="cpu",
+                config.num_hidden_layers,
+                num_blocks,
+                block_size,
+                config.num_key_value_heads,
+                config.head_dim,
+                kv_dtype_name(dtype),
+                device="cpu",
             )
         if self.storage is not None:
             self.caches = [
@@ -144,7 +189,10 @@ class KVCache:
             ]
         else:
             self.caches = [
-                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                (
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
                 for _ in range(config.num_hidden_layers)
             ]
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in self.caches)

@@ -155,8 +155,12 @@ class ModelRunner:
         key, parts = compile_cache_key(self.model, self.compile_settings())
         cache = self.compile_cache = CompileCache(CompileCache.root(), key, parts)
         existed = (cache.folder / "dynamo").is_dir()
-        logger.info("compile cache: %s entry %s (%s)", "loading" if existed else "no",
-                    cache.folder, "warm start" if existed else "cold start: tracing and compiling")
+        logger.info(
+            "compile cache: %s entry %s (%s)",
+            "loading" if existed else "no",
+            cache.folder,
+            "warm start" if existed else "cold start: tracing and compiling",
+        )
         try:
             with cache.session():
                 self._forward = compile_forward(self.model, freezing=False)
@@ -166,8 +170,12 @@ class ModelRunner:
         except Exception:
             if not existed:
                 raise
-            logger.warning("compile cache: the entry in %s broke the compilation; removing it "
-                           "and compiling again", cache.folder, exc_info=True)
+            logger.warning(
+                "compile cache: the entry in %s broke the compilation; removing it "
+                "and compiling again",
+                cache.folder,
+                exc_info=True,
+            )
             cache.discard()
             with cache.session():
                 self._forward = compile_forward(self.model, freezing=False)
@@ -179,10 +187,14 @@ class ModelRunner:
     def compile_settings(self) -> dict[str, object]:
         """The runner's settings that enter the compiled graph (for the compile cache's key)."""
         return {
-            "model_config": self.model_config, "dtype": self.dtype, "device": self.device.type,
-            "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+            "model_config": self.model_config,
+            "dtype": self.dtype,
+            "device": self.device.type,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
             "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
             "packed_row_limits": packed_row_limits(self.model),
         }
@@ -202,23 +214,36 @@ class ModelRunner:
                 self.execute_model(batch)
             finally:
                 self.input_batch, self.requests = saved
-            logger.info("compile: graph %d/%d (a %d-token step) ready in %.1f s", i + 1,
-                        len(todo), num_tokens, time.perf_counter() - t0)
+            logger.info(
+                "compile: graph %d/%d (a %d-token step) ready in %.1f s",
+                i + 1,
+                len(todo),
+                num_tokens,
+                time.perf_counter() - t0,
+            )
 
     # ---- KV cache ------------------------------------------------------------------------
 
     def init_kv_cache(self, num_blocks: int) -> KVCache:
-        self.kv_cache = KVCache(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            self.model_config, num_blocks, self.block_size, self.dtype, self.device
+        )
         self.model.bind_kv_caches(self.kv_cache.caches)
         return self.kv_cache
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
     def _build_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeGraphs:
-        graphs = DecodeGraphs(graph_buckets(self.max_num_seqs), self.max_blocks_per_seq,
-                              self.device)
-        graphs.capture(self._forward, self.model.compute_logits, kv_caches,
-                       self.model_config.num_attention_heads, self.dtype)
+        graphs = DecodeGraphs(
+            graph_buckets(self.max_num_seqs), self.max_blocks_per_seq, self.device
+        )
+        graphs.capture(
+            self._forward,
+            self.model.compute_logits,
+            kv_caches,
+            self.model_config.num_attention_heads,
+            self.dtype,
+        )
         return graphs
 
     def measure_cuda_graph_memory(self) -> int:
@@ -243,8 +268,9 @@ class ModelRunner:
         self.graphs = self._build_graphs(self.kv_cache.caches)
         return time.perf_counter() - start
 
-    def dummy_batch(self, num_tokens: int | None = None,
-                    max_seqs: int | None = None) -> tuple[SchedulerOutput, int]:
+    def dummy_batch(
+        self, num_tokens: int | None = None, max_seqs: int | None = None
+    ) -> tuple[SchedulerOutput, int]:
         """The heaviest step the limits allow (or `num_tokens` over at most `max_seqs`
         sequences), and the KV blocks it needs.
 
@@ -257,15 +283,18 @@ class ModelRunner:
             tokens = min(tokens, num_tokens)
         most = self.max_num_seqs if max_seqs is None else max_seqs
         num_seqs = max(math.ceil(tokens / self.max_model_len), min(most, tokens))
-        per_seq = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
+        per_seq = [
+            tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)
+        ]
         sched, next_block = [], 0
         greedy = SamplingParams(temperature=0.0)
         for i, n in enumerate(per_seq):
             nb = math.ceil(n / self.block_size)
             blocks = list(range(next_block, next_block + nb))
             record = Request(f"profile-{i}", [0] * n, sampling_params=greedy)
-            sched.append(ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, True,
-                                          True, record))
+            sched.append(
+                ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, True, True, record)
+            )
             next_block += nb
         return SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens), next_block
 
@@ -282,7 +311,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        scratch = KVCache(self.model_config, blocks_needed, self.block_size, self.dtype, self.device)
+        scratch = KVCache(
+            self.model_config, blocks_needed, self.block_size, self.dtype, self.device
+        )
         # Only a torch-allocated scratch cache shows up in torch's counters.
         scratch_bytes = scratch.nbytes if scratch.storage is None else 0
         saved = self.kv_cache, self.input_batch, self.requests
@@ -322,8 +353,9 @@ class ModelRunner:
                 try:
                     row = batch.row_of[rid]
                 except KeyError:
-                    raise ValueError(f"request {rid!r} is scheduled as running but was never "
-                                     "scheduled as new") from None
+                    raise ValueError(
+                        f"request {rid!r} is scheduled as running but was never scheduled as new"
+                    ) from None
                 batch.append_blocks(row, s.new_block_ids)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | None:
@@ -354,8 +386,10 @@ class ModelRunner:
             try:
                 rows[i] = row_of[s.request_id]
             except KeyError:
-                raise ValueError(f"request {s.request_id!r} is scheduled as running but was "
-                                 "never scheduled as new") from None
+                raise ValueError(
+                    f"request {s.request_id!r} is scheduled as running but was "
+                    "never scheduled as new"
+                ) from None
             q_lens[i] = s.num_tokens
             starts[i] = s.start_pos
             ids += s.token_ids
@@ -399,18 +433,32 @@ class ModelRunner:
         else:
             metadata = None
 
-        step = StepBatch(torch.tensor(ids, dtype=torch.int64), positions, slots, qsl, seq_lens,
-                         block_tables, q_lens, sample_indices, len(sample_pos))
+        step = StepBatch(
+            torch.tensor(ids, dtype=torch.int64),
+            positions,
+            slots,
+            qsl,
+            seq_lens,
+            block_tables,
+            q_lens,
+            sample_indices,
+            len(sample_pos),
+        )
         req_ids = [scheduled[i].request_id for i in sample_pos]
         return step, req_ids, metadata
 
-    def _step_inputs(self, batch: StepBatch, req_ids: list[str],
-                     metadata: SamplingMetadata | None) -> StepInputs:
+    def _step_inputs(
+        self, batch: StepBatch, req_ids: list[str], metadata: SamplingMetadata | None
+    ) -> StepInputs:
         """The batch's tensors on the device and the step's attention plan."""
-        tensors = [batch.input_ids, torch.from_numpy(batch.positions),
-                   torch.from_numpy(batch.slots), torch.from_numpy(batch.query_start_loc),
-                   torch.from_numpy(batch.seq_lens.astype(np.int32)),
-                   torch.from_numpy(batch.block_tables)]
+        tensors = [
+            batch.input_ids,
+            torch.from_numpy(batch.positions),
+            torch.from_numpy(batch.slots),
+            torch.from_numpy(batch.query_start_loc),
+            torch.from_numpy(batch.seq_lens.astype(np.int32)),
+            torch.from_numpy(batch.block_tables),
+        ]
         sample_indices = batch.sample_indices
         if sample_indices is not None:
             tensors.append(sample_indices)
@@ -420,14 +468,25 @@ class ModelRunner:
             sample_indices = moved[6]
         assert self.kv_cache is not None, "init_kv_cache first"
         plan = plan_attention(
-            qsl_t.to(torch.int32), seq_lens_t.to(torch.int32), tables_t.to(torch.int32),
+            qsl_t.to(torch.int32),
+            seq_lens_t.to(torch.int32),
+            tables_t.to(torch.int32),
             k_cache_shape=cache_shape(self.kv_cache.caches[0][0]),
-            num_heads=self.model_config.num_attention_heads, dtype=self.dtype,
-            query_lens=batch.query_lens, context_lens=batch.seq_lens,
+            num_heads=self.model_config.num_attention_heads,
+            dtype=self.dtype,
+            query_lens=batch.query_lens,
+            context_lens=batch.seq_lens,
         )
         attn = AttentionMetadata(slot_mapping=slots_t.to(torch.int64), plan=plan)
-        return StepInputs(input_ids.to(torch.int64), positions_t.to(torch.int64), attn,
-                          sample_indices, req_ids, metadata, batch)
+        return StepInputs(
+            input_ids.to(torch.int64),
+            positions_t.to(torch.int64),
+            attn,
+            sample_indices,
+            req_ids,
+            metadata,
+            batch,
+        )
 
     def _to_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the step's index tensors to the device in one copy.
@@ -462,13 +521,15 @@ class ModelRunner:
         vocab = self.vocab_size
         if prepared is None:
             self.last_forward_s = 0.0
-            return ModelRunnerOutput([], torch.empty(0, vocab, dtype=self.dtype, device=self.device),
-                                     None)
+            return ModelRunnerOutput(
+                [], torch.empty(0, vocab, dtype=self.dtype, device=self.device), None
+            )
         graphs = self.graphs
         if graphs is not None:
             batch = prepared[0]
-            if graphs.serves(batch.input_ids.numel(), len(batch.seq_lens),
-                             batch.block_tables.shape[1]):
+            if graphs.serves(
+                batch.input_ids.numel(), len(batch.seq_lens), batch.block_tables.shape[1]
+            ):
                 return self._replay(graphs, *prepared)
         step = self._step_inputs(*prepared)
         if self.tp is not None:
@@ -478,19 +539,33 @@ class ModelRunner:
         if not step.sample_req_ids:
             logits = hidden.new_empty(0, vocab)
         else:
-            rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+            rows = (
+                hidden
+                if step.sample_indices is None
+                else hidden.index_select(0, step.sample_indices)
+            )
             logits = self.model.compute_logits(rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
         return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
 
-    def _replay(self, graphs: DecodeGraphs, batch: StepBatch, req_ids: list[str],
-                metadata: SamplingMetadata | None) -> ModelRunnerOutput:
+    def _replay(
+        self,
+        graphs: DecodeGraphs,
+        batch: StepBatch,
+        req_ids: list[str],
+        metadata: SamplingMetadata | None,
+    ) -> ModelRunnerOutput:
         """A pure-decode step through its bucket's CUDA graph (the eager step's logits)."""
         start = time.perf_counter()
-        logits = graphs.replay(batch.input_ids.numpy(), batch.positions, batch.slots,
-                               batch.seq_lens, batch.block_tables)
+        logits = graphs.replay(
+            batch.input_ids.numpy(),
+            batch.positions,
+            batch.slots,
+            batch.seq_lens,
+            batch.block_tables,
+        )
         if batch.sample_indices is not None:  # one-token prefill chunks that do not sample
             logits = logits.index_select(0, batch.sample_indices.to(self.device))
         torch.cuda.synchronize(self.device)
@@ -505,7 +580,9 @@ class ModelRunner:
         assert step.batch is not None
         if not step.batch.num_samples:
             return None
-        rows = hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+        rows = (
+            hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
+        )
         return self.model.compute_logits(rows)
 
     def _execute_parallel(self, step: StepInputs) -> ModelRunnerOutput:

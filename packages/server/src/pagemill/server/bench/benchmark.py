@@ -54,12 +54,26 @@ def make_prompts(num: int, input_len: int, low: int, high: int, seed: int) -> li
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                       output_len: int, timeout: float) -> RequestResult:
+async def _one_request(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    timeout: float,
+) -> RequestResult:
     import httpx
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "min_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False)
     start = time.perf_counter()
     last = None
@@ -71,7 +85,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: 
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -102,21 +116,36 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": math.nan, "p50": math.nan, "p99": math.nan}
     arr = np.asarray(values) * scale
-    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
-            "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
-async def run_level(base_url: str, model: str, prompts: list[list[int]], output_len: int,
-                    concurrency: int, request_rate: float, seed: int, timeout: float,
-                    server_pid: int | None = None) -> dict[str, Any]:
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    output_len: int,
+    concurrency: int,
+    request_rate: float,
+    seed: int,
+    timeout: float,
+    server_pid: int | None = None,
+) -> dict[str, Any]:
     """One concurrency level; returns its summary (latencies in ms)."""
     import httpx
+
     url = base_url.rstrip("/") + "/v1/completions"
     rng = np.random.default_rng(seed)
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
 
     async with httpx.AsyncClient(limits=limits) as client:
+
         async def bounded(prompt: list[int]) -> RequestResult:
             async with sem:
                 return await _one_request(client, url, model, prompt, output_len, timeout)
@@ -169,9 +198,11 @@ async def run_level(base_url: str, model: str, prompts: list[list[int]], output_
 
 
 def format_table(levels: list[dict[str, Any]]) -> str:
-    head = (f"{'conc':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} "
-            f"{'TTFT mean/p50/p99 ms':>24} {'TPOT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>24} "
-            f"{'step ms':>8} {'ITL/step':>8} {'cores':>6}")
+    head = (
+        f"{'conc':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} "
+        f"{'TTFT mean/p50/p99 ms':>24} {'TPOT mean/p50/p99 ms':>24} {'ITL mean/p50/p99 ms':>24} "
+        f"{'step ms':>8} {'ITL/step':>8} {'cores':>6}"
+    )
     rows = [head, "-" * len(head)]
 
     def three(d: dict[str, float]) -> str:
@@ -180,11 +211,13 @@ def format_table(levels: list[dict[str, Any]]) -> str:
     for lv in levels:
         decode = lv.get("engine_steps", {}).get("decode", {}).get("mean_ms", math.nan)
         cores = (lv.get("server_cpu") or {}).get("cores", math.nan)
-        rows.append(f"{lv['concurrency']:>5} {lv['completed']:>5} {lv['request_throughput']:>7.2f} "
-                    f"{lv['output_throughput']:>10.1f} {three(lv['ttft_ms']):>24} "
-                    f"{three(lv['tpot_ms']):>24} {three(lv['itl_ms']):>24} "
-                    f"{decode:>8.1f} {lv.get('itl_over_decode_step', math.nan):>8.2f} "
-                    f"{cores:>6.2f}")
+        rows.append(
+            f"{lv['concurrency']:>5} {lv['completed']:>5} {lv['request_throughput']:>7.2f} "
+            f"{lv['output_throughput']:>10.1f} {three(lv['ttft_ms']):>24} "
+            f"{three(lv['tpot_ms']):>24} {three(lv['itl_ms']):>24} "
+            f"{decode:>8.1f} {lv.get('itl_over_decode_step', math.nan):>8.2f} "
+            f"{cores:>6.2f}"
+        )
     return "\n".join(rows)
 
 
@@ -198,15 +231,24 @@ def plot(levels: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     ax1.plot(conc, [lv["output_throughput"] for lv in levels], "o-", label="output tokens/s")
     ax1b = ax1.twinx()
-    ax1b.plot(conc, [lv["request_throughput"] for lv in levels], "s--", color="tab:orange",
-              label="requests/s")
+    ax1b.plot(
+        conc,
+        [lv["request_throughput"] for lv in levels],
+        "s--",
+        color="tab:orange",
+        label="requests/s",
+    )
     ax1.set_xlabel("concurrency")
     ax1.set_ylabel("output tokens/s")
     ax1b.set_ylabel("requests/s")
     ax1.set_title("throughput")
-    for key, label, style in (("ttft_ms", "TTFT p50", "o-"), ("ttft_ms", "TTFT p99", "o:"),
-                              ("tpot_ms", "TPOT mean", "s-"), ("itl_ms", "ITL p50", "^-"),
-                              ("itl_ms", "ITL p99", "^:")):
+    for key, label, style in (
+        ("ttft_ms", "TTFT p50", "o-"),
+        ("ttft_ms", "TTFT p99", "o:"),
+        ("tpot_ms", "TPOT mean", "s-"),
+        ("itl_ms", "ITL p50", "^-"),
+        ("itl_ms", "ITL p99", "^:"),
+    ):
         stat = "p99" if "p99" in label else ("mean" if "mean" in label else "p50")
         ax2.plot(conc, [lv[key][stat] for lv in levels], style, label=label)
     ax2.set_xlabel("concurrency")
@@ -237,7 +279,7 @@ def _step_totals(text: str) -> dict[str, tuple[float, float]]:
         if not line.startswith("pagemill:engine_step_seconds_"):
             continue
         name, _, value = line.rpartition(" ")
-        kind = name[len("pagemill:engine_step_seconds_"):].split("{", 1)[0]
+        kind = name[len("pagemill:engine_step_seconds_") :].split("{", 1)[0]
         if kind not in ("sum", "count"):
             continue
         phase = name.split('phase="', 1)[1].split('"', 1)[0] if 'phase="' in name else "all"
@@ -248,6 +290,7 @@ def _step_totals(text: str) -> dict[str, tuple[float, float]]:
 
 async def _scrape_steps(client: httpx.AsyncClient, base_url: str) -> dict[str, tuple[float, float]]:
     import httpx
+
     try:
         resp = await client.get(base_url.rstrip("/") + "/metrics", timeout=30)
         return _step_totals(resp.text) if resp.status_code == 200 else {}
@@ -255,8 +298,9 @@ async def _scrape_steps(client: httpx.AsyncClient, base_url: str) -> dict[str, t
         return {}
 
 
-def _step_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-                ) -> dict[str, Any]:
+def _step_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, Any]:
     """Mean step time (ms) and step count per phase over a level, from two scrapes."""
     out: dict[str, Any] = {}
     for phase, (s1, c1) in after.items():
@@ -308,11 +352,14 @@ def cpu_seconds(pid: int | None) -> dict[int, float]:
     return out
 
 
-def _cores_used(before: dict[int, float], after: dict[int, float], seconds: float
-                ) -> dict[str, Any]:
+def _cores_used(
+    before: dict[int, float], after: dict[int, float], seconds: float
+) -> dict[str, Any]:
     per_proc = {p: after[p] - before.get(p, 0.0) for p in after}
-    return {"cores": sum(per_proc.values()) / seconds if seconds > 0 else math.nan,
-            "per_process": {str(p): v / seconds for p, v in sorted(per_proc.items())}}
+    return {
+        "cores": sum(per_proc.values()) / seconds if seconds > 0 else math.nan,
+        "per_process": {str(p): v / seconds for p, v in sorted(per_proc.items())},
+    }
 
 
 def _free_port() -> int:
@@ -324,9 +371,21 @@ def _free_port() -> int:
 def launch_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Popen[bytes], str]:
     """Start `pagemill serve` in a child process on a free loopback port; wait for /health."""
     import httpx
+
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagemill.server.cli", "serve", *serve_args,
-           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagemill.server.cli",
+        "serve",
+        *serve_args,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -343,29 +402,54 @@ def launch_server(serve_args: list[str], timeout: float) -> tuple[subprocess.Pop
     raise RuntimeError(f"the server did not become healthy within {timeout:.0f}s")
 
 
-async def _run_all(args: argparse.Namespace, base_url: str, server_pid: int | None = None
-                   ) -> list[dict[str, Any]]:
+async def _run_all(
+    args: argparse.Namespace, base_url: str, server_pid: int | None = None
+) -> list[dict[str, Any]]:
     import httpx
+
     async with httpx.AsyncClient() as client:
         models = (await client.get(base_url + "/v1/models", timeout=30)).json()["data"]
     model = args.model or models[0]["id"]
     levels = []
-    counts = args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    counts = (
+        args.num_prompts * len(args.concurrency) if len(args.num_prompts) == 1 else args.num_prompts
+    )
     if len(counts) != len(args.concurrency):
         raise ValueError("--num-prompts takes one count, or one per concurrency level")
     for i, (conc, count) in enumerate(zip(args.concurrency, counts)):
-        prompts = make_prompts(count, args.input_len, args.token_low, args.token_high,
-                               args.seed + i)
+        prompts = make_prompts(
+            count, args.input_len, args.token_low, args.token_high, args.seed + i
+        )
         if args.warmup:
-            await run_level(base_url, model, prompts[: min(conc, len(prompts))], 4, conc,
-                            math.inf, args.seed, args.timeout)
-        level = await run_level(base_url, model, prompts, args.output_len, conc,
-                                args.request_rate, args.seed + i, args.timeout, server_pid)
+            await run_level(
+                base_url,
+                model,
+                prompts[: min(conc, len(prompts))],
+                4,
+                conc,
+                math.inf,
+                args.seed,
+                args.timeout,
+            )
+        level = await run_level(
+            base_url,
+            model,
+            prompts,
+            args.output_len,
+            conc,
+            args.request_rate,
+            args.seed + i,
+            args.timeout,
+            server_pid,
+        )
         cores = (level["server_cpu"] or {}).get("cores", math.nan)
-        print(f"concurrency {conc}: {level['completed']}/{level['num_requests']} ok, "
-              f"{level['output_throughput']:.1f} output tok/s, ITL/decode step "
-              f"{level['itl_over_decode_step']:.2f} (TPOT/step "
-              f"{level['tpot_over_decode_step']:.2f}), server cores {cores:.2f}", flush=True)
+        print(
+            f"concurrency {conc}: {level['completed']}/{level['num_requests']} ok, "
+            f"{level['output_throughput']:.1f} output tok/s, ITL/decode step "
+            f"{level['itl_over_decode_step']:.2f} (TPOT/step "
+            f"{level['tpot_over_decode_step']:.2f}), server cores {cores:.2f}",
+            flush=True,
+        )
         levels.append(level)
     return levels
 
@@ -380,28 +464,56 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
             raise argparse.ArgumentTypeError(f"concurrencies must be >= 1, got {text!r}")
         return values
 
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
-                   help="the server to load (default http://127.0.0.1:8000)")
-    p.add_argument("--launch", nargs=argparse.REMAINDER, default=None, metavar="SERVE_ARGS",
-                   help="start `pagemill serve SERVE_ARGS...` on a free port first (must be last)")
-    p.add_argument("--server-pid", type=int, default=None,
-                   help="measure the CPU use of this process and its children (default: the "
-                        "launched server's, if --launch)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the server to load (default http://127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--launch",
+        nargs=argparse.REMAINDER,
+        default=None,
+        metavar="SERVE_ARGS",
+        help="start `pagemill serve SERVE_ARGS...` on a free port first (must be last)",
+    )
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="measure the CPU use of this process and its children (default: the "
+        "launched server's, if --launch)",
+    )
     p.add_argument("--model", default=None, help="model name to request (default: the server's)")
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 64],
-                   help="comma-separated concurrency levels (default 1,4,16,64)")
-    p.add_argument("--num-prompts", type=int_list, default=[64],
-                   help="requests per level: one count, or one per level (default 64)")
+    p.add_argument(
+        "--concurrency",
+        type=int_list,
+        default=[1, 4, 16, 64],
+        help="comma-separated concurrency levels (default 1,4,16,64)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int_list,
+        default=[64],
+        help="requests per level: one count, or one per level (default 64)",
+    )
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrival rate in requests/s (default inf: all at once)")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrival rate in requests/s (default inf: all at once)",
+    )
     p.add_argument("--token-low", type=int, default=100, help="smallest random prompt token id")
     p.add_argument("--token-high", type=int, default=10000, help="largest random token id + 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip the short warm-up requests before each level")
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="skip the short warm-up requests before each level",
+    )
     p.add_argument("--out-dir", default="benchmarks/out", help="where JSON and PNG go")
     p.add_argument("--tag", default="serve", help="file name stem for the results")
 
@@ -431,8 +543,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k != "func"}
     config["request_rate"] = args.request_rate if math.isfinite(args.request_rate) else "inf"
     config["base_url"] = base_url
-    meta = {"config": config, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "host_cpus": os.cpu_count()}
+    meta = {
+        "config": config,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "host_cpus": os.cpu_count(),
+    }
     json_path = out_dir / f"{args.tag}.json"
     json_path.write_text(json.dumps({**meta, "levels": levels}, indent=2, default=str))
     png_path = out_dir / f"{args.tag}.png"
@@ -443,10 +558,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="benchmarks/serve.py", description=__doc__.split("\n\n")[0]
+    )
     add_bench_serve_args(parser)
     return cmd_bench_serve(parser.parse_args(argv))
 
 
-__all__ = ["RequestResult", "add_bench_serve_args", "cmd_bench_serve", "main", "make_prompts",
-           "run_level"]
+__all__ = [
+    "RequestResult",
+    "add_bench_serve_args",
+    "cmd_bench_serve",
+    "main",
+    "make_prompts",
+    "run_level",
+]

@@ -15,5 +15,11 @@ from pagemill.server.dashboard.hub import DashboardHub
 from pagemill.server.dashboard.snapshot import snapshot_engine, snapshot_scheduler
 from pagemill.server.dashboard.tap import DashboardSettings, LocalWatchers, SnapshotTap
 
-__all__ = ["DashboardHub", "DashboardSettings", "LocalWatchers", "SnapshotTap",
-           "snapshot_engine", "snapshot_scheduler"]
+__all__ = [
+    "DashboardHub",
+    "DashboardSettings",
+    "LocalWatchers",
+    "SnapshotTap",
+    "snapshot_engine",
+    "snapshot_scheduler",
+]

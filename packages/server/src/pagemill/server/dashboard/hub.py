@@ -53,8 +53,13 @@ class Subscription:
 class DashboardHub:
     """A `StepObserver` plus the state the page reads. `attach(client)` once, before serving."""
 
-    def __init__(self, settings: DashboardSettings | None = None, *, model_name: str = "",
-                 series: SeriesRecorder | None = None) -> None:
+    def __init__(
+        self,
+        settings: DashboardSettings | None = None,
+        *,
+        model_name: str = "",
+        series: SeriesRecorder | None = None,
+    ) -> None:
         self.settings = settings if settings is not None else DashboardSettings()
         self.model_name = model_name
         self.series = series if series is not None else SeriesRecorder()
@@ -89,9 +94,9 @@ class DashboardHub:
         """`StepObserver`: fold the step into the charts; in-process, maybe take a picture."""
         if step_seconds is not None:
             with self._lock:
-                points = self.series.add_step(engine.get_stats(),
-                                              getattr(engine, "iteration_stats", None),
-                                              step_seconds)
+                points = self.series.add_step(
+                    engine.get_stats(), getattr(engine, "iteration_stats", None), step_seconds
+                )
             if points:
                 self._broadcast({"type": "points", "points": points})
         tap = self._tap
@@ -143,9 +148,13 @@ class DashboardHub:
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"mode": "live", "model": self.model_name,
-                "interval_ms": round(self.settings.interval_s * 1e3),
-                "bucket_s": self.series.bucket_s, "show_prompts": self.settings.show_prompts}
+        return {
+            "mode": "live",
+            "model": self.model_name,
+            "interval_ms": round(self.settings.interval_s * 1e3),
+            "bucket_s": self.series.bucket_s,
+            "show_prompts": self.settings.show_prompts,
+        }
 
     def subscribe(self) -> Subscription:
         sub = Subscription(asyncio.get_running_loop())
@@ -159,8 +168,13 @@ class DashboardHub:
 
     def init_message(self) -> dict[str, Any]:
         with self._lock:
-            return {"type": "init", "config": self.config, "history": self.series.history(),
-                    "events": list(self.events), "snapshot": self.latest}
+            return {
+                "type": "init",
+                "config": self.config,
+                "history": self.series.history(),
+                "events": list(self.events),
+                "snapshot": self.latest,
+            }
 
     async def refresh(self, timeout: float = 10.0) -> dict[str, Any] | None:
         """A picture taken now, between two steps (the engine may be idle and silent)."""

@@ -35,8 +35,14 @@ DEFAULT_MAX_POINTS = 240
 class ReplayRecorder:
     """Records one simulated run (see the module docstring); `as_dict()` when it is over."""
 
-    def __init__(self, name: str, *, max_frames: int = DEFAULT_MAX_FRAMES,
-                 frame_dt: float = 1e-3, max_grid_blocks: int = 16384) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        max_frames: int = DEFAULT_MAX_FRAMES,
+        frame_dt: float = 1e-3,
+        max_grid_blocks: int = 16384,
+    ) -> None:
         self.name = name
         self.max_frames = max_frames
         self.frame_dt = frame_dt
@@ -51,15 +57,27 @@ class ReplayRecorder:
         """After one simulated step ending at `clock` (virtual seconds) that took `dt`."""
         prompt, gen, ttft, itl = self._tokens.observe(clock, updates, scheduler)
         stats = scheduler.get_stats()
-        self._steps.append((clock, dt, stats.num_running, stats.num_waiting,
-                            stats.kv_cache_usage, gen, prompt, ttft, itl))
+        self._steps.append(
+            (
+                clock,
+                dt,
+                stats.num_running,
+                stats.num_waiting,
+                stats.kv_cache_usage,
+                gen,
+                prompt,
+                ttft,
+                itl,
+            )
+        )
         self._clock = clock
         if clock >= self._next_frame or not scheduler.has_unfinished_requests():
             self._take(clock, scheduler)
 
     def _take(self, clock: float, scheduler: Any) -> None:
-        self.frames.append(snapshot_scheduler(scheduler, now=round(clock, 6),
-                                              max_grid_blocks=self.max_grid_blocks))
+        self.frames.append(
+            snapshot_scheduler(scheduler, now=round(clock, 6), max_grid_blocks=self.max_grid_blocks)
+        )
         if len(self.frames) > self.max_frames:
             last = self.frames[-1]
             self.frames = [*self.frames[:-1:2], last]
@@ -74,8 +92,12 @@ class ReplayRecorder:
         rec = SeriesRecorder(bucket_s=bucket, history=max_points + 8, clock=lambda: 0.0)
         for clock, dt, running, waiting, kv, gen, prompt, ttft, itl in self._steps:
             stats = SimpleNamespace(num_running=running, num_waiting=waiting, kv_cache_usage=kv)
-            it = SimpleNamespace(num_generation_tokens=gen, num_prompt_tokens=prompt,
-                                 time_to_first_tokens=ttft, inter_token_latencies=itl)
+            it = SimpleNamespace(
+                num_generation_tokens=gen,
+                num_prompt_tokens=prompt,
+                time_to_first_tokens=ttft,
+                inter_token_latencies=itl,
+            )
             rec.add_step(stats, it, dt, now=clock)
         rec.flush(now=self._clock + 2 * bucket + 1e-9)
         return [p for p in rec.history() if not p.get("gap")]
@@ -86,8 +108,7 @@ class ReplayRecorder:
         for frame in self.frames:
             events.extend(events_between(prev, frame))
             prev = frame
-        return {"name": self.name, "frames": self.frames, "series": self.series(),
-                "events": events}
+        return {"name": self.name, "frames": self.frames, "series": self.series(), "events": events}
 
 
 def _finite(value: Any) -> Any:
@@ -108,16 +129,22 @@ def render_replay_html(runs: list[dict[str, Any]], title: str) -> str:
     page = read_static("index.html")
     styles = read_static("vendor/uPlot.min.css") + "\n" + read_static("dashboard.css")
     scripts = read_static("vendor/uPlot.iife.min.js") + "\n" + read_static("dashboard.js")
-    page = page.replace('<link rel="stylesheet" href="dashboard/static/vendor/uPlot.min.css">\n',
-                        "")
-    page = page.replace('<link rel="stylesheet" href="dashboard/static/dashboard.css">',
-                        f"<style>\n{styles}\n</style>")
+    page = page.replace(
+        '<link rel="stylesheet" href="dashboard/static/vendor/uPlot.min.css">\n', ""
+    )
+    page = page.replace(
+        '<link rel="stylesheet" href="dashboard/static/dashboard.css">',
+        f"<style>\n{styles}\n</style>",
+    )
     page = page.replace('<script src="dashboard/static/vendor/uPlot.iife.min.js"></script>\n', "")
-    page = page.replace('<script src="dashboard/static/dashboard.js"></script>',
-                        f'<script type="application/json" id="pagemill-replay">{data}</script>\n'
-                        f"<script>\n{scripts}\n</script>")
-    page = page.replace("<title>pagemill dashboard</title>",
-                        f"<title>pagemill simulation: {_escape(title)}</title>")
+    page = page.replace(
+        '<script src="dashboard/static/dashboard.js"></script>',
+        f'<script type="application/json" id="pagemill-replay">{data}</script>\n'
+        f"<script>\n{scripts}\n</script>",
+    )
+    page = page.replace(
+        "<title>pagemill dashboard</title>", f"<title>pagemill simulation: {_escape(title)}</title>"
+    )
     if "dashboard/static/" in page:
         raise RuntimeError("the replay page still refers to a static file")
     return page

@@ -29,7 +29,7 @@ STATIC_FILES = {
 }
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
-                               "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
+    "style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
 }
@@ -94,8 +94,10 @@ def install_dashboard(app: FastAPI, hub: DashboardHub) -> None:
     @app.get("/dashboard/snapshot", include_in_schema=False)
     async def dashboard_snapshot() -> Response:
         snap = await hub.refresh()
-        return JSONResponse({"config": hub.config, "snapshot": snap,
-                             "events": list(hub.events)}, headers=SECURITY_HEADERS)
+        return JSONResponse(
+            {"config": hub.config, "snapshot": snap, "events": list(hub.events)},
+            headers=SECURITY_HEADERS,
+        )
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def dashboard_events() -> Response:

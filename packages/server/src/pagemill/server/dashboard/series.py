@@ -27,8 +27,9 @@ class TokenClock:
         self._first: dict[str, float] = {}
         self._last: dict[str, float] = {}
 
-    def observe(self, clock: float, updates: list[Any], scheduler: Any
-                ) -> tuple[int, int, list[float], list[float]]:
+    def observe(
+        self, clock: float, updates: list[Any], scheduler: Any
+    ) -> tuple[int, int, list[float], list[float]]:
         """(prompt tokens of first tokens, generated tokens, TTFTs, inter-token latencies)
         of one step ending at `clock`."""
         gen = prompt = 0
@@ -64,8 +65,12 @@ class SeriesRecorder:
     inserted so the charts show a gap, not a line across it.
     """
 
-    def __init__(self, bucket_s: float = DEFAULT_BUCKET_S, history: int = DEFAULT_HISTORY,
-                 clock: Any = time.time) -> None:
+    def __init__(
+        self,
+        bucket_s: float = DEFAULT_BUCKET_S,
+        history: int = DEFAULT_HISTORY,
+        clock: Any = time.time,
+    ) -> None:
         self.bucket_s = bucket_s
         self.clock = clock
         self.points: deque[dict[str, Any]] = deque(maxlen=history)
@@ -84,8 +89,9 @@ class SeriesRecorder:
         self._itl_n = 0
         self._step_s = 0.0
 
-    def add_step(self, stats: Any, iteration_stats: Any, step_seconds: float,
-                 now: float | None = None) -> list[dict[str, Any]]:
+    def add_step(
+        self, stats: Any, iteration_stats: Any, step_seconds: float, now: float | None = None
+    ) -> list[dict[str, Any]]:
         """Fold one step in; returns the points this closed (usually none)."""
         now = self.clock() if now is None else now
         closed = self.flush(now)

@@ -61,8 +61,9 @@ def _grid(pool: Any, tables: dict[str, list[int]], limit: int) -> tuple[str, int
     return cells[:limit].tobytes().decode("ascii"), len(cached), shared
 
 
-def _request_row(req: Any, blocks: list[int] | None, prompt_of: Callable[[str], str | None] | None
-                 ) -> dict[str, Any]:
+def _request_row(
+    req: Any, blocks: list[int] | None, prompt_of: Callable[[str], str | None] | None
+) -> dict[str, Any]:
     computed = req.num_computed_tokens
     prompt_len = req.num_prompt_tokens
     row: dict[str, Any] = {
@@ -86,10 +87,14 @@ def _request_row(req: Any, blocks: list[int] | None, prompt_of: Callable[[str], 
     return row
 
 
-def snapshot_scheduler(scheduler: Any, *, prompt_of: Callable[[str], str | None] | None = None,
-                       max_grid_blocks: int = DEFAULT_MAX_GRID_BLOCKS,
-                       max_waiting: int = DEFAULT_MAX_WAITING,
-                       now: float | None = None) -> dict[str, Any]:
+def snapshot_scheduler(
+    scheduler: Any,
+    *,
+    prompt_of: Callable[[str], str | None] | None = None,
+    max_grid_blocks: int = DEFAULT_MAX_GRID_BLOCKS,
+    max_waiting: int = DEFAULT_MAX_WAITING,
+    now: float | None = None,
+) -> dict[str, Any]:
     """The state of `scheduler` (a `pagemill.scheduler.Scheduler`) and its block pool.
 
     `now` stamps the picture (wall-clock seconds by default; the simulator passes its
@@ -103,8 +108,9 @@ def snapshot_scheduler(scheduler: Any, *, prompt_of: Callable[[str], str | None]
     grid, evictable, shared = _grid(pool, tables, max_grid_blocks)
     running = [_request_row(r, tables.get(r.request_id), prompt_of) for r in scheduler.running]
     waiting_iter = scheduler.iter_waiting()
-    waiting = [_request_row(r, None, prompt_of)
-               for r in itertools.islice(waiting_iter, max_waiting)]
+    waiting = [
+        _request_row(r, None, prompt_of) for r in itertools.islice(waiting_iter, max_waiting)
+    ]
     stats = kv.prefix_cache_stats
     free = pool.get_num_free_blocks()
     return {
@@ -119,15 +125,21 @@ def snapshot_scheduler(scheduler: Any, *, prompt_of: Callable[[str], str | None]
         "cached": pool.num_cached_blocks,
         "evictions": pool.num_evictions,
         "preemptions": scheduler.num_preemptions,
-        "prefix_cache": {"enabled": kv.enable_caching, "queries": stats.queries,
-                         "hits": stats.hits, "hit_rate": stats.hit_rate},
+        "prefix_cache": {
+            "enabled": kv.enable_caching,
+            "queries": stats.queries,
+            "hits": stats.hits,
+            "hit_rate": stats.hit_rate,
+        },
         "running": running,
         "waiting": waiting,
         "num_waiting": len(scheduler.waiting),
     }
 
 
-def snapshot_engine(engine: Any, show_prompts: bool = False, **kwargs: Any) -> dict[str, Any] | None:
+def snapshot_engine(
+    engine: Any, show_prompts: bool = False, **kwargs: Any
+) -> dict[str, Any] | None:
     """`snapshot_scheduler` of an engine core, or of an `LLMEngine` (None for an object
     without a scheduler, such as a test double). Module-level, so
     `AsyncEngine.call(partial(snapshot_engine, ...))` can run it in an engine process. The

@@ -95,7 +95,8 @@ class LimitedH11Protocol(H11Protocol):
     def _expired(self) -> None:
         self._deadline = None
         if not self.transport.is_closing():
-            self.logger.info("closing a connection whose request %s did not arrive in time",
-                             self._deadline_kind)
+            self.logger.info(
+                "closing a connection whose request %s did not arrive in time", self._deadline_kind
+            )
             self.transport.close()
         self._deadline_kind = None

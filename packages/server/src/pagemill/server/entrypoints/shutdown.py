@@ -43,9 +43,14 @@ LAST_SERVER: GracefulServer | None = None
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, client: Any, *,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-                 watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        client: Any,
+        *,
+        shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         if not shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
         # uvicorn's own wait outlives ours: the streams end themselves first.
@@ -77,8 +82,11 @@ class GracefulServer(uvicorn.Server):
             self.force_exit = True
         else:
             if not self.should_exit:
-                logger.info("received %s: draining for up to %g s", signal.Signals(sig).name,
-                            self.shutdown_timeout)
+                logger.info(
+                    "received %s: draining for up to %g s",
+                    signal.Signals(sig).name,
+                    self.shutdown_timeout,
+                )
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
@@ -89,18 +97,21 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _fatal(self, reason: str) -> None:
-        logger.critical("%s; exiting with status 1 so that a supervisor restarts the server",
-                        reason)
+        logger.critical(
+            "%s; exiting with status 1 so that a supervisor restarts the server", reason
+        )
         self.fatal_reason = reason
         self.exit_code = 1
         self.should_exit = True
         # No drain for a broken engine: what is still streaming cannot finish anyway.
         self.shutdown_timeout = 0.0
         self.config.timeout_graceful_shutdown = min(  # type: ignore[assignment]  # float seconds, as above
-            self.config.timeout_graceful_shutdown or 2.0, 2.0)
+            self.config.timeout_graceful_shutdown or 2.0, 2.0
+        )
         with contextlib.suppress(Exception):
-            self.client.fail_all(ServerShuttingDownError("the engine failed; the server "
-                                                         "is restarting"))
+            self.client.fail_all(
+                ServerShuttingDownError("the engine failed; the server is restarting")
+            )
         # Last resort: a wedged engine thread must not keep the process alive.
         self._fatal_timer = threading.Timer(FATAL_EXIT_SECONDS, os._exit, args=(1,))
         self._fatal_timer.daemon = True
@@ -119,23 +130,40 @@ class GracefulServer(uvicorn.Server):
     async def _end_stragglers(self) -> None:
         await asyncio.sleep(self.shutdown_timeout)
         if self.client.num_pending:
-            logger.warning("shutdown timeout: ending %d request(s) still in flight",
-                           self.client.num_pending)
+            logger.warning(
+                "shutdown timeout: ending %d request(s) still in flight", self.client.num_pending
+            )
         self.client.fail_all(ServerShuttingDownError("the server is shutting down"))
 
 
-def serve(app: Any, client: Any, *, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
-          watchdog: Watchdog | None = None, limits: ConnectionLimits | None = None,
-          timeout_keep_alive: float = 5.0, sockets: list[socket.socket] | None = None) -> int:
+def serve(
+    app: Any,
+    client: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    watchdog: Watchdog | None = None,
+    limits: ConnectionLimits | None = None,
+    timeout_keep_alive: float = 5.0,
+    sockets: list[socket.socket] | None = None,
+) -> int:
     """Serve in the foreground until a signal or a fatal engine error; returns the exit code."""
     limits = limits or ConnectionLimits()
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            http=limits.protocol(),
-                            timeout_keep_alive=timeout_keep_alive)  # type: ignore[arg-type]  # uvicorn annotates int, takes float seconds
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        http=limits.protocol(),
+        timeout_keep_alive=timeout_keep_alive,
+    )  # type: ignore[arg-type]  # uvicorn annotates int, takes float seconds
     global LAST_SERVER
-    server = LAST_SERVER = GracefulServer(config, client, shutdown_timeout=shutdown_timeout,
-                                          watchdog=watchdog)
+    server = LAST_SERVER = GracefulServer(
+        config, client, shutdown_timeout=shutdown_timeout, watchdog=watchdog
+    )
     started = time.monotonic()
     try:
         server.run(sockets=sockets)
@@ -144,8 +172,9 @@ def serve(app: Any, client: Any, *, host: str = "127.0.0.1", port: int = 8000,
             server._fatal_timer.cancel()
     if server.fatal_reason is None and not server.started:
         return 1  # never came up (port in use, ...): uvicorn logged why
-    logger.info("server stopped after %.0f s (exit status %d)", time.monotonic() - started,
-                server.exit_code)
+    logger.info(
+        "server stopped after %.0f s (exit status %d)", time.monotonic() - started, server.exit_code
+    )
     return server.exit_code
 
 

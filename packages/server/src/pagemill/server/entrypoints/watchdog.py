@@ -27,8 +27,12 @@ class Verdict:
 
 
 class Watchdog:
-    def __init__(self, client: Any, step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
-                 grace: float = DEFAULT_STEP_GRACE) -> None:
+    def __init__(
+        self,
+        client: Any,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        grace: float = DEFAULT_STEP_GRACE,
+    ) -> None:
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds (or None), got {step_timeout}")
         if not grace >= 0:
@@ -47,6 +51,8 @@ class Watchdog:
         running = (time.monotonic() if now is None else now) - started
         if running <= self.step_timeout:
             return Verdict(True, False)
-        reason = (f"the engine is stalled: one step has run for {running:.0f} s "
-                  f"(step timeout {self.step_timeout:g} s)")
+        reason = (
+            f"the engine is stalled: one step has run for {running:.0f} s "
+            f"(step timeout {self.step_timeout:g} s)"
+        )
         return Verdict(False, running > self.step_timeout + self.grace, reason)

@@ -36,7 +36,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -58,7 +60,9 @@ def _experiments(text: str) -> tuple[str, ...]:
     names = tuple(t.strip() for t in text.split(",") if t.strip())
     bad = [n for n in names if n not in EXPERIMENTS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"experiments: choose from {', '.join(EXPERIMENTS)} or 'all'")
+        raise argparse.ArgumentTypeError(
+            f"experiments: choose from {', '.join(EXPERIMENTS)} or 'all'"
+        )
     return names
 
 
@@ -72,23 +76,38 @@ _SIM_DEFAULTS = {"max_model_len": 4096}
 
 
 def _add_hardware_args(
-    p: argparse.ArgumentParser, gpu: str, scheduler_flags: tuple[str, ...],
+    p: argparse.ArgumentParser,
+    gpu: str,
+    scheduler_flags: tuple[str, ...],
     defaults: Mapping[str, object] | None = None,
 ) -> None:
-    p.add_argument("--model", default="llama-3.1-8b",
-                   help=f"one of {', '.join(known_models())}, or a path to a HF config.json")
-    p.add_argument("--gpu", default=gpu,
-                   help=f"one of {', '.join(known_gpus())}, or a JSON file with memory_bytes, "
-                        "bandwidth_bytes_per_s, bf16_flops")
+    p.add_argument(
+        "--model",
+        default="llama-3.1-8b",
+        help=f"one of {', '.join(known_models())}, or a path to a HF config.json",
+    )
+    p.add_argument(
+        "--gpu",
+        default=gpu,
+        help=f"one of {', '.join(known_gpus())}, or a JSON file with memory_bytes, "
+        "bandwidth_bytes_per_s, bf16_flops",
+    )
     p.add_argument("--weight-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 | int8 | int4")
     p.add_argument("--kv-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
     add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
-    add_config_args(p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags,
-                    defaults=defaults)
-    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
-                   help="split the model over N GPUs (the engine's --tensor-parallel-size): "
-                        "per-GPU weights and KV heads, plus two all-reduces per layer costed "
-                        "from the GPU's link bandwidth and latency (default 1)")
+    add_config_args(
+        p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags, defaults=defaults
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="split the model over N GPUs (the engine's --tensor-parallel-size): "
+        "per-GPU weights and KV heads, plus two all-reduces per layer costed "
+        "from the GPU's link bandwidth and latency (default 1)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -100,14 +119,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(pure arithmetic; no GPU needed).",
     )
     _add_hardware_args(plan, "h200", _PLAN_SCHEDULER_FLAGS)
-    plan.add_argument("--context-len", type=int, default=None,
-                      help="context length per sequence (default min(8192, model limit))")
-    plan.add_argument("--activation-reserve-gib", type=float, default=None,
-                      help="memory kept for activations (default: estimated from the token budget)")
-    plan.add_argument("--batch-sizes", type=_int_list, default=DEFAULT_BATCH_SIZES,
-                      help="comma-separated decode batch sizes of the roofline table")
-    plan.add_argument("--step-overhead-ms", type=float, default=0.0,
-                      help="fixed time added to every step")
+    plan.add_argument(
+        "--context-len",
+        type=int,
+        default=None,
+        help="context length per sequence (default min(8192, model limit))",
+    )
+    plan.add_argument(
+        "--activation-reserve-gib",
+        type=float,
+        default=None,
+        help="memory kept for activations (default: estimated from the token budget)",
+    )
+    plan.add_argument(
+        "--batch-sizes",
+        type=_int_list,
+        default=DEFAULT_BATCH_SIZES,
+        help="comma-separated decode batch sizes of the roofline table",
+    )
+    plan.add_argument(
+        "--step-overhead-ms", type=float, default=0.0, help="fixed time added to every step"
+    )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--plot", type=Path, default=None, help="write the roofline as a PNG here")
     plan.add_argument("--list", action="store_true", help="list the shipped models and GPUs")
@@ -121,32 +153,69 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "token budget vs inter-token latency.",
     )
     _add_hardware_args(sim, "h100", _SIM_SCHEDULER_FLAGS, _SIM_DEFAULTS)
-    sim.add_argument("--num-blocks", type=int, default=None,
-                     help="KV pool size in blocks (default: what `plan` computes)")
-    sim.add_argument("--step-overhead-ms", type=float, default=1.0,
-                     help="fixed time added to every step (launches, scheduling, sampling)")
-    sim.add_argument("--experiments", type=_experiments, default=EXPERIMENTS,
-                     help=f"comma-separated subset of {', '.join(EXPERIMENTS)}, or 'all'")
+    sim.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: what `plan` computes)",
+    )
+    sim.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=1.0,
+        help="fixed time added to every step (launches, scheduling, sampling)",
+    )
+    sim.add_argument(
+        "--experiments",
+        type=_experiments,
+        default=EXPERIMENTS,
+        help=f"comma-separated subset of {', '.join(EXPERIMENTS)}, or 'all'",
+    )
     sim.add_argument("--num-requests", type=int, default=600)
-    sim.add_argument("--request-rate", type=_rate, default=40.0,
-                     help="Poisson arrival rate in requests/s ('inf': all at t=0)")
+    sim.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=40.0,
+        help="Poisson arrival rate in requests/s ('inf': all at t=0)",
+    )
     sim.add_argument("--prompt-len", type=int, default=256, help="mean prompt length")
     sim.add_argument("--output-len", type=int, default=256, help="mean output length")
     sim.add_argument("--length-dist", choices=DISTRIBUTIONS, default="lognormal")
-    sim.add_argument("--length-spread", type=float, default=0.6,
-                     help="lognormal sigma / uniform relative half-width")
-    sim.add_argument("--system-prompt-len", type=int, default=1024,
-                     help="shared system prompt of the prefix-caching experiment")
-    sim.add_argument("--budgets", type=_int_list, default=DEFAULT_BUDGETS,
-                     help="token budgets of the chunked-prefill experiment")
+    sim.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.6,
+        help="lognormal sigma / uniform relative half-width",
+    )
+    sim.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=1024,
+        help="shared system prompt of the prefix-caching experiment",
+    )
+    sim.add_argument(
+        "--budgets",
+        type=_int_list,
+        default=DEFAULT_BUDGETS,
+        help="token budgets of the chunked-prefill experiment",
+    )
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--out-dir", type=Path, default=Path("pagemill-sim"),
-                     help="folder for the PNG plots and results.json")
+    sim.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("pagemill-sim"),
+        help="folder for the PNG plots and results.json",
+    )
     sim.add_argument("--no-plots", action="store_true")
-    sim.add_argument("--html", type=Path, default=None, metavar="OUT",
-                     help="also write OUT, one self-contained page that replays every paged "
-                          "run in the dashboard's view (block pool, requests, charts); opens "
-                          "from disk, no server or network needed")
+    sim.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="also write OUT, one self-contained page that replays every paged "
+        "run in the dashboard's view (block pool, requests, charts); opens "
+        "from disk, no server or network needed",
+    )
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -182,7 +251,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from pagemill.server.sim.plots import plot_roofline
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {plot_roofline(plan, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+        print(
+            f"wrote {plot_roofline(plan, args.plot)}", file=sys.stderr if args.json else sys.stdout
+        )
     return 0
 
 
@@ -235,8 +306,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             return recorders.setdefault(name, ReplayRecorder(name))  # type: ignore[return-value]
 
     try:
-        comparisons = run_experiments(deployment, workloads, args.experiments, args.budgets,
-                                      observe)
+        comparisons = run_experiments(
+            deployment, workloads, args.experiments, args.budgets, observe
+        )
     except (ValueError, TypeError) as exc:
         print(f"pagemill simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -259,8 +331,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.html is not None:
         from pagemill.server.dashboard.replay import write_replay_html
 
-        title = (f"{deployment.model.name} ({args.weight_dtype}) on {deployment.gpu.name}, "
-                 f"{pool:,} blocks")
+        title = (
+            f"{deployment.model.name} ({args.weight_dtype}) on {deployment.gpu.name}, "
+            f"{pool:,} blocks"
+        )
         runs = [r.as_dict() for r in recorders.values()]  # type: ignore[attr-defined]
         print(f"wrote {write_replay_html(args.html, runs, title)}")
     if not args.no_plots:

@@ -33,14 +33,20 @@ def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
     if tp == 1:
         return
     if model.num_heads % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide {model.name}'s "
-                         f"{model.num_heads} attention heads")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {model.name}'s "
+            f"{model.num_heads} attention heads"
+        )
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={tp} neither divides nor is a multiple of "
-                         f"{model.name}'s {model.num_kv_heads} KV heads")
+        raise ValueError(
+            f"tensor_parallel_size={tp} neither divides nor is a multiple of "
+            f"{model.name}'s {model.num_kv_heads} KV heads"
+        )
     if model.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide {model.name}'s "
-                         f"intermediate_size {model.intermediate_size}")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {model.name}'s "
+            f"intermediate_size {model.intermediate_size}"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,10 +91,13 @@ class RooflineCostModel:
     def __post_init__(self) -> None:
         weight_dtype_bytes(self.weight_dtype)  # validate early, with the clear message
         check_tensor_parallel(self.model, self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and (self.gpu.link_bandwidth_bytes_per_s is None
-                                              or self.gpu.link_latency_s is None):
-            raise ValueError(f"GPU {self.gpu.name!r} has no link_bandwidth_bytes_per_s / "
-                             "link_latency_s: needed to cost tensor parallelism")
+        if self.tensor_parallel_size > 1 and (
+            self.gpu.link_bandwidth_bytes_per_s is None or self.gpu.link_latency_s is None
+        ):
+            raise ValueError(
+                f"GPU {self.gpu.name!r} has no link_bandwidth_bytes_per_s / "
+                "link_latency_s: needed to cost tensor parallelism"
+            )
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s must be >= 0, got {self.step_overhead_s}")
         for name in ("bandwidth_efficiency", "flops_efficiency"):
@@ -132,9 +141,14 @@ class RooflineCostModel:
         n = self.tensor_parallel_size
         if n == 1 or num_bytes <= 0:
             return 0.0
-        assert self.gpu.link_bandwidth_bytes_per_s is not None and self.gpu.link_latency_s is not None
-        return 2 * (n - 1) * (self.gpu.link_latency_s
-                              + num_bytes / n / self.gpu.link_bandwidth_bytes_per_s)
+        assert (
+            self.gpu.link_bandwidth_bytes_per_s is not None and self.gpu.link_latency_s is not None
+        )
+        return (
+            2
+            * (n - 1)
+            * (self.gpu.link_latency_s + num_bytes / n / self.gpu.link_bandwidth_bytes_per_s)
+        )
 
     def comm_time_s(self, num_tokens: int, num_sampled: int) -> float:
         """A step's exchanges: two all-reduces per layer and the embedding's (each of
@@ -147,8 +161,9 @@ class RooflineCostModel:
         per_layer = self.all_reduce_time_s(num_tokens * m.hidden_size * self.activation_bytes)
         gpu = self.gpu
         assert gpu.link_bandwidth_bytes_per_s is not None and gpu.link_latency_s is not None
-        gather = (n - 1) * (gpu.link_latency_s
-                            + num_sampled * m.vocab_size / n * 4 / gpu.link_bandwidth_bytes_per_s)
+        gather = (n - 1) * (
+            gpu.link_latency_s + num_sampled * m.vocab_size / n * 4 / gpu.link_bandwidth_bytes_per_s
+        )
         return (2 * m.num_layers + 1) * per_layer + gather
 
     def step_cost(self, chunks: Iterable[tuple[int, int]]) -> StepCost:
@@ -203,8 +218,11 @@ class RooflineCostModel:
         per_seq_compute = self.flops_per_token / self.peak_flops
         per_seq_memory = 0.0
         if context_len:
-            per_seq_compute += (self.model.attention_flops(1, context_len)
-                                / self.tensor_parallel_size / self.peak_flops)
+            per_seq_compute += (
+                self.model.attention_flops(1, context_len)
+                / self.tensor_parallel_size
+                / self.peak_flops
+            )
             per_seq_memory = context_len * self.kv_bytes_per_token / self.bandwidth
         slope = per_seq_compute - per_seq_memory
         if slope <= 0:

@@ -37,8 +37,9 @@ class Comparison:
     runs: list[RunResult]
 
 
-def static_vs_paged(deployment: Deployment, workload: WorkloadSpec,
-                    observe: ObserverFactory | None = None) -> Comparison:
+def static_vs_paged(
+    deployment: Deployment, workload: WorkloadSpec, observe: ObserverFactory | None = None
+) -> Comparison:
     """Both systems on the same requests; with a finite arrival rate they also run saturated
     (everything queued at t = 0), where throughput is the system's capacity rather than the
     offered load."""
@@ -51,24 +52,34 @@ def static_vs_paged(deployment: Deployment, workload: WorkloadSpec,
         tag = "saturated" if math.isinf(load.request_rate) else f"{load.request_rate:g} req/s"
         runs.append(StaticBatchSimulator(deployment, name=f"static, {tag}").run(requests))
         name = f"paged, {tag}"
-        runs.append(PagedSimulator(deployment, name=name,
-                                   observer=_watch(observe, f"static: {name}")).run(requests))
+        runs.append(
+            PagedSimulator(deployment, name=name, observer=_watch(observe, f"static: {name}")).run(
+                requests
+            )
+        )
     return Comparison(
-        "static", "static batching (max-length reservation) vs paged continuous batching",
-        workload, runs,
+        "static",
+        "static batching (max-length reservation) vs paged continuous batching",
+        workload,
+        runs,
     )
 
 
-def prefix_caching(deployment: Deployment, workload: WorkloadSpec,
-                   observe: ObserverFactory | None = None) -> Comparison:
+def prefix_caching(
+    deployment: Deployment, workload: WorkloadSpec, observe: ObserverFactory | None = None
+) -> Comparison:
     """The same paged system with the prefix cache off and on: with a shared system prompt
     every admission after the first reuses its blocks, so prefill work and TTFT drop."""
     if workload.system_prompt_len == 0:
         raise ValueError("the prefix-caching comparison needs a workload with a system prompt")
     requests = generate_workload(workload, deployment.max_model_len)
     runs = [
-        PagedSimulator(deployment, enable_prefix_caching=on, name=name,
-                       observer=_watch(observe, f"prefix: {name}")).run(requests)
+        PagedSimulator(
+            deployment,
+            enable_prefix_caching=on,
+            name=name,
+            observer=_watch(observe, f"prefix: {name}"),
+        ).run(requests)
         for on, name in ((False, "prefix cache off"), (True, "prefix cache on"))
     ]
     title = f"prefix caching off vs on ({workload.system_prompt_len}-token shared system prompt)"
@@ -76,7 +87,9 @@ def prefix_caching(deployment: Deployment, workload: WorkloadSpec,
 
 
 def token_budget(
-    deployment: Deployment, workload: WorkloadSpec, budgets: Sequence[int] = DEFAULT_BUDGETS,
+    deployment: Deployment,
+    workload: WorkloadSpec,
+    budgets: Sequence[int] = DEFAULT_BUDGETS,
     observe: ObserverFactory | None = None,
 ) -> Comparison:
     """Chunked prefill at several budgets, plus whole-prompt prefill.
@@ -92,8 +105,12 @@ def token_budget(
     runs = []
     for budget in budgets:
         name = f"chunked, budget {budget}"
-        sim = PagedSimulator(deployment, max_num_batched_tokens=budget, name=name,
-                             observer=_watch(observe, f"budget: {name}"))
+        sim = PagedSimulator(
+            deployment,
+            max_num_batched_tokens=budget,
+            name=name,
+            observer=_watch(observe, f"budget: {name}"),
+        )
         runs.append(sim.run(requests))
     unchunked = max(deployment.max_model_len, max(budgets))
     name = f"unchunked, budget {unchunked}"
@@ -105,7 +122,9 @@ def token_budget(
         observer=_watch(observe, f"budget: {name}"),
     )
     runs.append(sim.run(requests))
-    return Comparison("budget", "token budget / chunked prefill vs inter-token latency", workload, runs)
+    return Comparison(
+        "budget", "token budget / chunked prefill vs inter-token latency", workload, runs
+    )
 
 
 def default_workloads(

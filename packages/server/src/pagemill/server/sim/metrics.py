@@ -178,7 +178,9 @@ class RunRecorder:
             itl_p99_s=percentile(itls, 99),
             itl_max_s=max(itls, default=math.nan),
             normalized_latency_s=_mean(normalized),
-            kv_utilization=self._real_time / self._reserved_time if self._reserved_time else math.nan,
+            kv_utilization=self._real_time / self._reserved_time
+            if self._reserved_time
+            else math.nan,
             mean_batch_size=self._batch_time / busy if busy else math.nan,
             max_batch_size=self.max_batch_size,
             num_preemptions=num_preemptions,

@@ -119,8 +119,10 @@ class PagedSimulator:
                 # real = reserved minus each table's unfilled tail (only full blocks are shared).
                 used_blocks = kv.num_blocks - kv.get_num_free_blocks()
                 reserved = used_blocks * block_size
-                slack = sum(kv.num_request_blocks(rid) * block_size - q.num_computed_tokens
-                            for rid, q in holding.items())
+                slack = sum(
+                    kv.num_request_blocks(rid) * block_size - q.num_computed_tokens
+                    for rid, q in holding.items()
+                )
                 clock += dt
                 rec.step(
                     clock,

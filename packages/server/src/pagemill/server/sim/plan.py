@@ -179,8 +179,14 @@ def make_plan(
         )
     if any(b <= 0 for b in batch_sizes):
         raise ValueError("batch sizes must be positive")
-    cost = RooflineCostModel(model, gpu, weight_dtype, kv_dtype, step_overhead_s=step_overhead_s,
-                             tensor_parallel_size=tensor_parallel_size)
+    cost = RooflineCostModel(
+        model,
+        gpu,
+        weight_dtype,
+        kv_dtype,
+        step_overhead_s=step_overhead_s,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     if activation_reserve_bytes is None:
         activation_reserve_bytes = estimate_activation_bytes(
             model, max_num_batched_tokens, max_num_seqs
@@ -215,8 +221,12 @@ def make_plan(
         roofline=roofline,
         tensor_parallel_size=tensor_parallel_size,
         rank_weight_bytes=cost.rank_weight_bytes,
-        all_reduce_s={b: cost.all_reduce_time_s(b * model.hidden_size * cost.activation_bytes)
-                      for b in batch_sizes} if tensor_parallel_size > 1 else {},
+        all_reduce_s={
+            b: cost.all_reduce_time_s(b * model.hidden_size * cost.activation_bytes)
+            for b in batch_sizes
+        }
+        if tensor_parallel_size > 1
+        else {},
     )
 
 
@@ -241,7 +251,8 @@ def format_plan(plan: CapacityPlan) -> str:
         lines.append(
             f"tensor parallel over {tp} GPUs (link {g.link_bandwidth_bytes_per_s / 1e9:,.0f} GB/s "
             f"each way, {g.link_latency_s * 1e6:.0f} us a ring step): everything below is per "
-            f"GPU; each layer all-reduces twice per step")
+            f"GPU; each layer all-reduces twice per step"
+        )
     lines += [
         "",
         f"weights                  {_gb(plan.weight_bytes)}"
@@ -273,8 +284,10 @@ def format_plan(plan: CapacityPlan) -> str:
         ),
     ]
     if tp > 1:
-        lines.append("all-reduce per layer (x2): " + ", ".join(
-            f"batch {b} {t * 1e6:,.0f} us" for b, t in plan.all_reduce_s.items()))
+        lines.append(
+            "all-reduce per layer (x2): "
+            + ", ".join(f"batch {b} {t * 1e6:,.0f} us" for b, t in plan.all_reduce_s.items())
+        )
     lines += [
         "",
         "decode roofline: step time vs batch, with no context (weights only) and with "

@@ -30,8 +30,13 @@ def plot_roofline(plan: CapacityPlan, path: str | Path) -> Path:
     ctx = f"{plan.context_len:,} ctx"
     pts = plan.roofline
     ax1.plot(sizes, [p.weights_only.time_s * 1e3 for p in pts], "o-", label="step, weights only")
-    ax1.plot(sizes, [p.weights_only.memory_time_s * 1e3 for p in pts], "--", lw=0.8,
-             label="weight streaming")
+    ax1.plot(
+        sizes,
+        [p.weights_only.memory_time_s * 1e3 for p in pts],
+        "--",
+        lw=0.8,
+        label="weight streaming",
+    )
     ax1.plot(sizes, [p.weights_only.compute_time_s * 1e3 for p in pts], ":", label="arithmetic")
     ax1.plot(sizes, [p.cost.time_s * 1e3 for p in pts], "s-", ms=4, label=f"step at {ctx}")
     ax1.set_xscale("log", base=2)
@@ -53,8 +58,12 @@ def plot_roofline(plan: CapacityPlan, path: str | Path) -> Path:
         if plan.max_concurrent_seqs:
             ax.axvline(plan.max_concurrent_seqs, color="red", lw=0.8, ls="--")
         ax.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=7, loc="upper left",
-               title=f"grey: crossover (weights only)\nred: max seqs at {ctx}", title_fontsize=7)
+    ax1.legend(
+        fontsize=7,
+        loc="upper left",
+        title=f"grey: crossover (weights only)\nred: max seqs at {ctx}",
+        title_fontsize=7,
+    )
     fig.suptitle(f"{plan.model.name} on {plan.gpu.name} ({plan.weight_dtype})")
     fig.tight_layout()
     out = Path(path)
@@ -80,8 +89,9 @@ def plot_comparison(c: Comparison, path: str | Path) -> Path:
             continue
         stride = max(1, len(values) // 4000)
         idx = [*range(0, len(values), stride), len(values) - 1]
-        ax2.plot([values[i] * 1e3 for i in idx], [(i + 1) / len(values) for i in idx], lw=1,
-                 label=r.name)
+        ax2.plot(
+            [values[i] * 1e3 for i in idx], [(i + 1) / len(values) for i in idx], lw=1, label=r.name
+        )
     ax2.set_xscale("log")
     ax2.set_xlabel("inter-token latency (ms)" if use_itl else "time to first token (ms)")
     ax2.set_ylabel("CDF")
@@ -102,8 +112,13 @@ def _kv_timeline(ax: Any, c: Comparison) -> None:
     for r in c.runs:
         if r.timeline:
             points = r.timeline[:: max(1, len(r.timeline) // 1500)]  # plenty for a 1000 px plot
-            ax.step([t for t, _, _ in points], [u * 100 for _, u, _ in points], where="pre",
-                    lw=0.8, label=f"{r.name} ({r.kv_utilization:.0%})")
+            ax.step(
+                [t for t, _, _ in points],
+                [u * 100 for _, u, _ in points],
+                where="pre",
+                lw=0.8,
+                label=f"{r.name} ({r.kv_utilization:.0%})",
+            )
     ax.set_xlabel("virtual time (s)")
     ax.set_ylabel("% of reserved KV holding real tokens")
     ax.set_ylim(0, 105)

@@ -52,11 +52,21 @@ class ModelSpec:
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size", "vocab_size", "max_position_embeddings"):
+        for field in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"model {self.name!r}: {field} must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"model {self.name!r}: {field} must be a positive int, got {value!r}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
@@ -105,13 +115,20 @@ class GPUSpec:
     link_latency_s: float | None = None
 
     def __post_init__(self) -> None:
-        for field in ("memory_bytes", "bandwidth_bytes_per_s", "bf16_flops",
-                      "link_bandwidth_bytes_per_s", "link_latency_s"):
+        for field in (
+            "memory_bytes",
+            "bandwidth_bytes_per_s",
+            "bf16_flops",
+            "link_bandwidth_bytes_per_s",
+            "link_latency_s",
+        ):
             value = getattr(self, field)
             if value is None and field.startswith("link_"):
                 continue
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPU {self.name!r}: {field} must be a positive number, got {value!r}")
+                raise ValueError(
+                    f"GPU {self.name!r}: {field} must be a positive number, got {value!r}"
+                )
 
 
 @cache
@@ -141,7 +158,11 @@ def _model_from_entry(entry: dict[str, Any]) -> ModelSpec:
 def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, ... layout) the way the
     runtime does (`ModelConfig.from_dict`), without requiring an architecture it can run."""
-    if config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts"):
+    if (
+        config.get("num_local_experts")
+        or config.get("num_experts")
+        or config.get("n_routed_experts")
+    ):
         raise ValueError(
             f"{name}: mixture-of-experts configs are not supported by the planner (dense models only)"
         )
@@ -197,7 +218,12 @@ def load_gpu(name_or_path: str | Path) -> GPUSpec:
     ``link_latency_s``)."""
     key = _normalize(str(name_or_path))
     gpus = _load_data("gpus.json")
-    aliases = {"a100": "a100-80g", "a100-80gb": "a100-80g", "4090": "rtx-4090", "rtx4090": "rtx-4090"}
+    aliases = {
+        "a100": "a100-80g",
+        "a100-80gb": "a100-80g",
+        "4090": "rtx-4090",
+        "rtx4090": "rtx-4090",
+    }
     key = aliases.get(key, key)
     if key in gpus:
         entry = dict(gpus[key])

@@ -31,9 +31,13 @@ class LengthDist:
 
     def __post_init__(self) -> None:
         if self.kind not in DISTRIBUTIONS:
-            raise ValueError(f"length distribution must be one of {DISTRIBUTIONS}, got {self.kind!r}")
+            raise ValueError(
+                f"length distribution must be one of {DISTRIBUTIONS}, got {self.kind!r}"
+            )
         if self.mean < 1 or self.minimum < 1:
-            raise ValueError(f"mean and minimum lengths must be >= 1, got {self.mean}, {self.minimum}")
+            raise ValueError(
+                f"mean and minimum lengths must be >= 1, got {self.mean}, {self.minimum}"
+            )
         if self.maximum is not None and self.maximum < self.minimum:
             raise ValueError(f"maximum length {self.maximum} is below the minimum {self.minimum}")
         if self.spread < 0:
@@ -72,7 +76,9 @@ class WorkloadSpec:
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate}")
+            raise ValueError(
+                f"request_rate must be > 0 (inf = all at once), got {self.request_rate}"
+            )
         if self.system_prompt_len < 0:
             raise ValueError(f"system_prompt_len must be >= 0, got {self.system_prompt_len}")
         if not 0 <= self.system_prompt_fraction <= 1:

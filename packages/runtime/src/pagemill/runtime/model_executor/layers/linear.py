@@ -138,8 +138,14 @@ class Linear(nn.Module):
         why = self._why_not_packable(pieces, method) if pieces else None
         if pieces and (why is not None or not complete):
             if method in ("native", "int4") and complete:
-                logger.info("%s rows [%d, %d] %s: %s", self.source, self.out_features, self.in_features,
-                            "stay dense" if method == "native" else "are requantized", why)
+                logger.info(
+                    "%s rows [%d, %d] %s: %s",
+                    self.source,
+                    self.out_features,
+                    self.in_features,
+                    "stay dense" if method == "native" else "are requantized",
+                    why,
+                )
             for off, p in pieces.items():
                 weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
             pieces = {}
@@ -192,8 +198,14 @@ class Linear(nn.Module):
     def use_dense_weight(self, weight: torch.Tensor) -> None:
         """Share an existing dense [out, in] tensor (e.g. a tied embedding) as the dense copy."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(f"dense weight {tuple(weight.shape)} does not fit [{self.out_features}, {self.in_features}]")
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+            raise ValueError(
+                f"dense weight {tuple(weight.shape)} does not fit [{self.out_features}, {self.in_features}]"
+            )
+        self.weight = (
+            weight
+            if isinstance(weight, nn.Parameter)
+            else nn.Parameter(weight, requires_grad=False)
+        )
 
     # ---- introspection ---------------------------------------------------------------------
 
@@ -213,8 +225,11 @@ class Linear(nn.Module):
         return self.format != "dense" and self.weight is not None
 
     def packed_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.qweight, self.scales, self.scales_and_zeros) if t is not None)
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.qweight, self.scales, self.scales_and_zeros)
+            if t is not None
+        )
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.weight_format}"
@@ -247,13 +262,20 @@ class Linear(nn.Module):
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
         opaque = self.opaque_packed and torch.compiler.is_compiling()
         if self.format == "int8":
-            mm8 = torch.ops.pagemill.weight_int8pack_mm if opaque else torch.ops.aten._weight_int8pack_mm
+            mm8 = (
+                torch.ops.pagemill.weight_int8pack_mm
+                if opaque
+                else torch.ops.aten._weight_int8pack_mm
+            )
             y = mm8(xk.contiguous(), self.qweight, self.scales)
         else:
             if self.int4_planes == 2:
                 xk = torch.cat([xk, xk], dim=-1)
-            mm4 = (torch.ops.pagemill.weight_int4pack_mm if opaque
-                   else torch.ops.aten._weight_int4pack_mm_for_cpu)
+            mm4 = (
+                torch.ops.pagemill.weight_int4pack_mm
+                if opaque
+                else torch.ops.aten._weight_int4pack_mm_for_cpu
+            )
             y = mm4(xk.contiguous(), self.qweight, self.group_size, self.scales_and_zeros)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
@@ -265,27 +287,34 @@ def packed_row_limits(model: nn.Module) -> list[int]:
     dense copy. A compiled forward has a graph for each side of each limit ("guard"
     branching), so a start-up warm-up should run one step longer than each limit too —
     otherwise the first long prefill chunk compiles while a request waits."""
-    return sorted({m.packed_max_tokens for name, m in model.named_modules()
-                   if isinstance(m, Linear) and m.has_dense_fallback
-                   and not name.startswith("logits_proj")})  # the LM head runs outside forward()
+    return sorted(
+        {
+            m.packed_max_tokens
+            for name, m in model.named_modules()
+            if isinstance(m, Linear) and m.has_dense_fallback and not name.startswith("logits_proj")
+        }
+    )  # the LM head runs outside forward()
 
 
 @torch.library.custom_op("pagemill::weight_int4pack_mm", mutates_args=())
-def _opaque_int4pack_mm(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
-                        scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def _opaque_int4pack_mm(
+    x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
     """PyTorch's int4 CPU kernel, opaque to inductor (see `Linear.opaque_packed`)."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)
 
 
 @_opaque_int4pack_mm.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor, group_size: int,
-      scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor, qweight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales_and_zeros.shape[1])
 
 
 @torch.library.custom_op("pagemill::weight_int8pack_mm", mutates_args=())
-def _opaque_int8pack_mm(x: torch.Tensor, qweight: torch.Tensor,
-                        scales: torch.Tensor) -> torch.Tensor:
+def _opaque_int8pack_mm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
     """PyTorch's int8 CPU kernel, opaque to inductor (see `Linear.opaque_packed`)."""
     return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
 

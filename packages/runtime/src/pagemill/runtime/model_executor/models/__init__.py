@@ -19,5 +19,10 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
-__all__ = ["ARCHITECTURES", "GemmaForCausalLM", "LlamaForCausalLM", "Phi3ForCausalLM",
-           "Qwen3ForCausalLM"]
+__all__ = [
+    "ARCHITECTURES",
+    "GemmaForCausalLM",
+    "LlamaForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3ForCausalLM",
+]

@@ -38,22 +38,32 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
 
 
 class GemmaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        layer: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         hf = config.hf_config
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in _GELU_TANH:
-            raise ValueError(f"unsupported Gemma activation {act!r}; pagemill serves "
-                             f"{', '.join(_GELU_TANH)} (as tanh-approximated GELU)")
+            raise ValueError(
+                f"unsupported Gemma activation {act!r}; pagemill serves "
+                f"{', '.join(_GELU_TANH)} (as tanh-approximated GELU)"
+            )
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.is_sliding = config.layer_window(layer) > 0
         self.input_layernorm = RMSNorm(hidden, eps, dtype)
         self.self_attn = LlamaAttention(
-            config, dtype, window=config.layer_window(layer),
+            config,
+            dtype,
+            window=config.layer_window(layer),
             softcap=float(hf.get("attn_logit_softcapping") or 0.0),
             scale=float(hf.get("query_pre_attn_scalar") or config.head_dim) ** -0.5,
-            qk_norm=config.model_type == "gemma3_text", tp=tp,
+            qk_norm=config.model_type == "gemma3_text",
+            tp=tp,
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype)
@@ -86,8 +96,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     layer_cls = GemmaDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__(config, dtype, max_position, tp)
         self.final_softcap = float(config.hf_config.get("final_logit_softcapping") or 0.0)
         # sqrt(hidden) rounded to the model dtype first, as transformers scales.
@@ -95,12 +110,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         theta, scaling = config.rope_for(SLIDING)
         self.register_buffer(
             "cos_sin_local",
-            rope_cos_sin(config.rotary_dim, max_position, theta, scaling,
-                         device=self.embed_tokens.device),
+            rope_cos_sin(
+                config.rotary_dim, max_position, theta, scaling, device=self.embed_tokens.device
+            ),
             persistent=False,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = self.embed(input_ids) * self.embed_scale
         residual: torch.Tensor | None = None
         layers = self.layers
@@ -123,8 +141,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, GemmaDecoderLayer)  # layer_cls
             p = f"model.layers.{i}."
-            t[p + "pre_feedforward_layernorm.weight"] = [(layer.pre_feedforward_layernorm.weight, 0, h)]
-            t[p + "post_feedforward_layernorm.weight"] = [(layer.post_feedforward_layernorm.weight, 0, h)]
+            t[p + "pre_feedforward_layernorm.weight"] = [
+                (layer.pre_feedforward_layernorm.weight, 0, h)
+            ]
+            t[p + "post_feedforward_layernorm.weight"] = [
+                (layer.post_feedforward_layernorm.weight, 0, h)
+            ]
         return t
 
     @torch.no_grad()

@@ -67,9 +67,17 @@ class LlamaAttention(nn.Module):
     row-parallel: its all-reduce is the layer's one exchange.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, *, window: int = 0,
-                 softcap: float = 0.0, scale: float | None = None,
-                 qk_norm: bool = False, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+        scale: float | None = None,
+        qk_norm: bool = False,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -82,16 +90,22 @@ class LlamaAttention(nn.Module):
         self.softcap = float(softcap)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               config.attention_bias, dtype)
-        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, config.o_proj_bias,
-                                          dtype, tp)
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype
+        )
+        self.o_proj = row_parallel_linear(
+            self.q_size, config.hidden_size, config.o_proj_bias, dtype, tp
+        )
         # Bound by the model runner once the KV pool exists (views into KVStorage).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, cos_sin: torch.Tensor, meta: AttentionMetadata
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("KV cache not bound: call LlamaForCausalLM.bind_kv_caches first")
@@ -108,18 +122,28 @@ class LlamaAttention(nn.Module):
         if torch.compiler.is_compiling():
             # One opaque call each in the graph (see pagemill.kernels.ops).
             torch.ops.pagemill.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out = torch.ops.pagemill.paged_attention(q, self.k_cache, self.v_cache, plan,
-                                                     self.scale, self.window, self.softcap)
+            out = torch.ops.pagemill.paged_attention(
+                q, self.k_cache, self.v_cache, plan, self.scale, self.window, self.softcap
+            )
         else:
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out = paged_attention(
-                q, self.k_cache, self.v_cache, plan.block_tables, plan.query_start_loc,
-                plan.seq_lens, self.scale, plan=plan, window=self.window, softcap=self.softcap,
+                q,
+                self.k_cache,
+                self.v_cache,
+                plan.block_tables,
+                plan.query_start_loc,
+                plan.seq_lens,
+                self.scale,
+                plan=plan,
+                window=self.window,
+                softcap=self.softcap,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
-    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rotary_dim
         if r == self.head_dim:
             return apply_rotary(positions, q, k, cos_sin)
@@ -133,9 +157,13 @@ class LlamaMLP(nn.Module):
     SiLU (Llama) or tanh-GELU (Gemma's GeGLU). Under tensor parallelism ``config`` holds
     the rank's MLP columns and ``down_proj`` is row-parallel."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype,
-                 act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        act_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
@@ -150,12 +178,18 @@ class LlamaDecoderLayer(nn.Module):
     # Qwen3 sets this: per-head RMSNorm on q and k.
     qk_norm = False
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int = 0,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        layer: int = 0,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, window=config.layer_window(layer),
-                                        qk_norm=self.qk_norm, tp=tp)
+        self.self_attn = LlamaAttention(
+            config, dtype, window=config.layer_window(layer), qk_norm=self.qk_norm, tp=tp
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, dtype, tp=tp)
 
@@ -201,25 +235,40 @@ class LlamaForCausalLM(nn.Module):
 
     layer_cls: type[nn.Module] = LlamaDecoderLayer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_position: int,
-                 tp: TensorParallelGroup | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_position: int,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.tp = tp
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(self.layer_cls(config, dtype, i, tp=tp)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.layer_cls(config, dtype, i, tp=tp) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        )
         # The LM head as a Linear when it is served in another format (quantized); set by
         # `serve_lm_head_as` before the weights load. None: logits from lm_head_weight.
         self.logits_proj: Linear | None = None
         # cos|sin table in fp32: rotating in low precision would drift from the reference.
         self.register_buffer(
             "cos_sin",
-            rope_cos_sin(config.rotary_dim, max_position, config.rope_theta, config.rope_scaling,
-                         device=self.embed_tokens.device),
+            rope_cos_sin(
+                config.rotary_dim,
+                max_position,
+                config.rope_theta,
+                config.rope_scaling,
+                device=self.embed_tokens.device,
+            ),
             persistent=False,
         )
 
@@ -233,7 +282,9 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}")
+            raise ValueError(
+                f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}"
+            )
         for layer, (k, v) in zip(self.decoder_layers(), kv_caches):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
@@ -246,10 +297,13 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return F.embedding(input_ids, self.embed_tokens)
-        return vocab_parallel_embedding(input_ids, self.embed_tokens,
-                                        self.tp.rank * self.config.vocab_size, self.tp)
+        return vocab_parallel_embedding(
+            input_ids, self.embed_tokens, self.tp.rank * self.config.vocab_size, self.tp
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
@@ -292,14 +346,18 @@ class LlamaForCausalLM(nn.Module):
             "model.norm.weight": [(self.norm.weight, 0, c.hidden_size)],
         }
         if self.lm_head is not None:
-            t["lm_head.weight"] = [(self.lm_head if self.logits_proj is None else self.logits_proj, 0, c.vocab_size)]
+            t["lm_head.weight"] = [
+                (self.lm_head if self.logits_proj is None else self.logits_proj, 0, c.vocab_size)
+            ]
         elif self.logits_proj is not None:
             t["model.embed_tokens.weight"].append((self.logits_proj, 0, c.vocab_size))
         for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
             t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
-            t[p + "post_attention_layernorm.weight"] = [(layer.post_attention_layernorm.weight, 0, c.hidden_size)]
+            t[p + "post_attention_layernorm.weight"] = [
+                (layer.post_attention_layernorm.weight, 0, c.hidden_size)
+            ]
             for name, off, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
                 t[p + f"self_attn.{name}.weight"] = [(a.qkv_proj, off, rows)]
                 if a.qkv_proj.bias is not None:
@@ -337,7 +395,9 @@ class LlamaForCausalLM(nn.Module):
                 if isinstance(target, Linear):
                     dest_shape: tuple[int, ...] = (rows, target.in_features)
                 else:
-                    dest_shape = tuple(target.narrow(0, off, rows).shape if target.dim() >= 1 else target.shape)
+                    dest_shape = tuple(
+                        target.narrow(0, off, rows).shape if target.dim() >= 1 else target.shape
+                    )
                 if tuple(dest_shape) != tuple(tensor.shape):
                     raise ValueError(
                         f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest_shape)}"
@@ -350,7 +410,9 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         missing = sorted(set(targets) - loaded)
         if missing:
-            shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+            shown = ", ".join(missing[:10]) + (
+                f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
+            )
             raise ValueError(f"checkpoint is missing tensor(s): {shown}")
         self.finalize_weights()
 
@@ -374,7 +436,11 @@ class LlamaForCausalLM(nn.Module):
             proj.use_dense_weight(self.embed_tokens)
         else:
             # Untied and packed: `lm_head` is the packed head's dense copy, or nothing.
-            self.lm_head = proj.weight if proj.weight is not None else _param(0, self.config.hidden_size, dtype=self.dtype)
+            self.lm_head = (
+                proj.weight
+                if proj.weight is not None
+                else _param(0, self.config.hidden_size, dtype=self.dtype)
+            )
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

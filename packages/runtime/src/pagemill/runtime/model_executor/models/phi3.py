@@ -26,6 +26,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 del t[p + f"self_attn.{name}.weight"]
             for name in ("gate_proj", "up_proj"):
                 del t[p + f"mlp.{name}.weight"]
-            t[p + "self_attn.qkv_proj.weight"] = [(layer.self_attn.qkv_proj, 0, c.q_size + 2 * c.kv_size)]
-            t[p + "mlp.gate_up_proj.weight"] = [(layer.mlp.gate_up_proj, 0, 2 * c.intermediate_size)]
+            t[p + "self_attn.qkv_proj.weight"] = [
+                (layer.self_attn.qkv_proj, 0, c.q_size + 2 * c.kv_size)
+            ]
+            t[p + "mlp.gate_up_proj.weight"] = [
+                (layer.mlp.gate_up_proj, 0, 2 * c.intermediate_size)
+            ]
         return t

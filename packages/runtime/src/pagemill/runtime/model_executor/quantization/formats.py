@@ -44,7 +44,9 @@ class Int4Groups:
         return (self.q.shape[0], self.q.shape[1])
 
     def index_rows(self, index: torch.Tensor) -> Int4Groups:
-        return Int4Groups(self.q[index], self.scales[index], self.zeros[index], self.group_size, self.source)
+        return Int4Groups(
+            self.q[index], self.scales[index], self.zeros[index], self.group_size, self.source
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the int4 kernel sees it with scales in `dtype` (fp32: exact)."""
@@ -70,14 +72,23 @@ class Int8Blocks:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
         s = _rounded(self.scales, dtype).unsqueeze(-1)
-        return (self.q.view(n, k // self.block_size, self.block_size).float() * s).reshape(n, k).to(dtype)
+        return (
+            (self.q.view(n, k // self.block_size, self.block_size).float() * s)
+            .reshape(n, k)
+            .to(dtype)
+        )
 
 
 QuantizedRows = Int4Groups | Int8Blocks
 
 
-def _int4_fp32(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               scale_dtype: torch.dtype) -> torch.Tensor:
+def _int4_fp32(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    scale_dtype: torch.dtype,
+) -> torch.Tensor:
     """fma(q - 8, scale, zero) in fp32 with the scales as `scale_dtype` holds them."""
     n, k = q.shape
     s = _rounded(scales, scale_dtype).unsqueeze(-1)
@@ -99,7 +110,10 @@ def dequantize(value: torch.Tensor | QuantizedRows, dtype: torch.dtype) -> torch
 
 # ---- quantizers (dense -> rows) -------------------------------------------------------------
 
-def quantize_int8_per_channel(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+
+def quantize_int8_per_channel(
+    w: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 with one scale per output row: (q int8 [N, K], scales [N] in `dtype`).
 
     The scale is rounded to `dtype` first and q computed against the rounded scale, so the
@@ -131,7 +145,10 @@ def quantize_int4_groups(w: torch.Tensor, group_size: int, dtype: torch.dtype) -
 
 # ---- packing (rows -> what the kernels take) ------------------------------------------------
 
-def int4_planes(pieces: list[QuantizedRows]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+
+def int4_planes(
+    pieces: list[QuantizedRows],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """Stack row pieces (in row order) into int4 planes: (q [N, P*K] uint8, scales, zeros
     [N, P*K/g] fp32, group size, P). P = 1 when every piece is `Int4Groups`, 2 when any is
     `Int8Blocks` (a 4-bit piece then gets an all-zero second plane: q 8, scale 0, zero 0).
@@ -163,16 +180,26 @@ def int4_planes(pieces: list[QuantizedRows]) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(qs), torch.cat(ss), torch.cat(zs), g, planes
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed weight for _weight_int4pack_mm_for_cpu, scales_and_zeros [K/g, N, 2] in dtype)."""
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), _INNER_K_TILES)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).contiguous(), _INNER_K_TILES
+    )
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
     return packed, scales_and_zeros
 
 
-def unpack_int4_dense(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                      planes: int, dtype: torch.dtype, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+def unpack_int4_dense(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    planes: int,
+    dtype: torch.dtype,
+    scale_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The dense [N, K] weight of int4 planes in `dtype`, as the kernel computes it with
     `scale_dtype` scales (default: `dtype`)."""
     w = _int4_fp32(q, scales, zeros, group_size, scale_dtype or dtype)

@@ -80,7 +80,9 @@ def plan_weights(
     - `dense_fallback` None: keep dense copies for large batches where bf16 GEMMs are native.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS} or None")
+        raise ValueError(
+            f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS} or None"
+        )
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     if device.type != "cpu":
@@ -101,7 +103,9 @@ def plan_weights(
             return WeightPlan(DENSE, None)
         native = replace(base, method="native")
         return WeightPlan(native, replace(native, packed_max_tokens=head_limit))
-    head = replace(base, method="native" if gguf and quantization != "int8" else "int8",
-                   packed_max_tokens=head_limit)
+    head = replace(
+        base,
+        method="native" if gguf and quantization != "int8" else "int8",
+        packed_max_tokens=head_limit,
+    )
     return WeightPlan(replace(base, method=quantization), head)
-

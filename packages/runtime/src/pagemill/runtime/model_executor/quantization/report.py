@@ -71,12 +71,18 @@ def weight_report(model: nn.Module) -> WeightReport:
         report.packed_bytes += packed
         report.step_bytes += packed + bias
         report.dense_copy_bytes += count(module.weight)
-    linear_params = {id(p) for m in model.modules() if isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    linear_params = {
+        id(p) for m in model.modules() if isinstance(m, Linear) for p in m.parameters(recurse=False)
+    }
     for p in model.parameters():
         if id(p) in linear_params or (embed is not None and p is embed):
             continue
         count(p)
         report.step_bytes += _nbytes(p)  # norms; a dense untied LM head
-    if getattr(model, "logits_proj", None) is None and getattr(model, "lm_head", None) is None and embed is not None:
+    if (
+        getattr(model, "logits_proj", None) is None
+        and getattr(model, "lm_head", None) is None
+        and embed is not None
+    ):
         report.step_bytes += _nbytes(embed)  # the tied dense head reads the whole table
     return report

@@ -21,8 +21,14 @@ from pagemill.runtime.sample.structured_output.worker import compile_key
 class GrammarCompiler:
     """The tokenizer's `TokenizerInfo`, and an in-process compile (tests, tools)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_threads: int = 1, cache_limit_bytes: int = -1) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_threads: int = 1,
+        cache_limit_bytes: int = -1,
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         # The model's own stop ids: once a grammar is complete, only these may follow.
@@ -38,16 +44,19 @@ class GrammarCompiler:
         with self._lock:
             if self._info is None:
                 self._info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size,
-                    stop_token_ids=self._stop_token_ids or None)
+                    self._tokenizer,
+                    vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids or None,
+                )
             return self._info
 
     def _get(self) -> xgr.GrammarCompiler:
         info = self.tokenizer_info
         with self._lock:
             if self._compiler is None:
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_threads,
-                                                     cache_limit_bytes=self._cache_limit_bytes)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self._max_threads, cache_limit_bytes=self._cache_limit_bytes
+                )
             return self._compiler
 
     def compile(self, key: GrammarKey) -> xgr.CompiledGrammar:

@@ -25,8 +25,9 @@ class StructuredOutputsConfig:
     def __post_init__(self) -> None:
         t = self.structured_outputs_compile_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0 < t < math.inf):
-            raise ValueError("structured_outputs_compile_timeout must be a number of seconds "
-                             f"> 0, got {t!r}")
+            raise ValueError(
+                f"structured_outputs_compile_timeout must be a number of seconds > 0, got {t!r}"
+            )
         w = self.structured_outputs_compile_workers
         if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64:
             raise ValueError(f"structured_outputs_compile_workers must be in 1..64, got {w!r}")

@@ -46,25 +46,75 @@ LIMITS = {
 }
 
 # Keywords whose meaning xgrammar enforces (or that carry no constraint).
-_SUPPORTED = frozenset({
-    "type", "properties", "required", "additionalProperties", "patternProperties",
-    "propertyNames", "minProperties", "items", "prefixItems", "minItems", "maxItems",
-    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
-    "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "nullable",
-    # annotations: no constraint on the output
-    "title", "description", "default", "examples", "$schema", "$id", "$comment",
-    "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding", "strict",
-})
+_SUPPORTED = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "nullable",
+        # annotations: no constraint on the output
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "contentMediaType",
+        "contentEncoding",
+        "strict",
+    }
+)
 # Bounds xgrammar enforces exactly on integers only: on a "number" it both lets values past
 # the bound through (10.5 under maximum 10) and refuses values inside it (0.5 above
 # minimum 0), so there they are refused rather than half-honoured. (`multipleOf` it
 # ignores on every type, so it is not in _SUPPORTED.)
 _INTEGER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-_FORMATS = frozenset({
-    "email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6", "hostname",
-    "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
-})
+_FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "uuid",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
 # Keywords whose value is a map of name -> subschema / a list of subschemas / a subschema.
 _MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions")
 _LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -94,17 +144,22 @@ def _walk(node: Any, root: Any, path: str, depth: int, state: dict[str, int]) ->
         raise ValueError(f"the JSON schema nests deeper than {MAX_SCHEMA_DEPTH} levels (at {path})")
     unknown = sorted(k for k in node if k not in _SUPPORTED)
     if unknown:
-        raise ValueError(f"{path}: unsupported JSON schema keyword(s) {', '.join(unknown)} "
-                         "(pagemill enforces only what it can; remove them)")
+        raise ValueError(
+            f"{path}: unsupported JSON schema keyword(s) {', '.join(unknown)} "
+            "(pagemill enforces only what it can; remove them)"
+        )
     bounds = [k for k in _INTEGER_ONLY if k in node]
     if bounds and node.get("type") != "integer":
-        raise ValueError(f"{path}: {', '.join(bounds)} can be enforced only on \"type\": "
-                         "\"integer\" (the grammar engine cannot bound a number exactly); "
-                         "use an integer or remove them")
+        raise ValueError(
+            f'{path}: {", ".join(bounds)} can be enforced only on "type": '
+            '"integer" (the grammar engine cannot bound a number exactly); '
+            "use an integer or remove them"
+        )
     fmt = node.get("format")
     if fmt is not None and fmt not in _FORMATS:
-        raise ValueError(f"{path}: unsupported format {fmt!r} (supported: "
-                         f"{', '.join(sorted(_FORMATS))})")
+        raise ValueError(
+            f"{path}: unsupported format {fmt!r} (supported: {', '.join(sorted(_FORMATS))})"
+        )
     for key in _COUNT_KEYS:
         value = node.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > MAX_COUNT:
@@ -124,12 +179,15 @@ def _walk(node: Any, root: Any, path: str, depth: int, state: dict[str, int]) ->
             raise ValueError(f"{path}/{key} must be an object")
         if key == "properties":
             if len(value) > MAX_OBJECT_PROPERTIES:
-                raise ValueError(f"{path}: an object with {len(value):,} properties; at most "
-                                 f"{MAX_OBJECT_PROPERTIES} are accepted")
+                raise ValueError(
+                    f"{path}: an object with {len(value):,} properties; at most "
+                    f"{MAX_OBJECT_PROPERTIES} are accepted"
+                )
             state["properties"] += len(value)
             if state["properties"] > MAX_TOTAL_PROPERTIES:
-                raise ValueError(f"the JSON schema has more than {MAX_TOTAL_PROPERTIES:,} "
-                                 "properties in all")
+                raise ValueError(
+                    f"the JSON schema has more than {MAX_TOTAL_PROPERTIES:,} properties in all"
+                )
         if key == "patternProperties":
             for name in value:
                 check_regex(name, f"{path}/patternProperties")
@@ -150,11 +208,12 @@ def _walk(node: Any, root: Any, path: str, depth: int, state: dict[str, int]) ->
 
 def _resolve(root: Any, ref: str) -> Any:
     if ref == "#":
-        raise ValueError("$ref '#' (the whole schema inside itself) is a recursive schema, "
-                         "which structured output cannot enforce")
+        raise ValueError(
+            "$ref '#' (the whole schema inside itself) is a recursive schema, "
+            "which structured output cannot enforce"
+        )
     if not ref.startswith("#/"):
-        raise ValueError(f"$ref {ref!r}: only references inside the schema ('#/...') are "
-                         "supported")
+        raise ValueError(f"$ref {ref!r}: only references inside the schema ('#/...') are supported")
     node = root
     for part in ref[2:].split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
@@ -215,8 +274,10 @@ def _check_refs(root: Any) -> None:
                 colour[ref] = 2
                 stack.pop()
             elif colour.get(nxt) == 1:
-                raise ValueError(f"$ref {nxt!r} refers back to itself: recursive schemas are "
-                                 "not supported by structured output")
+                raise ValueError(
+                    f"$ref {nxt!r} refers back to itself: recursive schemas are "
+                    "not supported by structured output"
+                )
             elif not colour.get(nxt):
                 colour[nxt] = 1
                 stack.append((nxt, iter(edges[nxt])))
@@ -279,12 +340,15 @@ def check_regex(text: str, what: str = "regex") -> None:
                     else:
                         bound = top
                     if bound > MAX_REPEAT:
-                        raise ValueError(f"{what}: the repetition {m.group(0)} exceeds the "
-                                         f"limit of {MAX_REPEAT:,}")
+                        raise ValueError(
+                            f"{what}: the repetition {m.group(0)} exceeds the "
+                            f"limit of {MAX_REPEAT:,}"
+                        )
                     if last_unbounded and bound > MAX_REPEAT_UNBOUNDED:
                         raise ValueError(
                             f"{what}: {m.group(0)} repeats a part that can match any length; "
-                            f"at most {MAX_REPEAT_UNBOUNDED} repetitions of such a part")
+                            f"at most {MAX_REPEAT_UNBOUNDED} repetitions of such a part"
+                        )
                     i = m.end()
                     last_unbounded = False
                     continue

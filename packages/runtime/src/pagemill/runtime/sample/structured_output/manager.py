@@ -75,21 +75,30 @@ class _Entry:
 class StructuredOutputManager:
     """Compiled-grammar cache and matchers, driven from the engine thread only."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
-                 max_num_seqs: int, config: StructuredOutputsConfig | None = None, *,
-                 prestart: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        max_num_seqs: int,
+        config: StructuredOutputsConfig | None = None,
+        *,
+        prestart: bool = True,
+    ) -> None:
         self.vocab_size = vocab_size
         self.config = config = config or StructuredOutputsConfig()
         self.cache_limit_bytes = config.structured_outputs_cache_bytes
-        self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids,
-                                        cache_limit_bytes=self.cache_limit_bytes)
+        self.compiler = GrammarCompiler(
+            tokenizer, vocab_size, stop_token_ids, cache_limit_bytes=self.cache_limit_bytes
+        )
         # Started now, in the background (the first start of the forkserver imports
         # xgrammar and torch: seconds), so the first grammar does not wait for it.
         self._workers: CompileWorkers | None = None
         self._workers_lock = threading.Lock()
         if prestart:
-            threading.Thread(target=self._start_workers, name="pagemill-grammar-start",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._start_workers, name="pagemill-grammar-start", daemon=True
+            ).start()
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
@@ -103,7 +112,8 @@ class StructuredOutputManager:
                     self.compiler.tokenizer_info,
                     num_workers=self.config.structured_outputs_compile_workers,
                     timeout=self.config.structured_outputs_compile_timeout,
-                    cache_limit_bytes=self.cache_limit_bytes // 4)
+                    cache_limit_bytes=self.cache_limit_bytes // 4,
+                )
                 # The workers stop with the manager (or at exit, or with the process).
                 weakref.finalize(self, workers.shutdown)
                 self._workers = workers
@@ -128,8 +138,9 @@ class StructuredOutputManager:
             exc = None if entry.future.cancelled() else entry.future.exception()
             # A grammar that cannot compile (or ran out of time) fails again at once; a
             # crashed or cancelled compile is tried again.
-            if entry.future.cancelled() or (exc is not None
-                                            and not isinstance(exc, GrammarCompileError)):
+            if entry.future.cancelled() or (
+                exc is not None and not isinstance(exc, GrammarCompileError)
+            ):
                 entry = None
         if entry is None:
             entry = _Entry(self._submit(key))

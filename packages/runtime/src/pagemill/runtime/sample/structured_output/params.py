@@ -58,10 +58,14 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, str):
             raise ValueError("structured_outputs.json must be a JSON schema (object or string)")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError("structured_outputs.choice must be a non-empty list of "
-                                 "non-empty strings")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings"
+                )
             self.choice = list(self.choice)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -153,8 +157,9 @@ def check_grammar(key: GrammarKey, compact: bool = False) -> None:
     except ValueError:
         raise
     except Exception as exc:  # xgrammar reports bad input as RuntimeError
-        raise ValueError(f"invalid or unsupported {kind} for structured output: "
-                         f"{_short(exc)}") from exc
+        raise ValueError(
+            f"invalid or unsupported {kind} for structured output: {_short(exc)}"
+        ) from exc
 
 
 def _short(exc: Exception) -> str:

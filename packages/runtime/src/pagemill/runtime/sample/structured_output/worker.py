@@ -155,7 +155,9 @@ class _Zygote:
         ours, theirs = socket.socketpair()
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+        )
         theirs.close()
         self.sock = ours
         ours.settimeout(START_TIMEOUT_S)
@@ -206,8 +208,9 @@ class _Worker:
 class CompileWorkers:
     """`num_workers` compile slots, each a killable process; `submit` returns at once."""
 
-    def __init__(self, tokenizer_info: Any, *, num_workers: int, timeout: float,
-                 cache_limit_bytes: int) -> None:
+    def __init__(
+        self, tokenizer_info: Any, *, num_workers: int, timeout: float, cache_limit_bytes: int
+    ) -> None:
         self.info = tokenizer_info
         self.timeout = timeout
         self._info_json = tokenizer_info.serialize_json()
@@ -215,8 +218,10 @@ class CompileWorkers:
         self._jobs: queue.Queue[CompileJob | None] = queue.Queue()
         self._closed = False
         self.num_killed = 0
-        self._slots = [threading.Thread(target=self._slot, name=f"pagemill-grammar-{i}",
-                                        daemon=True) for i in range(num_workers)]
+        self._slots = [
+            threading.Thread(target=self._slot, name=f"pagemill-grammar-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
         self._workers: list[_Worker | None] = [None] * num_workers
         for i, t in enumerate(self._slots):
             t._pagemill_index = i  # type: ignore[attr-defined]
@@ -292,7 +297,8 @@ class CompileWorkers:
                     self.num_killed += 1
                     return None, GrammarCompileTimeout(
                         f"the grammar did not compile within {self.timeout:g} s "
-                        "(--structured-outputs-compile-timeout); simplify it")
+                        "(--structured-outputs-compile-timeout); simplify it"
+                    )
         except (EOFError, OSError) as exc:
             worker.kill()
             return None, RuntimeError(f"the grammar worker died: {exc!r}")

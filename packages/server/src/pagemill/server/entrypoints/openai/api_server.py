@@ -69,12 +69,16 @@ class SSEResponse(StreamingResponse):
     """
 
     def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream() -> None:
                     with contextlib.suppress(OSError):
                         await self.stream_response(send)
@@ -93,7 +97,9 @@ class SSEResponse(StreamingResponse):
 class BodySizeLimit:
     """Refuses bodies over `max_bytes` with 413 before they are buffered and parsed."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
@@ -122,7 +128,9 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise StarletteHTTPException(413, f"request body exceeds {self.max_bytes} bytes")
+                    raise StarletteHTTPException(
+                        413, f"request body exceeds {self.max_bytes} bytes"
+                    )
             return message
 
         await self.app(scope, limited_receive, send)
@@ -137,14 +145,19 @@ class _ServingArgs(TypedDict):
     tokenizer_pool: ThreadPoolExecutor
 
 
-def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | Sequence[str],
-              api_key: str | None = None,
-              *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              metrics: EngineMetrics | None = None, watchdog: Watchdog | None = None,
-              allow_special_tokens_in_chat: bool = False,
-              tool_call_parser: str | None = None,
-              dashboard: DashboardHub | None = None,
-              metrics_require_api_key: bool = False) -> FastAPI:
+def build_app(
+    engine_client: AsyncEngine | LLMEngine,
+    served_model_name: str | Sequence[str],
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: EngineMetrics | None = None,
+    watchdog: Watchdog | None = None,
+    allow_special_tokens_in_chat: bool = False,
+    tool_call_parser: str | None = None,
+    dashboard: DashboardHub | None = None,
+    metrics_require_api_key: bool = False,
+) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
     `engine_client` is an `AsyncEngine` (in-process, or `AsyncEngine.launch`ed in its own
@@ -162,7 +175,9 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"served_model_name must be one or more non-empty names, got {served_model_name!r}")
+        raise ValueError(
+            f"served_model_name must be one or more non-empty names, got {served_model_name!r}"
+        )
     served_model_name = names[0]
     owns_client = not isinstance(engine_client, AsyncEngine)
     client = engine_client if isinstance(engine_client, AsyncEngine) else AsyncEngine(engine_client)
@@ -182,14 +197,23 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
     # The front end's one tokenizer thread serves the endpoints too (chat templates,
     # /tokenize): tokenization never runs on the event loop, and encodes never race.
     tokenizer_pool = client.input_pool
-    common: _ServingArgs = {"max_model_len": max_model_len, "tokenizer": tokenizer,
-                            "vocab_limit": getattr(model_config, "vocab_size", None),
-                            "tokenizer_pool": tokenizer_pool}
+    common: _ServingArgs = {
+        "max_model_len": max_model_len,
+        "tokenizer": tokenizer,
+        "vocab_limit": getattr(model_config, "vocab_size", None),
+        "tokenizer_pool": tokenizer_pool,
+    }
     completions = CompletionServing(client, names, **common)
-    chat = ChatServing(client, names, tool_parser=tool_call_parser,
-                       allow_special_tokens=allow_special_tokens_in_chat, **common)
-    tokens = TokenizeServing(client, names, allow_special_tokens=allow_special_tokens_in_chat,
-                             **common)
+    chat = ChatServing(
+        client,
+        names,
+        tool_parser=tool_call_parser,
+        allow_special_tokens=allow_special_tokens_in_chat,
+        **common,
+    )
+    tokens = TokenizeServing(
+        client, names, allow_special_tokens=allow_special_tokens_in_chat, **common
+    )
     watchdog = watchdog if watchdog is not None else Watchdog(client)
 
     @contextlib.asynccontextmanager
@@ -200,9 +224,15 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
 
     # No redirect_slashes: its 307 Location is built from the Host header (and was sent
     # before the key check); a trailing slash is simply a 404.
-    app = FastAPI(title="pagemill", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json",
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="pagemill",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        redirect_slashes=False,
+    )
     app.state.engine_client = client
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
@@ -210,8 +240,9 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # outermost: before the body is read or a route matched
-        app.add_middleware(APIKeyMiddleware, api_key=api_key,
-                           protect_metrics=metrics_require_api_key)
+        app.add_middleware(
+            APIKeyMiddleware, api_key=api_key, protect_metrics=metrics_require_api_key
+        )
     elif metrics_require_api_key:
         raise ValueError("metrics_require_api_key needs an api_key")
 
@@ -220,10 +251,15 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
-                                                                     api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     protected = [Depends(check_api_key)]
 
@@ -250,8 +286,9 @@ def build_app(engine_client: AsyncEngine | LLMEngine, served_model_name: str | S
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
         root = str(getattr(client.config, "model", served_model_name))
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=max_model_len)
-                               for name in names])
+        return ModelList(
+            data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in names]
+        )
 
     @app.post("/v1/completions", dependencies=protected)
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:
@@ -284,13 +321,21 @@ class ServerThread:
     For tests, notebooks and in-process benchmarks: `with ServerThread(app) as url: ...`.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                     lifespan="on", timeout_graceful_shutdown=5)
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    ) -> None:
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(self.config)
-        self._thread = threading.Thread(target=self.server.run, name="pagemill-uvicorn",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run, name="pagemill-uvicorn", daemon=True
+        )
         self.url = ""
 
     def start(self, timeout: float = 30.0) -> str:
@@ -324,6 +369,8 @@ def close_dashboard(app: Any) -> None:
         hub.close()
 
 
-def run_server(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def run_server(
+    app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+) -> None:
     """Serve until interrupted (Ctrl-C), in the foreground."""
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -29,8 +29,9 @@ METRICS_PATH = "/metrics"
 
 def key_matches(header: str, api_key: str) -> bool:
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(),
-                                                                 api_key.encode())
+    return scheme.lower() == "bearer" and secrets.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )
 
 
 def basic_key_matches(header: str, api_key: str) -> bool:
@@ -51,8 +52,12 @@ def _is_dashboard(path: str) -> bool:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]],
-                 api_key: str, protect_metrics: bool = False) -> None:
+    def __init__(
+        self,
+        app: Callable[[Scope, Receive, Send], Awaitable[None]],
+        api_key: str,
+        protect_metrics: bool = False,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         # /metrics behind the key too (`--metrics-require-api-key`): Bearer only.
@@ -61,8 +66,9 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         dashboard = _is_dashboard(path)
-        metrics = self.protect_metrics and (path == METRICS_PATH
-                                            or path.startswith(METRICS_PATH + "/"))
+        metrics = self.protect_metrics and (
+            path == METRICS_PATH or path.startswith(METRICS_PATH + "/")
+        )
         if path.startswith(PROTECTED_PREFIX) or dashboard or metrics:
             header = ""
             for name, value in scope.get("headers", []):
@@ -70,13 +76,20 @@ class APIKeyMiddleware:
                     header = value.decode("latin-1")
                     break
             ok = key_matches(header, self.api_key) or (
-                dashboard and basic_key_matches(header, self.api_key))
+                dashboard and basic_key_matches(header, self.api_key)
+            )
             if not ok:
-                challenge = ('Basic realm="pagemill dashboard (password: the API key)"'
-                             if dashboard else "Bearer")
+                challenge = (
+                    'Basic realm="pagemill dashboard (password: the API key)"'
+                    if dashboard
+                    else "Bearer"
+                )
                 refuse = error_response(
-                    401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                    code="invalid_api_key", headers={"WWW-Authenticate": challenge})
+                    401,
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": challenge},
+                )
                 await refuse(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -57,34 +57,51 @@ class APIError(Exception):
         self.headers = headers
 
 
-def internal_error(status_code: int, public: str, exc: BaseException | None = None,
-                   *, code: str | None = None) -> APIError:
+def internal_error(
+    status_code: int, public: str, exc: BaseException | None = None, *, code: str | None = None
+) -> APIError:
     """An APIError saying only `public` plus an error id; the details go to the log."""
     error_id = f"err-{uuid.uuid4().hex[:16]}"
     if exc is not None:
-        logger.error("%s [%s]: %s: %s", public, error_id, type(exc).__name__, exc,
-                     exc_info=exc if status_code >= 500 else None)
+        logger.error(
+            "%s [%s]: %s: %s",
+            public,
+            error_id,
+            type(exc).__name__,
+            exc,
+            exc_info=exc if status_code >= 500 else None,
+        )
     else:
         logger.error("%s [%s]", public, error_id)
     return APIError(status_code, f"{public} (error id {error_id})", code=code)
 
 
-def error_body(status_code: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status_code: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "server_error"),
+            "type": _TYPES.get(
+                status_code, "invalid_request_error" if status_code < 500 else "server_error"
+            ),
             "param": param,
             "code": code if code is not None else status_code,
         }
     }
 
 
-def error_response(status_code: int, message: str, *, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status_code, message, param, code), status_code=status_code,
-                        headers=headers)
+def error_response(
+    status_code: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(status_code, message, param, code), status_code=status_code, headers=headers
+    )
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -109,8 +126,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status_code, exc.message, param=exc.param, code=exc.code,
-                              headers=exc.headers)
+        return error_response(
+            exc.status_code, exc.message, param=exc.param, code=exc.code, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -120,8 +120,9 @@ class SamplingFields(OpenAIModel):
     def _check_unicode(cls, data: Any, info: ValidationInfo) -> Any:
         where = find_lone_surrogate(data, info.field_name or "")
         if where is not None:
-            raise ValueError(f"'{where}' contains a lone UTF-16 surrogate, which is not valid "
-                             "Unicode text")
+            raise ValueError(
+                f"'{where}' contains a lone UTF-16 surrogate, which is not valid Unicode text"
+            )
         return data
 
     @model_validator(mode="after")
@@ -181,8 +182,10 @@ class CompletionRequest(SamplingFields):
             raise ValueError("'best_of' other than n is not supported")
         choices = len(self.prompts()) * self.n
         if choices > MAX_CHOICES_PER_REQUEST:
-            raise ValueError(f"this request asks for {choices} completions (prompts x n); at "
-                             f"most {MAX_CHOICES_PER_REQUEST} are allowed per request")
+            raise ValueError(
+                f"this request asks for {choices} completions (prompts x n); at "
+                f"most {MAX_CHOICES_PER_REQUEST} are allowed per request"
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -236,7 +239,11 @@ class ChatCompletionRequest(SamplingFields):
 
     @property
     def effective_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     @property
     def num_logprobs(self) -> int | None:

@@ -45,10 +45,13 @@ class ResponseFormat(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> ResponseFormat:
-        if self.type == "json_schema" and (self.json_schema is None
-                                           or self.json_schema.schema_ is None):
-            raise ValueError("response_format of type 'json_schema' needs "
-                             "'json_schema': {'name': ..., 'schema': {...}}")
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise ValueError(
+                "response_format of type 'json_schema' needs "
+                "'json_schema': {'name': ..., 'schema': {...}}"
+            )
         return self
 
 

@@ -94,15 +94,24 @@ def _param_of(message: str) -> str | None:
 class ServingBase:
     """Holds the engine client and the model facts every endpoint needs."""
 
-    def __init__(self, client: AsyncEngine, served_model_name: str | Sequence[str], *,
-                 max_model_len: int, tokenizer: Any, vocab_limit: int | None = None,
-                 tokenizer_pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        client: AsyncEngine,
+        served_model_name: str | Sequence[str],
+        *,
+        max_model_len: int,
+        tokenizer: Any,
+        vocab_limit: int | None = None,
+        tokenizer_pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.client = client
         self.tokenizer_pool = tokenizer_pool or ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="pagemill-tokenizer")
+            max_workers=1, thread_name_prefix="pagemill-tokenizer"
+        )
         # Every name is accepted in requests; the first is the one responses report.
-        self.served_model_names = ([served_model_name] if isinstance(served_model_name, str)
-                                   else list(served_model_name))
+        self.served_model_names = (
+            [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        )
         self.served_model_name = self.served_model_names[0]
         # The model's generation-config defaults for sampling fields a request leaves unset.
         self.defaults: dict[str, Any] = dict(client.generation_defaults)
@@ -117,8 +126,12 @@ class ServingBase:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             names = ", ".join(f"'{n}'" for n in self.served_model_names)
-            raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                                f"{names}.", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist; this server serves {names}.",
+                param="model",
+                code="model_not_found",
+            )
 
     def default(self, req: SamplingFields, name: str, api_default: Any) -> Any:
         """A sampling field as sent, else the model's default (--generation-config), else
@@ -140,8 +153,13 @@ class ServingBase:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from exc
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        tool_schema: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        tool_schema: dict[str, Any] | None = None,
+    ) -> SamplingParams:
         """The request's SamplingParams; `tool_schema` forces a tool call (chat).
 
         `max_tokens` None: the model's default max_tokens capped to the room the prompt
@@ -179,9 +197,14 @@ class ServingBase:
 
     # ------------------------------------------------------------ submission
 
-    async def submit(self, base_id: str, prompts: Sequence[str | list[int]],
-                     params: Sequence[SamplingParams], req: SamplingFields, arrival_time: float
-                     ) -> tuple[asyncio.Queue[Any], list[str]]:
+    async def submit(
+        self,
+        base_id: str,
+        prompts: Sequence[str | list[int]],
+        params: Sequence[SamplingParams],
+        req: SamplingFields,
+        arrival_time: float,
+    ) -> tuple[asyncio.Queue[Any], list[str]]:
         """Add one engine request per prompt, all feeding one queue; errors become APIErrors.
 
         The front end validates each (tokenizing text off the event loop): its ValueError
@@ -192,24 +215,35 @@ class ServingBase:
         total = sum(sp.n for sp in params)
         limit = self.client.max_pending
         if limit is not None and total > limit:
-            raise APIError(400, f"this request needs {total} sequences (prompts x n) but the "
-                                f"server's queue holds at most {limit}; it can never be "
-                                "served", param="n")
+            raise APIError(
+                400,
+                f"this request needs {total} sequences (prompts x n) but the "
+                f"server's queue holds at most {limit}; it can never be "
+                "served",
+                param="n",
+            )
         out_queue: asyncio.Queue[Any] = asyncio.Queue()
         ids: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = f"{base_id}-{i}"
-                await self.client.add_request(rid, prompt, sp, out_queue=out_queue,
-                                              priority=req.priority, cache_salt=req.cache_salt,
-                                              arrival_time=arrival_time)
+                await self.client.add_request(
+                    rid,
+                    prompt,
+                    sp,
+                    out_queue=out_queue,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                    arrival_time=arrival_time,
+                )
                 ids.append(rid)
         except BaseException as exc:
             for rid in ids:
                 self.client.release(rid, finished=False)
             if isinstance(exc, QueueFullError):
-                raise APIError(429, f"{exc}; retry shortly",
-                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from exc
+                raise APIError(
+                    429, f"{exc}; retry shortly", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+                ) from exc
             if isinstance(exc, EngineDeadError):
                 raise failure(exc) from exc
             if isinstance(exc, ValueError):
@@ -217,14 +251,16 @@ class ServingBase:
             raise
         return out_queue, ids
 
-    async def collect(self, raw_request: Request, out_queue: asyncio.Queue[Any],
-                      ids: list[str]) -> list[Any]:
+    async def collect(
+        self, raw_request: Request, out_queue: asyncio.Queue[Any], ids: list[str]
+    ) -> list[Any]:
         """Final outputs in prompt order; a client that hangs up aborts the requests.
 
         A watcher waits for the connection's `http.disconnect` beside the collection, so a
         request still queued (no outputs to notice it by) is aborted as soon as the client
         leaves, the same as a stream.
         """
+
         async def gather() -> dict[str, Any]:
             final: dict[str, Any] = {}
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:

@@ -61,13 +61,19 @@ def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
 
 
 class ChatServing(ServingBase):
-    def __init__(self, *args: Any, tool_parser: str | None = None,
-                 allow_special_tokens: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        tool_parser: str | None = None,
+        allow_special_tokens: bool = False,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         # The format "auto" tool calls are read in: named, or guessed from the template.
         template = getattr(self.tokenizer, "chat_template", None)
-        self.tool_parser = get_tool_parser(tool_parser or parser_for_template(
-            template if isinstance(template, str) else None))
+        self.tool_parser = get_tool_parser(
+            tool_parser or parser_for_template(template if isinstance(template, str) else None)
+        )
         self.allow_special_tokens = allow_special_tokens
         self._special = None if allow_special_tokens else special_token_pattern(self.tokenizer)
 
@@ -90,36 +96,45 @@ class ChatServing(ServingBase):
             for i, message in enumerate(messages):
                 found = self._special.search(message["content"])
                 if found:
-                    raise APIError(400, f"messages[{i}].content contains the special token "
-                                        f"{found.group()!r}, which could forge a turn of the "
-                                        "conversation; remove it (the server refuses these "
-                                        "unless started with --allow-special-tokens-in-chat)",
-                                   param="messages", code="special_token_in_content")
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content contains the special token "
+                        f"{found.group()!r}, which could forge a turn of the "
+                        "conversation; remove it (the server refuses these "
+                        "unless started with --allow-special-tokens-in-chat)",
+                        param="messages",
+                        code="special_token_in_content",
+                    )
         try:
             ids = self.client.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=tools)
+                messages, add_generation_prompt=req.add_generation_prompt, tools=tools
+            )
         except Exception as exc:  # no template, or one that rejects e.g. this role order
             if type(exc).__module__.startswith("jinja2"):  # the template's own words
-                raise APIError(400, f"the chat template refused these messages: "
-                                    f"{str(exc)[:300]}", param="messages") from exc
-            raise internal_error(400, "the chat template could not render these messages",
-                                 exc) from exc
+                raise APIError(
+                    400,
+                    f"the chat template refused these messages: {str(exc)[:300]}",
+                    param="messages",
+                ) from exc
+            raise internal_error(
+                400, "the chat template could not render these messages", exc
+            ) from exc
         return list(ids)
 
-
-    async def create(self, req: ChatCompletionRequest, raw_request: Request
-                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, req: ChatCompletionRequest, raw_request: Request
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
         arrival = now()
         self.check_model(req.model)
         plan = ToolPlan.from_request(req, self.tool_parser)
         prompt = await self.off_loop(self.render, req, plan)
-        params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs,
-                                      plan.schema)
+        params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs, plan.schema)
         request_id = random_id("chatcmpl")
         out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
         if req.stream:
-            return ReleasingStream(self._stream(req, plan, request_id, out_queue, ids),
-                                   self.client, ids)
+            return ReleasingStream(
+                self._stream(req, plan, request_id, out_queue, ids), self.client, ids
+            )
         (final,) = await self.collect(raw_request, out_queue, ids)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
@@ -127,20 +142,34 @@ class ChatServing(ServingBase):
             if req.num_logprobs is not None:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
             content, calls = plan.finish(c.text)
-            message = ChatResponseMessage(content=content, tool_calls=[
-                ToolCallMessage.model_validate(call.to_openai()) for call in calls])
-            choices.append(ChatCompletionChoice(
-                index=c.index, message=message, logprobs=logprobs,
-                finish_reason=plan.finish_reason(c.finish_reason, calls),
-                stop_reason=c.stop_reason))
+            message = ChatResponseMessage(
+                content=content,
+                tool_calls=[ToolCallMessage.model_validate(call.to_openai()) for call in calls],
+            )
+            choices.append(
+                ChatCompletionChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=plan.finish_reason(c.finish_reason, calls),
+                    stop_reason=c.stop_reason,
+                )
+            )
         n_prompt, n_completion = usage_counts([final])
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=n_prompt,
-                                                      completion_tokens=n_completion,
-                                                      total_tokens=n_prompt + n_completion))
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=UsageInfo(
+                prompt_tokens=n_prompt,
+                completion_tokens=n_completion,
+                total_tokens=n_prompt + n_completion,
+            ),
+        )
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]] | None,
-                  num_top: int) -> ChatChoiceLogprobs:
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]] | None, num_top: int
+    ) -> ChatChoiceLogprobs:
         content: list[ChatTokenLogprob] = []
         for tid, entry in zip(token_ids, entries or []):
             text = token_text(self.tokenizer, tid)
@@ -149,23 +178,49 @@ class ChatServing(ServingBase):
             for t, lp in top:
                 t_text = token_text(self.tokenizer, t)
                 tops.append(TopLogprob(token=t_text, logprob=lp, bytes=list(t_text.encode())))
-            content.append(ChatTokenLogprob(token=text, logprob=sampled_lp,
-                                            bytes=list(text.encode()), top_logprobs=tops))
+            content.append(
+                ChatTokenLogprob(
+                    token=text, logprob=sampled_lp, bytes=list(text.encode()), top_logprobs=tops
+                )
+            )
         return ChatChoiceLogprobs(content=content)
 
-    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str,
-                      out_queue: Any, ids: list[str]) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        plan: ToolPlan,
+        request_id: str,
+        out_queue: Any,
+        ids: list[str],
+    ) -> AsyncIterator[str]:
         """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
         n_prompt = n_completion = 0
 
-        def chunk(index: int, delta: dict[str, Any], logprobs: ChatChoiceLogprobs | None = None,
-                  finish: str | None = None, stop_reason: Any = None) -> str:
-            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                        "model": self.served_model_name,
-                        "choices": [{"index": index, "delta": delta,
-                                     "logprobs": logprobs.model_dump() if logprobs else None,
-                                     "finish_reason": finish, "stop_reason": stop_reason}]})
+        def chunk(
+            index: int,
+            delta: dict[str, Any],
+            logprobs: ChatChoiceLogprobs | None = None,
+            finish: str | None = None,
+            stop_reason: Any = None,
+        ) -> str:
+            return sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.served_model_name,
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": delta,
+                            "logprobs": logprobs.model_dump() if logprobs else None,
+                            "finish_reason": finish,
+                            "stop_reason": stop_reason,
+                        }
+                    ],
+                }
+            )
 
         # The role comes first, once per choice, as OpenAI sends it.
         for i in range(req.n):
@@ -188,8 +243,7 @@ class ChatServing(ServingBase):
                             yield chunk(c.index, delta)
                         delta = deltas[-1] if deltas else {}
                         if c.finish_reason is not None:
-                            reason = plan.finish_reason(c.finish_reason,
-                                                        tools.calls)
+                            reason = plan.finish_reason(c.finish_reason, tools.calls)
                             yield chunk(c.index, delta, logprobs, reason, c.stop_reason)
                         elif delta or logprobs:
                             yield chunk(c.index, delta, logprobs)
@@ -200,8 +254,18 @@ class ChatServing(ServingBase):
                 yield event
             return
         if req.include_usage:
-            yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                       "model": self.served_model_name, "choices": [],
-                       "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
-                                 "total_tokens": n_prompt + n_completion}})
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": self.served_model_name,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": n_prompt,
+                        "completion_tokens": n_completion,
+                        "total_tokens": n_prompt + n_completion,
+                    },
+                }
+            )
         yield SSE_DONE

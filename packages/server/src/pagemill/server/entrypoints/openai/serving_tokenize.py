@@ -22,8 +22,11 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content
-                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return "".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     return ""
 
 
@@ -42,11 +45,15 @@ class TokenizeServing(ServingBase):
             for i, text in enumerate(texts):
                 found = self._special.search(text)
                 if found:
-                    raise APIError(400, f"messages[{i}].content contains the special token "
-                                        f"{found.group()!r}, which chat refuses (the server "
-                                        "allows these only when started with "
-                                        "--allow-special-tokens-in-chat)",
-                                   param="messages", code="special_token_in_content")
+                    raise APIError(
+                        400,
+                        f"messages[{i}].content contains the special token "
+                        f"{found.group()!r}, which chat refuses (the server "
+                        "allows these only when started with "
+                        "--allow-special-tokens-in-chat)",
+                        param="messages",
+                        code="special_token_in_content",
+                    )
 
     def _tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         tok = self._require_tokenizer()
@@ -57,10 +64,14 @@ class TokenizeServing(ServingBase):
                 text = render_chat(tok, req.messages, req.add_generation_prompt, tools)
             except Exception as exc:  # as in chat: the template's own words, else generic
                 if type(exc).__module__.startswith("jinja2"):
-                    raise APIError(400, f"the chat template refused these messages: "
-                                        f"{str(exc)[:300]}", param="messages") from exc
-                raise internal_error(400, "the chat template could not render these messages",
-                                     exc) from exc
+                    raise APIError(
+                        400,
+                        f"the chat template refused these messages: {str(exc)[:300]}",
+                        param="messages",
+                    ) from exc
+                raise internal_error(
+                    400, "the chat template could not render these messages", exc
+                ) from exc
             # The template writes its own special tokens (vLLM's default for messages).
             special = bool(req.add_special_tokens)
         else:
@@ -69,15 +80,19 @@ class TokenizeServing(ServingBase):
             special = req.add_special_tokens is not False
         ids = list(tok.encode(text, add_special_tokens=special))
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
-                                token_strs=strs)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs
+        )
 
     def _detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         tok = self._require_tokenizer()
         bad = [t for t in req.tokens if not 0 <= t < self.vocab_limit]
         if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary (ids "
-                                f"0..{self.vocab_limit - 1})", param="tokens")
+            raise APIError(
+                400,
+                f"token ids {bad[:5]} are outside the vocabulary (ids 0..{self.vocab_limit - 1})",
+                param="tokens",
+            )
         return DetokenizeResponse(prompt=tok.decode(req.tokens))
 
     def _require_tokenizer(self) -> Any:

@@ -84,9 +84,15 @@ class ToolPlan:
 
 
 def call_delta(index: int, call: ToolCall, arguments: str | None = None) -> dict[str, Any]:
-    return {"index": index, "id": call.id, "type": "function",
-            "function": {"name": call.name,
-                         "arguments": call.arguments if arguments is None else arguments}}
+    return {
+        "index": index,
+        "id": call.id,
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": call.arguments if arguments is None else arguments,
+        },
+    }
 
 
 @dataclass
@@ -115,7 +121,7 @@ class ToolStream:
             assert self.plan.parser is not None
             safe = self.plan.parser.stream_safe_len(self.text)
             if safe is not None and safe > self.sent:
-                piece = self.text[self.sent:safe]
+                piece = self.text[self.sent : safe]
                 self.sent = safe
                 return [{"content": piece}]
             return []
@@ -137,12 +143,12 @@ class ToolStream:
         content, self.calls = self.plan.finish(self.text)
         out: list[dict[str, Any]] = []
         if not self.calls:
-            rest = self.text[self.sent:]
+            rest = self.text[self.sent :]
             return [{"content": rest}] if rest else []
         if mode == "auto" and content:
             # Content before the call that was held back (the call's start marker is never sent).
             start = self.text.find(content)
             if start >= 0 and start + len(content) > self.sent:
-                out.append({"content": content[max(0, self.sent - start):]})
+                out.append({"content": content[max(0, self.sent - start) :]})
         out.append({"tool_calls": [call_delta(i, c) for i, c in enumerate(self.calls)]})
         return out

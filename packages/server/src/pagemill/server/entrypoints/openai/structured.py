@@ -16,15 +16,22 @@ from pagemill.server.entrypoints.openai.errors import APIError
 from pagemill.server.entrypoints.openai.protocol import SamplingFields
 
 
-def structured_params(req: SamplingFields, tool_schema: dict[str, Any] | None = None
-                      ) -> StructuredOutputsParams | None:
+def structured_params(
+    req: SamplingFields, tool_schema: dict[str, Any] | None = None
+) -> StructuredOutputsParams | None:
     sources: list[tuple[str, dict[str, Any]]] = []
     so = req.structured_outputs
     if so is not None:
-        given = {"json": so.json_, "regex": so.regex, "choice": so.choice,
-                  "grammar": so.grammar, "json_object": so.json_object}
-        sources.append(("structured_outputs", {k: v for k, v in given.items()
-                                               if v not in (None, False)}))
+        given = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": so.json_object,
+        }
+        sources.append(
+            ("structured_outputs", {k: v for k, v in given.items() if v not in (None, False)})
+        )
     compact = bool(so and so.disable_any_whitespace)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -58,15 +65,24 @@ def logit_bias(req: SamplingFields, vocab_limit: int) -> dict[int, float] | None
     for key, value in req.logit_bias.items():
         # Canonical decimal only: int() would also take " 28 ", "2_8" and non-ASCII digits.
         if not _TOKEN_ID.fullmatch(key):
-            raise APIError(400, f"logit_bias keys must be token ids written in decimal "
-                                f"digits (e.g. \"28\"), got {key[:32]!r}",
-                           param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids written in decimal "
+                f'digits (e.g. "28"), got {key[:32]!r}',
+                param="logit_bias",
+            )
         token = int(key)
         if not 0 <= token < vocab_limit:
-            raise APIError(400, f"logit_bias token id {token} is outside the vocabulary "
-                                f"(ids 0..{vocab_limit - 1})", param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias token id {token} is outside the vocabulary (ids 0..{vocab_limit - 1})",
+                param="logit_bias",
+            )
         if not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for "
-                                f"token {token}", param="logit_bias")
+            raise APIError(
+                400,
+                f"logit_bias values must be in [-100, 100], got {value} for token {token}",
+                param="logit_bias",
+            )
         out[token] = value
     return out
