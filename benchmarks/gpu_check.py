@@ -1,12 +1,15 @@
 """The stages of benchmarks/gpu_check.sh: each writes one JSON; `merge` joins them.
 
     python benchmarks/gpu_check.py env     --out R/env.json
-    python benchmarks/gpu_check.py deps    --wheels benchmarks/gpu_wheels --target /tmp/deps --out R/deps.json
+    python benchmarks/gpu_check.py deps    --wheels benchmarks/gpu_wheels --target /tmp/deps \
+        --out R/deps.json
     python benchmarks/gpu_check.py model   --kind llama-3.1-8b --dir /tmp/llama-8b-dummy
     python benchmarks/gpu_check.py tests   --out R/tests.json
     python benchmarks/gpu_check.py kernels --out R/kernels.json
-    python benchmarks/gpu_check.py plan    --model-dir /tmp/llama-8b-dummy --context 192 --out R/plan.json
-    python benchmarks/gpu_check.py steps   --model-dir /tmp/llama-8b-dummy --mode eager --out R/steps-eager.json
+    python benchmarks/gpu_check.py plan    --model-dir /tmp/llama-8b-dummy --context 192 \
+        --out R/plan.json
+    python benchmarks/gpu_check.py steps   --model-dir /tmp/llama-8b-dummy --mode eager \
+        --out R/steps-eager.json
     python benchmarks/gpu_check.py serve   --model-dir /tmp/llama-8b-dummy --out R/serve.json
     python benchmarks/gpu_check.py merge   R          # -> R/gpu_check.json
 
@@ -779,14 +782,16 @@ def _print_summary(result: dict[str, Any]) -> None:
     tests = result.get("tests") or {}
     if tests:
         print(
-            f"gpu tests: {tests.get('passed')} passed, {tests.get('failures', 0) + tests.get('errors', 0)} "
+            f"gpu tests: {tests.get('passed')} passed, "
+            f"{tests.get('failures', 0) + tests.get('errors', 0)} "
             f"failed, {tests.get('skipped')} skipped"
         )
     summary = (result.get("kernels") or {}).get("summary") or {}
     if summary:
         print(
             f"paged decode attention: {summary.get('decode_gb_per_s')} GB/s = "
-            f"{summary.get('decode_of_copy')} of copy; prefill {summary.get('prefill_tflop_per_s')} TFLOP/s"
+            f"{summary.get('decode_of_copy')} of copy; "
+            f"prefill {summary.get('prefill_tflop_per_s')} TFLOP/s"
         )
     if result["decode_step_table"]:
 
@@ -801,8 +806,10 @@ def _print_summary(result: dict[str, Any]) -> None:
             print(
                 f"{r['batch_size']:>5} {f(r['eager_ms']):>9} {f(r['graphs_ms']):>9} "
                 f"{f(r['roofline_ms']):>8} {f(r['roofline_with_kv_ms']):>8} "
-                f"{f(r['graphs_over_roofline'], 2):>11} {f(r['graphs_over_roofline_with_kv'], 2):>10} "
-                f"{f(r.get('graphs_speedup'), 2):>7} {'-' if r.get('graph_steps') is None else r['graph_steps']!s:>7}"
+                f"{f(r['graphs_over_roofline'], 2):>11} "
+                f"{f(r['graphs_over_roofline_with_kv'], 2):>10} "
+                f"{f(r.get('graphs_speedup'), 2):>7} "
+                f"{'-' if r.get('graph_steps') is None else r['graph_steps']!s:>7}"
             )
     for name, t in result["targets"].items():
         print(f"target {name}: {t}")

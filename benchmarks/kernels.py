@@ -1,14 +1,15 @@
 """Paged-attention throughput: achieved memory bandwidth and TFLOP/s next to the device's peak.
 
-    python benchmarks/kernels.py            # CUDA: Triton kernel, Llama-3.1-8B heads (32/8/128, bf16)
-    python benchmarks/kernels.py --cpu      # torch path, SmolLM2 heads (9/3/64), CPU-sized batches
+    python benchmarks/kernels.py         # CUDA: Triton kernel, Llama-3.1-8B heads (32/8/128, bf16)
+    python benchmarks/kernels.py --cpu   # torch path, SmolLM2 heads (9/3/64), CPU-sized batches
     python benchmarks/kernels.py --cases decode,prefill --json out.json
 
 Decode is memory-bound (every step reads each request's whole K/V once), so its figure of
 merit is GB/s against the memory bandwidth — measured in the same run as the read+write
 bytes/s of a large device-to-device copy (%copy), and against the spec sheet (%bw);
-prefill is compute-bound, so TFLOP/s against the dense bf16 peak. Bytes count K/V actually attended plus q and out; FLOPs count the two
-matmuls (4 * H * D per query-key pair) over the causal pairs only.
+prefill is compute-bound, so TFLOP/s against the dense bf16 peak. Bytes count K/V actually
+attended plus q and out; FLOPs count the two matmuls (4 * H * D per query-key pair) over the
+causal pairs only.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 The engine core is scripted (`dashboard_helpers.ScriptedCore`: the real scheduler and block
 pool, no model, behind the server's real front end), so the pool's state is known exactly:
 requests with a shared 3-block prefix must show those blocks with ref count 2 and both
-owners on hover, and once every request has ended the grid must show no block in use. A screenshot of a busier moment
-(preemptions, cached blocks, charts) is written too: to the test's tmp folder, and to
-docs/dashboard.png for the README when PAGEMILL_UPDATE_SCREENSHOT=1.
+owners on hover, and once every request has ended the grid must show no block in use. A
+screenshot of a busier moment (preemptions, cached blocks, charts) is written too: to the
+test's tmp folder, and to docs/dashboard.png for the README when PAGEMILL_UPDATE_SCREENSHOT=1.
 
 Skipped, saying why, when Playwright or a Chromium is missing (`.ci/run` installs Debian's
 chromium with apt when it can).

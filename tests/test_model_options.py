@@ -23,7 +23,10 @@ from pagemill.runtime.generation_defaults import load_generation_defaults
 from pagemill.server import ServerThread, build_app, cli
 
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-OTHER_TEMPLATE = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+OTHER_TEMPLATE = (
+    "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
 GEN_CONFIG = {
     "temperature": 0.0,
     "top_k": 7,

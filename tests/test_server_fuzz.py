@@ -3,7 +3,8 @@
 Issue 15 ("fuzzing in CI"). The short run is bounded (`FUZZ_EXAMPLES` per operation,
 with a tiny model and a 64-token context so a fuzzed max_tokens stays cheap); the long run
 takes 300 per operation. Both are `slow` (run them with `-m slow`): on the shared 2-core
-box even the short one took ~3 minutes, over the default suite's budget. Every operation is fuzzed, with and without the API key.
+box even the short one took ~3 minutes, over the default suite's budget. Every operation is
+fuzzed, with and without the API key.
 """
 
 from __future__ import annotations

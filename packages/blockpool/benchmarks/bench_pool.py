@@ -2,7 +2,8 @@
 
 Prints allocate+free throughput of the raw pool in blocks per second, and the per-request
 cost of the manager's admit (hashing the prompt + get_computed_blocks + allocate_slots) and
-free for prompts with and without prefix hits. Figures vary with the machine and its load; compare ratios.
+free for prompts with and without prefix hits. Figures vary with the machine and its load;
+compare ratios.
 
     python packages/blockpool/benchmarks/bench_pool.py [--quick]
 """
@@ -110,7 +111,8 @@ def main() -> None:
         rate = bench_pool(num_blocks=65536, batch=batch, rounds=max(1, 400_000 // batch // scale))
         print(f"  batch {batch:4d}: {rate / 1e6:6.2f} M blocks/s")
     print(
-        f"BlockPool touch+free from mid-queue: {bench_touch(65536, 5000 // scale) / 1e6:.2f} M blocks/s"
+        "BlockPool touch+free from mid-queue: "
+        f"{bench_touch(65536, 5000 // scale) / 1e6:.2f} M blocks/s"
     )
 
     print("KVCacheManager per request (prompt 2048 tokens, block 16):")
@@ -126,7 +128,8 @@ def main() -> None:
     for algo in ("sha256", "xxh3_128"):
         us = bench_decode(20_000 // scale, algo)
         print(
-            f"  {algo:8s} decode step (hasher + allocate_slots for 1 token, 2k context): {us:6.2f} us"
+            f"  {algo:8s} decode step (hasher + allocate_slots for 1 token, 2k context): "
+            f"{us:6.2f} us"
         )
 
 

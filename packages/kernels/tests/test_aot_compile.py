@@ -21,8 +21,9 @@ two cores when cold) about 20 s.
 Checks, per kernel and target: it compiles; its shared memory (dynamic + static) fits the
 target's per-block opt-in limit (sm_80: 163 KiB, sm_90: 227 KiB); it does not spill
 registers (stack bytes in the cubin; Triton kernels have no local arrays) — the planner's
-tiles were chosen so that none does, fp32 (dots on CUDA cores) included. The default run compiles a representative subset (Llama-3.1-8B's
-and SmolLM2's layouts, decode, split decode and prefill, and every other kernel once); the
+tiles were chosen so that none does, fp32 (dots on CUDA cores) included. The default run
+compiles a representative subset (Llama-3.1-8B's and SmolLM2's layouts, decode, split decode
+and prefill, and every other kernel once); the
 full grid — fp16/bf16/fp32 x head sizes 64/128/256 x GQA groups 1/2/3/4/7/8 x decode/split/
 prefill, every split-count bucket of the merge kernel, the small kernels for each served
 model — is marked slow.

@@ -181,5 +181,6 @@ def random_prompts() -> Callable[..., list[list[int]]]:
 
 @pytest.fixture(scope="session")
 def build_tiny_model() -> Callable[..., torch.nn.Module]:
-    """`build_tiny_model(folder, arch, seed=0, **config_overrides)` saves and returns the HF model."""
+    """`build_tiny_model(folder, arch, seed=0, **config_overrides)` saves and returns the HF
+    model."""
     return build_model

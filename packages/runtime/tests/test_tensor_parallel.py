@@ -136,7 +136,7 @@ def test_quantized_tp_is_refused() -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
-# ---- the layout, without processes ----------------------------------------------------------------
+# ---- the layout, without processes ---------------------------------------------------------------
 
 
 def _config(heads: int, kv: int, inter: int = 128, vocab: int = 301) -> ModelConfig:

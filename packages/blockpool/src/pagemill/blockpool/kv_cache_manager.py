@@ -1,10 +1,11 @@
 """Per-request block tables on top of the block pool, with prefix caching.
 
 The manager owns the mapping request -> list of blocks: it is the one block table of each
-request (the scheduler keeps none, and hands the model runner only the ids a step adds). The chained hashes of a request's
-full blocks live on the request itself (`request.block_hashes`), extended by the caller with
-what `block_hasher` returns as tokens arrive: the record that owns the tokens owns their
-hashes, so there is no per-request cache here to invalidate, key by id or leak.
+request (the scheduler keeps none, and hands the model runner only the ids a step adds). The
+chained hashes of a request's full blocks live on the request itself (`request.block_hashes`),
+extended by the caller with what `block_hasher` returns as tokens arrive: the record that owns
+the tokens owns their hashes, so there is no per-request cache here to invalidate, key by id
+or leak.
 
 Cache salt: a request's `cache_salt` (when not None) is placed in the extra keys of *every*
 block, not only the first. Chaining alone would already propagate it, but per-block salting

@@ -414,7 +414,8 @@ def _check_metadata(
         raise ValueError(f"seq_lens must be [num_seqs={num_seqs}], got {tuple(seq_lens.shape)}")
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(
-            f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(query_start_loc.shape)}"
+            f"query_start_loc must be [num_seqs + 1 = {num_seqs + 1}], "
+            f"got {tuple(query_start_loc.shape)}"
         )
     for name, t in (
         ("block_tables", block_tables),

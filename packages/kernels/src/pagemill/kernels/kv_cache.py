@@ -23,7 +23,8 @@ def _check_args(
 ) -> None:
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
-            f"k and v must both be [num_tokens, num_kv_heads, head_dim]; got {tuple(k.shape)}, {tuple(v.shape)}"
+            "k and v must both be [num_tokens, num_kv_heads, head_dim]; "
+            f"got {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -32,7 +33,8 @@ def _check_args(
         )
     if tuple(k.shape[1:]) != tuple(k_cache.shape[2:]):
         raise ValueError(
-            f"k is [T, {k.shape[1]}, {k.shape[2]}] but the cache holds [.., .., {k_cache.shape[2]}, {k_cache.shape[3]}]"
+            f"k is [T, {k.shape[1]}, {k.shape[2]}] but the cache holds "
+            f"[.., .., {k_cache.shape[2]}, {k_cache.shape[3]}]"
         )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(

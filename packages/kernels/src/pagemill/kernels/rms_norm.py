@@ -22,7 +22,8 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         )
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(
-            f"residual must match x ({tuple(x.shape)}, {x.dtype}); got {tuple(residual.shape)}, {residual.dtype}"
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}); "
+            f"got {tuple(residual.shape)}, {residual.dtype}"
         )
 
 

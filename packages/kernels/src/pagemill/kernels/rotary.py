@@ -82,7 +82,8 @@ def _check_args(
 ) -> None:
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(
-            f"q must be [T, H, D] and k [T, KVH, D] with the same T and D; got {tuple(q.shape)}, {tuple(k.shape)}"
+            "q must be [T, H, D] and k [T, KVH, D] with the same T and D; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}"
         )
     if positions.dim() != 1 or positions.shape[0] != q.shape[0]:
         raise ValueError(f"positions must be [T={q.shape[0]}], got {tuple(positions.shape)}")

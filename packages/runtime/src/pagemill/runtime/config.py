@@ -160,7 +160,8 @@ class EngineConfig:
             raise bad("max_model_len", "must be None or an integer >= 2")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise TypeError(
-                f"EngineConfig.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}"
+                "EngineConfig.scheduler must be a SchedulerConfig, "
+                f"got {type(self.scheduler).__name__}"
             )
         if not isinstance(self.cache, CacheConfig):
             raise TypeError(

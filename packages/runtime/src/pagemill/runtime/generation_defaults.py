@@ -4,9 +4,10 @@ As vLLM does, `auto` reads the model's generation_config.json and takes its temp
 top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens); a request's
 own values always win, and only values that differ from transformers' own defaults
 count (vLLM reads the file through `GenerationConfig.to_diff_dict`, which drops them:
-`top_k: 50` written out is transformers' default, not the model's wish). `vllm` ignores the file; any other value is a folder holding a
-generation_config.json. The defaults are checked once, at start-up, by building a
-`SamplingParams` from them, so a bad file fails there rather than in every request.
+`top_k: 50` written out is transformers' default, not the model's wish). `vllm` ignores the
+file; any other value is a folder holding a generation_config.json. The defaults are checked
+once, at start-up, by building a `SamplingParams` from them, so a bad file fails there rather
+than in every request.
 """
 
 from __future__ import annotations

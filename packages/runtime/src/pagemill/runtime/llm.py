@@ -112,7 +112,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one or one per prompt"
                 )
         # Offline callers want each request once, whole: no per-step output objects at all.
         final: dict[int, SamplingParams] = {}

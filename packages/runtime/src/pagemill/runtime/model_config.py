@@ -22,9 +22,9 @@ from pagemill.blockpool.sizing import DTYPE_BYTES
 
 logger = logging.getLogger(__name__)
 
-# Architectures pagemill serves (the modules are in `pagemill.runtime.model_executor.models`): the Llama
-# module serves Llama, Mistral and Qwen2 (they differ only in config values), Qwen3 and
-# Phi-3 extend it, Gemma 2 and Gemma 3 (text) have their own layer.
+# Architectures pagemill serves (the modules are in `pagemill.runtime.model_executor.models`):
+# the Llama module serves Llama, Mistral and Qwen2 (they differ only in config values), Qwen3
+# and Phi-3 extend it, Gemma 2 and Gemma 3 (text) have their own layer.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

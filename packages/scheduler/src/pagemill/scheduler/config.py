@@ -52,7 +52,8 @@ class SchedulerConfig:
         t = self.long_prefill_token_threshold
         if isinstance(t, bool) or not isinstance(t, int):
             raise TypeError(
-                f"SchedulerConfig.long_prefill_token_threshold must be an int, got {type(t).__name__}"
+                "SchedulerConfig.long_prefill_token_threshold must be an int, "
+                f"got {type(t).__name__}"
             )
         if t < 0:
             raise ValueError(

@@ -157,7 +157,10 @@ class TensorParallelWorkers:
         """The first dead worker as a line for an error message, None when all live."""
         for rank, p in enumerate(self.processes, start=1):
             if not p.is_alive():
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                return (
+                    f"tensor-parallel worker rank {rank} (pid {p.pid}) "
+                    f"exited with code {p.exitcode}"
+                )
         return None
 
     def start_watching(self, keepalive: float | None = None) -> None:

@@ -1,1 +1,2 @@
-"""Models and their weights: architectures, layers, quantized formats, loading (safetensors, GGUF, the Hub)."""
+"""Models and their weights: architectures, layers, quantized formats, loading (safetensors,
+GGUF, the Hub)."""

@@ -1,7 +1,8 @@
 """Reading a GGUF file's tensors as Hugging Face-named weights, quantized ones kept quantized.
 
 The file is read with the `gguf` package (`GGUFReader` for the tensor table, its tensor
-name map and dequantizers); tensor bytes come through a memory map. Tensors come out under the Hugging Face names the model asks for, as:
+name map and dequantizers); tensor bytes come through a memory map. Tensors come out under
+the Hugging Face names the model asks for, as:
 
 - Q4_0 / Q4_1 → `Int4Groups` (groups of 32: Q4_1's d * q + m is scale d, zero m + 8d;
   Q4_0's d * (q - 8) is scale d, zero 0), exactly the values ggml dequantizes to;

@@ -7,8 +7,8 @@ huggingface_hub's cache.
 Weights come from the folder's safetensors, or — for the default model, whose folder
 stands for a GGUF file — straight from the GGUF with its quantized tensors kept quantized
 (`gguf_weights`). What each layer is served as (dense, int8, int4; see
-`pagemill.runtime.model_executor.quantization`) is planned before anything loads, so a model that cannot
-be served as asked fails at once.
+`pagemill.runtime.model_executor.quantization`) is planned before anything loads, so a model
+that cannot be served as asked fails at once.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def safetensors_files(folder: str | Path) -> list[Path]:
             else ""
         )
         raise FileNotFoundError(
-            f"no *.safetensors weights in {folder}{hint}; folder holds: {', '.join(present) or 'nothing'}"
+            f"no *.safetensors weights in {folder}{hint}; "
+            f"folder holds: {', '.join(present) or 'nothing'}"
         )
     return files
 

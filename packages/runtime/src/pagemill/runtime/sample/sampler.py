@@ -4,9 +4,10 @@ The sampler reads only a `SamplingMetadata` (tensors and a few host scalars), ne
 so a model runner can keep those tensors across steps and hand over slices of them.
 
 Order of operations (HF's and vLLM's): logit_bias, min_tokens bans and penalties on the raw
-logits, then the grammar's token bitmask (structured output), then temperature, then top-k, top-p and min-p, then the draw. Everything runs in fp32 and is
-vectorised over the batch; Python loops only over seeded rows (each draws from its own
-generator), min_tokens rows and penalised rows (their token lists live on the host).
+logits, then the grammar's token bitmask (structured output), then temperature, then top-k,
+top-p and min-p, then the draw. Everything runs in fp32 and is vectorised over the batch;
+Python loops only over seeded rows (each draws from its own generator), min_tokens rows and
+penalised rows (their token lists live on the host).
 
 Random rows are drawn by inverse CDF in token-id order: one float64 uniform per row (a
 seeded row's from its own generator), the first token whose running sum of unnormalised

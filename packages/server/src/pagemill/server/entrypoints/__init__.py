@@ -1,1 +1,2 @@
-"""How requests enter: the HTTP server's lifecycle (shutdown, watchdog, connection limits) and its APIs."""
+"""How requests enter: the HTTP server's lifecycle (shutdown, watchdog, connection limits) and
+its APIs."""

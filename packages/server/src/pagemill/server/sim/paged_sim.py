@@ -21,7 +21,8 @@ from pagemill.server.sim.workload import SimRequest
 
 
 def fake_token(index: int, position: int) -> int:
-    """A deterministic 'sampled' token; requests run with ignore_eos so its value never stops one."""
+    """A deterministic 'sampled' token; requests run with ignore_eos so its value never stops
+    one."""
     return 1 + (index * 7919 + position * 104729) % 30011
 
 

@@ -164,7 +164,8 @@ def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelS
         or config.get("n_routed_experts")
     ):
         raise ValueError(
-            f"{name}: mixture-of-experts configs are not supported by the planner (dense models only)"
+            f"{name}: mixture-of-experts configs are not supported by the planner "
+            "(dense models only)"
         )
     text_config = config.get("text_config")
     if isinstance(text_config, dict) and "hidden_size" not in config:

@@ -199,7 +199,8 @@ class Linear(nn.Module):
         """Share an existing dense [out, in] tensor (e.g. a tied embedding) as the dense copy."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
-                f"dense weight {tuple(weight.shape)} does not fit [{self.out_features}, {self.in_features}]"
+                f"dense weight {tuple(weight.shape)} does not fit "
+                f"[{self.out_features}, {self.in_features}]"
             )
         self.weight = (
             weight
@@ -232,7 +233,10 @@ class Linear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        s = f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, format={self.weight_format}"
+        s = (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, format={self.weight_format}"
+        )
         if self.format == "int4":
             s += f", group_size={self.group_size}"
         if self.has_dense_fallback:

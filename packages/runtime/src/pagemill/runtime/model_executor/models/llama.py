@@ -338,7 +338,8 @@ class LlamaForCausalLM(nn.Module):
         return proj
 
     def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
-        """HF tensor name -> [(our parameter or Linear, row offset, rows)] for every tensor we need."""
+        """HF tensor name -> [(our parameter or Linear, row offset, rows)] for every tensor we
+        need."""
         c = self.config
         q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
         t: dict[str, list[tuple[torch.Tensor | Linear, int, int]]] = {
@@ -400,7 +401,8 @@ class LlamaForCausalLM(nn.Module):
                     )
                 if tuple(dest_shape) != tuple(tensor.shape):
                     raise ValueError(
-                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest_shape)}"
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"the config implies {tuple(dest_shape)}"
                     )
                 if isinstance(target, Linear):
                     target.load_rows(off, tensor)

@@ -1,9 +1,9 @@
 """Weight-only quantization on CPU: int8 per channel, int4 groups with zero points.
 
 PyTorch's packed CPU kernels do the work (`aten._weight_int8pack_mm`,
-`aten._weight_int4pack_mm_for_cpu`); `pagemill.runtime.model_executor.layers.Linear` holds the packed
-weights and picks, per step, the packed kernel (few tokens: the step streams weights) or a
-dense copy (many tokens: the step is compute-bound) when it keeps one. GGUF Q4_0 / Q4_1 /
+`aten._weight_int4pack_mm_for_cpu`); `pagemill.runtime.model_executor.layers.Linear` holds the
+packed weights and picks, per step, the packed kernel (few tokens: the step streams weights) or
+a dense copy (many tokens: the step is compute-bound) when it keeps one. GGUF Q4_0 / Q4_1 /
 Q8_0 rows are repacked into these formats exactly (`formats`), and `plan_weights` decides
 what each layer is served as before anything loads.
 """

@@ -8,8 +8,8 @@ thread every later grammar waited behind it. A process can be killed. Each of
 by a small "zygote" process (one per engine process, started with `python -m` so it never
 re-imports the caller's `__main__`, as multiprocessing's spawn and forkserver would) that
 imported xgrammar once: a replacement starts in milliseconds rather than the seconds an
-import of xgrammar (and so torch) takes. A compile a compile that runs past `timeout` seconds, or that nobody
-waits for any more, is ended by killing its process, which the slot then replaces. The
+import of xgrammar (and so torch) takes. A compile that runs past `timeout` seconds, or that
+nobody waits for any more, is ended by killing its process, which the slot then replaces. The
 compiled grammar comes back serialized (xgrammar's JSON: about 50 KB and 1 ms for a small
 schema) and is rebuilt here against the same `TokenizerInfo`.
 """
