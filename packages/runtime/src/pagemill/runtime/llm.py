@@ -89,8 +89,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [
             self.llm_engine.apply_chat_template(
-                c,
-                add_generation_prompt=add_generation_prompt,  # type: ignore[arg-type]
+                c,  # type: ignore[arg-type]
+                add_generation_prompt=add_generation_prompt,
                 chat_template=template,
                 tools=tools,
             )

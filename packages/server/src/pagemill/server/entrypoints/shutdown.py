@@ -158,8 +158,9 @@ def serve(
         log_level=log_level,
         lifespan="on",
         http=limits.protocol(),
-        timeout_keep_alive=timeout_keep_alive,
-    )  # type: ignore[arg-type]  # uvicorn annotates int, takes float seconds
+        # uvicorn annotates int, takes float seconds
+        timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]
+    )
     global LAST_SERVER
     server = LAST_SERVER = GracefulServer(
         config, client, shutdown_timeout=shutdown_timeout, watchdog=watchdog
