@@ -47,9 +47,15 @@ from pagemill.runtime.engine.core_client import (
     MPClient,
     ThreadedClient,
 )
+from pagemill.runtime.engine.front_end import ModelFacts
 from pagemill.runtime.engine.llm_engine import EngineStats, make_processors
 from pagemill.runtime.engine.output_processor import IterationStats
-from pagemill.runtime.engine.protocol import EngineCoreOutputs, FinishReason, SchedulerStats
+from pagemill.runtime.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreReady,
+    FinishReason,
+    SchedulerStats,
+)
 
 if TYPE_CHECKING:
     from pagemill.runtime import LLMEngine
@@ -58,7 +64,6 @@ if TYPE_CHECKING:
     from pagemill.runtime.engine.input_processor import InputProcessor
     from pagemill.runtime.engine.model_assets import ModelAssets
     from pagemill.runtime.engine.output_processor import OutputProcessor
-    from pagemill.runtime.model_config import ModelConfig
     from pagemill.runtime.outputs import RequestOutput
     from pagemill.runtime.sampling_params import SamplingParams
     from pagemill.server.dashboard import DashboardSettings
@@ -154,7 +159,7 @@ def deliver(items: Iterable[tuple[_Tracked, QueueItem]]) -> None:
             loop.call_soon_threadsafe(_put_all, batch)
 
 
-class AsyncEngine:
+class AsyncEngine(ModelFacts):
     """The front end over an engine core; safe to use from any event loop.
 
     `max_pending` caps the sequences accepted at once (running + waiting in the engine);
@@ -290,41 +295,8 @@ class AsyncEngine:
         return self
 
     @property
-    def tokenizer(self) -> Any | None:
-        return self.assets.tokenizer
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.assets.model_config
-
-    @property
-    def generation_defaults(self) -> dict[str, Any]:
-        return self.assets.generation_defaults
-
-    @property
-    def max_model_len(self) -> int:
-        return self.client.info.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.client.info.num_blocks
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        *,
-        chat_template: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        """Blocking (templating and tokenizing): call it off the event loop."""
-        return self.input_processor.apply_chat_template(
-            messages, add_generation_prompt, chat_template=chat_template, tools=tools
-        )
-
-    def encode(self, prompt: str) -> list[int]:
-        """Blocking: call it off the event loop."""
-        return self.input_processor.encode(prompt)
+    def core_info(self) -> EngineCoreReady:
+        return self.client.info
 
     def prompt_of(self, request_id: str) -> str | None:
         with self._lock:

@@ -47,6 +47,7 @@ from pagemill.runtime.engine.protocol import (
     Codec,
     EngineCoreEvent,
     EngineCoreFailed,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreReady,
     EngineCoreRequest,
@@ -276,8 +277,6 @@ class EngineCoreLoop:
                 core.add_request(msg)
             except Exception as exc:  # validated by the front end: a bug there, not here
                 logger.exception("request %s could not be added", msg.request_id)
-                from pagemill.runtime.engine.protocol import EngineCoreOutput
-
                 self.send(
                     EngineCoreOutputs(
                         [
@@ -330,13 +329,28 @@ class _Dead:
 
 
 class _LoopClient(EngineCoreClient):
-    """What the thread and process clients share: an output queue and a dead state."""
+    """What the thread and process clients share: an output queue, a dead state, and the
+    heartbeat the core's loop writes (a list in this process, shared memory for another)."""
+
+    heartbeat: Heartbeat
 
     def __init__(self) -> None:
         self._outputs: queue.SimpleQueue[EngineCoreOutputs | _Dead] = queue.SimpleQueue()
         self._dead_error: BaseException | None = None
         self._closed = False
         self._dead_event = threading.Event()
+
+    @property
+    def step_started_at(self) -> float | None:
+        return self.heartbeat[2] or None
+
+    @property
+    def engine_steps(self) -> int:
+        return int(self.heartbeat[0])
+
+    @property
+    def last_step_time(self) -> float | None:
+        return self.heartbeat[1] or None
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -449,18 +463,6 @@ class ThreadedClient(_LoopClient):
         else:
             self._commands.put(_LocalCall(fn, fut))
         return fut
-
-    @property
-    def step_started_at(self) -> float | None:
-        return self.heartbeat[2] or None
-
-    @property
-    def engine_steps(self) -> int:
-        return int(self.heartbeat[0])
-
-    @property
-    def last_step_time(self) -> float | None:
-        return self.heartbeat[1] or None
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closed:
@@ -789,18 +791,6 @@ class MPClient(_LoopClient):
                 fut.set_exception(error)
 
     # ------------------------------------------------------------ watchdog figures
-
-    @property
-    def step_started_at(self) -> float | None:
-        return self.heartbeat[2] or None
-
-    @property
-    def engine_steps(self) -> int:
-        return int(self.heartbeat[0])
-
-    @property
-    def last_step_time(self) -> float | None:
-        return self.heartbeat[1] or None
 
     @property
     def engine_pid(self) -> int | None:

@@ -19,11 +19,11 @@ from typing import Any
 from pagemill.runtime.config import EngineConfig
 from pagemill.runtime.engine.core import EngineCore
 from pagemill.runtime.engine.core_client import EngineCoreClient, InprocClient
+from pagemill.runtime.engine.front_end import ModelFacts
 from pagemill.runtime.engine.input_processor import InputProcessor
 from pagemill.runtime.engine.model_assets import ModelAssets
 from pagemill.runtime.engine.output_processor import IterationStats, OutputProcessor
 from pagemill.runtime.engine.protocol import EngineCoreReady, FinishReason, SchedulerStats
-from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.outputs import RequestOutput
 from pagemill.runtime.sampling_params import SamplingParams
 
@@ -80,7 +80,7 @@ def make_processors(
     return inputs, OutputProcessor(assets.tokenizer)
 
 
-class LLMEngine:
+class LLMEngine(ModelFacts):
     """Continuous-batching engine over one model on one device (or a tensor-parallel group)."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -108,35 +108,15 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
     @property
+    def core_info(self) -> EngineCoreReady:
+        return self.engine_core_client.info
+
+    @property
     def engine_core(self) -> EngineCore:
         """The core itself (this engine runs it in its own thread)."""
         client = self.engine_core_client
         assert isinstance(client, InprocClient)
         return client.engine_core
-
-    @property
-    def tokenizer(self) -> Any | None:
-        return self.assets.tokenizer
-
-    @property
-    def model_config(self) -> ModelConfig:
-        return self.assets.model_config
-
-    @property
-    def model_path(self) -> Any:
-        return self.assets.path
-
-    @property
-    def generation_defaults(self) -> dict[str, Any]:
-        return self.assets.generation_defaults
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine_core_client.info.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.engine_core_client.info.num_blocks
 
     @property
     def scheduler(self) -> Any:
@@ -151,28 +131,6 @@ class LLMEngine:
         return self.engine_core.dtype
 
     # ---- requests ------------------------------------------------------------------------
-
-    def get_tokenizer(self) -> Any | None:
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() with the model's generation-config defaults (vLLM's name)."""
-        return SamplingParams(**self.generation_defaults)
-
-    def encode(self, prompt: str) -> list[int]:
-        return self.input_processor.encode(prompt)
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        *,
-        chat_template: str | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.input_processor.apply_chat_template(
-            messages, add_generation_prompt, chat_template=chat_template, tools=tools
-        )
 
     def add_request(
         self,
