@@ -160,8 +160,9 @@ class InprocClient(EngineCoreClient):
         self.engine_core.abort_requests(request_ids, reason)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
-        # Always a step, even an empty one: it hands the model runner the requests that
-        # finished since the last, so their rows go at once.
+        # The step runs now, in this thread (there is nothing to wait for: `timeout` does
+        # not apply). Always a step, even an empty one: it hands the model runner the
+        # requests that finished since the last, so their rows go at once.
         core = self.engine_core
         t0 = time.perf_counter()
         out = core.step()
