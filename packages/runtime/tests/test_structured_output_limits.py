@@ -131,6 +131,25 @@ def tokenizer_info(tiny_llama):
     return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
 
 
+@pytest.mark.parametrize("kind", ["json", "json_object"])
+def test_json_output_caps_whitespace_runs(tokenizer_info, kind: str) -> None:
+    """A sampled model must not spend max_tokens on the whitespace JSON allows anywhere."""
+    import xgrammar as xgr
+
+    from pagemill.runtime.sample.structured_output.limits import MAX_JSON_WHITESPACE
+    from pagemill.runtime.sample.structured_output.worker import compile_key
+
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    compiled = compile_key(xgr.GrammarCompiler(tokenizer_info), (kind, schema))
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('{\n  "a": 1\n}')  # pretty-printed is fine
+    assert accepts('{"a":' + " " * MAX_JSON_WHITESPACE + "1}")
+    assert not accepts('{"a":' + " " * (MAX_JSON_WHITESPACE + 1) + "1}")
+
+
 def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_info) -> None:
     workers = CompileWorkers(tokenizer_info, num_workers=2, timeout=1.0, cache_limit_bytes=8 << 20)
     try:

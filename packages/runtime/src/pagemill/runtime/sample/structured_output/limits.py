@@ -11,7 +11,8 @@ most 64 KiB; a JSON schema nested at most 32 subschemas deep; at most 256 proper
 object and 2,000 in the whole schema; string lengths, item and property counts (minLength,
 maxLength, minItems, maxItems, minProperties) at most 1,000; enums at most 1,000 values; a
 counted repetition `{m,n}` at most 1,000, and at most 8 when what it repeats can itself
-match text of any length (as in `(.*){1,20}`), in regexes, `pattern`s and EBNF alike.
+match text of any length (as in `(.*){1,20}`), in regexes, `pattern`s and EBNF alike. JSON
+output (schema or JSON object) puts at most 32 whitespace characters between two tokens.
 
 A JSON schema may use only keywords xgrammar enforces: anything else (`not`, `if`/`then`/
 `else`, `unevaluatedProperties`, `uniqueItems`, `contains`, `dependentRequired`, an unknown
@@ -33,6 +34,10 @@ MAX_COUNT = 1_000
 MAX_ENUM = 1_000
 MAX_REPEAT = 1_000
 MAX_REPEAT_UNBOUNDED = 8
+# Whitespace characters JSON output may put between two tokens (room for pretty-printing
+# eight levels deep): without a cap a sampled model can spend every remaining token on
+# whitespace, which the grammar allows anywhere, and end at max_tokens with no value.
+MAX_JSON_WHITESPACE = 32
 
 LIMITS = {
     "text_bytes": MAX_TEXT_BYTES,
@@ -43,6 +48,7 @@ LIMITS = {
     "enum_values": MAX_ENUM,
     "repetition": MAX_REPEAT,
     "repetition_of_unbounded": MAX_REPEAT_UNBOUNDED,
+    "json_whitespace_run": MAX_JSON_WHITESPACE,
 }
 
 # Keywords whose meaning xgrammar enforces (or that carry no constraint).

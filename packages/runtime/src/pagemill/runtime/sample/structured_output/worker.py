@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagemill.runtime.sample.structured_output import limits
 from pagemill.runtime.sample.structured_output.params import GrammarKey
 
 logger = logging.getLogger(__name__)
@@ -70,13 +71,15 @@ def compile_key(compiler: Any, key: GrammarKey) -> Any:
     kind, text = key
     base, _, style = kind.partition(":")
     compact = style == "compact"
-    if base == "json":
-        return compiler.compile_json_schema(text, any_whitespace=not compact)
-    if base == "json_object":
+    if base == "json" or base == "json_object":
+        # json_object: "an object", as a schema (xgrammar's built-in grammar takes any JSON
+        # value and cannot cap whitespace).
+        schema = text if base == "json" else '{"type": "object"}'
         if compact:
-            # Any object, compact: a schema for "an object" with no free whitespace.
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema(schema, any_whitespace=False)
+        return compiler.compile_json_schema(
+            schema, any_whitespace=True, max_whitespace_cnt=limits.MAX_JSON_WHITESPACE
+        )
     if base == "regex":
         return compiler.compile_regex(text)
     if base == "grammar":
