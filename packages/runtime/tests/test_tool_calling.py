@@ -54,10 +54,11 @@ def test_hermes_parser_splits_content_and_calls() -> None:
 
 def test_hermes_streaming_holds_back_a_possible_marker() -> None:
     p = get_tool_parser("hermes")
-    assert p.stream_safe_len("Hello") == 5
-    assert p.stream_safe_len("Hello <tool") == len("Hello ")
-    assert p.stream_safe_len("Hello <tool_call>{") is None
-    assert p.stream_safe_len("a < b") == 5
+    assert p.parse("Hello").content == "Hello"
+    assert p.parse("Hello <tool").content == "Hello "
+    started = p.parse("Hello <tool_call>{")
+    assert started.content == "Hello " and all(c.name is None for c in started.calls)
+    assert p.parse("a < b").content == "a < b"
 
 
 def test_llama3_json_parser() -> None:
@@ -73,9 +74,9 @@ def test_llama3_json_parser() -> None:
     assert found.content is None
     assert not p.extract("The weather is fine.").tools_called
     assert not p.extract('{"no_name": 1}').tools_called
-    assert p.stream_safe_len("The answer") == len("The answer")
-    assert p.stream_safe_len(' {"name"') is None
-    assert p.stream_safe_len("<|python") == 0
+    assert p.parse("The answer").content == "The answer"
+    assert p.parse(' {"name"').content == ""
+    assert p.parse("<|python").content == ""
     with pytest.raises(ValueError, match="unknown tool call parser"):
         get_tool_parser("nope")
     assert parser_for_template("... <|python_tag|> ...") == "llama3_json"

@@ -1,40 +1,42 @@
 """Hermes tool calls (NousResearch Hermes, Qwen 2.5/3, SmolLM2 prompted in that format):
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call."""
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, after
+any plain text. A block left open at the end (the output stopped where the call ended)
+still counts when its object is complete."""
 
 from __future__ import annotations
 
-import json
-import re
-
-from pagemill.runtime.tool_calling.parser import ExtractedToolCalls, ToolCall, ToolParser, held_back
+from pagemill.runtime.tool_calling.json_calls import finished, read_objects
+from pagemill.runtime.tool_calling.parser import (
+    ParsedOutput,
+    PartialCall,
+    ToolParser,
+    Tools,
+    content_before,
+)
 
 START, END = "<tool_call>", "</tool_call>"
-# A closed block, or an unclosed last one (the output was cut where the call ended).
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(START)
+    def parse(self, text: str, tools: Tools = None, final: bool = False) -> ParsedOutput:
+        content, start = content_before(text, START)
         if start < 0:
-            return ExtractedToolCalls([], text)
-        calls = []
-        for body in _BLOCK.findall(text[start:]):
-            try:
-                obj = json.loads(body)
-            except ValueError:
-                return ExtractedToolCalls([], text)  # not a call after all: keep the text
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return ExtractedToolCalls([], text)
-            calls.append(
-                ToolCall.make(obj["name"], obj.get("arguments", obj.get("parameters", {})))
-            )
-        content = text[:start].strip()
-        return ExtractedToolCalls(calls, content or None)
-
-    def stream_safe_len(self, text: str) -> int | None:
-        if START in text:
-            return None
-        return len(text) - held_back(text, START)
+            return ParsedOutput(content)
+        calls: list[PartialCall] = []
+        ok = True
+        pos = start
+        while ok and pos >= 0:
+            body_start = pos + len(START)
+            close = text.find(END, body_start)
+            body = text[body_start:] if close < 0 else text[body_start:close]
+            found, ok, _ = read_objects(body, 0, " \t\r\n")
+            # One object per block; a closed block without one is not a call.
+            ok = ok and len(found) <= 1 and (close < 0 or len(found) == 1)
+            calls += found[:1]
+            pos = -1 if close < 0 else text.find(START, close)
+        kept = finished(calls, ok, final)
+        if kept is None:
+            return ParsedOutput(text)
+        return ParsedOutput(content, kept)

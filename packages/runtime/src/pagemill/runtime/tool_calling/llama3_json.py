@@ -1,44 +1,33 @@
 """Llama 3.x JSON tool calls: the whole reply is `{"name": ..., "parameters": {...}}`,
-optionally after `<|python_tag|>`, several calls separated by `;`."""
+optionally after `<|python_tag|>`, several calls separated by `;`. A reply that does not
+begin that way is plain content."""
 
 from __future__ import annotations
 
-import json
-
-from pagemill.runtime.tool_calling.parser import ExtractedToolCalls, ToolCall, ToolParser
+from pagemill.runtime.tool_calling.json_calls import finished, read_objects
+from pagemill.runtime.tool_calling.parser import (
+    ParsedOutput,
+    ToolParser,
+    Tools,
+    leading_call_start,
+)
 
 PYTHON_TAG = "<|python_tag|>"
-_decoder = json.JSONDecoder()
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    needs_special_tokens = True
 
-    def extract(self, text: str) -> ExtractedToolCalls:
-        body = text.strip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG) :].lstrip()
-        if not body.startswith("{"):
-            return ExtractedToolCalls([], text)
-        calls, pos = [], 0
-        while pos < len(body):
-            try:
-                obj, end = _decoder.raw_decode(body, pos)
-            except ValueError:
-                return ExtractedToolCalls([], text)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return ExtractedToolCalls([], text)
-            args = obj.get("parameters", obj.get("arguments", {}))
-            calls.append(ToolCall.make(obj["name"], args))
-            pos = end
-            while pos < len(body) and body[pos] in " \t\r\n;":
-                pos += 1
-        return ExtractedToolCalls(calls, None)
-
-    def stream_safe_len(self, text: str) -> int | None:
-        head = text.lstrip()
-        if not head:
-            return 0
-        if head.startswith("{") or head.startswith(PYTHON_TAG) or PYTHON_TAG.startswith(head):
-            return None if head.startswith(("{", PYTHON_TAG)) else 0
-        return len(text)
+    def parse(self, text: str, tools: Tools = None, final: bool = False) -> ParsedOutput:
+        start = leading_call_start(text, (PYTHON_TAG, "{"))
+        if start is None or (start < 0 and final):
+            return ParsedOutput(text)
+        if start < 0:
+            return ParsedOutput("")
+        pos = start + len(PYTHON_TAG) if text.startswith(PYTHON_TAG, start) else start
+        calls, ok, stop = read_objects(text, pos)
+        kept = finished(calls, ok and stop == len(text), final)
+        if kept is None or (final and not kept):
+            return ParsedOutput(text)
+        return ParsedOutput("", kept)

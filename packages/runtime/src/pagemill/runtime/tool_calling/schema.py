@@ -7,11 +7,11 @@ item one of the tools (`anyOf`), at least one item (exactly one without parallel
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from pagemill.runtime.tool_calling.parser import ToolCall
+from pagemill.runtime.tool_calling.json_calls import finished, read_array
+from pagemill.runtime.tool_calling.parser import ParsedOutput, ToolCall, ToolParser, Tools
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -52,39 +52,24 @@ def required_schema(tools: Sequence[dict[str, Any]], parallel: bool = True) -> d
     return schema
 
 
+class RequiredCallsParser(ToolParser):
+    """The output `required_schema` forces: a JSON array of call objects. An output cut
+    short (max_tokens) still holds every call it completed; the unfinished last one is
+    dropped from a whole answer (a stream has shown what there was of it)."""
+
+    name = "required"
+
+    def parse(self, text: str, tools: Tools = None, final: bool = False) -> ParsedOutput:
+        start = text.find("[")
+        if start < 0:
+            return ParsedOutput(text if final else "")
+        calls, ok = read_array(text, start)
+        kept = finished(calls, ok, final)
+        if kept is None or (final and not kept):
+            return ParsedOutput(text)
+        return ParsedOutput("", kept)
+
+
 def calls_from_required(text: str) -> list[ToolCall]:
-    """The calls of an output constrained by `required_schema`.
-
-    An output cut short (max_tokens) still holds every call it completed: the grammar
-    makes the text a prefix of a JSON array of call objects, so the complete objects are
-    read one by one and the unfinished last one is dropped.
-    """
-    try:
-        items = json.loads(text)
-    except ValueError:
-        items = _complete_items(text)
-    if not isinstance(items, list):
-        return []
-    return [
-        ToolCall.make(i["name"], i.get("arguments", {}))
-        for i in items
-        if isinstance(i, dict) and isinstance(i.get("name"), str)
-    ]
-
-
-def _complete_items(text: str) -> list[Any]:
-    """The complete elements of a JSON array that was cut short."""
-    decoder = json.JSONDecoder()
-    pos = text.find("[")
-    if pos < 0:
-        return []
-    pos += 1
-    items: list[Any] = []
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return items
-        items.append(item)
+    """The complete calls of an output constrained by `required_schema`."""
+    return RequiredCallsParser().extract(text).tool_calls
