@@ -48,6 +48,9 @@ class _Constrained:
     key: GrammarKey | None = None
     matcher: xgr.GrammarMatcher | None = None
     rejected: bool = False
+    reasoning_end: frozenset[int] = frozenset()
+    """While non-empty the request is still reasoning: its tokens are free and do not
+    advance the matcher; the first of these tokens starts the grammar."""
 
 
 @dataclass(slots=True, eq=False)
@@ -150,7 +153,8 @@ class StructuredOutputManager:
         else:
             self._cache.move_to_end(key)
         entry.waiters += 1
-        self._requests[request_id] = _Constrained(entry.future, key)
+        reasoning_end = frozenset(params.reasoning_end_token_ids or ())
+        self._requests[request_id] = _Constrained(entry.future, key, reasoning_end=reasoning_end)
 
     def _evict(self) -> None:
         """Least recently used grammars nobody waits for go, until the cache holds at most
@@ -217,16 +221,19 @@ class StructuredOutputManager:
         requests = self._requests
         if not requests:
             return None
-        rows = [(i, requests[r].matcher) for i, r in enumerate(req_ids) if r in requests]
+        rows = [(i, requests[r]) for i, r in enumerate(req_ids) if r in requests]
         if not rows:
             return None
         bitmask = self._bitmask[: len(req_ids)]
         if len(rows) < len(req_ids):
             bitmask.fill_(-1)
-        for i, matcher in rows:
+        for i, state in rows:
+            matcher = state.matcher
             if matcher is None:  # not admitted yet: cannot be sampled this step
                 continue
-            if matcher.is_terminated():
+            if state.reasoning_end:
+                bitmask[i].fill_(-1)  # still reasoning: the grammar has not started
+            elif matcher.is_terminated():
                 bitmask[i].fill_(-1)  # it ends this step anyway
             else:
                 matcher.fill_next_token_bitmask(bitmask, i)
@@ -244,6 +251,10 @@ class StructuredOutputManager:
             token = sampled.get(rid)
             matcher = state.matcher
             if token is None or matcher is None:
+                continue
+            if state.reasoning_end:
+                if token in state.reasoning_end:
+                    state.reasoning_end = frozenset()  # the answer, constrained, starts now
                 continue
             if matcher.is_terminated():
                 done.append(rid)

@@ -45,6 +45,10 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    reasoning_end_token_ids: list[int] | None = None
+    """Set by a server with a reasoning parser: the constraint starts after one of these
+    tokens (the end of the model's reasoning, `</think>`), never on the reasoning itself,
+    as in vLLM. Not part of the grammar's key: the same grammar, started later."""
 
     def __post_init__(self) -> None:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
@@ -73,6 +77,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a bool")
+        ends = self.reasoning_end_token_ids
+        if ends is not None and (
+            not isinstance(ends, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ends)
+        ):
+            raise ValueError("reasoning_end_token_ids must be a list of token ids")
         # Sizes only here (constant time): the rest is `validate`, off the caller's loop.
         _kind, text = self.key
         limits.check_text(self.kind if self.kind != "json" else "JSON schema", text)

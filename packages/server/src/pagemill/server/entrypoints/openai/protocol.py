@@ -300,6 +300,9 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # --reasoning-parser: the thinking, under vLLM's older and newer names.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallMessage] = Field(default_factory=list)
 
 

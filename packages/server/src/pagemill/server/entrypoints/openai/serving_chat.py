@@ -10,6 +10,7 @@ restores the raw behaviour for trusted clients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,8 @@ from typing import Any
 
 from fastapi import Request
 
+from pagemill.runtime import SamplingParams
+from pagemill.runtime.reasoning import ReasoningParser, get_reasoning_parser
 from pagemill.runtime.tool_calling import get_tool_parser, parser_for_template
 from pagemill.server.entrypoints.openai.errors import APIError, internal_error
 from pagemill.server.entrypoints.openai.protocol import (
@@ -43,7 +46,8 @@ from pagemill.server.entrypoints.openai.serving_base import (
     token_text,
     usage_counts,
 )
-from pagemill.server.entrypoints.openai.serving_tools import ToolPlan, ToolStream
+from pagemill.server.entrypoints.openai.serving_reasoning import ChoiceStream
+from pagemill.server.entrypoints.openai.serving_tools import ToolPlan
 
 
 def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
@@ -66,6 +70,7 @@ class ChatServing(ServingBase):
         *args: Any,
         tool_parser: str | None = None,
         allow_special_tokens: bool = False,
+        reasoning_parser: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -76,6 +81,57 @@ class ChatServing(ServingBase):
         )
         self.allow_special_tokens = allow_special_tokens
         self._special = None if allow_special_tokens else special_token_pattern(self.tokenizer)
+        # `--reasoning-parser`: one parser per request (it reads chat_template_kwargs).
+        self.reasoning_parser = (
+            get_reasoning_parser(reasoning_parser) if reasoning_parser is not None else None
+        )
+        # Special tokens a format's markers need kept in the text; the end-of-turn ones
+        # that then appear at the end of an answer are cut off again (`_trim_special`).
+        self._special_texts = sorted(
+            {t for t in getattr(self.tokenizer, "all_special_tokens", None) or [] if t},
+            key=len,
+            reverse=True,
+        )
+
+    def reasoner(self, req: ChatCompletionRequest, prompt: list[int]) -> ReasoningParser | None:
+        """This request's reasoning parser; None when there is none or the output holds no
+        reasoning (thinking switched off, or the prompt already closed it)."""
+        if self.reasoning_parser is None:
+            return None
+        kwargs = getattr(req, "chat_template_kwargs", None)
+        parser = self.reasoning_parser(self.tokenizer, kwargs if isinstance(kwargs, dict) else None)
+        if not parser.thinking_enabled or parser.prompt_ends_reasoning(prompt):
+            return None
+        return parser
+
+    def gate_grammar(self, params: SamplingParams, reasoner: ReasoningParser | None) -> None:
+        """A structured-output constraint applies to the answer, after the reasoning, as in
+        vLLM: the engine lets the reasoning run free until its end token."""
+        so = params.structured_outputs
+        if so is None or reasoner is None:
+            return
+        end_ids = reasoner.end_token_ids
+        if not end_ids:
+            raise APIError(
+                400,
+                f"structured output (response_format, structured_outputs or tool_choice) "
+                f"cannot be combined with the {reasoner.name} reasoning parser for this "
+                f"model: {reasoner.end_token!r} is not a single token of its vocabulary, "
+                "so the constraint could not start where the reasoning ends",
+                param="response_format",
+            )
+        params.structured_outputs = dataclasses.replace(so, reasoning_end_token_ids=end_ids)
+
+    def _trim_special(self, text: str) -> str:
+        """An answer decoded with special tokens kept, without the end-of-turn token(s)."""
+        trimmed = True
+        while trimmed and text:
+            trimmed = False
+            for token in self._special_texts:
+                if text.endswith(token):
+                    text, trimmed = text[: -len(token)], True
+                    break
+        return text
 
     def render(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
         """The conversation's prompt ids (blocking: runs on the tokenizer thread)."""
@@ -128,12 +184,24 @@ class ChatServing(ServingBase):
         self.check_model(req.model)
         plan = ToolPlan.from_request(req, self.tool_parser)
         prompt = await self.off_loop(self.render, req, plan)
+        keep_special = (
+            plan.mode == "auto"
+            and self.tool_parser.needs_special_tokens
+            and "skip_special_tokens" not in req.model_fields_set
+        )
+        if keep_special:  # the format's markers are special tokens (as vLLM does)
+            req = req.model_copy(update={"skip_special_tokens": False})
         params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs, plan.schema)
+        reasoner = self.reasoner(req, prompt)
+        self.gate_grammar(params, reasoner)
+        trim = self._trim_special if keep_special else None
         request_id = random_id("chatcmpl")
         out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
         if req.stream:
             return ReleasingStream(
-                self._stream(req, plan, request_id, out_queue, ids), self.client, ids
+                self._stream(req, plan, reasoner, trim, request_id, out_queue, ids),
+                self.client,
+                ids,
             )
         (final,) = await self.collect(raw_request, out_queue, ids)
         choices = []
@@ -141,9 +209,15 @@ class ChatServing(ServingBase):
             logprobs = None
             if req.num_logprobs is not None:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
-            content, calls = plan.finish(c.text)
+            text = trim(c.text) if trim is not None else c.text
+            reasoning = None
+            if reasoner is not None:
+                reasoning, text = reasoner.split(text, final=True)
+            content, calls = plan.finish(text)
             message = ChatResponseMessage(
-                content=content,
+                content=(content or None) if reasoner is not None else content,
+                reasoning_content=reasoning or None,
+                reasoning=reasoning or None,
                 tool_calls=[ToolCallMessage.model_validate(call.to_openai()) for call in calls],
             )
             choices.append(
@@ -189,6 +263,8 @@ class ChatServing(ServingBase):
         self,
         req: ChatCompletionRequest,
         plan: ToolPlan,
+        reasoner: ReasoningParser | None,
+        trim: Any,
         request_id: str,
         out_queue: Any,
         ids: list[str],
@@ -225,7 +301,7 @@ class ChatServing(ServingBase):
         # The role comes first, once per choice, as OpenAI sends it.
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": ""})
-        tool_streams = [ToolStream(plan) for _ in range(req.n)]
+        tool_streams = [ChoiceStream(plan, reasoner) for _ in range(req.n)]
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
@@ -236,7 +312,10 @@ class ChatServing(ServingBase):
                             logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
                         n_completion += len(c.token_ids)
                         tools = tool_streams[c.index]
-                        deltas = tools.feed(c.text) if c.text else []
+                        text = c.text
+                        if trim is not None and c.finish_reason is not None:
+                            text = trim(text)
+                        deltas = tools.feed(text) if text else []
                         if c.finish_reason is not None:
                             deltas += tools.finish()
                         for delta in deltas[:-1]:
