@@ -210,6 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             watchdog=watchdog,
             allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             metrics_require_api_key=args.metrics_require_api_key,
         )
         print(
@@ -322,6 +323,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "one per core but one with --no-engine-process; on a GPU, or with "
         "OMP_NUM_THREADS set, torch's choice)",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=("deepseek_r1", "qwen3"),
+        default=None,
+        help="return the model's <think> reasoning apart, as reasoning_content (and "
+        "reasoning) in chat answers and deltas; structured output then applies to "
+        "the answer after it (default: none, reasoning stays in content)",
+    )
     r = p.add_argument_group("reliability")
     r.add_argument(
         "--step-timeout",
@@ -400,7 +409,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=("hermes", "llama3_json"),
+        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder")
+        + ("granite", "phi4_mini_json", "phi4_mini"),
         default=None,
         help="how tool calls are read out of the text of tool_choice='auto' answers "
         "(default: guessed from the chat template)",

@@ -155,6 +155,7 @@ def build_app(
     watchdog: Watchdog | None = None,
     allow_special_tokens_in_chat: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     dashboard: DashboardHub | None = None,
     metrics_require_api_key: bool = False,
 ) -> FastAPI:
@@ -169,8 +170,9 @@ def build_app(
     `metrics_require_api_key`. `watchdog` decides what
     /health says (default: the default step timeout). `allow_special_tokens_in_chat`
     lets special-token strings in chat messages act as control tokens (see serving_chat).
-    `tool_call_parser` ("hermes", "llama3_json") reads "auto" tool calls; by default it is
-    guessed from the chat template. `dashboard` (a `dashboard.DashboardHub`) adds the
+    `tool_call_parser` (vLLM's names: "hermes", "mistral", ...) reads "auto" tool calls; by
+    default it is guessed from the chat template. `reasoning_parser` ("deepseek_r1",
+    "qwen3") splits the reasoning from the answer. `dashboard` (a `dashboard.DashboardHub`) adds the
     live page at /dashboard (behind `api_key` when there is one).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
@@ -208,6 +210,7 @@ def build_app(
         client,
         names,
         tool_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         allow_special_tokens=allow_special_tokens_in_chat,
         **common,
     )

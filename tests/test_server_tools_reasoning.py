@@ -1,0 +1,220 @@
+"""Tool calls and reasoning through the server, against the official `openai` client.
+
+A tiny random Llama cannot choose to call a tool, so its text is forced: a
+`structured_outputs.choice` makes it write exactly one Hermes-format answer, which the
+server's tool parser then reads as any model's ("auto"). "required" is forced by the
+server's own grammar. For reasoning, the model's `</think>` token is wired to win wherever
+one chosen token would (its output row copies that token's, slightly larger), so a greedy
+answer thinks freely for a few tokens, ends its reasoning, and then answers under the
+request's grammar: the gate that keeps a structured-output constraint off the reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import server_helpers
+
+from pagemill.runtime import LLMEngine, SamplingParams
+from pagemill.runtime.sampling_params import RequestOutputKind
+from pagemill.server import AsyncEngine, ServerThread, build_app
+
+MODEL = "tiny-tools"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|><think>{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "enum": [1, 2, 3]},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+HERMES_ANSWER = (
+    "Let me check both.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+    "</tool_call>\n"
+    '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+MESSAGES = [{"role": "user", "content": "weather in paris and the time"}]
+
+
+def build_model(folder: Path) -> None:
+    """A tiny Llama whose tokenizer has `<think>`/`</think>` as (non-special) tokens."""
+    import transformers
+
+    server_helpers.build_tiny_llama(folder, 2048, extra_special=(), chat_template=CHAT_TEMPLATE)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(str(folder))
+
+
+def make_engine(folder: Path) -> LLMEngine:
+    return LLMEngine(
+        model=str(folder),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        kv_cache_memory_bytes=320 * 16 * 2 * 2 * 2 * 16 * 4,
+        max_num_batched_tokens=2048,
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-tools")
+    build_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def client(model_dir: Path) -> Iterator[openai.OpenAI]:
+    engine = AsyncEngine(make_engine(model_dir))
+    app = build_app(engine, MODEL)
+    with ServerThread(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    engine.shutdown()
+
+
+def collect(stream: Any) -> tuple[str, dict[int, dict[str, Any]], Any]:
+    """(content, calls by index with their argument pieces, finish_reason) of a stream."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"pieces": [], "name": None, "id": None})
+                if tc.id:
+                    call["id"] = tc.id
+                if tc.function and tc.function.name:
+                    assert call["name"] is None, "the name is sent once"
+                    call["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    call["pieces"].append(tc.function.arguments)
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def forced(answer: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "temperature": 0.0,
+        "max_tokens": 400,
+        "extra_body": {"structured_outputs": {"choice": [answer]}},
+        **kw,
+    }
+
+
+def test_auto_calls_whole_and_streamed(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(**forced(HERMES_ANSWER))
+    msg = whole.choices[0].message
+    assert msg.content == "Let me check both."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    assert whole.choices[0].finish_reason == "tool_calls"
+
+    content, calls, finish = collect(client.chat.completions.create(**forced(HERMES_ANSWER), stream=True))
+    assert content.strip() == "Let me check both."
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
+    for i, c in enumerate(msg.tool_calls):
+        assert "".join(calls[i]["pieces"]) == c.function.arguments
+        assert len(calls[i]["pieces"]) > 1, calls[i]  # incremental, not one chunk at the end
+    assert finish == "tool_calls"
+
+
+def test_auto_without_parallel_calls_keeps_the_first(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(**forced(HERMES_ANSWER, parallel_tool_calls=False))
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, _ = collect(
+        client.chat.completions.create(
+            **forced(HERMES_ANSWER, parallel_tool_calls=False), stream=True
+        )
+    )
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather"
+
+
+def required(**kw: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "temperature": 0.0,
+        **kw,
+    }
+
+
+def test_required_streams_arguments_and_equals_whole(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(**required(max_tokens=300, logprobs=True))
+    calls = whole.choices[0].message.tool_calls
+    assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    _, streamed, _ = collect(client.chat.completions.create(**required(max_tokens=300), stream=True))
+    assert ["".join(streamed[i]["pieces"]) for i in sorted(streamed)] == [
+        c.function.arguments for c in calls
+    ]
+    assert all(len(streamed[i]["pieces"]) > 1 for i in streamed)
+
+
+def test_required_cut_short_returns_its_complete_calls(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(**required(max_tokens=300, logprobs=True))
+    calls = whole.choices[0].message.tool_calls
+    tokens = [t.token for t in whole.choices[0].logprobs.content]
+    # Cut right after the token that completes the first call object.
+    text, cut = "", None
+    for i, token in enumerate(tokens):
+        text += token
+        start = text.find("{")
+        if start >= 0:
+            try:
+                json.JSONDecoder().raw_decode(text, start)
+            except ValueError:
+                continue
+            cut = i + 1
+            break
+    assert cut is not None and cut < len(tokens)
+    short = client.chat.completions.create(**required(max_tokens=cut))
+    assert short.choices[0].finish_reason == "length"
+    got = short.choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in got] == [
+        (calls[0].function.name, calls[0].function.arguments)
+    ]
+    assert short.choices[0].message.content is None
+
+
+def test_required_without_parallel_calls_makes_one(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(**required(max_tokens=300, parallel_tool_calls=False))
+    assert len(whole.choices[0].message.tool_calls) == 1
