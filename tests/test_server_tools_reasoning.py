@@ -20,8 +20,7 @@ import openai
 import pytest
 import server_helpers
 
-from pagemill.runtime import LLMEngine, SamplingParams
-from pagemill.runtime.sampling_params import RequestOutputKind
+from pagemill.runtime import LLMEngine
 from pagemill.server import AsyncEngine, ServerThread, build_app
 
 MODEL = "tiny-tools"
@@ -66,16 +65,45 @@ HERMES_ANSWER = (
 MESSAGES = [{"role": "user", "content": "weather in paris and the time"}]
 
 
+REASONING_STEPS = 4  # greedy decoding writes `</think>` as its fifth token
+
+
+def greedy_ids(model: Any, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def chat_prompt(tok: Any) -> list[int]:
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
 def build_model(folder: Path) -> None:
-    """A tiny Llama whose tokenizer has `<think>`/`</think>` as (non-special) tokens."""
+    """A tiny Llama whose tokenizer has `<think>`/`</think>` as (non-special) tokens, and
+    whose greedy answer to MESSAGES writes `</think>` after REASONING_STEPS tokens: the
+    output row of `</think>` copies (slightly enlarged) the row of the token greedy
+    decoding writes at that step, so `</think>` wins there."""
+    import torch
     import transformers
 
     server_helpers.build_tiny_llama(folder, 2048, extra_special=(), chat_template=CHAT_TEMPLATE)
     tok = transformers.AutoTokenizer.from_pretrained(str(folder))
     tok.add_tokens(["<think>", "</think>"])
     tok.save_pretrained(str(folder))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     model.resize_token_embeddings(len(tok), mean_resizing=False)
+    end = tok.convert_tokens_to_ids("</think>")
+    prompt = chat_prompt(tok)
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        ref = greedy_ids(model, prompt, REASONING_STEPS + 1)
+        head[end] = head[ref[REASONING_STEPS]] * 1.05
+        got = greedy_ids(model, prompt, REASONING_STEPS + 1)
+    assert got == ref[:REASONING_STEPS] + [end], (ref, got)
     model.save_pretrained(str(folder))
 
 
@@ -213,6 +241,66 @@ def test_required_cut_short_returns_its_complete_calls(client: openai.OpenAI) ->
         (calls[0].function.name, calls[0].function.arguments)
     ]
     assert short.choices[0].message.content is None
+
+
+@pytest.fixture(scope="module")
+def thinking(model_dir: Path) -> Iterator[openai.OpenAI]:
+    engine = AsyncEngine(make_engine(model_dir))
+    app = build_app(engine, MODEL, reasoning_parser="deepseek_r1")
+    with ServerThread(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    engine.shutdown()
+
+
+def reference_text(model_dir: Path, n: int) -> tuple[str, str]:
+    """(the reasoning, all the text) of the greedy answer, from transformers."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    prompt = chat_prompt(tok)
+    ids = greedy_ids(model, prompt, n)
+    return tok.decode(ids[:REASONING_STEPS]), tok.decode(ids)
+
+
+def test_reasoning_split_whole_and_streamed(thinking: openai.OpenAI, model_dir: Path) -> None:
+    n = REASONING_STEPS + 6
+    reasoning, text = reference_text(model_dir, n)
+    ask = {"model": MODEL, "messages": MESSAGES, "temperature": 0.0, "max_tokens": n}
+    whole = thinking.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    msg = whole.choices[0].message
+    assert msg.reasoning_content == reasoning and msg.reasoning == reasoning
+    assert reasoning + "</think>" + msg.content == text
+    stream = thinking.chat.completions.create(**ask, stream=True, extra_body={"ignore_eos": True})
+    pieces, content = [], ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if getattr(delta, "reasoning_content", None):
+                assert delta.reasoning == delta.reasoning_content
+                pieces.append(delta.reasoning_content)
+            content += delta.content or ""
+    assert "".join(pieces) == reasoning and len(pieces) > 1
+    assert content == whole.choices[0].message.content
+
+
+def test_structured_output_starts_after_the_reasoning(
+    thinking: openai.OpenAI, model_dir: Path
+) -> None:
+    """The grammar leaves the reasoning free (it matches the unconstrained greedy answer,
+    `</think>` included) and constrains the answer after it."""
+    reasoning, _ = reference_text(model_dir, REASONING_STEPS + 1)
+    answer = thinking.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        temperature=0.0,
+        max_tokens=40,
+        extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}},
+    )
+    msg = answer.choices[0].message
+    assert msg.reasoning_content == reasoning
+    assert msg.content in ("sunny", "rainy")
+    assert answer.choices[0].finish_reason == "stop"
 
 
 def test_required_without_parallel_calls_makes_one(client: openai.OpenAI) -> None:
