@@ -103,7 +103,7 @@ def build_model(folder: Path) -> None:
         ref = greedy_ids(model, prompt, REASONING_STEPS + 1)
         head[end] = head[ref[REASONING_STEPS]] * 1.05
         got = greedy_ids(model, prompt, REASONING_STEPS + 1)
-    assert got == ref[:REASONING_STEPS] + [end], (ref, got)
+    assert got == [*ref[:REASONING_STEPS], end], (ref, got)
     model.save_pretrained(str(folder))
 
 
@@ -175,7 +175,8 @@ def test_auto_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     ]
     assert whole.choices[0].finish_reason == "tool_calls"
 
-    content, calls, finish = collect(client.chat.completions.create(**forced(HERMES_ANSWER), stream=True))
+    streamed = client.chat.completions.create(**forced(HERMES_ANSWER), stream=True)
+    content, calls, finish = collect(streamed)
     assert content.strip() == "Let me check both."
     assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
     for i, c in enumerate(msg.tool_calls):
@@ -210,7 +211,8 @@ def test_required_streams_arguments_and_equals_whole(client: openai.OpenAI) -> N
     whole = client.chat.completions.create(**required(max_tokens=300, logprobs=True))
     calls = whole.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
-    _, streamed, _ = collect(client.chat.completions.create(**required(max_tokens=300), stream=True))
+    stream = client.chat.completions.create(**required(max_tokens=300), stream=True)
+    _, streamed, _ = collect(stream)
     assert ["".join(streamed[i]["pieces"]) for i in sorted(streamed)] == [
         c.function.arguments for c in calls
     ]
