@@ -409,8 +409,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=("hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "qwen3_coder")
-        + ("granite", "phi4_mini_json", "phi4_mini"),
+        choices=[
+            "hermes",
+            "llama3_json",
+            "mistral",
+            "pythonic",
+            "qwen3_xml",
+            "qwen3_coder",
+            "granite",
+            "phi4_mini_json",
+            "phi4_mini",
+        ],
         default=None,
         help="how tool calls are read out of the text of tool_choice='auto' answers "
         "(default: guessed from the chat template)",
