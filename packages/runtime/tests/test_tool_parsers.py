@@ -244,3 +244,43 @@ def test_required_array_cut_short_keeps_its_complete_calls() -> None:
     _, calls, _, streamer = stream(parser, whole)
     assert calls[0]["arguments"] == j(PARIS) and calls[0]["pieces"] > 1
     assert [c.name for c in streamer.calls] == ["get_weather"]
+
+
+def test_qwen3_xml_streams_text_parameters_as_written() -> None:
+    code = "def add(a, b):\n    return a + b\n"
+    text = (
+        "<tool_call>\n<function=write_file>\n<parameter=path>\nadd.py\n</parameter>\n"
+        f"<parameter=content>\n{code}\n</parameter>\n<parameter=mode>\nnull\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    parser = get_tool_parser("qwen3_xml")
+    (call,) = parser.extract(text).tool_calls
+    assert json.loads(call.arguments) == {"path": "add.py", "content": code, "mode": None}
+    _, calls, _, _ = stream(parser, text, list(text))
+    assert calls[0]["arguments"] == call.arguments
+    # The code arrives piece by piece, not once its parameter closes.
+    assert calls[0]["pieces"] > len(code) // 2
+
+
+def test_tool_parser_names_match_the_registry() -> None:
+    from pagemill.runtime.tool_calling.parser import TOOL_PARSER_NAMES, _registry
+
+    assert set(TOOL_PARSER_NAMES) == set(_registry())
+
+
+@pytest.mark.parametrize(
+    ("snippet", "parser"),
+    [
+        ("{{ '<tool_call>\\n' }}{{ tool_call | tojson }}", "hermes"),
+        ("<function={{ name }}>\n<parameter={{ p }}>", "qwen3_xml"),
+        ("[TOOL_CALLS]{{ calls }}", "mistral"),
+        ("<|python_start|>{{ code }}<|python_end|>", "pythonic"),
+        ("<|start_header_id|>ipython<|end_header_id|>", "llama3_json"),
+        ("<|tool_call|>{{ calls }}", "granite"),
+        (None, "hermes"),
+    ],
+)
+def test_parser_guessed_from_the_template(snippet: str | None, parser: str) -> None:
+    from pagemill.runtime.tool_calling import parser_for_template
+
+    assert parser_for_template(snippet) == parser

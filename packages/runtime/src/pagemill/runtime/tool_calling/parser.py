@@ -200,6 +200,8 @@ def parser_for_template(template: str | None) -> str:
         return "qwen3_xml"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<|python_start|>" in template:  # Llama 4
+        return "pythonic"
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     if "<|tool_call|>" in template:

@@ -13,7 +13,8 @@ converted by the type the tool's JSON schema gives the parameter: strings stay t
 integers and numbers become numbers, booleans `true`/`false`, objects and arrays are read
 as JSON (else as a Python literal); `null` is null whatever the type; a value that does not
 convert stays text, as in vLLM. A stream shows the name once `<function=NAME>` is written
-and each parameter once it is closed.
+and each parameter once it is closed; text parameters (code, often long) stream as they
+are written.
 """
 
 from __future__ import annotations
@@ -75,6 +76,28 @@ def convert(value: str, schema: Any) -> Any:
         return value
 
 
+def _is_text(types: dict[str, Any], name: str) -> bool:
+    """Whether a parameter's value stays text (a string, or one the schema does not type)."""
+    schema = types.get(name)
+    if not isinstance(schema, dict):
+        return True
+    return str(schema.get("type", "string")).lower() in ("string", "str", "text", "varchar")
+
+
+def _partial_text(value: str) -> str | None:
+    """The part of a text value being written that is certainly its: without the format's
+    leading newline, a trailing newline (it may be the format's), or the start of a tag;
+    None while it may still be `null` (which is no text)."""
+    if value.startswith("\n"):
+        value = value[1:]
+    hold = max(held_back(value, t) for t in (PARAM_END, PARAM_START, FN_END))
+    value = value[: len(value) - hold]
+    value = value[:-1] if value.endswith("\n") else value
+    if value and "null".startswith(value.lower()):
+        return None
+    return value
+
+
 def _strip_newline(value: str) -> str:
     if value.startswith("\n"):
         value = value[1:]
@@ -107,8 +130,13 @@ def _function(body: str, tools: Tools) -> PartialCall | None:
             if i >= 0
         ]
         if not stops:
+            value = params_text[gt + 1 :]
             if end >= 0:  # the function closed: the value runs to its end
-                args[pname] = convert(_strip_newline(params_text[gt + 1 :]), types.get(pname))
+                args[pname] = convert(_strip_newline(value), types.get(pname))
+            elif _is_text(types, pname):
+                partial = _partial_text(value)  # text streams as it is written
+                if partial is not None:
+                    args[pname] = partial
             break
         stop = min(stops)
         args[pname] = convert(_strip_newline(params_text[gt + 1 : stop]), types.get(pname))
@@ -116,7 +144,8 @@ def _function(body: str, tools: Tools) -> PartialCall | None:
     text = arguments_json(args)
     if end >= 0:
         return PartialCall(name, text, complete=True)
-    return PartialCall(name, text[:-1])
+    # Cut the closing quote and brace: the value being written may go on.
+    return PartialCall(name, text.rstrip('"}'))
 
 
 class Qwen3XmlToolParser(ToolParser):
