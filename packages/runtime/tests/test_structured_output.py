@@ -307,3 +307,24 @@ def test_abort_while_compiling_and_cached_grammars(tiny_llama) -> None:
     assert all(re.fullmatch(r"[a-c]+", c.text) for c in done["a"].outputs)
     assert manager.num_compiles == 1  # six requests, one grammar
     assert manager.num_requests == 0 and engine.engine_core.num_waiting_for_grammar == 0
+
+
+def test_grammar_starts_after_the_reasoning_end_token(llm) -> None:
+    """With `reasoning_end_token_ids` the tokens up to and including the end token are the
+    unconstrained model's own (greedy: the plain run's), and only what follows matches."""
+    (plain,) = _gen(llm, [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)])
+    ref = list(plain.token_ids)
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    gated = SamplingParams(
+        temperature=0.0,
+        max_tokens=40,
+        structured_outputs=so(choice=["lazy dog", "brown fox"], reasoning_end_token_ids=[ref[k]]),
+    )
+    ungated = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=so(choice=["lazy dog", "brown fox"])
+    )
+    out, control = _gen(llm, [gated, ungated])
+    assert list(out.token_ids[: k + 1]) == ref[: k + 1]
+    answer = out.text[len(llm.get_tokenizer().decode(ref[: k + 1])) :]
+    assert answer in ("lazy dog", "brown fox") and out.finish_reason == "stop"
+    assert control.text in ("lazy dog", "brown fox")
