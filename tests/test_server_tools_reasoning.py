@@ -308,3 +308,31 @@ def test_structured_output_starts_after_the_reasoning(
 def test_required_without_parallel_calls_makes_one(client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(**required(max_tokens=300, parallel_tool_calls=False))
     assert len(whole.choices[0].message.tool_calls) == 1
+
+
+@pytest.fixture(scope="module")
+def llama_json(model_dir: Path) -> Iterator[openai.OpenAI]:
+    engine = AsyncEngine(make_engine(model_dir))
+    app = build_app(engine, MODEL, tool_call_parser="llama3_json")
+    with ServerThread(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    engine.shutdown()
+
+
+def test_parser_whose_markers_are_special_tokens(llama_json: openai.OpenAI) -> None:
+    """llama3_json's `<|python_tag|>` is a special token, so "auto" answers are decoded
+    with special tokens kept; the end-of-turn token that then ends the text is cut off
+    again, or the call would not parse."""
+    answer = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    whole = llama_json.chat.completions.create(**forced(answer))
+    (call,) = whole.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_time",
+        {"zone": "UTC"},
+    )
+    assert whole.choices[0].message.content is None
+    _, calls, finish = collect(llama_json.chat.completions.create(**forced(answer), stream=True))
+    assert "".join(calls[0]["pieces"]) == call.function.arguments and finish == "tool_calls"
+    # A plain answer keeps its text, without the end-of-turn token.
+    plain = llama_json.chat.completions.create(**forced("It is noon."))
+    assert plain.choices[0].message.content == "It is noon."
