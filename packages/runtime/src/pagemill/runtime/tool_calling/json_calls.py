@@ -11,6 +11,7 @@ final spelling: the text only grows, and dumping is deterministic.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from partial_json_parser import Allow
@@ -54,14 +55,22 @@ def call_from_object(obj: Any) -> PartialCall | None:
     return PartialCall(obj["name"], arguments_json(args), complete=True)
 
 
+# The name written first, closed (the usual order): found without a second partial parse.
+_NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 def partial_call(text: str) -> PartialCall:
     """The call an unfinished object's text shows so far."""
     try:
-        strict = partial_loads(text, _WHOLE_STRINGS)
         loose = partial_loads(text, PARTIAL)
+        first = _NAME_FIRST.match(text)
+        if first is not None:
+            name = json.loads(first.group(1))
+        else:
+            strict = partial_loads(text, _WHOLE_STRINGS)
+            name = strict.get("name") if isinstance(strict, dict) else None
     except Exception:  # not JSON at all: nothing to show
         return PartialCall(None)
-    name = strict.get("name") if isinstance(strict, dict) else None
     if not isinstance(name, str):
         return PartialCall(None)
     args = _args_of(loose) if isinstance(loose, dict) else None
