@@ -89,3 +89,28 @@ def test_text_fallback_without_single_tokens() -> None:
 def test_unknown_parser() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("nope")
+
+
+@pytest.mark.parametrize(
+    ("text", "reasoning", "content"),
+    [
+        (
+            "I need the weather.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+            "Paris\n</parameter>\n</function>\n</tool_call>",
+            "I need the weather.\n",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "</function>\n</tool_call>",
+        ),
+        (
+            "The format is <tool_call> then JSON; no call yet.",
+            "The format is <tool_call> then JSON; no call yet.",
+            "",
+        ),
+    ],
+)
+def test_qwen3_tool_call_inside_thinking_ends_it(text: str, reasoning: str, content: str) -> None:
+    parser = make("qwen3")
+    assert parser.split(text, final=True) == (reasoning, content)
+    assert streamed(parser, text)[:2] == (reasoning, content)
+    # DeepSeek-R1 has no such rule: all of it is reasoning.
+    assert make("deepseek_r1").split(text, final=True) == (text, "")

@@ -58,17 +58,26 @@ class ReasoningParser:
     def split(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) of the output so far. Before `final`, text that could be
         the start of a marker is held back."""
-        body = text
-        start = body.find(self.start_token)
-        if start >= 0 and not body[:start].strip():
-            body = body[start + len(self.start_token) :]
-        elif not final and body.strip() and self.start_token.startswith(body.lstrip()):
+        body = self._body(text, final)
+        if body is None:
             return "", ""  # perhaps `<think>` still being written
         end = body.find(self.end_token)
         if end >= 0:
             return body[:end], body[end + len(self.end_token) :]
-        # No end yet: the model is still thinking (or was cut off while it did), as in
-        # vLLM's deepseek_r1 and qwen3 parsers (templates open `<think>` in the prompt).
+        return self._unended(body, final)
+
+    def _body(self, text: str, final: bool) -> str | None:
+        """The text after a leading `<think>` (None while one may still be coming)."""
+        start = text.find(self.start_token)
+        if start >= 0 and not text[:start].strip():
+            return text[start + len(self.start_token) :]
+        if not final and text.strip() and self.start_token.startswith(text.lstrip()):
+            return None
+        return text
+
+    def _unended(self, body: str, final: bool) -> tuple[str, str]:
+        """No end marker yet: the model is still thinking (or was cut off while it did), as
+        in vLLM's deepseek_r1 and qwen3 parsers (templates open `<think>` in the prompt)."""
         if final:
             return body, ""
         return body[: len(body) - held_back(body, self.end_token)], ""
