@@ -3,9 +3,10 @@ transformers, token for token.
 
 Each family is a tiny random model built by transformers from a config here, most with a
 small sliding window (9-12 tokens, not a multiple of the 16-token block) so that prompts
-run far past it (OLMo 2 and Granite have none): logits at every prompt position through the paged cache, then greedy generation
-through the engine with chunked prefill (a 16-token budget), prefix-cache hits and
-preemption (a KV pool too small for the batch), all in fp32 against `generate`.
+run far past it (OLMo 2 and Granite have none): logits at every prompt position through
+the paged cache, then greedy generation through the engine with chunked prefill (a
+16-token budget), prefix-cache hits and preemption (a KV pool too small for the batch),
+all in fp32 against `generate`.
 """
 
 from __future__ import annotations

@@ -127,9 +127,7 @@ def test_yarn_logits_match_transformers(yarn_model, random_prompts, all_logits) 
         torch.testing.assert_close(got, _hf_logits(model, prompt), rtol=1e-4, atol=1e-4)
 
 
-def test_yarn_generation_past_the_original_context(
-    yarn_model, hf_greedy, random_prompts
-) -> None:
+def test_yarn_generation_past_the_original_context(yarn_model, hf_greedy, random_prompts) -> None:
     """Chunked prefill (16-token budget), a shared prefix and a pool too small for the
     batch, with every request ending past the original 32 tokens."""
     folder, model = yarn_model
@@ -154,7 +152,7 @@ def longrope_model(tmp_path_factory, build_tiny_model) -> tuple[Path, torch.nn.M
 
 
 def test_longrope_config_loads_as_phi3_5_does(longrope_model) -> None:
-    folder, model = longrope_model
+    folder, _ = longrope_model
     config = ModelConfig.from_pretrained(folder)
     scaling = config.rope_scaling
     assert scaling is not None and scaling["rope_type"] == "longrope"
