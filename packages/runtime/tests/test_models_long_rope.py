@@ -231,3 +231,77 @@ def test_dynamic_generation_past_the_original_context(
     prompts = random_prompts([5, 20, 31, 12], model.config.vocab_size, seed=16)
     _generate_matches_hf(llm, model, prompts, [40, 40, 30, 45], hf_greedy)
     assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+# ---- configs as published -------------------------------------------------------------------
+
+
+def _published(**kw) -> dict:
+    """A config.json's keys as the Hub files spell them (read without transformers)."""
+    base = dict(
+        vocab_size=64,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+    )
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("rope_type", ["longrope", "su"])
+def test_phi4_mini_and_phi3_5_configs_load(rope_type) -> None:
+    """Phi-4-mini's layout (Phi-3.5-mini's is the same with full rotary): ``rope_scaling``
+    with the old ``type`` key, the original context beside it, partial rotary."""
+    rotary = 24  # head_dim 32 x partial_rotary_factor 0.75
+    raw = _published(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        partial_rotary_factor=0.75,
+        rope_theta=10000.0,
+        rope_scaling={
+            "type": rope_type,
+            "short_factor": [1.0] * (rotary // 2),
+            "long_factor": [1.0 + i for i in range(rotary // 2)],
+        },
+    )
+    config = ModelConfig.from_dict(raw)
+    assert config.rotary_dim == rotary and config.max_model_len_limit == 131072
+    scaling = config.rope_scaling
+    assert scaling is not None and scaling["rope_type"] == "longrope"
+    assert scaling["factor"] == 32.0 and scaling["original_max_position_embeddings"] == 4096
+    from pagemill.kernels import rope_cos_sin
+
+    table = rope_cos_sin(rotary, 8192, config.rope_theta, scaling)
+    attention = (1 + torch.log(torch.tensor(32.0)) / torch.log(torch.tensor(4096.0))).sqrt()
+    torch.testing.assert_close(table[0, :12], attention.expand(12))  # cos 0 x factor
+    assert not torch.allclose(table, rope_cos_sin(rotary, 8192, config.rope_theta))
+
+
+def test_qwen2_5_yarn_config_reaches_128k() -> None:
+    """Qwen2.5's documented recipe: ``rope_scaling`` {type yarn, factor 4, original 32768}."""
+    raw = _published(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    )
+    config = ModelConfig.from_dict(raw)
+    assert config.max_model_len_limit == 131072
+    assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "yarn"
+    dynamic = ModelConfig.from_dict(
+        _published(
+            model_type="llama",
+            max_position_embeddings=2048,
+            rope_scaling={"type": "dynamic", "factor": 2.0},
+        )
+    )
+    assert dynamic.rope_scaling == {
+        "rope_type": "dynamic",
+        "factor": 2.0,
+        "max_position_embeddings": 2048,
+    }
+    assert dynamic.max_model_len_limit == 4096

@@ -65,7 +65,9 @@ def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
     if wanted is None:
         return limit
     if wanted > limit:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's limit of {limit} positions")
+        own = model_config.max_position_embeddings
+        by = f"{own}, extended by its RoPE scaling to {limit}" if limit > own else str(limit)
+        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={by}")
     return wanted
 
 
