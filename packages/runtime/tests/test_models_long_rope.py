@@ -305,3 +305,13 @@ def test_qwen2_5_yarn_config_reaches_128k() -> None:
         "max_position_embeddings": 2048,
     }
     assert dynamic.max_model_len_limit == 4096
+
+
+def test_unknown_rope_type_is_refused_with_the_config() -> None:
+    from pagemill.kernels.rotary import ROPE_TYPES
+    from pagemill.runtime.model_config import SUPPORTED_ROPE_TYPES
+
+    assert SUPPORTED_ROPE_TYPES == ROPE_TYPES  # the torch-free copy of the kernels' list
+    raw = _published(model_type="llama", rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"'mrope'.*yarn, longrope, dynamic"):
+        ModelConfig.from_dict(raw)

@@ -21,7 +21,9 @@ row must depend on its position alone:
 * ``dynamic`` (NTK): transformers rescales the base to the current sequence length once
   it exceeds ``max_position_embeddings``. Here row ``p`` is rotated with the base
   transformers uses for a sequence of ``p + 1`` tokens — what its ``generate`` applies to
-  the token at ``p`` whenever the prompt fits ``max_position_embeddings``.
+  the token at ``p`` whenever the prompt fits ``max_position_embeddings``. (vLLM's table
+  is fixed too, but its base formula reduces to the unscaled one: plain RoPE at every
+  position, equal to transformers only within ``max_position_embeddings``.)
 """
 
 from __future__ import annotations

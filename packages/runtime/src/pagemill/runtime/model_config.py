@@ -51,6 +51,9 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "granite": "GraniteForCausalLM",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
+# RoPE scalings the kernels build tables for (`pagemill.kernels.rotary`), checked here so an
+# unknown one is refused with the config, before any weight moves.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 # The dtypes the engine computes in: canonical name -> bytes per element. The byte counts
 # come from the block pool's sizing table so the pool and the planner can never disagree.
@@ -272,6 +275,12 @@ class ModelConfig:
             )
         max_pos = int(raw.get("max_position_embeddings") or 2048)
         theta, scaling = _rope_params(raw, max_pos)
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if require_supported and rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {rope_type!r}: pagemill supports "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
         model_type = str(raw.get("model_type") or "llama")
         # Qwen2 always has q/k/v biases (its config has no switch for them); transformers
         # picks the config class, hence the layout, from model_type.
