@@ -228,6 +228,13 @@ def test_layer_types_without_transformers() -> None:
     assert [qwen3.layer_window(i) for i in range(7)] == [0] * 5 + [8, 8]
     off = ModelConfig.from_dict(dict(base, model_type="qwen3"))
     assert off.sliding_window is None and off.layer_window(6) == 0
+    smollm3 = dict(base, model_type="smollm3", no_rope_layer_interval=3)
+    assert ModelConfig.from_dict(dict(smollm3, use_sliding_window=True)).layer_types == [
+        FULL,
+        FULL,
+        SLIDING,
+    ] * 2 + [FULL]
+    assert ModelConfig.from_dict(smollm3).sliding_window is None
     mistral = ModelConfig.from_dict(dict(base, model_type="mistral"))
     assert all(mistral.layer_window(i) == 8 for i in range(7))
     with pytest.raises(ValueError, match="layer_types"):

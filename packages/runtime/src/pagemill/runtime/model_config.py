@@ -101,6 +101,19 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window) if isinstance(window, int) and window > 0 else None
 
 
+def smollm3_rope_layers(raw: dict[str, Any], num_layers: int) -> list[bool]:
+    """Whether each SmolLM3 layer applies RoPE: ``no_rope_layers`` (1 = RoPE, 0 = none), or,
+    without the list, RoPE dropped from every ``no_rope_layer_interval``-th layer (4), as
+    transformers fills it."""
+    given = raw.get("no_rope_layers")
+    if given is not None:
+        if len(given) != num_layers:
+            raise ValueError(f"no_rope_layers has {len(given)} entries for {num_layers} layers")
+        return [bool(v) for v in given]
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    return [(i + 1) % interval != 0 for i in range(num_layers)]
+
+
 def _layer_types(
     raw: dict[str, Any], window: int | None, num_layers: int, strict: bool = True
 ) -> list[str]:
@@ -108,7 +121,8 @@ def _layer_types(
 
     transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
     (sliding first), Gemma 3 has one global layer in every ``sliding_window_pattern`` (6),
-    Qwen2/3 window the layers from ``max_window_layers`` on, Mistral and Phi-3 all layers.
+    Qwen2/3 window the layers from ``max_window_layers`` on, SmolLM3 its layers without
+    RoPE, Mistral and Phi-3 all layers.
     """
     if window is None:
         return [FULL] * num_layers
@@ -129,6 +143,8 @@ def _layer_types(
     if model_type in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", num_layers))
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if model_type == "smollm3":  # the layers without RoPE are the windowed ones
+        return [FULL if rope else SLIDING for rope in smollm3_rope_layers(raw, num_layers)]
     return [SLIDING] * num_layers
 
 

@@ -12,20 +12,8 @@ from __future__ import annotations
 import torch
 
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
-from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_config import ModelConfig, smollm3_rope_layers
 from pagemill.runtime.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-
-def rope_layers(config: ModelConfig) -> list[bool]:
-    """Whether each layer applies RoPE."""
-    n = config.num_hidden_layers
-    given = config.hf_config.get("no_rope_layers")
-    if given is not None:
-        if len(given) != n:
-            raise ValueError(f"no_rope_layers has {len(given)} entries for {n} layers")
-        return [bool(v) for v in given]
-    interval = int(config.hf_config.get("no_rope_layer_interval") or 4)
-    return [(i + 1) % interval != 0 for i in range(n)]
 
 
 class SmolLM3DecoderLayer(LlamaDecoderLayer):
@@ -37,7 +25,7 @@ class SmolLM3DecoderLayer(LlamaDecoderLayer):
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__(config, dtype, layer, tp)
-        if not rope_layers(config)[layer]:
+        if not smollm3_rope_layers(config.hf_config, config.num_hidden_layers)[layer]:
             self.self_attn.rotary_dim = 0
 
 
