@@ -170,6 +170,23 @@ def test_kv_heads_split_or_replicated() -> None:
     ) == (2, 1, 32, 76)  # 301 padded to 304 rows, 76 a rank
 
 
+def test_whole_projection_qk_norms_shard_with_their_heads() -> None:
+    """OLMo 2's q/k norm weights (one per q or k row) are cut as q/k are; per-head norms
+    (Qwen3's, one head_dim each) stay whole."""
+    c = _config(4, 2)
+    hd = c.head_dim
+    q_rows, k_rows = torch.arange(4.0 * hd), torch.arange(2.0 * hd)
+    for rank in range(2):
+        s = ShardLayout.create(c, 2, rank)
+        q = s.shard("model.layers.0.self_attn.q_norm.weight", q_rows)
+        k = s.shard("model.layers.0.self_attn.k_norm.weight", k_rows)
+        assert torch.equal(q, s.shard("model.layers.0.self_attn.q_proj.weight", q_rows))
+        assert torch.equal(k, s.shard("model.layers.0.self_attn.k_proj.weight", k_rows))
+        assert q.shape[0] == 2 * hd and k.shape[0] == hd
+        per_head = torch.arange(float(hd))
+        assert torch.equal(s.shard("model.layers.0.self_attn.q_norm.weight", per_head), per_head)
+
+
 def test_fused_and_split_checkpoints_shard_alike() -> None:
     """Phi-3's pre-fused qkv / gate_up rows cut to the same rows as separate q/k/v, gate/up."""
     c = _config(4, 2)
