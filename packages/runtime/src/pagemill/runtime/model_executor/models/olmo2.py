@@ -16,6 +16,8 @@ What differs from Llama, and where it lives:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -119,7 +121,8 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__(config, dtype, max_position, tp)
-        self.final_norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # The final norm rounds as OLMo 2's other norms do (and fuses no residual add).
+        self.norm = Olmo2RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)  # type: ignore[assignment]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -129,12 +132,11 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
         layers = self.layers
         for i in range(len(layers)):  # by index: see LlamaForCausalLM.forward
             x, residual = layers[i](positions, x, residual, self.cos_sin, meta)
-        return self.final_norm(x if residual is None else x + residual)
+        return cast(torch.Tensor, self.norm(x if residual is None else x + residual))
 
     def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
         t = super()._targets()
         c = self.config
-        t["model.norm.weight"] = [(self.final_norm.weight, 0, c.hidden_size)]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, Olmo2DecoderLayer)  # layer_cls
             p = f"model.layers.{i}."
