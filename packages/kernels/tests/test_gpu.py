@@ -78,23 +78,21 @@ def test_small_ops(dtype):
     q = torch.randn(37, 9, 64, generator=g).to(dtype)
     k = torch.randn(37, 3, 64, generator=g).to(dtype)
     pos = torch.randint(0, 8192, (37,), generator=g)
-    table = K.rope_cos_sin(
-        64,
-        8192,
-        500000.0,
-        {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    )
-    for got, ref in zip(
-        K.apply_rotary(pos.cuda(), q.cuda(), k.cuda(), table.cuda()),
-        K.apply_rotary_torch(pos, q, k, table),
-    ):
-        assert rel_err(got.cpu(), ref) < tol
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    for scaling in (llama3, yarn):  # yarn: cos/sin scaled by its attention factor
+        table = K.rope_cos_sin(64, 8192, 500000.0, scaling)
+        for got, ref in zip(
+            K.apply_rotary(pos.cuda(), q.cuda(), k.cuda(), table.cuda()),
+            K.apply_rotary_torch(pos, q, k, table),
+        ):
+            assert rel_err(got.cpu(), ref) < tol
     kc = torch.zeros(8, 16, 3, 64, dtype=dtype)
     slots = torch.randperm(128, generator=g)[:37]
     slots[::5] = -1

@@ -53,7 +53,7 @@ def build_tokenizer(folder: Path) -> Any:
 
 def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """Save a tiny fp32 model of `arch` into `folder`: "llama", "qwen2", "mistral", "qwen3",
-    "phi3", "gemma2" or "gemma3" (Gemma 3's text model)."""
+    "phi3", "gemma2", "gemma3" (Gemma 3's text model), "smollm3", "olmo2" or "granite"."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -81,6 +81,9 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[arch]
     if arch == "mistral":
         common.setdefault("sliding_window", None)
@@ -89,13 +92,13 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         common.setdefault("attn_implementation", "eager")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
-    if arch.startswith("gemma") or arch == "qwen3":
+    if arch.startswith("gemma") or arch in ("qwen3", "olmo2"):
         # HF initialises norms to zero (Gemma: 1 + w) or one: random ones are seen.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.add_(torch.randn_like(p) * 0.1)
-    if arch == "qwen2":
+    if arch == "qwen2" or common.get("attention_bias"):
         # HF initialises biases to zero; random ones make the test see whether they are used.
         with torch.no_grad():
             for layer in model.model.layers:
@@ -103,8 +106,10 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
                     layer.self_attn.q_proj,
                     layer.self_attn.k_proj,
                     layer.self_attn.v_proj,
+                    layer.self_attn.o_proj,
                 ):
-                    proj.bias.normal_(0, 0.2)
+                    if proj.bias is not None:
+                        proj.bias.normal_(0, 0.2)
     model.save_pretrained(str(folder))
     return model
 

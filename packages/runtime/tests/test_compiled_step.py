@@ -140,3 +140,34 @@ def test_compiled_gemma2_windows_and_softcap(
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.slow  # compiling a fresh model costs ~90 s on two shared cores
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("smollm3", dict(num_hidden_layers=3, no_rope_layer_interval=2)),
+        ("olmo2", dict(attention_bias=True)),
+        ("granite", dict(embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.5)),
+    ],
+    ids=["smollm3", "olmo2", "granite"],
+)
+def test_compiled_new_families(
+    arch, overrides, tmp_path, build_tiny_model, hf_greedy, random_prompts
+) -> None:
+    """NoPE layers, OLMo 2's post-norms and whole-projection q/k norms, Granite's multipliers:
+    each compiled equals transformers."""
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    model = build_tiny_model(tmp_path, arch, seed=2, **overrides)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = LLM(
+            str(tmp_path), dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20
+        )
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    prompts = random_prompts([40, 3, 25], model.config.vocab_size, seed=24)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)

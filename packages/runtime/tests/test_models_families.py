@@ -1,10 +1,12 @@
-"""Qwen3, Phi-3, Gemma 2, Gemma 3 and windowed Mistral equal transformers, token for token.
+"""Qwen3, Phi-3, Gemma 2, Gemma 3, windowed Mistral, SmolLM3, OLMo 2 and Granite equal
+transformers, token for token.
 
-Each family is a tiny random model built by transformers from a config here, with a small
-sliding window (9-12 tokens, not a multiple of the 16-token block) so that prompts run far
-past it: logits at every prompt position through the paged cache, then greedy generation
-through the engine with chunked prefill (a 16-token budget), prefix-cache hits and
-preemption (a KV pool too small for the batch), all in fp32 against `generate`.
+Each family is a tiny random model built by transformers from a config here, most with a
+small sliding window (9-12 tokens, not a multiple of the 16-token block) so that prompts
+run far past it (OLMo 2 and Granite have none): logits at every prompt position through
+the paged cache, then greedy generation through the engine with chunked prefill (a
+16-token budget), prefix-cache hits and preemption (a KV pool too small for the batch),
+all in fp32 against `generate`.
 """
 
 from __future__ import annotations
@@ -62,6 +64,29 @@ FAMILIES = {
         ),
     ),
     "mistral": ("mistral", dict(sliding_window=11)),
+    # Layer 1 without RoPE (and windowed: SmolLM3 windows its NoPE layers only).
+    "smollm3": (
+        "smollm3",
+        dict(
+            num_hidden_layers=3,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=12,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Norms after each block, q/k norms over whole projections, biases everywhere.
+    "olmo2": ("olmo2", dict(attention_bias=True)),
+    # Scaled embeddings, residual branches, scores and logits (none of them 1).
+    "granite": (
+        "granite",
+        dict(
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.4,
+            logits_scaling=2.5,
+        ),
+    ),
 }
 
 
@@ -86,11 +111,13 @@ def test_config_reads_the_family(family) -> None:
     config = ModelConfig.from_pretrained(folder)
     assert config.architecture == type(model).__name__
     hf_types = getattr(model.config, "layer_types", None)
-    expected = hf_types or [SLIDING] * model.config.num_hidden_layers
+    default = SLIDING if getattr(model.config, "sliding_window", None) else FULL
+    expected = hf_types or [default] * model.config.num_hidden_layers
     assert config.layer_types == expected
     windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
     assert windows == [model.config.sliding_window if t == SLIDING else 0 for t in expected]
     assert 0 in windows or name in ("phi3", "mistral")
+    assert any(windows) or name in ("olmo2", "granite")
 
 
 def test_prefill_logits_match_transformers(family, random_prompts, all_logits) -> None:
@@ -201,6 +228,13 @@ def test_layer_types_without_transformers() -> None:
     assert [qwen3.layer_window(i) for i in range(7)] == [0] * 5 + [8, 8]
     off = ModelConfig.from_dict(dict(base, model_type="qwen3"))
     assert off.sliding_window is None and off.layer_window(6) == 0
+    smollm3 = dict(base, model_type="smollm3", no_rope_layer_interval=3)
+    assert ModelConfig.from_dict(dict(smollm3, use_sliding_window=True)).layer_types == [
+        FULL,
+        FULL,
+        SLIDING,
+    ] * 2 + [FULL]
+    assert ModelConfig.from_dict(smollm3).sliding_window is None
     mistral = ModelConfig.from_dict(dict(base, model_type="mistral"))
     assert all(mistral.layer_window(i) == 8 for i in range(7))
     with pytest.raises(ValueError, match="layer_types"):

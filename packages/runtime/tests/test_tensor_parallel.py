@@ -170,6 +170,23 @@ def test_kv_heads_split_or_replicated() -> None:
     ) == (2, 1, 32, 76)  # 301 padded to 304 rows, 76 a rank
 
 
+def test_whole_projection_qk_norms_shard_with_their_heads() -> None:
+    """OLMo 2's q/k norm weights (one per q or k row) are cut as q/k are; per-head norms
+    (Qwen3's, one head_dim each) stay whole."""
+    c = _config(4, 2)
+    hd = c.head_dim
+    q_rows, k_rows = torch.arange(4.0 * hd), torch.arange(2.0 * hd)
+    for rank in range(2):
+        s = ShardLayout.create(c, 2, rank)
+        q = s.shard("model.layers.0.self_attn.q_norm.weight", q_rows)
+        k = s.shard("model.layers.0.self_attn.k_norm.weight", k_rows)
+        assert torch.equal(q, s.shard("model.layers.0.self_attn.q_proj.weight", q_rows))
+        assert torch.equal(k, s.shard("model.layers.0.self_attn.k_proj.weight", k_rows))
+        assert q.shape[0] == 2 * hd and k.shape[0] == hd
+        per_head = torch.arange(float(hd))
+        assert torch.equal(s.shard("model.layers.0.self_attn.q_norm.weight", per_head), per_head)
+
+
 def test_fused_and_split_checkpoints_shard_alike() -> None:
     """Phi-3's pre-fused qkv / gate_up rows cut to the same rows as separate q/k/v, gate/up."""
     c = _config(4, 2)
@@ -212,10 +229,18 @@ def test_check_tensor_parallel_names_every_problem() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["mistral", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["mistral", "qwen3", "phi3", "gemma2", "gemma3", "smollm3", "olmo2", "granite"]
+)
 def test_other_families_tp2_equals_tp1(arch, tmp_path, build_tiny_model, random_prompts) -> None:
     folder = tmp_path / arch
-    extra = {"sliding_window": 12} if arch in ("mistral", "gemma2", "gemma3") else {}
+    extra: dict = {"sliding_window": 12} if arch in ("mistral", "gemma2", "gemma3") else {}
+    if arch == "olmo2":  # one KV head on both ranks: its k-norm statistics counted twice
+        extra = {"num_key_value_heads": 1, "attention_bias": True}
+    if arch == "granite":
+        extra = {"embedding_multiplier": 3.0, "residual_multiplier": 0.5, "logits_scaling": 2.5}
+    if arch == "smollm3":
+        extra = {"no_rope_layer_interval": 2}
     build_tiny_model(folder, arch, seed=2, **extra)
     vocab = ModelConfig.from_pretrained(folder).vocab_size
     prompts, max_tokens = _workload(vocab, random_prompts)

@@ -23,8 +23,9 @@ from pagemill.blockpool.sizing import DTYPE_BYTES
 logger = logging.getLogger(__name__)
 
 # Architectures pagemill serves (the modules are in `pagemill.runtime.model_executor.models`):
-# the Llama module serves Llama, Mistral and Qwen2 (they differ only in config values), Qwen3
-# and Phi-3 extend it, Gemma 2 and Gemma 3 (text) have their own layer.
+# the Llama module serves Llama, Mistral and Qwen2 (they differ only in config values); Qwen3,
+# Phi-3, SmolLM3 (layers without RoPE) and Granite (scaled embeddings, residuals and logits)
+# extend it; Gemma 2, Gemma 3 (text) and OLMo 2 have their own layer.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -33,6 +34,9 @@ SUPPORTED_ARCHITECTURES = (
     "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
 )
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -42,8 +46,14 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
+# RoPE scalings the kernels build tables for (`pagemill.kernels.rotary`), checked here so an
+# unknown one is refused with the config, before any weight moves.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 # The dtypes the engine computes in: canonical name -> bytes per element. The byte counts
 # come from the block pool's sizing table so the pool and the planner can never disagree.
@@ -84,10 +94,24 @@ def _as_id_list(value: Any) -> list[int]:
 
 def _sliding_window(raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
-    # Qwen2/3 configs carry a window that is only used when use_sliding_window is set.
-    if raw.get("model_type") in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    # Qwen2/3 and SmolLM3 configs carry a window used only when use_sliding_window is set.
+    gated = ("qwen2", "qwen3", "smollm3")
+    if raw.get("model_type") in gated and not raw.get("use_sliding_window", False):
         return None
     return int(window) if isinstance(window, int) and window > 0 else None
+
+
+def smollm3_rope_layers(raw: dict[str, Any], num_layers: int) -> list[bool]:
+    """Whether each SmolLM3 layer applies RoPE: ``no_rope_layers`` (1 = RoPE, 0 = none), or,
+    without the list, RoPE dropped from every ``no_rope_layer_interval``-th layer (4), as
+    transformers fills it."""
+    given = raw.get("no_rope_layers")
+    if given is not None:
+        if len(given) != num_layers:
+            raise ValueError(f"no_rope_layers has {len(given)} entries for {num_layers} layers")
+        return [bool(v) for v in given]
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    return [(i + 1) % interval != 0 for i in range(num_layers)]
 
 
 def _layer_types(
@@ -97,7 +121,8 @@ def _layer_types(
 
     transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
     (sliding first), Gemma 3 has one global layer in every ``sliding_window_pattern`` (6),
-    Qwen2/3 window the layers from ``max_window_layers`` on, Mistral and Phi-3 all layers.
+    Qwen2/3 window the layers from ``max_window_layers`` on, SmolLM3 its layers without
+    RoPE, Mistral and Phi-3 all layers.
     """
     if window is None:
         return [FULL] * num_layers
@@ -118,14 +143,22 @@ def _layer_types(
     if model_type in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", num_layers))
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
+    if model_type == "smollm3":  # the layers without RoPE are the windowed ones
+        return [FULL if rope else SLIDING for rope in smollm3_rope_layers(raw, num_layers)]
     return [SLIDING] * num_layers
 
 
-def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_params(
+    raw: dict[str, Any], max_position_embeddings: int = 2048
+) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either transformers-5 `rope_parameters` or the older keys.
 
     Checkpoints on disk use both spellings; the kernels take theta plus a scaling dict in
-    the HF layout (with "rope_type"), and None for plain RoPE.
+    the HF layout (with "rope_type"), and None for plain RoPE. The keys transformers fills
+    from the rest of the config are filled here too, so the table needs nothing else:
+    ``original_max_position_embeddings`` (Phi-3 keeps it beside the RoPE keys, and it wins
+    there, as in transformers; else ``max_position_embeddings``), yarn's and longrope's
+    ``factor`` (their ratio) and dynamic NTK's ``max_position_embeddings``.
     """
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get(FULL), dict):
@@ -141,8 +174,19 @@ def _rope_params(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(raw.get("rope_scaling") or {})
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
-    if scaling.get("rope_type", "default") == "default":
+    rope_type = scaling.get("rope_type") or "default"
+    if rope_type == "default":
         return theta, None
+    if rope_type == "su":  # the first Phi-3 128k configs' name for longrope
+        rope_type = scaling["rope_type"] = "longrope"
+    if rope_type in ("llama3", "yarn", "longrope"):
+        if raw.get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+    if rope_type in ("yarn", "longrope") and scaling.get("factor") is None:
+        scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
+    if rope_type == "dynamic":
+        scaling["max_position_embeddings"] = max_position_embeddings
     return theta, scaling
 
 
@@ -245,7 +289,14 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
-        theta, scaling = _rope_params(raw)
+        max_pos = int(raw.get("max_position_embeddings") or 2048)
+        theta, scaling = _rope_params(raw, max_pos)
+        rope_type = (scaling or {}).get("rope_type", "default")
+        if require_supported and rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {rope_type!r}: pagemill supports "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
         model_type = str(raw.get("model_type") or "llama")
         # Qwen2 always has q/k/v biases (its config has no switch for them); transformers
         # picks the config class, hence the layout, from model_type.
@@ -268,7 +319,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             # LlamaConfig's default, which is what transformers fills for a Llama checkpoint.
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+            max_position_embeddings=max_pos,
             # Qwen2's config class defaults to untied, Llama's too; an explicit key wins.
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=qwen2 or bool(raw.get("attention_bias", False)),
@@ -323,10 +374,27 @@ class ModelConfig:
         layers their own (local) RoPE base; every other model has one RoPE."""
         params = self.hf_config.get("rope_parameters")
         if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
-            return _rope_params({"rope_parameters": params[layer_type]})
+            return _rope_params(
+                {"rope_parameters": params[layer_type]}, self.max_position_embeddings
+            )
         if layer_type == SLIDING and "rope_local_base_freq" in self.hf_config:
             return float(self.hf_config["rope_local_base_freq"]), None
         return self.rope_theta, self.rope_scaling
+
+    @property
+    def max_model_len_limit(self) -> int:
+        """The longest context the model serves: ``max_position_embeddings``, or what a
+        context-extending RoPE reaches beyond it, as vLLM derives it (yarn: the original
+        context times ``factor``; dynamic NTK: ``max_position_embeddings`` times it)."""
+        limit = self.max_position_embeddings
+        scaling = self.rope_scaling or {}
+        rope_type = scaling.get("rope_type")
+        if rope_type == "yarn":
+            reach = float(scaling["original_max_position_embeddings"]) * float(scaling["factor"])
+            limit = max(limit, int(reach))
+        elif rope_type == "dynamic":
+            limit = max(limit, int(limit * float(scaling["factor"])))
+        return limit
 
     @property
     def rotary_dim(self) -> int:

@@ -13,7 +13,8 @@ been cut to this rank's slice here:
   rank 0 (the other ranks hold zeros), since the partial sums are all-reduced;
 * vocab-parallel: embedding and LM head rows, the vocabulary padded with zero rows to a
   multiple of the ranks (the padded logits are cut off after the gather);
-* replicated: norms (also Qwen3's per-head q/k norms), everything else.
+* replicated: norms (also Qwen3's per-head q/k norms), everything else — except OLMo 2's
+  q/k norms, which span the whole projection and are cut like it.
 
 KV heads: with at least as many KV heads as ranks each rank holds ``kv / tp`` of them;
 with fewer, each KV head is replicated on ``tp / kv`` ranks, the ones whose query heads
@@ -152,6 +153,9 @@ class ShardLayout:
         if module == "gate_up_proj":  # Phi-3: [gate; up]
             gate, up = t.chunk(2)
             return torch.cat([gate[self._mlp()], up[self._mlp()]])
+        if module in ("q_norm", "k_norm") and t.shape[0] != self.head_dim:
+            # OLMo 2 normalises whole projections: a rank holds its heads' part.
+            return t[self._q() if module == "q_norm" else self._kv()]
         if module in ("o_proj", "down_proj"):
             if kind == "bias":  # added once: by rank 0 after the partial sums meet
                 return t if self.rank == 0 else torch.zeros_like(t)

@@ -61,13 +61,13 @@ def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
     masks each windowed layer to its window, so contexts past it are computed as the
     model defines them.
     """
-    limit = model_config.max_position_embeddings
+    limit = model_config.max_model_len_limit  # beyond max_position_embeddings with yarn
     if wanted is None:
         return limit
     if wanted > limit:
-        raise ValueError(
-            f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}"
-        )
+        own = model_config.max_position_embeddings
+        by = f"{own}, extended by its RoPE scaling to {limit}" if limit > own else str(limit)
+        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={by}")
     return wanted
 
 

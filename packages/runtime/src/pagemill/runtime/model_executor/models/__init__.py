@@ -5,9 +5,12 @@ its module.
 """
 
 from pagemill.runtime.model_executor.models.gemma import GemmaForCausalLM
+from pagemill.runtime.model_executor.models.granite import GraniteForCausalLM
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.model_executor.models.olmo2 import Olmo2ForCausalLM
 from pagemill.runtime.model_executor.models.phi3 import Phi3ForCausalLM
 from pagemill.runtime.model_executor.models.qwen3 import Qwen3ForCausalLM
+from pagemill.runtime.model_executor.models.smollm3 import SmolLM3ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,12 +20,18 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 
 __all__ = [
     "ARCHITECTURES",
     "GemmaForCausalLM",
+    "GraniteForCausalLM",
     "LlamaForCausalLM",
+    "Olmo2ForCausalLM",
     "Phi3ForCausalLM",
     "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
 ]

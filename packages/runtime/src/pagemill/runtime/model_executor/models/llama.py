@@ -112,6 +112,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._norm_projections(q, k)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -141,10 +142,18 @@ class LlamaAttention(nn.Module):
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
+    def _norm_projections(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms over the whole q and k projections, before the heads split (OLMo 2)."""
+        return q, k
+
     def _rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rotary_dim
+        if r == 0:  # a layer without positions (SmolLM3's NoPE layers)
+            return q, k
         if r == self.head_dim:
             return apply_rotary(positions, q, k, cos_sin)
         # Partial RoPE (Phi-3 family): the leading r dimensions rotate, the rest pass.
@@ -355,7 +364,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.decoder_layers()):
             p = f"model.layers.{i}."
             a, m = layer.self_attn, layer.mlp
-            t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
+            if getattr(layer, "input_layernorm", None) is not None:  # OLMo 2 norms after
+                t[p + "input_layernorm.weight"] = [(layer.input_layernorm.weight, 0, c.hidden_size)]
             t[p + "post_attention_layernorm.weight"] = [
                 (layer.post_attention_layernorm.weight, 0, c.hidden_size)
             ]

@@ -5,7 +5,8 @@ Phi-3 checkpoints already hold ``self_attn.qkv_proj`` ([q; k; v] rows) and
 computes with — so they load whole into the same `Linear`s, with no split. Partial RoPE
 (``partial_rotary_factor`` < 1) and the sliding window (every layer, when the config sets
 one: Phi-3-mini-4k's 2047) come from the config through the shared attention layer.
-``longrope`` scaling (the 128k variants, Phi-3.5, Phi-4-mini) is refused by the RoPE table.
+``longrope`` scaling (the 128k variants, Phi-3.5, Phi-4-mini) is only a different RoPE
+table (`pagemill.kernels.rotary`), read from the config by `ModelConfig`.
 """
 
 from __future__ import annotations
