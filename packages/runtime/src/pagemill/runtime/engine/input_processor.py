@@ -11,6 +11,7 @@ than their own generated tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -124,8 +125,16 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         text, prompt_ids = self._prompt_ids(prompt)
-        n_prompt = len(prompt_ids)
         limit = self.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            # vLLM's: the last k tokens (the end of a prompt is what the answer follows);
+            # -1 keeps as many as the context holds with room for one generated token.
+            keep = limit - 1 if keep == -1 else keep
+            if len(prompt_ids) > keep:
+                prompt_ids = prompt_ids[-keep:]
+                text = None  # the text no longer says what the model reads
+        n_prompt = len(prompt_ids)
         if n_prompt >= limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
@@ -157,6 +166,7 @@ class InputProcessor:
                     f"logit_bias token id(s) {bad[:5]} are outside the "
                     f"vocabulary (ids must be < {self.vocab_size})"
                 )
+        params = self._check_token_lists(params)
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer, and this model folder has none")
         if params.structured_outputs is not None:
@@ -186,6 +196,47 @@ class InputProcessor:
                 )
             )
         return ProcessedRequest(text, prompt_ids, completions)
+
+    def _check_token_lists(self, params: SamplingParams) -> SamplingParams:
+        """allowed_token_ids and bad words in the vocabulary; bad words tokenized."""
+        vocab = self.vocab_size
+        if params.allowed_token_ids is not None:
+            bad = sorted({t for t in params.allowed_token_ids if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids {bad[:5]} are outside the vocabulary "
+                    f"(ids must be < {vocab})"
+                )
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this model folder has none")
+            params = dataclasses.replace(
+                params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words)
+            )
+        if params.bad_words_token_ids:
+            bad = sorted({t for w in params.bad_words_token_ids for t in w if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"bad_words encode to token ids {bad[:5]} outside the model's vocabulary "
+                    f"(ids must be < {vocab})"
+                )
+        return params
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's token sequences, as vLLM forms them: the word as written, and with
+        one leading space when that spelling is a different word of the same length (the
+        form a word takes mid-sentence in BPE vocabularies)."""
+        assert self.tokenizer is not None
+        out: list[list[int]] = []
+        for word in words:
+            bare = word.lstrip()
+            plain = list(self.tokenizer.encode(bare, add_special_tokens=False))
+            if plain:
+                out.append(plain)
+            spaced = list(self.tokenizer.encode(" " + bare, add_special_tokens=False))
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
