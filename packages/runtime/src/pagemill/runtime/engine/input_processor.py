@@ -12,7 +12,7 @@ than their own generated tokens.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,21 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     # One core request per completion; child parameters differ by seed.
     completions: list[EngineCoreRequest]
+
+
+class _WithTemplateArgs:
+    """A tokenizer whose chat template gets a request's extra arguments on every call (every
+    way `render_chat` renders a conversation goes through `apply_chat_template`)."""
+
+    def __init__(self, tokenizer: Any, extra: dict[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._extra = extra
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(conversation, **{**self._extra, **kwargs})
 
 
 class InputProcessor:
@@ -79,11 +94,14 @@ class InputProcessor:
                 "can hold."
             )
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens` False: no BOS or other tokens the tokenizer adds itself."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as token ids")
         self.check_text_size(prompt)
-        return list(self.tokenizer.encode(prompt))
+        if add_special_tokens:
+            return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def apply_chat_template(
         self,
@@ -92,6 +110,8 @@ class InputProcessor:
         *,
         chat_template: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of a conversation through `chat_template` (a Jinja template), else the
         tokenizer's own.
@@ -99,6 +119,10 @@ class InputProcessor:
         With `tools` (OpenAI function definitions), or messages carrying tool calls and
         tool results, see `tool_calling.render_chat`: a template that knows tools gets them
         as they are, one that does not gets them written in the Hermes format.
+        `template_kwargs` are further variables of the template (vLLM's
+        chat_template_kwargs, e.g. `enable_thinking`) and transformers' own template options
+        (`continue_final_message`, `documents`). `add_special_tokens` adds the tokenizer's
+        own (a BOS) on top of what the template writes: off by default, as vLLM's chat.
         """
         if self.tokenizer is None or not (
             chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -106,9 +130,11 @@ class InputProcessor:
             raise ValueError(
                 "this model's tokenizer has no chat template; use generate() with a plain prompt"
             )
-        text = render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template)
-        # The template already writes every special token it wants; don't add a second BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        tokenizer = self.tokenizer
+        if template_kwargs:
+            tokenizer = _WithTemplateArgs(tokenizer, dict(template_kwargs))
+        text = render_chat(tokenizer, messages, add_generation_prompt, tools, chat_template)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def process(
         self,

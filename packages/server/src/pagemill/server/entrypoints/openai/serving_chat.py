@@ -27,7 +27,6 @@ from pagemill.server.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
-    UsageInfo,
     random_id,
 )
 from pagemill.server.entrypoints.openai.protocol_structured import ToolCallMessage
@@ -35,12 +34,15 @@ from pagemill.server.entrypoints.openai.serving_base import (
     SSE_DONE,
     ReleasingStream,
     ServingBase,
+    cached_tokens,
     check_failed,
     failure_events,
     now,
+    response_id,
     split_logprobs,
     sse,
     token_text,
+    usage,
     usage_counts,
 )
 from pagemill.server.entrypoints.openai.serving_tools import ToolPlan, ToolStream
@@ -58,6 +60,14 @@ def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     if not tokens:
         return None
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply is prefixed with the final message when that message
+    is the assistant's (what continue_final_message continues)."""
+    if req.echo and req.messages[-1].role == "assistant":
+        return req.messages[-1].text()
+    return ""
 
 
 class ChatServing(ServingBase):
@@ -106,10 +116,21 @@ class ChatServing(ServingBase):
                         code="special_token_in_content",
                     )
         try:
-            ids = self.client.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=tools
+            ids = self.client.input_processor.apply_chat_template(
+                messages,
+                req.add_generation_prompt,
+                tools=tools,
+                template_kwargs=req.template_kwargs,
+                add_special_tokens=bool(req.add_special_tokens),
             )
         except Exception as exc:  # no template, or one that rejects e.g. this role order
+            if req.continue_final_message and isinstance(exc, ValueError):
+                # transformers: the template did not write the final message as sent.
+                raise APIError(
+                    400,
+                    f"continue_final_message: {str(exc)[:300]}",
+                    param="continue_final_message",
+                ) from exc
             if type(exc).__module__.startswith("jinja2"):  # the template's own words
                 raise APIError(
                     400,
@@ -129,19 +150,22 @@ class ChatServing(ServingBase):
         plan = ToolPlan.from_request(req, self.tool_parser)
         prompt = await self.off_loop(self.render, req, plan)
         params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs, plan.schema)
-        request_id = random_id("chatcmpl")
-        out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
+        request_id = response_id("chatcmpl", req)
+        out_queue, ids = await self.submit(random_id("chatcmpl"), [prompt], [params], req, arrival)
         if req.stream:
             return ReleasingStream(
                 self._stream(req, plan, request_id, out_queue, ids), self.client, ids
             )
         (final,) = await self.collect(raw_request, out_queue, ids)
+        echo = echo_text(req)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if req.num_logprobs is not None:
                 logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
             content, calls = plan.finish(c.text)
+            if echo:
+                content = echo + (content or "")
             message = ChatResponseMessage(
                 content=content,
                 tool_calls=[ToolCallMessage.model_validate(call.to_openai()) for call in calls],
@@ -160,11 +184,7 @@ class ChatServing(ServingBase):
             id=request_id,
             model=self.served_model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=n_prompt,
-                completion_tokens=n_completion,
-                total_tokens=n_prompt + n_completion,
-            ),
+            usage=usage(n_prompt, n_completion, cached_tokens(final)),
         )
 
     def _logprobs(
@@ -195,7 +215,7 @@ class ChatServing(ServingBase):
     ) -> AsyncIterator[str]:
         """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
-        n_prompt = n_completion = 0
+        n_prompt = n_completion = n_cached = 0
 
         def chunk(
             index: int,
@@ -204,32 +224,37 @@ class ChatServing(ServingBase):
             finish: str | None = None,
             stop_reason: Any = None,
         ) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.served_model_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": delta,
-                            "logprobs": logprobs.model_dump() if logprobs else None,
-                            "finish_reason": finish,
-                            "stop_reason": stop_reason,
-                        }
-                    ],
-                }
-            )
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.served_model_name,
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs.model_dump() if logprobs else None,
+                        "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                    }
+                ],
+            }
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+                body["usage"] = usage(n_prompt, n_completion, n_cached).model_dump()
+            return sse(body)
 
-        # The role comes first, once per choice, as OpenAI sends it.
+        # The role comes first, once per choice, as OpenAI sends it (with `echo`, the
+        # assistant's final message, which the reply continues).
+        echo = echo_text(req)
         for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": echo})
         tool_streams = [ToolStream(plan) for _ in range(req.n)]
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
                     check_failed(out.outputs)
+                    n_prompt = len(out.prompt_token_ids)
+                    n_cached = cached_tokens(out)
                     for c in out.outputs:
                         logprobs = None
                         if req.num_logprobs is not None and c.logprobs:
@@ -247,8 +272,6 @@ class ChatServing(ServingBase):
                             yield chunk(c.index, delta, logprobs, reason, c.stop_reason)
                         elif delta or logprobs:
                             yield chunk(c.index, delta, logprobs)
-                    if out.finished:
-                        n_prompt = len(out.prompt_token_ids)
         except Exception as exc:  # the engine or this server failed: say so, then end
             for event in failure_events(exc):
                 yield event
@@ -261,11 +284,7 @@ class ChatServing(ServingBase):
                     "created": created,
                     "model": self.served_model_name,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": n_prompt,
-                        "completion_tokens": n_completion,
-                        "total_tokens": n_prompt + n_completion,
-                    },
+                    "usage": usage(n_prompt, n_completion, n_cached).model_dump(),
                 }
             )
         yield SSE_DONE
