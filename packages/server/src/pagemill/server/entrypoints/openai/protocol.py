@@ -321,16 +321,21 @@ class ChatCompletionRequest(SamplingFields):
     return_mm_kwargs: Any = None
     ec_transfer_params: Any = None
 
-    @model_validator(mode="after")
-    def _check_chat(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
-        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_ARGUMENTS)
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
         if taken:
             raise ValueError(
                 f"'chat_template_kwargs' may not set {taken}: the server sets them (use the "
                 "request fields of those names where there are any)"
             )
+        return kwargs
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs' to be true")
         if self.continue_final_message:
             if "add_generation_prompt" not in self.model_fields_set:
                 # vLLM refuses only both set explicitly; unset, the prompt stays open.

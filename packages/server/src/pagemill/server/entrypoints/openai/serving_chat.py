@@ -154,7 +154,7 @@ class ChatServing(ServingBase):
         out_queue, ids = await self.submit(random_id("chatcmpl"), [prompt], [params], req, arrival)
         if req.stream:
             return ReleasingStream(
-                self._stream(req, plan, request_id, out_queue, ids), self.client, ids
+                self._stream(req, plan, request_id, out_queue, ids, len(prompt)), self.client, ids
             )
         (final,) = await self.collect(raw_request, out_queue, ids)
         echo = echo_text(req)
@@ -212,10 +212,11 @@ class ChatServing(ServingBase):
         request_id: str,
         out_queue: Any,
         ids: list[str],
+        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[str]:
         """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
-        n_prompt = n_completion = n_cached = 0
+        n_prompt, n_completion, n_cached = num_prompt_tokens, 0, 0
 
         def chunk(
             index: int,
