@@ -362,3 +362,9 @@ def test_best_of_and_request_id(live: Live) -> None:
     assert "best_of" in r.json()["error"]["message"]
     ok = complete(live, "x", max_tokens=2, n=2, best_of=2, extra_body={"request_id": "abc"})
     assert len(ok.choices) == 2 and ok.id == "cmpl-abc"
+
+
+def test_null_sampling_fields_mean_their_defaults(live: Live) -> None:
+    nulls = {"min_p": None, "repetition_penalty": None, "presence_penalty": None, "top_k": None}
+    r = complete(live, "hello world", extra_body={**nulls, "frequency_penalty": None})
+    assert r.choices[0].text == complete(live, "hello world").choices[0].text

@@ -92,3 +92,23 @@ def test_new_fields_cross_the_process_boundary(tmp_path: Path) -> None:
     back = codec.decode(codec.encode(req))
     assert isinstance(back, EngineCoreRequest)
     assert back.sampling_params == params
+
+
+def test_add_special_tokens(tiny_llama: tuple[Path, Any]) -> None:
+    """With a tokenizer that writes a BOS-like token itself, add_special_tokens decides
+    whether it is there (completions default to yes, chat to no: the template writes it)."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama[0]))
+    eos = tok.eos_token_id
+    tok._tokenizer.post_processor = TemplateProcessing(
+        single="<eos> $A", special_tokens=[("<eos>", eos)]
+    )
+    processor = InputProcessor(tok, len(tok), 64, [eos])
+    with_special = processor.encode("hello world")
+    assert with_special[0] == eos
+    assert processor.encode("hello world", add_special_tokens=False) == with_special[1:]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = processor.apply_chat_template(messages)
+    assert chat[0] != eos
+    assert processor.apply_chat_template(messages, add_special_tokens=True) == [eos, *chat]
