@@ -368,3 +368,17 @@ def test_null_sampling_fields_mean_their_defaults(live: Live) -> None:
     nulls = {"min_p": None, "repetition_penalty": None, "presence_penalty": None, "top_k": None}
     r = complete(live, "hello world", extra_body={**nulls, "frequency_penalty": None})
     assert r.choices[0].text == complete(live, "hello world").choices[0].text
+
+
+def test_continuous_usage_of_a_truncated_chat_prompt(live: Live) -> None:
+    chunks = list(
+        live.openai().chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=3,
+            stream=True,
+            stream_options={"continuous_usage_stats": True},
+            extra_body={"truncate_prompt_tokens": 5},
+        )
+    )
+    assert chunks and all(ch.usage.prompt_tokens == 5 for ch in chunks)

@@ -62,6 +62,15 @@ def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
+def prompt_length(req: ChatCompletionRequest, prompt: list[int]) -> int:
+    """The prompt tokens the engine will read (after truncate_prompt_tokens), for the usage
+    of chunks sent before its first output."""
+    keep = req.truncate_prompt_tokens
+    if keep is None or keep == -1:  # -1 cuts only what could never run anyway
+        return len(prompt)
+    return min(len(prompt), keep)
+
+
 def echo_text(req: ChatCompletionRequest) -> str:
     """vLLM's chat `echo`: the reply is prefixed with the final message when that message
     is the assistant's (what continue_final_message continues)."""
@@ -154,7 +163,9 @@ class ChatServing(ServingBase):
         out_queue, ids = await self.submit(random_id("chatcmpl"), [prompt], [params], req, arrival)
         if req.stream:
             return ReleasingStream(
-                self._stream(req, plan, request_id, out_queue, ids, len(prompt)), self.client, ids
+                self._stream(req, plan, request_id, out_queue, ids, prompt_length(req, prompt)),
+                self.client,
+                ids,
             )
         (final,) = await self.collect(raw_request, out_queue, ids)
         echo = echo_text(req)
