@@ -383,6 +383,11 @@ def usage(prompt: int, completion: int, cached: int) -> UsageInfo:
     )
 
 
+def engine_id(prefix: str, response: str, req: SamplingFields) -> str:
+    """The base of the engine's ids: the response's own, unless the client chose it."""
+    return random_id(prefix) if req.request_id else response
+
+
 def response_id(prefix: str, req: SamplingFields) -> str:
     """The id a response carries: built from the client's `request_id` when it sent one
     (vLLM's), else random. The engine's own ids stay random: two clients choosing the

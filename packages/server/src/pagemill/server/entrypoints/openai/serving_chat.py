@@ -27,7 +27,6 @@ from pagemill.server.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
-    random_id,
 )
 from pagemill.server.entrypoints.openai.protocol_structured import ToolCallMessage
 from pagemill.server.entrypoints.openai.serving_base import (
@@ -36,6 +35,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     ServingBase,
     cached_tokens,
     check_failed,
+    engine_id,
     failure_events,
     now,
     response_id,
@@ -160,7 +160,9 @@ class ChatServing(ServingBase):
         prompt = await self.off_loop(self.render, req, plan)
         params = self.sampling_params(req, req.effective_max_tokens, req.num_logprobs, plan.schema)
         request_id = response_id("chatcmpl", req)
-        out_queue, ids = await self.submit(random_id("chatcmpl"), [prompt], [params], req, arrival)
+        out_queue, ids = await self.submit(
+            engine_id("chatcmpl", request_id, req), [prompt], [params], req, arrival
+        )
         if req.stream:
             return ReleasingStream(
                 self._stream(req, plan, request_id, out_queue, ids, prompt_length(req, prompt)),

@@ -15,7 +15,6 @@ from pagemill.server.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    random_id,
 )
 from pagemill.server.entrypoints.openai.serving_base import (
     SSE_DONE,
@@ -23,6 +22,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     ServingBase,
     cached_tokens,
     check_failed,
+    engine_id,
     failure_events,
     now,
     response_id,
@@ -51,7 +51,7 @@ class CompletionServing(ServingBase):
         params = self.sampling_params(req, None if unset else req.max_tokens, req.logprobs)
         request_id = response_id("cmpl", req)
         out_queue, ids = await self.submit(
-            random_id("cmpl"), prompts, [params] * len(prompts), req, arrival
+            engine_id("cmpl", request_id, req), prompts, [params] * len(prompts), req, arrival
         )
         if req.stream:
             return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
