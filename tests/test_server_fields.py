@@ -382,3 +382,22 @@ def test_continuous_usage_of_a_truncated_chat_prompt(live: Live) -> None:
         )
     )
     assert chunks and all(ch.usage.prompt_tokens == 5 for ch in chunks)
+
+
+def test_return_tokens_as_token_ids(live: Live) -> None:
+    """The same greedy tokens, written as ids: each id decodes to the token text a plain
+    request reports at that position."""
+    as_ids = {"return_tokens_as_token_ids": True}
+    plain = complete(live, "hello world", logprobs=2).choices[0].logprobs
+    lp = complete(live, "hello world", logprobs=2, extra_body=as_ids).choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    assert [live.tokenizer.decode([i]) for i in ids] == plain.tokens
+    assert lp.text_offset == plain.text_offset
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    plain_chat = chat(live, logprobs=True, top_logprobs=1).choices[0].logprobs.content
+    content = chat(live, logprobs=True, top_logprobs=1, extra_body=as_ids)
+    tokens = [t.token for t in content.choices[0].logprobs.content]
+    assert [live.tokenizer.decode([int(t.removeprefix("token_id:"))]) for t in tokens] == [
+        t.token for t in plain_chat
+    ]

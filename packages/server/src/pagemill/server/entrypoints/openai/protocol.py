@@ -130,6 +130,7 @@ class SamplingFields(OpenAIModel):
     add_special_tokens: bool | None = None  # None: the endpoint's own default (vLLM's)
     request_id: str | None = Field(None, min_length=1, max_length=256)
     echo: bool = False
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's older names for structured_outputs' constraints.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -147,7 +148,6 @@ class SamplingFields(OpenAIModel):
     guided_whitespace_pattern: Any = None
     structural_tag: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     return_token_offsets: Any = None
     routed_experts_prompt_start: Any = None
@@ -189,6 +189,10 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def tokens_as_ids(self) -> bool:
+        return bool(self.return_tokens_as_token_ids)
 
     @property
     def continuous_usage(self) -> bool:

@@ -168,9 +168,7 @@ FIELDS: dict[str, FieldSupport] = {
     "request_id": _impl("the response's id is built from it"),
     "session_id": _impl("accepted as a label for routers; it changes no output", CHAT),
     "logits_processors": _refuse("custom logits processors are not loaded", ["x.y"]),
-    "return_tokens_as_token_ids": _refuse(
-        "logprob tokens are always their text", True, default=False
-    ),
+    "return_tokens_as_token_ids": _impl("logprob tokens written `token_id:<id>`"),
     "return_token_ids": _refuse("token ids are not returned", True, default=False),
     "return_token_offsets": _refuse("token offsets are not returned", True, default=False),
     "return_prompt_text": _refuse(

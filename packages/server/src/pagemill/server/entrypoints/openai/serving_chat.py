@@ -175,7 +175,9 @@ class ChatServing(ServingBase):
         for c in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if req.num_logprobs is not None:
-                logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+                logprobs = self._logprobs(
+                    c.token_ids, c.logprobs, req.num_logprobs, req.tokens_as_ids
+                )
             content, calls = plan.finish(c.text)
             if echo:
                 content = echo + (content or "")
@@ -201,15 +203,21 @@ class ChatServing(ServingBase):
         )
 
     def _logprobs(
-        self, token_ids: list[int], entries: list[dict[int, float]] | None, num_top: int
+        self,
+        token_ids: list[int],
+        entries: list[dict[int, float]] | None,
+        num_top: int,
+        as_ids: bool = False,
     ) -> ChatChoiceLogprobs:
+        """`as_ids` (vLLM's return_tokens_as_token_ids): tokens written `token_id:<id>`."""
+        named = None if as_ids else self.tokenizer
         content: list[ChatTokenLogprob] = []
         for tid, entry in zip(token_ids, entries or []):
-            text = token_text(self.tokenizer, tid)
+            text = token_text(named, tid)
             sampled_lp, top = split_logprobs(entry, num_top)
             tops = []
             for t, lp in top:
-                t_text = token_text(self.tokenizer, t)
+                t_text = token_text(named, t)
                 tops.append(TopLogprob(token=t_text, logprob=lp, bytes=list(t_text.encode())))
             content.append(
                 ChatTokenLogprob(
@@ -272,7 +280,9 @@ class ChatServing(ServingBase):
                     for c in out.outputs:
                         logprobs = None
                         if req.num_logprobs is not None and c.logprobs:
-                            logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+                            logprobs = self._logprobs(
+                                c.token_ids, c.logprobs, req.num_logprobs, req.tokens_as_ids
+                            )
                         n_completion += len(c.token_ids)
                         tools = tool_streams[c.index]
                         deltas = tools.feed(c.text) if c.text else []

@@ -62,7 +62,9 @@ class CompletionServing(ServingBase):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                    logprobs = self._logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, 0, req.tokens_as_ids
+                    )
                 choices.append(
                     CompletionChoice(
                         index=i * req.n + c.index,
@@ -102,15 +104,19 @@ class CompletionServing(ServingBase):
         entries: list[dict[int, float]] | None,
         num_top: int,
         text_offset: int,
+        as_ids: bool = False,
     ) -> CompletionLogprobs:
+        """`as_ids` (vLLM's return_tokens_as_token_ids): tokens written `token_id:<id>`;
+        the text offsets stay those of the text."""
         result = CompletionLogprobs()
         offset = text_offset
+        named = None if as_ids else self.tokenizer
         for tid, entry in zip(token_ids, entries or []):
             text = token_text(self.tokenizer, tid)
             sampled_lp, top = split_logprobs(entry, num_top)
-            result.tokens.append(text)
+            result.tokens.append(text if named is not None else token_text(None, tid))
             result.token_logprobs.append(sampled_lp)
-            result.top_logprobs.append({token_text(self.tokenizer, t): lp for t, lp in top})
+            result.top_logprobs.append({token_text(named, t): lp for t, lp in top})
             result.text_offset.append(offset)
             offset += len(text)
         return result
@@ -175,7 +181,11 @@ class CompletionServing(ServingBase):
                         logprobs = None
                         if req.logprobs is not None and c.logprobs:
                             logprobs = self._logprobs(
-                                c.token_ids, c.logprobs, req.logprobs, sent_chars.get(key, 0)
+                                c.token_ids,
+                                c.logprobs,
+                                req.logprobs,
+                                sent_chars.get(key, 0),
+                                req.tokens_as_ids,
                             )
                         sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
                         if c.finish_reason is not None:
