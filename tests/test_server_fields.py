@@ -401,3 +401,20 @@ def test_return_tokens_as_token_ids(live: Live) -> None:
     assert [live.tokenizer.decode([int(t.removeprefix("token_id:"))]) for t in tokens] == [
         t.token for t in plain_chat
     ]
+
+
+def test_tokenize_takes_the_chat_template_fields(live: Live) -> None:
+    def count(**extra: Any) -> int:
+        r = live.post("/tokenize", {"messages": USER, **extra})
+        assert r.status_code == 200, r.text
+        return int(r.json()["count"])
+
+    plain = count()
+    off = count(chat_template_kwargs={"enable_thinking": False})
+    assert off == plain + len(live.tokenizer.encode("no thinking. ", add_special_tokens=False))
+    messages = [*USER, {"role": "assistant", "content": "the quick"}]
+    r = live.post("/tokenize", {"messages": messages, "continue_final_message": True})
+    text = "<|user|>hello world\n<|assistant|>the quick"
+    assert r.json()["tokens"] == live.tokenizer.encode(text, add_special_tokens=False)
+    bad = live.post("/tokenize", {"messages": USER, "chat_template_kwargs": {"tokenize": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"

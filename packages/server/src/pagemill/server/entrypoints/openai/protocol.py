@@ -31,6 +31,7 @@ from pagemill.server.entrypoints.openai.limits import (
     find_lone_surrogate,
 )
 from pagemill.server.entrypoints.openai.protocol_structured import (
+    TEMPLATE_ARGUMENTS,
     ChatTool,
     ResponseFormat,
     StructuredOutputsField,
@@ -276,28 +277,6 @@ class ChatMessage(OpenAIModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-# Arguments of the template call itself: chat_template_kwargs may not override them.
-TEMPLATE_ARGUMENTS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-    }
-)
 
 
 class ChatCompletionRequest(SamplingFields):
