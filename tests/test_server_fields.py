@@ -145,7 +145,16 @@ def test_unknown_field_warns_once(live: Live, caplog: pytest.LogCaptureFixture) 
             r = complete(live, "hello", max_tokens=2, extra_body={name: 1})
             assert r.choices[0].text is not None
             chat(live, max_tokens=2, extra_body={name: {"x": 1}})
-    assert sum(name in rec.getMessage() for rec in caplog.records) == 1
+            stream = live.openai().completions.create(
+                model=MODEL,
+                prompt="hello",
+                max_tokens=2,
+                stream=True,
+                stream_options={name: True},  # type: ignore[typeddict-unknown-key]
+            )
+            assert [ch for ch in stream]
+    assert sum(f"'{name}'" in rec.getMessage() for rec in caplog.records) == 1
+    assert sum(f"'stream_options.{name}'" in rec.getMessage() for rec in caplog.records) == 1
 
 
 # ---------------------------------------------------------------- structured output aliases

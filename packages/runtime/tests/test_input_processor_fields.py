@@ -4,6 +4,7 @@ new SamplingParams fields survive the trip to an engine-core process."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,36 @@ def test_add_special_tokens(tiny_llama: tuple[Path, Any]) -> None:
     chat = processor.apply_chat_template(messages)
     assert chat[0] != eos
     assert processor.apply_chat_template(messages, add_special_tokens=True) == [eos, *chat]
+
+
+def test_bad_words_end_to_end_through_the_engine(tiny_llama: tuple[Path, Any]) -> None:
+    """A two-token word the model generates greedily never appears once banned; the
+    tokens before its last one still do (only the completion of the word is banned)."""
+    from pagemill.runtime import LLM
+
+    llm = LLM(
+        str(tiny_llama[0]),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=2 << 20,
+        max_num_batched_tokens=64,
+    )
+    tok = llm.llm_engine.tokenizer
+    greedy = dict(temperature=0.0, ignore_eos=True, max_tokens=24)
+    (free,) = llm.generate(["hello world"], SamplingParams(**greedy))
+    out = free.outputs[0].token_ids
+    pairs = [
+        (a, b)
+        for a, b in itertools.pairwise(out)
+        if not tok.decode([a, b]).startswith(" ")
+        and tok.encode(tok.decode([a, b]), add_special_tokens=False) == [a, b]
+    ]
+    if not pairs:
+        pytest.skip("the greedy output has no two-token word that re-tokenizes as itself")
+    a, b = pairs[0]
+    (banned,) = llm.generate(
+        ["hello world"], SamplingParams(**greedy, bad_words=[tok.decode([a, b])])
+    )
+    got = banned.outputs[0].token_ids
+    assert (a, b) not in set(itertools.pairwise(got))
+    assert got[: out.index(a) + 1] == out[: out.index(a) + 1]

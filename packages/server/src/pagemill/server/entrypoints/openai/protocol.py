@@ -72,6 +72,15 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = True
     continuous_usage_stats: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = {f"stream_options.{k}" for k in data if k not in cls.model_fields}
+            if unknown:
+                warn_unknown(unknown)
+        return data
+
 
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's plus vLLM's extras."""
