@@ -518,7 +518,13 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         400,
         None,
     ),
-    ("echo unsupported", "/v1/completions", {"prompt": "hi", "echo": True}, 400, None),
+    (
+        "echo with logprobs",
+        "/v1/completions",
+        {"prompt": "hi", "echo": True, "logprobs": 1},
+        400,
+        None,
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     (

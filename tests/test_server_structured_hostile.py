@@ -100,9 +100,9 @@ def completion(schema: Any = None, **extra: Any) -> dict[str, Any]:
         (completion(logit_bias={"2_8": 1}), 400, "decimal digits"),
         (completion(logit_bias={"\u0662\u0668": 1}), 400, "decimal digits"),
         (completion(priority=2**40), 400, "priority"),
-        (completion(guided_json=SMALL_SCHEMA), 400, "guided_json"),
-        (completion(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
-        (completion(bad_words=["x"]), 400, "bad_words"),
+        (completion(guided_json=SMALL_SCHEMA, guided_regex="a"), 400, "guided_json"),
+        (completion(allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
+        (completion(bad_words=["  "]), 400, "bad_words"),
     ],
 )
 def test_refused_fast_and_by_name(url: str, body: dict, status: int, words: str) -> None:

@@ -92,6 +92,17 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     # What the output must match (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: words never to generate. A word's token sequence is banned once its prefix
+    # has just been generated (a one-token word: always). Turned into token sequences by the
+    # input processor, which knows the tokenizer (`bad_words_token_ids`).
+    bad_words: list[str] | None = None
+    # The only token ids that may be sampled (vLLM's allowed_token_ids); None: all.
+    allowed_token_ids: list[int] | None = None
+    # Keep only the last k prompt tokens (vLLM's; -1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    # Filled by the input processor from `bad_words`: each word's token sequences (with and
+    # without a leading space). Set by hand only when there is no tokenizer.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # OpenAI-style bodies send null for "none"
@@ -114,6 +125,12 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words) or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids] or None
 
     def _validate(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -184,6 +201,29 @@ class SamplingParams:
                         "logit_bias",
                         f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                     )
+        if self.bad_words is not None and (
+            isinstance(self.bad_words, (str, bytes))
+            or not isinstance(self.bad_words, Sequence)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", "must be a list of non-blank strings")
+        if self.allowed_token_ids is not None and (
+            isinstance(self.allowed_token_ids, (str, bytes))
+            or not isinstance(self.allowed_token_ids, Sequence)
+            or not self.allowed_token_ids
+            or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens)
+            or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+        ):
+            raise bad("truncate_prompt_tokens", "must be None, -1 or an integer >= 1")
+        if self.bad_words_token_ids is not None and not all(
+            isinstance(w, Sequence) and w and all(_is_int(t) and t >= 0 for t in w)
+            for w in self.bad_words_token_ids
+        ):
+            raise bad("bad_words_token_ids", "must be non-empty lists of non-negative token ids")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

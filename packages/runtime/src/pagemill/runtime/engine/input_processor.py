@@ -11,7 +11,8 @@ than their own generated tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,21 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     # One core request per completion; child parameters differ by seed.
     completions: list[EngineCoreRequest]
+
+
+class _WithTemplateArgs:
+    """A tokenizer whose chat template gets a request's extra arguments on every call (every
+    way `render_chat` renders a conversation goes through `apply_chat_template`)."""
+
+    def __init__(self, tokenizer: Any, extra: dict[str, Any]) -> None:
+        self._tokenizer = tokenizer
+        self._extra = extra
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        return self._tokenizer.apply_chat_template(conversation, **{**self._extra, **kwargs})
 
 
 class InputProcessor:
@@ -78,11 +94,14 @@ class InputProcessor:
                 "can hold."
             )
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens` False: no BOS or other tokens the tokenizer adds itself."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as token ids")
         self.check_text_size(prompt)
-        return list(self.tokenizer.encode(prompt))
+        if add_special_tokens:
+            return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
     def apply_chat_template(
         self,
@@ -91,6 +110,8 @@ class InputProcessor:
         *,
         chat_template: str | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         """Token ids of a conversation through `chat_template` (a Jinja template), else the
         tokenizer's own.
@@ -98,6 +119,10 @@ class InputProcessor:
         With `tools` (OpenAI function definitions), or messages carrying tool calls and
         tool results, see `tool_calling.render_chat`: a template that knows tools gets them
         as they are, one that does not gets them written in the Hermes format.
+        `template_kwargs` are further variables of the template (vLLM's
+        chat_template_kwargs, e.g. `enable_thinking`) and transformers' own template options
+        (`continue_final_message`, `documents`). `add_special_tokens` adds the tokenizer's
+        own (a BOS) on top of what the template writes: off by default, as vLLM's chat.
         """
         if self.tokenizer is None or not (
             chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -105,9 +130,11 @@ class InputProcessor:
             raise ValueError(
                 "this model's tokenizer has no chat template; use generate() with a plain prompt"
             )
-        text = render_chat(self.tokenizer, messages, add_generation_prompt, tools, chat_template)
-        # The template already writes every special token it wants; don't add a second BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        tokenizer = self.tokenizer
+        if template_kwargs:
+            tokenizer = _WithTemplateArgs(tokenizer, dict(template_kwargs))
+        text = render_chat(tokenizer, messages, add_generation_prompt, tools, chat_template)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def process(
         self,
@@ -124,8 +151,16 @@ class InputProcessor:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         text, prompt_ids = self._prompt_ids(prompt)
-        n_prompt = len(prompt_ids)
         limit = self.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            # vLLM's: the last k tokens (the end of a prompt is what the answer follows);
+            # -1 keeps as many as the context holds with room for one generated token.
+            keep = limit - 1 if keep == -1 else keep
+            if len(prompt_ids) > keep:
+                prompt_ids = prompt_ids[-keep:]
+                text = None  # the text no longer says what the model reads
+        n_prompt = len(prompt_ids)
         if n_prompt >= limit:
             raise ValueError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt "
@@ -157,6 +192,7 @@ class InputProcessor:
                     f"logit_bias token id(s) {bad[:5]} are outside the "
                     f"vocabulary (ids must be < {self.vocab_size})"
                 )
+        params = self._check_token_lists(params)
         if params.structured_outputs is not None and self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer, and this model folder has none")
         if params.structured_outputs is not None:
@@ -186,6 +222,47 @@ class InputProcessor:
                 )
             )
         return ProcessedRequest(text, prompt_ids, completions)
+
+    def _check_token_lists(self, params: SamplingParams) -> SamplingParams:
+        """allowed_token_ids and bad words in the vocabulary; bad words tokenized."""
+        vocab = self.vocab_size
+        if params.allowed_token_ids is not None:
+            bad = sorted({t for t in params.allowed_token_ids if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"allowed_token_ids {bad[:5]} are outside the vocabulary "
+                    f"(ids must be < {vocab})"
+                )
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, and this model folder has none")
+            params = dataclasses.replace(
+                params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words)
+            )
+        if params.bad_words_token_ids:
+            bad = sorted({t for w in params.bad_words_token_ids for t in w if t >= vocab})
+            if bad:
+                raise ValueError(
+                    f"bad_words encode to token ids {bad[:5]} outside the model's vocabulary "
+                    f"(ids must be < {vocab})"
+                )
+        return params
+
+    def bad_words_token_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """Each word's token sequences, as vLLM forms them: the word as written, and with
+        one leading space when that spelling is a different word of the same length (the
+        form a word takes mid-sentence in BPE vocabularies)."""
+        assert self.tokenizer is not None
+        out: list[list[int]] = []
+        for word in words:
+            bare = word.lstrip()
+            plain = list(self.tokenizer.encode(bare, add_special_tokens=False))
+            if plain:
+                out.append(plain)
+            spaced = list(self.tokenizer.encode(" " + bare, add_special_tokens=False))
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

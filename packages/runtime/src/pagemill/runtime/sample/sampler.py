@@ -3,11 +3,12 @@
 The sampler reads only a `SamplingMetadata` (tensors and a few host scalars), never requests,
 so a model runner can keep those tensors across steps and hand over slices of them.
 
-Order of operations (HF's and vLLM's): logit_bias, min_tokens bans and penalties on the raw
-logits, then the grammar's token bitmask (structured output), then temperature, then top-k,
-top-p and min-p, then the draw. Everything runs in fp32 and is vectorised over the batch;
-Python loops only over seeded rows (each draws from its own generator), min_tokens rows and
-penalised rows (their token lists live on the host).
+Order of operations (HF's and vLLM's): logit_bias, allowed_token_ids, min_tokens and
+bad-words bans and penalties on the raw logits, then the grammar's token bitmask (structured
+output), then temperature, then top-k, top-p and min-p, then the draw. Everything runs in
+fp32 and is vectorised over the batch; Python loops only over seeded rows (each draws from
+its own generator), min_tokens rows, bad-words rows and penalised rows (their token lists
+live on the host).
 
 Random rows are drawn by inverse CDF in token-id order: one float64 uniform per row (a
 seeded row's from its own generator), the first token whose running sum of unnormalised
@@ -133,14 +134,22 @@ class Sampler:
         """
         num_rows, vocab = logits.shape
         rows, cols = _min_tokens_bans(md, vocab)
-        bias, bitmask = md.logit_bias, md.token_bitmask
-        if md.no_penalties and not rows and bias is None and bitmask is None:
+        if md.bad_words_token_ids:
+            _bad_words_bans(md, vocab, rows, cols)
+        bias, bitmask, allowed = md.logit_bias, md.token_bitmask, md.allowed_token_ids
+        if md.no_penalties and not rows and bias is None and bitmask is None and allowed is None:
             return logits
         x = logits
         if not in_place:
             x = self._scratch.get("rules", num_rows, vocab, logits.device).copy_(logits)
         if bias is not None:
             x.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+        if allowed is not None:
+            # The allowed entries are saved, their rows masked whole, the entries put back:
+            # O(rows with a list x vocab), and nothing for the other rows.
+            keep = x[allowed.pair_rows, allowed.pair_ids]
+            x.index_fill_(0, allowed.rows, float("-inf"))
+            x[allowed.pair_rows, allowed.pair_ids] = keep
         if rows:
             device = logits.device
             x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
@@ -508,6 +517,25 @@ def _min_tokens_bans(md: SamplingMetadata, vocab: int) -> tuple[list[int], list[
                 rows.append(row)
                 cols.append(t)
     return rows, cols
+
+
+def _bad_words_bans(md: SamplingMetadata, vocab: int, rows: list[int], cols: list[int]) -> None:
+    """Adds to (rows, cols) the last token of each bad word whose prefix the row has just
+    generated (vLLM's bad-words rule: a one-token word is banned at every step).
+
+    Only the output counts, not the prompt: a word the prompt ends with can still be
+    completed, as in vLLM.
+    """
+    for row, words in md.bad_words_token_ids.items():
+        out = md.output_token_ids[row]
+        n = len(out)
+        for word in words:
+            k = len(word) - 1
+            if k > n or word[-1] >= vocab:
+                continue
+            if k == 0 or list(out[n - k : n]) == word[:-1]:
+                rows.append(row)
+                cols.append(word[-1])
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:

@@ -15,7 +15,7 @@ callers) is the same two steps over a list of params.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -60,6 +60,38 @@ class LogitBias:
             torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(values, dtype=torch.float32, device=device),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class AllowedTokens:
+    """Rows that may only sample some ids (vLLM's allowed_token_ids), as sparse pairs."""
+
+    rows: torch.Tensor
+    """[A] int64: the rows with a list (each once)."""
+    pair_rows: torch.Tensor
+    """[P] int64."""
+    pair_ids: torch.Tensor
+    """[P] int64: (pair_rows[i], pair_ids[i]) may be sampled."""
+
+    @classmethod
+    def from_rows(
+        cls, allowed: Sequence[Sequence[int] | None], device: torch.device | str = "cpu"
+    ) -> AllowedTokens | None:
+        rows: list[int] = []
+        pair_rows: list[int] = []
+        pair_ids: list[int] = []
+        for row, ids in enumerate(allowed):
+            if ids:
+                rows.append(row)
+                pair_rows += [row] * len(ids)
+                pair_ids += ids
+        if not rows:
+            return None
+
+        def t(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(t(rows), t(pair_rows), t(pair_ids))
 
 
 @dataclass(slots=True)
@@ -183,6 +215,11 @@ class SamplingMetadata:
     """[R, ceil(V/32)] int32, bit `t % 32` of word `t // 32` set = token t allowed (the
     grammar of a structured-output row; unconstrained rows are all ones). Filled per step
     by the structured-output manager; None when no row is constrained."""
+    allowed_token_ids: AllowedTokens | None = None
+    """Rows restricted to some ids (vLLM's allowed_token_ids); None when no row is."""
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    """Row -> its bad words' token sequences, for rows with bad_words (checked against the
+    row's output each step: the prefix is on the host, in `output_token_ids`)."""
 
     @property
     def num_rows(self) -> int:
@@ -235,7 +272,12 @@ class SamplingMetadata:
 
         gens = {row: g for row, g in (generators or {}).items() if not greedy[row]}
         min_tokens: dict[int, tuple[int, frozenset[int]]] = {}
+        bad_words: dict[int, list[list[int]]] = {}
+        any_allowed = False
         for row, p in enumerate(params):
+            if p.bad_words_token_ids:
+                bad_words[row] = p.bad_words_token_ids
+            any_allowed = any_allowed or p.allowed_token_ids is not None
             if p.seed is not None and row not in gens and not greedy[row]:
                 gens[row] = make_generator(p.seed, device)
             if p.min_tokens > 0:
@@ -264,6 +306,10 @@ class SamplingMetadata:
             max_num_logprobs=None if num_logprobs < 0 else num_logprobs,
             logit_bias=LogitBias.from_rows([p.logit_bias for p in params], device),
             token_bitmask=token_bitmask,
+            allowed_token_ids=AllowedTokens.from_rows([p.allowed_token_ids for p in params], device)
+            if any_allowed
+            else None,
+            bad_words_token_ids=bad_words,
         )
 
     @classmethod

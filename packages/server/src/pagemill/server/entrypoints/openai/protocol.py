@@ -3,7 +3,9 @@
 Requests are validated by pydantic so that every malformed field becomes a 400 that names
 the field (see errors.py); cross-field rules and features we do not implement are refused
 here too, rather than silently ignored, so a client never gets an answer to a question it
-did not ask. Unknown extra fields are ignored (OpenAI clients send fields like `store`).
+did not ask. Every field of vLLM's request bodies is declared here and listed, with what
+honours it or why it is refused, in request_fields.py; any other field is ignored with one
+warning per field name (OpenAI clients send fields like `store`).
 
 Request bodies are strict (`STRICT`): JSON's types are taken as they are, so `true` is not
 the integer 1 (nor a token id), `"yes"` is not a boolean, and floats must be finite; a
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -29,11 +31,18 @@ from pagemill.server.entrypoints.openai.limits import (
     find_lone_surrogate,
 )
 from pagemill.server.entrypoints.openai.protocol_structured import (
+    TEMPLATE_ARGUMENTS,
     ChatTool,
     ResponseFormat,
     StructuredOutputsField,
     ToolCallMessage,
     ToolChoice,
+)
+from pagemill.server.entrypoints.openai.request_fields import (
+    OPENAI_DEPRECATED,
+    Endpoint,
+    refusal,
+    warn_unknown,
 )
 
 # OpenAI's own caps: top logprobs per position and the number of stop strings.
@@ -45,20 +54,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 # Request priority (vLLM's: lower runs first), bounded to a 32-bit integer.
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
-# Fields other servers honour that pagemill does not (yet): refused by name, never ignored,
-# since ignoring them would return output that breaks what the client asked for.
-UNHONOURED_FIELDS = {
-    "guided_json": "structured_outputs.json (or response_format)",
-    "guided_regex": "structured_outputs.regex",
-    "guided_choice": "structured_outputs.choice",
-    "guided_grammar": "structured_outputs.grammar",
-    "guided_decoding_backend": None,
-    "guided_whitespace_pattern": "structured_outputs.disable_any_whitespace",
-    "allowed_token_ids": None,
-    "bad_words": None,
-    "functions": "tools",
-    "function_call": "tool_choice",
-}
+# Each request model's field names and aliases: what is not among them is unknown.
+_KNOWN_NAMES: dict[type, frozenset[str]] = {}
 
 
 def random_id(prefix: str) -> str:
@@ -71,22 +68,42 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     model_config = STRICT
-    include_usage: bool = False
+    # vLLM's default: sending stream_options at all asks for the usage chunk.
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = {f"stream_options.{k}" for k in data if k not in cls.model_fields}
+            if unknown:
+                warn_unknown(unknown)
+        return data
 
 
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's plus vLLM's extras."""
 
     model_config = STRICT
+    ENDPOINT: ClassVar[Endpoint] = "completion"
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unhonoured(cls, data: Any) -> Any:
+    def _unknown_and_deprecated(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, instead in UNHONOURED_FIELDS.items():
+            for name, instead in OPENAI_DEPRECATED.items():
                 if data.get(name) is not None:
-                    hint = f"; use {instead}" if instead else ""
-                    raise ValueError(f"'{name}' is not supported by this server{hint}")
+                    raise ValueError(f"'{name}' is not supported by this server; use {instead}")
+            known = _KNOWN_NAMES.get(cls)
+            if known is None:
+                known = frozenset(cls.model_fields) | {
+                    f.alias for f in cls.model_fields.values() if f.alias
+                }
+                _KNOWN_NAMES[cls] = known
+            unknown = {k for k in data if isinstance(k, str) and k not in known}
+            if unknown:
+                warn_unknown(unknown)
         return data
 
     model: str | None = None
@@ -95,16 +112,19 @@ class SamplingFields(OpenAIModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # null means the default for these, as in vLLM (clients send it).
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_tokens: NonNegInt = 0
     ignore_eos: bool = False
     stop_token_ids: list[NonNegInt] | None = None
@@ -114,10 +134,44 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsField | None = None
     response_format: ResponseFormat | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[NonNegInt] | None = None
+    bad_words: list[str] | None = None
+    add_special_tokens: bool | None = None  # None: the endpoint's own default (vLLM's)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+    echo: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's older names for structured_outputs' constraints.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # Refused unless sent as their default (request_fields.py says why): declared so that
+    # the 400 names the field.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    spaces_between_special_tokens: Any = None
+    truncation_side: Any = None
+    logprob_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    logits_processors: Any = None
+    return_token_ids: Any = None
+    return_token_offsets: Any = None
+    routed_experts_prompt_start: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    stream_interval: Any = None
 
     @field_validator("*", mode="before")
     @classmethod
     def _check_unicode(cls, data: Any, info: ValidationInfo) -> Any:
+        refused = refusal(cls.ENDPOINT, info.field_name or "", data)
+        if refused is not None:
+            raise ValueError(refused)
         where = find_lone_surrogate(data, info.field_name or "")
         if where is not None:
             raise ValueError(
@@ -146,6 +200,14 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def tokens_as_ids(self) -> bool:
+        return bool(self.return_tokens_as_token_ids)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 PromptType = str | list[str] | list[int] | list[list[int]]
 
@@ -154,9 +216,9 @@ class CompletionRequest(SamplingFields):
     prompt: PromptType
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+    suffix: Any = None
+    prompt_embeds: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -174,12 +236,18 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("'echo' is not supported")
-        if self.suffix:
-            raise ValueError("'suffix' is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("'best_of' other than n is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError(
+                "'echo' with 'logprobs' needs the prompt's logprobs, which this server does "
+                "not compute yet; send one of them"
+            )
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("'best_of' must be at least n")
+        if self.best_of is not None and self.best_of > self.n:
+            raise ValueError(
+                "'best_of' greater than n is not supported: this server returns every "
+                "completion it generates (send n instead)"
+            )
         choices = len(self.prompts()) * self.n
         if choices > MAX_CHOICES_PER_REQUEST:
             raise ValueError(
@@ -221,6 +289,7 @@ class ChatMessage(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    ENDPOINT: ClassVar[Endpoint] = "chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -230,12 +299,63 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    session_id: str | None = None
+    # Refused unless sent as their default (see request_fields.py).
+    include_reasoning: Any = None
+    thinking_token_budget: Any = None
+    chat_template: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    return_prompt_text: Any = None
+    return_mm_kwargs: Any = None
+    ec_transfer_params: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(
+                f"'chat_template_kwargs' may not set {taken}: the server sets them (use the "
+                "request fields of those names where there are any)"
+            )
+        return kwargs
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("'top_logprobs' requires 'logprobs' to be true")
+        if self.continue_final_message:
+            if "add_generation_prompt" not in self.model_fields_set:
+                # vLLM refuses only both set explicitly; unset, the prompt stays open.
+                self.add_generation_prompt = False
+            elif self.add_generation_prompt:
+                raise ValueError(
+                    "'continue_final_message' and 'add_generation_prompt' cannot both be true"
+                )
+            if self.messages[-1].role != "assistant":
+                raise ValueError(
+                    "'continue_final_message' needs the last message to be the assistant's"
+                )
         return self
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets beyond the messages, tools and generation prompt."""
+        extra: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        if self.documents is not None:
+            extra["documents"] = self.documents
+        if self.reasoning_effort is not None:
+            extra.setdefault("reasoning_effort", self.reasoning_effort)
+        if self.continue_final_message:
+            extra["continue_final_message"] = True
+        return extra
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -253,10 +373,15 @@ class ChatCompletionRequest(SamplingFields):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(OpenAIModel):

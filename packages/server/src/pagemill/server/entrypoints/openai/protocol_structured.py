@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagemill.server.entrypoints.openai.limits import STRICT
 
@@ -54,6 +54,27 @@ class ResponseFormat(_Model):
             )
         return self
 
+
+# Arguments of the template call itself: chat_template_kwargs may not override them.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+    }
+)
 
 # OpenAI's rule for function (tool) names.
 TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -107,6 +128,8 @@ class TokenizeRequest(_Model):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 
@@ -114,7 +137,33 @@ class TokenizeRequest(_Model):
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' and 'messages'")
+        if self.prompt is not None and (self.continue_final_message or self.chat_template_kwargs):
+            raise ValueError(
+                "'continue_final_message' and 'chat_template_kwargs' apply to 'messages' only"
+            )
+        if self.continue_final_message:
+            if "add_generation_prompt" not in self.model_fields_set:
+                self.add_generation_prompt = False
+            elif self.add_generation_prompt:
+                raise ValueError(
+                    "'continue_final_message' and 'add_generation_prompt' cannot both be true"
+                )
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"'chat_template_kwargs' may not set {taken}: the server sets them")
+        return kwargs
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        extra = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            extra["continue_final_message"] = True
+        return extra
 
 
 class TokenizeResponse(BaseModel):  # a response: built here, not validated strictly

@@ -31,7 +31,12 @@ from pagemill.server.async_engine import (
     ServerShuttingDownError,
 )
 from pagemill.server.entrypoints.openai.errors import APIError, error_body, internal_error
-from pagemill.server.entrypoints.openai.protocol import SamplingFields
+from pagemill.server.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+    random_id,
+)
 from pagemill.server.entrypoints.openai.structured import logit_bias, structured_params
 
 RETRY_AFTER_SECONDS = 1
@@ -85,7 +90,15 @@ def _param_of(message: str) -> str | None:
     named = re.match(r"SamplingParams\.(\w+)", message)
     if named:
         return named.group(1)
-    for field in ("min_tokens", "max_tokens", "logit_bias", "prompt"):
+    for field in (
+        "allowed_token_ids",
+        "bad_words",
+        "truncate_prompt_tokens",
+        "min_tokens",
+        "max_tokens",
+        "logit_bias",
+        "prompt",
+    ):
         if field in message:
             return field
     return None
@@ -183,14 +196,17 @@ class ServingBase:
                 stop_token_ids=list(req.stop_token_ids or ()),
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 ignore_eos=req.ignore_eos,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=self.default(req, "repetition_penalty", 1.0),
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 output_kind=kind,
                 logit_bias=bias,
                 structured_outputs=structured,
+                bad_words=list(req.bad_words) if req.bad_words else None,
+                allowed_token_ids=req.allowed_token_ids,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
@@ -349,3 +365,31 @@ def usage_counts(outputs: Sequence[Any]) -> tuple[int, int]:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return prompt, completion
+
+
+def cached_tokens(out: Any) -> int:
+    """Prompt tokens of one engine request that the prefix cache already held (the engine
+    reports them with the request's first tokens)."""
+    metrics = getattr(out, "metrics", None)
+    return int(getattr(metrics, "num_cached_tokens", 0) or 0)
+
+
+def usage(prompt: int, completion: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def engine_id(prefix: str, response: str, req: SamplingFields) -> str:
+    """The base of the engine's ids: the response's own, unless the client chose it."""
+    return random_id(prefix) if req.request_id else response
+
+
+def response_id(prefix: str, req: SamplingFields) -> str:
+    """The id a response carries: built from the client's `request_id` when it sent one
+    (vLLM's), else random. The engine's own ids stay random: two clients choosing the
+    same request_id must not collide inside the engine."""
+    return f"{prefix}-{req.request_id}" if req.request_id else random_id(prefix)

@@ -30,20 +30,22 @@ from pagemill.server.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
-    UsageInfo,
-    random_id,
 )
 from pagemill.server.entrypoints.openai.protocol_structured import ToolCallMessage
 from pagemill.server.entrypoints.openai.serving_base import (
     SSE_DONE,
     ReleasingStream,
     ServingBase,
+    cached_tokens,
     check_failed,
+    engine_id,
     failure_events,
     now,
+    response_id,
     split_logprobs,
     sse,
     token_text,
+    usage,
     usage_counts,
 )
 from pagemill.server.entrypoints.openai.serving_reasoning import ChoiceStream
@@ -62,6 +64,23 @@ def special_token_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     if not tokens:
         return None
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def prompt_length(req: ChatCompletionRequest, prompt: list[int]) -> int:
+    """The prompt tokens the engine will read (after truncate_prompt_tokens), for the usage
+    of chunks sent before its first output."""
+    keep = req.truncate_prompt_tokens
+    if keep is None or keep == -1:  # -1 cuts only what could never run anyway
+        return len(prompt)
+    return min(len(prompt), keep)
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply is prefixed with the final message when that message
+    is the assistant's (what continue_final_message continues)."""
+    if req.echo and req.messages[-1].role == "assistant":
+        return req.messages[-1].text()
+    return ""
 
 
 class ChatServing(ServingBase):
@@ -162,10 +181,21 @@ class ChatServing(ServingBase):
                         code="special_token_in_content",
                     )
         try:
-            ids = self.client.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tools=tools
+            ids = self.client.input_processor.apply_chat_template(
+                messages,
+                req.add_generation_prompt,
+                tools=tools,
+                template_kwargs=req.template_kwargs,
+                add_special_tokens=bool(req.add_special_tokens),
             )
         except Exception as exc:  # no template, or one that rejects e.g. this role order
+            if req.continue_final_message and isinstance(exc, ValueError):
+                # transformers: the template did not write the final message as sent.
+                raise APIError(
+                    400,
+                    f"continue_final_message: {str(exc)[:300]}",
+                    param="continue_final_message",
+                ) from exc
             if type(exc).__module__.startswith("jinja2"):  # the template's own words
                 raise APIError(
                     400,
@@ -195,25 +225,41 @@ class ChatServing(ServingBase):
         reasoner = self.reasoner(req, prompt)
         self.gate_grammar(params, reasoner)
         trim = self._trim_special if keep_special else None
-        request_id = random_id("chatcmpl")
-        out_queue, ids = await self.submit(request_id, [prompt], [params], req, arrival)
+        request_id = response_id("chatcmpl", req)
+        out_queue, ids = await self.submit(
+            engine_id("chatcmpl", request_id, req), [prompt], [params], req, arrival
+        )
         if req.stream:
             return ReleasingStream(
-                self._stream(req, plan, reasoner, trim, request_id, out_queue, ids),
+                self._stream(
+                    req,
+                    plan,
+                    reasoner,
+                    trim,
+                    request_id,
+                    out_queue,
+                    ids,
+                    prompt_length(req, prompt),
+                ),
                 self.client,
                 ids,
             )
         (final,) = await self.collect(raw_request, out_queue, ids)
+        echo = echo_text(req)
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             logprobs = None
             if req.num_logprobs is not None:
-                logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+                logprobs = self._logprobs(
+                    c.token_ids, c.logprobs, req.num_logprobs, req.tokens_as_ids
+                )
             text = trim(c.text) if trim is not None else c.text
             reasoning = None
             if reasoner is not None:
                 reasoning, text = reasoner.split(text, final=True)
             content, calls = plan.finish(text)
+            if echo:
+                content = echo + (content or "")
             message = ChatResponseMessage(
                 content=(content or None) if reasoner is not None else content,
                 reasoning_content=reasoning or None,
@@ -234,23 +280,25 @@ class ChatServing(ServingBase):
             id=request_id,
             model=self.served_model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=n_prompt,
-                completion_tokens=n_completion,
-                total_tokens=n_prompt + n_completion,
-            ),
+            usage=usage(n_prompt, n_completion, cached_tokens(final)),
         )
 
     def _logprobs(
-        self, token_ids: list[int], entries: list[dict[int, float]] | None, num_top: int
+        self,
+        token_ids: list[int],
+        entries: list[dict[int, float]] | None,
+        num_top: int,
+        as_ids: bool = False,
     ) -> ChatChoiceLogprobs:
+        """`as_ids` (vLLM's return_tokens_as_token_ids): tokens written `token_id:<id>`."""
+        named = None if as_ids else self.tokenizer
         content: list[ChatTokenLogprob] = []
         for tid, entry in zip(token_ids, entries or []):
-            text = token_text(self.tokenizer, tid)
+            text = token_text(named, tid)
             sampled_lp, top = split_logprobs(entry, num_top)
             tops = []
             for t, lp in top:
-                t_text = token_text(self.tokenizer, t)
+                t_text = token_text(named, t)
                 tops.append(TopLogprob(token=t_text, logprob=lp, bytes=list(t_text.encode())))
             content.append(
                 ChatTokenLogprob(
@@ -268,10 +316,11 @@ class ChatServing(ServingBase):
         request_id: str,
         out_queue: Any,
         ids: list[str],
+        num_prompt_tokens: int = 0,
     ) -> AsyncIterator[str]:
         """Each engine output is already the delta of its choices: forward it as a chunk."""
         created = int(time.time())
-        n_prompt = n_completion = 0
+        n_prompt, n_completion, n_cached = num_prompt_tokens, 0, 0
 
         def chunk(
             index: int,
@@ -280,36 +329,43 @@ class ChatServing(ServingBase):
             finish: str | None = None,
             stop_reason: Any = None,
         ) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": self.served_model_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "delta": delta,
-                            "logprobs": logprobs.model_dump() if logprobs else None,
-                            "finish_reason": finish,
-                            "stop_reason": stop_reason,
-                        }
-                    ],
-                }
-            )
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.served_model_name,
+                "choices": [
+                    {
+                        "index": index,
+                        "delta": delta,
+                        "logprobs": logprobs.model_dump() if logprobs else None,
+                        "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                    }
+                ],
+            }
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+                body["usage"] = usage(n_prompt, n_completion, n_cached).model_dump()
+            return sse(body)
 
-        # The role comes first, once per choice, as OpenAI sends it.
+        # The role comes first, once per choice, as OpenAI sends it (with `echo`, the
+        # assistant's final message, which the reply continues).
+        echo = echo_text(req)
         for i in range(req.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield chunk(i, {"role": "assistant", "content": echo})
         tool_streams = [ChoiceStream(plan, reasoner) for _ in range(req.n)]
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
                     check_failed(out.outputs)
+                    n_prompt = len(out.prompt_token_ids)
+                    n_cached = cached_tokens(out)
                     for c in out.outputs:
                         logprobs = None
                         if req.num_logprobs is not None and c.logprobs:
-                            logprobs = self._logprobs(c.token_ids, c.logprobs, req.num_logprobs)
+                            logprobs = self._logprobs(
+                                c.token_ids, c.logprobs, req.num_logprobs, req.tokens_as_ids
+                            )
                         n_completion += len(c.token_ids)
                         tools = tool_streams[c.index]
                         text = c.text
@@ -326,8 +382,6 @@ class ChatServing(ServingBase):
                             yield chunk(c.index, delta, logprobs, reason, c.stop_reason)
                         elif delta or logprobs:
                             yield chunk(c.index, delta, logprobs)
-                    if out.finished:
-                        n_prompt = len(out.prompt_token_ids)
         except Exception as exc:  # the engine or this server failed: say so, then end
             for event in failure_events(exc):
                 yield event
@@ -340,11 +394,7 @@ class ChatServing(ServingBase):
                     "created": created,
                     "model": self.served_model_name,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": n_prompt,
-                        "completion_tokens": n_completion,
-                        "total_tokens": n_prompt + n_completion,
-                    },
+                    "usage": usage(n_prompt, n_completion, n_cached).model_dump(),
                 }
             )
         yield SSE_DONE

@@ -9,24 +9,27 @@ from typing import Any
 
 from fastapi import Request
 
+from pagemill.server.entrypoints.openai.errors import APIError
 from pagemill.server.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
-    random_id,
 )
 from pagemill.server.entrypoints.openai.serving_base import (
     SSE_DONE,
     ReleasingStream,
     ServingBase,
+    cached_tokens,
     check_failed,
+    engine_id,
     failure_events,
     now,
+    response_id,
     split_logprobs,
     sse,
     token_text,
+    usage,
     usage_counts,
 )
 
@@ -38,26 +41,34 @@ class CompletionServing(ServingBase):
         arrival = now()
         self.check_model(req.model)
         prompts = req.prompts()
+        if req.add_special_tokens is False:  # vLLM's default for completions is True
+            prompts = [
+                await self.off_loop(self._encode_plain, p) if isinstance(p, str) else p
+                for p in prompts
+            ]
         # OpenAI's default of 16 yields to the model's default max_tokens when it has one.
         unset = "max_tokens" not in req.model_fields_set and "max_tokens" in self.defaults
         params = self.sampling_params(req, None if unset else req.max_tokens, req.logprobs)
-        request_id = random_id("cmpl")
+        request_id = response_id("cmpl", req)
         out_queue, ids = await self.submit(
-            request_id, prompts, [params] * len(prompts), req, arrival
+            engine_id("cmpl", request_id, req), prompts, [params] * len(prompts), req, arrival
         )
         if req.stream:
             return ReleasingStream(self._stream(req, request_id, out_queue, ids), self.client, ids)
         finals = await self.collect(raw_request, out_queue, ids)
         choices: list[CompletionChoice] = []
         for i, out in enumerate(finals):
+            echo = self._echo(out) if req.echo else ""
             for c in sorted(out.outputs, key=lambda c: c.index):
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = self._logprobs(c.token_ids, c.logprobs, req.logprobs, 0)
+                    logprobs = self._logprobs(
+                        c.token_ids, c.logprobs, req.logprobs, 0, req.tokens_as_ids
+                    )
                 choices.append(
                     CompletionChoice(
                         index=i * req.n + c.index,
-                        text=c.text,
+                        text=echo + c.text,
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -68,12 +79,24 @@ class CompletionServing(ServingBase):
             id=request_id,
             model=self.served_model_name,
             choices=choices,
-            usage=UsageInfo(
-                prompt_tokens=n_prompt,
-                completion_tokens=n_completion,
-                total_tokens=n_prompt + n_completion,
-            ),
+            usage=usage(n_prompt, n_completion, sum(cached_tokens(o) for o in finals)),
         )
+
+    def _encode_plain(self, prompt: str) -> list[int]:
+        """A prompt's ids without the tokenizer's own special tokens (blocking)."""
+        try:
+            return self.client.input_processor.encode(prompt, add_special_tokens=False)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
+
+    def _echo(self, out: Any) -> str:
+        """The prompt as `echo` repeats it: the text sent, or, for token ids (or a prompt
+        that truncate_prompt_tokens cut), the text of the ids the model read."""
+        if out.prompt is not None:
+            return str(out.prompt)
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(out.prompt_token_ids))
 
     def _logprobs(
         self,
@@ -81,15 +104,19 @@ class CompletionServing(ServingBase):
         entries: list[dict[int, float]] | None,
         num_top: int,
         text_offset: int,
+        as_ids: bool = False,
     ) -> CompletionLogprobs:
+        """`as_ids` (vLLM's return_tokens_as_token_ids): tokens written `token_id:<id>`;
+        the text offsets stay those of the text."""
         result = CompletionLogprobs()
         offset = text_offset
+        named = None if as_ids else self.tokenizer
         for tid, entry in zip(token_ids, entries or []):
             text = token_text(self.tokenizer, tid)
             sampled_lp, top = split_logprobs(entry, num_top)
-            result.tokens.append(text)
+            result.tokens.append(text if named is not None else token_text(None, tid))
             result.token_logprobs.append(sampled_lp)
-            result.top_logprobs.append({token_text(self.tokenizer, t): lp for t, lp in top})
+            result.top_logprobs.append({token_text(named, t): lp for t, lp in top})
             result.text_offset.append(offset)
             offset += len(text)
         return result
@@ -101,7 +128,15 @@ class CompletionServing(ServingBase):
         created = int(time.time())
         index_of = {rid: i for i, rid in enumerate(ids)}
         sent_chars: dict[int, int] = {}
-        n_prompt = n_completion = 0
+        n_completion = 0
+        # Per engine request: its prompt length and cached tokens, once it has output.
+        prompt_of: dict[str, int] = {}
+        cached_of: dict[str, int] = {}
+
+        def usage_now() -> dict[str, Any]:
+            return usage(
+                sum(prompt_of.values()), n_completion, sum(cached_of.values())
+            ).model_dump()
 
         def chunk(
             index: int,
@@ -110,44 +145,53 @@ class CompletionServing(ServingBase):
             finish: str | None = None,
             stop_reason: Any = None,
         ) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.served_model_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs.model_dump() if logprobs else None,
-                            "finish_reason": finish,
-                            "stop_reason": stop_reason,
-                        }
-                    ],
-                }
-            )
+            body: dict[str, Any] = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.served_model_name,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": logprobs.model_dump() if logprobs else None,
+                        "finish_reason": finish,
+                        "stop_reason": stop_reason,
+                    }
+                ],
+            }
+            if req.continuous_usage:
+                body["usage"] = usage_now()
+            return sse(body)
 
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
                     base = index_of[out.request_id] * req.n
                     check_failed(out.outputs)
+                    if out.request_id not in prompt_of:
+                        prompt_of[out.request_id] = len(out.prompt_token_ids)
+                    cached_of[out.request_id] = cached_tokens(out)
                     for c in out.outputs:
                         key = base + c.index
+                        if req.echo and key not in sent_chars:
+                            # The prompt goes first, in a chunk of its own (as vLLM).
+                            yield chunk(key, self._echo(out))
+                        n_completion += len(c.token_ids)
                         logprobs = None
                         if req.logprobs is not None and c.logprobs:
                             logprobs = self._logprobs(
-                                c.token_ids, c.logprobs, req.logprobs, sent_chars.get(key, 0)
+                                c.token_ids,
+                                c.logprobs,
+                                req.logprobs,
+                                sent_chars.get(key, 0),
+                                req.tokens_as_ids,
                             )
                         sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
-                        n_completion += len(c.token_ids)
                         if c.finish_reason is not None:
                             yield chunk(key, c.text, logprobs, c.finish_reason, c.stop_reason)
                         elif c.text or logprobs:
                             yield chunk(key, c.text, logprobs)
-                    if out.finished:
-                        n_prompt += len(out.prompt_token_ids)
         except Exception as exc:  # the engine or this server failed: say so, then end
             for event in failure_events(exc):
                 yield event
@@ -160,11 +204,7 @@ class CompletionServing(ServingBase):
                     "created": created,
                     "model": self.served_model_name,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": n_prompt,
-                        "completion_tokens": n_completion,
-                        "total_tokens": n_prompt + n_completion,
-                    },
+                    "usage": usage_now(),
                 }
             )
         yield SSE_DONE

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagemill.runtime.tool_calling.prompt import render_chat
 from pagemill.server.entrypoints.openai.errors import APIError, internal_error
 from pagemill.server.entrypoints.openai.protocol_structured import (
     DetokenizeRequest,
@@ -61,8 +60,21 @@ class TokenizeServing(ServingBase):
             self._check_messages(req.messages)
             tools = [t.model_dump(exclude_none=True) for t in req.tools or []] or None
             try:
-                text = render_chat(tok, req.messages, req.add_generation_prompt, tools)
+                # The template writes its own special tokens (vLLM's default for messages).
+                ids = self.client.input_processor.apply_chat_template(
+                    req.messages,
+                    req.add_generation_prompt,
+                    tools=tools,
+                    template_kwargs=req.template_kwargs,
+                    add_special_tokens=bool(req.add_special_tokens),
+                )
             except Exception as exc:  # as in chat: the template's own words, else generic
+                if req.continue_final_message and isinstance(exc, ValueError):
+                    raise APIError(
+                        400,
+                        f"continue_final_message: {str(exc)[:300]}",
+                        param="continue_final_message",
+                    ) from exc
                 if type(exc).__module__.startswith("jinja2"):
                     raise APIError(
                         400,
@@ -72,13 +84,10 @@ class TokenizeServing(ServingBase):
                 raise internal_error(
                     400, "the chat template could not render these messages", exc
                 ) from exc
-            # The template writes its own special tokens (vLLM's default for messages).
-            special = bool(req.add_special_tokens)
         else:
             text = req.prompt or ""
             self.check_text_size(text, "prompt")
-            special = req.add_special_tokens is not False
-        ids = list(tok.encode(text, add_special_tokens=special))
+            ids = list(tok.encode(text, add_special_tokens=req.add_special_tokens is not False))
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs

@@ -1,6 +1,7 @@
 """From an HTTP body to the request's output constraint and logit biases, or a 400.
 
-One constraint per request: vLLM's `structured_outputs`, OpenAI's `response_format`
+One constraint per request: vLLM's `structured_outputs` (or its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`), OpenAI's `response_format`
 (json_object, json_schema), or the schema that forces a tool call (chat `tool_choice`
 "required" or a named function). The schema is parsed here, so an invalid or unsupported
 one is a 400 that says what is wrong before anything reaches the engine.
@@ -32,6 +33,32 @@ def structured_params(
         sources.append(
             ("structured_outputs", {k: v for k, v in given.items() if v not in (None, False)})
         )
+    guided = {
+        name: value
+        for name, value in (
+            ("guided_json", req.guided_json),
+            ("guided_regex", req.guided_regex),
+            ("guided_choice", req.guided_choice),
+            ("guided_grammar", req.guided_grammar),
+        )
+        if value is not None
+    }
+    if len(guided) > 1:
+        raise APIError(
+            400,
+            f"send only one of {' and '.join(guided)}: each constrains the whole output",
+            param=next(iter(guided)),
+        )
+    for name, value in guided.items():
+        sources.append((name, {name.removeprefix("guided_"): value}))
+    backend = req.guided_decoding_backend
+    if backend is not None and backend not in GUIDED_BACKENDS:
+        raise APIError(
+            400,
+            f"guided_decoding_backend {backend[:40]!r} is not available: this server "
+            f"constrains output with xgrammar (send one of {sorted(GUIDED_BACKENDS)})",
+            param="guided_decoding_backend",
+        )
     compact = bool(so and so.disable_any_whitespace)
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
@@ -53,6 +80,9 @@ def structured_params(
     except ValueError as exc:
         raise APIError(400, f"{param}: {exc}", param=param) from exc
 
+
+# What guided_decoding_backend may name: the one backend here, or the server's choice.
+GUIDED_BACKENDS = frozenset({"auto", "xgrammar"})
 
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
