@@ -1,7 +1,10 @@
-"""The `pagemill` command: serve, generate, download, bench serve (and plan / simulate).
+"""The `pagemill` command: serve, run-batch, generate, download, bench serve (and plan /
+simulate).
 
-Heavy imports (torch, the engine) happen inside the subcommands, so `pagemill --help`
-answers at once.
+`serve` and `run-batch` take `vllm serve`'s command line: vLLM's spellings for every feature
+pagemill has, vLLM's `--config file.yaml`, and a one-line refusal naming any other vLLM flag
+(see vllm_args). Heavy imports (torch, the engine) happen inside the subcommands, so
+`pagemill --help` answers at once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,7 +21,13 @@ from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.scheduler.config import SchedulerConfig
-from pagemill.server.config_args import add_field_arg, parse_size, positive_int
+from pagemill.server.config_args import add_field_arg, json_object, parse_size, positive_int
+from pagemill.server.vllm_args import (
+    add_vllm_flags,
+    expand_config_file,
+    normalize_flag_spelling,
+    refuse,
+)
 
 __all__ = [
     "add_engine_args",
@@ -40,7 +50,47 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
 _ALIASES: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
     "tensor_parallel_size": ("-tp",),
+    "quantization": ("-q",),
 }
+# Commands that take vLLM's serve command line (and its --config file).
+_VLLM_COMMANDS = ("serve", "run-batch")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (a wrong value among a hundred flags should not print them
+    all); --help still lists everything."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _compilation_level(text: str) -> int:
+    """vLLM's -O / --compilation-config: a level 0-3, or JSON with "level" (or "mode")."""
+    if text.strip().lstrip("-").isdigit():
+        level = int(text)
+    else:
+        config = json_object(text)
+        unknown = sorted(set(config) - {"level", "mode"})
+        if unknown:
+            refuse(
+                f"--compilation-config {unknown[0]}",
+                "pagemill's compilation has one switch: level 0 runs eagerly, 1-3 compile",
+            )
+        level = config.get("level", config.get("mode", 3))
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise argparse.ArgumentTypeError(f"level must be an integer 0-3, got {level!r}")
+    if not 0 <= level <= 3:
+        raise argparse.ArgumentTypeError(f"level must be 0-3, got {level}")
+    return level
+
+
+class _OneKey(argparse.Action):
+    """vLLM's --api-key takes several keys; pagemill checks one."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        if len(values) > 1:
+            refuse("--api-key with several keys", "pagemill checks one API key")
+        setattr(namespace, self.dest, values[0])
 
 
 def _non_negative_float(text: str) -> float:
@@ -83,6 +133,36 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool) -> No
     groups["cache"].add_argument(
         "--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching"
     )
+    m = groups[None]
+    m.add_argument(
+        "-O",
+        "--compilation-config",
+        type=_compilation_level,
+        default=None,
+        metavar="LEVEL",
+        help='vLLM\'s compilation level (or JSON with "level"): 0 runs the model eagerly '
+        "(as --enforce-eager), 1-3 compile it, pagemill's default",
+    )
+    m.add_argument(
+        "--download-dir",
+        default=None,
+        help="where Hub models are downloaded and looked up (default: the Hugging Face "
+        "cache, $HF_HUB_CACHE / $HF_HOME)",
+    )
+    m.add_argument(
+        "--hf-token",
+        nargs="?",
+        const=True,
+        default=None,
+        help="Hugging Face token for gated or private models; without a value, the one "
+        "saved by `hf auth login` (default: $HF_TOKEN, else that one)",
+    )
+    m.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM compatibility; changes nothing: pagemill runs no code from "
+        "a model repository (an architecture it does not implement is refused at load)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +171,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["model"] = kwargs["model"] or DEFAULT_MODEL
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if getattr(args, "compilation_config", None) == 0:
+        kwargs["enforce_eager"] = True
     return kwargs
+
+
+def apply_hub_options(args: argparse.Namespace) -> None:
+    """--download-dir and --hf-token, through the variables huggingface_hub reads at each
+    call (this process, and the engine process it starts, inherit them)."""
+    if getattr(args, "download_dir", None):
+        os.environ["HF_HUB_CACHE"] = os.path.abspath(os.path.expanduser(args.download_dir))
+    token = getattr(args, "hf_token", None)
+    if isinstance(token, str) and token:
+        os.environ["HF_TOKEN"] = token
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -103,20 +195,57 @@ def check_model(config: EngineConfig) -> None:
     architecture, GGUF or template is then one line and exit code 2, not a traceback."""
     from pagemill.runtime.model_executor.model_source import check_model_source
 
-    check_model_source(
+    source = check_model_source(
         config.model,
         config.revision,
         chat_template=config.chat_template,
         generation_config=config.generation_config,
     )
+    if config.override_generation_config:
+        from pagemill.runtime.generation_defaults import load_generation_defaults
+
+        load_generation_defaults(
+            config.generation_config, source.folder, config.override_generation_config
+        )
 
 
 def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """--api-key, else $PAGEMILL_API_KEY (which keeps the key out of `ps` and shell history);
-    None (no auth) when neither is set or the variable is empty."""
+    """--api-key, else $PAGEMILL_API_KEY, else vLLM's $VLLM_API_KEY (variables keep the key
+    out of `ps` and shell history); None (no auth) when none is set or they are empty."""
     if flag is not None:
         return flag
-    return environ.get("PAGEMILL_API_KEY") or None
+    return environ.get("PAGEMILL_API_KEY") or environ.get("VLLM_API_KEY") or None
+
+
+def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Starlette CORSMiddleware keywords from vLLM's CORS flags; None (no CORS headers at
+    all) unless one was given. vLLM allows every origin by default; pagemill binds to
+    loopback and answers no browser from elsewhere until told to."""
+    given = (args.allowed_origins, args.allowed_methods, args.allowed_headers)
+    if all(v is None for v in given) and not args.allow_credentials:
+        return None
+    origins, methods, headers = (["*"] if v is None else v for v in given)
+    return {
+        "allow_origins": origins,
+        "allow_methods": methods,
+        "allow_headers": headers,
+        "allow_credentials": args.allow_credentials,
+    }
+
+
+def _json_strings(text: str) -> list[str]:
+    """vLLM's CORS flags: a JSON list of strings, e.g. '["https://a.example"]'."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON list of strings like ["*"], got {text!r}'
+        )
+    return value
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -141,6 +270,7 @@ def _make_engine(config: EngineConfig) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
+    apply_hub_options(args)
     if config.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
         # Under torchrun every rank runs this command: rank 0 serves, the others are
         # the engine's tensor-parallel workers.
@@ -198,6 +328,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(threads)
         client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len, observer=metrics)
+    if args.enable_log_requests:
+        from pagemill.server.request_log import RequestLogger
+
+        client.request_logger = RequestLogger(args.max_log_len)
     try:
         watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
         app = build_app(
@@ -211,6 +345,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
             tool_call_parser=args.tool_call_parser,
             metrics_require_api_key=args.metrics_require_api_key,
+            cors=cors_settings(args),
         )
         print(
             f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
@@ -230,7 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             client,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level or args.log_level,
             shutdown_timeout=args.shutdown_timeout,
             watchdog=watchdog,
             limits=limits,
@@ -250,7 +385,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -270,8 +405,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--api-key",
         default=None,
+        nargs="+",
+        action=_OneKey,
         help="require 'Authorization: Bearer <key>' on /v1/* requests "
-        "(default: $PAGEMILL_API_KEY when set, else no key)",
+        "(default: $PAGEMILL_API_KEY, else $VLLM_API_KEY, when set; else no key)",
     )
     s.add_argument(
         "--metrics-require-api-key",
@@ -398,6 +535,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="show the first characters of each request's prompt on the dashboard "
         "(default: no prompt text leaves the engine)",
     )
+    _add_vllm_frontend_args(p)
     p.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json"),
@@ -406,6 +544,67 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "(default: guessed from the chat template)",
     )
     p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _add_vllm_frontend_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's front-end flags whose features pagemill has, with vLLM's spelling."""
+    v = p.add_argument_group("vLLM front-end flags")
+    v.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: pagemill always reads tool calls out of "
+        "tool_choice='auto' answers (with --tool-call-parser, or the parser the chat "
+        "template implies)",
+    )
+    v.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each accepted request (id, prompt, sampling parameters) at INFO "
+        "(default: off, as vLLM)",
+    )
+    v.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help="vLLM's older spelling of --no-enable-log-requests (the default)",
+    )
+    v.add_argument(
+        "--max-log-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, log at most N prompt characters or token ids "
+        "(default: all)",
+    )
+    v.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM compatibility: pagemill logs no periodic statistics "
+        "(/metrics is served either way)",
+    )
+    v.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        default=None,
+        help="uvicorn's log level (default: --log-level)",
+    )
+    for what in ("origins", "methods", "headers"):
+        v.add_argument(
+            f"--allowed-{what}",
+            type=_json_strings,
+            default=None,
+            metavar="JSON",
+            help=f"CORS: allowed {what} as a JSON list, e.g. '[\"*\"]' (vLLM's flag); "
+            'any CORS flag turns CORS on, the others defaulting to ["*"] '
+            "(default: no CORS headers)",
+        )
+    v.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS: allow credentials (cookies, Authorization) on cross-origin requests",
+    )
 
 
 # ---------------------------------------------------------------- generate
@@ -413,6 +612,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    apply_hub_options(args)
     check_model(config)
 
     from pagemill.runtime import SamplingParams
@@ -531,7 +731,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from pagemill.server.version import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pagemill",
         description="pagemill: an LLM inference engine with paged attention and continuous "
         "batching. Start with `pagemill serve` (an OpenAI-compatible server on "
@@ -539,7 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pagemill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_serve(sub)
+    serve = _add_serve(sub)
+    add_vllm_flags(serve)  # last: only the vLLM flags serve has not defined itself
+    from pagemill.server.entrypoints.run_batch import add_run_batch
+
+    add_vllm_flags(add_run_batch(sub))
     _add_generate(sub)
     _add_download(sub)
     _add_bench(sub)
@@ -549,10 +753,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """argv as `vllm serve` would read it for serve and run-batch (`--max_model_len`
+    spelling, `--config file.yaml` before the command line's own flags)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in _VLLM_COMMANDS:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = sub.choices[argv[0]]
+        try:
+            rest = expand_config_file(normalize_flag_spelling(argv[1:]), command)
+        except ValueError as exc:
+            command.error(str(exc))
+        argv = [argv[0], *rest]
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per benchmark request
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
