@@ -547,9 +547,21 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def add_config_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--config's help: the file is read before parsing (vllm_args.expand_config_file)."""
+    p.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="read flags from a YAML file, vLLM's format: keys are flag names "
+        "(max-model-len or max_model_len), values their values; flags on the command "
+        "line win",
+    )
+
+
 def _add_vllm_frontend_args(p: argparse.ArgumentParser) -> None:
     """vLLM's front-end flags whose features pagemill has, with vLLM's spelling."""
     v = p.add_argument_group("vLLM front-end flags")
+    add_config_flag(v)
     v.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",

@@ -1,7 +1,7 @@
-"""Prometheus metrics: vLLM's metric set, under the `pagemill:` prefix.
-
-Dashboards built for vLLM read the same names with the prefix swapped. Each server gets
-its own `CollectorRegistry` (several apps in one process, as in tests, must not collide).
+"""Prometheus metrics: vLLM's metric set, under the `pagemill:` prefix and under vLLM's own
+`vllm:` names (always both: dashboards and gateways built for vLLM work unchanged). Each
+server gets its own `CollectorRegistry` (several apps in one process, as in tests, must not
+collide).
 Everything here is updated from the engine's figures after every step (prometheus-client is
 thread-safe): on the engine thread in-process, or on the client's reader thread from what
 the engine process sent. Latencies are measured where tokens appear, not where the HTTP
@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
-# Buckets follow vLLM's so the same Grafana panels work.
+# Buckets are vLLM's (vllm/v1/metrics/loggers.py) so the same Grafana panels work.
 _TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -111,30 +111,85 @@ _STEP_BUCKETS = (
 )
 
 
+class _Twin:
+    """One figure exported under two names: `pagemill:<name>{model_name}` and vLLM's
+    `vllm:<name>{model_name, engine}` (engine "0": pagemill runs one engine core), plus
+    any of vLLM's older names for the same figure."""
+
+    def __init__(self, *metrics: Any) -> None:
+        self.metrics = metrics
+
+    def labels(self, model_name: str, *extra: str) -> _TwinChild:
+        first, *rest = self.metrics
+        return _TwinChild(
+            first.labels(model_name, *extra), *(m.labels(model_name, "0", *extra) for m in rest)
+        )
+
+
+class _TwinChild:
+    def __init__(self, *children: Any) -> None:
+        self.children = children
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
 class EngineMetrics:
-    """The metric objects plus the engine-thread hooks that feed them (see async_engine)."""
+    """The metric objects plus the engine-thread hooks that feed them (see async_engine).
+
+    Every figure of vLLM's set is exported twice, always: as `pagemill:<name>` and as
+    vLLM's own `vllm:<name>` with vLLM's labels (model_name, engine), so vLLM's Grafana
+    dashboard and the inference gateway's endpoint picker (which reads
+    vllm:num_requests_waiting and vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc)
+    work against pagemill with no flag.
+    """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
+        vllm_labels = ["model_name", "engine"]
         r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagemill:{name}", doc, labels, registry=r)
+        def gauge(name: str, doc: str, *old: str) -> _Twin:
+            return _Twin(
+                Gauge(f"pagemill:{name}", doc, labels, registry=r),
+                *(Gauge(f"vllm:{n}", doc, vllm_labels, registry=r) for n in (name, *old)),
+            )
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"pagemill:{name}", doc, [*labels, *extra], registry=r)
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> _Twin:
+            return _Twin(
+                Counter(f"pagemill:{name}", doc, [*labels, *extra], registry=r),
+                Counter(f"vllm:{name}", doc, [*vllm_labels, *extra], registry=r),
+            )
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"pagemill:{name}", doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], *old: str) -> _Twin:
+            return _Twin(
+                Histogram(f"pagemill:{name}", doc, labels, buckets=buckets, registry=r),
+                *(
+                    Histogram(f"vllm:{n}", doc, vllm_labels, buckets=buckets, registry=r)
+                    for n in (name, *old)
+                ),
+            )
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Requests waiting to be scheduled."
         )
+        # vllm:gpu_cache_usage_perc is vLLM's name before 0.9, still read by gateways.
         self.kv_cache_usage = gauge(
-            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
+            "kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full).",
+            "gpu_cache_usage_perc",
         )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -142,10 +197,12 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        self.grammar_cache_bytes = gauge(
-            "grammar_cache_bytes",
+        self.grammar_cache_bytes = Gauge(
+            "pagemill:grammar_cache_bytes",
             "Bytes held by compiled grammars (structured output), "
             "bounded by --structured-outputs-cache-bytes.",
+            labels,
+            registry=r,
         )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens accepted.")
@@ -154,8 +211,12 @@ class EngineMetrics:
             "request_success", "Requests that finished, by reason.", ("finished_reason",)
         )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        # vLLM exports the same per-token gaps under its older name too.
         self.itl = histogram(
-            "inter_token_latency_seconds", "Time between two output tokens.", _ITL_BUCKETS
+            "inter_token_latency_seconds",
+            "Time between two output tokens.",
+            _ITL_BUCKETS,
+            "time_per_output_token_seconds",
         )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS

@@ -407,7 +407,7 @@ def expand_config_file(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
     except OSError as e:
         raise ValueError(f"--config {path}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not valid YAML ({e})") from None
+        raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
     if data is None:
         return rest
     if not isinstance(data, dict):

@@ -156,7 +156,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def add_run_batch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pagemill.server.cli import add_engine_args
+    from pagemill.server.cli import add_config_flag, add_engine_args
     from pagemill.server.config_args import positive_int
 
     p = sub.add_parser(
@@ -183,6 +183,7 @@ def add_run_batch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="N",
         help=f"lines in flight at once (default {DEFAULT_CONCURRENCY})",
     )
+    add_config_flag(p)
     add_engine_args(p, positional_model=False)
     p.set_defaults(func=cmd_run_batch)
     return p
