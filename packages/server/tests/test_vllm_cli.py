@@ -272,8 +272,10 @@ def test_config_file(tmp_path: Path) -> None:
     assert args.trust_remote_code and cli.cors_settings(args)["allow_origins"] == [
         "https://x.example"
     ]
-    # A positional model on the command line beats the file's (vLLM's precedence).
-    assert parse(["serve", "/cli", f"--config={cfg}"]).model == "/cli"
+    # A positional model on the command line beats the file's (vLLM's precedence), and a
+    # list from the file does not swallow it.
+    args = parse(["serve", "/cli", f"--config={cfg}"])
+    assert args.model == "/cli" and args.served_model_name == ["a", "b"]
 
 
 @pytest.mark.parametrize(

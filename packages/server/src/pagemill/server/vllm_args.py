@@ -19,6 +19,7 @@ Standard library plus pyyaml: nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -400,8 +401,8 @@ def expand_config_file(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
     path, rest = _config_path(list(argv))
     if path is None:
         return rest
-    import yaml
-
+    # Through importlib: pyyaml ships no type stubs, and its API used here is two names.
+    yaml: Any = importlib.import_module("yaml")
     try:
         data = yaml.safe_load(Path(path).expanduser().read_text())
     except OSError as e:
@@ -413,11 +414,14 @@ def expand_config_file(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     known = parser._option_string_actions
+    # The file goes after a leading positional model, as vLLM puts it: a list-valued flag
+    # from the file (--served-model-name a b) must not swallow the model.
+    head = 1 if rest and not rest[0].startswith("-") else 0
     extra: list[str] = []
     for key, value in data.items():
         flag = "--" + str(key).replace("_", "-")
-        if key == "model":
-            flag = "--model"
+        if flag == "--model" and head:
+            continue  # the command line's model wins
         if flag not in known:
             raise ValueError(f"--config {path}: unknown option {key!r}")
         if flag == "--config":
@@ -436,4 +440,4 @@ def expand_config_file(argv: Sequence[str], parser: argparse.ArgumentParser) -> 
             extra += [flag, json.dumps(value)]
         else:
             extra += [flag, str(value)]
-    return extra + rest
+    return rest[:head] + extra + rest[head:]
