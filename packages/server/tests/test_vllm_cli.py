@@ -142,7 +142,7 @@ def test_vllm_docs_command_line() -> None:
     )
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, ["qwen"])
     assert args.enable_auto_tool_choice and args.trust_remote_code
-    assert args.tool_call_parser == "hermes" and not args.enable_log_requests
+    assert args.tool_call_parser == "hermes" and not cli.log_requests(args)
     assert args.uvicorn_log_level == "warning"
 
 
@@ -161,7 +161,9 @@ def test_vllm_spellings_and_values() -> None:
     )
     assert config("--max-logprobs", "-1").max_logprobs == 20
     args = parse(["serve", "--enable-log-requests", "--max-log-len", "9", "--hf-token"])
-    assert args.enable_log_requests and args.max_log_len == 9 and args.hf_token is True
+    assert cli.log_requests(args) and args.max_log_len == 9 and args.hf_token is True
+    assert cli.log_requests(parse(["serve", "--no-disable-log-requests"]))
+    assert not cli.log_requests(parse(["serve"]))
     assert parse(["serve", "--hf-token", "hf_x"]).hf_token == "hf_x"
     assert parse(["serve", "--download-dir", "/d"]).download_dir == "/d"
 

@@ -217,6 +217,14 @@ def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -
     return environ.get("PAGEMILL_API_KEY") or environ.get("VLLM_API_KEY") or None
 
 
+def log_requests(args: argparse.Namespace) -> bool:
+    """--enable-log-requests, or vLLM's older --no-disable-log-requests (which wins when
+    given, as the more specific of the two)."""
+    if args.disable_log_requests is not None:
+        return not args.disable_log_requests
+    return bool(args.enable_log_requests)
+
+
 def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     """Starlette CORSMiddleware keywords from vLLM's CORS flags; None (no CORS headers at
     all) unless one was given. vLLM allows every origin by default; pagemill binds to
@@ -328,7 +336,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(threads)
         client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len, observer=metrics)
-    if args.enable_log_requests:
+    if log_requests(args):
         from pagemill.server.request_log import RequestLogger
 
         client.request_logger = RequestLogger(args.max_log_len)
@@ -578,9 +586,10 @@ def _add_vllm_frontend_args(p: argparse.ArgumentParser) -> None:
     )
     v.add_argument(
         "--disable-log-requests",
-        dest="enable_log_requests",
-        action="store_false",
-        help="vLLM's older spelling of --no-enable-log-requests (the default)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's older spelling: --disable-log-requests is --no-enable-log-requests "
+        "(the default), --no-disable-log-requests is --enable-log-requests",
     )
     v.add_argument(
         "--max-log-len",
