@@ -156,6 +156,7 @@ def test_vllm_spellings_and_values() -> None:
     assert config("-O0").enforce_eager and config("-O", "0").enforce_eager
     assert config("--compilation-config", '{"level": 0}').enforce_eager
     assert not config("-O3").enforce_eager and not config("-O", '{"mode": 3}').enforce_eager
+    assert config("-O.level=0").enforce_eager and not config("-O.level=2").enforce_eager
     assert config("--override-generation-config", '{"temperature": 0.2}') == EngineConfig(
         model="/m", override_generation_config={"temperature": 0.2}
     )

@@ -10,6 +10,7 @@ pagemill has, vLLM's `--config file.yaml`, and a one-line refusal naming any oth
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -65,10 +66,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _compilation_level(text: str) -> int:
-    """vLLM's -O / --compilation-config: a level 0-3, or JSON with "level" (or "mode")."""
+    """vLLM's -O / --compilation-config: a level 0-3, JSON with "level" (or "mode"), or
+    vLLM's dotted form (-O.level=3)."""
     if text.strip().lstrip("-").isdigit():
         level = int(text)
     else:
+        if text.startswith(".") and "=" in text:
+            key, _, value = text[1:].partition("=")
+            text = json.dumps({key: int(value) if value.strip().isdigit() else value})
         config = json_object(text)
         unknown = sorted(set(config) - {"level", "mode"})
         if unknown:
@@ -243,8 +248,6 @@ def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _json_strings(text: str) -> list[str]:
     """vLLM's CORS flags: a JSON list of strings, e.g. '["https://a.example"]'."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
