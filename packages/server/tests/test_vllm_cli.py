@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -314,3 +315,30 @@ def test_run_batch_takes_the_engine_flags() -> None:
     args = parse(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "/m", "-O0"])
     assert (args.input_file, args.output_file) == ("in.jsonl", "out.jsonl")
     assert cli.engine_config(args) == EngineConfig(model="/m", enforce_eager=True)
+
+
+def test_hub_options_reach_huggingface_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pagemill.runtime.model_executor.model_source import hub_cache_dir
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    cli.apply_hub_options(parse(["serve", "--download-dir", str(tmp_path), "--hf-token", "t"]))
+    assert hub_cache_dir() == tmp_path and os.environ["HF_TOKEN"] == "t"
+    monkeypatch.delenv("HF_TOKEN")
+    cli.apply_hub_options(parse(["serve", "--hf-token"]))  # the saved login: nothing to set
+    assert "HF_TOKEN" not in os.environ
+
+
+def test_override_generation_config(tmp_path: Path) -> None:
+    from pagemill.runtime.generation_defaults import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 100})
+    )
+    got = load_generation_defaults("auto", tmp_path, {"temperature": 0.2, "max_new_tokens": 5})
+    assert got == {"temperature": 0.2, "top_p": 0.8, "max_tokens": 5}
+    assert load_generation_defaults("vllm", tmp_path, {"top_k": 3}) == {"top_k": 3}
+    with pytest.raises(ValueError, match="unknown key"):
+        load_generation_defaults("auto", tmp_path, {"temprature": 0.2})
+    with pytest.raises(ValueError, match="--override-generation-config"):
+        load_generation_defaults("auto", tmp_path, {"temperature": -1})
