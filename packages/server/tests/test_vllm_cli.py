@@ -311,6 +311,14 @@ def test_config_file_refused_flag(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert capsys.readouterr().err.startswith("pagemill: --enable-lora (a vLLM flag)")
 
 
+def test_run_batch_refuses_vllm_run_batch_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--enable-metrics"], ["--output-tmp-dir", "/t"], ["--enable-lora"]):
+        with pytest.raises(SystemExit) as exc:
+            parse(["run-batch", "-i", "a", "-o", "b", *argv])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.startswith(f"pagemill: {argv[0]}"), argv
+
+
 def test_run_batch_takes_the_engine_flags() -> None:
     args = parse(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--model", "/m", "-O0"])
     assert (args.input_file, args.output_file) == ("in.jsonl", "out.jsonl")

@@ -24,6 +24,7 @@ from pagemill.runtime.sample.structured_output.config import StructuredOutputsCo
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.config_args import add_field_arg, json_object, parse_size, positive_int
 from pagemill.server.vllm_args import (
+    RUN_BATCH_REFUSED,
     add_vllm_flags,
     expand_config_file,
     normalize_flag_spelling,
@@ -767,7 +768,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_flags(serve)  # last: only the vLLM flags serve has not defined itself
     from pagemill.server.entrypoints.run_batch import add_run_batch
 
-    add_vllm_flags(add_run_batch(sub))
+    add_vllm_flags(add_run_batch(sub), RUN_BATCH_REFUSED)
     _add_generate(sub)
     _add_download(sub)
     _add_bench(sub)

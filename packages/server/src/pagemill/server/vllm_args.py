@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 __all__ = [
     "REFUSED",
+    "RUN_BATCH_REFUSED",
     "VllmFlag",
     "add_vllm_flags",
     "expand_config_file",
@@ -288,6 +289,15 @@ REFUSED: tuple[VllmFlag, ...] = (
 )
 
 
+# `vllm run-batch`'s own flags, besides serve's.
+RUN_BATCH_REFUSED: tuple[VllmFlag, ...] = (
+    _switch("--enable-metrics", "run-batch serves no /metrics; `pagemill serve` does"),
+    VllmFlag(("--url",), "run-batch serves no /metrics; `pagemill serve` does"),
+    VllmFlag(("--port",), "run-batch serves no /metrics; `pagemill serve` does"),
+    VllmFlag(("--output-tmp-dir",), "results are written next to --output-file, then renamed"),
+)
+
+
 class _RefusedAction(argparse.Action):
     """Accepts the neutral uses of a vLLM flag (they change nothing) and refuses the rest."""
 
@@ -315,15 +325,15 @@ class _RefusedAction(argparse.Action):
         refuse(f"{flag} {' '.join(given)}", self.vllm.why + accepted)
 
 
-def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Teach `parser` every vLLM flag of `REFUSED` it does not already have.
+def add_vllm_flags(parser: argparse.ArgumentParser, extra: Sequence[VllmFlag] = ()) -> None:
+    """Teach `parser` every vLLM flag of `REFUSED` (and `extra`) it does not already have.
 
     Flags the parser already defines (pagemill implements them, or later grows them) are
     left alone, so a flag moves from refused to implemented by being added to the parser.
     Hidden from --help: the README lists them.
     """
     known = set(parser._option_string_actions)
-    for entry in REFUSED:
+    for entry in (*REFUSED, *extra):
         spellings = [f for f in entry.flags if f not in known]
         if not spellings or entry.flags[0] not in spellings:
             continue
