@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pagemill.runtime.config import EngineConfig
-from pagemill.server import cli
-from pagemill.server.vllm_args import REFUSED
+from pagemill.server import cli, vllm_args
+from pagemill.server.vllm_refused import REFUSED
 
 # vLLM's `vllm serve` flags, as its EngineArgs.add_cli_args, AsyncEngineArgs, FrontendArgs
 # and make_arg_parser define them (vLLM 0.11-0.12), written out here rather than taken from
@@ -143,7 +143,7 @@ def test_vllm_docs_command_line() -> None:
     )
     assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, ["qwen"])
     assert args.enable_auto_tool_choice and args.trust_remote_code
-    assert args.tool_call_parser == "hermes" and not cli.log_requests(args)
+    assert args.tool_call_parser == "hermes" and not vllm_args.log_requests(args)
     assert args.uvicorn_log_level == "warning"
 
 
@@ -163,9 +163,9 @@ def test_vllm_spellings_and_values() -> None:
     )
     assert config("--max-logprobs", "-1").max_logprobs == 20
     args = parse(["serve", "--enable-log-requests", "--max-log-len", "9", "--hf-token"])
-    assert cli.log_requests(args) and args.max_log_len == 9 and args.hf_token is True
-    assert cli.log_requests(parse(["serve", "--no-disable-log-requests"]))
-    assert not cli.log_requests(parse(["serve"]))
+    assert vllm_args.log_requests(args) and args.max_log_len == 9 and args.hf_token is True
+    assert vllm_args.log_requests(parse(["serve", "--no-disable-log-requests"]))
+    assert not vllm_args.log_requests(parse(["serve"]))
     assert parse(["serve", "--hf-token", "hf_x"]).hf_token == "hf_x"
     assert parse(["serve", "--download-dir", "/d"]).download_dir == "/d"
 
@@ -179,15 +179,15 @@ def test_api_key_variables() -> None:
 
 
 def test_cors_off_unless_asked() -> None:
-    assert cli.cors_settings(parse(["serve"])) is None
-    got = cli.cors_settings(parse(["serve", "--allowed-origins", '["https://a.example"]']))
+    assert vllm_args.cors_settings(parse(["serve"])) is None
+    got = vllm_args.cors_settings(parse(["serve", "--allowed-origins", '["https://a.example"]']))
     assert got == {
         "allow_origins": ["https://a.example"],
         "allow_methods": ["*"],
         "allow_headers": ["*"],
         "allow_credentials": False,
     }
-    assert cli.cors_settings(parse(["serve", "--allow-credentials"]))["allow_credentials"]
+    assert vllm_args.cors_settings(parse(["serve", "--allow-credentials"]))["allow_credentials"]
 
 
 def _refusal_argv(flag: str, entry_kind: str, neutral: tuple[str, ...]) -> list[str]:
@@ -273,7 +273,7 @@ def test_config_file(tmp_path: Path) -> None:
         override_generation_config={"temperature": 0.3},
     )
     assert args.port == 9002 and args.served_model_name == ["a", "b"]
-    assert args.trust_remote_code and cli.cors_settings(args)["allow_origins"] == [
+    assert args.trust_remote_code and vllm_args.cors_settings(args)["allow_origins"] == [
         "https://x.example"
     ]
     # A positional model on the command line beats the file's (vLLM's precedence), and a
@@ -330,10 +330,12 @@ def test_hub_options_reach_huggingface_hub(monkeypatch: pytest.MonkeyPatch, tmp_
 
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    cli.apply_hub_options(parse(["serve", "--download-dir", str(tmp_path), "--hf-token", "t"]))
+    vllm_args.apply_hub_options(
+        parse(["serve", "--download-dir", str(tmp_path), "--hf-token", "t"])
+    )
     assert hub_cache_dir() == tmp_path and os.environ["HF_TOKEN"] == "t"
     monkeypatch.delenv("HF_TOKEN")
-    cli.apply_hub_options(parse(["serve", "--hf-token"]))  # the saved login: nothing to set
+    vllm_args.apply_hub_options(parse(["serve", "--hf-token"]))  # the saved login: nothing to set
     assert "HF_TOKEN" not in os.environ
 
 

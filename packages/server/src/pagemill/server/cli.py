@@ -3,14 +3,13 @@ simulate).
 
 `serve` and `run-batch` take `vllm serve`'s command line: vLLM's spellings for every feature
 pagemill has, vLLM's `--config file.yaml`, and a one-line refusal naming any other vLLM flag
-(see vllm_args). Heavy imports (torch, the engine) happen inside the subcommands, so
-`pagemill --help` answers at once.
+(see vllm_args, vllm_refused). Heavy imports (torch, the engine) happen inside the
+subcommands, so `pagemill --help` answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -22,14 +21,18 @@ from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.scheduler.config import SchedulerConfig
-from pagemill.server.config_args import add_field_arg, json_object, parse_size, positive_int
+from pagemill.server.config_args import add_field_arg, parse_size, positive_int
 from pagemill.server.vllm_args import (
-    RUN_BATCH_REFUSED,
-    add_vllm_flags,
+    OneKey,
+    add_vllm_engine_flags,
+    add_vllm_frontend_args,
+    apply_hub_options,
+    cors_settings,
     expand_config_file,
+    log_requests,
     normalize_flag_spelling,
-    refuse,
 )
+from pagemill.server.vllm_refused import RUN_BATCH_REFUSED, add_vllm_flags
 
 __all__ = [
     "add_engine_args",
@@ -64,39 +67,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _compilation_level(text: str) -> int:
-    """vLLM's -O / --compilation-config: a level 0-3, JSON with "level" (or "mode"), or
-    vLLM's dotted form (-O.level=3)."""
-    if text.strip().lstrip("-").isdigit():
-        level = int(text)
-    else:
-        if text.startswith(".") and "=" in text:
-            key, _, value = text[1:].partition("=")
-            text = json.dumps({key: int(value) if value.strip().isdigit() else value})
-        config = json_object(text)
-        unknown = sorted(set(config) - {"level", "mode"})
-        if unknown:
-            refuse(
-                f"--compilation-config {unknown[0]}",
-                "pagemill's compilation has one switch: level 0 runs eagerly, 1-3 compile",
-            )
-        level = config.get("level", config.get("mode", 3))
-        if not isinstance(level, int) or isinstance(level, bool):
-            raise argparse.ArgumentTypeError(f"level must be an integer 0-3, got {level!r}")
-    if not 0 <= level <= 3:
-        raise argparse.ArgumentTypeError(f"level must be 0-3, got {level}")
-    return level
-
-
-class _OneKey(argparse.Action):
-    """vLLM's --api-key takes several keys; pagemill checks one."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        if len(values) > 1:
-            refuse("--api-key with several keys", "pagemill checks one API key")
-        setattr(namespace, self.dest, values[0])
 
 
 def _non_negative_float(text: str) -> float:
@@ -139,36 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool) -> No
     groups["cache"].add_argument(
         "--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching"
     )
-    m = groups[None]
-    m.add_argument(
-        "-O",
-        "--compilation-config",
-        type=_compilation_level,
-        default=None,
-        metavar="LEVEL",
-        help='vLLM\'s compilation level (or JSON with "level"): 0 runs the model eagerly '
-        "(as --enforce-eager), 1-3 compile it, pagemill's default",
-    )
-    m.add_argument(
-        "--download-dir",
-        default=None,
-        help="where Hub models are downloaded and looked up (default: the Hugging Face "
-        "cache, $HF_HUB_CACHE / $HF_HOME)",
-    )
-    m.add_argument(
-        "--hf-token",
-        nargs="?",
-        const=True,
-        default=None,
-        help="Hugging Face token for gated or private models; without a value, the one "
-        "saved by `hf auth login` (default: $HF_TOKEN, else that one)",
-    )
-    m.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted for vLLM compatibility; changes nothing: pagemill runs no code from "
-        "a model repository (an architecture it does not implement is refused at load)",
-    )
+    add_vllm_engine_flags(groups[None])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,16 +121,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "compilation_config", None) == 0:
         kwargs["enforce_eager"] = True
     return kwargs
-
-
-def apply_hub_options(args: argparse.Namespace) -> None:
-    """--download-dir and --hf-token, through the variables huggingface_hub reads at each
-    call (this process, and the engine process it starts, inherit them)."""
-    if getattr(args, "download_dir", None):
-        os.environ["HF_HUB_CACHE"] = os.path.abspath(os.path.expanduser(args.download_dir))
-    token = getattr(args, "hf_token", None)
-    if isinstance(token, str) and token:
-        os.environ["HF_TOKEN"] = token
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -221,43 +152,6 @@ def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -
     if flag is not None:
         return flag
     return environ.get("PAGEMILL_API_KEY") or environ.get("VLLM_API_KEY") or None
-
-
-def log_requests(args: argparse.Namespace) -> bool:
-    """--enable-log-requests, or vLLM's older --no-disable-log-requests (which wins when
-    given, as the more specific of the two)."""
-    if args.disable_log_requests is not None:
-        return not args.disable_log_requests
-    return bool(args.enable_log_requests)
-
-
-def cors_settings(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Starlette CORSMiddleware keywords from vLLM's CORS flags; None (no CORS headers at
-    all) unless one was given. vLLM allows every origin by default; pagemill binds to
-    loopback and answers no browser from elsewhere until told to."""
-    given = (args.allowed_origins, args.allowed_methods, args.allowed_headers)
-    if all(v is None for v in given) and not args.allow_credentials:
-        return None
-    origins, methods, headers = (["*"] if v is None else v for v in given)
-    return {
-        "allow_origins": origins,
-        "allow_methods": methods,
-        "allow_headers": headers,
-        "allow_credentials": args.allow_credentials,
-    }
-
-
-def _json_strings(text: str) -> list[str]:
-    """vLLM's CORS flags: a JSON list of strings, e.g. '["https://a.example"]'."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(
-            f'expected a JSON list of strings like ["*"], got {text!r}'
-        )
-    return value
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -418,7 +312,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         nargs="+",
-        action=_OneKey,
+        action=OneKey,
         help="require 'Authorization: Bearer <key>' on /v1/* requests "
         "(default: $PAGEMILL_API_KEY, else $VLLM_API_KEY, when set; else no key)",
     )
@@ -547,7 +441,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="show the first characters of each request's prompt on the dashboard "
         "(default: no prompt text leaves the engine)",
     )
-    _add_vllm_frontend_args(p)
+    add_vllm_frontend_args(p)
     p.add_argument(
         "--tool-call-parser",
         choices=("hermes", "llama3_json"),
@@ -557,79 +451,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_serve)
     return p
-
-
-def add_config_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--config's help: the file is read before parsing (vllm_args.expand_config_file)."""
-    p.add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        help="read flags from a YAML file, vLLM's format: keys are flag names "
-        "(max-model-len or max_model_len), values their values; flags on the command "
-        "line win",
-    )
-
-
-def _add_vllm_frontend_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's front-end flags whose features pagemill has, with vLLM's spelling."""
-    v = p.add_argument_group("vLLM front-end flags")
-    add_config_flag(v)
-    v.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accepted for vLLM compatibility: pagemill always reads tool calls out of "
-        "tool_choice='auto' answers (with --tool-call-parser, or the parser the chat "
-        "template implies)",
-    )
-    v.add_argument(
-        "--enable-log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="log each accepted request (id, prompt, sampling parameters) at INFO "
-        "(default: off, as vLLM)",
-    )
-    v.add_argument(
-        "--disable-log-requests",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="vLLM's older spelling: --disable-log-requests is --no-enable-log-requests "
-        "(the default), --no-disable-log-requests is --enable-log-requests",
-    )
-    v.add_argument(
-        "--max-log-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="with --enable-log-requests, log at most N prompt characters or token ids "
-        "(default: all)",
-    )
-    v.add_argument(
-        "--disable-log-stats",
-        action="store_true",
-        help="accepted for vLLM compatibility: pagemill logs no periodic statistics "
-        "(/metrics is served either way)",
-    )
-    v.add_argument(
-        "--uvicorn-log-level",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-        default=None,
-        help="uvicorn's log level (default: --log-level)",
-    )
-    for what in ("origins", "methods", "headers"):
-        v.add_argument(
-            f"--allowed-{what}",
-            type=_json_strings,
-            default=None,
-            metavar="JSON",
-            help=f"CORS: allowed {what} as a JSON list, e.g. '[\"*\"]' (vLLM's flag); "
-            'any CORS flag turns CORS on, the others defaulting to ["*"] '
-            "(default: no CORS headers)",
-        )
-    v.add_argument(
-        "--allow-credentials",
-        action="store_true",
-        help="CORS: allow credentials (cookies, Authorization) on cross-origin requests",
-    )
 
 
 # ---------------------------------------------------------------- generate

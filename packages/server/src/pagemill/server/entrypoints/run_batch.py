@@ -91,7 +91,8 @@ async def run_lines(
 
     served = [getattr(r, "path", "") for r in app.routes]
     gate = asyncio.Semaphore(concurrency)
-    transport = httpx.ASGITransport(app=app)
+    # An exception escaping the app is its 500 for that line, not the end of the batch.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
 
     async with httpx.AsyncClient(transport=transport, base_url="http://pagemill") as http:
 
@@ -100,7 +101,16 @@ async def run_lines(
             if error is not None:
                 return error
             async with gate:
-                r = await http.post(request["url"], json=request["body"], timeout=None)
+                try:
+                    r = await http.post(request["url"], json=request["body"], timeout=None)
+                except Exception as exc:  # the line fails alone
+                    logger.exception("run-batch: line %r failed", request["custom_id"])
+                    return _error_line(
+                        request["custom_id"],
+                        500,
+                        f"internal error: {type(exc).__name__}",
+                        "internal_error",
+                    )
             request_id = f"pagemill-batch-{uuid.uuid4().hex}"
             try:
                 body: Any = r.json()
@@ -124,7 +134,8 @@ async def run_lines(
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from pagemill.server.cli import _make_engine, apply_hub_options, check_model, engine_config
+    from pagemill.server.cli import _make_engine, check_model, engine_config
+    from pagemill.server.vllm_args import apply_hub_options
 
     config = engine_config(args)
     apply_hub_options(args)
@@ -156,8 +167,9 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 
 
 def add_run_batch(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from pagemill.server.cli import add_config_flag, add_engine_args
+    from pagemill.server.cli import add_engine_args
     from pagemill.server.config_args import positive_int
+    from pagemill.server.vllm_args import add_config_flag
 
     p = sub.add_parser(
         "run-batch",
