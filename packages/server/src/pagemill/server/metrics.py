@@ -1,7 +1,7 @@
 """Prometheus metrics: vLLM's metric set, under the `pagemill:` prefix and under vLLM's own
-`vllm:` names (always both: dashboards and gateways built for vLLM work unchanged). Each
-server gets its own `CollectorRegistry` (several apps in one process, as in tests, must not
-collide).
+`vllm:` names (always both: vLLM's Grafana dashboard and the inference gateway work
+unchanged). Each server gets its own `CollectorRegistry` (several apps in one process, as in
+tests, must not collide).
 Everything here is updated from the engine's figures after every step (prometheus-client is
 thread-safe): on the engine thread in-process, or on the client's reader thread from what
 the engine process sent. Latencies are measured where tokens appear, not where the HTTP
@@ -10,10 +10,13 @@ layer happens to notice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
@@ -111,85 +114,84 @@ _STEP_BUCKETS = (
 )
 
 
-class _Twin:
-    """One figure exported under two names: `pagemill:<name>{model_name}` and vLLM's
-    `vllm:<name>{model_name, engine}` (engine "0": pagemill runs one engine core), plus
-    any of vLLM's older names for the same figure."""
+# pagemill series -> the vLLM names it is also exported under. vLLM's older names that
+# dashboards and the gateway still read come along: gpu_cache_usage_perc (before 0.9) and
+# time_per_output_token_seconds (the per-token gap, as inter_token_latency_seconds).
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": (
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+    ),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
 
-    def __init__(self, *metrics: Any) -> None:
-        self.metrics = metrics
 
-    def labels(self, model_name: str, *extra: str) -> _TwinChild:
-        first, *rest = self.metrics
-        return _TwinChild(
-            first.labels(model_name, *extra), *(m.labels(model_name, "0", *extra) for m in rest)
-        )
+class VllmNames(Collector):
+    """vLLM's names for pagemill's series, made at scrape time from the same values.
 
+    Each `pagemill:<name>` family is copied as `vllm:<alias>` with vLLM's labels
+    (`model_name` plus `engine="0"`: pagemill runs one engine core). Nothing is recorded
+    twice: the engine thread's per-step work is the same as without the vLLM names.
+    """
 
-class _TwinChild:
-    def __init__(self, *children: Any) -> None:
-        self.children = children
+    def __init__(self, metrics: dict[str, Any]) -> None:
+        self.metrics = metrics  # pagemill name (no prefix) -> its metric object
 
-    def set(self, value: float) -> None:
-        for c in self.children:
-            c.set(value)
-
-    def inc(self, amount: float = 1) -> None:
-        for c in self.children:
-            c.inc(amount)
-
-    def observe(self, value: float) -> None:
-        for c in self.children:
-            c.observe(value)
+    def collect(self) -> Iterator[Metric]:
+        for name, metric in self.metrics.items():
+            for family in metric.collect():
+                source = family.name  # e.g. "pagemill:prompt_tokens"
+                for alias in VLLM_NAMES[name]:
+                    target = "vllm:" + alias
+                    copy = Metric(target, family.documentation, family.type, family.unit)
+                    for sample in family.samples:
+                        copy.add_sample(
+                            target + sample.name[len(source) :],
+                            {**sample.labels, "engine": "0"},
+                            sample.value,
+                            sample.timestamp,
+                            sample.exemplar,
+                        )
+                    yield copy
 
 
 class EngineMetrics:
-    """The metric objects plus the engine-thread hooks that feed them (see async_engine).
-
-    Every figure of vLLM's set is exported twice, always: as `pagemill:<name>` and as
-    vLLM's own `vllm:<name>` with vLLM's labels (model_name, engine), so vLLM's Grafana
-    dashboard and the inference gateway's endpoint picker (which reads
-    vllm:num_requests_waiting and vllm:kv_cache_usage_perc / vllm:gpu_cache_usage_perc)
-    work against pagemill with no flag.
-    """
+    """The metric objects plus the engine-thread hooks that feed them (see async_engine)."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
-        vllm_labels = ["model_name", "engine"]
         r = self.registry
 
-        def gauge(name: str, doc: str, *old: str) -> _Twin:
-            return _Twin(
-                Gauge(f"pagemill:{name}", doc, labels, registry=r),
-                *(Gauge(f"vllm:{n}", doc, vllm_labels, registry=r) for n in (name, *old)),
-            )
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagemill:{name}", doc, labels, registry=r)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> _Twin:
-            return _Twin(
-                Counter(f"pagemill:{name}", doc, [*labels, *extra], registry=r),
-                Counter(f"vllm:{name}", doc, [*vllm_labels, *extra], registry=r),
-            )
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pagemill:{name}", doc, [*labels, *extra], registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...], *old: str) -> _Twin:
-            return _Twin(
-                Histogram(f"pagemill:{name}", doc, labels, buckets=buckets, registry=r),
-                *(
-                    Histogram(f"vllm:{n}", doc, vllm_labels, buckets=buckets, registry=r)
-                    for n in (name, *old)
-                ),
-            )
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagemill:{name}", doc, labels, buckets=buckets, registry=r)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge(
             "num_requests_waiting", "Requests waiting to be scheduled."
         )
-        # vllm:gpu_cache_usage_perc is vLLM's name before 0.9, still read by gateways.
         self.kv_cache_usage = gauge(
-            "kv_cache_usage_perc",
-            "Fraction of KV cache blocks in use (1 = full).",
-            "gpu_cache_usage_perc",
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
         )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
@@ -197,12 +199,10 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
-        self.grammar_cache_bytes = Gauge(
-            "pagemill:grammar_cache_bytes",
+        self.grammar_cache_bytes = gauge(
+            "grammar_cache_bytes",
             "Bytes held by compiled grammars (structured output), "
             "bounded by --structured-outputs-cache-bytes.",
-            labels,
-            registry=r,
         )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens accepted.")
@@ -211,12 +211,8 @@ class EngineMetrics:
             "request_success", "Requests that finished, by reason.", ("finished_reason",)
         )
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        # vLLM exports the same per-token gaps under its older name too.
         self.itl = histogram(
-            "inter_token_latency_seconds",
-            "Time between two output tokens.",
-            _ITL_BUCKETS,
-            "time_per_output_token_seconds",
+            "inter_token_latency_seconds", "Time between two output tokens.", _ITL_BUCKETS
         )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS
@@ -262,6 +258,27 @@ class EngineMetrics:
             metric.labels(model_name)
         for phase in ("decode", "prefill"):
             self.step_time.labels(model_name, phase)
+        twins = {
+            name: getattr(self, attr)
+            for name, attr in (
+                ("num_requests_running", "num_requests_running"),
+                ("num_requests_waiting", "num_requests_waiting"),
+                ("kv_cache_usage_perc", "kv_cache_usage"),
+                ("prefix_cache_queries", "prefix_cache_queries"),
+                ("prefix_cache_hits", "prefix_cache_hits"),
+                ("num_preemptions", "num_preemptions"),
+                ("prompt_tokens", "prompt_tokens"),
+                ("generation_tokens", "generation_tokens"),
+                ("request_success", "request_success"),
+                ("time_to_first_token_seconds", "ttft"),
+                ("inter_token_latency_seconds", "itl"),
+                ("e2e_request_latency_seconds", "e2e"),
+                ("request_queue_time_seconds", "queue_time"),
+                ("request_prompt_tokens", "request_prompt_tokens"),
+                ("request_generation_tokens", "request_generation_tokens"),
+            )
+        }
+        r.register(VllmNames(twins))
 
     # -------------------------------------------------- the hook (engine thread)
 
