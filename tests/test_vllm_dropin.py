@@ -18,7 +18,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import BLOCK_SIZE, build_tiny_llama, free_socket
+from server_helpers import BLOCK_SIZE, CoreDouble, build_tiny_llama, free_socket, front_end
 
 from pagemill.server import cli
 
@@ -345,3 +345,57 @@ def test_run_batch_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[s
     code = cli.main(["run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o")])
     assert code == 2
     assert "nope.jsonl" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- CORS off by default
+
+
+class IdleCore(CoreDouble):
+    """An engine core with nothing to do: enough for routes that do not generate."""
+
+    def add_request(self, request: Any) -> None:
+        pass
+
+    def abort_requests(self, request_ids: Any) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def step(self) -> Any:
+        from pagemill.runtime.engine.protocol import EngineCoreOutputs
+
+        return EngineCoreOutputs([])
+
+
+@pytest.mark.parametrize("cors", [None, {"allow_origins": [ORIGIN]}])
+def test_no_cors_headers_unless_asked(cors: dict[str, Any] | None) -> None:
+    import asyncio
+
+    from pagemill.server import build_app
+
+    client = front_end(IdleCore())
+    try:
+        app = build_app(client, NAME, cors=cors)
+
+        async def ask() -> tuple[httpx.Response, httpx.Response]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                get = await http.get("/v1/models", headers={"Origin": ORIGIN})
+                preflight = await http.options(
+                    "/v1/models",
+                    headers={"Origin": ORIGIN, "Access-Control-Request-Method": "GET"},
+                )
+                return get, preflight
+
+        get, preflight = asyncio.run(ask())
+    finally:
+        client.shutdown()
+    assert get.status_code == 200
+    if cors is None:
+        assert "access-control-allow-origin" not in get.headers
+        assert "access-control-allow-origin" not in preflight.headers
+        assert preflight.status_code == 405
+    else:
+        assert get.headers["access-control-allow-origin"] == ORIGIN
+        assert preflight.status_code == 200
