@@ -123,7 +123,9 @@ async def run_lines(
                 "error": None,
             }
             if r.status_code >= 400:
-                err = body.get("error", {}) if isinstance(body, dict) else {}
+                err = body.get("error") if isinstance(body, dict) else None
+                if not isinstance(err, dict):
+                    err = {}
                 out["error"] = {
                     "code": err.get("code") or err.get("type") or str(r.status_code),
                     "message": err.get("message", r.text),
