@@ -86,6 +86,10 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
         return [flag, choice], choice
     if name.endswith("_bytes"):
         return [flag, "3MiB"], 3 * 2**20
+    if f.type.startswith("dict"):
+        return [flag, '{"temperature": 0.5}'], {"temperature": 0.5}
+    if name == "max_logprobs":  # capped at its default
+        return [flag, "5"], 5
     if f.type.startswith("int"):
         value = 300 if f.default in (None, dataclasses.MISSING) else f.default + 3
         return [flag, str(value)], value

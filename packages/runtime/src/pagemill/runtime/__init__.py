@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
     from pagemill.runtime.engine import EngineStats, LLMEngine
+    from pagemill.runtime.inputs import PromptType, TextPrompt, TokensPrompt
     from pagemill.runtime.llm import LLM
     from pagemill.runtime.model_config import ModelConfig
-    from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pagemill.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from pagemill.runtime.sample.structured_output import StructuredOutputsParams
     from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +33,10 @@ _LAZY = {
     "LLMEngine": ".engine",
     "LLM": ".llm",
     "CompletionOutput": ".outputs",
+    "Logprob": ".outputs",
+    "PromptType": ".inputs",
+    "TextPrompt": ".inputs",
+    "TokensPrompt": ".inputs",
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",
     "SamplingParams": ".sampling_params",
@@ -46,12 +51,16 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
+    "Logprob",
     "ModelConfig",
+    "PromptType",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 

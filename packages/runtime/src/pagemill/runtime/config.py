@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
+from pagemill.runtime.sampling_params import MAX_LOGPROBS
 from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
 from pagemill.scheduler.config import SchedulerConfig
 
@@ -107,6 +108,15 @@ class EngineConfig:
     for fields a request leaves unset: auto takes the model's generation_config.json, vllm
     ignores it (vLLM's neutral defaults), a folder path reads that folder's."""
 
+    override_generation_config: dict[str, Any] | None = None
+    """Sampling defaults that replace or add to --generation-config's, as JSON, e.g.
+    '{"temperature": 0.5, "max_new_tokens": 256}' (generation_config.json's keys, vLLM's
+    meaning); requests' own values still win."""
+
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per token (logprobs, top_logprobs); a request
+    asking for more gets a 400. -1: pagemill's own cap (20)."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -153,6 +163,17 @@ class EngineConfig:
                 raise bad(name, "must be None or a non-empty string")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
+        override = self.override_generation_config
+        if override is not None and (
+            not isinstance(override, dict) or not all(isinstance(k, str) for k in override)
+        ):
+            raise bad("override_generation_config", "must be None or a dict of field: value")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
+            raise bad("max_logprobs", "must be an int")
+        if self.max_logprobs == -1:
+            self.max_logprobs = MAX_LOGPROBS
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise bad("max_logprobs", f"must be -1 or in [0, {MAX_LOGPROBS}] (pagemill's cap)")
         length = self.max_model_len
         if length is not None and (
             isinstance(length, bool) or not isinstance(length, int) or length < 2

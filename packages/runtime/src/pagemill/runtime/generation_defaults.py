@@ -35,8 +35,30 @@ GENERATION_KEYS = {
 _HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
 
 
-def load_generation_defaults(mode: str, model_folder: str | Path) -> dict[str, Any]:
-    """SamplingParams field -> default, from `mode` ('auto' | 'vllm' | a folder)."""
+def load_generation_defaults(
+    mode: str, model_folder: str | Path, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """SamplingParams field -> default, from `mode` ('auto' | 'vllm' | a folder), with
+    `overrides` (--override-generation-config: generation_config.json keys) on top."""
+    defaults = _file_defaults(mode, model_folder)
+    if not overrides:
+        return defaults
+    unknown = sorted(set(overrides) - set(GENERATION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--override-generation-config: unknown key(s) {unknown}; "
+            f"known: {sorted(GENERATION_KEYS)}"
+        )
+    merged = {**defaults, **{GENERATION_KEYS[k]: v for k, v in overrides.items()}}
+    try:
+        SamplingParams(**merged)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--override-generation-config: {e}") from e
+    logger.info("default sampling: %s (--override-generation-config applied)", merged)
+    return merged
+
+
+def _file_defaults(mode: str, model_folder: str | Path) -> dict[str, Any]:
     if mode == "vllm":
         return {}
     folder = Path(model_folder) if mode == "auto" else Path(mode).expanduser()

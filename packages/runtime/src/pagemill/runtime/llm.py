@@ -1,7 +1,9 @@
 """The offline API: a batch of prompts in, their completions out, in input order.
 
 `LLM` adds every prompt to an `LLMEngine` and steps it until all are done; continuous
-batching does the rest. Names and behaviour follow vLLM's `LLM` so existing scripts port.
+batching does the rest. Names and behaviour follow vLLM's `LLM` so existing scripts port:
+prompts in vLLM's forms (`inputs`), and outputs shaped as vLLM's (`RequestOutput` with
+`prompt_token_ids`, per-token `Logprob` objects carrying rank and decoded text).
 """
 
 from __future__ import annotations
@@ -9,22 +11,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from pagemill.runtime.chat_template import resolve_chat_template
 from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
 from pagemill.runtime.engine import LLMEngine
-from pagemill.runtime.outputs import RequestOutput
+from pagemill.runtime.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
+from pagemill.runtime.outputs import (
+    CompletionOutput,
+    RequestOutput,
+    SampleLogprobs,
+    rank_logprobs,
+)
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = PromptType | Sequence[int]
 Message = dict[str, Any]
-
-
-def _is_token_ids(x: object) -> bool:
-    return isinstance(x, (list, tuple)) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in x
-    )
 
 
 class LLM:
@@ -49,23 +51,24 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt: a string, a list of strings, or token-id lists.
+        """Complete every prompt, in vLLM's forms: a string, `{"prompt": text}`,
+        `{"prompt_token_ids": [...]}` (a `TextPrompt` / `TokensPrompt`), a list of token
+        ids, or a list mixing them.
 
-        One SamplingParams applies to all prompts; a list gives one per prompt.
+        One SamplingParams applies to all prompts; a list gives one per prompt. `priority`
+        (one per prompt) matters under `scheduling_policy="priority"`. Outputs come in input
+        order, each with its `prompt_token_ids` and, when logprobs were asked for, vLLM's
+        `Logprob` objects.
         """
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: pagemill serves no LoRA adapters")
         if isinstance(prompts, (list, tuple)) and not prompts:
             return []
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
-        else:
-            prompt_list = list(prompts)  # type: ignore[arg-type]
-        for p in prompt_list:
-            if not isinstance(p, str) and not _is_token_ids(p):
-                raise TypeError(
-                    f"each prompt must be a string or a list of token ids, got {type(p).__name__}"
-                )
-        return self._run(prompt_list, sampling_params, use_tqdm)
+        parsed = [parse_prompt(p) for p in as_prompt_list(prompts)]
+        return self._run(parsed, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -87,12 +90,14 @@ class LLM:
             raise ValueError("messages is empty")
         template = None if chat_template is None else resolve_chat_template(chat_template)
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts: list[Prompt] = [
-            self.llm_engine.apply_chat_template(
-                c,  # type: ignore[arg-type]
-                add_generation_prompt=add_generation_prompt,
-                chat_template=template,
-                tools=tools,
+        prompts = [
+            ParsedPrompt(
+                self.llm_engine.apply_chat_template(
+                    c,  # type: ignore[arg-type]
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=template,
+                    tools=tools,
+                )
             )
             for c in conversations
         ]
@@ -100,9 +105,10 @@ class LLM:
 
     def _run(
         self,
-        prompts: list[Prompt],
+        prompts: list[ParsedPrompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:  # the model's generation-config defaults, as vLLM
             params_list = [self.llm_engine.get_default_sampling_params()] * len(prompts)
@@ -115,6 +121,8 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                     "pass one or one per prompt"
                 )
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         # Offline callers want each request once, whole: no per-step output objects at all.
         final: dict[int, SamplingParams] = {}
         for p in params_list:
@@ -126,7 +134,13 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = f"llm-{next(self._counter)}"
-                engine.add_request(rid, prompt, params)
+                engine.add_request(
+                    rid,
+                    prompt.prompt,
+                    params,
+                    priority=0 if priority is None else priority[i],
+                    cache_salt=prompt.cache_salt,
+                )
                 order[rid] = i
         except BaseException:
             engine.abort_request(list(order))
@@ -145,7 +159,7 @@ class LLM:
                     idx = order.get(out.request_id)
                     if idx is None or not out.finished:
                         continue
-                    results[idx] = out
+                    results[idx] = self._vllm_shaped(out, prompts[idx], params_list[idx])
                     remaining -= 1
                     if bar is not None:
                         bar.update(1)
@@ -156,3 +170,35 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+    def _vllm_shaped(
+        self, out: RequestOutput, prompt: ParsedPrompt, params: SamplingParams
+    ) -> RequestOutput:
+        """The engine's output with vLLM's details: the prompt text a TokensPrompt carried,
+        and `Logprob` objects (rank, decoded token) in place of plain floats."""
+        if out.prompt is None and prompt.text is not None:
+            out.prompt = prompt.text
+        if params.logprobs is None:
+            return out
+        tokenizer = self.llm_engine.tokenizer
+        num = params.logprobs
+
+        def decode(token_id: int) -> str | None:
+            return None if tokenizer is None else tokenizer.decode([token_id])
+
+        out.outputs = [
+            c
+            if c.logprobs is None
+            else CompletionOutput(
+                c.index,
+                c.text,
+                c.token_ids,
+                c.cumulative_logprob,
+                # Logprob is a float: the entries still read as SampleLogprobs.
+                cast(SampleLogprobs, [rank_logprobs(e, num, decode) for e in c.logprobs]),
+                c.finish_reason,
+                c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        return out

@@ -8,11 +8,66 @@ carry the whole completion (built once at the end, or every step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Per generated token: {token_id: logprob}. The sampled token comes first, then the top-n
 # tokens in decreasing order of probability (the sampled one is not repeated if among them).
+# The engine and the server keep plain floats; the offline `LLM` hands out `Logprob`s.
 SampleLogprobs = list[dict[int, float]]
+
+
+class Logprob(float):
+    """One token's log probability, as vLLM's `Logprob`: `.logprob`, `.rank` (1 = the most
+    likely token of the vocabulary; None where the engine did not rank it: a sampled token
+    outside the requested top-n) and `.decoded_token`.
+
+    A float subclass, so code written for pagemill's earlier plain-float entries keeps
+    working (`max(entry.values())`, arithmetic, approx comparisons).
+    """
+
+    __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+            f"decoded_token={self.decoded_token!r})"
+        )
+
+    def __reduce__(self) -> tuple[type[Logprob], tuple[float, int | None, str | None]]:
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
+def rank_logprobs(
+    entry: dict[int, float], num_top: int, decode: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    """An engine entry (sampled token first, then the top `num_top` in decreasing order,
+    the sampled one not repeated) as `Logprob`s with their ranks."""
+    items = list(entry.items())
+    sampled_id, sampled_lp = items[0]
+    tops = items[1:]
+    # The sampled token was one of the top-n exactly when the entry is one short.
+    if len(items) == num_top and num_top > 0:
+        at = sum(1 for _, lp in tops if lp > sampled_lp)
+        tops.insert(at, (sampled_id, sampled_lp))
+        ranks = {t: i + 1 for i, (t, _) in enumerate(tops)}
+    else:
+        ranks = {t: i + 1 for i, (t, _) in enumerate(tops)}
+    return {t: Logprob(lp, ranks.get(t), decode(t)) for t, lp in entry.items()}
 
 
 @dataclass
@@ -40,6 +95,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
+    # From the offline `LLM`, the values are `Logprob`s (floats with rank and decoded text).
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -62,3 +118,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    # vLLM's per-prompt-token logprobs; None until the engine computes them.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

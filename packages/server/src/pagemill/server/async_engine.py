@@ -192,12 +192,16 @@ class AsyncEngine(ModelFacts):
         elif client is None or assets is None:
             raise TypeError("AsyncEngine needs an LLMEngine, or a client and its model assets")
         else:
-            self.input_processor, self.output_processor = make_processors(assets, client.info)
+            self.input_processor, self.output_processor = make_processors(
+                assets, client.info, getattr(config, "max_logprobs", None)
+            )
         self.client = client
         self.assets = assets
         self.config = config
         self.max_pending = max_pending
         self.observer = observer
+        # --enable-log-requests: a `request_log.RequestLogger`, told of each accepted request.
+        self.request_logger: Any = None
         self._closed = False
         self._held: dict[str, int] = {}  # accepted, not yet released -> slots; under _lock
         self._num_slots = 0
@@ -413,6 +417,8 @@ class AsyncEngine(ModelFacts):
         except BaseException:
             self.release(request_id, finished=False)
             raise
+        if self.request_logger is not None:
+            self.request_logger.log(request_id, prompt, params)
         return q
 
     def _admit(

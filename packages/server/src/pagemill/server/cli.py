@@ -1,7 +1,10 @@
-"""The `pagemill` command: serve, generate, download, bench serve (and plan / simulate).
+"""The `pagemill` command: serve, run-batch, generate, download, bench serve (and plan /
+simulate).
 
-Heavy imports (torch, the engine) happen inside the subcommands, so `pagemill --help`
-answers at once.
+`serve` and `run-batch` take `vllm serve`'s command line: vLLM's spellings for every feature
+pagemill has, vLLM's `--config file.yaml`, and a one-line refusal naming any other vLLM flag
+(see vllm_args, vllm_refused). Heavy imports (torch, the engine) happen inside the
+subcommands, so `pagemill --help` answers at once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,6 +22,17 @@ from pagemill.runtime.config import DEFAULT_MODEL, KWARG_ROUTES, EngineConfig
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.config_args import add_field_arg, parse_size, positive_int
+from pagemill.server.vllm_args import (
+    OneKey,
+    add_vllm_engine_flags,
+    add_vllm_frontend_args,
+    apply_hub_options,
+    cors_settings,
+    expand_config_file,
+    log_requests,
+    normalize_flag_spelling,
+)
+from pagemill.server.vllm_refused import RUN_BATCH_REFUSED, add_vllm_flags
 
 __all__ = [
     "add_engine_args",
@@ -40,7 +55,18 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
 _ALIASES: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
     "tensor_parallel_size": ("-tp",),
+    "quantization": ("-q",),
 }
+# Commands that take vLLM's serve command line (and its --config file).
+_VLLM_COMMANDS = ("serve", "run-batch")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (a wrong value among a hundred flags should not print them
+    all); --help still lists everything."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _non_negative_float(text: str) -> float:
@@ -83,6 +109,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool) -> No
     groups["cache"].add_argument(
         "--no-prefix-caching", action="store_true", help="same as --no-enable-prefix-caching"
     )
+    add_vllm_engine_flags(groups[None])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,6 +118,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs["model"] = kwargs["model"] or DEFAULT_MODEL
     if args.no_prefix_caching:
         kwargs["enable_prefix_caching"] = False
+    if getattr(args, "compilation_config", None) == 0:
+        kwargs["enforce_eager"] = True
     return kwargs
 
 
@@ -103,20 +132,26 @@ def check_model(config: EngineConfig) -> None:
     architecture, GGUF or template is then one line and exit code 2, not a traceback."""
     from pagemill.runtime.model_executor.model_source import check_model_source
 
-    check_model_source(
+    source = check_model_source(
         config.model,
         config.revision,
         chat_template=config.chat_template,
         generation_config=config.generation_config,
     )
+    if config.override_generation_config:
+        from pagemill.runtime.generation_defaults import load_generation_defaults
+
+        load_generation_defaults(
+            config.generation_config, source.folder, config.override_generation_config
+        )
 
 
 def resolve_api_key(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
-    """--api-key, else $PAGEMILL_API_KEY (which keeps the key out of `ps` and shell history);
-    None (no auth) when neither is set or the variable is empty."""
+    """--api-key, else $PAGEMILL_API_KEY, else vLLM's $VLLM_API_KEY (variables keep the key
+    out of `ps` and shell history); None (no auth) when none is set or they are empty."""
     if flag is not None:
         return flag
-    return environ.get("PAGEMILL_API_KEY") or None
+    return environ.get("PAGEMILL_API_KEY") or environ.get("VLLM_API_KEY") or None
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -141,6 +176,7 @@ def _make_engine(config: EngineConfig) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
+    apply_hub_options(args)
     if config.tensor_parallel_size > 1 and os.environ.get("RANK", "0") != "0":
         # Under torchrun every rank runs this command: rank 0 serves, the others are
         # the engine's tensor-parallel workers.
@@ -198,6 +234,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(threads)
         client = AsyncEngine(_make_engine(config), max_pending=args.max_queue_len, observer=metrics)
+    if log_requests(args):
+        from pagemill.server.request_log import RequestLogger
+
+        client.request_logger = RequestLogger(args.max_log_len)
     try:
         watchdog = Watchdog(client, args.step_timeout or None, args.step_timeout_grace)
         app = build_app(
@@ -212,6 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             metrics_require_api_key=args.metrics_require_api_key,
+            cors=cors_settings(args),
         )
         print(
             f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "
@@ -231,7 +272,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             client,
             host=args.host,
             port=args.port,
-            log_level=args.log_level,
+            log_level=args.uvicorn_log_level or args.log_level,
             shutdown_timeout=args.shutdown_timeout,
             watchdog=watchdog,
             limits=limits,
@@ -251,7 +292,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
@@ -271,8 +312,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--api-key",
         default=None,
+        nargs="+",
+        action=OneKey,
         help="require 'Authorization: Bearer <key>' on /v1/* requests "
-        "(default: $PAGEMILL_API_KEY when set, else no key)",
+        "(default: $PAGEMILL_API_KEY, else $VLLM_API_KEY, when set; else no key)",
     )
     s.add_argument(
         "--metrics-require-api-key",
@@ -407,6 +450,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="show the first characters of each request's prompt on the dashboard "
         "(default: no prompt text leaves the engine)",
     )
+    add_vllm_frontend_args(p)
     p.add_argument(
         "--tool-call-parser",
         choices=[
@@ -425,6 +469,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "(default: guessed from the chat template)",
     )
     p.set_defaults(func=cmd_serve)
+    return p
 
 
 # ---------------------------------------------------------------- generate
@@ -432,6 +477,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     config = engine_config(args)
+    apply_hub_options(args)
     check_model(config)
 
     from pagemill.runtime import SamplingParams
@@ -550,7 +596,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from pagemill.server.version import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pagemill",
         description="pagemill: an LLM inference engine with paged attention and continuous "
         "batching. Start with `pagemill serve` (an OpenAI-compatible server on "
@@ -558,7 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pagemill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_serve(sub)
+    serve = _add_serve(sub)
+    add_vllm_flags(serve)  # last: only the vLLM flags serve has not defined itself
+    from pagemill.server.entrypoints.run_batch import add_run_batch
+
+    add_vllm_flags(add_run_batch(sub), RUN_BATCH_REFUSED)
     _add_generate(sub)
     _add_download(sub)
     _add_bench(sub)
@@ -568,10 +618,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """argv as `vllm serve` would read it for serve and run-batch (`--max_model_len`
+    spelling, `--config file.yaml` before the command line's own flags)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in _VLLM_COMMANDS:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        command = sub.choices[argv[0]]
+        try:
+            rest = expand_config_file(normalize_flag_spelling(argv[1:]), command)
+        except ValueError as exc:
+            command.error(str(exc))
+        argv = [argv[0], *rest]
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per benchmark request
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:

@@ -4,8 +4,9 @@ A flag's type, default, choices and help all come from its dataclass field (the 
 the string literal written under the field), so the CLI cannot offer an option the config
 lacks, or document a default the config does not have. Rules: field `x_y` -> `--x-y`;
 bools -> `--x-y/--no-x-y`; `T | None` fields default to None (absent: the config decides);
-int fields named `*_bytes` take sizes such as 512MiB or 4GiB; `field(metadata={"choices":
-...})` becomes argparse choices.
+int fields named `*_bytes` take sizes such as 512MiB or 4GiB, token counts 32k or 32K
+(vLLM's spelling); dict fields take JSON; `field(metadata={"choices": ...})` becomes
+argparse choices.
 
 Standard library only: `pagemill plan` / `simulate` use it without torch or the runtime.
 """
@@ -53,6 +54,42 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's token counts: '2048', '32k' (x1000), '32K' (x1024), '1.5m', '1M'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kKmMgG]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer such as 2048, 32k or 32K, got {text!r}"
+        )
+    number, suffix = m.groups()
+    if suffix in ("K", "M", "G") and "." in number:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: no decimals with K/M/G (x1024); try {suffix.lower()}"
+        )
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    value = float(number) * scale[suffix]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(value)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line (vLLM's dict-valued flags)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+# Token counts vLLM lets users write as 32k / 32K.
+_HUMAN_INTS = ("max_model_len", "max_num_batched_tokens")
 
 
 def parse_size(text: str) -> int:
@@ -146,6 +183,10 @@ def add_field_arg(
     kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": text}
     if kind is int and name.endswith("_bytes"):
         kwargs.update(type=parse_size, metavar="SIZE")
+    elif kind is int and name in _HUMAN_INTS:
+        kwargs["type"] = human_readable_int
+    elif typing.get_origin(kind) is dict or kind is dict:
+        kwargs.update(type=json_object, metavar="JSON")
     elif kind in (int, float, str):
         kwargs["type"] = kind
     else:

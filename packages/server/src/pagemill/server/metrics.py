@@ -1,7 +1,7 @@
-"""Prometheus metrics: vLLM's metric set, under the `pagemill:` prefix.
-
-Dashboards built for vLLM read the same names with the prefix swapped. Each server gets
-its own `CollectorRegistry` (several apps in one process, as in tests, must not collide).
+"""Prometheus metrics: vLLM's metric set, under the `pagemill:` prefix and under vLLM's own
+`vllm:` names (always both: vLLM's Grafana dashboard and the inference gateway work
+unchanged). Each server gets its own `CollectorRegistry` (several apps in one process, as in
+tests, must not collide).
 Everything here is updated from the engine's figures after every step (prometheus-client is
 thread-safe): on the engine thread in-process, or on the client's reader thread from what
 the engine process sent. Latencies are measured where tokens appear, not where the HTTP
@@ -10,14 +10,17 @@ layer happens to notice.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics"]
 
-# Buckets follow vLLM's so the same Grafana panels work.
+# Buckets are vLLM's (vllm/v1/metrics/loggers.py) so the same Grafana panels work.
 _TTFT_BUCKETS = (
     0.001,
     0.005,
@@ -111,6 +114,60 @@ _STEP_BUCKETS = (
 )
 
 
+# pagemill series -> the vLLM names it is also exported under. vLLM's older names that
+# dashboards and the gateway still read come along: gpu_cache_usage_perc (before 0.9) and
+# time_per_output_token_seconds (the per-token gap, as inter_token_latency_seconds).
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": (
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+    ),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
+
+
+class VllmNames(Collector):
+    """vLLM's names for pagemill's series, made at scrape time from the same values.
+
+    Each `pagemill:<name>` family is copied as `vllm:<alias>` with vLLM's labels
+    (`model_name` plus `engine="0"`: pagemill runs one engine core). Nothing is recorded
+    twice: the engine thread's per-step work is the same as without the vLLM names.
+    """
+
+    def __init__(self, metrics: dict[str, Any]) -> None:
+        self.metrics = metrics  # pagemill name (no prefix) -> its metric object
+
+    def collect(self) -> Iterator[Metric]:
+        for name, metric in self.metrics.items():
+            for family in metric.collect():
+                source = family.name  # e.g. "pagemill:prompt_tokens"
+                for alias in VLLM_NAMES[name]:
+                    target = "vllm:" + alias
+                    copy = Metric(target, family.documentation, family.type, family.unit)
+                    for sample in family.samples:
+                        copy.add_sample(
+                            target + sample.name[len(source) :],
+                            {**sample.labels, "engine": "0"},
+                            sample.value,
+                            sample.timestamp,
+                            sample.exemplar,
+                        )
+                    yield copy
+
+
 class EngineMetrics:
     """The metric objects plus the engine-thread hooks that feed them (see async_engine)."""
 
@@ -201,6 +258,27 @@ class EngineMetrics:
             metric.labels(model_name)
         for phase in ("decode", "prefill"):
             self.step_time.labels(model_name, phase)
+        twins = {
+            name: getattr(self, attr)
+            for name, attr in (
+                ("num_requests_running", "num_requests_running"),
+                ("num_requests_waiting", "num_requests_waiting"),
+                ("kv_cache_usage_perc", "kv_cache_usage"),
+                ("prefix_cache_queries", "prefix_cache_queries"),
+                ("prefix_cache_hits", "prefix_cache_hits"),
+                ("num_preemptions", "num_preemptions"),
+                ("prompt_tokens", "prompt_tokens"),
+                ("generation_tokens", "generation_tokens"),
+                ("request_success", "request_success"),
+                ("time_to_first_token_seconds", "ttft"),
+                ("inter_token_latency_seconds", "itl"),
+                ("e2e_request_latency_seconds", "e2e"),
+                ("request_queue_time_seconds", "queue_time"),
+                ("request_prompt_tokens", "request_prompt_tokens"),
+                ("request_generation_tokens", "request_generation_tokens"),
+            )
+        }
+        r.register(VllmNames(twins))
 
     # -------------------------------------------------- the hook (engine thread)
 

@@ -61,12 +61,14 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: Sequence[int],
         default_max_tokens: int | None = None,
+        max_logprobs: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids(tokenizer, list(eos_token_ids))
         self.default_max_tokens = default_max_tokens
+        self.max_logprobs = max_logprobs  # --max-logprobs; None: SamplingParams' own cap
         self._text_byte_limit: int | None = None
 
     def text_byte_limit(self) -> int:
@@ -184,6 +186,12 @@ class InputProcessor:
         if params.min_tokens > max_tokens:
             raise ValueError(
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({max_tokens})"
+            )
+        cap = self.max_logprobs
+        if cap is not None and params.logprobs is not None and params.logprobs > cap:
+            raise ValueError(
+                f"SamplingParams.logprobs={params.logprobs} is more than this server allows "
+                f"(--max-logprobs {cap})"
             )
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)

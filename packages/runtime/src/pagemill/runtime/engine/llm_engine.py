@@ -67,7 +67,7 @@ class EngineStats:
 
 
 def make_processors(
-    assets: ModelAssets, info: EngineCoreReady
+    assets: ModelAssets, info: EngineCoreReady, max_logprobs: int | None = None
 ) -> tuple[InputProcessor, OutputProcessor]:
     """The front end's two halves, for a core that reported `info`."""
     inputs = InputProcessor(
@@ -76,6 +76,7 @@ def make_processors(
         info.max_model_len,
         assets.model_config.eos_token_ids,
         default_max_tokens=assets.generation_defaults.get("max_tokens"),
+        max_logprobs=max_logprobs,
     )
     return inputs, OutputProcessor(assets.tokenizer)
 
@@ -98,7 +99,7 @@ class LLMEngine(ModelFacts):
         )
         self.engine_core_client: EngineCoreClient = InprocClient(core)
         self.input_processor, self.output_processor = make_processors(
-            self.assets, self.engine_core_client.info
+            self.assets, self.engine_core_client.info, config.max_logprobs
         )
         # The last step's increments (tokens, latencies, finished requests), for metrics.
         self.iteration_stats = IterationStats()

@@ -55,7 +55,9 @@ class ModelAssets:
             resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path)
         )
         apply_chat_template_override(tokenizer, config.chat_template)
-        defaults = load_generation_defaults(config.generation_config, path)
+        defaults = load_generation_defaults(
+            config.generation_config, path, config.override_generation_config
+        )
         return cls(path, model_config, tokenizer, defaults)
 
     @property

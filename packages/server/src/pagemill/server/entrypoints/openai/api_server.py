@@ -13,7 +13,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import anyio
@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Message, Receive, Scope, Send
 
 from pagemill.server.async_engine import AsyncEngine, StepObservers
@@ -158,6 +159,7 @@ def build_app(
     reasoning_parser: str | None = None,
     dashboard: DashboardHub | None = None,
     metrics_require_api_key: bool = False,
+    cors: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
@@ -172,8 +174,10 @@ def build_app(
     lets special-token strings in chat messages act as control tokens (see serving_chat).
     `tool_call_parser` (vLLM's names: "hermes", "mistral", ...) reads "auto" tool calls; by
     default it is guessed from the chat template. `reasoning_parser` ("deepseek_r1",
-    "qwen3") splits the reasoning from the answer. `dashboard` (a `dashboard.DashboardHub`) adds the
-    live page at /dashboard (behind `api_key` when there is one).
+    "qwen3") splits the reasoning from the answer. `dashboard` (a `dashboard.DashboardHub`)
+    adds the live page at /dashboard (behind `api_key` when there is one). `cors` (Starlette
+    `CORSMiddleware` keywords: allow_origins, ...) answers browsers' cross-origin requests;
+    without it there are no CORS headers.
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -248,6 +252,8 @@ def build_app(
         )
     elif metrics_require_api_key:
         raise ValueError("metrics_require_api_key needs an api_key")
+    if cors is not None:  # outside the key check: a preflight carries no Authorization
+        app.add_middleware(CORSMiddleware, **cors)
 
     async def check_api_key(request: Request) -> None:
         if api_key is None:
