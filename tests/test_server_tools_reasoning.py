@@ -286,6 +286,23 @@ def test_reasoning_split_whole_and_streamed(thinking: openai.OpenAI, model_dir: 
     assert content == whole.choices[0].message.content
 
 
+def test_include_reasoning_false_leaves_it_out(thinking: openai.OpenAI, model_dir: Path) -> None:
+    """vLLM's include_reasoning=false: the same answer, no reasoning in it, whole or streamed."""
+    n = REASONING_STEPS + 6
+    reasoning, text = reference_text(model_dir, n)
+    ask = {"model": MODEL, "messages": MESSAGES, "temperature": 0.0, "max_tokens": n}
+    body = {"ignore_eos": True, "include_reasoning": False}
+    msg = thinking.chat.completions.create(**ask, extra_body=body).choices[0].message
+    assert getattr(msg, "reasoning_content", None) is None and msg.reasoning is None
+    assert reasoning + "</think>" + msg.content == text
+    content = ""
+    for chunk in thinking.chat.completions.create(**ask, stream=True, extra_body=body):
+        for choice in chunk.choices:
+            assert not getattr(choice.delta, "reasoning_content", None)
+            content += choice.delta.content or ""
+    assert content == msg.content
+
+
 def test_structured_output_starts_after_the_reasoning(
     thinking: openai.OpenAI, model_dir: Path
 ) -> None:

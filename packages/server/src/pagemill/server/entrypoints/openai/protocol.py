@@ -306,8 +306,9 @@ class ChatCompletionRequest(SamplingFields):
         None
     )
     session_id: str | None = None
+    # False: the reasoning is generated but left out of the reply (vLLM's include_reasoning).
+    include_reasoning: bool = True
     # Refused unless sent as their default (see request_fields.py).
-    include_reasoning: Any = None
     thinking_token_budget: Any = None
     chat_template: Any = None
     media_io_kwargs: Any = None

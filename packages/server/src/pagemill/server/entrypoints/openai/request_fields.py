@@ -94,11 +94,8 @@ FIELDS: dict[str, FieldSupport] = {
     "reasoning_effort": _impl(
         "passed to the chat template as `reasoning_effort`, as vLLM does", CHAT
     ),
-    "include_reasoning": _refuse(
-        "leaving the reasoning out of the answer needs a reasoning parser (--reasoning-parser)",
-        False,
-        CHAT,
-        default=True,
+    "include_reasoning": _impl(
+        "false leaves the reasoning split off by --reasoning-parser out of the reply", CHAT
     ),
     "thinking_token_budget": _refuse("a reasoning budget is not supported", 64, CHAT),
     "prompt_embeds": _refuse(

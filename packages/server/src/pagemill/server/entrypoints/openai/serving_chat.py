@@ -257,6 +257,8 @@ class ChatServing(ServingBase):
             reasoning = None
             if reasoner is not None:
                 reasoning, text = reasoner.split(text, final=True)
+                if not req.include_reasoning:
+                    reasoning = None
             content, calls = plan.finish(text)
             if echo:
                 content = echo + (content or "")
@@ -353,7 +355,7 @@ class ChatServing(ServingBase):
         echo = echo_text(req)
         for i in range(req.n):
             yield chunk(i, {"role": "assistant", "content": echo})
-        tool_streams = [ChoiceStream(plan, reasoner) for _ in range(req.n)]
+        tool_streams = [ChoiceStream(plan, reasoner, req.include_reasoning) for _ in range(req.n)]
         try:
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:

@@ -24,6 +24,7 @@ class ChoiceStream:
 
     plan: ToolPlan
     reasoner: ReasoningParser | None = None
+    include_reasoning: bool = True  # False: the reasoning is read (to find the answer), not sent
     text: str = ""
     reasoning_sent: int = 0
     content_fed: int = 0
@@ -40,7 +41,8 @@ class ChoiceStream:
         reasoning, content = self.reasoner.split(self.text, final)
         out: list[dict[str, Any]] = []
         if len(reasoning) > self.reasoning_sent:
-            out.append(reasoning_delta(reasoning[self.reasoning_sent :]))
+            if self.include_reasoning:
+                out.append(reasoning_delta(reasoning[self.reasoning_sent :]))
             self.reasoning_sent = len(reasoning)
         if len(content) > self.content_fed:
             out += self.tools.feed(content[self.content_fed :])
