@@ -556,3 +556,45 @@ def test_quantized_tensors_never_load_as_plain_weights() -> None:
         lin = Linear(32, 16, False, torch.float32)
         with pytest.raises(TypeError, match="quantization_config"):
             lin.load_rows(0, value)
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused(tiny_llama, tmp_path) -> None:
+    """An fp8 checkpoint whose config lost its quantization_config must not load its fp8
+    values as if they were the weights (the guard in Linear.load_rows)."""
+    base, hf_model = tiny_llama
+    folder = tmp_path / "fp8"
+    write_checkpoint(base, folder, hf_model, {}, _fp8_pack(None))
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        LLM(str(folder), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 20)
+
+
+def test_module_split_across_shards_and_old_gptq_config_file(checkpoints, tmp_path) -> None:
+    """A module's tensors in two safetensors shards are gathered before converting; an
+    AutoGPTQ export with quantize_config.json (no quantization_config) is read as GPTQ."""
+    folder, reference = checkpoints("gptq-v1-asym")
+    split = tmp_path / "split"
+    shutil.copytree(folder, split)
+    config = json.loads((split / "config.json").read_text())
+    (split / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (split / "config.json").write_text(json.dumps(config))
+    tensors = safetensors.torch.load_file(str(split / "model.safetensors"))
+    (split / "model.safetensors").unlink()
+    second = {n for n in tensors if n.endswith((".scales", ".g_idx")) or "layers.1." in n}
+    shards = {
+        "model-00001-of-00002.safetensors": {n: t for n, t in tensors.items() if n not in second},
+        "model-00002-of-00002.safetensors": {n: t for n, t in tensors.items() if n in second},
+    }
+    for name, part in shards.items():
+        safetensors.torch.save_file(part, str(split / name))
+    weight_map = {n: f for f, part in shards.items() for n in part}
+    (split / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    quant = get_quantization_config(split, F32)
+    assert quant is not None and quant.quant_method == "gptq"
+    model = LlamaForCausalLM(ModelConfig.from_pretrained(split), F32, 512)
+    files = sorted(split.glob("*.safetensors"))
+    model.load_weights(quantized_weights(quant, checkpoint_names(files), iterate_weights(split)))
+    got = model.layers[0].self_attn.o_proj.weight  # fp32: dense, dequantized exactly
+    assert torch.equal(got, reference["model.layers.0.self_attn.o_proj.weight"])
