@@ -339,6 +339,55 @@ CASES = {
 }
 
 
+def _ct_library_pack(bits: int, sym: bool, strategy: str, group_size: int | None):
+    """compressed-tensors' own compressor writes the module and its own decompressor gives the
+    dense weight: the layout and the reference come from the library, not from this file."""
+
+    def pack(name, w):
+        ct = pytest.importorskip("compressed_tensors")
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        from compressed_tensors.quantization.utils import calculate_qparams
+
+        args = ct.quantization.QuantizationArgs(
+            num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=group_size
+        )
+        scheme = ct.quantization.QuantizationScheme(targets=["Linear"], weights=args)
+        w = w.detach().float()
+        groups = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        # Scales a bf16 checkpoint could hold: (q - z) * s is then exact in fp32 both ways.
+        scale = scale.to(torch.bfloat16).float()
+        state = {"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}
+        packed = PackedQuantizationCompressor.compress(state, scheme)
+        dense = PackedQuantizationCompressor.decompress(dict(packed), scheme)["weight"]
+        return packed, dense
+
+    return pack
+
+
+def _ct_config(bits: int, sym: bool, strategy: str, group_size: int | None) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy}
+    if group_size:
+        weights["group_size"] = group_size
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+
+
+CASES["ct-library-w4a16-asym"] = (
+    _ct_config(4, False, "group", 32),
+    _ct_library_pack(4, False, "group", 32),
+)
+CASES["ct-library-w8a16-channel"] = (
+    _ct_config(8, True, "channel", None),
+    _ct_library_pack(8, True, "channel", None),
+)
+
+
 def _fp8_pack(block):
     def pack(name, w):
         q, scale, dense = quantize_fp8(w, block)
@@ -430,6 +479,8 @@ def test_served_weights_are_the_formats_dequantization(checkpoints, case) -> Non
         "gptq-8bit": {"int4x2"},  # symmetric 8-bit: Int8Blocks, exact in two int4 planes
         "ct-w4a16-asym": {"int4"},
         "ct-w8a16-channel": {"int4x2"},
+        "ct-library-w4a16-asym": {"int4"},
+        "ct-library-w8a16-channel": {"int4x2"},
     }.get(case, {"dense"})  # act-order GPTQ and fp8: dequantized
     assert formats == expected
 
@@ -441,6 +492,7 @@ def test_served_weights_are_the_formats_dequantization(checkpoints, case) -> Non
         ("awq", "float32"),
         ("gptq-v1-sym-act-order", "float32"),
         ("ct-w4a16-asym", "float32"),
+        ("ct-library-w4a16-asym", "float32"),
         ("fp8-block", "float32"),
     ],
 )
