@@ -504,6 +504,16 @@ def test_engine_matches_transformers_on_the_dequantized_model(
     kernel's scales in bf16) the logits are as close as transformers' own bf16 run is."""
     folder, reference = checkpoints(case)
     ref = reference_model(tiny_llama[1], reference)
+    if case == "fp8-block":
+        # transformers dequantizes block-scaled fp8 itself: the reference is its model, and
+        # it agrees with the dequantization written here.
+        transformers = pytest.importorskip("transformers")
+        fp8 = transformers.FineGrainedFP8Config(weight_block_size=(32, 32), dequantize=True)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, quantization_config=fp8
+        ).eval()
+        for name, value in ref.state_dict().items():
+            assert torch.equal(value, reference[name]), name
     llm = LLM(str(folder), dtype=dtype, enforce_eager=True, kv_cache_memory_bytes=1 << 20)
     runner = llm.llm_engine.engine_core.model_runner
     prompts = random_prompts([5, 23], ref.config.vocab_size, seed=7)
