@@ -26,14 +26,14 @@ from pagemill.runtime.model_executor.quantization.int_groups import int_rows, un
 
 # Nibble i of a word holds column AWQ_PACK_ORDER[i] of its eight.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# Column j of the eight is in nibble _AWQ_UNPACK[j].
+_AWQ_UNPACK = [AWQ_PACK_ORDER.index(j) for j in range(8)]
 
 
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C / 8] in AWQ's order -> int32 [R, C] in column order."""
+    """int32 [R, C / 8] in AWQ's order -> uint8 [R, C] in column order."""
     nibbles = unpack_int32(packed, 4, dim=1).view(packed.shape[0], -1, 8)
-    out = torch.empty_like(nibbles)
-    out[..., list(AWQ_PACK_ORDER)] = nibbles
-    return out.view(packed.shape[0], -1)
+    return nibbles[..., _AWQ_UNPACK].reshape(packed.shape[0], -1)
 
 
 class AWQConfig(QuantizationConfig):
@@ -69,7 +69,7 @@ class AWQConfig(QuantizationConfig):
         self, prefix: str, tensors: dict[str, torch.Tensor]
     ) -> torch.Tensor | QuantizedRows:
         require(prefix, tensors, "qweight", "qzeros", "scales")
-        q = unpack_awq(tensors["qweight"]).T  # [N, K]
+        q = unpack_awq(tensors["qweight"]).T.contiguous()  # [N, K]
         zeros = unpack_awq(tensors["qzeros"]).T  # [N, K / g]
         scales = tensors["scales"].T
         n, k = q.shape

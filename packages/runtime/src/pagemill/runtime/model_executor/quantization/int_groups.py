@@ -13,6 +13,8 @@ asymmetric 8-bit) is dequantized — exactly in fp32, then rounded once to the m
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from pagemill.runtime.model_executor.quantization.formats import (
@@ -25,12 +27,19 @@ from pagemill.runtime.model_executor.quantization.formats import (
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Values packed little-end first (value i of a word at bits [i*bits, (i+1)*bits)) along
-    `dim` of an int32 tensor, unpacked along that dim (int32, unsigned values)."""
-    per_word = 32 // bits
+    `dim` of an int32 tensor, unpacked along that dim as uint8."""
+    if dim == 0:
+        return unpack_int32(packed.T, bits, 1).T
+    p = packed.to(torch.int32).contiguous()
+    if sys.byteorder == "little" and bits in (4, 8):
+        # A word's bytes in memory are its values in order: no shifts over int32 needed.
+        b = p.view(torch.uint8)
+        if bits == 8:
+            return b
+        return torch.stack((b & 15, b >> 4), dim=-1).reshape(p.shape[0], -1)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    p = packed.to(torch.int32).movedim(dim, -1)
     v = (p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return v.reshape(*p.shape[:-1], p.shape[-1] * per_word).movedim(-1, dim)
+    return v.reshape(p.shape[0], -1).to(torch.uint8)
 
 
 def _split_groups(g: int, k: int) -> int:
