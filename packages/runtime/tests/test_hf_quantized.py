@@ -660,3 +660,25 @@ def test_module_split_across_shards_and_old_gptq_config_file(checkpoints, tmp_pa
     model.load_weights(quantized_weights(quant, checkpoint_names(files), iterate_weights(split)))
     got = model.layers[0].self_attn.o_proj.weight  # fp32: dense, dequantized exactly
     assert torch.equal(got, reference["model.layers.0.self_attn.o_proj.weight"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", ["awq", "gptq-8bit", "fp8-block"])
+def test_quantized_checkpoints_on_gpu(
+    checkpoints, tiny_llama, random_prompts, hf_greedy, case
+) -> None:
+    """On a GPU the rows are dequantized into dense weights: fp32 logits equal the reference."""
+    folder, reference = checkpoints(case)
+    ref = reference_model(tiny_llama[1], reference)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        device="cuda",
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    prompts = random_prompts([5, 23], ref.config.vocab_size, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 6)
