@@ -174,13 +174,15 @@ def _small_ops(
 
 def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
     """The int4-group GEMM (AWQ / GPTQ / w4a16 weights) for a model's projections: the tile
-    height follows the row count (decode: 16, prefill: 64), groups of 128 as published."""
+    height follows the row count (decode: 16, prefill: 64), groups of 128 as published (64
+    where the model's sizes are not multiples of 128, e.g. SmolLM2's 576)."""
     from pagemill.kernels import int4_group_gemm_triton
 
+    g = 128 if hidden % 128 == 0 and inter % 128 == 0 else 64
     for k, n in ((hidden, 3 * hidden), (hidden, 2 * inter), (inter, hidden)):
         qweight = torch.zeros(k // 8, n, dtype=torch.int32)
-        scales = torch.zeros(k // 128, n, dtype=dtype)
-        int4_group_gemm_triton(torch.zeros(rows, k, dtype=dtype), qweight, scales, scales, 128)
+        scales = torch.zeros(k // g, n, dtype=dtype)
+        int4_group_gemm_triton(torch.zeros(rows, k, dtype=dtype), qweight, scales, scales, g)
 
 
 def record_launches(grid: str) -> list[Launch]:
