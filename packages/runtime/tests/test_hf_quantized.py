@@ -682,3 +682,16 @@ def test_quantized_checkpoints_on_gpu(
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 6)
+
+
+def test_vllm_quantization_names_check_the_checkpoint(checkpoints, tiny_llama) -> None:
+    """`--quantization awq` (vLLM's spelling) on an AWQ checkpoint loads it; a name the
+    checkpoint does not match — or fp8 on an unquantized one — is refused, naming both."""
+    folder, _ = checkpoints("awq")
+    kw = dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 20)
+    llm = LLM(str(folder), quantization="awq", **kw)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"quantization='gptq'.*quantized with 'awq'"):
+        LLM(str(folder), quantization="gptq", **kw)
+    with pytest.raises(ValueError, match=r"quantization='fp8'.*not quantized"):
+        LLM(str(tiny_llama[0]), quantization="fp8", **kw)

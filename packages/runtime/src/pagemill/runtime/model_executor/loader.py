@@ -32,6 +32,7 @@ from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.model_executor.quantization import plan_weights, weight_report
 from pagemill.runtime.model_executor.quantization.hf_config import (
     checkpoint_names,
+    declared_quantization,
     get_quantization_config,
     quantized_weights,
 )
@@ -107,6 +108,7 @@ def load_model(
         gguf = None
     # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
     hf_quant = None if load_format == "dummy" else get_quantization_config(path, dtype)
+    quantization = declared_quantization(quantization, hf_quant, path)
     layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
     if layout is not None:
         if quantization is not None:

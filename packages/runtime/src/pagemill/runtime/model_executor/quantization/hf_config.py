@@ -133,6 +133,26 @@ def get_quantization_config(folder: Path, dtype: torch.dtype) -> QuantizationCon
     return cls.from_config(q, dtype)
 
 
+def declared_quantization(
+    quantization: str | None, quant: QuantizationConfig | None, folder: Path
+) -> str | None:
+    """`quantization` as the weight plan takes it: vLLM's name of the checkpoint's own method
+    (`--quantization awq`) is checked against the checkpoint and then means nothing more."""
+    from pagemill.runtime.config import CHECKPOINT_QUANTIZATIONS
+
+    if quantization not in CHECKPOINT_QUANTIZATIONS:
+        return quantization
+    declared = None if quant is None else quant.quant_method
+    if declared != quantization:
+        found = "not quantized" if declared is None else f"quantized with {declared!r}"
+        raise ValueError(
+            f"quantization={quantization!r}, but {folder} is {found}; pagemill reads a "
+            "checkpoint's own quantization (drop the option) and quantizes on load only to "
+            "int8 / int4"
+        )
+    return None
+
+
 def checkpoint_names(files: Iterable[Path]) -> set[str]:
     """Every tensor name in the checkpoint (headers only)."""
     names: set[str] = set()
