@@ -62,13 +62,13 @@ def check_model_folder(path: Path, load_format: str) -> None:
     problems = []
     if not (path / "config.json").is_file():
         problems.append("no config.json")
-    elif load_format != "dummy":
-        get_quantization_config(path, torch.float32)  # refuse an unknown quant_method now
     if load_format != "dummy":
         gguf = gguf_for_folder(path)
         if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
             ensure_dense_weights(path, gguf)
             gguf = None
+        if gguf is None and not problems:
+            get_quantization_config(path, torch.float32)  # refuse an unknown quant_method now
         if gguf is None or load_format == "safetensors":
             try:
                 safetensors_files(path)
@@ -107,7 +107,9 @@ def load_model(
         ensure_dense_weights(path, gguf)
         gguf = None
     # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
-    hf_quant = None if load_format == "dummy" else get_quantization_config(path, dtype)
+    hf_quant = (
+        None if load_format == "dummy" or gguf is not None else get_quantization_config(path, dtype)
+    )
     quantization = declared_quantization(quantization, hf_quant, path)
     layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
     if layout is not None:
