@@ -29,9 +29,10 @@ from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
-from pagemill.runtime.model_executor.quantization import WeightPlan, WeightScheme
+from pagemill.runtime.model_executor.quantization import Int4Groups, WeightPlan, WeightScheme
 from pagemill.runtime.model_executor.quantization.fp8 import Fp8Config
 from pagemill.runtime.model_executor.quantization.hf_config import (
+    QuantizationConfig,
     checkpoint_names,
     get_quantization_config,
     quantized_weights,
@@ -695,3 +696,34 @@ def test_vllm_quantization_names_check_the_checkpoint(checkpoints, tiny_llama) -
         LLM(str(folder), quantization="gptq", **kw)
     with pytest.raises(ValueError, match=r"quantization='fp8'.*not quantized"):
         LLM(str(tiny_llama[0]), quantization="fp8", **kw)
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-v2-per-channel", "ct-w4a16-asym"])
+def test_rows_feed_the_gpu_int4_gemm(case) -> None:
+    """The rows a reader makes are what the kernels' int4-group GEMM (the GPU path for these
+    formats) takes: packed for it, they compute x @ Wᵀ with W the format's dequantization
+    rounded to the activation dtype (here through its torch path, the kernel's reference)."""
+    from pagemill.kernels import int4_group_gemm_torch, pack_int4_groups
+
+    config, pack = CASES[case]
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(3)) * 0.1
+    parts, dense = pack("m", w)
+    quant = _reader(config)
+    rows = quant.convert("m", dict(parts))
+    assert isinstance(rows, Int4Groups)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    qweight, s, z = pack_int4_groups(rows.q, rows.scales, rows.zeros, torch.float32)
+    got = int4_group_gemm_torch(x, qweight, s, z, rows.group_size)
+    want = (x.float() @ dense.to(torch.bfloat16).float().T).to(torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+def _reader(config: dict) -> QuantizationConfig:
+    from pagemill.runtime.model_executor.quantization.awq import AWQConfig
+    from pagemill.runtime.model_executor.quantization.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from pagemill.runtime.model_executor.quantization.gptq import GPTQConfig
+
+    cls = {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}
+    return cls[config["quant_method"]].from_config(config, F32)

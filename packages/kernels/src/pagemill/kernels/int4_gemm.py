@@ -6,9 +6,10 @@ with q in 0..15 — the same affine form PyTorch's int4 CPU kernel evaluates, so
 serves both devices. The GPU layout (`pack_int4_groups`) packs eight consecutive inputs of
 one output column into an int32 (input 8r + i at bits 4i of word [r, n], GPTQ's order), so
 a tile of K inputs x N outputs reads contiguous words along N; scales and zeros are
-[K / g, N] in the activation dtype. The kernel dequantizes a tile in fp32, rounds it once to
-the activation dtype (fp16 / bf16) for the tensor cores and accumulates in fp32; the torch
-path computes exactly that, and is the reference.
+[K / g, N], in the activation dtype or fp32 (read as fp32: fp32 keeps a checkpoint's fp16
+scales exact under bf16 activations, at twice their bytes). The kernel dequantizes a tile
+in fp32, rounds it once to the activation dtype (fp16 / bf16) for the tensor cores and
+accumulates in fp32; the torch path computes exactly that, and is the reference.
 """
 
 from __future__ import annotations
