@@ -65,6 +65,7 @@ def int_rows(
     unsigned integers), `g_idx` [K] or None for contiguous groups of K / G."""
     k = q.shape[1]
     groups = scales.shape[1]
+    dense = str(dtype).removeprefix("torch.")
     s = scales.float()
     z = zeros.to(torch.int32)
     trivial = torch.arange(k) // (k // groups) if k % groups == 0 else None
@@ -72,7 +73,7 @@ def int_rows(
         # Act-order: column k belongs to group g_idx[k]; groups are not contiguous.
         idx = g_idx.long()
         w = (q.to(torch.int32) - z[:, idx]).float() * s[:, idx]
-        return w.to(dtype), f"{dtype} (act-order groups)"
+        return w.to(dtype), f"{dense} (act-order groups)"
     if k % groups:
         raise ValueError(f"{source}: {k} input columns do not split into {groups} groups")
     g = k // groups
@@ -89,4 +90,4 @@ def int_rows(
     w = (q.to(torch.int32) - z.repeat_interleave(size, dim=1)).float() * s.repeat_interleave(
         size, dim=1
     )
-    return w.to(dtype), f"{dtype} ({bits}-bit with zero points)"
+    return w.to(dtype), f"{dense} ({bits}-bit with zero points)"
