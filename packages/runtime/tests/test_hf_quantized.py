@@ -727,3 +727,24 @@ def _reader(config: dict) -> QuantizationConfig:
 
     cls = {"awq": AWQConfig, "gptq": GPTQConfig, "compressed-tensors": CompressedTensorsConfig}
     return cls[config["quant_method"]].from_config(config, F32)
+
+
+@pytest.mark.slow  # two worker processes: about half a minute on two shared cores
+def test_quantized_checkpoint_under_tensor_parallelism(
+    checkpoints, tiny_llama, random_prompts, hf_greedy
+) -> None:
+    """Each rank reads the checkpoint's rows and takes its shard of them, dequantized."""
+    folder, reference = checkpoints("gptq-v1-sym-act-order")
+    ref = reference_model(tiny_llama[1], reference)
+    llm = LLM(
+        str(folder),
+        tensor_parallel_size=2,
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    prompts = random_prompts([5, 23], ref.config.vocab_size, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 6)
+    llm.shutdown()
