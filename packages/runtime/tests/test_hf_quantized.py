@@ -567,6 +567,12 @@ def test_fp8_block_scales_with_partial_blocks() -> None:
     got = quant.convert("m", {"weight": q, "weight_scale_inv": scale})
     assert isinstance(got, torch.Tensor)
     assert torch.equal(got, dense)
+    # Per-row and per-group scales (compressed-tensors' channel / group strategies).
+    for cols in (1, 3):
+        scale = torch.rand(200, cols, generator=g) + 0.5
+        want = q.float() * scale.repeat_interleave(300 // cols, dim=1)
+        got = quant.rounding.dequantize("m", q, scale, None, torch.float32)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(

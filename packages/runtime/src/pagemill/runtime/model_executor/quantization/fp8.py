@@ -29,21 +29,27 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ACTIVATION_SCALES = frozenset({"input_scale", "k_scale", "v_scale", "kv_scale"})
 
 
-def scale_per_weight(
-    scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None
+def scaled(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
 ) -> torch.Tensor:
-    """A scale tensor (per tensor, per row, per group or per block) as [N, K] (or a scalar)."""
+    """weight (float8 [N, K]) times its scale — per tensor, row, group or block — in fp32,
+    without materializing the scales at the weight's size."""
+    n, k = weight.shape
+    w = weight.float()
     s = scale.float()
     if s.numel() == 1:
-        return s.reshape(())
+        return w.mul_(s.reshape(()))
     if block is not None:
         bn, bk = block
         rows, cols = -(-n // bn), -(-k // bk)
         if tuple(s.shape) != (rows, cols):
             raise ValueError(f"block scales {tuple(s.shape)} do not fit [{n}, {k}] in {block}")
-        return s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        if n % bn or k % bk:  # partial blocks at the edges: expand the scales
+            return w.mul_(s.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k])
+        return w.view(rows, bn, cols, bk).mul_(s[:, None, :, None]).view(n, k)
     if s.dim() == 2 and s.shape[0] == n and k % s.shape[1] == 0:
-        return s.repeat_interleave(k // s.shape[1], 1)
+        g = k // s.shape[1]
+        return w.view(n, s.shape[1], g).mul_(s[:, :, None]).view(n, k)
     raise ValueError(f"scales {tuple(s.shape)} do not fit a [{n}, {k}] weight")
 
 
@@ -64,12 +70,12 @@ class Fp8Rounding:
     ) -> torch.Tensor:
         if weight.dtype not in FP8_DTYPES:
             raise ValueError(f"fp8 module {prefix}: weight is {weight.dtype}, not float8")
-        n, k = weight.shape
-        exact = weight.float() * scale_per_weight(scale, n, k, block)
+        exact = scaled(weight, scale, block)
         served = exact.to(dtype)
-        nz = exact != 0
-        if bool(nz.any()):
-            rel = ((served.float() - exact).abs()[nz] / exact.abs()[nz]).max().item()
+        if served.dtype != torch.float32:
+            # |served - exact| / |exact| over the nonzero products, in place in `exact`.
+            err = served.float().sub_(exact).abs_()
+            rel = err.div_(exact.abs_()).nan_to_num_(nan=0.0).max().item()
             self.max_rel = max(self.max_rel, rel)
         self.modules += 1
         return served
