@@ -426,6 +426,23 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_int4_gemm(args: argparse.Namespace) -> int:
+    """The int4-group GEMM of AWQ / GPTQ / w4a16 checkpoints vs a dense bf16 GEMM."""
+    sys.path.insert(0, str(BENCH))
+    import int4_gemm as bench
+
+    report = bench.run(args.cpu, iters=3 if args.cpu else 50)
+    bench.print_report(report)
+    decode = [r for r in report["rows"] if r["m"] == 1]
+    report["summary"] = {
+        "decode_gb_per_s": max((r["gb_per_s"] for r in decode), default=None),
+        "decode_speedup_vs_dense": min((r["speedup_vs_dense"] for r in decode), default=None),
+        "max_rel_err": max((r["rel_err"] for r in report["rows"]), default=None),
+    }
+    write_json(args.out, report)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- plan
 
 
@@ -698,6 +715,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             "deps",
             "tests",
             "kernels",
+            "int4-gemm",
             "plan",
             "steps-eager",
             "steps-graphs",
@@ -841,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", required=True)
     add("tests", cmd_tests).add_argument("--out", required=True)
     add("kernels", cmd_kernels).add_argument("--out", required=True)
+    add("int4-gemm", cmd_int4_gemm).add_argument("--out", required=True)
     p = add("plan", cmd_plan)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--context", type=int, default=192)

@@ -84,7 +84,7 @@ def _install_recorder() -> None:
     # The launchers refuse CPU tensors outside the interpreter; here nothing is launched.
     import pagemill.kernels  # noqa: F401 - loads the op modules
 
-    for op in ("activation", "kv_cache", "rms_norm", "rotary"):
+    for op in ("activation", "int4_gemm", "kv_cache", "rms_norm", "rotary"):
         # sys.modules: the package rebinds e.g. `pagemill.kernels.rms_norm` to the function.
         sys.modules[f"pagemill.kernels.{op}"].check_triton_device = lambda *tensors: None
 
@@ -172,6 +172,19 @@ def _small_ops(
     write_kv_cache_triton(k, k, cache, cache, torch.zeros(t, dtype=torch.int64))
 
 
+def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
+    """The int4-group GEMM (AWQ / GPTQ / w4a16 weights) for a model's projections: the tile
+    height follows the row count (decode: 16, prefill: 64), groups of 128 as published (64
+    where the model's sizes are not multiples of 128, e.g. SmolLM2's 576)."""
+    from pagemill.kernels import int4_group_gemm_triton
+
+    g = 128 if hidden % 128 == 0 and inter % 128 == 0 else 64
+    for k, n in ((hidden, 3 * hidden), (hidden, 2 * inter), (inter, hidden)):
+        qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+        scales = torch.zeros(k // g, n, dtype=dtype)
+        int4_group_gemm_triton(torch.zeros(rows, k, dtype=dtype), qweight, scales, scales, g)
+
+
 def record_launches(grid: str) -> list[Launch]:
     """Call the launchers over the grid's configurations; returns the recorded launches."""
     global _CASE
@@ -235,6 +248,11 @@ def record_launches(grid: str) -> list[Launch]:
     for dt, model in models:
         _CASE = {"dtype": dt, "model": model, "kernel_family": "small"}
         _small_ops(DTYPES[dt], *MODELS[model])
+        if dt != "fp32":  # w4a16 checkpoints run in fp16 / bf16
+            hidden, inter = MODELS[model][0], MODELS[model][4]
+            for rows in (1, 256):
+                _CASE = {"dtype": dt, "model": model, "rows": rows, "kernel_family": "int4_gemm"}
+                _int4_gemm(DTYPES[dt], rows, hidden, inter)
     return _RECORDED
 
 

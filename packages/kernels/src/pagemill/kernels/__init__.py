@@ -19,6 +19,12 @@ from pagemill.kernels.attention import (
     paged_attention_triton,
     plan_attention,
 )
+from pagemill.kernels.int4_gemm import (
+    int4_group_gemm,
+    int4_group_gemm_torch,
+    int4_group_gemm_triton,
+    pack_int4_groups,
+)
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
 from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
 from pagemill.kernels.rotary import (
@@ -37,6 +43,10 @@ __all__ = [
     "apply_rotary_torch",
     "apply_rotary_triton",
     "gelu_tanh_and_mul",
+    "int4_group_gemm",
+    "int4_group_gemm_torch",
+    "int4_group_gemm_triton",
+    "pack_int4_groups",
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",

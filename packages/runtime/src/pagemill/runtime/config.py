@@ -41,6 +41,9 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8", "int4")
+# vLLM's --quantization names for a checkpoint quantized already: accepted as a check that
+# the checkpoint's quantization_config says so (its weights are read as they are).
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -86,10 +89,14 @@ class EngineConfig:
     """Longest sequence (prompt plus output) a request may reach (default: the model's
     context length)."""
 
-    quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
+    quantization: str | None = field(
+        default=None, metadata={"choices": QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS}
+    )
     """Weight-only quantization on CPU: int8 (per channel) or int4 (groups of 32 with zero
     points), applied to a safetensors model when it loads; default: none, except that a
-    GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights."""
+    GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights and a
+    quantized checkpoint (AWQ, GPTQ, ...) its own. awq / gptq / compressed-tensors / fp8
+    name the checkpoint's method (an error if it is quantized otherwise)."""
 
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
@@ -144,14 +151,15 @@ class EngineConfig:
             raise bad("seed", "must be an int")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise bad("quantization", f"must be None or one of {QUANTIZATIONS}")
+        choices = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
+        if self.quantization is not None and self.quantization not in choices:
+            raise bad("quantization", f"must be None or one of {choices}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise bad("tensor_parallel_size", "must be an integer >= 1")
-        if tp > 1 and self.quantization is not None:
+        if tp > 1 and self.quantization in QUANTIZATIONS:
             raise ValueError(
                 f"quantization={self.quantization!r} with tensor_parallel_size={tp} is not "
                 "supported: packed int8/int4 rows are not split across ranks; serve the dense "

@@ -13,6 +13,7 @@ kernel they define (tests/test_aot_compile.py).
 MODULES = (
     "pagemill.kernels._triton.activation",
     "pagemill.kernels._triton.attention",
+    "pagemill.kernels._triton.int4_gemm",
     "pagemill.kernels._triton.kv_cache",
     "pagemill.kernels._triton.rms_norm",
     "pagemill.kernels._triton.rotary",

@@ -30,6 +30,12 @@ from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolv
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.model_executor.quantization import plan_weights, weight_report
+from pagemill.runtime.model_executor.quantization.hf_config import (
+    checkpoint_names,
+    declared_quantization,
+    get_quantization_config,
+    quantized_weights,
+)
 from pagemill.runtime.model_executor.weights import iterate_weights, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -61,6 +67,8 @@ def check_model_folder(path: Path, load_format: str) -> None:
         if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
             ensure_dense_weights(path, gguf)
             gguf = None
+        if gguf is None and not problems:
+            get_quantization_config(path, torch.float32)  # refuse an unknown quant_method now
         if gguf is None or load_format == "safetensors":
             try:
                 safetensors_files(path)
@@ -98,6 +106,11 @@ def load_model(
     if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
         ensure_dense_weights(path, gguf)
         gguf = None
+    # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
+    hf_quant = (
+        None if load_format == "dummy" or gguf is not None else get_quantization_config(path, dtype)
+    )
+    quantization = declared_quantization(quantization, hf_quant, path)
     layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
     if layout is not None:
         if quantization is not None:
@@ -109,7 +122,7 @@ def load_model(
             )
     plan = plan_weights(
         quantization,
-        gguf=gguf is not None and layout is None,
+        gguf=(gguf is not None or hf_quant is not None) and layout is None,
         dtype=dtype,
         device=device,
         dense_fallback=dense_fallback,
@@ -130,9 +143,13 @@ def load_model(
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
         source = f"{gguf.name}: {types}"
     else:
-        weights = iterate_weights(path)
-        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
         source = "safetensors"
+        weights = iterate_weights(path)
+        if hf_quant is not None:
+            names = checkpoint_names(safetensors_files(path))
+            weights = quantized_weights(hf_quant, names, iterate_weights(path))
+            source = f"safetensors, {hf_quant.describe()}"
+        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
     model.eval()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",

@@ -111,6 +111,14 @@ class Linear(nn.Module):
             raise RuntimeError("weights loaded into a Linear after finalize()")
         rows = value.shape[0]
         if isinstance(value, torch.Tensor):
+            if not value.is_floating_point() or value.element_size() == 1:
+                # int / fp8 values mean nothing without their scales: a quantized checkpoint
+                # whose method did not convert them (see quantization.hf_config).
+                raise TypeError(
+                    f"a {value.dtype} tensor reached a Linear [{self.out_features}, "
+                    f"{self.in_features}] as plain weights; quantized weights need their "
+                    "quantization_config's reader"
+                )
             assert self.weight is not None
             self.weight.narrow(0, offset, rows).copy_(value)
         else:
