@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
 from pagemill.scheduler.config import SchedulerConfig
@@ -107,6 +108,21 @@ class EngineConfig:
     for fields a request leaves unset: auto takes the model's generation_config.json, vllm
     ignores it (vLLM's neutral defaults), a folder path reads that folder's."""
 
+    runner: str = field(default="auto", metadata={"choices": RUNNERS})
+    """What the engine serves (vLLM's --runner): generate (completions only), pooling
+    (embeddings only) or auto: both, since any decoder model pools its hidden states and a
+    prompt-only request costs only its prefill."""
+
+    convert: str = field(default="auto", metadata={"choices": CONVERTS})
+    """How a decoder model is adapted (vLLM's --convert): embed serves it as an embedding
+    model (implies --runner pooling); auto and none keep it as it is."""
+
+    pooler_config: str | None = None
+    """Pooling defaults as JSON (vLLM's --pooler-config), e.g. '{"pooling_type": "MEAN",
+    "normalize": false}'; pooling_type LAST, MEAN or CLS. Default: the model folder's
+    sentence-transformers modules (modules.json, 1_Pooling/config.json), else the last
+    token, normalized."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -153,6 +169,24 @@ class EngineConfig:
                 raise bad(name, "must be None or a non-empty string")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise bad("generation_config", "must be 'auto', 'vllm' or a folder path")
+        if self.runner not in RUNNERS:
+            raise bad("runner", f"must be one of {RUNNERS}")
+        if self.convert not in CONVERTS:
+            raise bad("convert", f"must be one of {CONVERTS}")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ValueError(
+                    "EngineConfig.convert='embed' makes an embedding model: it cannot run "
+                    "with runner='generate'"
+                )
+            self.runner = "pooling"
+        if self.pooler_config is not None:
+            if not isinstance(self.pooler_config, str):
+                raise bad("pooler_config", "must be None or a JSON object (a string)")
+            try:
+                PoolerConfig.parse(self.pooler_config)
+            except ValueError as exc:
+                raise ValueError(f"EngineConfig.{exc}") from None
         length = self.max_model_len
         if length is not None and (
             isinstance(length, bool) or not isinstance(length, int) or length < 2

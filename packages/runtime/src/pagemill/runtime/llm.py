@@ -14,7 +14,8 @@ from typing import Any
 from pagemill.runtime.chat_template import resolve_chat_template
 from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
 from pagemill.runtime.engine import LLMEngine
-from pagemill.runtime.outputs import RequestOutput
+from pagemill.runtime.outputs import EmbeddingRequestOutput, RequestOutput
+from pagemill.runtime.pooling_params import PoolingParams
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -155,4 +156,75 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+        return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding (`outputs.embedding`) per prompt, in input order (vLLM's `embed`).
+
+        Prompts run through the same scheduler as generation (batched, chunked); pooling
+        defaults come from the model (see `PoolingParams`).
+        """
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; "
+                    "pass one or one per prompt"
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        results: list[EmbeddingRequestOutput | None] = [None] * len(prompt_list)
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                if not isinstance(prompt, str) and not _is_token_ids(prompt):
+                    raise TypeError(
+                        "each prompt must be a string or a list of token ids, "
+                        f"got {type(prompt).__name__}"
+                    )
+                rid = f"embd-{next(self._counter)}"
+                engine.add_request(rid, prompt, params)
+                order[rid] = i
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(order), desc="Embedded prompts", dynamic_ncols=True)
+            remaining = len(order)
+            while remaining:
+                for out in engine.step():
+                    idx = order.get(out.request_id)
+                    if idx is None or not isinstance(out, EmbeddingRequestOutput):
+                        continue
+                    if out.finish_reason != "stop":
+                        raise RuntimeError(
+                            f"embedding of prompt {idx} ended without a vector "
+                            f"({out.finish_reason})"
+                        )
+                    results[idx] = out
+                    remaining -= 1
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            engine.abort_request([r for r, i in order.items() if results[i] is None])
+            raise
         return [r for r in results if r is not None]
