@@ -114,6 +114,7 @@ class SamplingFields(OpenAIModel):
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsField | None = None
     response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -136,6 +137,8 @@ class SamplingFields(OpenAIModel):
             raise ValueError("'stream_options' is only allowed when 'stream' is true")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("'cache_salt' must be a non-empty string")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
+            raise ValueError("'prompt_logprobs' are not available when 'stream' is true")
         return self
 
     @property
@@ -266,12 +269,25 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's `Logprob` as its responses spell it (`prompt_logprobs` entries)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (None for the first): {token id: its logprob}, vLLM's shape.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -318,6 +334,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ModelCard(OpenAIModel):

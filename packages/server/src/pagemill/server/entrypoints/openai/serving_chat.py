@@ -38,6 +38,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     check_failed,
     failure_events,
     now,
+    prompt_logprobs_field,
     split_logprobs,
     sse,
     token_text,
@@ -160,6 +161,9 @@ class ChatServing(ServingBase):
             id=request_id,
             model=self.served_model_name,
             choices=choices,
+            prompt_logprobs=prompt_logprobs_field(
+                self.tokenizer, final.prompt_logprobs, req.prompt_logprobs or 0
+            ),
             usage=UsageInfo(
                 prompt_tokens=n_prompt,
                 completion_tokens=n_completion,

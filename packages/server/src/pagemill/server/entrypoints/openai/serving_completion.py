@@ -24,6 +24,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     check_failed,
     failure_events,
     now,
+    prompt_logprobs_field,
     split_logprobs,
     sse,
     token_text,
@@ -61,6 +62,9 @@ class CompletionServing(ServingBase):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_field(
+                            self.tokenizer, out.prompt_logprobs, req.prompt_logprobs or 0
+                        ),
                     )
                 )
         n_prompt, n_completion = usage_counts(finals)
