@@ -144,7 +144,7 @@ class LLM:
             while remaining:
                 for out in engine.step():
                     idx = order.get(out.request_id)
-                    if idx is None or not out.finished:
+                    if idx is None or not out.finished or not isinstance(out, RequestOutput):
                         continue
                     results[idx] = out
                     remaining -= 1

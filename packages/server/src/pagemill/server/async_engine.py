@@ -486,8 +486,9 @@ class AsyncEngine(ModelFacts):
 
     async def stream(
         self, out_queue: asyncio.Queue[QueueItem], request_ids: Sequence[str]
-    ) -> AsyncGenerator[RequestOutput | EmbeddingRequestOutput, None]:
-        """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished
+        (for pooling requests, EmbeddingRequestOutputs: see `serving_embedding`).
 
         Leaving early (an exception, a cancelled task, a closed generator) aborts the ones
         still running, so a client that hangs up frees its blocks within a step.
@@ -501,7 +502,7 @@ class AsyncEngine(ModelFacts):
                 if item.finished:
                     live.discard(item.request_id)
                     self.release(item.request_id, finished=True)
-                yield item
+                yield item  # type: ignore[misc]
         finally:
             for rid in live:
                 self.release(rid, finished=False)

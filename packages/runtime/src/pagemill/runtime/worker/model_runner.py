@@ -571,11 +571,11 @@ class ModelRunner:
         hidden, logits = self._local_logits(step)
         if logits is None:
             logits = hidden.new_empty(0, vocab)
-        out = self._output(step, hidden, logits)
+        result = self._output(step, hidden, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
-        return out
+        return result
 
     def _output(
         self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
@@ -652,11 +652,11 @@ class ModelRunner:
             logits = torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
         elif logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size].contiguous()  # the last rank's padding
-        out = self._output(step, hidden, logits)
+        result = self._output(step, hidden, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
-        return out
+        return result
 
     @torch.inference_mode()
     def execute_batch(self, batch: StepBatch) -> None:

@@ -226,8 +226,9 @@ class EmbeddingServing(ServingBase):
             final: dict[str, EmbeddingRequestOutput] = {}
             async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
                 async for out in stream:
-                    if isinstance(out, EmbeddingRequestOutput):
-                        final[out.request_id] = out
+                    item: Any = out  # pooling requests yield EmbeddingRequestOutputs
+                    if isinstance(item, EmbeddingRequestOutput):
+                        final[item.request_id] = item
             return final
 
         async def watch() -> None:
