@@ -246,3 +246,23 @@ def test_prompt_logprobs_validation() -> None:
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_pooling_and_prompt_logprobs(tiny_qwen3, hf_base, random_prompts):
+    """Under TP=2 the prompt-logprob rows are gathered like the sampled ones and rank 0
+    pools its own (replicated) hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    prompts = random_prompts([37, 6], hf_base.config.vocab_size, seed=20)
+    llm = LLM(str(tiny_qwen3), tensor_parallel_size=2, **CHUNKED)
+    try:
+        outs = llm.embed(prompts, PoolingParams(pooling_type="MEAN"), use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            _close(out.outputs.embedding, F.normalize(_hidden(hf_base, prompt).mean(0), dim=-1))
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            _check_prompt_logprobs(out.prompt_logprobs, prompt, _reference_logprobs(lm, prompt), 2)
+    finally:
+        llm.shutdown()
