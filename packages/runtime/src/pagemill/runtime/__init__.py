@@ -18,7 +18,14 @@ if TYPE_CHECKING:
     from pagemill.runtime.engine import EngineStats, LLMEngine
     from pagemill.runtime.llm import LLM
     from pagemill.runtime.model_config import ModelConfig
-    from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from pagemill.runtime.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        RequestMetrics,
+        RequestOutput,
+    )
+    from pagemill.runtime.pooling_params import PoolingParams
     from pagemill.runtime.sample.structured_output import StructuredOutputsParams
     from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,6 +41,9 @@ _LAZY = {
     "CompletionOutput": ".outputs",
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",
+    "EmbeddingOutput": ".outputs",
+    "EmbeddingRequestOutput": ".outputs",
+    "PoolingParams": ".pooling_params",
     "SamplingParams": ".sampling_params",
     "RequestOutputKind": ".sampling_params",
     "StructuredOutputsParams": ".sample.structured_output",
@@ -43,10 +53,13 @@ __all__ = [
     "DEFAULT_MODEL",
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
     "ModelConfig",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
