@@ -266,3 +266,35 @@ def test_tensor_parallel_pooling_and_prompt_logprobs(tiny_qwen3, hf_base, random
             _check_prompt_logprobs(out.prompt_logprobs, prompt, _reference_logprobs(lm, prompt), 2)
     finally:
         llm.shutdown()
+
+
+def test_protocol_round_trip() -> None:
+    """What a core process receives and sends back survives msgpack."""
+    from pagemill.runtime.engine.protocol import (
+        Codec,
+        EngineCoreOutput,
+        EngineCoreOutputs,
+        EngineCoreRequest,
+    )
+
+    codec = Codec()
+    params = PoolingParams(pooling_type="MEAN", normalize=True, dimensions=4)
+    request = EngineCoreRequest(
+        "e",
+        [1, 2, 3],
+        SamplingParams(temperature=0.0, max_tokens=1),
+        1,
+        None,
+        [],
+        0.5,
+        pooling_params=params,
+    )
+    back = codec.decode(codec.encode(request))
+    assert back == request and back.pooling_params == params
+    out = EngineCoreOutputs(
+        [
+            EngineCoreOutput("e", [], pooled=[0.5, -0.25]),
+            EngineCoreOutput("g", [7], prompt_logprobs=([[3, 1]], [[-0.5, -0.1]], [2])),
+        ]
+    )
+    assert codec.decode(codec.encode(out)) == out
