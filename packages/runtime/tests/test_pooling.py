@@ -298,3 +298,36 @@ def test_protocol_round_trip() -> None:
         ]
     )
     assert codec.decode(codec.encode(out)) == out
+
+
+def test_preempted_requests_recompute_prompt_outputs(tiny_qwen3, hf_base, random_prompts):
+    """A pool too small for the batch preempts requests mid-prompt and mid-generation: the
+    recomputed prompt must give the same vectors and prompt logprobs, delivered once."""
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    vocab = hf_base.config.vocab_size
+    # 2 (K, V) x 2 layers x 2 KV heads x head_dim 128 x 4 bytes = 4 KiB a token: 8 blocks.
+    kwargs = {**CHUNKED, "kv_cache_memory_bytes": 8 * 16 * 4096}
+    engine = LLMEngine(model=str(tiny_qwen3), max_model_len=128, **kwargs)
+    gen_prompts = random_prompts([40, 30], vocab, seed=21)
+    emb_prompts = random_prompts([45, 38], vocab, seed=22)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=25, prompt_logprobs=1)
+    for i, p in enumerate(gen_prompts):
+        engine.add_request(f"g{i}", p, params)
+    for i, p in enumerate(emb_prompts):
+        engine.add_request(f"e{i}", p, PoolingParams(pooling_type="MEAN"))
+    prompt_logprobs: dict[str, list] = {}
+    vectors = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if isinstance(o, EmbeddingRequestOutput):
+                vectors[o.request_id] = o.outputs.embedding
+            elif o.prompt_logprobs is not None:
+                assert o.request_id not in prompt_logprobs
+                prompt_logprobs[o.request_id] = o.prompt_logprobs
+    assert engine.get_stats().num_preemptions > 0
+    for i, p in enumerate(gen_prompts):
+        _check_prompt_logprobs(prompt_logprobs[f"g{i}"], p, _reference_logprobs(lm, p), 1)
+    for i, p in enumerate(emb_prompts):
+        _close(vectors[f"e{i}"], F.normalize(_hidden(hf_base, p).mean(0), dim=-1))
