@@ -75,7 +75,7 @@ def make_processors(
     pooling = PoolingDefaults.load(
         assets.path,
         None if config is None else config.pooler_config,
-        assets.model_config.hidden_size,
+        getattr(assets.model_config, "hidden_size", None),  # doubles may not know it
     )
     inputs = InputProcessor(
         assets.tokenizer,
