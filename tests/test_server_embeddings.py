@@ -142,3 +142,25 @@ def test_prompt_logprobs_completions_and_chat(url: str, hf: Any) -> None:
     assert entries[0] is None and len(entries) > 3
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert getattr(plain.choices[0], "prompt_logprobs", None) is None
+
+
+@pytest.mark.slow
+def test_through_an_engine_process(model_dir: Path, hf: Any) -> None:
+    """Pooling parameters, vectors and prompt logprobs cross the process boundary."""
+    base, lm, tok = hf
+    kwargs = server_helpers.engine_kwargs(model_dir)
+    kwargs["max_num_batched_tokens"] = 32
+    client = AsyncEngine.launch(enforce_eager=True, **kwargs)
+    try:
+        with ServerThread(build_app(client, MODEL)) as base_url:
+            oa = _client(base_url)
+            text = "streaming tokens to clients over server sent events " * 2
+            ids = tok.encode(text)
+            got = oa.embeddings.create(model=MODEL, input=text, dimensions=16)
+            np.testing.assert_allclose(got.data[0].embedding, _expected(base, ids, 16), atol=2e-5)
+            out = oa.completions.create(
+                model=MODEL, prompt=text, max_tokens=1, extra_body={"prompt_logprobs": 1}
+            )
+            _check(out.choices[0].prompt_logprobs, ids, lm, 1)  # type: ignore[attr-defined]
+    finally:
+        client.shutdown()
