@@ -331,3 +331,23 @@ def test_preempted_requests_recompute_prompt_outputs(tiny_qwen3, hf_base, random
         _check_prompt_logprobs(prompt_logprobs[f"g{i}"], p, _reference_logprobs(lm, p), 1)
     for i, p in enumerate(emb_prompts):
         _close(vectors[f"e{i}"], F.normalize(_hidden(hf_base, p).mean(0), dim=-1))
+
+
+def test_engine_config_runner_convert_and_pooler_config() -> None:
+    from pagemill.runtime import EngineConfig
+
+    assert EngineConfig().runner == "auto"
+    assert EngineConfig(convert="embed").runner == "pooling"
+    with pytest.raises(ValueError, match="runner='generate'"):
+        EngineConfig(convert="embed", runner="generate")
+    with pytest.raises(ValueError, match="runner"):
+        EngineConfig(runner="draft")
+    with pytest.raises(ValueError, match="not JSON"):
+        EngineConfig(pooler_config="{mean}")
+    with pytest.raises(ValueError, match="unsupported key"):
+        EngineConfig(pooler_config='{"softmax": true}')
+    with pytest.raises(ValueError, match="pooling_type"):
+        EngineConfig(pooler_config='{"pooling_type": "STEP"}')
+    assert EngineConfig.from_kwargs(pooler_config='{"pooling_type": "cls"}').pooler_config
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=0)
