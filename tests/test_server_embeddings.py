@@ -142,6 +142,14 @@ def test_prompt_logprobs_completions_and_chat(url: str, hf: Any) -> None:
     assert entries[0] is None and len(entries) > 3
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert getattr(plain.choices[0], "prompt_logprobs", None) is None
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):  # as vLLM
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 21}
+        )
 
 
 @pytest.mark.slow
