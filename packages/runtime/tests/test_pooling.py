@@ -351,3 +351,27 @@ def test_engine_config_runner_convert_and_pooler_config() -> None:
     assert EngineConfig.from_kwargs(pooler_config='{"pooling_type": "cls"}').pooler_config
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         PoolingParams(truncate_prompt_tokens=0)
+
+
+def test_embedding_checkpoint_without_lm_head(tmp_path, build_tiny_model, random_prompts) -> None:
+    """gte-Qwen2 / Qwen3-Embedding style: the base model's weights (no "model." prefix, no
+    LM head) under a *ForCausalLM config. A pooling engine loads it; others refuse it."""
+    from transformers import AutoModel
+
+    source = tmp_path / "lm"
+    build_tiny_model(source, "qwen2", seed=4, tie_word_embeddings=False)
+    base = AutoModel.from_pretrained(str(source), dtype=torch.float32).eval()
+    folder = tmp_path / "embedder"
+    base.save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).is_file():
+            (folder / name).write_bytes((source / name).read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    prompt = random_prompts([25], base.config.vocab_size, seed=23)[0]
+    with pytest.raises(ValueError, match="lm_head"):
+        LLM(str(folder), **CHUNKED)
+    llm = LLM(str(folder), convert="embed", **CHUNKED)
+    (out,) = llm.embed([prompt], use_tqdm=False)
+    _close(out.outputs.embedding, F.normalize(_hidden(base, prompt)[-1], dim=-1))

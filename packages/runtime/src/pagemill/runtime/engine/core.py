@@ -194,6 +194,7 @@ class EngineCore:
             config.seed,
             quantization=config.quantization,
             tp=self.tp,
+            pooling_only=config.runner == "pooling",
         )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config
