@@ -375,3 +375,17 @@ def test_embedding_checkpoint_without_lm_head(tmp_path, build_tiny_model, random
     llm = LLM(str(folder), convert="embed", **CHUNKED)
     (out,) = llm.embed([prompt], use_tqdm=False)
     _close(out.outputs.embedding, F.normalize(_hidden(base, prompt)[-1], dim=-1))
+
+
+def test_prompt_logprobs_of_a_long_chunk(tiny_qwen3, random_prompts) -> None:
+    """One 300-token chunk: its logits are computed a slice of rows at a time."""
+    from transformers import AutoModelForCausalLM
+
+    from pagemill.runtime.worker import pooler
+
+    lm = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32).eval()
+    prompt = random_prompts([300], lm.config.vocab_size, seed=24)[0]
+    assert len(prompt) > pooler._LOGPROB_SLICE
+    llm = LLM(str(tiny_qwen3), **{**CHUNKED, "max_num_batched_tokens": 512})
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    _check_prompt_logprobs(out.prompt_logprobs, prompt, _reference_logprobs(lm, prompt), 3)

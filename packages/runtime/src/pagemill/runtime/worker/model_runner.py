@@ -445,7 +445,10 @@ class ModelRunner:
             self.prompt_outputs.plan(scheduled, prompt_pos, qsl) if prompt_pos else None
         )
         num_logit_rows = len(sample_pos)
-        if work is not None and work.logit_rows:
+        # Under tensor parallelism the prompt-logprob rows join the gathered logit rows; on
+        # one device `_output` computes their logits a slice at a time (a long chunk's
+        # rows x vocabulary would otherwise be one large tensor).
+        if work is not None and work.logit_rows and self.tp is not None:
             num_logit_rows += len(work.logit_rows)
             sample_indices = torch.from_numpy(
                 np.concatenate(
@@ -580,18 +583,27 @@ class ModelRunner:
     def _output(
         self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
     ) -> ModelRunnerOutput:
-        """The step's output; with prompt-position work, its logit rows split off first."""
+        """The step's output, with the outputs at prompt positions (under tensor
+        parallelism the prompt-logprob rows lead the gathered logits and are split off)."""
         work = self._prompt_work
         if work is None:
             return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
         done = self.prompt_outputs
-        k = len(work.logit_rows)
+        k = len(work.logit_rows) if self.tp is not None else 0
+        prompt_logits = logits[:k]
+        rows = torch.tensor(work.logit_rows, dtype=torch.int64, device=hidden.device)
+
+        def logits_of(lo: int, hi: int) -> torch.Tensor:
+            if k:
+                return prompt_logits[lo:hi]
+            return self.model.compute_logits(hidden.index_select(0, rows[lo:hi]))
+
         return ModelRunnerOutput(
             step.sample_req_ids,
             logits[k:],
             step.sampling_metadata,
             pooled=done.pool(hidden, work) if work.pool else None,
-            prompt_logprobs=done.prompt_logprobs(logits[:k], work) if work.logprobs else None,
+            prompt_logprobs=done.prompt_logprobs(logits_of, work) if work.logprobs else None,
         )
 
     def _replay(

@@ -9,9 +9,10 @@ computed over several steps:
   running sum for MEAN, one row for CLS, nothing for LAST; the vector leaves when the
   chunk that completes the prompt has run;
 - a request with `prompt_logprobs` needs the logits of every prompt position but the last
-  (position i predicts prompt token i+1). Its rows join the step's logit rows (so tensor
-  parallelism gathers them like the sampled rows) and the per-chunk results, a few ids and
-  floats per position, wait on the host until the prompt is complete.
+  (position i predicts prompt token i+1). They are computed a slice of rows at a time (under
+  tensor parallelism the rows join the step's gathered logit rows instead), and the
+  per-chunk results, a few ids and floats per position, wait on the host until the prompt
+  is complete.
 
 Per-request state is dropped when its request finishes, and rebuilt from scratch when it
 is (re)admitted (`is_new`: after a preemption the prompt is computed again from the start).
@@ -19,7 +20,7 @@ is (re)admitted (`is_new`: after a preemption the prompt is computed again from 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -163,10 +164,11 @@ class PromptOutputs:
         return done
 
     def prompt_logprobs(
-        self, logits: torch.Tensor, work: PromptWork
+        self, logits_of: Callable[[int, int], torch.Tensor], work: PromptWork
     ) -> dict[str, PromptLogprobsRows]:
-        """Logprobs of the prompt tokens from their rows' logits (`logits` holds
-        `work.logit_rows` in order); the requests whose prompt completed this step."""
+        """Logprobs of the prompt tokens; `logits_of(lo, hi)` gives the logits of
+        `work.logit_rows[lo:hi]`, asked for a slice at a time. Returns the requests whose
+        prompt completed this step."""
         done: dict[str, PromptLogprobsRows] = {}
         offset = 0
         for task in work.logprobs:
@@ -174,7 +176,7 @@ class PromptOutputs:
             parts = self._logprob_parts.setdefault(rid, [])
             for lo in range(0, task.num_rows, _LOGPROB_SLICE):
                 hi = min(task.num_rows, lo + _LOGPROB_SLICE)
-                rows = logits[offset + lo : offset + hi]
+                rows = logits_of(offset + lo, offset + hi)
                 parts.append(_logprob_rows(rows, task.targets[lo:hi], task.num_top))
             offset += task.num_rows
             if task.finishes:
