@@ -353,9 +353,13 @@ def test_engine_config_runner_convert_and_pooler_config() -> None:
         PoolingParams(truncate_prompt_tokens=0)
 
 
-def test_embedding_checkpoint_without_lm_head(tmp_path, build_tiny_model, random_prompts) -> None:
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_embedding_checkpoint_without_lm_head(
+    tp, tmp_path, build_tiny_model, random_prompts
+) -> None:
     """gte-Qwen2 / Qwen3-Embedding style: the base model's weights (no "model." prefix, no
-    LM head) under a *ForCausalLM config. A pooling engine loads it; others refuse it."""
+    LM head) under a *ForCausalLM config. A pooling engine loads it (on every rank under
+    tensor parallelism); others refuse it."""
     from transformers import AutoModel
 
     source = tmp_path / "lm"
@@ -370,11 +374,15 @@ def test_embedding_checkpoint_without_lm_head(tmp_path, build_tiny_model, random
     config["architectures"] = ["Qwen2ForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     prompt = random_prompts([25], base.config.vocab_size, seed=23)[0]
-    with pytest.raises(ValueError, match="lm_head"):
-        LLM(str(folder), **CHUNKED)
-    llm = LLM(str(folder), convert="embed", **CHUNKED)
-    (out,) = llm.embed([prompt], use_tqdm=False)
-    _close(out.outputs.embedding, F.normalize(_hidden(base, prompt)[-1], dim=-1))
+    if tp == 1:
+        with pytest.raises(ValueError, match="lm_head"):
+            LLM(str(folder), **CHUNKED)
+    llm = LLM(str(folder), convert="embed", tensor_parallel_size=tp, **CHUNKED)
+    try:
+        (out,) = llm.embed([prompt], use_tqdm=False)
+        _close(out.outputs.embedding, F.normalize(_hidden(base, prompt)[-1], dim=-1))
+    finally:
+        llm.shutdown()
 
 
 def test_prompt_logprobs_of_a_long_chunk(tiny_qwen3, random_prompts) -> None:

@@ -157,6 +157,7 @@ class EngineCore:
             config.cache.block_size,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
+            config.runner == "pooling",
         )
         try:
             self._collective(lambda: workers.tp.broadcast_object(spec))
