@@ -563,7 +563,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         "model",
     ),
     ("body too large", "/v1/completions", {"prompt": "x" * (100 * 1024)}, 413, None),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("unknown route", "/v1/no-such-route", {"input": "x"}, 404, None),
 ]
 
 

@@ -95,7 +95,9 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
         return [flag, str(value)], value
     if f.type == "float":
         return [flag, "0.5"], 0.5
-    value = {"device": "cpu"}.get(name, f"/some/{name}")
+    value = {"device": "cpu", "pooler_config": '{"pooling_type": "MEAN"}'}.get(
+        name, f"/some/{name}"
+    )
     return [flag, value], value
 
 

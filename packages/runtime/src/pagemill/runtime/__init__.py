@@ -19,7 +19,15 @@ if TYPE_CHECKING:
     from pagemill.runtime.inputs import PromptType, TextPrompt, TokensPrompt
     from pagemill.runtime.llm import LLM
     from pagemill.runtime.model_config import ModelConfig
-    from pagemill.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from pagemill.runtime.outputs import (
+        CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        RequestMetrics,
+        RequestOutput,
+    )
+    from pagemill.runtime.pooling_params import PoolingParams
     from pagemill.runtime.sample.structured_output import StructuredOutputsParams
     from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
@@ -39,6 +47,9 @@ _LAZY = {
     "TokensPrompt": ".inputs",
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",
+    "EmbeddingOutput": ".outputs",
+    "EmbeddingRequestOutput": ".outputs",
+    "PoolingParams": ".pooling_params",
     "SamplingParams": ".sampling_params",
     "RequestOutputKind": ".sampling_params",
     "StructuredOutputsParams": ".sample.structured_output",
@@ -48,11 +59,14 @@ __all__ = [
     "DEFAULT_MODEL",
     "LLM",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
     "Logprob",
     "ModelConfig",
+    "PoolingParams",
     "PromptType",
     "RequestMetrics",
     "RequestOutput",

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.pooling_params import CONVERTS, RUNNERS, PoolerConfig
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
 from pagemill.runtime.sampling_params import MAX_LOGPROBS
 from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
@@ -123,6 +124,20 @@ class EngineConfig:
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token (logprobs, top_logprobs); a request
     asking for more gets a 400. -1: pagemill's own cap (20)."""
+    runner: str = field(default="auto", metadata={"choices": RUNNERS})
+    """What the engine serves (vLLM's --runner): generate (completions only), pooling
+    (embeddings only) or auto: both, since any decoder model pools its hidden states and a
+    prompt-only request costs only its prefill."""
+
+    convert: str = field(default="auto", metadata={"choices": CONVERTS})
+    """How a decoder model is adapted (vLLM's --convert): embed serves it as an embedding
+    model (implies --runner pooling); auto and none keep it as it is."""
+
+    pooler_config: str | None = None
+    """Pooling defaults as JSON (vLLM's --pooler-config), e.g. '{"pooling_type": "MEAN",
+    "normalize": false}'; pooling_type LAST, MEAN or CLS. Default: the model folder's
+    sentence-transformers modules (modules.json, 1_Pooling/config.json), else the last
+    token, normalized."""
 
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -182,6 +197,24 @@ class EngineConfig:
             self.max_logprobs = MAX_LOGPROBS
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise bad("max_logprobs", f"must be -1 or in [0, {MAX_LOGPROBS}] (pagemill's cap)")
+        if self.runner not in RUNNERS:
+            raise bad("runner", f"must be one of {RUNNERS}")
+        if self.convert not in CONVERTS:
+            raise bad("convert", f"must be one of {CONVERTS}")
+        if self.convert == "embed":
+            if self.runner == "generate":
+                raise ValueError(
+                    "EngineConfig.convert='embed' makes an embedding model: it cannot run "
+                    "with runner='generate'"
+                )
+            self.runner = "pooling"
+        if self.pooler_config is not None:
+            if not isinstance(self.pooler_config, str):
+                raise bad("pooler_config", "must be None or a JSON object (a string)")
+            try:
+                PoolerConfig.parse(self.pooler_config)
+            except ValueError as exc:
+                raise ValueError(f"EngineConfig.{exc}") from None
         length = self.max_model_len
         if length is not None and (
             isinstance(length, bool) or not isinstance(length, int) or length < 2

@@ -19,10 +19,12 @@ from pagemill.runtime.engine import LLMEngine
 from pagemill.runtime.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
 from pagemill.runtime.outputs import (
     CompletionOutput,
+    EmbeddingRequestOutput,
     RequestOutput,
     SampleLogprobs,
     rank_logprobs,
 )
+from pagemill.runtime.pooling_params import PoolingParams
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = PromptType | Sequence[int]
@@ -157,7 +159,7 @@ class LLM:
             while remaining:
                 for out in engine.step():
                     idx = order.get(out.request_id)
-                    if idx is None or not out.finished:
+                    if idx is None or not out.finished or not isinstance(out, RequestOutput):
                         continue
                     results[idx] = self._vllm_shaped(out, prompts[idx], params_list[idx])
                     remaining -= 1
@@ -178,13 +180,20 @@ class LLM:
         and `Logprob` objects (rank, decoded token) in place of plain floats."""
         if out.prompt is None and prompt.text is not None:
             out.prompt = prompt.text
-        if params.logprobs is None:
-            return out
         tokenizer = self.llm_engine.tokenizer
-        num = params.logprobs
 
         def decode(token_id: int) -> str | None:
             return None if tokenizer is None else tokenizer.decode([token_id])
+
+        if params.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            n_prompt = params.prompt_logprobs
+            out.prompt_logprobs = [
+                None if e is None else cast(dict[int, float], rank_logprobs(e, n_prompt, decode))
+                for e in out.prompt_logprobs
+            ]
+        if params.logprobs is None:
+            return out
+        num = params.logprobs
 
         out.outputs = [
             c
@@ -202,3 +211,68 @@ class LLM:
             for c in out.outputs
         ]
         return out
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding (`outputs.embedding`) per prompt, in input order (vLLM's `embed`).
+
+        Prompts run through the same scheduler as generation (batched, chunked); pooling
+        defaults come from the model (see `PoolingParams`).
+        """
+        prompt_list = [parse_prompt(p) for p in as_prompt_list(prompts)]
+        if any(p.cache_salt is not None for p in prompt_list):
+            raise ValueError("cache_salt is not supported for embeddings (generate takes it)")
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; "
+                    "pass one or one per prompt"
+                )
+        if truncate_prompt_tokens is not None:
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        results: list[EmbeddingRequestOutput | None] = [None] * len(prompt_list)
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                rid = f"embd-{next(self._counter)}"
+                engine.add_request(rid, prompt.prompt, params)
+                order[rid] = i
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=len(order), desc="Embedded prompts", dynamic_ncols=True)
+            remaining = len(order)
+            while remaining:
+                for out in engine.step():
+                    idx = order.get(out.request_id)
+                    if idx is None or not isinstance(out, EmbeddingRequestOutput):
+                        continue
+                    if out.finish_reason != "stop":
+                        raise RuntimeError(
+                            f"embedding of prompt {idx} ended without a vector "
+                            f"({out.finish_reason})"
+                        )
+                    results[idx] = out
+                    remaining -= 1
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.close()
+        except BaseException:
+            engine.abort_request([r for r, i in order.items() if results[i] is None])
+            raise
+        return [r for r in results if r is not None]

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 # tokens in decreasing order of probability (the sampled one is not repeated if among them).
 # The engine and the server keep plain floats; the offline `LLM` hands out `Logprob`s.
 SampleLogprobs = list[dict[int, float]]
+# Per prompt position: None for the first, then {token_id: logprob} with the prompt's own
+# token first and the top-n after it (vLLM's `prompt_logprobs`).
+PromptLogprobs = list[dict[int, float] | None]
 
 
 class Logprob(float):
@@ -118,5 +121,32 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
-    # vLLM's per-prompt-token logprobs; None until the engine computes them.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Set when the request asked for prompt_logprobs (for DELTA outputs: once, in the first).
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """The pooled vector of one prompt (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """An embedding request's result (vLLM's shape: `outputs.embedding`).
+
+    `finish_reason` is "stop" when the vector is there; "length" (the prompt can never fit
+    the KV pool), "abort" or "error" leave `outputs.embedding` empty.
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    finish_reason: str = "stop"
+    num_cached_tokens: int = 0

@@ -103,6 +103,9 @@ class SamplingParams:
     # Filled by the input processor from `bad_words`: each word's token sequences (with and
     # without a leading space). Set by hand only when there is no tokenizer.
     bad_words_token_ids: list[list[int]] | None = None
+    # Logprobs of the prompt's own tokens (vLLM): per prompt position after the first, the
+    # actual token's logprob plus the top `prompt_logprobs`; None: not computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # OpenAI-style bodies send null for "none"
@@ -185,6 +188,10 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")

@@ -84,9 +84,11 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "pooling_params",
         "priority",
         "request_id",
         "sampling_params",
+        "skip_reading_prefix_cache",
         "status",
         "stop_reason",
         "stop_token_ids",
@@ -106,6 +108,8 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         sampling_params: object = None,
+        pooling_params: object = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -136,6 +140,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else float(arrival_time)
         self.cache_salt = cache_salt
         self.sampling_params = sampling_params
+        # Set for an embedding request (the runner pools instead of sampling); opaque here.
+        self.pooling_params = pooling_params
+        # Admit without prefix-cache hits: the runner needs an output at every prompt
+        # position (prompt logprobs, mean pooling), which a hit would skip (vLLM's name).
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
         # Hashes of the full blocks of all_token_ids, kept complete by append_output_token
         # once the scheduler has attached its KV cache manager's hasher.

@@ -251,7 +251,7 @@ class Scheduler:
             use_cache = self._use_prefix_cache
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting.peek()
-                if use_cache:
+                if use_cache and not req.skip_reading_prefix_cache:
                     hit_blocks, num_hit = kv.get_computed_blocks(req)
                 else:
                     hit_blocks, num_hit = [], 0

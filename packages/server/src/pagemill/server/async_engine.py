@@ -64,13 +64,14 @@ if TYPE_CHECKING:
     from pagemill.runtime.engine.input_processor import InputProcessor
     from pagemill.runtime.engine.model_assets import ModelAssets
     from pagemill.runtime.engine.output_processor import OutputProcessor
-    from pagemill.runtime.outputs import RequestOutput
+    from pagemill.runtime.outputs import EmbeddingRequestOutput, RequestOutput
+    from pagemill.runtime.pooling_params import PoolingParams
     from pagemill.runtime.sampling_params import SamplingParams
     from pagemill.server.dashboard import DashboardSettings
     from pagemill.server.dashboard.tap import WatcherCount
 
     # What a request's queue carries: its outputs, then possibly the error that ended it.
-    QueueItem: TypeAlias = RequestOutput | BaseException
+    QueueItem: TypeAlias = RequestOutput | EmbeddingRequestOutput | BaseException
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +194,7 @@ class AsyncEngine(ModelFacts):
             raise TypeError("AsyncEngine needs an LLMEngine, or a client and its model assets")
         else:
             self.input_processor, self.output_processor = make_processors(
-                assets, client.info, getattr(config, "max_logprobs", None)
+                assets, client.info, config
             )
         self.client = client
         self.assets = assets
@@ -364,7 +365,7 @@ class AsyncEngine(ModelFacts):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         out_queue: asyncio.Queue[QueueItem] | None = None,
         priority: int = 0,
@@ -375,7 +376,8 @@ class AsyncEngine(ModelFacts):
         arrive on the returned queue.
 
         Several requests may share one `out_queue` (a batch of prompts in one HTTP call);
-        each item is a RequestOutput (a delta, for streaming parameters) or an exception.
+        each item is a RequestOutput (a delta, for streaming parameters), an
+        EmbeddingRequestOutput (for `PoolingParams`: one, when it is done) or an exception.
         Every problem with the request is a ValueError raised here, before anything is
         streamed. The caller must call `release(request_id)` once it stops reading,
         finished or not. `arrival_time` (monotonic) defaults to now. A request counts
@@ -425,7 +427,7 @@ class AsyncEngine(ModelFacts):
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         cache_salt: str | None,
         arrival: float,
@@ -489,7 +491,8 @@ class AsyncEngine(ModelFacts):
     async def stream(
         self, out_queue: asyncio.Queue[QueueItem], request_ids: Sequence[str]
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished.
+        """Yield RequestOutputs of `request_ids` from `out_queue` until all have finished
+        (for pooling requests, EmbeddingRequestOutputs: see `serving_embedding`).
 
         Leaving early (an exception, a cancelled task, a closed generator) aborts the ones
         still running, so a client that hangs up frees its blocks within a step.
@@ -503,7 +506,7 @@ class AsyncEngine(ModelFacts):
                 if item.finished:
                     live.discard(item.request_id)
                     self.release(item.request_id, finished=True)
-                yield item
+                yield item  # type: ignore[misc]
         finally:
             for rid in live:
                 self.release(rid, finished=False)

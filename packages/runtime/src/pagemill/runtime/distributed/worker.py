@@ -55,6 +55,7 @@ class WorkerSpec:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    pooling_only: bool = False  # a checkpoint without an LM head is accepted (embeddings)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def serve(tp: TensorParallelGroup) -> None:
         spec.load_format,
         spec.seed,
         tp=tp,
+        pooling_only=spec.pooling_only,
     )
     runner = ModelRunner(
         model,

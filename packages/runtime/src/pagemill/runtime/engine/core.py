@@ -31,6 +31,7 @@ from pagemill.runtime.engine.protocol import (
     EngineCoreReady,
     EngineCoreRequest,
     FinishReason,
+    PromptLogprobsRows,
     SchedulerStats,
 )
 from pagemill.runtime.model_config import ModelConfig
@@ -52,6 +53,16 @@ logger = logging.getLogger(__name__)
 
 # Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
 LogprobsRow = tuple[list[int], list[float]]
+
+
+def _skips_prefix_cache(request: EngineCoreRequest) -> bool:
+    """Whether the request needs an output at prompt positions a prefix-cache hit would
+    skip: prompt logprobs, or a pooling type other than LAST. Like vLLM, such a request
+    computes its whole prompt (and still leaves its blocks in the cache for others)."""
+    if request.sampling_params.prompt_logprobs is not None:
+        return True
+    params = request.pooling_params
+    return params is not None and params.skip_reading_prefix_cache
 
 
 def resolve_max_model_len(model_config: ModelConfig, wanted: int | None) -> int:
@@ -146,6 +157,7 @@ class EngineCore:
             config.cache.block_size,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
+            config.runner == "pooling",
         )
         try:
             self._collective(lambda: workers.tp.broadcast_object(spec))
@@ -183,6 +195,7 @@ class EngineCore:
             config.seed,
             quantization=config.quantization,
             tp=self.tp,
+            pooling_only=config.runner == "pooling",
         )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config
@@ -318,6 +331,8 @@ class EngineCore:
             arrival_time=request.arrival_time,
             cache_salt=request.cache_salt,
             sampling_params=request.sampling_params,
+            pooling_params=request.pooling_params,
+            skip_reading_prefix_cache=_skips_prefix_cache(request),
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:
@@ -397,7 +412,12 @@ class EngineCore:
             if self.structured_output is not None and failed:
                 self.structured_output.remove_requests([u.request_id for u in failed])
             return EngineCoreOutputs(self._outputs(failed, None, {}))
-        updates = self.scheduler.update_from_output(scheduler_output, token_ids)
+        sampled = token_ids
+        if model_output.pooled:
+            # A pooled request ends with its prompt: a placeholder token meets its
+            # max_tokens of 1 (it never reaches the caller, see `_outputs`).
+            sampled = {**token_ids, **dict.fromkeys(model_output.pooled, 0)}
+        updates = self.scheduler.update_from_output(scheduler_output, sampled)
         self.isolator.on_step_done()
         if self.structured_output is not None and self.structured_output.num_requests:
             updates = self._advance_grammars(token_ids, updates)
@@ -406,7 +426,9 @@ class EngineCore:
             self._grammar_failures = []
         records = {s.request_id: s.request for s in scheduler_output.scheduled}
         return EngineCoreOutputs(
-            self._outputs(updates, logprobs, records),
+            self._outputs(
+                updates, logprobs, records, model_output.pooled, model_output.prompt_logprobs
+            ),
             num_scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
 
@@ -415,6 +437,8 @@ class EngineCore:
         updates: list[RequestUpdate],
         logprobs: dict[str, LogprobsRow] | None,
         records: dict[str, Request],
+        pooled: dict[str, list[float]] | None = None,
+        prompt_logprobs: dict[str, PromptLogprobsRows] | None = None,
     ) -> list[EngineCoreOutput]:
         """The scheduler's updates in the protocol's shape; a request's first tokens carry
         its first-scheduled time and prefix hit for the front end's metrics."""
@@ -431,11 +455,18 @@ class EngineCore:
                 u.stop_reason,
                 None if logprobs is None else logprobs.get(u.request_id),
             )
+            if pooled is not None and u.request_id in pooled:
+                # The vector replaces the placeholder token; it ends the request normally.
+                out.pooled = pooled[u.request_id]
+                out.new_token_ids = []
+                out.finish_reason = FinishReason.STOP
+                out.stop_reason = None
+            if prompt_logprobs is not None:
+                out.prompt_logprobs = prompt_logprobs.get(u.request_id)
             record = records.get(u.request_id)
-            if (
-                record is not None
-                and u.new_token_ids
-                and (record.num_output_tokens == len(u.new_token_ids))
+            if record is not None and (
+                out.pooled is not None
+                or (u.new_token_ids and record.num_output_tokens == len(u.new_token_ids))
             ):
                 out.first_scheduled_time = record.first_scheduled_time
                 out.num_cached_tokens = record.num_cached_tokens

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagemill.runtime.engine.model_assets import eos_ids
 from pagemill.runtime.engine.protocol import EngineCoreRequest
+from pagemill.runtime.pooling_params import PoolingDefaults, PoolingParams
 from pagemill.runtime.sample.structured_output.params import validate as validate_structured_output
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.runtime.tool_calling.prompt import render_chat
@@ -46,6 +47,10 @@ class _WithTemplateArgs:
         return self._tokenizer.apply_chat_template(conversation, **{**self._extra, **kwargs})
 
 
+# The sampling side of a pooling request: never sampled, one placeholder token ends it.
+_POOLING_PLACEHOLDER = SamplingParams(temperature=0.0, max_tokens=1)
+
+
 class InputProcessor:
     """Tokenization, chat templating and request validation; no model, no device.
 
@@ -62,8 +67,13 @@ class InputProcessor:
         eos_token_ids: Sequence[int],
         default_max_tokens: int | None = None,
         max_logprobs: int | None = None,
+        runner: str = "auto",
+        pooling_defaults: PoolingDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # "generate" refuses pooling requests, "pooling" refuses generation, "auto" serves both.
+        self.runner = runner
+        self.pooling_defaults = pooling_defaults or PoolingDefaults()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_ids(tokenizer, list(eos_token_ids))
@@ -142,16 +152,25 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
     ) -> ProcessedRequest:
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(
+                request_id, prompt, params, priority=priority, arrival_time=arrival_time
+            )
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.runner == "pooling":
+            raise ValueError(
+                "this engine serves embeddings only (runner='pooling'); start it without "
+                "--runner pooling / --convert embed to generate text"
+            )
         text, prompt_ids = self._prompt_ids(prompt)
         limit = self.max_model_len
         keep = params.truncate_prompt_tokens
@@ -212,6 +231,9 @@ class InputProcessor:
         completions = []
         for i, child_id in enumerate(ids):
             child = params if params.n == 1 else params.child_params(i)
+            if i and child.prompt_logprobs is not None:
+                # The n completions share one prompt: its logprobs are computed once.
+                child = dataclasses.replace(child, prompt_logprobs=None)
             # Extra EOS ids (Llama 3 lists several) act as stop tokens, unless EOS is ignored.
             stop_ids = list(child.stop_token_ids)
             if not child.ignore_eos:
@@ -271,6 +293,55 @@ class InputProcessor:
             if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
                 out.append(spaced)
         return out
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: PoolingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float,
+    ) -> ProcessedRequest:
+        """One embedding request: the prompt (truncated to its last
+        `truncate_prompt_tokens` when asked, -1: to the context) and complete pooling
+        parameters; a prompt may fill the whole context, since nothing is generated."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.runner == "generate":
+            raise ValueError(
+                "this engine serves text generation only (runner='generate'); start it with "
+                "--runner pooling (or auto) to compute embeddings"
+            )
+        resolved = self.pooling_defaults.resolve(params)
+        text, prompt_ids = self._prompt_ids(prompt)
+        limit = self.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            keep = limit
+        if keep is not None:
+            if keep > limit:
+                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={limit}")
+            prompt_ids = prompt_ids[-keep:]
+        if len(prompt_ids) > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(prompt_ids)} tokens in the input for embedding generation. "
+                "Please reduce the length of the input (or set truncate_prompt_tokens)."
+            )
+        request = EngineCoreRequest(
+            request_id,
+            prompt_ids,
+            _POOLING_PLACEHOLDER,
+            1,
+            None,
+            [],
+            arrival_time,
+            priority,
+            None,
+            resolved,
+        )
+        return ProcessedRequest(text, prompt_ids, [request])
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -24,7 +24,8 @@ from pagemill.runtime.engine.input_processor import InputProcessor
 from pagemill.runtime.engine.model_assets import ModelAssets
 from pagemill.runtime.engine.output_processor import IterationStats, OutputProcessor
 from pagemill.runtime.engine.protocol import EngineCoreReady, FinishReason, SchedulerStats
-from pagemill.runtime.outputs import RequestOutput
+from pagemill.runtime.outputs import EmbeddingRequestOutput, RequestOutput
+from pagemill.runtime.pooling_params import PoolingDefaults, PoolingParams
 from pagemill.runtime.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -67,16 +68,24 @@ class EngineStats:
 
 
 def make_processors(
-    assets: ModelAssets, info: EngineCoreReady, max_logprobs: int | None = None
+    assets: ModelAssets, info: EngineCoreReady, config: EngineConfig | None = None
 ) -> tuple[InputProcessor, OutputProcessor]:
-    """The front end's two halves, for a core that reported `info`."""
+    """The front end's two halves, for a core that reported `info` (`config`: the engine's
+    runner and pooling defaults; without it both generation and embeddings are served)."""
+    pooling = PoolingDefaults.load(
+        assets.path,
+        None if config is None else config.pooler_config,
+        getattr(assets.model_config, "hidden_size", None),  # doubles may not know it
+    )
     inputs = InputProcessor(
         assets.tokenizer,
         assets.model_config.vocab_size,
         info.max_model_len,
         assets.model_config.eos_token_ids,
         default_max_tokens=assets.generation_defaults.get("max_tokens"),
-        max_logprobs=max_logprobs,
+        max_logprobs=None if config is None else config.max_logprobs,
+        runner="auto" if config is None else config.runner,
+        pooling_defaults=pooling,
     )
     return inputs, OutputProcessor(assets.tokenizer)
 
@@ -99,7 +108,7 @@ class LLMEngine(ModelFacts):
         )
         self.engine_core_client: EngineCoreClient = InprocClient(core)
         self.input_processor, self.output_processor = make_processors(
-            self.assets, self.engine_core_client.info, config.max_logprobs
+            self.assets, self.engine_core_client.info, config
         )
         # The last step's increments (tokens, latencies, finished requests), for metrics.
         self.iteration_stats = IterationStats()
@@ -137,7 +146,7 @@ class LLMEngine(ModelFacts):
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -145,8 +154,10 @@ class LLMEngine(ModelFacts):
     ) -> None:
         """Queue a request; every problem with it is a ValueError raised here, not later.
 
-        `arrival_time` is a `time.monotonic()` reading (the server passes the moment the
-        HTTP request arrived); it orders nothing but feeds the latency metrics.
+        With `PoolingParams` it is an embedding request: its output is an
+        `EmbeddingRequestOutput`. `arrival_time` is a `time.monotonic()` reading (the
+        server passes the moment the HTTP request arrived); it orders nothing but feeds
+        the latency metrics.
         """
         params = SamplingParams() if params is None else params
         if isinstance(request_id, str) and self.output_processor.is_known(request_id):
@@ -201,7 +212,7 @@ class LLMEngine(ModelFacts):
 
     # ---- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """One engine iteration; returns the requests that changed (shaped by output_kind)."""
         core = self.engine_core_client.get_output()
         assert core is not None

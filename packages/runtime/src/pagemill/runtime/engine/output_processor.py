@@ -19,8 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagemill.runtime.engine.detokenizer import IncrementalDetokenizer
-from pagemill.runtime.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagemill.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagemill.runtime.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    PromptLogprobsRows,
+)
+from pagemill.runtime.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagemill.runtime.sample.structured_output import is_grammar_failure
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
@@ -50,9 +62,12 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
 
 
+AnyRequestOutput = RequestOutput | EmbeddingRequestOutput
+
+
 @dataclass(slots=True)
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[AnyRequestOutput]
     # Completions a stop string ended: the engine core must still free their blocks
     # (an abort with reason STOP).
     reqs_to_finish: list[str]
@@ -129,7 +144,10 @@ class _Parent:
         "kind",
         "metrics",
         "num_unfinished",
+        "pooling",
         "prompt",
+        "prompt_logprobs",
+        "prompt_logprobs_sent",
         "prompt_token_ids",
         "request_id",
     )
@@ -149,12 +167,22 @@ class _Parent:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.completions: list[_Completion] = []
         self.num_unfinished = 0
+        # An embedding request: one completion, answered with its vector.
+        self.pooling = False
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
 
     def output(self, changed: Sequence[CompletionOutput]) -> RequestOutput:
+        prompt_logprobs = self.prompt_logprobs
+        if self.kind == RequestOutputKind.DELTA:  # a stream carries them once
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self.prompt_logprobs_sent = True
         return RequestOutput(
             self.request_id,
             self.prompt,
@@ -162,6 +190,19 @@ class _Parent:
             list(changed),
             self.finished,
             self.metrics,
+            prompt_logprobs,
+        )
+
+    def embedding_output(
+        self, vector: list[float], reason: str, num_cached_tokens: int = 0
+    ) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            self.request_id,
+            EmbeddingOutput(vector),
+            self.prompt_token_ids,
+            True,
+            reason,
+            num_cached_tokens,
         )
 
 
@@ -172,7 +213,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._completions: dict[str, _Completion] = {}
-        self._pending: list[RequestOutput] = []
+        self._pending: list[AnyRequestOutput] = []
         # Requests finished outside a step (aborts) are counted in the next step's stats.
         self._finished_stats: list[FinishedRequestStats] = []
         self.prompt_tokens_total = 0
@@ -191,10 +232,11 @@ class OutputProcessor:
         completions: Sequence[EngineCoreRequest],
     ) -> None:
         parent = _Parent(request_id, prompt, prompt_token_ids, kind, arrival_time)
+        parent.pooling = any(r.pooling_params is not None for r in completions)
         for index, request in enumerate(completions):
             params = request.sampling_params
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and not parent.pooling:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
             c = _Completion(request.request_id, index, parent, params, detok)
             parent.completions.append(c)
@@ -235,6 +277,9 @@ class OutputProcessor:
                 changed.append(c)
             parent.num_unfinished = 0
             self._finish_parent(parent, now)
+            if parent.pooling:
+                self._pending.append(parent.embedding_output([], "abort"))
+                continue
             outputs = [self._completion_output(c, []) for c in changed]
             if parent.kind == RequestOutputKind.DELTA:
                 self._pending.append(parent.output(outputs))
@@ -262,6 +307,11 @@ class OutputProcessor:
             if c is None:
                 continue  # aborted by the caller since the step was scheduled
             parent = c.parent
+            if parent.pooling:
+                outputs.append(self._pooled(c, upd, now, stats))
+                continue
+            if upd.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = prompt_logprob_entries(upd.prompt_logprobs)
             tokens = upd.new_token_ids
             entries = None
             if tokens:
@@ -303,6 +353,31 @@ class OutputProcessor:
                 outputs.append(parent.output([c.whole() for c in parent.completions]))
         stats.finished_requests, self._finished_stats = self._finished_stats, []
         return ProcessedOutputs(outputs, reqs_to_finish, stats)
+
+    def _pooled(
+        self, c: _Completion, upd: EngineCoreOutput, now: float, stats: IterationStats
+    ) -> EmbeddingRequestOutput:
+        """An embedding request's one output: its vector, or why there is none."""
+        parent = c.parent
+        reason = "stop"
+        if upd.pooled is None:
+            # A pooling request only ends without a vector when it failed or never ran.
+            finish = upd.finish_reason if upd.finish_reason is not None else FinishReason.ERROR
+            reason = finish.as_api()
+            if finish == FinishReason.ERROR:
+                logger.error("request %s failed in the engine: %s", upd.request_id, upd.stop_reason)
+        else:
+            num_prompt = len(parent.prompt_token_ids)
+            stats.num_prompt_tokens += num_prompt
+            self.prompt_tokens_total += num_prompt
+        m = parent.metrics
+        m.first_scheduled_time = upd.first_scheduled_time
+        m.num_cached_tokens = upd.num_cached_tokens
+        c.finish_reason = reason
+        self._completions.pop(upd.request_id, None)
+        parent.num_unfinished = 0
+        self._finish_parent(parent, now)
+        return parent.embedding_output(upd.pooled or [], reason, upd.num_cached_tokens)
 
     def _completion_output(
         self, c: _Completion, tokens: list[int], entries: list[dict[int, float]] | None = None
@@ -383,3 +458,16 @@ class OutputProcessor:
                 sum(len(c.token_ids) for c in parent.completions),
             )
         )
+
+
+def prompt_logprob_entries(rows: PromptLogprobsRows) -> PromptLogprobs:
+    """The core's rows as vLLM's prompt_logprobs: None for the first position (nothing
+    predicts it), then {prompt token: logprob, top-1: logprob, ...} per position."""
+    ids, values, _ = rows
+    entries: PromptLogprobs = [None]
+    for row_ids, row_values in zip(ids, values):
+        entry = {int(row_ids[0]): float(row_values[0])}
+        for t, lp in zip(row_ids[1:], row_values[1:]):
+            entry.setdefault(int(t), float(lp))
+        entries.append(entry)
+    return entries

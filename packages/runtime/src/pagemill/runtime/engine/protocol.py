@@ -18,7 +18,13 @@ from typing import Any
 
 import msgspec
 
+from pagemill.runtime.pooling_params import PoolingParams
 from pagemill.runtime.sampling_params import SamplingParams
+
+# Prompt logprobs of one request, position 1..P-1 of its prompt: per position
+# [prompt token id, top-1 id, ...], their logprobs, and the prompt token's rank (1 = the
+# most likely token).
+PromptLogprobsRows = tuple[list[list[int]], list[list[float]], list[int]]
 
 
 class FinishReason(enum.IntEnum):
@@ -66,6 +72,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    # An embedding request: the core pools the prompt's hidden states instead of sampling
+    # (`sampling_params` is then a fixed greedy one-token placeholder, max_tokens 1).
+    pooling_params: PoolingParams | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -83,6 +92,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # one clock for every process of the machine) and how many prompt tokens it found cached.
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
+    # Once, with the step that completes the prompt: its logprobs (asked for with
+    # SamplingParams.prompt_logprobs) or, for a pooling request, its vector (then with no
+    # token ids: the request finishes in that same output).
+    prompt_logprobs: PromptLogprobsRows | None = None
+    pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:

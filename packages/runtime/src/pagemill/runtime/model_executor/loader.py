@@ -89,6 +89,7 @@ def load_model(
     quantization: str | None = None,
     dense_fallback: bool | None = None,
     tp: TensorParallelGroup | None = None,
+    pooling_only: bool = False,
 ) -> LlamaForCausalLM:
     """Build the module directly on `device` (no CPU copy first) and fill its weights.
 
@@ -99,6 +100,8 @@ def load_model(
 
     With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
     `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
+    `pooling_only` (an engine that serves embeddings only) accepts a checkpoint without an
+    LM head, as embedding models saved from the base model are.
     """
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
@@ -133,6 +136,7 @@ def load_model(
         else:
             model = cls(layout.local_config(model_config), dtype, max_position, tp=tp)
     plan.apply(model)
+    model.pooling_only = pooling_only
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         source = "dummy"

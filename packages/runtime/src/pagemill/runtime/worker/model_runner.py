@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -36,18 +37,26 @@ from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, cache_shape, measu
 from pagemill.runtime.worker.decode_padding import graph_buckets
 from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
 from pagemill.runtime.worker.kv_cache import KVCache
+from pagemill.runtime.worker.pooler import PromptOutputs, PromptWork, wants_prompt_outputs
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagemill.runtime.engine.protocol import PromptLogprobsRows
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Logits of the rows that sample this step, in the order of `req_ids`, and their metadata."""
+    """Logits of the rows that sample this step, in the order of `req_ids`, and their metadata;
+    the outputs at prompt positions of requests whose prompt completed this step."""
 
     req_ids: list[str]
     logits: torch.Tensor  # [len(req_ids), vocab], model dtype
     sampling_metadata: SamplingMetadata | None
+    # Pooling requests (which do not sample): their finished vectors.
+    pooled: dict[str, list[float]] | None = None
+    prompt_logprobs: dict[str, PromptLogprobsRows] | None = None
 
 
 @dataclass(slots=True)
@@ -65,9 +74,10 @@ class StepBatch:
     seq_lens: np.ndarray  # [n] int64
     block_tables: np.ndarray  # [n, width] int32
     query_lens: np.ndarray  # [n] int64
-    # Hidden rows that produce logits; None when every token of the step samples (decode).
+    # Hidden rows that produce logits (prompt-logprob rows first, then the sampled ones);
+    # None when every token of the step samples (decode).
     sample_indices: torch.Tensor | None
-    num_samples: int
+    num_samples: int  # logit rows
 
 
 @dataclass(slots=True)
@@ -132,6 +142,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Set by the engine before the pool is sized: capture graphs once the pool exists.
         self.use_cuda_graphs = False
+        # Pooling and prompt logprobs across chunks; the current step's share of them.
+        self.prompt_outputs = PromptOutputs()
+        self._prompt_work: PromptWork | None = None
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -338,6 +351,7 @@ class ModelRunner:
         batch = self.input_batch
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
+            self.prompt_outputs.forget(rid)
             batch.remove(rid)
         for rid in out.preempted_req_ids:
             batch.remove(rid)  # its cached state stays: it comes back with its generator
@@ -382,6 +396,7 @@ class ModelRunner:
         starts = np.empty(n, dtype=np.int64)
         ids: list[int] = []
         sample_pos: list[int] = []
+        prompt_pos: list[int] = []  # requests with outputs at prompt positions
         for i, s in enumerate(scheduled):
             try:
                 rows[i] = row_of[s.request_id]
@@ -393,6 +408,10 @@ class ModelRunner:
             q_lens[i] = s.num_tokens
             starts[i] = s.start_pos
             ids += s.token_ids
+            if s.start_pos < s.request.num_prompt_tokens and wants_prompt_outputs(s):
+                prompt_pos.append(i)
+                if s.request.pooling_params is not None:
+                    continue  # pools instead of sampling
             if s.sample:
                 sample_pos.append(i)
         total = len(ids)
@@ -422,7 +441,24 @@ class ModelRunner:
         qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
 
-        if len(sample_pos) == total:  # every token samples: all hidden rows, in order
+        work = self._prompt_work = (
+            self.prompt_outputs.plan(scheduled, prompt_pos, qsl) if prompt_pos else None
+        )
+        num_logit_rows = len(sample_pos)
+        # Under tensor parallelism the prompt-logprob rows join the gathered logit rows; on
+        # one device `_output` computes their logits a slice at a time (a long chunk's
+        # rows x vocabulary would otherwise be one large tensor).
+        if work is not None and work.logit_rows and self.tp is not None:
+            num_logit_rows += len(work.logit_rows)
+            sample_indices = torch.from_numpy(
+                np.concatenate(
+                    [
+                        np.asarray(work.logit_rows, dtype=np.int64),
+                        qsl[1:][sample_pos].astype(np.int64) - 1,
+                    ]
+                )
+            )
+        elif len(sample_pos) == total:  # every token samples: all hidden rows, in order
             sample_indices = None
         else:
             sample_indices = torch.from_numpy(qsl[1:][sample_pos].astype(np.int64) - 1)
@@ -442,7 +478,7 @@ class ModelRunner:
             block_tables,
             q_lens,
             sample_indices,
-            len(sample_pos),
+            num_logit_rows,
         )
         req_ids = [scheduled[i].request_id for i in sample_pos]
         return step, req_ids, metadata
@@ -525,7 +561,7 @@ class ModelRunner:
                 [], torch.empty(0, vocab, dtype=self.dtype, device=self.device), None
             )
         graphs = self.graphs
-        if graphs is not None:
+        if graphs is not None and self._prompt_work is None:
             batch = prepared[0]
             if graphs.serves(
                 batch.input_ids.numel(), len(batch.seq_lens), batch.block_tables.shape[1]
@@ -535,20 +571,40 @@ class ModelRunner:
         if self.tp is not None:
             return self._execute_parallel(step)
         start = time.perf_counter()
-        hidden = self._forward(step.input_ids, step.positions, step.attn)
-        if not step.sample_req_ids:
+        hidden, logits = self._local_logits(step)
+        if logits is None:
             logits = hidden.new_empty(0, vocab)
-        else:
-            rows = (
-                hidden
-                if step.sample_indices is None
-                else hidden.index_select(0, step.sample_indices)
-            )
-            logits = self.model.compute_logits(rows)
+        result = self._output(step, hidden, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
-        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+        return result
+
+    def _output(
+        self, step: StepInputs, hidden: torch.Tensor, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """The step's output, with the outputs at prompt positions (under tensor
+        parallelism the prompt-logprob rows lead the gathered logits and are split off)."""
+        work = self._prompt_work
+        if work is None:
+            return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+        done = self.prompt_outputs
+        k = len(work.logit_rows) if self.tp is not None else 0
+        prompt_logits = logits[:k]
+        rows = torch.tensor(work.logit_rows, dtype=torch.int64, device=hidden.device)
+
+        def logits_of(lo: int, hi: int) -> torch.Tensor:
+            if k:
+                return prompt_logits[lo:hi]
+            return self.model.compute_logits(hidden.index_select(0, rows[lo:hi]))
+
+        return ModelRunnerOutput(
+            step.sample_req_ids,
+            logits[k:],
+            step.sampling_metadata,
+            pooled=done.pool(hidden, work) if work.pool else None,
+            prompt_logprobs=done.prompt_logprobs(logits_of, work) if work.logprobs else None,
+        )
 
     def _replay(
         self,
@@ -574,16 +630,17 @@ class ModelRunner:
 
     # ---- tensor parallelism ------------------------------------------------------------------
 
-    def _local_logits(self, step: StepInputs) -> torch.Tensor | None:
-        """This rank's forward, and its vocabulary columns of the sampled rows' logits."""
+    def _local_logits(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's forward (the final-norm hidden states, whole on every rank) and its
+        vocabulary columns of the logit rows (None when the step has none)."""
         hidden = self._forward(step.input_ids, step.positions, step.attn)
         assert step.batch is not None
         if not step.batch.num_samples:
-            return None
+            return hidden, None
         rows = (
             hidden if step.sample_indices is None else hidden.index_select(0, step.sample_indices)
         )
-        return self.model.compute_logits(rows)
+        return hidden, self.model.compute_logits(rows)
 
     def _execute_parallel(self, step: StepInputs) -> ModelRunnerOutput:
         """Rank 0: send the batch, run our shard with the others, gather the logits.
@@ -599,7 +656,7 @@ class ModelRunner:
                 if tp.failed:
                     raise RuntimeError("the group failed earlier")
                 tp.broadcast_object(step.batch)
-                local = self._local_logits(step)
+                hidden, local = self._local_logits(step)
                 logits = None if local is None else tp.gather_to_driver(local)
             except Exception as exc:
                 raise tp.failure(exc) from exc
@@ -607,15 +664,16 @@ class ModelRunner:
             logits = torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
         elif logits.shape[-1] != self.vocab_size:
             logits = logits[:, : self.vocab_size].contiguous()  # the last rank's padding
+        result = self._output(step, hidden, logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
-        return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+        return result
 
     @torch.inference_mode()
     def execute_batch(self, batch: StepBatch) -> None:
         """A worker rank's step: the forward over rank 0's batch, logits sent to rank 0."""
         assert self.tp is not None
-        local = self._local_logits(self._step_inputs(batch, [], None))
+        _, local = self._local_logits(self._step_inputs(batch, [], None))
         if local is not None:
             self.tp.gather_to_driver(local)

@@ -265,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dtype)
         )
+        # Set by the loader for a pooling-only engine: a checkpoint may lack the LM head.
+        self.pooling_only = False
         # The LM head as a Linear when it is served in another format (quantized); set by
         # `serve_lm_head_as` before the weights load. None: logits from lm_head_weight.
         self.logits_proj: Linear | None = None
@@ -421,6 +423,12 @@ class LlamaForCausalLM(nn.Module):
                     dest.copy_(dequantize(tensor, target.dtype))
                 loaded.add(name)
         missing = sorted(set(targets) - loaded)
+        if missing == ["lm_head.weight"] and self.pooling_only and self.logits_proj is None:
+            # An embedding checkpoint saved from the base model: a pooling engine never
+            # computes logits, so the head stays zero instead of being required.
+            assert self.lm_head is not None
+            self.lm_head.zero_()
+            missing = []
         if missing:
             shown = ", ".join(missing[:10]) + (
                 f", ... ({len(missing)} in all)" if len(missing) > 10 else ""

@@ -45,6 +45,7 @@ from pagemill.server.entrypoints.openai.protocol_structured import (
 )
 from pagemill.server.entrypoints.openai.serving_chat import ChatServing
 from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
+from pagemill.server.entrypoints.openai.serving_embedding import EmbeddingRequest, EmbeddingServing
 from pagemill.server.entrypoints.openai.serving_tokenize import TokenizeServing
 from pagemill.server.entrypoints.watchdog import Watchdog
 from pagemill.server.metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -221,6 +222,7 @@ def build_app(
     tokens = TokenizeServing(
         client, names, allow_special_tokens=allow_special_tokens_in_chat, **common
     )
+    embeddings = EmbeddingServing(client, names, **common)
     watchdog = watchdog if watchdog is not None else Watchdog(client)
 
     @contextlib.asynccontextmanager
@@ -312,6 +314,10 @@ def build_app(
         if isinstance(result, AsyncIterator):
             return SSEResponse(result)
         return JSONResponse(result.model_dump())
+
+    @app.post("/v1/embeddings", dependencies=protected)
+    async def create_embedding(req: EmbeddingRequest, raw_request: Request) -> Response:
+        return JSONResponse((await embeddings.create(req, raw_request)).model_dump())
 
     @app.post("/tokenize", dependencies=protected)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

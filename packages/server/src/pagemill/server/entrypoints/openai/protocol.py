@@ -165,6 +165,7 @@ class SamplingFields(OpenAIModel):
     vllm_xargs: Any = None
     repetition_detection: Any = None
     stream_interval: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -190,6 +191,8 @@ class SamplingFields(OpenAIModel):
             raise ValueError("'stream_options' is only allowed when 'stream' is true")
         if self.cache_salt is not None and not self.cache_salt:
             raise ValueError("'cache_salt' must be a non-empty string")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM refuses it too
+            raise ValueError("'prompt_logprobs' are not available when 'stream' is true")
         return self
 
     @property
@@ -238,8 +241,8 @@ class CompletionRequest(SamplingFields):
     def _check_completion(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
             raise ValueError(
-                "'echo' with 'logprobs' needs the prompt's logprobs, which this server does "
-                "not compute yet; send one of them"
+                "'echo' with 'logprobs' (the prompt's tokens in the logprobs) is not "
+                "supported; send one of them (prompt_logprobs gives the prompt's logprobs)"
             )
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError("'best_of' must be at least n")
@@ -392,12 +395,25 @@ class CompletionLogprobs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's `Logprob` as its responses spell it (`prompt_logprobs` entries)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (None for the first): {token id: its logprob}, vLLM's shape.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -447,6 +463,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ModelCard(OpenAIModel):

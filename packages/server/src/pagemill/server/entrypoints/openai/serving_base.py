@@ -32,6 +32,7 @@ from pagemill.server.async_engine import (
 )
 from pagemill.server.entrypoints.openai.errors import APIError, error_body, internal_error
 from pagemill.server.entrypoints.openai.protocol import (
+    PromptLogprob,
     PromptTokensDetails,
     SamplingFields,
     UsageInfo,
@@ -207,6 +208,7 @@ class ServingBase:
                 bad_words=list(req.bad_words) if req.bad_words else None,
                 allowed_token_ids=req.allowed_token_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
+                prompt_logprobs=req.prompt_logprobs,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from exc
@@ -354,6 +356,34 @@ def split_logprobs(entry: dict[int, float], num_top: int) -> tuple[float, list[t
     sampled_lp = items[0][1] if items else float("nan")
     top = sorted(items, key=lambda kv: kv[1], reverse=True)[:num_top] if num_top else []
     return sampled_lp, top
+
+
+def prompt_logprobs_field(
+    tokenizer: Any, entries: list[dict[int, float] | None] | None, num_top: int
+) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` from the runtime's (the prompt token first, then the top
+    `num_top` without repeating it): ranks by logprob; the prompt token's rank is known
+    only when it is one of the top `num_top` (else it is left out: None)."""
+    if entries is None:
+        return None
+    out: list[dict[int, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        items = list(entry.items())
+        in_top = num_top > 0 and len(items) == num_top
+        ranked = sorted(items if in_top else items[1:], key=lambda kv: kv[1], reverse=True)
+        rank = {t: i for i, (t, _) in enumerate(ranked, start=1)}
+        out.append(
+            {
+                t: PromptLogprob(
+                    logprob=lp, rank=rank.get(t), decoded_token=token_text(tokenizer, t)
+                )
+                for t, lp in items
+            }
+        )
+    return out
 
 
 def now() -> float:

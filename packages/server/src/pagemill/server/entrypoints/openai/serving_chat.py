@@ -41,6 +41,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     engine_id,
     failure_events,
     now,
+    prompt_logprobs_field,
     response_id,
     split_logprobs,
     sse,
@@ -282,6 +283,9 @@ class ChatServing(ServingBase):
             id=request_id,
             model=self.served_model_name,
             choices=choices,
+            prompt_logprobs=prompt_logprobs_field(
+                self.tokenizer, final.prompt_logprobs, req.prompt_logprobs or 0
+            ),
             usage=usage(n_prompt, n_completion, cached_tokens(final)),
         )
 

@@ -25,6 +25,7 @@ from pagemill.server.entrypoints.openai.serving_base import (
     engine_id,
     failure_events,
     now,
+    prompt_logprobs_field,
     response_id,
     split_logprobs,
     sse,
@@ -72,6 +73,9 @@ class CompletionServing(ServingBase):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_field(
+                            self.tokenizer, out.prompt_logprobs, req.prompt_logprobs or 0
+                        ),
                     )
                 )
         n_prompt, n_completion = usage_counts(finals)
