@@ -156,10 +156,10 @@ def _llama3_from_rope_freqs(freqs: np.ndarray, theta: float, head_dim: int) -> d
     )
 
 
-def _gemma_scalar(meta: Metadata, cfg: dict[str, Any]) -> float:
+def _gemma_scalar(meta: Metadata, cfg: dict[str, Any]) -> int:
     if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[meta.arch]:
-        return float(cfg["hidden_size"] // cfg["num_attention_heads"])
-    return float(cfg["head_dim"])
+        return int(cfg["hidden_size"] // cfg["num_attention_heads"])
+    return int(cfg["head_dim"])
 
 
 def _llama(meta: Metadata, cfg: dict[str, Any]) -> None:

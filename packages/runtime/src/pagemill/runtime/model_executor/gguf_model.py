@@ -205,7 +205,7 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(out))
+        _save_tokenizer(tokenizer, out)
     except Exception as e:  # a file without tokenizer metadata still serves token ids
         logger.warning(
             "%s has no usable tokenizer (%s); only token-id prompts will work", path.name, e
@@ -220,6 +220,36 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
         "shards": _shards_key(info["shards"]),
     }
     (out / _MARKER).write_text(json.dumps(meta, indent=2))
+
+
+# Text whose tokens tell a tokenizer's pipeline apart: spaces, newlines, accents, CJK,
+# emoji, digits.
+_PROBE = "Hello  world,\n  héllo 中文 😀 x=12345 <eos></s><|im_end|>"
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """Save transformers' GGUF tokenizer so that loading the folder gives it back.
+
+    A model-specific tokenizer class rebuilds its own pipeline around the saved vocabulary
+    (GemmaTokenizer: sentencepiece spaces), which is wrong for a file whose vocabulary is
+    another kind (a byte-level one under a Gemma architecture); then the folder names the
+    generic class, which runs tokenizer.json — exactly what transformers built — as saved.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(out))
+    want = tokenizer.encode(_PROBE)
+    try:
+        if AutoTokenizer.from_pretrained(str(out)).encode(_PROBE) == want:
+            return
+    except Exception as e:  # the class cannot even encode with this vocabulary
+        logger.debug("%s does not reload as saved (%s)", type(tokenizer).__name__, e)
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
+    if AutoTokenizer.from_pretrained(str(out)).encode(_PROBE) != want:
+        logger.warning("the tokenizer saved in %s encodes unlike the GGUF's own", out)
 
 
 def _unchanged(path: Path, meta: dict[str, Any]) -> bool:
