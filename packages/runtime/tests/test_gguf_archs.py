@@ -314,8 +314,10 @@ def test_split_gguf_loads_from_any_shard_or_its_folder(
     )
     model.load_state_dict(held, strict=False)
     shards = sorted(folder.glob("*.gguf"))
-    assert [p.name for p in shards][:2] == ["tiny-00001-of-00004.gguf", "tiny-00002-of-00004.gguf"]
-    assert len(shards) == 4
+    n = len(shards)
+    assert n >= 3 and [p.name for p in shards] == [
+        f"tiny-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)
+    ]
 
     first = resolve_model(str(shards[0]))
     assert first.kind == "gguf" and first.gguf == shards[0]
@@ -328,10 +330,11 @@ def test_split_gguf_loads_from_any_shard_or_its_folder(
     assert llm.get_tokenizer().chat_template == TEMPLATE  # the first shard's metadata
 
     shards[2].rename(folder / "elsewhere.bin")
-    with pytest.raises(ValueError, match=r"tiny-00003-of-00004\.gguf"):
+    gone = rf"missing.*tiny-00003-of-{n:05d}\.gguf"
+    with pytest.raises(ValueError, match=gone):
         resolve_model(str(shards[0]))
-    with pytest.raises(ValueError, match=r"missing.*tiny-00003-of-00004\.gguf"):
-        resolve_model(str(shards[3]))
+    with pytest.raises(ValueError, match=gone):
+        resolve_model(str(shards[1]))
 
 
 def test_split_shard_of_another_model_is_refused(tmp_path, build_tiny_model) -> None:
