@@ -270,7 +270,7 @@ def _transformers_gguf(path: Path) -> torch.nn.Module:
 def test_gguf_architecture_generates_like_transformers(
     files, key, random_prompts, hf_greedy, all_logits
 ) -> None:
-    family, arch, _, _ = CASES[key]
+    family = CASES[key][0]
     path, ref = files[key]
     # The writer follows the conventions transformers' GGUF reader undoes.
     theirs = _transformers_gguf(path)

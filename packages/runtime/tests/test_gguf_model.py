@@ -247,7 +247,10 @@ def test_hub_gguf_repo_with_quant_suffix(
     prompts = random_prompts([5, 12], ref.config.vocab_size, seed=9)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
-    with pytest.raises(ValueError, match=r"exactly one \.gguf file \(or one split set\) of quantization .Q4_K_M.*none"):
+    with pytest.raises(
+        ValueError,
+        match=r"exactly one \.gguf file \(or one split set\) of quantization .Q4_K_M.*none",
+    ):
         resolve_model("tiny-org/tiny-GGUF:Q4_K_M")
     with pytest.raises(ValueError, match=r"no config\.json.*'tiny-org/tiny-GGUF:QUANT'"):
         resolve_model("tiny-org/tiny-GGUF")

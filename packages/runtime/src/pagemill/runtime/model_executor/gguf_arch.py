@@ -70,13 +70,21 @@ class Metadata:
     def arch_key(self, key: str, default: Any = None) -> Any:
         return self.get(f"{self.arch}.{key}", default)
 
+    def required(self, key: str) -> Any:
+        value = self.arch_key(key)
+        if value is None:
+            raise ValueError(
+                f"the GGUF lacks metadata key {self.arch}.{key}, which a {self.arch} model needs"
+            )
+        return value
+
     def tensor(self, name: str) -> np.ndarray:
         return self._read_tensor(name)
 
 
 def _uniform(meta: Metadata, key: str, default: Any = None) -> Any:
     """A per-model value that some files store per layer (an array): one value, or an error."""
-    value = meta.arch_key(key, default)
+    value = meta.arch_key(key, default) if default is not None else meta.required(key)
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise ValueError(
@@ -217,7 +225,7 @@ def _gemma2(meta: Metadata, cfg: dict[str, Any]) -> None:
     cfg["final_logit_softcapping"] = float(
         meta.arch_key("final_logit_softcapping", _GEMMA2_FINAL_SOFTCAP)
     )
-    cfg["sliding_window"] = int(meta.arch_key("attention.sliding_window"))
+    cfg["sliding_window"] = int(meta.required("attention.sliding_window"))
     cfg["layer_types"] = _layer_types(meta, cfg["num_hidden_layers"], 2)
 
 
@@ -292,14 +300,14 @@ def config_from_gguf(meta: Metadata) -> dict[str, Any]:
     arch = GGUF_ARCHS[meta.arch]
     if "token_embd.weight" not in meta.shapes:
         raise ValueError("the GGUF has no token_embd.weight tensor")
-    hidden = int(meta.arch_key("embedding_length"))
+    hidden = int(meta.required("embedding_length"))
     heads = int(_uniform(meta, "attention.head_count"))
     kv_heads = int(_uniform(meta, "attention.head_count_kv", heads))
     head_dim = meta.arch_key("attention.key_length")
     if head_dim is None and arch.name == "llama":
         head_dim = meta.arch_key("rope.dimension_count")
     head_dim = int(head_dim) if head_dim is not None else hidden // heads
-    layers = int(meta.arch_key("block_count"))
+    layers = int(meta.required("block_count"))
     vocab = int(meta.shapes["token_embd.weight"][-1])  # GGUF shapes are innermost first
     cfg: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
