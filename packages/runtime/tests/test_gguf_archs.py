@@ -169,9 +169,10 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
         w.add_rope_dimension_count(head_dim)
     elif arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
-        w.add_rope_dimension_count(
-            int(c.partial_rotary_factor * c.hidden_size) // c.num_attention_heads
+        rot_pct = getattr(c, "partial_rotary_factor", None) or rope.get(
+            "partial_rotary_factor", 1.0
         )
+        w.add_rope_dimension_count(int(rot_pct * c.hidden_size) // c.num_attention_heads)
         w.add_sliding_window(c.sliding_window or 0)
     elif arch == "gemma2":
         w.add_attn_logit_softcapping(c.attn_logit_softcapping)
@@ -191,13 +192,17 @@ def write_llamacpp_gguf(
     arch: str,
     qtype: Any,
     split_max_tensors: int = 0,
+    write_tokenizer: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` as llama.cpp would; returns the HF state dict the file holds (2-D
     tensors through the type's quantize/dequantize), the reference's weights."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_params(w, family, arch, c)
-    _write_tokenizer(w, tokenizer_dir, c.eos_token_id)
+    if write_tokenizer is None:
+        _write_tokenizer(w, tokenizer_dir, c.eos_token_id)
+    else:
+        write_tokenizer(w)
     names = gguf.get_tensor_name_map(
         {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers
     )
@@ -349,3 +354,53 @@ def test_split_shard_of_another_model_is_refused(tmp_path, build_tiny_model) -> 
     a[1].write_bytes(b[1].read_bytes())  # shard 2 of a split into another number of files
     with pytest.raises(ValueError, match=r"m-00002-of-0000\d\.gguf is not shard 2 of"):
         resolve_model(str(a[0]))
+
+
+def _sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A small sentencepiece vocabulary as llama.cpp stores one (`tokenizer.ggml.model`
+    "llama"): specials, the 256 byte-fallback tokens, pieces with "▁" for spaces."""
+    tt = gguf.TokenType
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [tt.UNKNOWN, tt.CONTROL, tt.CONTROL] + [tt.BYTE] * 256
+    pieces = ["▁", *"abcdefghijklmnopqrstuvwxyz,"]
+    pieces += ["▁t", "th", "he", "▁th", "▁the", "ll", "lo", "llo", "▁h", "▁he", "▁hel"]
+    pieces += ["▁hello", "▁w", "or", "▁wor", "ld", "▁world", "▁q", "ui", "▁qui", "ck", "▁quick"]
+    tokens += pieces
+    types += [tt.NORMAL] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    return tokens, scores, [int(t) for t in types]
+
+
+@pytest.mark.parametrize(
+    "family,arch", [("llama", "llama"), ("phi3", "phi3"), ("gemma2", "gemma2")]
+)
+def test_sentencepiece_tokenizer_from_the_file(tmp_path, build_tiny_model, family, arch) -> None:
+    """A sentencepiece vocabulary (what Llama 2, Mistral, Phi-3 and Gemma files hold), which
+    transformers builds per architecture: pagemill's tokenizer encodes as transformers' GGUF
+    tokenizer does, byte fallback and BOS included, and keeps the file's chat template."""
+    from pagemill.runtime.model_executor.loader import load_tokenizer
+
+    tokens, scores, types = _sentencepiece_vocab()
+
+    def write(w: Any) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(TEMPLATE)
+
+    extra = {"head_dim": 16, "query_pre_attn_scalar": 16} if arch == "gemma2" else {}
+    model = build_tiny_model(
+        tmp_path / "hf", family, seed=1, vocab_size=len(tokens), eos_token_id=2, **extra
+    )
+    path = tmp_path / "spm.gguf"
+    write_llamacpp_gguf(model, tmp_path / "hf", path, family, arch, QT.F16, write_tokenizer=write)
+    tok = load_tokenizer(str(resolve_model(str(path)).folder))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert tok is not None and tok.chat_template == TEMPLATE
+    for text in ("hello world", "the quick, héllo 中文 😀", "  two  spaces", "</s>hello"):
+        assert tok.encode(text) == hf_tok.encode(text), text
+        assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok.encode(text))
