@@ -85,6 +85,8 @@ CASES: dict[str, tuple[str, str, Any, dict[str, Any]]] = {
         ),
     ),
 }
+# Q5_0 goes through the one-time dense copy (transformers' GGUF loader) for now.
+CASES["gemma2-Q5_0"] = ("gemma2", "gemma2", QT.Q5_0, CASES["gemma2-Q8_0"][3])
 TRANSFORMERS_READS_CONFIG = ("llama", "mistral", "qwen3")
 
 
@@ -404,3 +406,29 @@ def test_sentencepiece_tokenizer_from_the_file(tmp_path, build_tiny_model, famil
     for text in ("hello world", "the quick, héllo 中文 😀", "  two  spaces", "</s>hello"):
         assert tok.encode(text) == hf_tok.encode(text), text
         assert tok.decode(tok.encode(text)) == hf_tok.decode(hf_tok.encode(text))
+
+
+def test_hub_quant_that_is_a_split_set(tmp_path, monkeypatch, build_tiny_model) -> None:
+    """`org/name-GGUF:Q8_0` where that quantization is split (as large Hub GGUFs are, in a
+    folder of their own): the set is the model, named by its first shard."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = build_tiny_model(tmp_path / "model", "llama", seed=2)
+    written = tmp_path / "written"
+    written.mkdir()
+    write_llamacpp_gguf(
+        model, tmp_path / "model", written / "tiny-Q8_0.gguf", "llama", "llama", QT.Q8_0, 7
+    )
+    repo = tmp_path / "hf" / "hub" / "models--tiny-org--tiny-GGUF"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    (snapshot / "Q8_0").mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, shard in enumerate(sorted(written.glob("*.gguf"))):
+        blob = repo / "blobs" / f"{i:064x}"
+        blob.write_bytes(shard.read_bytes())
+        (snapshot / "Q8_0" / shard.name).symlink_to(blob)  # as huggingface_hub stores files
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    source = resolve_model("tiny-org/tiny-GGUF:Q8_0")
+    assert source.gguf is not None and source.gguf.name.startswith("tiny-Q8_0-00001-of-")
+    assert json.loads((source.folder / "config.json").read_text())["num_hidden_layers"] == 2
