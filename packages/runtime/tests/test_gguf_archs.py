@@ -336,6 +336,9 @@ def test_split_gguf_loads_from_any_shard_or_its_folder(
         assert out.outputs[0].token_ids == hf_greedy(model.eval(), prompt, 8)
     assert llm.get_tokenizer().chat_template == TEMPLATE  # the first shard's metadata
 
+    (folder / "other.gguf").write_bytes(shards[0].read_bytes())
+    with pytest.raises(ValueError, match=r"several GGUF models \(other\.gguf, tiny-\*-of-"):
+        resolve_model(str(folder))
     shards[2].rename(folder / "elsewhere.bin")
     gone = rf"missing.*tiny-00003-of-{n:05d}\.gguf"
     with pytest.raises(ValueError, match=gone):
