@@ -166,6 +166,16 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(rope["attention_factor"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "llama":
         w.add_vocab_size(c.vocab_size)
         w.add_rope_dimension_count(head_dim)
@@ -435,3 +445,35 @@ def test_hub_quant_that_is_a_split_set(tmp_path, monkeypatch, build_tiny_model) 
     source = resolve_model("tiny-org/tiny-GGUF:Q8_0")
     assert source.gguf is not None and source.gguf.name.startswith("tiny-Q8_0-00001-of-")
     assert json.loads((source.folder / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "yarn",
+            "factor": 2.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "attention_factor": 1.2,
+        },
+    ],
+)
+def test_yarn_scaling_is_read_back(tmp_path, build_tiny_model, rope) -> None:
+    """Qwen3's long-context YaRN as convert_hf_to_gguf stores it: the config built from the
+    file has the RoPE the original config.json has (serving it is the RoPE table's)."""
+    from pagemill.runtime.model_config import ModelConfig
+
+    rope = {**rope, "rope_theta": 100000.0}
+    model = build_tiny_model(tmp_path / "hf", "qwen3", seed=3, rope_parameters=rope)
+    path = tmp_path / "yarn.gguf"
+    write_llamacpp_gguf(model, tmp_path / "hf", path, "qwen3", "qwen3", QT.F32)
+    ours = ModelConfig.from_pretrained(resolve_model(str(path)).folder)
+    original = ModelConfig.from_pretrained(tmp_path / "hf")
+    assert ours.rope_theta == original.rope_theta
+    assert ours.rope_scaling is not None and original.rope_scaling is not None
+    assert ours.rope_scaling.keys() == original.rope_scaling.keys()
+    for key, value in original.rope_scaling.items():  # GGUF stores floats as float32
+        assert ours.rope_scaling[key] == (value if isinstance(value, str) else pytest.approx(value))

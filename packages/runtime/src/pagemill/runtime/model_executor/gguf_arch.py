@@ -126,12 +126,14 @@ def _rope_scaling(meta: Metadata) -> dict[str, Any]:
         for key, hf in (
             ("rope.scaling.yarn_beta_fast", "beta_fast"),
             ("rope.scaling.yarn_beta_slow", "beta_slow"),
-            ("rope.scaling.attn_factor", "attention_factor"),
+            ("rope.scaling.yarn_attn_factor", "attention_factor"),
         ):
             value = meta.arch_key(key)
             if value is not None:
                 out[hf] = float(value)
         return out
+    if kind == "longrope":  # its factors are tensors, which the architecture's hook reads
+        return {"rope_type": "longrope"}
     raise ValueError(f"GGUF RoPE scaling type {kind!r} is not supported by pagemill")
 
 
@@ -334,4 +336,7 @@ def config_from_gguf(meta: Metadata) -> dict[str, Any]:
             int(token) if token is not None and int(token) < vocab else None
         )
     arch.configure(meta, cfg)
+    rope = cfg["rope_parameters"].get(FULL, cfg["rope_parameters"])
+    if rope.get("rope_type") == "longrope" and "long_factor" not in rope:
+        raise ValueError("the GGUF states longrope RoPE scaling but holds no rope_factors tensors")
     return cfg
