@@ -181,6 +181,12 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
         w.add_rope_dimension_count(head_dim)
     elif arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            scale = c.max_position_embeddings / c.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(c.original_max_position_embeddings))
+            )
         rot_pct = getattr(c, "partial_rotary_factor", None) or rope.get(
             "partial_rotary_factor", 1.0
         )
@@ -238,6 +244,9 @@ def write_llamacpp_gguf(
         else:
             w.add_tensor(name, gguf.quants.quantize(data, stored_type), raw_dtype=stored_type)
     rope = c.rope_parameters
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     if arch == "llama" and rope.get("rope_type") == "llama3":
         w.add_tensor(
             "rope_freqs.weight", _llama3_rope_freqs(rope, c.hidden_size // c.num_attention_heads)
@@ -464,12 +473,36 @@ def test_hub_quant_that_is_a_split_set(tmp_path, monkeypatch, build_tiny_model) 
 def test_yarn_scaling_is_read_back(tmp_path, build_tiny_model, rope) -> None:
     """Qwen3's long-context YaRN as convert_hf_to_gguf stores it: the config built from the
     file has the RoPE the original config.json has (serving it is the RoPE table's)."""
-    from pagemill.runtime.model_config import ModelConfig
-
     rope = {**rope, "rope_theta": 100000.0}
     model = build_tiny_model(tmp_path / "hf", "qwen3", seed=3, rope_parameters=rope)
-    path = tmp_path / "yarn.gguf"
-    write_llamacpp_gguf(model, tmp_path / "hf", path, "qwen3", "qwen3", QT.F32)
+    _check_rope_read_back(tmp_path, model, "qwen3")
+
+
+def test_phi3_longrope_is_read_back(tmp_path, build_tiny_model) -> None:
+    """Phi-3 128k's longrope: factors as rope_factors_long/short tensors, the attention
+    factor llama.cpp computes, the original context length."""
+    g = np.random.default_rng(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": (1 + g.random(8)).round(3).tolist(),
+        "long_factor": (2 + 10 * g.random(8)).round(3).tolist(),
+    }
+    model = build_tiny_model(
+        tmp_path / "hf",
+        "phi3",
+        seed=3,
+        rope_parameters=rope,
+        original_max_position_embeddings=128,
+    )
+    _check_rope_read_back(tmp_path, model, "phi3")
+
+
+def _check_rope_read_back(tmp_path: Path, model: torch.nn.Module, arch: str) -> None:
+    from pagemill.runtime.model_config import ModelConfig
+
+    path = tmp_path / "rope.gguf"
+    write_llamacpp_gguf(model, tmp_path / "hf", path, arch, arch, QT.F32)
     ours = ModelConfig.from_pretrained(resolve_model(str(path)).folder)
     original = ModelConfig.from_pretrained(tmp_path / "hf")
     assert ours.rope_theta == original.rope_theta
@@ -477,3 +510,5 @@ def test_yarn_scaling_is_read_back(tmp_path, build_tiny_model, rope) -> None:
     assert ours.rope_scaling.keys() == original.rope_scaling.keys()
     for key, value in original.rope_scaling.items():  # GGUF stores floats as float32
         assert ours.rope_scaling[key] == (value if isinstance(value, str) else pytest.approx(value))
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):
+        assert ours.hf_config.get(key) == original.hf_config.get(key)

@@ -213,8 +213,12 @@ def _phi3(meta: Metadata, cfg: dict[str, Any]) -> None:
         )
         if orig is not None:
             cfg["rope_parameters"]["original_max_position_embeddings"] = int(orig)
+        # The converter always stores the attention factor; HF's default (the same formula)
+        # is left implicit unless the file's differs.
         attn = meta.arch_key("rope.scaling.attn_factor")
-        if attn is not None:
+        scale = cfg["max_position_embeddings"] / int(orig) if orig else 1.0
+        default = math.sqrt(1 + math.log(scale) / math.log(int(orig))) if scale > 1 else 1.0
+        if attn is not None and not math.isclose(float(attn), default, rel_tol=1e-6):
             cfg["rope_parameters"]["attention_factor"] = float(attn)
 
 
