@@ -207,3 +207,30 @@ def _as_torch(array: object, dtype: torch.dtype, device: torch.device) -> torch.
     if t.device.type != device.type:
         raise RuntimeError(f"KV storage lives on {t.device}, the model on {device}")
     return t
+
+
+def kv_sliding_window(config: ModelConfig, cache: CacheConfig, num_blocks: int) -> int | None:
+    """The window the KV cache manager may give blocks back behind, or None to keep all.
+
+    Only when every layer attends through the same window: a full-attention layer (Gemma
+    2/3's global layers) reads every block of the context, so nothing may leave the pool
+    for it. A pool smaller than one window plus a block keeps every block too (said once).
+    """
+    if not cache.sliding_window_free_blocks or config.num_hidden_layers <= 0:
+        return None
+    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+    if len(windows) != 1:
+        return None
+    window = windows.pop()
+    if window <= 0:
+        return None
+    usable = num_blocks - 1  # the null block is nobody's
+    if usable * cache.block_size < window + cache.block_size - 1:
+        logger.warning(
+            "KV pool of %d blocks cannot hold a sliding window of %d tokens plus a block: "
+            "every block of a request is kept",
+            num_blocks,
+            window,
+        )
+        return None
+    return window
