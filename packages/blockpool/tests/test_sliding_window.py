@@ -174,7 +174,7 @@ def test_null_hit_inside_the_window_is_refused() -> None:
     step(m, a, 13)
     m.free("a")
     b = hashed(m, Req("b", list(range(13))))
-    hits, n = m.get_computed_blocks(b)
+    _, n = m.get_computed_blocks(b)
     assert n == 12
     forged = [m.block_pool.null_block] * 3
     with pytest.raises(ValueError, match="inside the sliding window"):
