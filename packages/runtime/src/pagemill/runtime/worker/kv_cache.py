@@ -96,7 +96,9 @@ def size_kv_pool(
     `kv_cache_memory_bytes` the graphs simply come on top of it.
 
     A pool that cannot hold one max_model_len request would leave such a request waiting
-    forever, so it is refused at start-up with the numbers that would fix it.
+    forever, so it is refused at start-up with the numbers that would fix it. When blocks
+    leave the pool behind the window (`kv_sliding_window`), a request needs only a window's
+    worth at a time, so one window plus a block (and the null block) is enough.
     """
     block_size = cache.block_size
     per_token = bytes_per_token(config, dtype)
@@ -123,6 +125,8 @@ def size_kv_pool(
             config, dtype, block_size, cache.kv_cache_memory_bytes, max_num_seqs, max_model_len
         )
     needed = -(-max_model_len // block_size)
+    if kv_sliding_window(config, cache, num_blocks) is not None:
+        needed = min(needed, num_blocks)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
