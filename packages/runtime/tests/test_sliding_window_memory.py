@@ -128,3 +128,21 @@ def test_preemption_with_window_release_matches_hf(mistral, hf_greedy, random_pr
     for prompt, m, out in zip(prompts, max_tokens, outs):
         assert out.token_ids == hf_greedy(model, prompt, m)
     assert llm.llm_engine.get_stats().num_preemptions > 0
+
+
+def test_runner_mirror_points_dropped_entries_at_the_null_block() -> None:
+    """The runner's table rows stop naming blocks the manager may have handed on."""
+    from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
+    from pagemill.scheduler import Request
+
+    batch = InputBatch(4, 16, torch.device("cpu"))
+    for rid, ids in (("a", [5, 6, 7, 8, 9]), ("b", [10, 11, 12])):
+        batch.add(CachedRequestState.create(Request(rid, [1, 2]), torch.device("cpu")), ids)
+    # A query at 17 with a window of 10 reads keys 8.. : blocks 0 and 1 (0..7) are dead.
+    batch.drop_blocks_before(0, 17 - WINDOW + 1, BLOCK)
+    assert batch.block_table[0, :5].tolist() == [0, 0, 7, 8, 9]
+    batch.drop_blocks_before(1, 3, BLOCK)  # nothing wholly before position 3
+    assert batch.block_table[1, :3].tolist() == [10, 11, 12]
+    batch.drop_blocks_before(1, 8, BLOCK)
+    batch.remove("a")  # rows close up with their dropped counts
+    assert batch.block_table[0, :3].tolist() == [0, 0, 12] and batch.num_dropped[0] == 2

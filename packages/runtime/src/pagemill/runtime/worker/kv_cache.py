@@ -213,6 +213,12 @@ def _as_torch(array: object, dtype: torch.dtype, device: torch.device) -> torch.
     return t
 
 
+def shared_window(config: ModelConfig) -> int:
+    """The sliding window every layer shares, or 0 (no window, or some layers global)."""
+    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else 0
+
+
 def kv_sliding_window(config: ModelConfig, cache: CacheConfig, num_blocks: int) -> int | None:
     """The window the KV cache manager may give blocks back behind, or None to keep all.
 
@@ -220,13 +226,8 @@ def kv_sliding_window(config: ModelConfig, cache: CacheConfig, num_blocks: int) 
     2/3's global layers) reads every block of the context, so nothing may leave the pool
     for it. A pool smaller than one window plus a block keeps every block too (said once).
     """
-    if not cache.sliding_window_free_blocks or config.num_hidden_layers <= 0:
-        return None
-    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
-    if len(windows) != 1:
-        return None
-    window = windows.pop()
-    if window <= 0:
+    window = shared_window(config)
+    if not cache.sliding_window_free_blocks or window <= 0:
         return None
     usable = num_blocks - 1  # the null block is nobody's
     if usable * cache.block_size < window + cache.block_size - 1:
