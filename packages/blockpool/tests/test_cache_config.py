@@ -42,6 +42,7 @@ def test_hash_algo_choices_are_the_hashers() -> None:
         ({"block_size": True}, TypeError, "CacheConfig.block_size must be an int"),
         ({"block_size": 16.0}, TypeError, "CacheConfig.block_size must be an int"),
         ({"enable_prefix_caching": 1}, TypeError, "CacheConfig.enable_prefix_caching"),
+        ({"sliding_window_free_blocks": "no"}, TypeError, "sliding_window_free_blocks"),
         ({"prefix_caching_hash_algo": "md5"}, ValueError, "prefix_caching_hash_algo must be one"),
         ({"kv_cache_memory_bytes": 0}, ValueError, "kv_cache_memory_bytes must be a positive"),
         ({"kv_cache_memory_bytes": 1.5e9}, TypeError, "kv_cache_memory_bytes must be None or"),

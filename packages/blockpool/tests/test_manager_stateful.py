@@ -7,6 +7,12 @@ position writes (salt, token) into its slot, and every step checks that each run
 request's slots hold exactly its own tokens. A wrongly shared, evicted or reused block
 would show up there as foreign data. Block hashes live on the requests, extended through
 the manager's `block_hasher` whenever tokens arrive, as the scheduler does.
+
+`WindowManagerMachine` drives a sliding-window manager the same way, with requests longer
+than the whole pool: blocks no later query can read must have been given back (the null
+block in their place, checked against attention's own definition), the KV of every
+position a later query reads must still be the request's own, and the pool must be whole
+again once every request has ended.
 """
 
 from __future__ import annotations
@@ -36,9 +42,14 @@ class Req:
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    max_tokens = MAX_TOKENS
+
     @initialize(algo=st.sampled_from(["sha256", "xxh3_128"]))
     def setup(self, algo: str) -> None:
         self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, hash_algo=algo)
+        self.init_state(algo)
+
+    def init_state(self, algo: str) -> None:
         self.hash_fn = get_hash_fn(algo)
         self.requests: dict[str, Req] = {}
         self.running: set[str] = set()
@@ -77,18 +88,35 @@ class ManagerMachine(RuleBasedStateMachine):
             self.slots[slot] = (r.cache_salt, r.all_token_ids[pos])
         r.num_computed_tokens = end
 
+    def check_hits(self, r: Req, hits: list) -> None:
+        """The longest full-block prefix whose blocks are all cached."""
+        n = len(r.all_token_ids)
+        chain = hash_block_chain(self.hash_fn, r.all_token_ids, BLOCK_SIZE, self.extra(r))
+        assert [b.block_hash for b in hits] == chain[: len(hits)]
+        if len(hits) < (n - 1) // BLOCK_SIZE:
+            assert self.m.block_pool.get_cached_block(chain[len(hits)]) is None
+
+    def max_chunk(self, r: Req, start: int, wanted: int) -> int:
+        """Most tokens a step starting at `start` may take (the scheduler's cap)."""
+        return wanted
+
+    def released_free(self, r: Req, start: int) -> int:
+        """Blocks this allocation gives back to the free queue first (window only)."""
+        return 0
+
     def try_allocate(self, r: Req, num_new: int, n_hit: int = 0, hits=()) -> bool:
         before = self.snapshot()
         free_before = self.m.get_num_free_blocks()
         table_len = len(self.m.req_to_blocks.get(r.request_id, ()))
+        released = self.released_free(r, r.num_computed_tokens + n_hit)
+        in_queue_before = sum(1 for b in hits if b.ref_cnt == 0)
         got = self.m.allocate_slots(r, num_new, n_hit, list(hits))
         total = r.num_computed_tokens + n_hit + num_new
         needed = max(0, -(-total // BLOCK_SIZE) - table_len - len(hits))
-        in_queue = sum(1 for b in hits if b.ref_cnt == 0) if got is None else None
         if got is None:
             event("allocation refused")
             assert self.snapshot() == before, "a failed allocation must change nothing"
-            assert needed > free_before - in_queue, "refused although it fits"
+            assert needed > free_before + released - in_queue_before, "refused although it fits"
             return False
         assert len(got) == needed
         return True
@@ -132,12 +160,9 @@ class ManagerMachine(RuleBasedStateMachine):
         n = len(r.all_token_ids)
         # Longest full-block prefix, capped so the last token is recomputed.
         assert n_hit == len(hits) * BLOCK_SIZE and n_hit <= n - 1
-        chain = hash_block_chain(self.hash_fn, r.all_token_ids, BLOCK_SIZE, self.extra(r))
-        assert [b.block_hash for b in hits] == chain[: len(hits)]
-        if len(hits) < (n - 1) // BLOCK_SIZE:
-            assert self.m.block_pool.get_cached_block(chain[len(hits)]) is None
+        self.check_hits(r, hits)
         event("prefix hit" if n_hit else "no prefix hit")
-        chunk = data.draw(st.integers(1, n - n_hit), label="chunk")
+        chunk = data.draw(st.integers(1, self.max_chunk(r, n_hit, n - n_hit)), label="chunk")
         if self.try_allocate(r, chunk, n_hit, hits):
             self.count_admission(r, n_hit)  # a refused admission is looked up again later
             r.num_computed_tokens = n_hit
@@ -152,14 +177,14 @@ class ManagerMachine(RuleBasedStateMachine):
         r = self.requests[rid]
         remaining = len(r.all_token_ids) - r.num_computed_tokens
         if remaining == 0:  # decode: the sampled token joins the sequence, then is computed
-            if len(r.all_token_ids) >= MAX_TOKENS:
+            if len(r.all_token_ids) >= self.max_tokens:
                 return
             r.all_token_ids.append(data.draw(st.integers(0, 3), label="token"))
             self.sync_hashes(r)
             event("decode")
             remaining = 1
-        chunk = data.draw(st.integers(1, remaining), label="chunk")
         start = r.num_computed_tokens
+        chunk = data.draw(st.integers(1, self.max_chunk(r, start, remaining)), label="chunk")
         if self.try_allocate(r, chunk):
             self.compute(r, start, start + chunk)
         elif remaining == 1 and len(r.all_token_ids) > r.num_prompt_tokens:
@@ -201,10 +226,11 @@ class ManagerMachine(RuleBasedStateMachine):
         cap = (len(r.all_token_ids) - 1) // BLOCK_SIZE
         assert len(hits) >= min(cached_prefix, cap)
         n = len(r.all_token_ids)
-        if self.try_allocate(r, n - n_hit, n_hit, hits):
+        end = n_hit + self.max_chunk(r, n_hit, n - n_hit)
+        if self.try_allocate(r, end - n_hit, n_hit, hits):
             self.count_admission(r, n_hit)
             r.num_computed_tokens = n_hit
-            self.compute(r, n_hit, n)
+            self.compute(r, n_hit, end)
             self.running.add(rid)
         else:  # other requests hold the rest of the pool
             self.waiting.append(rid)
@@ -333,3 +359,128 @@ class ManagerMachine(RuleBasedStateMachine):
 
 ManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestKVCacheManager = ManagerMachine.TestCase
+
+
+class WindowManagerMachine(ManagerMachine):
+    """The same life cycle with a sliding window, requests growing past the whole pool."""
+
+    max_tokens = 3 * NUM_BLOCKS * BLOCK_SIZE
+
+    @initialize(algo=st.sampled_from(["sha256", "xxh3_128"]), window=st.sampled_from([1, 5, 8]))
+    def setup(self, algo: str, window: int) -> None:  # type: ignore[override]
+        self.window = window
+        self.m = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, hash_algo=algo, sliding_window=window)
+        self.init_state(algo)
+        # Per running request: where the earliest query of its last allocation stood.
+        self.alloc_start: dict[str, int] = {}
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), k=st.integers(1, 3 * BLOCK_SIZE))
+    def grow(self, data: st.DataObject, k: int) -> None:
+        """Tokens arrive faster than one per step, so requests outgrow the pool."""
+        rid = data.draw(st.sampled_from(sorted(self.running)), label="rid")
+        r = self.requests[rid]
+        k = min(k, self.max_tokens - len(r.all_token_ids))
+        if k <= 0:
+            return
+        r.all_token_ids.extend(data.draw(st.lists(st.integers(0, 3), min_size=k, max_size=k)))
+        self.sync_hashes(r)
+        if len(r.all_token_ids) > (NUM_BLOCKS - 1) * BLOCK_SIZE:
+            event("request longer than the pool")
+
+    @property
+    def null(self):
+        return self.m.block_pool.null_block
+
+    def first_read(self, start: int) -> int:
+        """Attention's definition: a query at q reads keys q-W < k <= q."""
+        return max(0, start - self.window + 1)
+
+    def check_hits(self, r: Req, hits: list) -> None:
+        chain = hash_block_chain(self.hash_fn, r.all_token_ids, BLOCK_SIZE, self.extra(r))
+        first = self.first_read(len(hits) * BLOCK_SIZE)
+        for i, b in enumerate(hits):
+            if b is self.null:
+                assert (i + 1) * BLOCK_SIZE <= first, "a block the window reads is missing"
+            else:
+                assert b.block_hash == chain[i]
+
+    def max_chunk(self, r: Req, start: int, wanted: int) -> int:
+        return max(1, min(wanted, self.m.max_num_tokens(start) - start))
+
+    def released_free(self, r: Req, start: int) -> int:
+        table = self.m.req_to_blocks.get(r.request_id, [])
+        return sum(
+            1
+            for j, b in enumerate(table)
+            if b is not self.null
+            and (j + 1) * BLOCK_SIZE <= self.first_read(start)
+            and b.ref_cnt == 1
+        )
+
+    def try_allocate(self, r: Req, num_new: int, n_hit: int = 0, hits=()) -> bool:
+        start = r.num_computed_tokens + n_hit
+        ok = super().try_allocate(r, num_new, n_hit, hits)
+        if ok:
+            self.alloc_start[r.request_id] = start
+        return ok
+
+    @invariant()
+    def shared_ref_counts_equal_holders(self) -> None:
+        counts = [0] * NUM_BLOCKS
+        counts[self.null.block_id] = 1  # the manager's own reference
+        assert set(self.m.req_to_blocks) == self.running
+        for table in self.m.req_to_blocks.values():
+            live = [b for b in table if b is not self.null]
+            assert len(set(map(id, live))) == len(live)
+            for b in live:
+                counts[b.block_id] += 1
+        assert counts == [b.ref_cnt for b in self.m.block_pool.blocks]
+        assert self.null not in self.m.block_pool.free_block_queue
+        assert self.null.block_hash is None
+
+    @invariant()
+    def blocks_behind_the_window_are_given_back(self) -> None:
+        """Exactly the blocks no query from the last allocation on reads are null, and the
+        held count says so."""
+        for rid in self.running:
+            first = self.first_read(self.alloc_start[rid])
+            table = self.m.req_to_blocks[rid]
+            for j, b in enumerate(table):
+                assert (b is self.null) == ((j + 1) * BLOCK_SIZE <= first), (rid, j, first)
+            held = sum(b is not self.null for b in table)
+            assert self.m.num_held_blocks(rid) == held
+            event("window blocks given back" if held < len(table) else "whole table held")
+
+    @invariant()
+    def kv_contents_belong_to_their_request(self) -> None:
+        """Every key a later query reads is still the request's own."""
+        for rid in self.running:
+            r = self.requests[rid]
+            c = r.num_computed_tokens
+            lo = self.first_read(self.alloc_start[rid])
+            slots = self.m.slot_mapping(rid, lo, c)
+            got = [self.slots.get(s) for s in slots]
+            want = [(r.cache_salt, t) for t in r.all_token_ids[lo:c]]
+            assert got == want
+
+    def preempt_or_finish(self, rid: str) -> None:
+        super().preempt_or_finish(rid)
+        self.alloc_start.pop(rid, None)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for rid in list(self.running):
+            self.preempt_or_finish(rid)
+        pool = self.m.block_pool
+        assert self.m.get_num_free_blocks() == NUM_BLOCKS - 1, "blocks leaked"
+        assert all(b.ref_cnt == 0 for b in pool.blocks if b is not self.null)
+        assert not self.m.req_to_blocks
+        assert self.m.reset_prefix_cache() is True
+
+
+WindowManagerMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=100, deadline=None
+)
+TestWindowKVCacheManager = WindowManagerMachine.TestCase

@@ -99,9 +99,16 @@ class BlockPool:
 
     The hash index maps each cached hash to exactly one block. A freed block keeps its hash
     (it can still be hit) until get_new_blocks pops it for reuse, which evicts the hash.
+
+    With `reserve_null_block`, block 0 is taken for good as `null_block`: the id a block
+    table holds where a sliding-window request has given its block back (vLLM's null
+    block). No slot of it is ever written, so whatever reads it reads zeros, never another
+    request's KV; it is never free and never cached.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+    ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
         if num_blocks <= 0:
@@ -114,6 +121,13 @@ class BlockPool:
         # Cached blocks handed out for reuse (their hash dropped from the index), ever. Read
         # by observers (the server's dashboard); one add per allocation that evicts.
         self.num_evictions = 0
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            if num_blocks < 2:
+                raise ValueError("a pool with a null block needs at least 2 blocks")
+            self.null_block = self.get_new_blocks(1)[0]
+        # Blocks a request can ever hold (the null block is nobody's).
+        self.num_usable_blocks = num_blocks - (1 if reserve_null_block else 0)
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -232,7 +246,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False, nothing changed) while a block is held."""
-        if self.free_block_queue.num_free_blocks != self.num_blocks:
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
@@ -240,5 +254,5 @@ class BlockPool:
         return True
 
     def get_usage(self) -> float:
-        """Fraction of blocks held by at least one request."""
-        return 1.0 - self.free_block_queue.num_free_blocks / self.num_blocks
+        """Fraction of the usable blocks held by at least one request."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks

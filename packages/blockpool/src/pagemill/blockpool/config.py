@@ -26,6 +26,11 @@ class CacheConfig:
     """Block hash for prefix caching: sha256 (collision-safe across tenants) or xxh3_128
     (faster, for single-tenant deployments)."""
 
+    sliding_window_free_blocks: bool = True
+    """Give KV blocks that have left the sliding window back to the pool, for models whose
+    every layer is windowed (Mistral, Phi-3 with a window): a request then holds about one
+    window of KV however long it grows (mixed models such as Gemma 2/3 keep every block)."""
+
     kv_cache_memory_bytes: int | None = None
     """Fixed KV-cache size in bytes (accepts 512MiB, 4GiB); on CUDA it overrides profiling;
     unset: sized from gpu_memory_utilization on CUDA, a default budget on CPU."""
@@ -44,6 +49,11 @@ class CacheConfig:
             raise TypeError(
                 "CacheConfig.enable_prefix_caching must be a bool, got "
                 f"{type(self.enable_prefix_caching).__name__}"
+            )
+        if not isinstance(self.sliding_window_free_blocks, bool):
+            raise TypeError(
+                "CacheConfig.sliding_window_free_blocks must be a bool, got "
+                f"{type(self.sliding_window_free_blocks).__name__}"
             )
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(

@@ -10,6 +10,17 @@ or leak.
 Cache salt: a request's `cache_salt` (when not None) is placed in the extra keys of *every*
 block, not only the first. Chaining alone would already propagate it, but per-block salting
 keeps each hash self-contained, so tenants with different salts never share a block.
+
+Sliding window (`sliding_window`, for models whose every layer attends through the same
+window: Mistral, Phi-3 with a window): a query at position p reads the keys p-W+1..p
+only, so once a request has computed c tokens, the earliest query it will ever run again
+(position c) reads nothing below c-W+1, and the blocks wholly below it are given back to
+the pool and replaced in the table by the pool's null block (vLLM's sliding-window
+manager). A request then holds about W/B + 1 blocks however long it grows, and it may
+grow past the whole pool. Given-back blocks keep their hashes like any freed block; a
+prefix hit needs only the blocks of its last window (looked up from the right, the blocks
+before it enter the table as null blocks). Models that mix windowed and full-attention
+layers (Gemma 2/3) need every block for their full layers and are served without this.
 """
 
 from __future__ import annotations
@@ -70,14 +81,37 @@ class KVCacheManager:
         block_size: int = 16,
         enable_caching: bool = True,
         hash_algo: str = "sha256",
+        sliding_window: int | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int):
             raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+                raise TypeError(
+                    f"sliding_window must be None or an int, got {type(sliding_window).__name__}"
+                )
+            if sliding_window <= 0:
+                raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching, reserve_null_block=sliding_window is not None
+        )
         self.num_blocks = self.block_pool.num_blocks
+        # Blocks requests can hold: all but the null block when there is one.
+        self.num_usable_blocks = self.block_pool.num_usable_blocks
+        if sliding_window is not None and (
+            self.num_usable_blocks * block_size < sliding_window + block_size - 1
+        ):
+            # Below this a request at the end of its window could not take one more token
+            # even with the whole pool to itself.
+            raise ValueError(
+                f"a pool of {self.num_usable_blocks} usable blocks of {block_size} tokens "
+                f"cannot hold a sliding window of {sliding_window} tokens plus a block"
+            )
+        self._null_block = self.block_pool.null_block
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         # Resolved even with caching off, so a bad algorithm name fails at start-up either way.
@@ -90,6 +124,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each table already registered in the hash index.
         self._num_cached_blocks: dict[str, int] = {}
+        # Number of leading entries of each table that are the null block (given back).
+        self._num_null_blocks: dict[str, int] = {}
         self._stats = PrefixCacheStats()
         # Totals at the previous make_prefix_cache_stats(), which reports the difference.
         self._reported = PrefixCacheStats()
@@ -107,6 +143,8 @@ class KVCacheManager:
         num_tokens = len(request.all_token_ids)
         max_hit_blocks = max(0, (num_tokens - 1) // self.block_size)
         pool = self.block_pool
+        if self.sliding_window is not None:
+            return self._get_window_hit(request.block_hashes[:max_hit_blocks])
         hits: list[KVCacheBlock] = []
         for h in request.block_hashes[:max_hit_blocks]:
             block = pool.get_cached_block(h)
@@ -114,6 +152,43 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _get_window_hit(self, hashes: Sequence[BlockHash]) -> tuple[list[KVCacheBlock], int]:
+        """Longest hit of k blocks whose last window is cached: blocks before the window of
+        position k*B (the first query to run) are not needed and come back as null blocks."""
+        assert self._null_block is not None
+        pool = self.block_pool
+        cached = [pool.get_cached_block(h) for h in hashes]
+        # run[i]: how many cached blocks end at i without a gap.
+        run = [0] * len(cached)
+        length = 0
+        for i, block in enumerate(cached):
+            length = length + 1 if block is not None else 0
+            run[i] = length
+        bs = self.block_size
+        for k in range(len(cached), 0, -1):
+            lo = self.num_skippable_blocks(k * bs)
+            if run[k - 1] >= k - lo:
+                hits = [self._null_block] * lo
+                hits += [b for b in cached[lo:k] if b is not None]
+                return hits, k * bs
+        return [], 0
+
+    def num_skippable_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks no query at or after `num_computed_tokens` reads (0 without a
+        window): a query at p reads keys from p-W+1 on, so block j (positions jB..jB+B-1)
+        is dead once (j+1)B <= c-W+1."""
+        window = self.sliding_window
+        if window is None:
+            return 0
+        return max(0, (num_computed_tokens - window + 1) // self.block_size)
+
+    def max_num_tokens(self, num_computed_tokens: int) -> int:
+        """Most tokens a request that has computed `num_computed_tokens` can reach in its
+        next step with the whole pool to itself (the scheduler caps steps by it): the whole
+        pool without a window, else the blocks past its dead ones."""
+        skip = self.num_skippable_blocks(num_computed_tokens)
+        return (skip + self.num_usable_blocks) * self.block_size
 
     # ------------------------------------------------------------------ allocation
 
@@ -129,7 +204,9 @@ class KVCacheManager:
         Returns the newly allocated blocks (not the hit blocks). Raises ValueError for inputs
         that can never succeed (negative counts, more blocks than the whole pool, stale hits).
         A successful call for a request with no table and nothing computed is an admission
-        (first or after preemption) and is what the prefix-cache stats count.
+        (first or after preemption) and is what the prefix-cache stats count. With a sliding
+        window, a successful call first gives back the blocks that fell out of the window
+        (see the module docstring), and those count as free for this allocation.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be non-negative, got {num_new_tokens}")
@@ -150,35 +227,54 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r} has negative num_computed_tokens {num_computed}")
         table = self.req_to_blocks.get(rid)
         num_existing = len(table) if table is not None else 0
+        # Leading blocks that no query of this step or a later one reads.
+        skip = self.num_skippable_blocks(num_computed + num_new_computed_tokens)
         if hit_blocks:
-            self._check_hits(request, hit_blocks, num_existing, num_computed)
+            self._check_hits(request, hit_blocks, num_existing, num_computed, skip)
+            null = self._null_block
+            if null is not None and num_existing < skip:
+                # Hits the window no longer reaches are not taken (nor kept from eviction).
+                cut = skip - num_existing
+                hit_blocks = [null] * min(cut, len(hit_blocks)) + list(hit_blocks[cut:])
 
         total_tokens = num_computed + num_new_computed_tokens + num_new_tokens
         num_required = -(-total_tokens // bs)
-        if num_required > self.num_blocks:
+        if num_required - min(skip, num_required) > self.num_usable_blocks:
             raise ValueError(
                 f"request {rid!r} needs {num_required} blocks for {total_tokens} tokens but the "
-                f"pool only has {self.num_blocks} blocks of {bs} tokens"
+                f"pool only has {self.num_usable_blocks} blocks of {bs} tokens"
             )
         num_new_blocks = max(0, num_required - num_existing - len(hit_blocks))
+        # Blocks of the table that fell out of the window: given back below, and those only
+        # this request holds join the free queue in time for this allocation.
+        num_null = self._num_null_blocks.get(rid, 0)
+        released = table[num_null : min(skip, num_existing)] if table is not None else []
+        num_released_free = sum(1 for b in released if b.ref_cnt == 1)
         # Hit blocks with ref count 0 sit in the free queue: touching them takes them out,
         # so they cannot also be counted as free for the new blocks.
         num_hits_in_queue = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         pool = self.block_pool
-        if num_new_blocks > pool.get_num_free_blocks() - num_hits_in_queue:
+        if num_new_blocks > pool.get_num_free_blocks() + num_released_free - num_hits_in_queue:
             return None
 
         if table is None:
             table = self.req_to_blocks[rid] = []
             self._num_cached_blocks[rid] = 0
+            self._num_null_blocks[rid] = 0
             if num_computed == 0 and self.enable_caching:
                 stats = self._stats
                 stats.requests += 1
                 stats.queries += len(request.all_token_ids)
                 stats.hits += num_new_computed_tokens
+        if released:
+            self._release(request, table, num_null, num_null + len(released))
         if hit_blocks:
-            pool.touch(hit_blocks)
+            null = self._null_block
+            live_hits = [b for b in hit_blocks if b is not null]
+            pool.touch(live_hits)
             table.extend(hit_blocks)
+            if null is not None:
+                self._num_null_blocks[rid] = len(table) - len(live_hits)
             # Hit blocks are already in the index under exactly these hashes.
             self._num_cached_blocks[rid] = max(self._num_cached_blocks[rid], len(table))
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
@@ -188,17 +284,35 @@ class KVCacheManager:
             self._cache_full_blocks(request, table, total_tokens)
         return new_blocks
 
+    def _release(
+        self, request: CacheRequest, table: list[KVCacheBlock], start: int, stop: int
+    ) -> None:
+        """Give back table[start:stop] (out of the window) and put the null block there.
+
+        They are registered first if they are full and hashed, so they stay hittable while
+        they wait in the free queue, like the blocks of a finished request.
+        """
+        null = self._null_block
+        assert null is not None
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, request.num_computed_tokens)
+        self.block_pool.free_blocks(reversed(table[start:stop]))
+        table[start:stop] = [null] * (stop - start)
+        self._num_null_blocks[request.request_id] = stop
+
     def _check_hits(
         self,
         request: CacheRequest,
         hit_blocks: Sequence[KVCacheBlock],
         num_existing: int,
         num_computed: int,
+        skip: int,
     ) -> None:
         """Reject hits that no longer hold the hashes they were found under.
 
         Between get_computed_blocks and allocate_slots another allocation may have evicted
         a freed hit block and handed it to someone else; sharing it would read foreign KV.
+        A null block (sliding window) may stand only where the window no longer reaches.
         """
         bs = self.block_size
         if num_computed != num_existing * bs:
@@ -210,7 +324,15 @@ class KVCacheManager:
         hashes = request.block_hashes
         if num_existing + len(hit_blocks) > len(hashes):
             raise ValueError("more prefix-hit blocks than the request has full blocks")
+        null = self._null_block
         for i, block in enumerate(hit_blocks):
+            if null is not None and block is null:
+                if num_existing + i >= skip:
+                    raise ValueError(
+                        f"a null prefix-hit block at index {num_existing + i} lies inside "
+                        "the sliding window, whose KV must be present"
+                    )
+                continue
             if block.block_hash is None or block.block_hash != hashes[num_existing + i]:
                 raise ValueError(
                     f"prefix-hit block {block.block_id} was evicted or reused after "
@@ -225,7 +347,8 @@ class KVCacheManager:
         A full block whose hash the caller has not added yet is picked up by a later call.
         """
         rid = request.request_id
-        start = self._num_cached_blocks[rid]
+        # Null entries (given back) are skipped: their blocks were registered, or not, then.
+        start = max(self._num_cached_blocks[rid], self._num_null_blocks[rid])
         hashes = request.block_hashes
         num_full = min(total_tokens, len(request.all_token_ids)) // self.block_size
         num_full = min(num_full, len(table), len(hashes))
@@ -243,7 +366,8 @@ class KVCacheManager:
                 f"request {request_id!r} holds no blocks (never allocated or already freed)"
             ) from None
         del self._num_cached_blocks[request_id]
-        self.block_pool.free_blocks(reversed(table))
+        num_null = self._num_null_blocks.pop(request_id)
+        self.block_pool.free_blocks(reversed(table[num_null:]))
 
     def forget_blocks_from(self, request_id: str, first_block: int) -> None:
         """Take the request's blocks from `first_block` on out of the prefix index.
@@ -254,7 +378,8 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request_id)
         if table is None:
             return
-        self.block_pool.uncache_blocks(table[max(0, first_block) :])
+        first = max(0, first_block, self._num_null_blocks[request_id])
+        self.block_pool.uncache_blocks(table[first:])
         self._num_cached_blocks[request_id] = min(
             self._num_cached_blocks[request_id], max(0, first_block)
         )
@@ -280,10 +405,11 @@ class KVCacheManager:
         """KV slot of each position in [start, end): table[p // B] * B + p % B."""
         table = self._table(request_id)
         bs = self.block_size
-        if not 0 <= start <= end <= len(table) * bs:
+        lo = self._num_null_blocks[request_id] * bs if start < end else 0
+        if not lo <= start <= end <= len(table) * bs:
             raise ValueError(
                 f"positions [{start}, {end}) are outside request {request_id!r}'s "
-                f"{len(table) * bs} allocated slots"
+                f"allocated slots [{lo}, {len(table) * bs})"
             )
         return [table[p // bs].block_id * bs + p % bs for p in range(start, end)]
 
@@ -292,6 +418,11 @@ class KVCacheManager:
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request actually holds: its table less the null entries."""
+        table = self.req_to_blocks.get(request_id)
+        return 0 if table is None else len(table) - self._num_null_blocks[request_id]
 
     @property
     def usage(self) -> float:

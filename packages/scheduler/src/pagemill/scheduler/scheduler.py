@@ -52,8 +52,17 @@ class Scheduler:
         self.block_size: int = kv_cache_manager.block_size
         self.num_blocks: int = kv_cache_manager.num_blocks
         # A request can never hold more tokens' KV than the whole pool: past that it is
-        # capped like at max_model_len (and a prompt past it is ignored).
-        self.pool_capacity_tokens = self.num_blocks * self.block_size
+        # capped like at max_model_len (and a prompt past it is ignored). With a sliding
+        # window the manager gives back what the window left behind, so a request holds a
+        # window's worth however long it is: steps are capped instead (`max_num_tokens`),
+        # except that a prompt scheduled whole must still fit the pool at once.
+        self._windowed: bool = kv_cache_manager.sliding_window is not None
+        usable_tokens = kv_cache_manager.num_usable_blocks * self.block_size
+        self.pool_capacity_tokens = (
+            config.max_model_len
+            if self._windowed and config.enable_chunked_prefill
+            else usable_tokens
+        )
         self._use_prefix_cache: bool = kv_cache_manager.enable_caching
 
         self.requests: dict[str, Request] = {}
@@ -129,7 +138,7 @@ class Scheduler:
         if n > self.pool_capacity_tokens:
             return (
                 f"prompt of {n} tokens needs more KV blocks than the whole pool "
-                f"({self.num_blocks} blocks of {self.block_size} tokens)"
+                f"({self.kv_cache_manager.num_usable_blocks} blocks of {self.block_size} tokens)"
             )
         return None
 
@@ -184,6 +193,7 @@ class Scheduler:
         max_model_len = cfg.max_model_len
         running = self.running
         bs = self.block_size
+        windowed = self._windowed
         scheduled: dict[str, tuple[Request, ScheduledRequest]] = {}
         preempted_ids: list[str] = []
 
@@ -199,6 +209,8 @@ class Scheduler:
                 n = budget
             if start + n > max_model_len:
                 n = max_model_len - start
+            if windowed:
+                n = min(n, kv.max_num_tokens(start) - start)
             if n <= 0:
                 i += 1
                 continue
@@ -262,6 +274,8 @@ class Scheduler:
                         n = threshold
                     if n > budget:
                         n = budget
+                    if windowed:
+                        n = min(n, kv.max_num_tokens(num_hit) - num_hit)
                 elif n > budget:
                     break  # the whole prompt must go in one step; keep policy order
                 new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)

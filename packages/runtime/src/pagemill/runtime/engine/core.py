@@ -42,7 +42,7 @@ from pagemill.runtime.sample.structured_output import (
     grammar_failure_message,
 )
 from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
-from pagemill.runtime.worker.kv_cache import size_kv_pool
+from pagemill.runtime.worker.kv_cache import kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
@@ -126,6 +126,7 @@ class EngineCore:
             cache.block_size,
             enable_caching=cache.enable_prefix_caching,
             hash_algo=cache.prefix_caching_hash_algo,
+            sliding_window=kv_sliding_window(model_config, cache, self.num_blocks),
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)

@@ -10,7 +10,11 @@ per change of composition and reused by every step in between, by the one builde
 
 The block table here is a mirror for the device, not an owner: the KV cache manager holds
 each request's table, and a row is written from the scheduler output's `new_block_ids`
-only (the whole table when a request is (re)admitted, appended blocks otherwise).
+only (the whole table when a request is (re)admitted, appended blocks otherwise). Under a
+sliding window shared by every layer, the entries no query can read any more are turned
+into block 0 here too (`drop_blocks_before`): the KV cache manager may have given those
+blocks to another request, and a path that gathers and masks them should read the
+never-written null block, not someone else's KV.
 
 Rows stay in admission order (a removed row is closed up, not swapped with the last one),
 which is the scheduler's order too: in the common step that schedules every running
@@ -68,6 +72,8 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
+        # Leading entries of each row already turned into block 0 (`drop_blocks_before`).
+        self.num_dropped = np.zeros(max_num_reqs, dtype=np.int32)
         self.sampling_columns = SamplingColumns.empty(max_num_reqs)
         self._metadata: SamplingMetadata | None = None
 
@@ -88,6 +94,7 @@ class InputBatch:
         self.states.append(state)
         self.row_of[rid] = row
         self.num_blocks[row] = 0
+        self.num_dropped[row] = 0
         self.append_blocks(row, block_ids)
         self.sampling_columns.set_row(row, state.params)
         self._metadata = None
@@ -104,6 +111,15 @@ class InputBatch:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
+    def drop_blocks_before(self, row: int, first_read_pos: int, block_size: int) -> None:
+        """Point the row's blocks wholly before `first_read_pos` at block 0 (the null block
+        of a sliding-window pool): no query from here on reads them."""
+        end = min(first_read_pos // block_size, int(self.num_blocks[row]))
+        start = int(self.num_dropped[row])
+        if end > start:
+            self.block_table[row, start:end] = 0
+            self.num_dropped[row] = end
+
     def remove(self, request_id: str) -> None:
         """Drop a request's row (no-op if it has none) and close the gap, keeping the order."""
         row = self.row_of.pop(request_id, None)
@@ -114,6 +130,7 @@ class InputBatch:
             width = int(self.num_blocks[row + 1 : n].max())
             self.block_table[row : n - 1, :width] = self.block_table[row + 1 : n, :width]
             self.num_blocks[row : n - 1] = self.num_blocks[row + 1 : n]
+            self.num_dropped[row : n - 1] = self.num_dropped[row + 1 : n]
             self.sampling_columns.close_gap(row, n)
             for rid in self.req_ids[row + 1 :]:
                 self.row_of[rid] -= 1

@@ -96,7 +96,9 @@ def size_kv_pool(
     `kv_cache_memory_bytes` the graphs simply come on top of it.
 
     A pool that cannot hold one max_model_len request would leave such a request waiting
-    forever, so it is refused at start-up with the numbers that would fix it.
+    forever, so it is refused at start-up with the numbers that would fix it. When blocks
+    leave the pool behind the window (`kv_sliding_window`), a request needs only a window's
+    worth at a time, so one window plus a block (and the null block) is enough.
     """
     block_size = cache.block_size
     per_token = bytes_per_token(config, dtype)
@@ -123,6 +125,8 @@ def size_kv_pool(
             config, dtype, block_size, cache.kv_cache_memory_bytes, max_num_seqs, max_model_len
         )
     needed = -(-max_model_len // block_size)
+    if kv_sliding_window(config, cache, num_blocks) is not None:
+        needed = min(needed, num_blocks)
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
@@ -207,3 +211,31 @@ def _as_torch(array: object, dtype: torch.dtype, device: torch.device) -> torch.
     if t.device.type != device.type:
         raise RuntimeError(f"KV storage lives on {t.device}, the model on {device}")
     return t
+
+
+def shared_window(config: ModelConfig) -> int:
+    """The sliding window every layer shares, or 0 (no window, or some layers global)."""
+    windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else 0
+
+
+def kv_sliding_window(config: ModelConfig, cache: CacheConfig, num_blocks: int) -> int | None:
+    """The window the KV cache manager may give blocks back behind, or None to keep all.
+
+    Only when every layer attends through the same window: a full-attention layer (Gemma
+    2/3's global layers) reads every block of the context, so nothing may leave the pool
+    for it. A pool smaller than one window plus a block keeps every block too (said once).
+    """
+    window = shared_window(config)
+    if not cache.sliding_window_free_blocks or window <= 0:
+        return None
+    usable = num_blocks - 1  # the null block is nobody's
+    if usable * cache.block_size < window + cache.block_size - 1:
+        logger.warning(
+            "KV pool of %d blocks cannot hold a sliding window of %d tokens plus a block: "
+            "every block of a request is kept",
+            num_blocks,
+            window,
+        )
+        return None
+    return window

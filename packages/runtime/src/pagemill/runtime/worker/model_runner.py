@@ -36,7 +36,7 @@ from pagemill.runtime.worker.compilation import (
 from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, cache_shape, measure_graph_memory
 from pagemill.runtime.worker.decode_padding import graph_buckets
 from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
-from pagemill.runtime.worker.kv_cache import KVCache
+from pagemill.runtime.worker.kv_cache import KVCache, shared_window
 from pagemill.runtime.worker.pooler import PromptOutputs, PromptWork, wants_prompt_outputs
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
@@ -113,6 +113,8 @@ class ModelRunner:
         self.tp = tp
         self.vocab_size = model_config.vocab_size if vocab_size is None else vocab_size
         self.model_config = model_config
+        # Every layer's one sliding window (0: none or mixed): see `drop_blocks_before`.
+        self._shared_window = shared_window(model_config)
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -349,6 +351,7 @@ class ModelRunner:
 
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
+        bs = self.block_size
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.prompt_outputs.forget(rid)
@@ -371,6 +374,9 @@ class ModelRunner:
                         f"request {rid!r} is scheduled as running but was never scheduled as new"
                     ) from None
                 batch.append_blocks(row, s.new_block_ids)
+            if self._shared_window:
+                row = batch.row_of[rid]
+                batch.drop_blocks_before(row, s.start_pos - self._shared_window + 1, bs)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | None:
         prepared = self._prepare_batch(out)
