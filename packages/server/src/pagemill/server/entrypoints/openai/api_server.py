@@ -24,6 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from pagemill.server.async_engine import AsyncEngine, StepObservers
+from pagemill.server.entrypoints.anthropic.serving_messages import install_anthropic
+from pagemill.server.entrypoints.ollama.serving import install_ollama
 from pagemill.server.entrypoints.openai.auth import APIKeyMiddleware
 from pagemill.server.entrypoints.openai.errors import (
     APIError,
@@ -44,6 +46,7 @@ from pagemill.server.entrypoints.openai.protocol_structured import (
 )
 from pagemill.server.entrypoints.openai.serving_chat import ChatServing
 from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
+from pagemill.server.entrypoints.openai.serving_responses import install_responses
 from pagemill.server.entrypoints.openai.serving_tokenize import TokenizeServing
 from pagemill.server.entrypoints.watchdog import Watchdog
 from pagemill.server.metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -306,6 +309,10 @@ def build_app(
         if isinstance(result, AsyncIterator):
             return SSEResponse(result)
         return JSONResponse(result.model_dump())
+
+    install_responses(app, chat)
+    install_anthropic(app, chat)
+    install_ollama(app, chat, completions)
 
     @app.post("/tokenize", dependencies=protected)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
