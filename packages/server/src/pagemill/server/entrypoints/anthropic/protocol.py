@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from pagemill.server.entrypoints.openai.errors import APIError
 from pagemill.server.entrypoints.openai.limits import STRICT
@@ -42,6 +42,18 @@ class ThinkingConfig(_Model):
     budget_tokens: int | None = Field(None, ge=1)
 
 
+class JSONOutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
+
+
+class OutputConfig(_Model):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JSONOutputFormat | None = None
+
+
 class CountTokensRequest(_Model):
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
@@ -62,6 +74,10 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     stream: bool = False
     service_tier: str | None = None
+    # Structured output (format) and effort (accepted: it does not change a local model).
+    output_config: OutputConfig | None = None
+    # Prompt caching: the prefix cache reuses every repeated prefix without being asked.
+    cache_control: dict[str, Any] | None = None
 
 
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
@@ -198,6 +214,10 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
             "top_k": req.top_k,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            schema = {"name": "output", "schema": fmt.schema_}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         user = (req.metadata or {}).get("user_id")
         if isinstance(user, str):
             body["user"] = user
