@@ -210,8 +210,10 @@ def cached_tokens(usage: Any) -> int:
 
 
 def warn_once(seen: set[str], what: str, name: str, why: str) -> None:
-    """One log warning per ignored field name (not per request)."""
-    if name not in seen:
+    """One log warning per ignored field name (not per request); names come from
+    clients, so the set of names remembered is bounded."""
+    name = name[:64]
+    if name not in seen and len(seen) < 256:
         seen.add(name)
         logger.warning("%s: ignoring '%s' (%s)", what, name, why)
 

@@ -177,6 +177,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise APIError(400, f"{where}.content must be a string")
         msg: dict[str, Any] = {"role": role, "content": content}
         calls = []
+        if not isinstance(m.get("tool_calls") or [], list):
+            raise APIError(400, f"{where}.tool_calls must be a list")
         for j, call in enumerate(m.get("tool_calls") or []):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -335,19 +335,20 @@ async def _ndjson(parts: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
         yield json.dumps({"error": message}) + "\n"
 
 
-async def _merge(parts: AsyncIterator[dict[str, Any]], key: str) -> dict[str, Any]:
+async def _merge(parts: ClosingStream[dict[str, Any]], key: str) -> dict[str, Any]:
     """A whole answer out of the stream objects (stream: false)."""
     content: list[str] = []
     thinking: list[str] = []
     calls: list[Any] = []
     last: dict[str, Any] = {}
-    async for part in parts:
-        last = part
-        body = part[key] if key == "message" else part
-        text = body["content"] if key == "message" else body["response"]
-        content.append(text)
-        thinking.append(body.get("thinking", ""))
-        calls += body.get("tool_calls", []) if key == "message" else []
+    async with contextlib.aclosing(parts):
+        async for part in parts:
+            last = part
+            body = part[key] if key == "message" else part
+            text = body["content"] if key == "message" else body["response"]
+            content.append(text)
+            thinking.append(body.get("thinking", ""))
+            calls += body.get("tool_calls", []) if key == "message" else []
     merged = dict(last)
     if key == "message":
         message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
