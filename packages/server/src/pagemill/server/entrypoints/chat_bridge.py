@@ -64,10 +64,18 @@ async def read_body(request: Request, model: type[BaseModel]) -> Any:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    if isinstance(data, dict):  # fields outside the API this server speaks: said, not silent
+        known = {field.alias or name for name, field in model.model_fields.items()}
+        for name in data:
+            if isinstance(name, str) and name not in known:
+                warn_once(_unknown, request.url.path, name, "not a field this server knows")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from exc
+
+
+_unknown: set[str] = set()
 
 
 async def guard(work: Callable[[], Awaitable[Response]], shape: ErrorShape) -> Response:
@@ -213,8 +221,9 @@ def warn_once(seen: set[str], what: str, name: str, why: str) -> None:
     """One log warning per ignored field name (not per request); names come from
     clients, so the set of names remembered is bounded."""
     name = name[:64]
-    if name not in seen and len(seen) < 256:
-        seen.add(name)
+    key = f"{what}\0{name}"
+    if key not in seen and len(seen) < 256:
+        seen.add(key)
         logger.warning("%s: ignoring '%s' (%s)", what, name, why)
 
 
