@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from endpoint_helpers import ANSWER_SCHEMA, API_KEY, MODEL, WEATHER_SCHEMA, Live, build_model
 from endpoint_helpers import live_server as start
@@ -263,3 +264,27 @@ def test_key_required(live: Live) -> None:
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+
+
+class YesNo(pydantic.BaseModel):
+    answer: Literal["yes", "no"]
+
+
+def test_sdk_helpers_parse_and_stream(live: Live) -> None:
+    """The SDK's own helpers: `parse` (a pydantic text_format) and `stream` (which rebuilds
+    the response from the events and checks their order)."""
+    parsed = live.openai().responses.parse(
+        model=MODEL, input="yes or no?", text_format=YesNo, max_output_tokens=200, temperature=0.0
+    )
+    assert isinstance(parsed.output_parsed, YesNo)
+    with live.openai().responses.stream(
+        model=MODEL,
+        input="weather",
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        max_output_tokens=100,
+        temperature=0.0,
+    ) as stream:
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
