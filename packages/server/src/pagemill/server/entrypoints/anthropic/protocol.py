@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field
 
 from pagemill.server.entrypoints.openai.errors import APIError
 from pagemill.server.entrypoints.openai.limits import STRICT
-from pagemill.server.entrypoints.openai.protocol import OpenAIModel
+from pagemill.server.entrypoints.openai.protocol import MAX_STOP_STRINGS, OpenAIModel
 
 
 class _Model(OpenAIModel):
@@ -67,7 +67,8 @@ class CountTokensRequest(_Model):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    # The engine's cap on stop strings (chat's), named here in this API's terms.
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)

@@ -301,7 +301,8 @@ class ResponsesServing:
             yield emit("error", code=str(code or status_code), message=message, param=None)
             return
         status = "incomplete" if finish == "length" else "completed"
-        if not items.items:  # an empty answer is still one (empty) message
+        # As in a whole answer: a message, even an empty one, unless the model called.
+        if not any(i["type"] != "reasoning" for i in items.items):
             for event in items.output_text(""):
                 yield event
         for event in items.close(status):
