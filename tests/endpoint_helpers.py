@@ -9,6 +9,7 @@ must agree token for token.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,9 @@ def build_model(folder: Path) -> None:
 
 
 class Live:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, engine: AsyncEngine) -> None:
         self.url = url
+        self.engine = engine
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
@@ -57,6 +59,23 @@ class Live:
         """The reference: the same turn through /v1/chat/completions, greedy."""
         kw.setdefault("temperature", 0.0)
         return self.openai().chat.completions.create(model=MODEL, messages=messages, **kw)
+
+    def running(self) -> int:
+        return int(self.engine.submit(lambda e: e.get_stats()).result(timeout=30).num_running)
+
+    def hang_up_releases(self, path: str, body: dict[str, Any], lines: int = 3) -> None:
+        """Read a few lines of a stream, hang up: the engine request must end at once."""
+        h = {"Authorization": f"Bearer {API_KEY}"}
+        with httpx.stream("POST", self.url + path, json=body, headers=h, timeout=60) as r:
+            assert r.status_code == 200
+            it = r.iter_lines()
+            for _ in range(lines):
+                next(it)
+            assert self.running() == 1
+        deadline = time.monotonic() + 10
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.running() == 0
 
     def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response:
         h = {"Authorization": f"Bearer {API_KEY}", **(headers or {})}
@@ -70,6 +89,6 @@ def live_server(folder: Path, **app_kwargs: Any) -> Iterator[Live]:
     app = build_app(client, MODEL, api_key=API_KEY, **app_kwargs)
     try:
         with ServerThread(app) as url:
-            yield Live(url)
+            yield Live(url, client)
     finally:
         client.shutdown()

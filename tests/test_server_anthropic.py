@@ -272,3 +272,14 @@ def test_unknown_model_and_bad_key(live: Live) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(live.url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_hang_up_aborts(live: Live) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1500,
+        "stream": True,
+        "temperature": 0.0,
+    }
+    live.hang_up_releases("/v1/messages", body)

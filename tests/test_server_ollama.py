@@ -240,3 +240,12 @@ def test_tool_calls_are_sent_whole() -> None:
     ]
     assert parts[-1]["done"] and parts[-1]["eval_count"] == 9
     ollama.ChatResponse.model_validate(parts[0])
+
+
+def test_hang_up_aborts(live: Live) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "options": {"temperature": 0, "num_predict": 1500},
+    }
+    live.hang_up_releases("/api/chat", body)

@@ -288,3 +288,8 @@ def test_sdk_helpers_parse_and_stream(live: Live) -> None:
         final = stream.get_final_response()
     (call,) = [item for item in final.output if item.type == "function_call"]
     jsonschema.validate(json.loads(call.arguments), WEATHER_SCHEMA)
+
+
+def test_hang_up_aborts(live: Live) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 1500, "stream": True}
+    live.hang_up_releases("/v1/responses", body | {"temperature": 0.0}, lines=9)
