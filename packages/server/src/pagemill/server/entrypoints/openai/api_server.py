@@ -25,6 +25,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import Message, Receive, Scope, Send
 
 from pagemill.server.async_engine import AsyncEngine, StepObservers
+from pagemill.server.entrypoints.anthropic.serving_messages import install_anthropic
+from pagemill.server.entrypoints.ollama.serving import install_ollama
 from pagemill.server.entrypoints.openai.auth import APIKeyMiddleware
 from pagemill.server.entrypoints.openai.errors import (
     APIError,
@@ -46,6 +48,7 @@ from pagemill.server.entrypoints.openai.protocol_structured import (
 from pagemill.server.entrypoints.openai.serving_chat import ChatServing
 from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
 from pagemill.server.entrypoints.openai.serving_embedding import EmbeddingRequest, EmbeddingServing
+from pagemill.server.entrypoints.openai.serving_responses import install_responses
 from pagemill.server.entrypoints.openai.serving_tokenize import TokenizeServing
 from pagemill.server.entrypoints.watchdog import Watchdog
 from pagemill.server.metrics import CONTENT_TYPE_LATEST, EngineMetrics
@@ -318,6 +321,10 @@ def build_app(
     @app.post("/v1/embeddings", dependencies=protected)
     async def create_embedding(req: EmbeddingRequest, raw_request: Request) -> Response:
         return JSONResponse((await embeddings.create(req, raw_request)).model_dump())
+
+    install_responses(app, chat)
+    install_anthropic(app, chat)
+    install_ollama(app, chat, completions)
 
     @app.post("/tokenize", dependencies=protected)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:

@@ -18,11 +18,13 @@ import binascii
 import secrets
 from collections.abc import Awaitable, Callable
 
+from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from pagemill.server.entrypoints.openai.errors import error_response
 
 PROTECTED_PREFIX = "/v1"
+OLLAMA_PREFIX = "/api/"  # Ollama's API, behind the same key
 DASHBOARD_PREFIX = "/dashboard"
 METRICS_PATH = "/metrics"
 
@@ -69,14 +71,18 @@ class APIKeyMiddleware:
         metrics = self.protect_metrics and (
             path == METRICS_PATH or path.startswith(METRICS_PATH + "/")
         )
-        if path.startswith(PROTECTED_PREFIX) or dashboard or metrics:
-            header = ""
+        ollama = path.startswith(OLLAMA_PREFIX)
+        if path.startswith(PROTECTED_PREFIX) or ollama or dashboard or metrics:
+            header = x_api_key = ""
             for name, value in scope.get("headers", []):
                 if name == b"authorization":
                     header = value.decode("latin-1")
-                    break
-            ok = key_matches(header, self.api_key) or (
-                dashboard and basic_key_matches(header, self.api_key)
+                elif name == b"x-api-key":  # Anthropic's clients send the key this way
+                    x_api_key = value.decode("latin-1")
+            ok = (
+                key_matches(header, self.api_key)
+                or (bool(x_api_key) and secrets.compare_digest(x_api_key, self.api_key))
+                or (dashboard and basic_key_matches(header, self.api_key))
             )
             if not ok:
                 challenge = (
@@ -90,6 +96,13 @@ class APIKeyMiddleware:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": challenge},
                 )
+                if ollama or path.startswith("/v1/messages"):  # those APIs' error shapes
+                    message = "missing or invalid API key"
+                    body: dict[str, object] = {"error": message}
+                    if not ollama:
+                        kind = {"type": "authentication_error", "message": message}
+                        body = {"type": "error", "error": kind}
+                    refuse = JSONResponse(body, 401, headers={"WWW-Authenticate": challenge})
                 await refuse(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -1,0 +1,1 @@
+"""Ollama's native API (/api/*) over the chat and completions pipelines."""
