@@ -559,3 +559,21 @@ def test_restrict_to_schedules_only_the_subset_and_holds_the_rest_in_order() -> 
     out, _ = step(s)
     assert [x.request_id for x in out.scheduled] == ["a", "b", "d"]
     assert out.finished_req_ids == ["c"]
+
+
+def test_fcfs_after_a_restricted_step_preempts_the_newest_and_requeues_in_arrival_order() -> None:
+    """A restricted step can run a later arrival ("c") while earlier ones are held; once they
+    run together, the pool running dry must still preempt the newest arrival and put it back
+    behind the older request still waiting (found by the state machine)."""
+    s, _ = make(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=8)
+    for rid in "abc":
+        s.add_request(req(rid, [ord(rid)] * 7, max_tokens=8))
+    s.restrict_to(["c"])
+    out, _ = step(s, token=5)
+    assert shape(out) == [("c", 0, 7, True)]
+    s.restrict_to(None)
+    out, _ = step(s, token=5)  # "a" joins (the pool is then full); "b" waits
+    assert [x.request_id for x in out.scheduled] == ["c", "a"]
+    out = s.schedule()  # "c" needs a third block: the newest arrival, "c" itself, goes
+    assert out.preempted_req_ids == ["c"] and shape(out) == [("a", 7, 1, True)]
+    assert [r.request_id for r in s.iter_waiting()] == ["b", "c"]

@@ -325,7 +325,9 @@ class Scheduler:
         """Index in `running` of the request to preempt: lowest priority, then newest."""
         running = self.running
         if self.config.policy == "fcfs":
-            return len(running) - 1
+            # The newest arrival, which is usually the last admitted, but not after a
+            # restricted or undone step let a later arrival in first.
+            return max(range(len(running)), key=lambda j: running[j]._seq)
         best = 0
         best_key = priority_key(running[0])
         for j in range(1, len(running)):

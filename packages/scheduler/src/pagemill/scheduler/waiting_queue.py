@@ -1,9 +1,9 @@
 """The waiting queue in policy order: FCFS as a deque, priority as a heap.
 
 Both expose the same small interface so the scheduler never branches on the policy.
-Preempted requests go back "to the head": for FCFS literally (appendleft); for the heap
-their unchanged key (priority, arrival_time, arrival seq) already puts them ahead of every
-later arrival of the same priority.
+Preempted requests go back "to the head", ahead of every later arrival: for FCFS by
+arrival order (the front, unless a restricted step ran a later arrival first); for the heap
+their unchanged key (priority, arrival_time, arrival seq) already puts them there.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class WaitingQueue(Protocol):
 
 
 class FCFSQueue:
-    """Arrival order; preempted requests are re-queued at the front."""
+    """Arrival order; preempted requests are re-queued ahead of every later arrival."""
 
     def __init__(self) -> None:
         self._dq: deque[Request] = deque()
@@ -37,7 +37,13 @@ class FCFSQueue:
         self._dq.append(request)
 
     def add_front(self, request: Request) -> None:
-        self._dq.appendleft(request)
+        # Ahead of every later arrival: the front itself, except after a restricted step
+        # (`Scheduler.restrict_to`) ran a later arrival while earlier ones were held.
+        dq = self._dq
+        at = 0
+        while at < len(dq) and dq[at]._seq < request._seq:
+            at += 1
+        dq.insert(at, request)
 
     def peek(self) -> Request:
         return self._dq[0]
