@@ -101,11 +101,6 @@ def chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise validation_error(exc) from exc
 
 
-def supports_chat_field(name: str) -> bool:
-    """Whether chat completions takes `name` (e.g. `chat_template_kwargs`)."""
-    return name in ChatCompletionRequest.model_fields
-
-
 async def complete(
     chat: ChatServing, req: ChatCompletionRequest, raw_request: Request
 ) -> ChatCompletionResponse:
@@ -243,12 +238,6 @@ def thinking_fields(chat: ChatServing, enabled: bool | None, param: str) -> dict
             param=param,
         )
     if not enabled and chat.reasoning_parser is not None:
-        if not supports_chat_field("chat_template_kwargs"):
-            raise APIError(
-                400,
-                f"'{param}': thinking cannot be switched off on this server",
-                param=param,
-            )
         return {"chat_template_kwargs": {"enable_thinking": False}}
     return {}
 
