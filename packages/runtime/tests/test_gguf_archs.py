@@ -3,7 +3,8 @@ them, generate like the model they came from; split files load from any shard.
 
 Each case is a tiny random transformers model (fp32) written with `gguf.GGUFWriter` the way
 `convert_hf_to_gguf.py` does for its architecture: the same metadata keys, q/k rows permuted
-for llama (Mistral is written as llama, as llama.cpp has no Mistral architecture), Gemma's
+for llama and the converter's LlamaModel subclasses Granite and SmolLM3 (Mistral is written
+as llama, as llama.cpp has no Mistral architecture; OLMo 2's converter permutes nothing), Gemma's
 norms stored as w + 1 and its LM head left out, Phi-3's fused qkv / gate_up kept fused, llama3
 RoPE scaling as a `rope_freqs` tensor, 2-D tensors in the case's type and norms in F32.
 
@@ -15,7 +16,9 @@ References, none of them pagemill's code:
   package's quantize/dequantize) is the reference for logits at every prompt position and
   for greedy tokens; for llama, Mistral and Qwen3, whose configs transformers reads from a
   GGUF correctly, transformers' GGUF model itself must generate the same tokens too
-  (for Gemma and Phi-3 it drops soft-caps, the query scale, the window and partial RoPE).
+  (for Gemma and Phi-3 it drops soft-caps, the query scale, the window and partial RoPE);
+- transformers has no GGUF reader for Granite, SmolLM3 or OLMo 2: those files are checked
+  against the original model (logits, greedy tokens) and its own tokenizer only.
 """
 
 from __future__ import annotations
@@ -346,9 +349,7 @@ def test_gguf_architecture_generates_like_transformers(
         their_weights = theirs.state_dict()
         for name, value in ref.state_dict().items():
             if name in their_weights and not name.endswith("inv_freq"):
-                torch.testing.assert_close(
-                    their_weights[name], value, rtol=0, atol=1e-6, msg=name
-                )
+                torch.testing.assert_close(their_weights[name], value, rtol=0, atol=1e-6, msg=name)
 
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 22)
     assert llm.llm_engine.model_config.architecture == type(ref).__name__.replace(
@@ -561,3 +562,44 @@ def _check_rope_read_back(tmp_path: Path, model: torch.nn.Module, arch: str) -> 
         assert ours.rope_scaling[key] == (value if isinstance(value, str) else pytest.approx(value))
     for key in ("original_max_position_embeddings", "max_position_embeddings"):
         assert ours.hf_config.get(key) == original.hf_config.get(key)
+
+
+def test_granite_without_multipliers_reads_as_llamacpp_serves_it(
+    tmp_path, build_tiny_model
+) -> None:
+    """GraniteModel writes each multiplier only where the config sets one; llama.cpp then
+    scores with 1/sqrt(head_dim) (its `kq_scale` default) and scales nothing else."""
+    from pagemill.runtime.model_config import ModelConfig
+
+    model = build_tiny_model(tmp_path / "hf", "granite", seed=3)
+    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier"):
+        setattr(model.config, key, 0.0)
+    model.config.logits_scaling = 0.0
+    path = tmp_path / "granite.gguf"
+    write_llamacpp_gguf(model, tmp_path / "hf", path, "granite", "granite", QT.F32)
+    raw = ModelConfig.from_pretrained(resolve_model(str(path)).folder).hf_config
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert raw["attention_multiplier"] == pytest.approx(head_dim**-0.5)
+    assert [raw[k] for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")] == [
+        1.0,
+        1.0,
+        1.0,
+    ]
+
+
+def test_olmo2_file_with_a_window_is_refused(tmp_path, build_tiny_model) -> None:
+    """convert_hf_to_gguf writes OLMo 3 as `olmo2` plus a sliding window and pattern;
+    pagemill serves OLMo 2, so such a file is refused rather than served without it."""
+    model = build_tiny_model(tmp_path / "hf", "olmo2", seed=3)
+
+    def write(w: Any) -> None:
+        _write_tokenizer(w, tmp_path / "hf", model.config.eos_token_id)
+        w.add_sliding_window(16)
+        w.add_sliding_window_pattern([True, False])
+
+    path = tmp_path / "olmo3.gguf"
+    write_llamacpp_gguf(
+        model, tmp_path / "hf", path, "olmo2", "olmo2", QT.F32, write_tokenizer=write
+    )
+    with pytest.raises(ValueError, match=r"sliding window.*OLMo 3"):
+        resolve_model(str(path))
