@@ -199,6 +199,11 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn" and arch == "olmo2":  # Olmo2Model's own keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_attn_factors(rope["attention_factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -526,6 +531,19 @@ def test_yarn_scaling_is_read_back(tmp_path, build_tiny_model, rope) -> None:
     rope = {**rope, "rope_theta": 100000.0}
     model = build_tiny_model(tmp_path / "hf", "qwen3", seed=3, rope_parameters=rope)
     _check_rope_read_back(tmp_path, model, "qwen3")
+
+
+def test_olmo2_yarn_is_read_back(tmp_path, build_tiny_model) -> None:
+    """OLMo 2's converter stores yarn's attention factor under `rope.scaling.attn_factor`."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 1.25,
+        "rope_theta": 100000.0,
+    }
+    model = build_tiny_model(tmp_path / "hf", "olmo2", seed=3, rope_parameters=rope)
+    _check_rope_read_back(tmp_path, model, "olmo2")
 
 
 def test_phi3_longrope_is_read_back(tmp_path, build_tiny_model) -> None:
