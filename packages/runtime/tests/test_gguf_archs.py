@@ -3,7 +3,8 @@ them, generate like the model they came from; split files load from any shard.
 
 Each case is a tiny random transformers model (fp32) written with `gguf.GGUFWriter` the way
 `convert_hf_to_gguf.py` does for its architecture: the same metadata keys, q/k rows permuted
-for llama (Mistral is written as llama, as llama.cpp has no Mistral architecture), Gemma's
+for llama and the converter's LlamaModel subclasses Granite and SmolLM3 (Mistral is written
+as llama, as llama.cpp has no Mistral architecture; OLMo 2's converter permutes nothing), Gemma's
 norms stored as w + 1 and its LM head left out, Phi-3's fused qkv / gate_up kept fused, llama3
 RoPE scaling as a `rope_freqs` tensor, 2-D tensors in the case's type and norms in F32.
 
@@ -15,7 +16,9 @@ References, none of them pagemill's code:
   package's quantize/dequantize) is the reference for logits at every prompt position and
   for greedy tokens; for llama, Mistral and Qwen3, whose configs transformers reads from a
   GGUF correctly, transformers' GGUF model itself must generate the same tokens too
-  (for Gemma and Phi-3 it drops soft-caps, the query scale, the window and partial RoPE).
+  (for Gemma and Phi-3 it drops soft-caps, the query scale, the window and partial RoPE);
+- transformers has no GGUF reader for Granite, SmolLM3 or OLMo 2: those files are checked
+  against the original model (logits, greedy tokens) and its own tokenizer only.
 """
 
 from __future__ import annotations
@@ -85,9 +88,39 @@ CASES: dict[str, tuple[str, str, Any, dict[str, Any]]] = {
         ),
     ),
 }
+CASES.update(
+    {
+        "granite-F16": (
+            "granite",
+            "granite",
+            QT.F16,
+            dict(
+                embedding_multiplier=3.0,
+                residual_multiplier=0.5,
+                attention_multiplier=0.2,
+                logits_scaling=2.5,
+            ),
+        ),
+        # Four layers: llama.cpp drops RoPE from layer 3 (its fixed step), as this config does.
+        "smollm3-Q4_0": ("smollm3", "smollm3", QT.Q4_0, dict(num_hidden_layers=4)),
+        "olmo2-Q8_0": ("olmo2", "olmo2", QT.Q8_0, {}),
+        "olmo2-F32": ("olmo2", "olmo2", QT.F32, {"tie_word_embeddings": True}),
+    }
+)
 # Q5_0 goes through the one-time dense copy (transformers' GGUF loader) for now.
 CASES["gemma2-Q5_0"] = ("gemma2", "gemma2", QT.Q5_0, CASES["gemma2-Q8_0"][3])
 TRANSFORMERS_READS_CONFIG = ("llama", "mistral", "qwen3")
+# Written with llama's q/k row permutation: the architectures convert_hf_to_gguf converts
+# with its LlamaModel (GraniteModel and SmolLM3Model subclass it; Olmo2Model does not).
+LLAMA_CONVERTER = ("llama", "granite", "smollm3")
+
+
+def _transformers_reads(arch: str) -> bool:
+    """Whether transformers' own GGUF loader knows the architecture (it has no Granite,
+    SmolLM3 or OLMo 2 reader: those cases compare with the original model and tokenizer)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    return arch in GGUF_CONFIG_MAPPING
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -166,6 +199,11 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "yarn" and arch == "olmo2":  # Olmo2Model's own keys
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_attn_factors(rope["attention_factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -176,9 +214,18 @@ def _write_params(w: Any, family: str, arch: str, c: Any) -> None:
             w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         if rope.get("beta_slow") is not None:
             w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    if arch == "llama":
+    if arch in LLAMA_CONVERTER:
         w.add_vocab_size(c.vocab_size)
         w.add_rope_dimension_count(head_dim)
+    if arch == "granite":  # GraniteModel: each multiplier only where the config sets it
+        for value, add in (
+            (c.attention_multiplier, w.add_attention_scale),
+            (c.embedding_multiplier, w.add_embedding_scale),
+            (c.residual_multiplier, w.add_residual_scale),
+            (c.logits_scaling, w.add_logit_scale),
+        ):
+            if value:
+                add(value)
     elif arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         if rope.get("rope_type") == "longrope":
@@ -233,9 +280,9 @@ def write_llamacpp_gguf(
         data = t.detach().float().numpy()
         stored_type = qtype if data.ndim == 2 else QT.F32  # llama.cpp keeps 1-D tensors F32
         held[hf] = torch.from_numpy(_roundtrip(data, stored_type).copy())
-        if arch == "llama" and ".attn_q." in name:
+        if arch in LLAMA_CONVERTER and ".attn_q." in name:
             data = _permute(data, c.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in name:
+        elif arch in LLAMA_CONVERTER and ".attn_k." in name:
             data = _permute(data, c.num_key_value_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1
@@ -247,7 +294,7 @@ def write_llamacpp_gguf(
     if arch == "phi3" and rope.get("rope_type") == "longrope":
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
-    if arch == "llama" and rope.get("rope_type") == "llama3":
+    if arch in LLAMA_CONVERTER and rope.get("rope_type") == "llama3":
         w.add_tensor(
             "rope_freqs.weight", _llama3_rope_freqs(rope, c.hidden_size // c.num_attention_heads)
         )
@@ -264,6 +311,7 @@ class _Files(dict):
     def __init__(self, factory: Any, build: Any) -> None:
         super().__init__()
         self.factory, self.build = factory, build
+        self.hf_dirs: dict[str, Path] = {}
 
     def __missing__(self, key: str) -> tuple[Path, torch.nn.Module]:
         family, arch, qtype, overrides = CASES[key]
@@ -272,6 +320,7 @@ class _Files(dict):
         path = self.factory.mktemp(f"gguf-{key}") / f"tiny-{key}.gguf"
         held = write_llamacpp_gguf(model, hf_dir, path, family, arch, qtype)
         model.load_state_dict(held, strict=False)  # strict=False: a tied head is the embedding
+        self.hf_dirs[key] = hf_dir
         self[key] = (path, model.eval())
         return self[key]
 
@@ -296,14 +345,16 @@ def _transformers_gguf(path: Path) -> torch.nn.Module:
 def test_gguf_architecture_generates_like_transformers(
     files, key, random_prompts, hf_greedy, all_logits
 ) -> None:
-    family = CASES[key][0]
+    family, arch = CASES[key][:2]
     path, ref = files[key]
-    # The writer follows the conventions transformers' GGUF reader undoes.
-    theirs = _transformers_gguf(path)
-    their_weights = theirs.state_dict()
-    for name, value in ref.state_dict().items():
-        if name in their_weights and not name.endswith("inv_freq"):
-            torch.testing.assert_close(their_weights[name], value, rtol=0, atol=1e-6, msg=name)
+    theirs = None
+    if _transformers_reads(arch):
+        # The writer follows the conventions transformers' GGUF reader undoes.
+        theirs = _transformers_gguf(path)
+        their_weights = theirs.state_dict()
+        for name, value in ref.state_dict().items():
+            if name in their_weights and not name.endswith("inv_freq"):
+                torch.testing.assert_close(their_weights[name], value, rtol=0, atol=1e-6, msg=name)
 
     llm = LLM(str(path), dtype="float32", kv_cache_memory_bytes=1 << 22)
     assert llm.llm_engine.model_config.architecture == type(ref).__name__.replace(
@@ -318,12 +369,16 @@ def test_gguf_architecture_generates_like_transformers(
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
-        if family in TRANSFORMERS_READS_CONFIG:
+        if theirs is not None and family in TRANSFORMERS_READS_CONFIG:
             assert out.outputs[0].token_ids == hf_greedy(theirs, prompt, 8)
 
-    # Tokenizer and chat template from the file, as transformers reads them.
+    # Tokenizer and chat template from the file, as transformers reads them (or, for the
+    # architectures its GGUF reader lacks, as the original tokenizer the file was made of).
     tok = llm.get_tokenizer()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if theirs is not None:
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(files.hf_dirs[key]))
     assert tok.chat_template == TEMPLATE
     for text in ("hello world, héllo 中文 😀", "the quick brown fox<eos> jumps"):
         assert tok.encode(text) == hf_tok.encode(text)
@@ -478,6 +533,19 @@ def test_yarn_scaling_is_read_back(tmp_path, build_tiny_model, rope) -> None:
     _check_rope_read_back(tmp_path, model, "qwen3")
 
 
+def test_olmo2_yarn_is_read_back(tmp_path, build_tiny_model) -> None:
+    """OLMo 2's converter stores yarn's attention factor under `rope.scaling.attn_factor`."""
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 1.25,
+        "rope_theta": 100000.0,
+    }
+    model = build_tiny_model(tmp_path / "hf", "olmo2", seed=3, rope_parameters=rope)
+    _check_rope_read_back(tmp_path, model, "olmo2")
+
+
 def test_phi3_longrope_is_read_back(tmp_path, build_tiny_model) -> None:
     """Phi-3 128k's longrope: factors as rope_factors_long/short tensors, the attention
     factor llama.cpp computes, the original context length."""
@@ -512,3 +580,44 @@ def _check_rope_read_back(tmp_path: Path, model: torch.nn.Module, arch: str) -> 
         assert ours.rope_scaling[key] == (value if isinstance(value, str) else pytest.approx(value))
     for key in ("original_max_position_embeddings", "max_position_embeddings"):
         assert ours.hf_config.get(key) == original.hf_config.get(key)
+
+
+def test_granite_without_multipliers_reads_as_llamacpp_serves_it(
+    tmp_path, build_tiny_model
+) -> None:
+    """GraniteModel writes each multiplier only where the config sets one; llama.cpp then
+    scores with 1/sqrt(head_dim) (its `kq_scale` default) and scales nothing else."""
+    from pagemill.runtime.model_config import ModelConfig
+
+    model = build_tiny_model(tmp_path / "hf", "granite", seed=3)
+    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier"):
+        setattr(model.config, key, 0.0)
+    model.config.logits_scaling = 0.0
+    path = tmp_path / "granite.gguf"
+    write_llamacpp_gguf(model, tmp_path / "hf", path, "granite", "granite", QT.F32)
+    raw = ModelConfig.from_pretrained(resolve_model(str(path)).folder).hf_config
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert raw["attention_multiplier"] == pytest.approx(head_dim**-0.5)
+    assert [raw[k] for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")] == [
+        1.0,
+        1.0,
+        1.0,
+    ]
+
+
+def test_olmo2_file_with_a_window_is_refused(tmp_path, build_tiny_model) -> None:
+    """convert_hf_to_gguf writes OLMo 3 as `olmo2` plus a sliding window and pattern;
+    pagemill serves OLMo 2, so such a file is refused rather than served without it."""
+    model = build_tiny_model(tmp_path / "hf", "olmo2", seed=3)
+
+    def write(w: Any) -> None:
+        _write_tokenizer(w, tmp_path / "hf", model.config.eos_token_id)
+        w.add_sliding_window(16)
+        w.add_sliding_window_pattern([True, False])
+
+    path = tmp_path / "olmo3.gguf"
+    write_llamacpp_gguf(
+        model, tmp_path / "hf", path, "olmo2", "olmo2", QT.F32, write_tokenizer=write
+    )
+    with pytest.raises(ValueError, match=r"sliding window.*OLMo 3"):
+        resolve_model(str(path))

@@ -22,6 +22,16 @@ Per architecture:
   is not stored — llama.cpp derives it from the size (head_dim, but hidden / heads for the
   27B models); Gemma 2 alternates windowed layers, Gemma 3 windows five in six with a
   fixed local RoPE base of 10k, unless the file says otherwise.
+- granite: llama's conventions (the converter is llama's); its four multipliers are
+  `attention.scale`, `embedding_scale`, `residual_scale` and `logit_scale`, each written
+  only when the config sets it — without one llama.cpp scales scores by head_dim ** -0.5
+  and leaves the rest unscaled. head_dim is always hidden / heads (the converter drops it).
+- smollm3: llama's conventions; which layers skip RoPE is not stored — llama.cpp drops it
+  from every fourth layer (layers 3, 7, ...), as SmolLM3's released configs do.
+- olmo2: tensors renamed only (NEOX RoPE; the converter is not llama's, nothing permuted);
+  q/k norms over the whole projection are `attn_q_norm` / `attn_k_norm`, the post-norms
+  `post_attention_norm` / `post_ffw_norm`. A window (`attention.sliding_window`) means
+  the file was converted from OLMo 3, which is refused.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # Llama 3.1 / 3.2 / 3.3's llama3 RoPE parameters besides the factor; a `rope_freqs` tensor
 # is matched against these and refused if it follows none.
 _LLAMA3_CANDIDATES = ((1.0, 4.0, 8192),)
+# llama.cpp's SmolLM3 graph: every n-th layer without RoPE, a constant, not a file key.
+_SMOLLM3_NO_ROPE_STEP = 4
 
 
 class Metadata:
@@ -184,6 +196,41 @@ def _llama(meta: Metadata, cfg: dict[str, Any]) -> None:
         cfg["rope_parameters"].update(scaling)
 
 
+def _granite(meta: Metadata, cfg: dict[str, Any]) -> None:
+    _llama(meta, cfg)
+    attention = meta.arch_key("attention.scale")
+    # HF's defaults are 1.0 everywhere, llama.cpp's (an absent key) 1/sqrt(head_dim) for the
+    # scores: what the file leaves out is stated in config.json as llama.cpp serves it.
+    cfg["attention_multiplier"] = float(attention) if attention else cfg["head_dim"] ** -0.5
+    for key, hf in (
+        ("embedding_scale", "embedding_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ):
+        cfg[hf] = float(meta.arch_key(key) or 1.0)
+
+
+def _smollm3(meta: Metadata, cfg: dict[str, Any]) -> None:
+    _llama(meta, cfg)
+    step = _SMOLLM3_NO_ROPE_STEP
+    cfg["no_rope_layer_interval"] = step
+    cfg["no_rope_layers"] = [int((i + 1) % step != 0) for i in range(cfg["num_hidden_layers"])]
+    cfg["use_sliding_window"] = False  # llama.cpp's SmolLM3 has no window
+
+
+def _olmo2(meta: Metadata, cfg: dict[str, Any]) -> None:
+    if meta.arch_key("attention.sliding_window"):
+        raise ValueError(
+            "this olmo2 GGUF has a sliding window (it was converted from OLMo 3), which "
+            "pagemill does not serve; OLMo 2 files have none"
+        )
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in meta.shapes
+    rope = cfg["rope_parameters"]
+    attn = meta.arch_key("rope.scaling.attn_factor")  # the converter's key for OLMo's yarn
+    if rope.get("rope_type") == "yarn" and attn is not None:
+        rope.setdefault("attention_factor", float(attn))
+
+
 def _qwen2(meta: Metadata, cfg: dict[str, Any]) -> None:
     cfg["use_sliding_window"] = False  # llama.cpp serves Qwen2 without a window
 
@@ -291,6 +338,9 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         GGUFArch("phi3", "Phi3ForCausalLM", "phi3", configure=_phi3),
         GGUFArch("gemma2", "Gemma2ForCausalLM", "gemma2", norm_offset=1.0, configure=_gemma2),
         GGUFArch("gemma3", "Gemma3ForCausalLM", "gemma3_text", norm_offset=1.0, configure=_gemma3),
+        GGUFArch("granite", "GraniteForCausalLM", "granite", permuted_qk=True, configure=_granite),
+        GGUFArch("smollm3", "SmolLM3ForCausalLM", "smollm3", permuted_qk=True, configure=_smollm3),
+        GGUFArch("olmo2", "Olmo2ForCausalLM", "olmo2", configure=_olmo2),
     )
 }
 
@@ -310,7 +360,7 @@ def config_from_gguf(meta: Metadata) -> dict[str, Any]:
     heads = int(_uniform(meta, "attention.head_count"))
     kv_heads = int(_uniform(meta, "attention.head_count_kv", heads))
     head_dim = meta.arch_key("attention.key_length")
-    if head_dim is None and arch.name == "llama":
+    if head_dim is None and arch.permuted_qk:  # llama's converter: RoPE over the whole head
         head_dim = meta.arch_key("rope.dimension_count")
     head_dim = int(head_dim) if head_dim is not None else hidden // heads
     layers = int(meta.required("block_count"))

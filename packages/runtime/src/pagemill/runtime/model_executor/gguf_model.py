@@ -204,7 +204,17 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except ValueError:
+            # transformers picks the class from the file's model config, which it reads for
+            # its own GGUF architectures only (not Granite, SmolLM3, OLMo 2); the tokenizer
+            # itself depends on tokenizer.ggml.* alone, which the generic class builds.
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(
+                str(path.parent), gguf_file=path.name
+            )
         _save_tokenizer(tokenizer, out)
     except Exception as e:  # a file without tokenizer metadata still serves token ids
         logger.warning(
