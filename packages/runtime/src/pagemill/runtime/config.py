@@ -40,6 +40,7 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8", "int4")
+CPU_DENSE_WEIGHTS = ("auto", "always", "never")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -90,6 +91,13 @@ class EngineConfig:
     points), applied to a safetensors model when it loads; default: none, except that a
     GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights."""
 
+    cpu_dense_weights: str = field(default="auto", metadata={"choices": CPU_DENSE_WEIGHTS})
+    """Whether packed (quantized) layers on CPU also keep a dense bf16 copy of their weights,
+    used for steps of many tokens (prefill, large batches), where a dense GEMM is faster:
+    always; never (packed weights only: the least memory); auto (default): only where bf16
+    GEMMs are native and all copies fit in a quarter of the machine's memory (logged at
+    start-up)."""
+
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
 
@@ -136,6 +144,8 @@ class EngineConfig:
             raise bad("load_format", f"must be one of {LOAD_FORMATS}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise bad("quantization", f"must be None or one of {QUANTIZATIONS}")
+        if self.cpu_dense_weights not in CPU_DENSE_WEIGHTS:
+            raise bad("cpu_dense_weights", f"must be one of {CPU_DENSE_WEIGHTS}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
         tp = self.tensor_parallel_size

@@ -183,6 +183,7 @@ class EngineCore:
             config.seed,
             quantization=config.quantization,
             tp=self.tp,
+            cpu_dense_weights=config.cpu_dense_weights,
         )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config

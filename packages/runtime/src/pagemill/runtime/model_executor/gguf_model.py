@@ -7,12 +7,12 @@ and tensor types, so a file that cannot be served fails at once and says why), t
 transformers extract config.json, generation_config.json and the tokenizer into a cache
 folder keyed by the file's path, size and mtime. The weights stay in the file:
 
-- Q4_0 / Q4_1 / Q8_0 rows are kept packed where the quantization plan allows (bf16 on
-  CPU), F32 / F16 / BF16 are read as they are, and everything is dequantized exactly in
-  torch for fp32 or GPU compute (`gguf_weights`), straight from the memory-mapped file;
-- any other type the `gguf` package can dequantize (K-quants, IQ types, ...) is slow to
-  dequantize in numpy, so such a file is dequantized once by transformers into the
-  folder's model.safetensors (like the default model's dense copy) and served from it.
+- quantized rows (Q4_0/Q4_1/Q8_0, Q5_x, the K-quants, IQ4_NL/IQ4_XS) are kept packed
+  where the quantization plan allows (bf16 on CPU), F32 / F16 / BF16 are read as they
+  are, and everything is dequantized in the compute dtype for fp32 or GPU compute
+  (`gguf_weights`, `quantization.gguf_blocks`), straight from the memory-mapped file;
+- other types the `gguf` package can dequantize (IQ1/IQ2/IQ3, TQ, ...) are dequantized
+  by it tensor by tensor into the compute dtype: no dense copy is written anywhere.
 
 Architectures are one table (`GGUF_ARCHITECTURES`): llama.cpp's architecture name -> the
 Hugging Face architecture that serves it; a row only takes effect while the runtime
@@ -45,9 +45,12 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
 }
 
-# Kept packed (bf16 on CPU) or read as stored; other dequantizable types go through the
-# one-time dense copy.
-DIRECT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16")
+# Kept packed (bf16 on CPU) or read as stored; other dequantizable types are dequantized
+# tensor by tensor into the compute dtype (see quantization.gguf_blocks).
+DIRECT_TYPES = (
+    *("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS"),
+    *("Q6_K", "Q2_K", "F32", "F16", "BF16"),
+)
 
 _MARKER = "pagemill_gguf.json"
 _VERSION = 1
@@ -101,8 +104,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     if bad:
         raise ValueError(
             f"{path.name} holds tensors of GGML type(s) {', '.join(bad)}, which pagemill cannot "
-            f"load; supported: {', '.join(DIRECT_TYPES)} (Q4_0/Q4_1/Q8_0 kept packed) and, "
-            f"dequantized once, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
+            f"load; supported: {', '.join(DIRECT_TYPES)} (quantized ones kept packed) and, "
+            f"dequantized, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
         )
     return {"architecture": arch, "types": types, "tensor_names": [t.name for t in reader.tensors]}
 
@@ -178,13 +181,11 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
         logger.warning(
             "%s has no usable tokenizer (%s); only token-id prompts will work", path.name, e
         )
-    dense = sorted(t for t in info["types"] if t not in DIRECT_TYPES)
     meta = {
         "version": _VERSION,
         **_key(path),
         "architecture": info["architecture"],
         "tensor_types": info["types"],
-        "dense_copy_types": dense,
     }
     (out / _MARKER).write_text(json.dumps(meta, indent=2))
 
@@ -201,9 +202,3 @@ def gguf_file_for_folder(folder: str | Path) -> Path | None:
             f".gguf file itself as the model so that it is checked and extracted again"
         )
     return path
-
-
-def needs_dense_copy(folder: str | Path) -> list[str]:
-    """The GGML types that make an extracted folder serve from a one-time dense copy."""
-    meta = _read_marker(Path(folder))
-    return list(meta.get("dense_copy_types", [])) if meta else []

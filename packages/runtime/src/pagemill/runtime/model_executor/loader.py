@@ -24,12 +24,16 @@ from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
-from pagemill.runtime.model_executor.gguf_model import needs_dense_copy
 from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
-from pagemill.runtime.model_executor.quantization import plan_weights, weight_report
+from pagemill.runtime.model_executor.quantization import (
+    RequantError,
+    choose_dense_copies,
+    plan_weights,
+    weight_report,
+)
 from pagemill.runtime.model_executor.weights import iterate_weights, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,7 @@ def check_model_folder(path: Path, load_format: str) -> None:
         problems.append("no config.json")
     if load_format != "dummy":
         gguf = gguf_for_folder(path)
-        if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
+        if gguf is not None and load_format == "safetensors":
             ensure_dense_weights(path, gguf)
             gguf = None
         if gguf is None or load_format == "safetensors":
@@ -81,13 +85,16 @@ def load_model(
     quantization: str | None = None,
     dense_fallback: bool | None = None,
     tp: TensorParallelGroup | None = None,
+    cpu_dense_weights: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the module directly on `device` (no CPU copy first) and fill its weights.
 
     `load_format` "auto" reads the default model's GGUF (other folders: their safetensors),
     "safetensors" the folder's safetensors, "dummy" makes random weights. `quantization`
     ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
-    None: where bf16 is native) are `quantization.plan_weights`'s.
+    None: where bf16 is native) are `quantization.plan_weights`'s; `cpu_dense_weights`
+    (auto | always | never), when given, decides the dense copies instead
+    (`quantization.choose_dense_copies`).
 
     With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
     `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
@@ -95,9 +102,6 @@ def load_model(
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
     gguf = gguf_for_folder(path) if load_format == "auto" else None
-    if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
-        ensure_dense_weights(path, gguf)
-        gguf = None
     layout = None if tp is None else ShardLayout.create(model_config, tp.world_size, tp.rank)
     if layout is not None:
         if quantization is not None:
@@ -119,14 +123,26 @@ def load_model(
             model = cls(model_config, dtype, max_position)
         else:
             model = cls(layout.local_config(model_config), dtype, max_position, tp=tp)
+    if cpu_dense_weights is not None:
+        plan, line = choose_dense_copies(plan, model, cpu_dense_weights, dtype, device)
+        if line is not None:
+            logger.info("%s", line)
     plan.apply(model)
+    errors: dict[str, RequantError] = {}  # GGML type -> error of its requantized rows
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         source = "dummy"
     elif gguf is not None:
         checkpoint = GGUFCheckpoint(gguf, index_file=path / GGUF_INDEX_FILE)
-        weights = checkpoint.weights(model._targets().keys(), model_config)
+        weights = checkpoint.weights(
+            model._targets().keys(),
+            model_config,
+            # Q6_K/Q2_K rows are requantized only where they will be served packed.
+            requantize=plan.linear.method == "native",
+            dense_dtype=dtype,
+        )
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
+        errors = checkpoint.requant_errors
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
         source = f"{gguf.name}: {types}"
     else:
@@ -142,7 +158,15 @@ def load_model(
         source,
         time.monotonic() - start,
     )
-    logger.info("weights: %s", weight_report(model).summary())
+    for qtype, err in sorted(errors.items()):
+        logger.info(
+            "%s rows requantized to %s: max abs error %.3g, mean %.3g (vs gguf's dequantization)",
+            qtype,
+            err.served_as,
+            err.max_abs,
+            err.mean_abs,
+        )
+    logger.info("weights: %s", weight_report(model, errors).summary())
     return model
 
 
