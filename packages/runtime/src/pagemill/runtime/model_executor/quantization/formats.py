@@ -11,7 +11,7 @@ Two row formats travel from a reader (GGUF blocks) or a quantizer to a `Linear`:
   PyTorch's int8 CPU kernel has one scale per output row, which a per-32 scale does not
   fit; the block is split into two int4 planes instead (`int4_planes`): q = 16 * hi + lo
   with lo = q & 15 in 0..15 and hi = q >> 4 in -8..7, so
-  w = (lo - 8) * d + (8d + z)  +  ((hi + 8) - 8) * 16d + 0,
+  w = (lo - 8) * d + 8d  +  ((hi + 8) - 8) * 16d + z,
   one int4 matmul over [x, x] against [N, 2K]: exact, and as many bytes as int8.
 
 Scales are held in fp32 until packing; packing casts them to the compute dtype (the
@@ -176,8 +176,9 @@ def int4_planes(
             d = p.scales
             q = torch.cat([lo, hi], dim=1)
             s = torch.cat([d, 16.0 * d], dim=1)
-            z8 = 8.0 * d if p.zeros is None else 8.0 * d + p.zeros
-            z = torch.cat([z8, torch.zeros_like(d)], dim=1)
+            # The zero point rides on the second plane: 8d then rounds to bf16 exactly as
+            # 8 * bf16(d) does and cancels the first plane's -8d exactly.
+            z = torch.cat([8.0 * d, torch.zeros_like(d) if p.zeros is None else p.zeros], dim=1)
         qs.append(q)
         ss.append(s)
         zs.append(z)
