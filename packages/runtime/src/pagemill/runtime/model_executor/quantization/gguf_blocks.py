@@ -209,10 +209,10 @@ def decode_q3_k(raw: np.ndarray, rows: int, k: int) -> Int8Blocks:
 def decode_iq4_xs(raw: np.ndarray, rows: int, k: int) -> Int8Blocks:
     b = _blocks(raw, rows, k, _QK_K, 136)
     d = _f16(b, 0)[..., None]
-    high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [rows, blocks, 1]
-    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    packed_high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [rows, blocks, 1]
+    high = ((packed_high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
     low = np.stack([b[..., 4:8] & 15, b[..., 4:8] >> 4], axis=-1).reshape(rows, -1, 8)
-    sc = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
+    sc = (low | (high << 4)).astype(np.int16) - 32
     q = _IQ4_LEVELS[_nibbles(b[..., 8:].reshape(rows, -1, 8, 16))]
     return _int8_blocks(q, d * sc, None, rows, k, "IQ4_XS")
 

@@ -133,19 +133,20 @@ def machine_memory_bytes() -> int:
     return total
 
 
-def dense_copy_bytes(model: nn.Module) -> int:
-    """What dense copies of every packed layer would take (an upper bound: a layer whose rows
-    turn out dense needs none). A tied LM head's copy is the embedding: free."""
+def dense_copy_bytes(plan: WeightPlan, model: nn.Module) -> int:
+    """What dense copies of every layer `plan` packs would take in `model` (built, the plan
+    not applied yet); an upper bound: a layer whose rows turn out dense needs none. A tied
+    LM head's copy is the embedding: free."""
     from pagemill.runtime.model_executor.layers.linear import Linear
 
-    tied = getattr(model, "lm_head", None) is None
     total = 0
-    for name, m in model.named_modules():
-        if not isinstance(m, Linear) or m.scheme.method == "dense":
-            continue
-        if name.startswith("logits_proj") and tied:
-            continue
-        total += m.in_features * m.out_features * m.dtype.itemsize
+    if plan.linear.method != "dense":
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and not name.startswith("logits_proj"):
+                total += m.in_features * m.out_features * m.dtype.itemsize
+    head = getattr(model, "lm_head", None)
+    if plan.lm_head is not None and plan.lm_head.method != "dense" and head is not None:
+        total += head.numel() * head.element_size()
     return total
 
 
@@ -164,7 +165,7 @@ def choose_dense_copies(
         raise ValueError(f"cpu_dense_weights must be one of {CPU_DENSE_WEIGHTS}, got {mode!r}")
     if not plan.quantized:
         return plan, None
-    need = dense_copy_bytes(model)
+    need = dense_copy_bytes(plan, model)
     if mode == "always":
         keep, why = True, "asked for (always)"
     elif mode == "never":
