@@ -150,6 +150,7 @@ def load_model(
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
         source = "safetensors"
     model.eval()
+    _release_freed_memory()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",
         path.name,
@@ -168,6 +169,19 @@ def load_model(
         )
     logger.info("weights: %s", weight_report(model, errors).summary())
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap that loading freed back to the OS. Decoding and packing a tensor makes
+    transient buffers of up to a few bytes per weight; glibc keeps the freed ones in its
+    heap (its mmap threshold rises to the sizes it saw), where they would count against
+    the process for as long as it serves."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_tokenizer(path: str) -> Any | None:
