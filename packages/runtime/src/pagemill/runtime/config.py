@@ -89,7 +89,7 @@ class EngineConfig:
     quantization: str | None = field(default=None, metadata={"choices": QUANTIZATIONS})
     """Weight-only quantization on CPU: int8 (per channel) or int4 (groups of 32 with zero
     points), applied to a safetensors model when it loads; default: none, except that a
-    GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights."""
+    GGUF model (the default one included) keeps its own quantized weights packed."""
 
     cpu_dense_weights: str = field(default="auto", metadata={"choices": CPU_DENSE_WEIGHTS})
     """Whether packed (quantized) layers on CPU also keep a dense bf16 copy of their weights,

@@ -75,8 +75,8 @@ def plan_weights(
     """The plan for a model about to load.
 
     - `quantization` None: a safetensors model stays dense; a GGUF model served in bf16
-      keeps its own Q4_0/Q4_1 (int4) and Q8_0 (exact two-plane int4) tensors packed, its
-      LM head too, and dequantizes the rest; in fp32 (or on a GPU) it is dequantized
+      keeps its own quantized tensors packed (int4 groups, or int8 blocks as two int4
+      planes: see `gguf_blocks`), its LM head too; in fp32 (or on a GPU) it is dequantized
       exactly into dense weights.
     - "int8" / "int4": every projection is quantized as asked (GGUF int4 rows of the same
       group size are kept as they are: no second rounding); the LM head becomes int8 per
