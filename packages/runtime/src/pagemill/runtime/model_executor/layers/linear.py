@@ -36,6 +36,7 @@ from pagemill.runtime.model_executor.quantization.formats import (
     Int4Groups,
     Int8Blocks,
     QuantizedRows,
+    dequantize,
     int4_planes,
     pack_int4,
     quantize_int4_groups,
@@ -147,7 +148,7 @@ class Linear(nn.Module):
                     why,
                 )
             for off, p in pieces.items():
-                weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
+                weight.narrow(0, off, p.shape[0]).copy_(dequantize(p, self.dtype))
             pieces = {}
         if method == "dense" or (method == "native" and not pieces):
             return
