@@ -28,7 +28,6 @@ from pagemill.runtime.model_executor.quantization import (
     Int8Blocks,
     RequantError,
     WeightScheme,
-    dequantize,
     weight_report,
 )
 from pagemill.runtime.worker.model_runner import ModelRunner
@@ -117,8 +116,11 @@ def test_exact_types_repack_to_ggufs_values(name) -> None:
     _assert_fp32_exact(got, want)
     if name in ("Q4_0", "Q8_0", "Q5_0", "IQ4_NL", "Q3_K", "IQ4_XS"):  # no min: bit for bit
         assert torch.equal(got, want)
-        # A dense weight or an embedding gets gguf's values rounded once to bf16.
-        assert torch.equal(dequantize(value, torch.bfloat16), want.to(torch.bfloat16))
+        # A layer served dense in bf16 gets gguf's values rounded once to bf16.
+        dense = Linear(k, rows, False, torch.bfloat16)
+        dense.load_rows(0, value)  # the default scheme: dense
+        assert dense.weight is not None
+        assert torch.equal(dense.weight, want.to(torch.bfloat16))
     # The packed kernel in fp32 computes with these weights.
     layer = _packed_layer(value, k, rows, torch.float32)
     assert layer.weight_format == ("int4" if EXACT[name] is Int4Groups else "int4x2")

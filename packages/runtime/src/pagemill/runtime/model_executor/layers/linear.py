@@ -36,7 +36,6 @@ from pagemill.runtime.model_executor.quantization.formats import (
     Int4Groups,
     Int8Blocks,
     QuantizedRows,
-    dequantize,
     int4_planes,
     pack_int4,
     quantize_int4_groups,
@@ -147,8 +146,8 @@ class Linear(nn.Module):
                     "stay dense" if method == "native" else "are requantized",
                     why,
                 )
-            for off, p in pieces.items():
-                weight.narrow(0, off, p.shape[0]).copy_(dequantize(p, self.dtype))
+            for off, p in pieces.items():  # exact values, rounded once to the dtype
+                weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(torch.float32))
             pieces = {}
         if method == "dense" or (method == "native" and not pieces):
             return

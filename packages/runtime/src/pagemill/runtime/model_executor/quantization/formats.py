@@ -106,12 +106,11 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize(value: torch.Tensor | QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
-    """The exact values (fp32 scales) rounded once to `dtype`: what a dense weight or an
-    embedding holds. (`value.dequantize(dtype)` is instead what a kernel computing with
-    `dtype` scales sees.)"""
+    """The weight in `dtype` as a `dtype` kernel computes with it (scales in `dtype`): what
+    an embedding holds, which a tied packed LM head then matches."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
-    return value.dequantize(torch.float32).to(dtype)
+    return value.dequantize(dtype)
 
 
 # ---- quantizers (dense -> rows) -------------------------------------------------------------
