@@ -201,7 +201,7 @@ class GGUFCheckpoint:
 
         `requantize`: the rows will be served packed, so types no packed format holds exactly
         may be requantized (see `read_gguf_tensor`; errors in `requant_errors`). The embedding
-        never is: its lookup reads it dense, so it comes exact."""
+        never is: its lookup reads every value, so it gets them as the file holds them."""
         mapping = self._name_map(names)
         for name, kind, shape, offset, n_bytes in self.tensors:
             hf = mapping.get(name)
