@@ -135,7 +135,7 @@ def test_exact_types_repack_to_ggufs_values(name) -> None:
 
 @pytest.mark.parametrize(
     ("name", "levels"),
-    [("Q6_K", 127), ("Q2_K", 15 / 2)],  # int8 symmetric per 32; int4 min/max per 32
+    [("Q6_K", 127), ("Q2_K", 255 / 2)],  # int8 per 32: symmetric; min/max with a zero
 )
 def test_requantized_types_stay_within_their_bound(name, levels) -> None:
     rows, k = 32, 512

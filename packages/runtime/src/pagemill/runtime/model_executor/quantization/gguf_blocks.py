@@ -14,8 +14,9 @@ own dequantizers spell out). What each type becomes — exact unless said:
 - Q6_K: its 16-value sub-blocks each have their own scale, which a group of 32 cannot
   hold exactly (the integer sc * q needs 13 bits): requantized to int8 per 32, an error of
   at most 1/254 of each group's largest magnitude (about 1/8 of a Q6_K step);
-- Q2_K: likewise per 16 with a min each; requantized to int4 per 32 (min/max) rather than
-  int8 so a 2.6-bit file stays small;
+- Q2_K: likewise per 16 with a min each; requantized to int8 per 32 with a zero point
+  (min/max): an error of at most 1/510 of each group's range (an int4 group cannot hold
+  two sub-blocks' grids, and its error on top of a 2.6-bit file moved logits visibly);
 - any other type the `gguf` package can dequantize (IQ1/IQ2/IQ3, TQ, MXFP4, ...) → a dense
   tensor in the compute dtype.
 
@@ -35,7 +36,6 @@ from pagemill.runtime.model_executor.quantization.formats import (
     Int4Groups,
     Int8Blocks,
     QuantizedRows,
-    quantize_int4_groups,
 )
 
 _QK = 32  # the group every packed format here uses
@@ -238,11 +238,15 @@ def requantize_q6_k(raw: np.ndarray, rows: int, k: int, error: RequantError) -> 
     return rows_out
 
 
-def requantize_q2_k(raw: np.ndarray, rows: int, k: int, error: RequantError) -> Int4Groups:
-    w = _exact(raw, "Q2_K", rows, k)
-    rows_out = quantize_int4_groups(w, _QK, torch.float32)
-    rows_out.source = "Q2_K"
-    error.add(rows_out.dequantize(torch.float32), w, "int4 groups of 32")
+def requantize_q2_k(raw: np.ndarray, rows: int, k: int, error: RequantError) -> Int8Blocks:
+    w = _exact(raw, "Q2_K", rows, k).reshape(rows, k // _QK, _QK)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (hi - lo) / 255.0
+    zeros = lo + 128.0 * scales  # q in -128..127: w = q * s + z
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round((w - zeros[..., None]) / safe[..., None]).clamp_(-128, 127)
+    rows_out = Int8Blocks(q.to(torch.int8).reshape(rows, k), scales, _QK, "Q2_K", zeros)
+    error.add(rows_out.dequantize(torch.float32), w.reshape(rows, k), "int8 blocks of 32")
     return rows_out
 
 
