@@ -96,6 +96,8 @@ def make_llm(args: argparse.Namespace, model_dir: Path, mode: str | None = None)
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
+    if args.cpu_dense_weights is not None:
+        kwargs["cpu_dense_weights"] = args.cpu_dense_weights
     if mode is not None:
         load_format, quantization, eager = MODES[mode]
         kwargs.update(load_format=load_format, quantization=quantization, enforce_eager=eager)
@@ -375,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         default=None,
         help=f"comma-separated modes for the step table (default: --mode); of {', '.join(MODES)}",
+    )
+    ap.add_argument(
+        "--cpu-dense-weights",
+        default=None,
+        choices=["auto", "always", "never"],
+        help="dense copies of packed layers for large batches (default: the engine's, auto)",
     )
     ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")

@@ -20,7 +20,6 @@ from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.model_executor.gguf_model import (
     GGUF_ARCHITECTURES,
     gguf_file_for_folder,
-    needs_dense_copy,
 )
 from pagemill.runtime.model_executor.model_source import resolve_model
 
@@ -158,10 +157,8 @@ def test_gguf_file_generates_like_transformers(tiny_ggufs, key, random_prompts, 
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
-    # Q5_0 needs numpy dequantization: served from a dense copy made once, next to the config.
-    dense = key.endswith("Q5_0")
-    assert needs_dense_copy(engine.model_path) == (["Q5_0"] if dense else [])
-    assert (engine.model_path / "model.safetensors").is_file() == dense
+    # Every type is read from the file itself: no dense copy is written next to the config.
+    assert not (engine.model_path / "model.safetensors").exists()
 
 
 def test_tokenizer_and_chat_template_come_from_the_file(tiny_ggufs, tmp_path) -> None:
@@ -215,7 +212,7 @@ def test_unsupported_gguf_architecture_and_type_say_what_is_supported(tmp_path) 
     ):
         resolve_model(str(bloom))
     ints = _minimal_gguf(tmp_path / "i.gguf", "llama", np.zeros((4, 32), np.int8))
-    with pytest.raises(ValueError, match=r"GGML type\(s\) I8.*supported: Q4_0.*F32.*Q4_K"):
+    with pytest.raises(ValueError, match=r"GGML type\(s\) I8.*supported: Q4_0.*Q4_K.*F32"):
         resolve_model(str(ints))
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf at all")

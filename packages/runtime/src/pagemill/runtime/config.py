@@ -45,6 +45,7 @@ QUANTIZATIONS = ("int8", "int4")
 # vLLM's --quantization names for a checkpoint quantized already: accepted as a check that
 # the checkpoint's quantization_config says so (its weights are read as they are).
 CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8")
+CPU_DENSE_WEIGHTS = ("auto", "always", "never")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -95,9 +96,16 @@ class EngineConfig:
     )
     """Weight-only quantization on CPU: int8 (per channel) or int4 (groups of 32 with zero
     points), applied to a safetensors model when it loads; default: none, except that a
-    GGUF model (the default one included) keeps its own Q4_0/Q4_1/Q8_0 weights and a
+    GGUF model (the default one included) keeps its own quantized weights packed, and a
     quantized checkpoint (AWQ, GPTQ, ...) its own. awq / gptq / compressed-tensors / fp8
     name the checkpoint's method (an error if it is quantized otherwise)."""
+
+    cpu_dense_weights: str = field(default="auto", metadata={"choices": CPU_DENSE_WEIGHTS})
+    """Whether packed (quantized) layers on CPU also keep a dense bf16 copy of their weights,
+    used for steps of many tokens (prefill, large batches), where a dense GEMM is faster:
+    always; never (packed weights only: the least memory); auto (default): only where bf16
+    GEMMs are native and all copies fit in a quarter of the machine's memory (logged at
+    start-up)."""
 
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
@@ -169,6 +177,8 @@ class EngineConfig:
         choices = QUANTIZATIONS + CHECKPOINT_QUANTIZATIONS
         if self.quantization is not None and self.quantization not in choices:
             raise bad("quantization", f"must be None or one of {choices}")
+        if self.cpu_dense_weights not in CPU_DENSE_WEIGHTS:
+            raise bad("cpu_dense_weights", f"must be one of {CPU_DENSE_WEIGHTS}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
         tp = self.tensor_parallel_size

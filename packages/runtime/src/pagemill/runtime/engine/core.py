@@ -197,6 +197,7 @@ class EngineCore:
             quantization=config.quantization,
             tp=self.tp,
             pooling_only=config.runner == "pooling",
+            cpu_dense_weights=config.cpu_dense_weights,
         )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config

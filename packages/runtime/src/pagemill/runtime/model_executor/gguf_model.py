@@ -9,12 +9,12 @@ architecture) and generation_config.json, and has transformers extract the token
 chat template, into a cache folder keyed by the file's path, size and mtime (every shard's,
 for a split file: `gguf_split`). The weights stay in the file:
 
-- Q4_0 / Q4_1 / Q8_0 rows are kept packed where the quantization plan allows (bf16 on
-  CPU), F32 / F16 / BF16 are read as they are, and everything is dequantized exactly in
-  torch for fp32 or GPU compute (`gguf_weights`), straight from the memory-mapped file;
-- any other type the `gguf` package can dequantize (K-quants, IQ types, ...) is slow to
-  dequantize in numpy, so such a file is dequantized once by transformers into the
-  folder's model.safetensors (like the default model's dense copy) and served from it.
+- quantized rows (Q4_0/Q4_1/Q8_0, Q5_x, the K-quants, IQ4_NL/IQ4_XS) are kept packed
+  where the quantization plan allows (bf16 on CPU), F32 / F16 / BF16 are read as they
+  are, and everything is dequantized in the compute dtype for fp32 or GPU compute
+  (`gguf_weights`, `quantization.gguf_blocks`), straight from the memory-mapped file;
+- other types the `gguf` package can dequantize (IQ1/IQ2/IQ3, TQ, ...) are dequantized
+  by it tensor by tensor into the compute dtype: no dense copy is written anywhere.
 
 Architectures are one table (`gguf_arch.GGUF_ARCHS`, summed up as `GGUF_ARCHITECTURES`):
 llama.cpp's architecture name -> the Hugging Face architecture that serves it; a row only
@@ -45,12 +45,15 @@ logger = logging.getLogger(__name__)
 # GGUFs say "llama"); what each needs undone and its config are `gguf_arch.GGUF_ARCHS`.
 GGUF_ARCHITECTURES: dict[str, str] = {a.name: a.hf_architecture for a in GGUF_ARCHS.values()}
 
-# Kept packed (bf16 on CPU) or read as stored; other dequantizable types go through the
-# one-time dense copy.
-DIRECT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "F32", "F16", "BF16")
+# Kept packed (bf16 on CPU) or read as stored; other dequantizable types are dequantized
+# tensor by tensor into the compute dtype (see quantization.gguf_blocks).
+DIRECT_TYPES = (
+    *("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS"),
+    *("Q6_K", "Q2_K", "F32", "F16", "BF16"),
+)
 
 _MARKER = "pagemill_gguf.json"
-_VERSION = 2
+_VERSION = 3
 
 
 def supported_gguf_architectures() -> list[str]:
@@ -113,16 +116,8 @@ def inspect_gguf(path: Path) -> dict[str, Any]:
     if bad:
         raise ValueError(
             f"{path.name} holds tensors of GGML type(s) {', '.join(bad)}, which pagemill cannot "
-            f"load; supported: {', '.join(DIRECT_TYPES)} (Q4_0/Q4_1/Q8_0 kept packed) and, "
-            f"dequantized once, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
-        )
-    dense = sorted(t for t in types if t not in DIRECT_TYPES)
-    if len(shards) > 1 and dense:
-        # The one-time dense copy is transformers' GGUF loader, which reads one file.
-        raise ValueError(
-            f"split GGUF {shards[0].name} holds {', '.join(dense)} tensors; pagemill serves "
-            f"split files of {', '.join(DIRECT_TYPES)} only (merge the shards with "
-            f"llama-gguf-split --merge to serve it)"
+            f"load; supported: {', '.join(DIRECT_TYPES)} (quantized ones kept packed) and, "
+            f"dequantized, {', '.join(t for t in known if t not in DIRECT_TYPES)}"
         )
     meta = Metadata(
         first.fields,
@@ -220,13 +215,11 @@ def _extract(path: Path, info: dict[str, Any], out: Path) -> None:
         logger.warning(
             "%s has no usable tokenizer (%s); only token-id prompts will work", path.name, e
         )
-    dense = sorted(t for t in info["types"] if t not in DIRECT_TYPES)
     meta = {
         "version": _VERSION,
         **_key(path),
         "architecture": info["architecture"],
         "tensor_types": info["types"],
-        "dense_copy_types": dense,
         "shards": _shards_key(info["shards"]),
     }
     (out / _MARKER).write_text(json.dumps(meta, indent=2))
@@ -284,9 +277,3 @@ def gguf_file_for_folder(folder: str | Path) -> Path | None:
             f".gguf file itself as the model so that it is checked and extracted again"
         )
     return path
-
-
-def needs_dense_copy(folder: str | Path) -> list[str]:
-    """The GGML types that make an extracted folder serve from a one-time dense copy."""
-    meta = _read_marker(Path(folder))
-    return list(meta.get("dense_copy_types", [])) if meta else []

@@ -19,6 +19,7 @@ import torch
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
 from pagemill.runtime.model_executor.quantization.formats import QuantizedRows
+from pagemill.runtime.model_executor.quantization.gguf_blocks import RequantError
 
 # llama.cpp's llama_split_path: "%s-%05d-of-%05d.gguf", shards counted from 1.
 SHARD_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
@@ -135,12 +136,31 @@ class GGUFShards:
                 counts[name] = counts.get(name, 0) + n
         return counts
 
+    @property
+    def requant_errors(self) -> dict[str, RequantError]:
+        """All shards' requantization errors together, per GGML type."""
+        out: dict[str, RequantError] = {}
+        for shard in self.shards:
+            for qtype, err in shard.requant_errors.items():
+                total = out.setdefault(qtype, RequantError(served_as=err.served_as))
+                total.max_abs = max(total.max_abs, err.max_abs)
+                total.sum_abs += err.sum_abs
+                total.count += err.count
+        return out
+
     def weights(
-        self, names: Iterable[str], config: ModelConfig
+        self,
+        names: Iterable[str],
+        config: ModelConfig,
+        *,
+        requantize: bool = True,
+        dense_dtype: torch.dtype = torch.float32,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         names = list(names)
         for shard in self.shards:
-            yield from shard.weights(names, config)
+            yield from shard.weights(
+                names, config, requantize=requantize, dense_dtype=dense_dtype
+            )
 
 
 def shards_by_name(path: Path) -> list[Path]:

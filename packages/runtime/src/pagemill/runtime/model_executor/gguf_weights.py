@@ -4,11 +4,12 @@ The file is read with the `gguf` package (`GGUFReader` for the tensor table, its
 name map and dequantizers); tensor bytes come through a memory map. Tensors come out under
 the Hugging Face names the model asks for, as:
 
-- Q4_0 / Q4_1 → `Int4Groups` (groups of 32: Q4_1's d * q + m is scale d, zero m + 8d;
-  Q4_0's d * (q - 8) is scale d, zero 0), exactly the values ggml dequantizes to;
-- Q8_0 → `Int8Blocks` (int8 values, one scale per 32);
+- quantized types → the packed rows of `quantization.gguf_blocks`: Q4_0/Q4_1/Q4_K as
+  `Int4Groups`, Q8_0/Q5_x/Q5_K/Q3_K/IQ4 as `Int8Blocks`, all exact; Q6_K/Q2_K
+  requantized (error measured and reported) when the rows will be served packed;
 - F32 / F16 / BF16 → dense tensors as stored;
-- any other type (Q6_K, Q4_K, ...) → dequantized by `gguf.quants.dequantize` to fp32.
+- any other type (IQ2, IQ3, ...) → dequantized by `gguf.quants.dequantize`, in the compute
+  dtype.
 
 What llama.cpp's converter changed beyond names (Llama's q/k rows permuted for its rotary
 layout, Gemma's norms stored as w + 1) is undone per architecture (`gguf_arch`): a row
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,17 @@ import torch
 
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.gguf_arch import GGUF_ARCHS
-from pagemill.runtime.model_executor.quantization.formats import (
-    Int4Groups,
-    Int8Blocks,
-    QuantizedRows,
+from pagemill.runtime.model_executor.quantization.formats import QuantizedRows
+from pagemill.runtime.model_executor.quantization.gguf_blocks import (
+    DECODERS,
+    REQUANTIZERS,
+    RequantError,
+    decode_dense,
 )
 
 logger = logging.getLogger(__name__)
 
-_BLOCK = 32  # Q4_0, Q4_1 and Q8_0 all quantize blocks of 32 values
+
 
 
 def _reader(path: str | Path) -> Any:  # a gguf.GGUFReader
@@ -46,49 +49,26 @@ def _reader(path: str | Path) -> Any:  # a gguf.GGUFReader
     return gguf.GGUFReader(str(path))
 
 
-def _blocks(raw: np.ndarray, rows: int, k: int, block_bytes: int) -> torch.Tensor:
-    data = np.array(raw, dtype=np.uint8, copy=True)  # out of the read-only memory map
-    return torch.from_numpy(data).reshape(rows, k // _BLOCK, block_bytes)
 
-
-def _half(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] uint8 -> [...] float32 through fp16."""
-    return b.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def _nibbles(qs: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """ggml's 4-bit block layout: values 0..15 in the low nibbles, 16..31 in the high ones."""
-    return torch.cat([qs & 15, qs >> 4], dim=-1).reshape(rows, k)
-
-
-def decode_q4_0(raw: np.ndarray, rows: int, k: int) -> Int4Groups:
-    b = _blocks(raw, rows, k, 2 + _BLOCK // 2)
-    d = _half(b[..., 0:2])
-    return Int4Groups(_nibbles(b[..., 2:], rows, k), d, torch.zeros_like(d), _BLOCK, "Q4_0")
-
-
-def decode_q4_1(raw: np.ndarray, rows: int, k: int) -> Int4Groups:
-    b = _blocks(raw, rows, k, 4 + _BLOCK // 2)
-    d, m = _half(b[..., 0:2]), _half(b[..., 2:4])
-    zeros = m + 8.0 * d
-    inexact = int((zeros.double() != m.double() + 8.0 * d.double()).sum())
-    if inexact:  # fp16 d and m almost never need more than fp32's 24 bits together
-        logger.debug("%d Q4_1 zero points are not exact in fp32", inexact)
-    return Int4Groups(_nibbles(b[..., 4:], rows, k), d, zeros, _BLOCK, "Q4_1")
-
-
-def decode_q8_0(raw: np.ndarray, rows: int, k: int) -> Int8Blocks:
-    b = _blocks(raw, rows, k, 2 + _BLOCK)
-    d = _half(b[..., 0:2])
-    q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, k)
-    return Int8Blocks(q, d, _BLOCK, "Q8_0")
 
 
 def read_gguf_tensor(
-    kind: int, shape: tuple[int, ...], raw: np.ndarray
+    kind: int,
+    shape: tuple[int, ...],
+    raw: np.ndarray,
+    *,
+    requantize: bool = True,
+    dense_dtype: torch.dtype = torch.float32,
+    errors: dict[str, RequantError] | None = None,
 ) -> torch.Tensor | QuantizedRows:
     """One tensor from its GGML type, GGUF shape (innermost dimension first) and raw bytes,
-    in Hugging Face's [out, in] orientation."""
+    in Hugging Face's [out, in] orientation.
+
+    Quantized matrices come out as the packed rows of `quantization.gguf_blocks` (exact), or
+    requantized for types no packed format holds exactly (Q6_K, Q2_K) when `requantize`,
+    their error added to `errors[type]`; otherwise, and for types with no packed form, as
+    a dense tensor in `dense_dtype` (exact before that cast).
+    """
     import gguf
 
     qtype = gguf.GGMLQuantizationType(kind)
@@ -96,13 +76,6 @@ def read_gguf_tensor(
     k = shape[-1]
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     raw = raw.reshape(rows, -1)
-    decoders: dict[gguf.GGMLQuantizationType, Callable[[np.ndarray, int, int], QuantizedRows]] = {
-        gguf.GGMLQuantizationType.Q4_0: decode_q4_0,
-        gguf.GGMLQuantizationType.Q4_1: decode_q4_1,
-        gguf.GGMLQuantizationType.Q8_0: decode_q8_0,
-    }
-    if qtype in decoders and len(shape) == 2:
-        return decoders[qtype](raw, rows, k)
     plain = {
         gguf.GGMLQuantizationType.F32: np.float32,
         gguf.GGMLQuantizationType.F16: np.float16,
@@ -111,8 +84,13 @@ def read_gguf_tensor(
     if qtype in plain:
         values = torch.from_numpy(np.array(raw, copy=True).view(plain[qtype])).reshape(shape)
         return values.view(torch.bfloat16) if qtype == gguf.GGMLQuantizationType.BF16 else values
-    dequantized = gguf.quants.dequantize(raw, qtype)
-    return torch.from_numpy(np.ascontiguousarray(dequantized, dtype=np.float32)).reshape(shape)
+    name = qtype.name
+    if len(shape) == 2 and name in DECODERS:
+        return DECODERS[name](raw, rows, k)
+    if len(shape) == 2 and name in REQUANTIZERS and requantize:
+        error = RequantError() if errors is None else errors.setdefault(name, RequantError())
+        return REQUANTIZERS[name](raw, rows, k, error)
+    return decode_dense(raw, name, shape, dense_dtype)
 
 
 _INDEX_VERSION = 1
@@ -169,6 +147,8 @@ class GGUFCheckpoint:
             tuple(t) for t in index["tensors"]
         ]
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        # GGML type -> error of the tensors `weights` requantized so far.
+        self.requant_errors: dict[str, RequantError] = {}
 
     @staticmethod
     def _read_index(index_file: str | Path | None, key: dict) -> dict | None:
@@ -217,17 +197,33 @@ class GGUFCheckpoint:
         return out
 
     def weights(
-        self, names: Iterable[str], config: ModelConfig
+        self,
+        names: Iterable[str],
+        config: ModelConfig,
+        *,
+        requantize: bool = True,
+        dense_dtype: torch.dtype = torch.float32,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """Yield (Hugging Face name, tensor or quantized rows) for every tensor of the file
-        that one of `names` maps to; tensors nothing asks for (rope tables, ...) are skipped."""
+        that one of `names` maps to; tensors nothing asks for (rope tables, ...) are skipped.
+
+        `requantize`: the rows will be served packed, so types no packed format holds exactly
+        may be requantized (see `read_gguf_tensor`; errors in `requant_errors`). The embedding
+        never is: its lookup reads every value, so it gets them as the file holds them."""
         mapping = self._name_map(names)
         arch = GGUF_ARCHS.get(self.architecture)
         for name, kind, shape, offset, n_bytes in self.tensors:
             hf = mapping.get(name)
             if hf is None:
                 continue
-            value = read_gguf_tensor(kind, tuple(shape), self._data[offset : offset + n_bytes])
+            value = read_gguf_tensor(
+                kind,
+                tuple(shape),
+                self._data[offset : offset + n_bytes],
+                requantize=requantize and not hf.endswith("embed_tokens.weight"),
+                dense_dtype=dense_dtype,
+                errors=self.requant_errors,
+            )
             if arch is not None:  # llama.cpp's storage conventions (q/k permutation, norms)
                 value = arch.undo(name, value, config)
             yield hf, value

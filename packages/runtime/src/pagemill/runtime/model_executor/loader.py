@@ -24,12 +24,16 @@ from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
-from pagemill.runtime.model_executor.gguf_model import needs_dense_copy
 from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
-from pagemill.runtime.model_executor.quantization import plan_weights, weight_report
+from pagemill.runtime.model_executor.quantization import (
+    RequantError,
+    choose_dense_copies,
+    plan_weights,
+    weight_report,
+)
 from pagemill.runtime.model_executor.quantization.hf_config import (
     checkpoint_names,
     declared_quantization,
@@ -64,7 +68,7 @@ def check_model_folder(path: Path, load_format: str) -> None:
         problems.append("no config.json")
     if load_format != "dummy":
         gguf = gguf_for_folder(path)
-        if gguf is not None and (load_format == "safetensors" or needs_dense_copy(path)):
+        if gguf is not None and load_format == "safetensors":
             ensure_dense_weights(path, gguf)
             gguf = None
         if gguf is None and not problems:
@@ -90,13 +94,16 @@ def load_model(
     dense_fallback: bool | None = None,
     tp: TensorParallelGroup | None = None,
     pooling_only: bool = False,
+    cpu_dense_weights: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the module directly on `device` (no CPU copy first) and fill its weights.
 
     `load_format` "auto" reads the default model's GGUF (other folders: their safetensors),
     "safetensors" the folder's safetensors, "dummy" makes random weights. `quantization`
     ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
-    None: where bf16 is native) are `quantization.plan_weights`'s.
+    None: where bf16 is native) are `quantization.plan_weights`'s; `cpu_dense_weights`
+    (auto | always | never), when given, decides the dense copies instead
+    (`quantization.choose_dense_copies`).
 
     With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
     `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
@@ -106,9 +113,6 @@ def load_model(
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
     gguf = gguf_for_folder(path) if load_format == "auto" else None
-    if gguf is not None and needs_dense_copy(path):  # K-quants etc.: the one-time dense copy
-        ensure_dense_weights(path, gguf)
-        gguf = None
     # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
     hf_quant = (
         None if load_format == "dummy" or gguf is not None else get_quantization_config(path, dtype)
@@ -135,15 +139,27 @@ def load_model(
             model = cls(model_config, dtype, max_position)
         else:
             model = cls(layout.local_config(model_config), dtype, max_position, tp=tp)
+    if cpu_dense_weights is not None:
+        plan, line = choose_dense_copies(plan, model, cpu_dense_weights, dtype, device)
+        if line is not None:
+            logger.info("%s", line)
     plan.apply(model)
     model.pooling_only = pooling_only
+    errors: dict[str, RequantError] = {}  # GGML type -> error of its requantized rows
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         source = "dummy"
     elif gguf is not None:
         checkpoint = open_gguf_checkpoint(gguf, index_file=path / GGUF_INDEX_FILE)
-        weights = checkpoint.weights(model._targets().keys(), model_config)
+        weights = checkpoint.weights(
+            model._targets().keys(),
+            model_config,
+            # Q6_K/Q2_K rows are requantized only where they will be served packed.
+            requantize=plan.linear.method == "native",
+            dense_dtype=dtype,
+        )
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
+        errors = checkpoint.requant_errors
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
         source = f"{gguf.name}: {types}"
     else:
@@ -155,6 +171,7 @@ def load_model(
             source = f"safetensors, {hf_quant.describe()}"
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
     model.eval()
+    _release_freed_memory()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",
         path.name,
@@ -163,8 +180,29 @@ def load_model(
         source,
         time.monotonic() - start,
     )
-    logger.info("weights: %s", weight_report(model).summary())
+    for qtype, err in sorted(errors.items()):
+        logger.info(
+            "%s rows requantized to %s: max abs error %.3g, mean %.3g (vs gguf's dequantization)",
+            qtype,
+            err.served_as,
+            err.max_abs,
+            err.mean_abs,
+        )
+    logger.info("weights: %s", weight_report(model, errors).summary())
     return model
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap that loading freed back to the OS. Decoding and packing a tensor makes
+    transient buffers of up to a few bytes per weight; glibc keeps the freed ones in its
+    heap (its mmap threshold rises to the sizes it saw), where they would count against
+    the process for as long as it serves."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def load_tokenizer(path: str) -> Any | None:

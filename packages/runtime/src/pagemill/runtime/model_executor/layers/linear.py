@@ -154,8 +154,8 @@ class Linear(nn.Module):
                     "stay dense" if method == "native" else "are requantized",
                     why,
                 )
-            for off, p in pieces.items():
-                weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(self.dtype))
+            for off, p in pieces.items():  # exact values, rounded once to the dtype
+                weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(torch.float32))
             pieces = {}
         if method == "dense" or (method == "native" and not pieces):
             return

@@ -6,11 +6,12 @@ Two row formats travel from a reader (GGUF blocks) or a quantizer to a `Linear`:
   This is exactly what PyTorch's int4 CPU kernel computes (`_weight_int4pack_mm_for_cpu`
   evaluates fma(q - 8, scale, zero) in fp32), so GGUF Q4_1 (d * q + m: scale d, zero
   m + 8d) and Q4_0 (d * (q - 8): scale d, zero 0) are repacked without rounding anything.
-- `Int8Blocks`: w[n, k] = q[n, k] * scales[n, k // b], q an int8 (GGUF Q8_0, b = 32).
+- `Int8Blocks`: w[n, k] = q[n, k] * scales[n, k // b] (+ zeros[n, k // b]), q an int8
+  (GGUF Q8_0, b = 32; Q5_x, Q3_K/Q5_K, IQ4 values fit int8 too, some with a zero point).
   PyTorch's int8 CPU kernel has one scale per output row, which a per-32 scale does not
   fit; the block is split into two int4 planes instead (`int4_planes`): q = 16 * hi + lo
   with lo = q & 15 in 0..15 and hi = q >> 4 in -8..7, so
-  w = (lo - 8) * d + 8d  +  ((hi + 8) - 8) * 16d + 0,
+  w = (lo - 8) * d + 8d  +  ((hi + 8) - 8) * 16d + z,
   one int4 matmul over [x, x] against [N, 2K]: exact, and as many bytes as int8.
 
 Scales are held in fp32 until packing; packing casts them to the compute dtype (the
@@ -55,28 +56,30 @@ class Int4Groups:
 
 @dataclass
 class Int8Blocks:
-    """Rows of int8 values with one scale per block of `block_size` (GGUF Q8_0)."""
+    """Rows of int8 values with one scale (and optionally a zero point) per block of
+    `block_size` (GGUF Q8_0; Q5_0/Q5_1/Q5_K/Q3_K/IQ4_NL/IQ4_XS)."""
 
     q: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # float32 [N, K // block_size]
     block_size: int
     source: str = "Q8_0"
+    zeros: torch.Tensor | None = None  # float32 [N, K // block_size]; None: all zero
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
     def index_rows(self, index: torch.Tensor) -> Int8Blocks:
-        return Int8Blocks(self.q[index], self.scales[index], self.block_size, self.source)
+        zeros = None if self.zeros is None else self.zeros[index]
+        return Int8Blocks(self.q[index], self.scales[index], self.block_size, self.source, zeros)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
         s = _rounded(self.scales, dtype).unsqueeze(-1)
-        return (
-            (self.q.view(n, k // self.block_size, self.block_size).float() * s)
-            .reshape(n, k)
-            .to(dtype)
-        )
+        w = self.q.view(n, k // self.block_size, self.block_size).float() * s
+        if self.zeros is not None:
+            w = w + _rounded(self.zeros, dtype).unsqueeze(-1)
+        return w.reshape(n, k).to(dtype)
 
 
 QuantizedRows = Int4Groups | Int8Blocks
@@ -103,6 +106,8 @@ def _rounded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def dequantize(value: torch.Tensor | QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype` as a `dtype` kernel computes with it (scales in `dtype`): what
+    an embedding holds, which a tied packed LM head then matches."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype)
     return value.dequantize(dtype)
@@ -173,7 +178,9 @@ def int4_planes(
             d = p.scales
             q = torch.cat([lo, hi], dim=1)
             s = torch.cat([d, 16.0 * d], dim=1)
-            z = torch.cat([8.0 * d, torch.zeros_like(d)], dim=1)
+            # The zero point rides on the second plane: 8d then rounds to bf16 exactly as
+            # 8 * bf16(d) does and cancels the first plane's -8d exactly.
+            z = torch.cat([8.0 * d, torch.zeros_like(d) if p.zeros is None else p.zeros], dim=1)
         qs.append(q)
         ss.append(s)
         zs.append(z)

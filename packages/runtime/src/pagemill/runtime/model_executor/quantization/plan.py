@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pagemill.runtime.model_executor.quantization.formats import INT4_GROUP_SIZES, INT4_N_MULTIPLE
 from pagemill.runtime.model_executor.quantization.scheme import (
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4")
+MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -71,8 +75,8 @@ def plan_weights(
     """The plan for a model about to load.
 
     - `quantization` None: a safetensors model stays dense; a GGUF model served in bf16
-      keeps its own Q4_0/Q4_1 (int4) and Q8_0 (exact two-plane int4) tensors packed, its
-      LM head too, and dequantizes the rest; in fp32 (or on a GPU) it is dequantized
+      keeps its own quantized tensors packed (int4 groups, or int8 blocks as two int4
+      planes: see `gguf_blocks`), its LM head too; in fp32 (or on a GPU) it is dequantized
       exactly into dense weights.
     - "int8" / "int4": every projection is quantized as asked (GGUF int4 rows of the same
       group size are kept as they are: no second rounding); the LM head becomes int8 per
@@ -109,3 +113,77 @@ def plan_weights(
         packed_max_tokens=head_limit,
     )
     return WeightPlan(replace(base, method=quantization), head)
+
+
+# --cpu-dense-weights: whether packed layers keep a dense copy for large batches.
+CPU_DENSE_WEIGHTS = ("auto", "always", "never")
+# auto keeps the copies only while all of them fit in this share of the machine's memory.
+DENSE_COPY_RAM_SHARE = 0.25
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or the cgroup's limit when that is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def dense_copy_bytes(plan: WeightPlan, model: nn.Module) -> int:
+    """What dense copies of every layer `plan` packs would take in `model` (built, the plan
+    not applied yet); an upper bound: a layer whose rows turn out dense needs none. A tied
+    LM head's copy is the embedding: free."""
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
+    total = 0
+    if plan.linear.method != "dense":
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and not name.startswith("logits_proj"):
+                total += m.in_features * m.out_features * m.dtype.itemsize
+    head = getattr(model, "lm_head", None)
+    if plan.lm_head is not None and plan.lm_head.method != "dense" and head is not None:
+        total += head.numel() * head.element_size()
+    return total
+
+
+def choose_dense_copies(
+    plan: WeightPlan,
+    model: nn.Module,
+    mode: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    memory_bytes: int | None = None,
+) -> tuple[WeightPlan, str | None]:
+    """The plan with dense copies kept or dropped as `mode` says, and a line for the log
+    (None when nothing is packed). Call after the model is built (its shapes are needed)
+    and before `plan.apply`."""
+    if mode not in CPU_DENSE_WEIGHTS:
+        raise ValueError(f"cpu_dense_weights must be one of {CPU_DENSE_WEIGHTS}, got {mode!r}")
+    if not plan.quantized:
+        return plan, None
+    need = dense_copy_bytes(plan, model)
+    if mode == "always":
+        keep, why = True, "asked for (always)"
+    elif mode == "never":
+        keep, why = False, "asked for (never)"
+    elif not default_dense_fallback(dtype, device):
+        keep, why = False, "bf16 GEMMs are not native here (auto)"
+    else:
+        memory = machine_memory_bytes() if memory_bytes is None else memory_bytes
+        budget = int(DENSE_COPY_RAM_SHARE * memory)
+        keep = need <= budget
+        why = (
+            f"auto: {need / MB:.0f} MB {'fits' if keep else 'exceeds'} "
+            f"{DENSE_COPY_RAM_SHARE:.0%} of {memory / 1e9:.1f} GB RAM"
+        )
+    linear = replace(plan.linear, dense_fallback=keep)
+    head = None if plan.lm_head is None else replace(plan.lm_head, dense_fallback=keep)
+    line = (
+        f"cpu_dense_weights: {'keeping' if keep else 'no'} dense copies of packed layers for "
+        f"large batches ({need / MB:.0f} MB; {why})"
+    )
+    return WeightPlan(linear, head), line

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pagemill.runtime.model_executor.quantization.gguf_blocks import RequantError
 
 MB = 1e6
 
@@ -21,6 +26,9 @@ class WeightReport:
     # norms and the LM head; not the embedding table.
     step_bytes: int = 0
     formats: Counter = field(default_factory=Counter)  # "int4 (Q4_1)" -> number of linears
+    # GGML type -> (served as, max abs error, mean abs error) of rows requantized on load
+    # (types no packed format holds exactly), against the gguf package's dequantization.
+    requantized: dict[str, tuple[str, float, float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         fmts = ", ".join(f"{n} {k}" for k, n in sorted(self.formats.items(), key=lambda kv: -kv[1]))
@@ -31,6 +39,11 @@ class WeightReport:
             parts.append(f"dense copies for large batches {self.dense_copy_bytes / MB:.1f} MB")
         parts.append(f"embedding {self.embedding_bytes / MB:.1f} MB")
         parts.append(f"a small-batch step reads {self.step_bytes / MB:.1f} MB")
+        for qtype, (served_as, max_abs, mean_abs) in sorted(self.requantized.items()):
+            parts.append(
+                f"{qtype} requantized to {served_as} (abs error max {max_abs:.3g}, "
+                f"mean {mean_abs:.3g})"
+            )
         return "; ".join(parts)
 
 
@@ -38,10 +51,14 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def weight_report(model: nn.Module) -> WeightReport:
+def weight_report(
+    model: nn.Module, requant_errors: Mapping[str, RequantError] | None = None
+) -> WeightReport:
     from pagemill.runtime.model_executor.layers.linear import Linear
 
     report = WeightReport()
+    for qtype, err in (requant_errors or {}).items():
+        report.requantized[qtype] = (err.served_as, err.max_abs, err.mean_abs)
     seen: set[int] = set()
 
     def count(t: torch.Tensor | None) -> int:

@@ -3,8 +3,9 @@
 A `WeightScheme` tells a `Linear` what to turn its loaded rows into:
 
 - "dense": a plain weight in the compute dtype (quantized rows are dequantized);
-- "native": keep what the checkpoint holds — dense rows stay dense, GGUF Q4_0/Q4_1 rows
-  become the int4 kernel's format and Q8_0 rows its two-plane int4 form, all exactly;
+- "native": keep what the checkpoint holds — dense rows stay dense, GGUF int4 rows
+  (Q4_0/Q4_1/Q4_K) become the int4 kernel's format and int8 rows (Q8_0, Q5_x, Q3_K, IQ4,
+  requantized Q6_K) its two-plane int4 form (see `gguf_blocks`);
 - "int8": int8 per output channel (PyTorch's `_weight_int8pack_mm`);
 - "int4": int4 groups with zero points (`_weight_int4pack_mm_for_cpu`); GGUF rows already
   in that form (Q4_0/Q4_1, same group size) are kept exactly, anything else is quantized.
