@@ -20,6 +20,13 @@ from pagemill.kernels.attention import (
     plan_attention,
 )
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
+from pagemill.kernels.moe import (
+    fused_moe,
+    fused_moe_torch,
+    fused_moe_triton,
+    moe_align_block_size,
+    topk_softmax,
+)
 from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
 from pagemill.kernels.rotary import (
     apply_rotary,
@@ -36,7 +43,11 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_torch",
     "apply_rotary_triton",
+    "fused_moe",
+    "fused_moe_torch",
+    "fused_moe_triton",
     "gelu_tanh_and_mul",
+    "moe_align_block_size",
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",
@@ -48,6 +59,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_torch",
     "silu_and_mul_triton",
+    "topk_softmax",
     "write_kv_cache",
     "write_kv_cache_torch",
     "write_kv_cache_triton",
