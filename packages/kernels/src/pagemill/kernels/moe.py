@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagemill.kernels._dispatch import cdiv, check_triton_device, lazy_kernels, use_triton
+from pagemill.kernels._dispatch import (
+    cdiv,
+    check_triton_device,
+    interpreting,
+    lazy_kernels,
+    use_triton,
+)
+from pagemill.kernels.activation import silu_and_mul
 
 _kernels = lazy_kernels("moe")
 
@@ -124,6 +131,50 @@ def moe_align_block_size(
     return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
 
 
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    top_k: int,
+    a_per_pair: bool,
+    block_m: int,
+) -> None:
+    """``c[pair] = a[row(pair)] @ b[expert]ᵀ`` (times the pair's weight) per sorted block."""
+    n, k = b.shape[1], b.shape[2]
+    dot_fp32 = interpreting() or a.dtype == torch.float32
+    # Tiles: 16-bit operands take tensor-core tiles; fp32 (CUDA-core ieee dots, operands in
+    # registers) and the interpreter smaller ones. Checked ahead of time: tests/aot_compile.
+    block_n = 32 if dot_fp32 else 64
+    block_k = 32 if dot_fp32 else 64
+    grid = (expert_ids.shape[0], cdiv(n, block_n))
+    _kernels.fused_moe_kernel[grid](
+        a,
+        b,
+        c,
+        c if weights is None else weights,
+        sorted_ids,
+        expert_ids,
+        c.shape[0],  # pairs: c has one row per (token, slot)
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        TOP_K=top_k,
+        A_PER_PAIR=a_per_pair,
+        MUL_WEIGHT=weights is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -133,45 +184,25 @@ def fused_moe_triton(
     block_m: int | None = None,
 ) -> torch.Tensor:
     """The grouped-GEMM kernel: gate|up over sorted token blocks, SiLU-and-mul, down with
-    the routing weight applied, and the k slots of each token summed."""
+    the routing weight applied per pair, and the k slots of each token summed."""
     _check(x, w13, w2, topk_weights, topk_ids)
     check_triton_device(x, w13, w2)
     t, k = topk_ids.shape
-    e, n2, h = w13.shape
-    i = n2 // 2
+    e, n2, _ = w13.shape
     if t == 0:
         return torch.zeros_like(x)
     if block_m is None:
-        block_m = 16 if t * k <= 16 * e else 64
+        # Few pairs per expert (decode): small blocks waste less padding.
+        block_m = 16 if t * k <= 4 * e else 64
     sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, block_m, e)
-    x = x.contiguous()
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     gate_up = torch.empty((t * k, n2), dtype=x.dtype, device=x.device)
-    _kernels.launch_grouped_gemm(
-        x,
-        w13,
-        gate_up,
-        sorted_ids,
-        expert_ids,
-        None,
-        top_k=k,
-        a_per_pair=False,
-        block_m=block_m,
-    )
-    act = torch.empty((t * k, i), dtype=x.dtype, device=x.device)
-    act.copy_(F.silu(gate_up[:, :i].float()).to(x.dtype).float().mul(gate_up[:, i:].float()))
-    down = torch.empty((t * k, h), dtype=torch.float32, device=x.device)
-    _kernels.launch_grouped_gemm(
-        act,
-        w2,
-        down,
-        sorted_ids,
-        expert_ids,
-        topk_weights.float().contiguous(),
-        top_k=k,
-        a_per_pair=True,
-        block_m=block_m,
-    )
-    return down.view(t, k, h).sum(dim=1).to(x.dtype)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, None, k, False, block_m)
+    act = silu_and_mul(gate_up)
+    down = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(act, w2, down, sorted_ids, expert_ids, weights, k, True, block_m)
+    return down.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
 def fused_moe(
