@@ -229,3 +229,37 @@ def test_block_compiles_without_graph_breaks() -> None:
         x = torch.randn(t, config.hidden_size, generator=g)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), block(x))
+
+
+def test_quantization_is_refused_not_ignored(tmp_path, build_tiny_model) -> None:
+    build_tiny_model(tmp_path, "mixtral", seed=1, **FAMILIES["mixtral"])
+    config = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
+        load_model(tmp_path, config, torch.float32, torch.device("cpu"), 512, quantization="int8")
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_hf(tmp_path, build_tiny_model, hf_greedy, random_prompts) -> None:
+    """The engine's compiled step (inductor) with the MoE op opaque in the graph: greedy
+    tokens equal transformers' through chunked prefill and decode of mixed batches."""
+    from pagemill.runtime.worker.compilation import (
+        ENFORCE_EAGER_ENV,
+        compile_unavailable_reason,
+    )
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    model = build_tiny_model(tmp_path, "qwen2_moe", seed=2, **FAMILIES["qwen2_moe"])
+    prompts = random_prompts([30, 7, 19], model.config.vocab_size, seed=8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = LLM(
+            str(tmp_path),
+            dtype="float32",
+            max_num_batched_tokens=16,
+            max_num_seqs=3,
+            kv_cache_memory_bytes=4 << 20,
+        )
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    _check_against_hf(llm, model, prompts, [10, 12, 6], hf_greedy)

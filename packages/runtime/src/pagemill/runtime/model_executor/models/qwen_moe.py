@@ -11,6 +11,8 @@ Qwen3's (per-head q/k norms). Checkpoint names are transformers': ``mlp.gate``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.layers.fused_moe import SparseMoeBlock
 from pagemill.runtime.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagemill.runtime.model_executor.quantization.formats import QuantizedRows
 from pagemill.runtime.moe_config import MoeSpec, moe_spec
 
 
@@ -49,6 +52,25 @@ class MoeForCausalLM(LlamaForCausalLM):
     layer_cls: type[nn.Module] = Qwen2MoeDecoderLayer
     moe_module = "mlp"
     expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def _check_schemes(self) -> None:
+        """Refuse int8/int4 weights: the routed experts have no packed format yet, and
+        quantizing only the attention would not be what was asked."""
+        asked = {m.scheme.method for m in self.modules() if isinstance(m, Linear)}
+        packed = sorted(asked & {"int8", "int4"})
+        if packed:
+            raise ValueError(
+                f"quantization {packed[0]!r} is not supported for mixture-of-experts models "
+                f"({self.config.architecture}): expert weights are served dense"
+            )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedRows]]) -> None:
+        self._check_schemes()
+        super().load_weights(weights)
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        self._check_schemes()
+        super().init_dummy_weights(seed)
 
     def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
         t = super()._targets()
