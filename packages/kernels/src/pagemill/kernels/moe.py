@@ -111,7 +111,10 @@ def moe_align_block_size(
     """
     flat = topk_ids.reshape(-1)
     numel = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not bincount: on CUDA it reads the largest id back to the host, which a CUDA graph
+    # capture (decode steps) cannot do.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
