@@ -443,6 +443,24 @@ def cmd_int4_gemm(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- moe
+
+
+def cmd_moe(args: argparse.Namespace) -> int:
+    """Fused MoE (Triton grouped GEMM) against transformers' eager block, Qwen3-30B-A3B
+    shapes, bf16, decode batch 1 and 64 (benchmarks/moe.py)."""
+    sys.path.insert(0, str(BENCH))
+    import moe as bench
+
+    if args.cpu:
+        report = bench.run("cpu", 1, [1], iters=2, dtype="fp32")
+    else:
+        report = bench.run("cuda", 4, [1, 64, 256], iters=20, dtype="bf16")
+    bench.print_report(report)
+    write_json(args.out, report)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- plan
 
 
@@ -716,6 +734,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             "tests",
             "kernels",
             "int4-gemm",
+            "moe",
             "plan",
             "steps-eager",
             "steps-graphs",
@@ -860,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     add("tests", cmd_tests).add_argument("--out", required=True)
     add("kernels", cmd_kernels).add_argument("--out", required=True)
     add("int4-gemm", cmd_int4_gemm).add_argument("--out", required=True)
+    add("moe", cmd_moe).add_argument("--out", required=True)
     p = add("plan", cmd_plan)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--context", type=int, default=192)

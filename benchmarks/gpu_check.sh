@@ -17,6 +17,8 @@
 #                 device-to-device copy measured in the same run, prefill in TFLOP/s
 #   int4-gemm     the int4-group GEMM of AWQ/GPTQ/w4a16 weights on Llama-3.1-8B's projections
 #                 (1, 16, 256 rows) vs a dense bf16 GEMM: ms, weight GB/s, error vs torch
+#   moe           fused MoE (Triton grouped GEMM), Qwen3-30B-A3B expert shapes, bf16, 4 layers:
+#                 decode step at batch 1/64/256 against transformers' eager MoE block
 #   model, plan   a dummy Llama-3.1-8B folder (config + synthetic tokenizer; random weights)
 #                 and `pagemill plan`'s weight-streaming roofline for this GPU (3.35 ms on H200)
 #   steps-eager   decode step time, batch 1..256, EngineConfig.enforce_eager=True
@@ -106,6 +108,7 @@ stage env 20 "${CHECK[@]}" env --out "$RESULTS/env.json"
 stage tests 110 "${CHECK[@]}" tests --out "$RESULTS/tests.json"
 stage kernels 60 "${CHECK[@]}" kernels "${FLAG[@]}" --out "$RESULTS/kernels.json"
 stage int4-gemm 30 "${CHECK[@]}" int4-gemm "${FLAG[@]}" --out "$RESULTS/int4-gemm.json"
+stage moe 45 "${CHECK[@]}" moe "${FLAG[@]}" --out "$RESULTS/moe.json"
 stage model 20 "${CHECK[@]}" model --kind "$MODEL_KIND" --dir "$MODEL"
 # The step table's contexts: prompt + the tokens decoded by the time each row is timed.
 stage plan 20 "${CHECK[@]}" plan "${FLAG[@]}" --model-dir "$MODEL" --batch-sizes "$SIZES" --out "$RESULTS/plan.json"

@@ -6,8 +6,8 @@
 Run by tests/test_aot_compile.py in a subprocess (see there why), usable by hand. How a
 configuration is obtained: the real launchers (`run_triton` with a plan from
 `plan_triton`, `rms_norm_triton`, `apply_rotary_triton`, `write_kv_cache_triton`,
-`silu_and_mul_triton`) are called with small CPU tensors of the served shapes, while
-`JITFunction.run` — what ``kernel[grid](...)`` calls — is replaced by a recorder. Each
+`silu_and_mul_triton`, `fused_moe_triton`) are called with small CPU tensors of the served
+shapes, while `JITFunction.run` — what ``kernel[grid](...)`` calls — is replaced by a recorder. Each
 recorded launch is then specialised the way Triton's launcher does it (its own binder:
 argument types, 16-byte alignment and divisibility of pointers and integers, constexprs,
 launch options such as ``num_warps``) for a `GPUTarget`, and compiled with
@@ -52,6 +52,13 @@ MODELS = {
     "llama-3.1-70b": (8192, 64, 8, 128, 28672),
     "qwen2.5-7b": (3584, 28, 4, 128, 18944),
 }
+# Mixture-of-experts shapes: (hidden, expert intermediate, experts, top-k), published configs.
+MOE_MODELS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "olmoe-1b-7b": (2048, 1024, 64, 8),
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+}
 # Attention head layouts beyond those models: every head size x GQA group pagemill supports.
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 4, 8)
@@ -84,7 +91,7 @@ def _install_recorder() -> None:
     # The launchers refuse CPU tensors outside the interpreter; here nothing is launched.
     import pagemill.kernels  # noqa: F401 - loads the op modules
 
-    for op in ("activation", "int4_gemm", "kv_cache", "rms_norm", "rotary"):
+    for op in ("activation", "int4_gemm", "kv_cache", "rms_norm", "rotary", "moe"):
         # sys.modules: the package rebinds e.g. `pagemill.kernels.rms_norm` to the function.
         sys.modules[f"pagemill.kernels.{op}"].check_triton_device = lambda *tensors: None
 
@@ -185,6 +192,24 @@ def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
         int4_group_gemm_triton(torch.zeros(rows, k, dtype=dtype), qweight, scales, scales, g)
 
 
+def _moe(dtype: torch.dtype, hidden: int, inter: int, experts: int, top_k: int, t: int) -> None:
+    """The grouped GEMMs of one MoE layer for t tokens (t decides the token-block size).
+    Two experts stand for all: the kernel's specialisation does not depend on their count,
+    and `torch.empty` of the stacked weights never touches (allocates) their pages."""
+    from pagemill.kernels import fused_moe_triton
+
+    e = 2
+    x = torch.zeros(t, hidden, dtype=dtype)
+    w13 = torch.empty(e, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.empty(e, hidden, inter, dtype=dtype)
+    ids = (torch.arange(t * top_k) % e).view(t, top_k)
+    weights = torch.full((t, top_k), 1.0 / top_k)
+    # The runtime's choice of block size compares pairs with experts: pass what it would
+    # choose for the real expert count.
+    block_m = 16 if t * top_k <= 4 * experts else 64
+    fused_moe_triton(x, w13, w2, weights, ids, block_m=block_m)
+
+
 def record_launches(grid: str) -> list[Launch]:
     """Call the launchers over the grid's configurations; returns the recorded launches."""
     global _CASE
@@ -201,6 +226,7 @@ def record_launches(grid: str) -> list[Launch]:
             dict(dtype="bf16", head_dim=256, group=2, mode="decode", softcap=50.0, window=4096),
         ]
         models = [("bf16", "llama-3.1-8b")]
+        moe = [("bf16", "qwen3-30b-a3b", t) for t in (1, 64, 512)]
     else:
         layouts = {(d, g) for d in HEAD_DIMS for g in GROUPS}
         layouts |= {(m[3], m[1] // m[2]) for m in MODELS.values()}
@@ -232,6 +258,7 @@ def record_launches(grid: str) -> list[Launch]:
             for mode in ("decode", "decode-split", "prefill")
         ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
+        moe = [(dt, m, t) for dt in DTYPES for m in MOE_MODELS for t in (1, 64, 512)]
     for case in attention:
         _CASE = dict(case, kernel_family="attention")
         _attention(
@@ -253,6 +280,9 @@ def record_launches(grid: str) -> list[Launch]:
             for rows in (1, 256):
                 _CASE = {"dtype": dt, "model": model, "rows": rows, "kernel_family": "int4_gemm"}
                 _int4_gemm(DTYPES[dt], rows, hidden, inter)
+    for dt, model, t in moe:
+        _CASE = {"dtype": dt, "model": model, "tokens": t, "kernel_family": "moe"}
+        _moe(DTYPES[dt], *MOE_MODELS[model], t)
     return _RECORDED
 
 

@@ -53,7 +53,8 @@ def build_tokenizer(folder: Path) -> Any:
 
 def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """Save a tiny fp32 model of `arch` into `folder`: "llama", "qwen2", "mistral", "qwen3",
-    "phi3", "gemma2", "gemma3" (Gemma 3's text model), "smollm3", "olmo2" or "granite"."""
+    "phi3", "gemma2", "gemma3" (Gemma 3's text model), "smollm3", "olmo2", "granite", or the
+    mixture-of-experts "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,10 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
     }[arch]
     if arch == "mistral":
         common.setdefault("sliding_window", None)
@@ -92,13 +97,13 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         common.setdefault("attn_implementation", "eager")
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common)).eval()
-    if arch.startswith("gemma") or arch in ("qwen3", "olmo2"):
+    if arch.startswith("gemma") or arch in ("qwen3", "olmo2", "qwen3_moe", "olmoe"):
         # HF initialises norms to zero (Gemma: 1 + w) or one: random ones are seen.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.add_(torch.randn_like(p) * 0.1)
-    if arch == "qwen2" or common.get("attention_bias"):
+    if arch in ("qwen2", "qwen2_moe") or common.get("attention_bias"):
         # HF initialises biases to zero; random ones make the test see whether they are used.
         with torch.no_grad():
             for layer in model.model.layers:

@@ -250,3 +250,62 @@ def test_other_families_tp2_equals_tp1(arch, tmp_path, build_tiny_model, random_
         assert _run(tp2, prompts, max_tokens) == expected
     finally:
         tp2.shutdown()
+
+
+# ---- mixture-of-experts ----------------------------------------------------------------------
+
+
+def test_experts_shard_by_their_own_intermediate_size() -> None:
+    """Expert and shared-expert rows/columns are cut by their own size (not the dense MLP's);
+    the routers stay whole; an expert size the ranks do not divide is refused by name."""
+    raw = {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    layout = ShardLayout.create(ModelConfig.from_dict(raw), 2, 1)
+    p = "model.layers.0.mlp."
+    up = torch.arange(24 * 32.0).view(24, 32)
+    assert torch.equal(layout.shard(p + "experts.3.up_proj.weight", up), up[12:])
+    down = torch.arange(32 * 24.0).view(32, 24)
+    assert torch.equal(layout.shard(p + "experts.0.down_proj.weight", down), down[:, 12:])
+    shared = torch.arange(40 * 32.0).view(40, 32)
+    assert torch.equal(layout.shard(p + "shared_expert.gate_proj.weight", shared), shared[20:])
+    router = torch.randn(4, 32)
+    assert layout.shard(p + "gate.weight", router) is router
+    assert layout.shard(p + "shared_expert_gate.weight", router[:1]).shape == (1, 32)
+    w2 = torch.arange(32 * 24.0).view(32, 24)
+    mixtral = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+    assert torch.equal(layout.shard(mixtral, w2), w2[:, 12:])
+    with pytest.raises(ValueError, match="the experts' intermediate size 24"):
+        check_tensor_parallel(ModelConfig.from_dict(raw), 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen2_moe", "olmoe"])
+def test_moe_tp2_equals_tp1(arch, tmp_path, build_tiny_model, random_prompts) -> None:
+    """Experts split by intermediate size, the router replicated: TP=2 routes as TP=1."""
+    folder = tmp_path / arch
+    extra: dict = dict(num_experts=8, num_experts_per_tok=2)
+    if arch == "qwen2_moe":
+        extra |= dict(moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    else:
+        extra |= dict(intermediate_size=32)
+    build_tiny_model(folder, arch, seed=2, **extra)
+    vocab = ModelConfig.from_pretrained(folder).vocab_size
+    prompts, max_tokens = _workload(vocab, random_prompts)
+    expected = _run(_engine(folder, 1), prompts, max_tokens)
+    tp2 = _engine(folder, 2)
+    try:
+        assert _run(tp2, prompts, max_tokens) == expected
+    finally:
+        tp2.shutdown()

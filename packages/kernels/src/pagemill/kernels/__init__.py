@@ -26,6 +26,13 @@ from pagemill.kernels.int4_gemm import (
     pack_int4_groups,
 )
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
+from pagemill.kernels.moe import (
+    fused_moe,
+    fused_moe_torch,
+    fused_moe_triton,
+    moe_align_block_size,
+    topk_softmax,
+)
 from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
 from pagemill.kernels.rotary import (
     apply_rotary,
@@ -42,10 +49,14 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_torch",
     "apply_rotary_triton",
+    "fused_moe",
+    "fused_moe_torch",
+    "fused_moe_triton",
     "gelu_tanh_and_mul",
     "int4_group_gemm",
     "int4_group_gemm_torch",
     "int4_group_gemm_triton",
+    "moe_align_block_size",
     "pack_int4_groups",
     "paged_attention",
     "paged_attention_torch",
@@ -58,6 +69,7 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_torch",
     "silu_and_mul_triton",
+    "topk_softmax",
     "write_kv_cache",
     "write_kv_cache_torch",
     "write_kv_cache_triton",

@@ -37,6 +37,11 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
+    # Mixture-of-experts (the sparse MLP: `model_executor.layers.fused_moe`).
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
 )
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -49,6 +54,10 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
 # RoPE scalings the kernels build tables for (`pagemill.kernels.rotary`), checked here so an
@@ -95,7 +104,7 @@ def _as_id_list(value: Any) -> list[int]:
 def _sliding_window(raw: dict[str, Any]) -> int | None:
     window = raw.get("sliding_window")
     # Qwen2/3 and SmolLM3 configs carry a window used only when use_sliding_window is set.
-    gated = ("qwen2", "qwen3", "smollm3")
+    gated = ("qwen2", "qwen3", "smollm3", "qwen2_moe", "qwen3_moe")
     if raw.get("model_type") in gated and not raw.get("use_sliding_window", False):
         return None
     return int(window) if isinstance(window, int) and window > 0 else None
@@ -140,7 +149,7 @@ def _layer_types(
     if model_type == "gemma3_text":
         pattern = int(raw.get("sliding_window_pattern") or 6)
         return [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         first = int(raw.get("max_window_layers", num_layers))
         return [SLIDING if i >= first else FULL for i in range(num_layers)]
     if model_type == "smollm3":  # the layers without RoPE are the windowed ones
@@ -301,6 +310,8 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases (its config has no switch for them); transformers
         # picks the config class, hence the layout, from model_type.
         qwen2 = arch == "Qwen2ForCausalLM" or model_type == "qwen2"
+        # Qwen2-MoE: the same biases, behind its config's qkv_bias (True unless set).
+        qwen2 = qwen2 or (model_type == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
         eos = _as_id_list(raw.get("eos_token_id"))
         for t in _as_id_list((generation_config or {}).get("eos_token_id")):
             if t not in eos:

@@ -14,7 +14,10 @@ been cut to this rank's slice here:
 * vocab-parallel: embedding and LM head rows, the vocabulary padded with zero rows to a
   multiple of the ranks (the padded logits are cut off after the gather);
 * replicated: norms (also Qwen3's per-head q/k norms), everything else — except OLMo 2's
-  q/k norms, which span the whole projection and are cut like it.
+  q/k norms, which span the whole projection and are cut like it;
+* mixture-of-experts: every expert and the shared expert are cut by their own
+  intermediate size like the dense MLP (gate/up/w1/w3 rows, down/w2 columns: see
+  `layers.fused_moe`), the routers (``gate``, ``shared_expert_gate``) replicated.
 
 KV heads: with at least as many KV heads as ranks each rank holds ``kv / tp`` of them;
 with fewer, each KV head is replicated on ``tp / kv`` ranks, the ones whose query heads
@@ -30,6 +33,7 @@ import torch
 
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
+from pagemill.runtime.moe_config import moe_spec
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
@@ -48,11 +52,26 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         problems.append(f"num_key_value_heads={kv} is neither a multiple nor a divisor of it")
     if inter % tp:
         problems.append(f"intermediate_size={inter} is not divisible by it")
+    moe = moe_spec(config.hf_config)
+    expert_sizes = (
+        {}
+        if moe is None
+        else {
+            "the experts' intermediate size": moe.intermediate_size,
+            "shared_expert_intermediate_size": moe.shared_intermediate_size,
+        }
+    )
+    for what, size in expert_sizes.items():
+        if size % tp:
+            problems.append(f"{what} {size} is not divisible by it")
     if problems:
         ok = [
             n
             for n in range(1, heads + 1)
-            if heads % n == 0 and inter % n == 0 and (kv % n == 0 or n % kv == 0)
+            if heads % n == 0
+            and inter % n == 0
+            and (kv % n == 0 or n % kv == 0)
+            and all(size % n == 0 for size in expert_sizes.values())
         ]
         raise ValueError(
             f"tensor_parallel_size={tp} cannot split {config.architecture}: "
@@ -135,10 +154,22 @@ class ShardLayout:
             part = torch.cat([part, part.new_zeros(short, *part.shape[1:])])
         return part
 
+    def _expert(self, module: str, t: torch.Tensor) -> torch.Tensor:
+        """An expert's (or the shared expert's) slice: its own intermediate size / ranks."""
+        if module in ("gate_proj", "up_proj", "w1", "w3"):
+            n = t.shape[0] // self.size
+            return t[self.rank * n : (self.rank + 1) * n]
+        if module in ("down_proj", "w2"):
+            n = t.shape[1] // self.size
+            return t[:, self.rank * n : (self.rank + 1) * n]
+        raise ValueError(f"unknown expert tensor {module!r}")
+
     def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a view, or a new tensor)."""
         leaf = name.rsplit(".", 2)
         module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
+        if ".experts." in name or ".shared_expert." in name:
+            return self._expert(module, t)
         if module in ("q_proj",):
             return t[self._q()]
         if module in ("k_proj", "v_proj"):

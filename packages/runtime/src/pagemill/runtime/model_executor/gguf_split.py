@@ -158,9 +158,7 @@ class GGUFShards:
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         names = list(names)
         for shard in self.shards:
-            yield from shard.weights(
-                names, config, requantize=requantize, dense_dtype=dense_dtype
-            )
+            yield from shard.weights(names, config, requantize=requantize, dense_dtype=dense_dtype)
 
 
 def shards_by_name(path: Path) -> list[Path]:

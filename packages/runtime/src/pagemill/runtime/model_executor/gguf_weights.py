@@ -41,15 +41,10 @@ from pagemill.runtime.model_executor.quantization.gguf_blocks import (
 logger = logging.getLogger(__name__)
 
 
-
-
 def _reader(path: str | Path) -> Any:  # a gguf.GGUFReader
     import gguf
 
     return gguf.GGUFReader(str(path))
-
-
-
 
 
 def read_gguf_tensor(

@@ -133,8 +133,17 @@ class RooflineCostModel:
     @cached_property
     def flops_per_token(self) -> float:
         """Matmul FLOPs per token outside attention on one GPU: 2 per parameter (multiply +
-        add) of its share."""
-        return 2.0 * self.model.num_params / self.tensor_parallel_size
+        add) of its share — of the parameters a token reads (a MoE model's active ones)."""
+        return 2.0 * self.model.active_params / self.tensor_parallel_size
+
+    def streamed_weight_bytes(self, num_tokens: int) -> int:
+        """One GPU's weight reads in a step of `num_tokens` tokens: all it holds for a dense
+        model; a MoE model reads only the experts some token picked (`streamed_params`), so
+        small batches stream a fraction of what is held."""
+        if not self.model.num_experts:
+            return self.rank_weight_bytes
+        total = self.model.streamed_params(num_tokens) * weight_dtype_bytes(self.weight_dtype)
+        return -(-round(total) // self.tensor_parallel_size)
 
     def all_reduce_time_s(self, num_bytes: float) -> float:
         """A ring all-reduce of `num_bytes` over the GPUs (0 on one GPU)."""
@@ -182,7 +191,7 @@ class RooflineCostModel:
         if num_tokens == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         # Per GPU: its share of the weights, of its KV heads' reads and of the FLOPs.
-        weight_bytes = float(self.rank_weight_bytes)
+        weight_bytes = float(self.streamed_weight_bytes(num_tokens))
         kv_bytes = float(kv_tokens * self.kv_bytes_per_token)
         flops = num_tokens * self.flops_per_token + attn_flops / self.tensor_parallel_size
         memory_time = (weight_bytes + kv_bytes) / self.bandwidth
@@ -201,7 +210,8 @@ class RooflineCostModel:
         return self.step_cost([(1, context_len)] * batch_size)
 
     def weight_stream_time_s(self) -> float:
-        """One GPU streaming its weights once."""
+        """One GPU streaming all its weights once (a MoE model's large batches read every
+        expert; one token reads less: `streamed_weight_bytes`)."""
         return self.rank_weight_bytes / self.bandwidth
 
     def crossover_batch(self, context_len: int = 0) -> float | None:

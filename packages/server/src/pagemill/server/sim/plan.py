@@ -116,6 +116,7 @@ class CapacityPlan:
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "context_len": self.context_len,
             "num_params": self.num_params,
+            "active_params": self.model.active_params,
             "weight_bytes": self.weight_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "gpu_memory_bytes": self.gpu.memory_bytes,
@@ -244,6 +245,14 @@ def format_plan(plan: CapacityPlan) -> str:
         f"{g.bandwidth_bytes_per_s / 1e12:.2f} TB/s, {g.bf16_flops / 1e12:.0f} TFLOP/s dense bf16",
         f"dtypes weights {plan.weight_dtype}, KV {plan.kv_dtype}; block size {plan.block_size}",
     ]
+    if m.num_experts:
+        lines.insert(
+            1,
+            f"       mixture of experts: {m.num_experts_per_tok} of {m.num_experts} experts in "
+            f"{m.num_sparse_layers} layers; {m.active_params / 1e9:.3f} B params active per "
+            f"token (held: all {plan.num_params / 1e9:.3f} B; a decode step streams the "
+            "experts its tokens picked)",
+        )
     tp = plan.tensor_parallel_size
     if tp > 1:
         # make_plan's cost model refuses tensor parallelism on a GPU without link figures

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pagemill.runtime.model_config import DTYPE_ALIASES, DTYPES, ModelConfig, canonical_dtype
+from pagemill.runtime.moe_config import MOE_MODEL_TYPES, moe_spec
 
 # Weight formats the planner projects but the runtime does not compute in: bytes per element.
 # int4 counts half a byte: group scales are ignored, they add ~3%. The dtypes the runtime does
@@ -37,7 +38,8 @@ def weight_dtype_bytes(dtype: str) -> float:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer (Llama family layout: GQA attention + gated MLP)."""
+    """A decoder-only transformer (Llama family layout: GQA attention + gated MLP, or a
+    mixture of experts in place of the MLP)."""
 
     name: str
     hidden_size: int
@@ -50,6 +52,14 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     max_position_embeddings: int = 4096
+    # Mixture of experts (0 experts: dense). ``num_sparse_layers`` of the layers hold
+    # ``num_experts`` experts of ``moe_intermediate_size`` (a token reads its top
+    # ``num_experts_per_tok``) and a shared expert when its size is set; the rest a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    num_sparse_layers: int = 0
 
     def __post_init__(self) -> None:
         for field in (
@@ -83,11 +93,41 @@ class ModelSpec:
         norms = 2 * self.hidden_size
         return q + kv + o + bias + mlp + norms
 
-    @property
-    def num_params(self) -> int:
+    def sparse_mlp_params(self, experts: float) -> float:
+        """One sparse layer's MLP with `experts` of its routed experts counted (+ the router
+        and the shared expert, which every token reads)."""
+        h = self.hidden_size
+        shared = 3 * h * self.shared_expert_intermediate_size
+        shared += h if self.shared_expert_intermediate_size else 0
+        return experts * 3 * h * self.moe_intermediate_size + h * self.num_experts + shared
+
+    def _params(self, experts: float) -> int:
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_layers * self.params_per_layer + self.hidden_size + lm_head
+        sparse = self.num_sparse_layers if self.num_experts else 0
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        layers = self.num_layers * self.params_per_layer + sparse * (
+            self.sparse_mlp_params(experts) - dense_mlp
+        )
+        return round(embed + layers + self.hidden_size + lm_head)
+
+    @property
+    def num_params(self) -> int:
+        """Every weight the model holds (all experts)."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token reads: its top-k experts only (= num_params when dense)."""
+        return self._params(self.num_experts_per_tok) if self.num_experts else self.num_params
+
+    def streamed_params(self, num_tokens: int) -> int:
+        """The weights a step of `num_tokens` tokens reads once each: every expert some token
+        picked, expected under uniform routing — E * (1 - (1 - k/E)^T)."""
+        if not self.num_experts or num_tokens <= 0:
+            return self.num_params
+        e, k = self.num_experts, self.num_experts_per_tok
+        return self._params(e * (1 - (1 - k / e) ** num_tokens))
 
     def attention_flops(self, num_queries: int, context_len: int) -> float:
         """FLOPs of QK^T and PV for a chunk of ``num_queries`` tokens ending at ``context_len``.
@@ -158,14 +198,15 @@ def _model_from_entry(entry: dict[str, Any]) -> ModelSpec:
 def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelSpec:
     """Read a Hugging Face ``config.json`` (Llama, Mistral, Qwen2, ... layout) the way the
     runtime does (`ModelConfig.from_dict`), without requiring an architecture it can run."""
-    if (
+    moe = moe_spec(config) if "num_hidden_layers" in config else None
+    if moe is None and (
         config.get("num_local_experts")
         or config.get("num_experts")
         or config.get("n_routed_experts")
     ):
         raise ValueError(
-            f"{name}: mixture-of-experts configs are not supported by the planner "
-            "(dense models only)"
+            f"{name}: mixture-of-experts configs other than "
+            f"{', '.join(MOE_MODEL_TYPES)} are not supported by the planner"
         )
     text_config = config.get("text_config")
     if isinstance(text_config, dict) and "hidden_size" not in config:
@@ -186,6 +227,17 @@ def model_from_hf_config(config: dict[str, Any], name: str = "custom") -> ModelS
         tie_word_embeddings=parsed.tie_word_embeddings,
         qkv_bias=parsed.attention_bias,
         max_position_embeddings=parsed.max_position_embeddings,
+        **(
+            {}
+            if moe is None
+            else dict(
+                num_experts=moe.num_experts,
+                num_experts_per_tok=moe.top_k,
+                moe_intermediate_size=moe.intermediate_size,
+                shared_expert_intermediate_size=moe.shared_intermediate_size,
+                num_sparse_layers=sum(moe.sparse_layers),
+            )
+        ),
     )
 
 

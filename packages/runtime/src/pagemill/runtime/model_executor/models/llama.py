@@ -200,7 +200,13 @@ class LlamaDecoderLayer(nn.Module):
             config, dtype, window=config.layer_window(layer), qk_norm=self.qk_norm, tp=tp
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, tp=tp)
+        self.mlp = self._make_mlp(config, dtype, layer, tp)
+
+    def _make_mlp(
+        self, config: ModelConfig, dtype: torch.dtype, layer: int, tp: TensorParallelGroup | None
+    ) -> nn.Module:
+        """The layer's MLP (mixture-of-experts models put a sparse block here)."""
+        return LlamaMLP(config, dtype, tp=tp)
 
     def forward(
         self,
@@ -381,6 +387,8 @@ class LlamaForCausalLM(nn.Module):
             t[p + "self_attn.o_proj.weight"] = [(a.o_proj, 0, c.hidden_size)]
             if a.o_proj.bias is not None:
                 t[p + "self_attn.o_proj.bias"] = [(a.o_proj.bias, 0, c.hidden_size)]
+            if not isinstance(m, LlamaMLP):  # a sparse block lists its own (fused_moe)
+                continue
             for name, off in (("gate_proj", 0), ("up_proj", inter)):
                 t[p + f"mlp.{name}.weight"] = [(m.gate_up_proj, off, inter)]
                 if m.gate_up_proj.bias is not None:

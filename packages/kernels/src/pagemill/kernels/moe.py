@@ -1,0 +1,242 @@
+"""Mixture-of-experts: route each token to its top-k experts, run them, combine.
+
+The layer is ``sum_j w_j * down_e(silu(gate_e(x)) * up_e(x))`` over a token's top-k
+experts ``e = ids[j]``. Computing it token by token reads every chosen expert's weights
+once per token; the fused form (as vLLM's ``fused_moe``) sorts the (token, slot) pairs by
+expert so each expert's weights are read once per step and multiply all its tokens in one
+GEMM. Weights are stacked per layer: ``w13`` [E, 2I, H] (gate rows, then up rows, as the
+dense MLP's fused gate|up) and ``w2`` [E, H, I].
+
+* `topk_softmax`: the router — softmax over all experts in fp32, then top-k (ties as
+  `torch.topk` breaks them), optionally renormalised over the k chosen (Mixtral; Qwen
+  with ``norm_topk_prob``).
+* `fused_moe_torch`: the CPU path — one argsort by expert, then per expert that has tokens
+  one gate|up GEMM, SiLU-and-mul and one down GEMM on its contiguous block of sorted rows,
+  and a single weighted ``index_add`` back to the tokens. Experts without tokens cost
+  nothing but a skipped loop step (the loop is over experts, never over tokens).
+* `fused_moe_triton`: the GPU path (`pagemill.kernels._triton.moe`) — token blocks padded
+  per expert, one grouped-GEMM launch for gate|up and one for down.
+* `fused_moe`: dispatch by device; ``torch.ops.pagemill.fused_moe`` is the same as an opaque
+  custom op for compiled graphs (the per-expert loop depends on the routing, which a
+  graph cannot specialise on).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagemill.kernels._dispatch import (
+    cdiv,
+    check_triton_device,
+    interpreting,
+    lazy_kernels,
+    use_triton,
+)
+from pagemill.kernels.activation import silu_and_mul
+
+_kernels = lazy_kernels("moe")
+
+
+def topk_softmax(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (weights fp32 [T, k], expert ids int64 [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _check(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
+    if w13.dim() != 3 or w2.dim() != 3 or x.dim() != 2:
+        raise ValueError("fused_moe takes x [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
+    e, n2, h = w13.shape
+    if x.shape[1] != h or tuple(w2.shape) != (e, h, n2 // 2) or n2 % 2:
+        raise ValueError(
+            f"fused_moe shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+            f"w2 {tuple(w2.shape)}"
+        )
+    if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)}")
+
+
+def fused_moe_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] (the experts' weighted sum, in x's dtype)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    # Stable: a token's slots keep their order within an expert, so the sum is formed in the
+    # same order as an expert-by-expert loop (transformers' eager block) forms it.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tokens = order // k
+    xs = x.index_select(0, tokens)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        seg = xs[start : start + n]
+        gate_up = F.linear(seg, w13[e])
+        i = gate_up.shape[-1] // 2
+        act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+        ys[start : start + n] = F.linear(act, w2[e])
+        start += n
+    ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, ys)
+    return out
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of block_m.
+
+    Returns ``sorted_ids`` [P] (a flat pair index ``token * k + slot``; padding holds
+    ``T * k``, one past the last pair, which the kernel masks), ``expert_ids`` [P / block_m]
+    (the expert of each block) and the padded length P as a 1-element tensor. P is bounded
+    by ``T * k + E * (block_m - 1)``; the arrays are allocated at that bound so that the
+    launch grid never depends on the routing (no host sync).
+    """
+    flat = topk_ids.reshape(-1)
+    numel = flat.numel()
+    # Not bincount: on CUDA it reads the largest id back to the host, which a CUDA graph
+    # capture (decode steps) cannot do.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    # Position of each sorted pair inside its expert's run.
+    run_starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(numel, device=flat.device) - run_starts[sorted_experts]
+    max_len = numel + num_experts * (block_m - 1)
+    max_len = cdiv(max_len, block_m) * block_m
+    sorted_ids = torch.full((max_len,), numel, dtype=torch.int32, device=flat.device)
+    sorted_ids[starts[sorted_experts] + rank] = order.to(torch.int32)
+    # Blocks past the last expert's run get expert -1: the kernel writes nothing for them.
+    block_starts = torch.arange(0, max_len, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True).to(torch.int32)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    top_k: int,
+    a_per_pair: bool,
+    block_m: int,
+) -> None:
+    """``c[pair] = a[row(pair)] @ b[expert]ᵀ`` (times the pair's weight) per sorted block."""
+    n, k = b.shape[1], b.shape[2]
+    dot_fp32 = interpreting() or a.dtype == torch.float32
+    # Tiles: 16-bit operands take tensor-core tiles; fp32 (CUDA-core ieee dots, operands in
+    # registers) and the interpreter smaller ones. Checked ahead of time: tests/aot_compile.
+    block_n = 32 if dot_fp32 else 64
+    block_k = 32 if dot_fp32 else 64
+    grid = (expert_ids.shape[0], cdiv(n, block_n))
+    _kernels.fused_moe_kernel[grid](
+        a,
+        b,
+        c,
+        c if weights is None else weights,
+        sorted_ids,
+        expert_ids,
+        c.shape[0],  # pairs: c has one row per (token, slot)
+        n,
+        k,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        TOP_K=top_k,
+        A_PER_PAIR=a_per_pair,
+        MUL_WEIGHT=weights is not None,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """The grouped-GEMM kernel: gate|up over sorted token blocks, SiLU-and-mul, down with
+    the routing weight applied per pair, and the k slots of each token summed."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    check_triton_device(x, w13, w2)
+    t, k = topk_ids.shape
+    e, n2, _ = w13.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    if block_m is None:
+        # Few pairs per expert (decode): small blocks waste less padding.
+        block_m = 16 if t * k <= 4 * e else 64
+    sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, block_m, e)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    gate_up = torch.empty((t * k, n2), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, None, k, False, block_m)
+    act = silu_and_mul(gate_up)
+    down = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(act, w2, down, sorted_ids, expert_ids, weights, k, True, block_m)
+    return down.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    if use_triton(x):
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
+
+
+@torch.library.custom_op("pagemill::fused_moe", mutates_args=())
+def _fused_moe_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_op.register_fake
+def _(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(x)
