@@ -12,7 +12,8 @@
 #
 #   deps          install the missing wheels (into a temporary folder, not the machine's python)
 #   env           versions, GPU, driver
-#   tests         the gpu-marked tests (pytest -m gpu)
+#   tests         the gpu-marked tests (pytest -m gpu; includes a Q4_0/Q4_1 GGUF served through
+#                 the Triton int4 GEMM, eager and with CUDA graphs)
 #   kernels       paged attention, Llama-3.1-8B heads, bf16: decode 64 x 4k in GB/s against a
 #                 device-to-device copy measured in the same run, prefill in TFLOP/s
 #   int4-gemm     the int4-group GEMM of AWQ/GPTQ/w4a16 weights on Llama-3.1-8B's projections

@@ -182,14 +182,17 @@ def _small_ops(
 def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
     """The int4-group GEMM (AWQ / GPTQ / w4a16 weights) for a model's projections: the tile
     height follows the row count (decode: 16, prefill: 64), groups of 128 as published (64
-    where the model's sizes are not multiples of 128, e.g. SmolLM2's 576)."""
+    where the model's sizes are not multiples of 128, e.g. SmolLM2's 576) — and as the
+    runtime's `Linear` serves them: fp32 scales, groups of 32 (GGUF Q4_0/Q4_1/Q4_K)."""
     from pagemill.kernels import int4_group_gemm_triton
 
     g = 128 if hidden % 128 == 0 and inter % 128 == 0 else 64
     for k, n in ((hidden, 3 * hidden), (hidden, 2 * inter), (inter, hidden)):
         qweight = torch.zeros(k // 8, n, dtype=torch.int32)
-        scales = torch.zeros(k // g, n, dtype=dtype)
-        int4_group_gemm_triton(torch.zeros(rows, k, dtype=dtype), qweight, scales, scales, g)
+        x = torch.zeros(rows, k, dtype=dtype)
+        for group, sdt in ((g, dtype), (32, torch.float32)):
+            scales = torch.zeros(k // group, n, dtype=sdt)
+            int4_group_gemm_triton(x, qweight, scales, scales, group)
 
 
 def _moe(dtype: torch.dtype, hidden: int, inter: int, experts: int, top_k: int, t: int) -> None:

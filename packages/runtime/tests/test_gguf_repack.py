@@ -9,6 +9,7 @@ Q4_1 with Q4_0 and Q8_0 — and read back three ways: transformers' dequantizing
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +251,39 @@ def test_q8_0_two_planes_and_q4_rows_roundtrip() -> None:
     lin4.load_rows(0, rows4)
     assert lin4.weight_format == "int4"
     assert torch.equal(_served_weight(lin4), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and compiled (not interpreted) Triton",
+)
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_gguf_model_on_gpu_runs_the_triton_int4_gemm(
+    tiny_gguf, monkeypatch, random_prompts, hf_greedy, enforce_eager
+) -> None:
+    """On CUDA the Q4_0/Q4_1 rows stay packed for the Triton dequant-GEMM (Q8_0 and F16
+    rows are dequantized): greedy tokens as transformers' dequantized model, eager and
+    with CUDA graphs (the GEMM is an opaque op inside the captured step)."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV
+
+    folder, path, ref = tiny_gguf
+    monkeypatch.setattr(loader_module, "gguf_for_folder", lambda folder: path)
+    monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
+    llm = LLM(
+        str(folder),
+        device="cuda",
+        dtype="float16",  # more mantissa than bf16: no greedy ties flipped by rounding
+        enforce_eager=enforce_eager,
+        kv_cache_memory_bytes=16 << 20,
+    )
+    model = llm.llm_engine.engine_core.model_runner.model
+    layer0 = model.layers[0]
+    assert layer0.self_attn.qkv_proj.weight_format == "triton_int4"  # Q4_1 + Q4_0 rows
+    assert layer0.self_attn.o_proj.weight_format == "dense"  # Q8_0
+    assert layer0.self_attn.qkv_proj.qweight.is_cuda
+    prompts = random_prompts([3, 17, 40], ref.config.vocab_size, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)

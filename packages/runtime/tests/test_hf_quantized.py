@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -689,6 +690,37 @@ def test_quantized_checkpoints_on_gpu(
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and compiled (not interpreted) Triton",
+)
+def test_awq_on_gpu_runs_the_triton_int4_gemm(
+    checkpoints, tiny_llama, random_prompts, all_logits
+) -> None:
+    """bf16 on a GPU: the AWQ rows stay packed for the Triton dequant-GEMM, and the logits
+    are as close to the dense fp32 model as transformers' own bf16 run is."""
+    folder, reference = checkpoints("awq")
+    ref = reference_model(tiny_llama[1], reference)
+    llm = LLM(
+        str(folder),
+        dtype="bfloat16",
+        device="cuda",
+        enforce_eager=True,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.model.layers[0].self_attn.qkv_proj.weight_format == "triton_int4"
+    prompts = random_prompts([5, 23], ref.config.vocab_size, seed=7)
+    for prompt, got in zip(prompts, all_logits(runner, prompts)):
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0]
+            hf_bf16 = ref.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+        ref.float()
+        bf16_error = (hf_bf16 - want).abs().max().item()
+        assert (got.float().cpu() - want).abs().max().item() <= 2 * bf16_error
 
 
 def test_vllm_quantization_names_check_the_checkpoint(checkpoints, tiny_llama) -> None:

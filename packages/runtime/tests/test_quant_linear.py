@@ -320,10 +320,10 @@ def test_models_that_cannot_be_quantized_fail_before_loading(tmp_path) -> None:
         plan_weights("int4", gguf=False, dtype=torch.bfloat16, device=torch.device("cuda"))
     with pytest.raises(ValueError, match="unknown quantization"):
         plan_weights("int3", gguf=False, dtype=torch.bfloat16, device=torch.device("cpu"))
-    # A GGUF model on a GPU is simply served dense.
+    # A GGUF model on a GPU keeps its int4 rows for the Triton GEMM (test_triton_int4_linear).
     assert (
         plan_weights(
             None, gguf=True, dtype=torch.bfloat16, device=torch.device("cuda")
         ).linear.method
-        == "dense"
+        == "triton_int4"
     )

@@ -10,7 +10,13 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
 - int8: `qweight` int8 [out, in] and one scale per row, `aten._weight_int8pack_mm`;
 - int4: `qweight` packed by `aten._convert_weight_to_int4pack_for_cpu` and
   `scales_and_zeros` [planes * in / g, out, 2], `aten._weight_int4pack_mm_for_cpu`
-  (two planes carry an int8 value exactly: see `quantization.formats`).
+  (two planes carry an int8 value exactly: see `quantization.formats`);
+- triton_int4 (CUDA): int4-group rows kept as they came, packed for the kernels' Triton
+  dequant-GEMM (`pagemill.kernels.pack_int4_groups`): `qweight` int32 [in / 8, out],
+  `scales` / `zeros` fp32 [in / g, out] (fp32 keeps a checkpoint's fp16 scales exact under
+  bf16 activations), `torch.ops.pagemill.int4_group_gemm` — an opaque custom op, so a
+  compiled graph or a captured CUDA graph holds it as one call. Int8 blocks (Q8_0, ...) and
+  rows the kernel cannot take are dequantized to the dense weight instead.
 
 The packed kernels compute in `kernel_dtype` (bf16 unless the scheme says otherwise: they
 are only vectorized for bf16), so an fp32 model's packed layers cast on the way in and out.
@@ -30,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagemill.kernels import pack_int4_groups  # also registers pagemill::int4_group_gemm
 from pagemill.runtime.model_executor.quantization.formats import (
     INT4_GROUP_SIZES,
     INT4_N_MULTIPLE,
@@ -80,6 +87,7 @@ class Linear(nn.Module):
     qweight: torch.Tensor | None
     scales: torch.Tensor | None
     scales_and_zeros: torch.Tensor | None
+    zeros: torch.Tensor | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -89,13 +97,14 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.scheme: WeightScheme = DENSE
-        self.format = "dense"  # "dense" | "int8" | "int4"
+        self.format = "dense"  # "dense" | "int8" | "int4" | "triton_int4"
         self.int4_planes = 1
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
         self.register_buffer("qweight", None)
-        self.register_buffer("scales", None)  # int8: [out]
+        self.register_buffer("scales", None)  # int8: [out]; triton_int4: [in / g, out]
+        self.register_buffer("zeros", None)  # triton_int4: [in / g, out]
         self.register_buffer("scales_and_zeros", None)  # int4: [planes * in / g, out, 2]
         self.source = "dense"  # what the loaded rows were (for logs): dense, Q4_1, Q8_0, ...
         self._pieces: dict[int, QuantizedRows] = {}
@@ -145,19 +154,22 @@ class Linear(nn.Module):
         complete = sum(p.shape[0] for p in pieces.values()) == self.out_features
         why = self._why_not_packable(pieces, method) if pieces else None
         if pieces and (why is not None or not complete):
-            if method in ("native", "int4") and complete:
+            if method in ("native", "int4", "triton_int4") and complete:
                 logger.info(
                     "%s rows [%d, %d] %s: %s",
                     self.source,
                     self.out_features,
                     self.in_features,
-                    "stay dense" if method == "native" else "are requantized",
+                    "are requantized" if method == "int4" else "stay dense",
                     why,
                 )
             for off, p in pieces.items():  # exact values, rounded once to the dtype
                 weight.narrow(0, off, p.shape[0]).copy_(p.dequantize(torch.float32))
             pieces = {}
-        if method == "dense" or (method == "native" and not pieces):
+        if method == "dense" or (method in ("native", "triton_int4") and not pieces):
+            return
+        if method == "triton_int4":
+            self._pack_triton_int4([p for p in pieces.values() if isinstance(p, Int4Groups)])
             return
         self.kernel_dtype = kdt
         if method == "int8":
@@ -181,7 +193,27 @@ class Linear(nn.Module):
         limit = self.scheme.packed_max_tokens
         self.packed_max_tokens = PACKED_MAX_TOKENS[self.weight_format] if limit is None else limit
 
+    def _pack_triton_int4(self, pieces: list[Int4Groups]) -> None:
+        q = torch.cat([p.q for p in pieces])
+        s = torch.cat([p.scales for p in pieces])
+        z = torch.cat([p.zeros for p in pieces])
+        device = self.weight.device if self.weight is not None else q.device
+        qweight, scales, zeros = pack_int4_groups(
+            q.to(device), s.to(device), z.to(device), torch.float32
+        )
+        self._set_packed("triton_int4", qweight=qweight, scales=scales, zeros=zeros)
+        self.group_size = pieces[0].group_size
+        self.weight = None  # the GEMM reads the packed rows at every batch size
+
     def _why_not_packable(self, pieces: dict[int, QuantizedRows], method: str) -> str | None:
+        if method == "triton_int4":
+            values = list(pieces.values())
+            if not all(isinstance(p, Int4Groups) for p in values):
+                return "not int4 groups (the GPU int4 GEMM takes int4 groups only)"
+            sizes = {p.group_size for p in values if isinstance(p, Int4Groups)}
+            if len(sizes) != 1 or self.in_features % 8 or self.in_features % next(iter(sizes)):
+                return f"group sizes {sorted(sizes)} do not tile in_features {self.in_features}"
+            return None
         if method not in ("native", "int4"):
             return f"the scheme is {method}"
         values = list(pieces.values())
@@ -236,7 +268,7 @@ class Linear(nn.Module):
     def packed_nbytes(self) -> int:
         return sum(
             t.numel() * t.element_size()
-            for t in (self.qweight, self.scales, self.scales_and_zeros)
+            for t in (self.qweight, self.scales, self.scales_and_zeros, self.zeros)
             if t is not None
         )
 
@@ -245,7 +277,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.weight_format}"
         )
-        if self.format == "int4":
+        if self.format in ("int4", "triton_int4"):
             s += f", group_size={self.group_size}"
         if self.has_dense_fallback:
             s += f", dense above {self.packed_max_tokens} rows"
@@ -258,6 +290,8 @@ class Linear(nn.Module):
         if self.format == "dense":
             assert self.weight is not None  # a dense layer keeps its weight
             return F.linear(x, self.weight, self.bias)
+        if self.format == "triton_int4":
+            return self._triton_int4(x)
         if self.weight is None:
             return self._packed(x)
         if self.compiled_branch == "cond" and torch.compiler.is_compiling():
@@ -269,6 +303,12 @@ class Linear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None  # the dense path is taken only with a dense copy
         return F.linear(x, self.weight, self.bias)
+
+    def _triton_int4(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.pagemill.int4_group_gemm(
+            x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.group_size
+        ).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)

@@ -76,8 +76,10 @@ def plan_weights(
 
     - `quantization` None: a safetensors model stays dense; a GGUF model served in bf16
       keeps its own quantized tensors packed (int4 groups, or int8 blocks as two int4
-      planes: see `gguf_blocks`), its LM head too; in fp32 (or on a GPU) it is dequantized
-      exactly into dense weights.
+      planes: see `gguf_blocks`), its LM head too; in fp32 it is dequantized exactly into
+      dense weights. On a GPU in fp16/bf16, int4-group rows (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ,
+      w4a16) stay packed for the Triton dequant-GEMM ("triton_int4") and every other row
+      (Q8_0 and the int8-block types, Q6_K, FP8, the LM head) is dequantized to dense.
     - "int8" / "int4": every projection is quantized as asked (GGUF int4 rows of the same
       group size are kept as they are: no second rounding); the LM head becomes int8 per
       channel (a GGUF Q8_0 head is kept exact unless int8 is asked). CPU only.
@@ -95,6 +97,8 @@ def plan_weights(
                 f"quantization={quantization!r} runs on CPU only (PyTorch's packed int8/int4 CPU "
                 f"kernels), but the model is on {device}; drop the quantization or use device='cpu'"
             )
+        if gguf and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+            return WeightPlan(WeightScheme("triton_int4", group_size), None)
         return WeightPlan(DENSE, None)
     if dense_fallback is None:
         dense_fallback = default_dense_fallback(dtype, device)
@@ -163,8 +167,8 @@ def choose_dense_copies(
     and before `plan.apply`."""
     if mode not in CPU_DENSE_WEIGHTS:
         raise ValueError(f"cpu_dense_weights must be one of {CPU_DENSE_WEIGHTS}, got {mode!r}")
-    if not plan.quantized:
-        return plan, None
+    if not plan.quantized or plan.linear.method == "triton_int4":
+        return plan, None  # the GPU int4 GEMM keeps no dense copies
     need = dense_copy_bytes(plan, model)
     if mode == "always":
         keep, why = True, "asked for (always)"

@@ -84,7 +84,9 @@ def weight_report(
             report.step_bytes += _nbytes(module.weight) + bias
             count(module.weight)
             continue
-        packed = sum(count(t) for t in (module.qweight, module.scales, module.scales_and_zeros))
+        packed = sum(
+            count(t) for t in (module.qweight, module.scales, module.scales_and_zeros, module.zeros)
+        )
         report.packed_bytes += packed
         report.step_bytes += packed + bias
         report.dense_copy_bytes += count(module.weight)

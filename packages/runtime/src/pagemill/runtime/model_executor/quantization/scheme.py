@@ -9,6 +9,8 @@ A `WeightScheme` tells a `Linear` what to turn its loaded rows into:
 - "int8": int8 per output channel (PyTorch's `_weight_int8pack_mm`);
 - "int4": int4 groups with zero points (`_weight_int4pack_mm_for_cpu`); GGUF rows already
   in that form (Q4_0/Q4_1, same group size) are kept exactly, anything else is quantized.
+- "triton_int4" (CUDA): int4-group rows (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ, w4a16) stay packed
+  for the kernels' Triton dequant-GEMM (`int4_group_gemm`); any other rows are dequantized.
 
 `dense_fallback` keeps, next to the packed weight, a dense copy of the same (dequantized)
 values for steps with many tokens: the packed CPU kernels read 2-4x fewer bytes, which wins
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("dense", "native", "int8", "int4")
+METHODS = ("dense", "native", "int8", "int4", "triton_int4")
 DEFAULT_GROUP_SIZE = 32
 
 # Tokens in a step up to which the packed kernel beats a dense bf16 GEMM, per served format:
