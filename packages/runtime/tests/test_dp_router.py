@@ -39,12 +39,12 @@ def test_prefix_goes_to_the_core_that_cached_it() -> None:
     prefix = list(range(100, 140))
     r.apply_events(2, [_stored(prefix)])
     r.apply_events(0, [_stored(prefix[:8])])
-    assert r.choose(_req(prefix + [1, 2, 3])) == 2
+    assert r.choose(_req([*prefix, 1, 2, 3])) == 2
     # Another salt shares nothing with what was cached unsalted.
     assert r.matched_blocks(2, r.prompt_hashes(_req(prefix, salt="t"))) == 0
     # Removed and cleared blocks stop attracting.
     r.apply_events(2, [BlockRemoved(r.prompt_hashes(_req(prefix))[:1], "GPU")])
-    assert r.choose(_req(prefix + [9])) == 0
+    assert r.choose(_req([*prefix, 9])) == 0
     r.apply_events(0, [AllBlocksCleared()])
     assert r.matched_blocks(0, r.prompt_hashes(_req(prefix))) == 0
 
@@ -55,7 +55,7 @@ def test_prefix_affinity_yields_to_load() -> None:
     r.apply_events(0, [_stored(prefix)])
     picks = []
     for _ in range(40):
-        k = r.choose(_req(prefix + [7]))
+        k = r.choose(_req([*prefix, 7]))
         picks.append(k)
         r.inflight[k] += 1
     counts = [picks.count(0), picks.count(1)]
