@@ -67,7 +67,7 @@ def test_dp2_prefix_routing_matches_one_engine_and_survives_a_dead_core(model_di
     reference = LLMEngine(EngineConfig.from_kwargs(**kwargs))
     try:
         want = []
-        for p in [*prompts, shared + [3]]:
+        for p in [*prompts, [*shared, 3]]:
             params = SamplingParams(
                 max_tokens=6,
                 temperature=0,
@@ -100,7 +100,7 @@ def test_dp2_prefix_routing_matches_one_engine_and_survives_a_dead_core(model_di
                 assert g["body"]["choices"][0]["text"] == w
 
             # Warm one core with the long prefix, then send requests that share it.
-            first = _complete(srv.url, shared + [3])
+            first = _complete(srv.url, [*shared, 3])
             assert first["body"]["choices"][0]["text"] == want[-1]
             time.sleep(0.2)
             router = client.client.router  # type: ignore[attr-defined]
