@@ -198,8 +198,8 @@ class ZmqEventPublisher(EventPublisher):
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            # Never stall the engine for an observer; a consumer sees the seq gap it leaves
-            # only if seq were skipped, so the batch is counted as dropped instead.
+            # Never stall the engine for an observer. The batch is lost for every consumer
+            # (replay included) and seq stays contiguous, so only this warning tells.
             logger.warning("KV events queue full: dropped one step's events")
 
     def _run(self) -> None:
