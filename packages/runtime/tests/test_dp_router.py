@@ -89,3 +89,69 @@ def test_combined_stats_add_up() -> None:
     assert (c.num_running, c.num_waiting, c.num_blocks) == (4, 2, 400)
     assert (c.prefix_cache_queries, c.prefix_cache_hits) == (16, 6)
     assert c.kv_cache_usage == 0.125
+
+
+class _FakeCore:
+    """An EngineCoreClient stand-in: records requests, dies on demand."""
+
+    def __init__(self, config, **_: object) -> None:
+        import queue
+
+        from pagemill.runtime.engine.protocol import EngineCoreReady
+
+        self.info = EngineCoreReady(128, 10, BS, "float32", "cpu", 0)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.added: list[str] = []
+        self.dead_error = None
+        self.on_event = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.added.append(request.request_id)
+
+    def abort_requests(self, ids, reason=None) -> None:
+        pass
+
+    def get_output(self, timeout=None):
+        item = self.q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def die(self) -> None:
+        from pagemill.runtime.engine.core_client import EngineDeadError
+
+        self.dead_error = RuntimeError("core gone")
+        self.q.put(EngineDeadError("dead"))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        from pagemill.runtime.engine.core_client import EngineDeadError
+
+        self.q.put(EngineDeadError("shut down"))
+
+
+def test_a_dead_core_fails_only_its_requests() -> None:
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.dp_client import DPClient
+    from pagemill.runtime.engine.protocol import FinishReason
+
+    config = EngineConfig(data_parallel_size=2, data_parallel_routing="round_robin")
+    client = DPClient(config, engine_threads=2, client_factory=_FakeCore)
+    try:
+        for i in range(4):
+            r = _req([1, 2, 3])
+            r.request_id = f"r{i}"
+            client.add_request(r)
+        a, b = client.clients  # type: ignore[misc]
+        assert (a.added, b.added) == (["r0", "r2"], ["r1", "r3"])
+        b.die()
+        out = client.get_output(timeout=5)
+        assert out is not None and out.engine_index == 1
+        assert sorted(o.request_id for o in out.outputs) == ["r1", "r3"]
+        assert all(o.finish_reason == FinishReason.ERROR for o in out.outputs)
+        assert client.dead_error is None and client.num_live_cores == 1
+        r = _req([1])
+        r.request_id = "r4"
+        client.add_request(r)
+        assert a.added[-1] == "r4"
+    finally:
+        client.shutdown()
