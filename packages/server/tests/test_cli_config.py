@@ -86,6 +86,8 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
         return [flag, choice], choice
     if name.endswith("_bytes"):
         return [flag, "3MiB"], 3 * 2**20
+    if name == "kv_events_config":  # vLLM's fields only
+        return [flag, '{"topic": "kv"}'], {"topic": "kv"}
     if f.type.startswith("dict"):
         return [flag, '{"temperature": 0.5}'], {"temperature": 0.5}
     if name == "max_logprobs":  # capped at its default

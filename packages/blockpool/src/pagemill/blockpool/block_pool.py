@@ -9,8 +9,18 @@ in the free queue exactly when its ref count is 0; the queue order is the evicti
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from pagemill.blockpool.hashing import BlockHash
+from pagemill.blockpool.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+if TYPE_CHECKING:
+    from pagemill.blockpool.kv_cache_manager import CacheRequest
 
 
 class KVCacheBlock:
@@ -121,6 +131,9 @@ class BlockPool:
         # Cached blocks handed out for reuse (their hash dropped from the index), ever. Read
         # by observers (the server's dashboard); one add per allocation that evicts.
         self.num_evictions = 0
+        # Index changes since the last take_kv_events(); None: nobody listens (the default).
+        self.kv_events: list[KVCacheEvent] | None = None
+        self._event_block_size = 0
         self.null_block: KVCacheBlock | None = None
         if reserve_null_block:
             if num_blocks < 2:
@@ -128,6 +141,19 @@ class BlockPool:
             self.null_block = self.get_new_blocks(1)[0]
         # Blocks a request can ever hold (the null block is nobody's).
         self.num_usable_blocks = num_blocks - (1 if reserve_null_block else 0)
+
+    def enable_kv_cache_events(self, block_size: int) -> None:
+        """Record every change of the hash index from now on (see kv_events)."""
+        self.kv_events = []
+        self._event_block_size = block_size
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the previous call, oldest first."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -152,6 +178,7 @@ class BlockPool:
         node = head.next_free
         index = self.cached_block_hash_to_block
         evicted = 0
+        removed: list[BlockHash] | None = None if self.kv_events is None else []
         for _ in range(n):
             assert node is not None and node.ref_cnt == 0
             nxt = node.next_free
@@ -161,6 +188,8 @@ class BlockPool:
                 if index.get(h) is node:
                     del index[h]
                     evicted += 1
+                    if removed is not None:
+                        removed.append(h)
                 node.block_hash = None
             node.ref_cnt = 1
             popped.append(node)
@@ -171,6 +200,8 @@ class BlockPool:
         queue.num_free_blocks -= n
         if evicted:
             self.num_evictions += evicted
+            if removed and self.kv_events is not None:
+                self.kv_events.append(BlockRemoved(removed))
         return popped
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -187,13 +218,20 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_blocks(
-        self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        request: CacheRequest | None = None,
+        first_block: int = 0,
     ) -> None:
         """Register full blocks under their hashes.
 
         A block that already has a hash is left alone, and so is a block whose hash another
         block already holds: the index never has two blocks for one hash, and the duplicate
         simply stays uncached (it is still valid for its own request).
+
+        `request` (whose block `first_block` is `blocks[0]`) is read only for KV events:
+        their token ids and parent hash.
         """
         if len(blocks) != len(block_hashes):
             raise ValueError(
@@ -202,7 +240,8 @@ class BlockPool:
         if not self.enable_caching:
             return
         index = self.cached_block_hash_to_block
-        for block, h in zip(blocks, block_hashes):
+        stored: list[int] | None = None if self.kv_events is None else []
+        for i, (block, h) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is not None:
                 if block.block_hash != h:
                     raise ValueError(
@@ -213,16 +252,58 @@ class BlockPool:
                 continue
             block.block_hash = h
             index[h] = block
+            if stored is not None:
+                stored.append(i)
+        if stored:
+            self._record_stored(stored, block_hashes, request, first_block)
+
+    def _record_stored(
+        self,
+        stored: list[int],
+        block_hashes: Sequence[BlockHash],
+        request: CacheRequest | None,
+        first_block: int,
+    ) -> None:
+        """One BlockStored per run of consecutive newly indexed blocks, so that each
+        event's hashes form one chain and its token ids line up with them."""
+        assert self.kv_events is not None
+        bs = self._event_block_size
+        tokens = request.all_token_ids if request is not None else ()
+        earlier = request.block_hashes if request is not None else ()
+        start = 0
+        while start < len(stored):
+            end = start + 1
+            while end < len(stored) and stored[end] == stored[end - 1] + 1:
+                end += 1
+            lo, hi = stored[start], stored[end - 1] + 1
+            if lo > 0:
+                parent: BlockHash | None = block_hashes[lo - 1]
+            else:
+                parent = earlier[first_block - 1] if first_block > 0 and earlier else None
+            first_token = (first_block + lo) * bs
+            self.kv_events.append(
+                BlockStored(
+                    list(block_hashes[lo:hi]),
+                    parent,
+                    list(tokens[first_token : first_token + (hi - lo) * bs]),
+                    bs,
+                )
+            )
+            start = end
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop these blocks' hashes from the index (their KV is not to be trusted)."""
         index = self.cached_block_hash_to_block
+        removed: list[BlockHash] = []
         for block in blocks:
             h = block.block_hash
             if h is not None:
                 if index.get(h) is block:
                     del index[h]
+                    removed.append(h)
                 block.block_hash = None
+        if removed and self.kv_events is not None:
+            self.kv_events.append(BlockRemoved(removed))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 join the queue tail in this order."""
@@ -251,6 +332,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.kv_events is not None:
+            self.kv_events.append(AllBlocksCleared())
         return True
 
     def get_usage(self) -> float:

@@ -354,7 +354,9 @@ class KVCacheManager:
         num_full = min(num_full, len(table), len(hashes))
         if num_full <= start:
             return
-        self.block_pool.cache_full_blocks(table[start:num_full], hashes[start:num_full])
+        self.block_pool.cache_full_blocks(
+            table[start:num_full], hashes[start:num_full], request, start
+        )
         self._num_cached_blocks[rid] = num_full
 
     def free(self, request_id: str) -> None:

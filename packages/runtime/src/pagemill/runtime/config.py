@@ -47,6 +47,7 @@ QUANTIZATIONS = ("int8", "int4")
 CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8")
 CPU_DENSE_WEIGHTS = ("auto", "always", "never")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
+DP_ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -147,6 +148,26 @@ class EngineConfig:
     sentence-transformers modules (modules.json, 1_Pooling/config.json), else the last
     token, normalized."""
 
+    kv_events_config: dict[str, Any] | None = None
+    """Publish KV-cache events in vLLM's format, as JSON with vLLM's fields, e.g.
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558"}' (also buffer_steps, hwm, max_queue_size, topic);
+    with data parallelism core N uses each port + N."""
+
+    data_parallel_size: int = 1
+    """Run this many engine cores (each its own process, the CPU threads split between
+    them) behind one API server; requests are routed by --data-parallel-routing."""
+
+    data_parallel_routing: str = field(
+        default="round_robin", metadata={"choices": DP_ROUTING_POLICIES}
+    )
+    """How requests are spread over the data-parallel cores: round_robin, least_loaded
+    (queue length, then KV usage) or prefix (the core that caches the longest prefix of
+    the prompt, unless it is much busier than the least loaded)."""
+
+    data_parallel_rank: int = 0
+    """Which data-parallel core this is (set by the front end, not a flag)."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -244,6 +265,17 @@ class EngineConfig:
                 "EngineConfig.structured_outputs must be a StructuredOutputsConfig, "
                 f"got {type(self.structured_outputs).__name__}"
             )
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise bad("data_parallel_size", "must be an integer >= 1")
+        if self.data_parallel_routing not in DP_ROUTING_POLICIES:
+            raise bad("data_parallel_routing", f"must be one of {DP_ROUTING_POLICIES}")
+        if self.kv_events_config is not None:
+            from pagemill.runtime.engine.kv_events import KVEventsConfig
+
+            if not isinstance(self.kv_events_config, dict):
+                raise bad("kv_events_config", "must be None or a dict of vLLM's fields")
+            KVEventsConfig.from_dict(self.kv_events_config)  # raises naming the field
         if self.max_model_len is not None and self.scheduler.max_model_len != self.max_model_len:
             self.scheduler = replace(self.scheduler, max_model_len=self.max_model_len)
 
@@ -302,7 +334,7 @@ def _routes() -> dict[str, tuple[str | None, str]]:
     routes: dict[str, tuple[str | None, str]] = {
         f.name: (None, f.name)
         for f in fields(EngineConfig)
-        if f.name not in ("scheduler", "cache", "structured_outputs")
+        if f.name not in ("scheduler", "cache", "structured_outputs", "data_parallel_rank")
     }
     for f in fields(SchedulerConfig):
         if f.name == "max_model_len":  # the engine's max_model_len decides it

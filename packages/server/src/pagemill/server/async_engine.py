@@ -128,6 +128,8 @@ class StatsView:
 
     stats: EngineStats
     iteration_stats: IterationStats
+    # Each data-parallel core's own stats (None with one core), for per-engine metrics.
+    per_engine: list[SchedulerStats] | None = None
 
     def get_stats(self) -> EngineStats:
         return self.stats
@@ -272,7 +274,12 @@ class AsyncEngine(ModelFacts):
 
             watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
             factory = functools.partial(SnapshotTap, dashboard, watchers)
-        client = MPClient(
+        make_client: Any = MPClient
+        if config.data_parallel_size > 1:
+            from pagemill.runtime.engine.dp_client import DPClient
+
+            make_client = DPClient
+        client = make_client(
             config,
             engine_threads=engine_threads,
             start_timeout=start_timeout,
@@ -584,7 +591,10 @@ class AsyncEngine(ModelFacts):
         observer = self.observer
         if observer is not None:
             try:  # metrics must never be what stops the engine
-                observer.on_step(StatsView(self.get_stats(), processed.stats), core.step_seconds)
+                view = StatsView(
+                    self.get_stats(), processed.stats, getattr(self.client, "core_stats", None)
+                )
+                observer.on_step(view, core.step_seconds)
             except Exception:
                 logger.exception("the step observer failed")
 

@@ -55,6 +55,7 @@ _SECTIONS: dict[str | None, tuple[type, str]] = {
 _ALIASES: dict[str, tuple[str, ...]] = {
     "kv_cache_memory_bytes": ("--kv-cache-memory",),
     "tensor_parallel_size": ("-tp",),
+    "data_parallel_size": ("-dp",),
     "quantization": ("-q",),
 }
 # Commands that take vLLM's serve command line (and its --config file).

@@ -235,6 +235,31 @@ class EngineMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        # Data parallel: each core's own figures, by an `engine` label (the series above
+        # stay the totals over all cores).
+        per = [*labels, "engine"]
+        self.engine_running = Gauge(
+            "pagemill:engine_num_requests_running", "Running requests of one core.", per, registry=r
+        )
+        self.engine_waiting = Gauge(
+            "pagemill:engine_num_requests_waiting", "Waiting requests of one core.", per, registry=r
+        )
+        self.engine_kv_usage = Gauge(
+            "pagemill:engine_kv_cache_usage_perc", "KV cache use of one core.", per, registry=r
+        )
+        self.engine_prefix_queries = Counter(
+            "pagemill:engine_prefix_cache_queries",
+            "Prompt tokens looked up in one core's prefix cache.",
+            per,
+            registry=r,
+        )
+        self.engine_prefix_hits = Counter(
+            "pagemill:engine_prefix_cache_hits",
+            "Prompt tokens found in one core's prefix cache.",
+            per,
+            registry=r,
+        )
+        self._last_engine_totals: dict[tuple[str, int], float] = {}
         self._last_totals: dict[str, float] = {}
         self._last_iteration: Any = None
         # Touch every labelled child so each series is exported (at 0) from the first scrape.
@@ -303,6 +328,9 @@ class EngineMetrics:
             if delta > 0:
                 metric.labels(m).inc(delta)
             self._last_totals[key] = total
+        per_engine = getattr(engine, "per_engine", None)
+        if per_engine:
+            self._per_engine(per_engine)
         it = getattr(engine, "iteration_stats", None)
         if step_seconds is not None:
             # A step that completed a prompt (or sampled nothing: a prompt chunk) is prefill.
@@ -330,6 +358,22 @@ class EngineMetrics:
                 self.queue_time.labels(m).observe(f.queue_time)
             self.request_prompt_tokens.labels(m).observe(f.num_prompt_tokens)
             self.request_generation_tokens.labels(m).observe(f.num_generation_tokens)
+
+    def _per_engine(self, per_engine: Any) -> None:
+        m = self.model_name
+        for k, s in enumerate(per_engine):
+            e = str(k)
+            self.engine_running.labels(m, e).set(s.num_running)
+            self.engine_waiting.labels(m, e).set(s.num_waiting)
+            self.engine_kv_usage.labels(m, e).set(s.kv_cache_usage)
+            for key, metric in (
+                ("prefix_cache_queries", self.engine_prefix_queries),
+                ("prefix_cache_hits", self.engine_prefix_hits),
+            ):
+                total = float(getattr(s, key))
+                delta = total - self._last_engine_totals.get((key, k), 0.0)
+                metric.labels(m, e).inc(max(0.0, delta))
+                self._last_engine_totals[(key, k)] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

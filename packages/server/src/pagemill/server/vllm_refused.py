@@ -48,10 +48,10 @@ class VllmFlag:
 
 _LORA = "pagemill serves no LoRA adapters"
 _MM = "pagemill serves text-only models"
-_DP = "pagemill runs one engine (data parallelism is not implemented)"
+_DP = "pagemill runs its data-parallel cores on one machine (--data-parallel-size only)"
 _MOE = "pagemill has no expert parallelism"
 _SPEC = "speculative decoding is not implemented"
-_DISAGG = "pagemill has no KV transfer or KV events"
+_DISAGG = "pagemill has no KV transfer"
 _TLS = "pagemill serves plain HTTP; put a TLS-terminating proxy in front"
 _CODE = "pagemill loads no code by name"
 _CUDA_GRAPH = "pagemill's GPU path has no CUDA-graph capture settings"
@@ -130,7 +130,6 @@ REFUSED: tuple[VllmFlag, ...] = (
         "context parallelism is not implemented",
         neutral=("1",),
     ),
-    VllmFlag(("--data-parallel-size", "-dp"), _DP, neutral=("1",)),
     VllmFlag(("--data-parallel-rank", "-dpn"), _DP),
     VllmFlag(("--data-parallel-start-rank", "-dpr"), _DP),
     VllmFlag(("--data-parallel-size-local", "-dpl"), _DP),
@@ -221,7 +220,6 @@ REFUSED: tuple[VllmFlag, ...] = (
     # ---- VllmConfig
     VllmFlag(("--speculative-config",), _SPEC),
     VllmFlag(("--kv-transfer-config",), _DISAGG),
-    VllmFlag(("--kv-events-config",), _DISAGG),
     VllmFlag(("--additional-config",), "pagemill has no platform plugins"),
     _switch("--aggregate-engine-logging", _DP),
     # ---- the serve command and its front end

@@ -24,6 +24,7 @@ from pagemill.runtime.config import EngineConfig, resolve_dtype, torch_dtype
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, check_tensor_parallel
 from pagemill.runtime.engine.fault_isolation import FaultIsolator
+from pagemill.runtime.engine.kv_events import KVEventsHook
 from pagemill.runtime.engine.protocol import (
     FINISH_REASONS,
     EngineCoreOutput,
@@ -129,6 +130,7 @@ class EngineCore:
             sliding_window=kv_sliding_window(model_config, cache, self.num_blocks),
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self._kv_events = KVEventsHook.create(config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
         self.isolator = FaultIsolator(self.scheduler)
 
@@ -258,6 +260,9 @@ class EngineCore:
         holds nothing that needs stopping."""
         if self._workers is not None:
             self._finalizer()
+        hook = getattr(self, "_kv_events", None)
+        if hook is not None:
+            hook.shutdown()
 
     def _eager_forced(self) -> bool:
         return self.config.enforce_eager or os.environ.get(ENFORCE_EAGER_ENV) == "1"
@@ -395,6 +400,12 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        out = self._step()
+        if self._kv_events is not None:
+            self._kv_events.after_step(out)
+        return out
+
+    def _step(self) -> EngineCoreOutputs:
         """One iteration: schedule -> execute -> sample -> update.
 
         A forward or sampling error is contained (see `fault_isolation`): the step is

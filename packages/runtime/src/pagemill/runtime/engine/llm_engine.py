@@ -98,6 +98,11 @@ class LLMEngine(ModelFacts):
             config = EngineConfig.from_kwargs(**kwargs)
         elif kwargs:
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
+        if config.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={config.data_parallel_size} needs engine-core processes: "
+                "use `pagemill serve` (with the engine process) or AsyncEngine.launch"
+            )
         self.config = config
         self.assets = ModelAssets.load(config)
         core = EngineCore(

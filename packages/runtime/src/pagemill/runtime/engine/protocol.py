@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from pagemill.runtime.engine.kv_events import KVEventBatch
 from pagemill.runtime.pooling_params import PoolingParams
 from pagemill.runtime.sampling_params import SamplingParams
 
@@ -126,6 +127,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag
     step_seconds: float | None = None
     num_scheduled_tokens: int = 0
     engine_index: int = 0
+    # This step's KV-cache events, for a data-parallel front end that routes by prefix.
+    kv_events: KVEventBatch | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag="abort"):
