@@ -11,6 +11,8 @@ def write_kv_cache_kernel(
     kc_ptr,
     vc_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -26,6 +28,8 @@ def write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -41,5 +45,9 @@ def write_kv_cache_kernel(
     vv = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     kdst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
     vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    if FP8:
+        # Quantize: x / scale saturated to the format's range (no inf/NaN from outliers).
+        kv = tl.clamp(kv.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        vv = tl.clamp(vv.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
     tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
