@@ -116,16 +116,15 @@ def test_native_bf16_query_over_fp8_cache(fp8: torch.dtype) -> None:
 
 @pytest.mark.parametrize("fp8", FP8)
 def test_triton_write_matches_torch(interpreter, fp8: torch.dtype) -> None:
-    """The interpreter's own fp8 cast (Triton 3.9) drops the carry when rounding up crosses
-    a power of two (-7.83 -> -4, not -8): its values are on the fp8 grid times the scale
-    here, so the cast is exact and the kernel's scaling, saturation and slots are what is
-    compared. The rounding itself is the GPU's cvt, compared in test_gpu.py."""
+    """Byte-equal to torch's cast: rounding (ties included), subnormals, saturation."""
     torch.manual_seed(2)
     nb, bs, h, d = 4, 8, 2, 16
-    k = (torch.randn(6, h, d) * 4).to(fp8).float() * 0.5
-    v = (torch.randn(6, h, d) * 4).to(fp8).float() * 3.0
+    k = torch.randn(6, h, d) * 4
+    v = torch.randn(6, h, d) * 4
     k[1, 1, 3] = -1e5
-    slots = torch.tensor([0, 5, -1, 17, 30, 8])
+    k[2, 0, :8] = torch.tensor([1e-3, -2e-3, 2.0**-10, 3 * 2.0**-11, -7.83, 7.99, 5e-6, 0.0])
+    v[3, 0, :4] = torch.tensor([2.0**-17, 2.0**-15 * 1.5, -1e-4, 448.1])
+    slots = torch.tensor([0, 5, 11, 17, 30, -1])
     ks, vs = torch.tensor(0.5), torch.tensor(3.0)
     caches = []
     for fn in (write_kv_cache_torch, write_kv_cache_triton):
@@ -159,3 +158,20 @@ def test_triton_attention_fp8_prefill(interpreter, fp8: torch.dtype) -> None:
     out = paged_attention_triton(q, kc, vc, tables, qsl, seq_lens, 0.2, k_scale=ks, v_scale=vs)
     ref = _dense_ref(q, kc, vc, tables, lens, qlens, 0.2, 0.7, 1.3)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_triton_encode_every_value_and_tie(interpreter, fp8: torch.dtype) -> None:
+    """Every finite fp8 value, every midpoint between neighbours (ties to even) and a hair
+    either side, through the Triton write, byte-equal to torch's cast."""
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    vals = vals[torch.isfinite(vals)].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    x = torch.cat([vals, mids, mids.nextafter(vals[1:]), mids.nextafter(vals[:-1])])
+    n = -(-x.numel() // 16) * 16
+    x = torch.cat([x, torch.zeros(n - x.numel())]).view(-1, 1, 16)
+    kc = torch.zeros(x.shape[0], 1, 1, 16, dtype=fp8)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(x.shape[0])
+    write_kv_cache_triton(x, x, kc, vc, slots, torch.tensor(1.0), torch.tensor(1.0))
+    assert torch.equal(kc.view(torch.uint8).flatten(), _ref_quant(x, 1.0, fp8).view(torch.uint8).flatten())

@@ -185,8 +185,8 @@ def run_triton(
     part_ml = plan.part_ml if split else out
     _kernels.paged_attention_kernel[plan.grid](
         q,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         out,
         block_tables,
         query_start_loc,
@@ -223,6 +223,7 @@ def run_triton(
         SPLIT=split,
         SOFTCAP=softcap > 0,
         FP8=fp8,
+        E4M3=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=plan.num_warps,
     )
     if split:

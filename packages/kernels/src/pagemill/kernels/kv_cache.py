@@ -110,8 +110,8 @@ def write_kv_cache_triton(
     _kernels.write_kv_cache_kernel[(num_tokens,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping.contiguous(),
         (k_scale if k_scale is not None else one) if fp8 else k,
         (v_scale if v_scale is not None else one) if fp8 else v,
@@ -131,6 +131,7 @@ def write_kv_cache_triton(
         H_PAD=next_pow2(num_kv_heads),
         D_PAD=next_pow2(head_dim),
         FP8=fp8,
+        E4M3=k_cache.dtype == torch.float8_e4m3fn,
         FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
     )
 

@@ -14,6 +14,8 @@ adds work to every score.
 import triton
 import triton.language as tl
 
+from pagemill.kernels._triton.fp8 import fp8_decode
+
 
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -76,6 +78,7 @@ def paged_attention_kernel(
     SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     FP8: tl.constexpr,
+    E4M3: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -133,11 +136,12 @@ def paged_attention_kernel(
         k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
         v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
         if FP8:
-            k = k.to(qv.dtype)
-            v = v.to(qv.dtype)
+            # uint8 views of the fp8 cache; every fp8 value is exact in fp16 and bf16.
+            k = fp8_decode(k, E4M3).to(qv.dtype)
+            v = fp8_decode(v, E4M3).to(qv.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
