@@ -25,6 +25,10 @@ def _ref_quant(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     return (x.float() / scale).clamp(-m, m).to(dtype)
 
 
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.uint8)
+
+
 @pytest.mark.parametrize("fp8", FP8)
 def test_write_round_trip(fp8: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -41,8 +45,8 @@ def test_write_round_trip(fp8: torch.dtype) -> None:
     for i, s in enumerate(slots.tolist()):
         if s < 0:
             continue
-        assert torch.equal(flat_k[s].view(torch.uint8), _ref_quant(k[i], 0.5, fp8).view(torch.uint8))
-        assert torch.equal(flat_v[s].view(torch.uint8), _ref_quant(v[i], 2.0, fp8).view(torch.uint8))
+        assert torch.equal(_bytes(flat_k[s]), _bytes(_ref_quant(k[i], 0.5, fp8)))
+        assert torch.equal(_bytes(flat_v[s]), _bytes(_ref_quant(v[i], 2.0, fp8)))
     assert torch.isfinite(flat_k.float()).all()
     assert flat_k[3, 0, 0].float() == torch.finfo(fp8).max
     # The read back (dequantized) is within the format's relative step of the input.
@@ -174,4 +178,4 @@ def test_triton_encode_every_value_and_tie(interpreter, fp8: torch.dtype) -> Non
     vc = torch.zeros_like(kc)
     slots = torch.arange(x.shape[0])
     write_kv_cache_triton(x, x, kc, vc, slots, torch.tensor(1.0), torch.tensor(1.0))
-    assert torch.equal(kc.view(torch.uint8).flatten(), _ref_quant(x, 1.0, fp8).view(torch.uint8).flatten())
+    assert torch.equal(_bytes(kc).flatten(), _bytes(_ref_quant(x, 1.0, fp8)).flatten())
