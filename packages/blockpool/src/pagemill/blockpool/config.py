@@ -84,6 +84,11 @@ class CacheConfig:
                 "CacheConfig.calculate_kv_scales must be a bool, got "
                 f"{type(self.calculate_kv_scales).__name__}"
             )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "CacheConfig.calculate_kv_scales needs an fp8 kv_cache_dtype (the auto cache "
+                "stores K/V unscaled in the compute dtype)"
+            )
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float):
             raise TypeError(
