@@ -235,9 +235,10 @@ class EngineCore:
                 graphs.buckets,
                 seconds,
             )
-        if cache.calculate_kv_scales:
+        kv_cache = self.model_runner.kv_cache
+        if cache.calculate_kv_scales and kv_cache is not None:
             # After warm-up and capture, so the scales come from the first real prefill.
-            self.model_runner.kv_cache.calculate_scales_on_next_forward()
+            kv_cache.calculate_scales_on_next_forward()
         if self._workers is not None:
             self._workers.start_watching()
 

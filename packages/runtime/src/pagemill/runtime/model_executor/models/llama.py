@@ -311,7 +311,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}"
             )
-        scales = kv_scales or [None] * len(kv_caches)
+        scales: list[LayerKVScales | None] = [None] * len(kv_caches)
+        if kv_scales is not None:
+            scales = list(kv_scales)
         for layer, (k, v), sc in zip(self.decoder_layers(), kv_caches, scales):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
