@@ -128,3 +128,30 @@ def test_calculate_kv_scales_from_first_prefill(tiny_llama, random_prompts) -> N
     # Later steps keep them (set once, from the first prefill).
     _greedy(llm, prompts, 4)
     assert [(float(s.k_scale), float(s.v_scale)) for s in runner.kv_cache.scales] == scales
+
+
+@pytest.mark.slow
+def test_compiled_step_with_fp8_cache_equals_eager(tiny_llama, random_prompts, monkeypatch) -> None:
+    """The compiled step passes the scales through the custom ops: same tokens as eager,
+    with scales calculated (not 1.0) so a dropped scale would show."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip("torch.compile unavailable here")
+    monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
+    folder, model = tiny_llama
+    prompts = random_prompts([5, 30, 61], model.config.vocab_size, seed=14)
+    common = dict(
+        dtype="float32",
+        kv_cache_memory_bytes=1 << 20,
+        max_model_len=128,
+        kv_cache_dtype="fp8",
+        calculate_kv_scales=True,
+    )
+    compiled = LLM(str(folder), **common)
+    assert compiled.llm_engine.engine_core.model_runner.compiled
+    eager = LLM(str(folder), enforce_eager=True, **common)
+    a, b = _greedy(compiled, prompts, 12), _greedy(eager, prompts, 12)
+    scales = compiled.llm_engine.engine_core.model_runner.kv_cache.scales
+    assert all(float(s.k_scale) != 1.0 for s in scales)
+    assert a == b
