@@ -96,11 +96,17 @@ def main() -> None:
     ap.add_argument("--budget", default=str(256 << 20))
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-ctx", type=int, default=512)
+    ap.add_argument("--calculate-kv-scales", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
     ref = LLM(args.model, **common)
-    q = LLM(args.model, kv_cache_dtype=args.kv, **common)
+    q = LLM(
+        args.model,
+        kv_cache_dtype=args.kv,
+        calculate_kv_scales=args.calculate_kv_scales,
+        **common,
+    )
     ps = prompts(ref, args.prompts)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
@@ -121,6 +127,7 @@ def main() -> None:
     res = {
         "model": args.model,
         "kv_cache_dtype": args.kv,
+        "calculate_kv_scales": args.calculate_kv_scales,
         "dtype": str(ref.llm_engine.engine_core.dtype),
         "blocks_same_budget": {
             "auto": ref.llm_engine.engine_core.num_blocks,
@@ -136,7 +143,7 @@ def main() -> None:
         "max_abs_logprob_err_top20_max": max(errs),
     }
     print(json.dumps(res, indent=1), flush=True)
-    for name, llm in (("auto", ref), (args.kv, q)):
+    for name, llm in (("auto", ref), (args.kv, q)) if args.decode_batch else ():
         res[f"decode_step_ms_{name}"] = decode_step_ms(llm, args.decode_batch, args.decode_ctx, 12)
     print(json.dumps(res, indent=1))
     if args.json:
