@@ -13,12 +13,8 @@ import triton.language as tl
 @triton.jit
 def fp8_encode(x, E4M3: tl.constexpr):
     """fp32 ``x`` (already clamped to the format's range) to the fp8 byte, RTNE."""
-    if E4M3:
-        MANT: tl.constexpr = 3
-        BIAS: tl.constexpr = 7
-    else:
-        MANT: tl.constexpr = 2
-        BIAS: tl.constexpr = 15
+    MANT: tl.constexpr = 3 if E4M3 else 2
+    BIAS: tl.constexpr = 7 if E4M3 else 15
     a = tl.abs(x)
     sign = (x.to(tl.uint32, bitcast=True) >> 24) & 0x80  # -0.0 keeps its sign
     # Normal numbers: round the fp32 mantissa to MANT bits (nearest, ties to even).
