@@ -9,7 +9,8 @@ merit is GB/s against the memory bandwidth — measured in the same run as the r
 bytes/s of a large device-to-device copy (%copy), and against the spec sheet (%bw);
 prefill is compute-bound, so TFLOP/s against the dense bf16 peak. Bytes count K/V actually
 attended plus q and out; FLOPs count the two matmuls (4 * H * D per query-key pair) over the
-causal pairs only.
+causal pairs only. A dtype name ending in ``-kvfp8`` (``bf16-kvfp8``) keeps q in that dtype
+and stores K/V in float8 e4m3 (``--kv-cache-dtype fp8``): half the K/V bytes per step.
 """
 
 from __future__ import annotations
@@ -73,9 +74,11 @@ def build(
     return q, k_cache, v_cache, tables.to(device), qsl.to(device), seq_lens.to(device)
 
 
-def work(case: Case, heads: int, kv_heads: int, head_dim: int, elem: int) -> tuple[float, float]:
+def work(
+    case: Case, heads: int, kv_heads: int, head_dim: int, elem: int, kv_elem: int | None = None
+) -> tuple[float, float]:
     """(bytes moved, flops) of one call: K/V read once per request, causal pairs only."""
-    kv_bytes = 2 * sum(case.ctx_lens) * kv_heads * head_dim * elem
+    kv_bytes = 2 * sum(case.ctx_lens) * kv_heads * head_dim * (kv_elem or elem)
     qo_bytes = 2 * sum(case.q_lens) * heads * head_dim * elem
     pairs = sum(ql * (c - ql) + ql * (ql + 1) // 2 for ql, c in zip(case.q_lens, case.ctx_lens))
     return kv_bytes + qo_bytes, 4.0 * pairs * heads * head_dim
@@ -198,9 +201,13 @@ def run(
         "checks": [],
     }
     for dname in names:
-        dtype = dtypes[dname]
+        kv_fp8 = dname.endswith("-kvfp8")
+        dtype = dtypes[dname.removesuffix("-kvfp8")]
         for case in cases:
             batch = build(case, heads, kv_heads, head_dim, block_size, dtype, device)
+            if kv_fp8:
+                q_, kc_, vc_, *meta = batch
+                batch = (q_, kc_.to(torch.float8_e4m3fn), vc_.to(torch.float8_e4m3fn), *meta)
             scale = head_dim**-0.5
             if not cpu and case is cases[0]:
                 ref = paged_attention_torch(*batch, scale)
@@ -209,7 +216,9 @@ def run(
                 report["checks"].append({"dtype": dname, "case": case.name, "rel_err": err})
             out = torch.empty_like(batch[0])
             secs = timer(lambda b=batch, o=out, s=scale: fn(*b, s, out=o), iters)
-            nbytes, flops = work(case, heads, kv_heads, head_dim, batch[0].element_size())
+            nbytes, flops = work(
+                case, heads, kv_heads, head_dim, batch[0].element_size(), batch[1].element_size()
+            )
             report["rows"].append(
                 {
                     "case": case.name,

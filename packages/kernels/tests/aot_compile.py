@@ -111,16 +111,19 @@ def _attention(
     sm_count: int | None = None,
     softcap: float = 0.0,
     window: int = 0,
+    kv: str = "",
 ) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
-    sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant)."""
+    sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant, an fp8
+    cache ``kv`` = "e4m3"/"e5m2" another)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
     q_lens = [1] * num_seqs if mode.startswith("decode") else [300] + [1] * (num_seqs - 1)
     num_tokens = sum(q_lens)
     width = -(-context // BLOCK_SIZE)
-    k_cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)
+    kv_dtype = {"": dtype, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv]
+    k_cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=kv_dtype)
     q = torch.zeros(num_tokens, heads, head_dim, dtype=dtype)
     tables = torch.zeros(num_seqs, width, dtype=torch.int32)
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
@@ -152,6 +155,8 @@ def _attention(
         torch.empty_like(q),
         window=window,
         softcap=softcap,
+        k_scale=torch.ones(()) if kv else None,
+        v_scale=torch.ones(()) if kv else None,
     )
 
 
@@ -177,6 +182,10 @@ def _small_ops(
     apply_rotary_triton(pos, q, k, torch.zeros(64, head_dim, dtype=torch.float32))
     cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)
     write_kv_cache_triton(k, k, cache, cache, torch.zeros(t, dtype=torch.int64))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8 / fp8_e5m2
+        cache8 = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=fp8)
+        one = torch.ones(())
+        write_kv_cache_triton(k, k, cache8, cache8, torch.zeros(t, dtype=torch.int64), one, one)
 
 
 def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
@@ -227,6 +236,11 @@ def record_launches(grid: str) -> list[Launch]:
             # Gemma 2 (9B: head_dim 256, GQA 2): soft-capped scores, sliding window.
             dict(dtype="bf16", head_dim=256, group=2, mode="prefill", softcap=50.0, window=4096),
             dict(dtype="bf16", head_dim=256, group=2, mode="decode", softcap=50.0, window=4096),
+            # --kv-cache-dtype fp8 (e4m3) and fp8_e5m2 on the main layout.
+            dict(main, mode="decode", kv="e4m3"),
+            dict(main, mode="decode-split", kv="e4m3"),
+            dict(main, mode="prefill", kv="e4m3"),
+            dict(main, mode="decode", kv="e5m2"),
         ]
         models = [("bf16", "llama-3.1-8b")]
         moe = [("bf16", "qwen3-30b-a3b", t) for t in (1, 64, 512)]
@@ -260,6 +274,14 @@ def record_launches(grid: str) -> list[Launch]:
             for d in HEAD_DIMS
             for mode in ("decode", "decode-split", "prefill")
         ]
+        attention += [  # fp8 KV caches under 16-bit compute
+            dict(dtype=dt, head_dim=d, group=g, mode=mode, kv=kv)
+            for dt in DTYPES
+            if dt != "fp32"
+            for kv in ("e4m3", "e5m2")
+            for d, g in sorted(layouts)
+            for mode in ("decode", "decode-split", "prefill")
+        ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
         moe = [(dt, m, t) for dt in DTYPES for m in MOE_MODELS for t in (1, 64, 512)]
     for case in attention:
@@ -271,7 +293,15 @@ def record_launches(grid: str) -> list[Launch]:
             case["mode"],
             **{
                 k: case[k]
-                for k in ("num_seqs", "context", "sm_count", "kv_heads", "softcap", "window")
+                for k in (
+                    "num_seqs",
+                    "context",
+                    "sm_count",
+                    "kv_heads",
+                    "softcap",
+                    "window",
+                    "kv",
+                )
                 if k in case
             },
         )

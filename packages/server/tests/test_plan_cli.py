@@ -55,6 +55,19 @@ def test_plan_json_and_plot(capsys, tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_counts_fp8_kv_blocks(capsys) -> None:
+    """--kv-cache-dtype fp8 (the engine's spelling): half the bytes per token, twice the
+    blocks in the same KV budget."""
+    base = ["plan", "--model", "smollm2-135m", "--gpu", "rtx-4090", "--json"]
+    assert run(base) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert run([*base, "--kv-cache-dtype", "fp8_e5m2"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"]
+    assert fp8["kv_budget_bytes"] == bf16["kv_budget_bytes"]
+    assert fp8["num_blocks"] in (2 * bf16["num_blocks"], 2 * bf16["num_blocks"] + 1)
+
+
 def test_plan_list_and_errors(capsys) -> None:
     assert run(["plan", "--list"]) == 0
     assert "llama-3.1-70b" in capsys.readouterr().out

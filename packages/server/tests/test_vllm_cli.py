@@ -227,7 +227,7 @@ def test_neutral_uses_of_vllm_flags_change_nothing(entry) -> None:
 
 def test_refusal_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, text in (
-        (["--kv-cache-dtype", "fp8"], "pagemill: --kv-cache-dtype fp8 (a vLLM flag)"),
+        (["--kv-cache-dtype", "int4"], "pagemill serve: error: argument --kv-cache-dtype"),
         (["-pp", "2"], "pagemill: -pp 2 (a vLLM flag) is not supported: pipeline"),
         (["--enable-lora"], "pagemill: --enable-lora (a vLLM flag) is not supported: "),
         (["--api-key", "a", "b"], "pagemill: --api-key with several keys"),
@@ -240,6 +240,14 @@ def test_refusal_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
             parse(["serve", *argv])
         assert exc.value.code == 2
         assert capsys.readouterr().err.startswith(text), argv
+
+
+def test_kv_cache_dtype_is_a_cache_option() -> None:
+    args = parse(["serve", "/m", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
+    cache = cli.engine_config(args).cache
+    assert (cache.kv_cache_dtype, cache.calculate_kv_scales) == ("fp8", True)
+    args = parse(["serve", "/m", "--kv-cache-dtype", "fp8_e5m2"])
+    assert cli.engine_config(args).cache.kv_cache_dtype == "fp8_e5m2"
 
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

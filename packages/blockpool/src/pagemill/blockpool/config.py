@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from pagemill.blockpool.hashing import HASH_ALGOS
 
+# vLLM's --kv-cache-dtype values: "fp8" is e4m3 (more precision, range +-448).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -38,6 +41,15 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory the engine may use in total (weights, activations and KV
     cache); the KV cache gets what remains after profiling."""
+
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    """KV cache storage: auto (the model's compute dtype), or fp8 / fp8_e4m3 / fp8_e5m2
+    (one byte per element, twice the tokens in the same memory; each layer's K and V are
+    divided by a per-tensor scale on write and multiplied back on read)."""
+
+    calculate_kv_scales: bool = False
+    """With an fp8 KV cache: set each layer's K and V scales from the first prefill's
+    largest magnitudes (vLLM's rule) instead of the checkpoint's k_scale/v_scale or 1.0."""
 
     def __post_init__(self) -> None:
         size = self.block_size
@@ -72,6 +84,21 @@ class CacheConfig:
                     f"CacheConfig.kv_cache_memory_bytes must be a positive number of bytes, "
                     f"got {budget}"
                 )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"CacheConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(
+                "CacheConfig.calculate_kv_scales must be a bool, got "
+                f"{type(self.calculate_kv_scales).__name__}"
+            )
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "CacheConfig.calculate_kv_scales needs an fp8 kv_cache_dtype (the auto cache "
+                "stores K/V unscaled in the compute dtype)"
+            )
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float):
             raise TypeError(
@@ -79,3 +106,15 @@ class CacheConfig:
             )
         if not 0 < util <= 1:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {util}")
+
+
+def kv_cache_storage_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
+    """The KV storage dtype name (a key of `sizing.DTYPE_BYTES`) for a ``kv_cache_dtype``
+    setting: the compute dtype for "auto", else the fp8 format it names."""
+    if kv_cache_dtype == "auto":
+        return compute_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return "float8_e4m3fn"
+    if kv_cache_dtype == "fp8_e5m2":
+        return "float8_e5m2"
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")

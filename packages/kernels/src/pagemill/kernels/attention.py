@@ -27,6 +27,7 @@ from pagemill.kernels._dispatch import check_triton_device, use_triton
 from pagemill.kernels._opaque import OpaqueBase
 from pagemill.kernels.attention_cpu import TorchPlan, plan_torch, run_torch
 from pagemill.kernels.attention_triton import TritonPlan, plan_triton, run_triton
+from pagemill.kernels.kv_quant import check_scale, is_fp8
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -110,6 +111,8 @@ def paged_attention(
     plan: AttentionPlan | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` over the paged cache: the plan's backend, else by q's device.
 
@@ -117,7 +120,9 @@ def paged_attention(
     keys at ``p - window < pos <= p`` (transformers' convention: ``window`` keys including
     its own). ``softcap`` > 0 caps the scaled scores as ``softcap * tanh(s / softcap)``
     before the softmax (Gemma 2). Both are per layer, so they are arguments of the call,
-    not of the per-step plan, which every layer shares.
+    not of the per-step plan, which every layer shares. A float8 cache is read as
+    ``float(x) * k_scale`` / ``* v_scale`` (0-dim fp32 tensors, None: 1.0; see
+    `pagemill.kernels.kv_quant`).
     """
     _check_window(window, softcap)
     if plan is None:
@@ -137,6 +142,8 @@ def paged_attention(
         plan=plan,
         window=window,
         softcap=softcap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -153,6 +160,8 @@ def paged_attention_torch(
     plan: AttentionPlan | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU serving backend: batched GEMMs for decodes, one SDPA per prefilling request.
 
@@ -164,6 +173,8 @@ def paged_attention_torch(
     """
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     if plan is None:
         plan = _plan(
             query_start_loc,
@@ -184,7 +195,16 @@ def paged_attention_torch(
     if not isinstance(plan.impl, TorchPlan):
         return out
     return run_torch(
-        plan.impl, q, k_cache, v_cache, scale, out, window=int(window), softcap=float(softcap)
+        plan.impl,
+        q,
+        k_cache,
+        v_cache,
+        scale,
+        out,
+        window=int(window),
+        softcap=float(softcap),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -201,6 +221,8 @@ def paged_attention_triton(
     plan: AttentionPlan | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch for the whole mixed batch: online softmax over KV tiles, fp32 accumulation.
 
@@ -209,6 +231,8 @@ def paged_attention_triton(
     """
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     if plan is None:
         plan = _plan(
             query_start_loc,
@@ -241,6 +265,8 @@ def paged_attention_triton(
         out,
         window=int(window),
         softcap=float(softcap),
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -446,10 +472,11 @@ def _check_tensors(
         )
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, cache has {k_cache.shape[3]}")
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    kv_ok = k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)
+    if q.dtype not in _FLOAT_DTYPES or not kv_ok or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"q, k_cache and v_cache must share one of fp32/fp16/bf16; got {q.dtype}, "
-            f"{k_cache.dtype}, {v_cache.dtype}"
+            "q must be fp32/fp16/bf16 and k_cache and v_cache share q's dtype or one fp8 "
+            f"dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(

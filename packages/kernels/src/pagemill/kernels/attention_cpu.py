@@ -11,6 +11,10 @@ A layer with a sliding window or a score soft-cap (both per layer, so arguments 
 `run_torch`, not of the shared plan) takes the same gathers with a mask and, where SDPA
 cannot express it (soft-capping), explicit fp32 scores; a windowed prefill gathers only
 the blocks its window reaches.
+
+An fp8 cache is widened to q's dtype as it is gathered (exact: every fp8 value is a bf16
+and an fp16 value); its per-tensor scales fold into the softmax scale (K) and the output
+(V), so no scaled copy of K or V is ever made.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagemill.kernels import cpu_native
+from pagemill.kernels.kv_quant import is_fp8
 
 # Gathering K/V for a decode batch writes tens of MB; a freshly allocated buffer of that
 # size is page-faulted in on every call, which costs more than the copy itself. Reusing
@@ -258,6 +263,8 @@ def run_torch(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls.
 
@@ -265,6 +272,12 @@ def run_torch(
     > 0: scores capped as ``softcap * tanh(s / softcap)`` (see `paged_attention`).
     """
     plain = window <= 0 and softcap <= 0
+    ks = vs = 1.0
+    if is_fp8(k_cache.dtype):
+        ks = 1.0 if k_scale is None else float(k_scale)
+        vs = 1.0 if v_scale is None else float(v_scale)
+    native_scale = scale
+    scale = scale * ks
     if plan.native is not None:
         nd = plan.native
         lib = cpu_native.load()
@@ -274,7 +287,19 @@ def run_torch(
                 "cannot serve these tensors; plan again with them"
             )
         cpu_native.paged_decode(
-            lib, q, k_cache, v_cache, out, nd.tables, nd.lens, nd.rows, scale, window, softcap
+            lib,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            nd.tables,
+            nd.lens,
+            nd.rows,
+            native_scale,
+            window,
+            softcap,
+            ks,
+            vs,
         )
     if plan.decode:
         kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
@@ -286,6 +311,8 @@ def run_torch(
                 o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
             else:
                 o = _decode_gemm(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
+            if vs != 1.0:
+                o = o * vs
             if chunk.rows is None:
                 out.copy_(o)
             else:
@@ -295,9 +322,11 @@ def run_torch(
         for seg in plan.prefill:
             if not plain:
                 _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap)
+                if vs != 1.0:
+                    out[seg.start : seg.stop].mul_(vs)
                 continue
-            k = k_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
-            v = v_cache.index_select(0, seg.block_ids).view(-1, num_kv_heads, head_dim)
+            k = _blocks(k_cache, seg.block_ids, q.dtype).view(-1, num_kv_heads, head_dim)
+            v = _blocks(v_cache, seg.block_ids, q.dtype).view(-1, num_kv_heads, head_dim)
             k, v = k[: seg.ctx].transpose(0, 1), v[: seg.ctx].transpose(0, 1)
             qs = q[seg.start : seg.stop].transpose(0, 1)
             if seg.mask is None:
@@ -308,8 +337,16 @@ def run_torch(
                 o = F.scaled_dot_product_attention(
                     qs, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=True
                 )
+            if vs != 1.0:
+                o = o * vs
             out[seg.start : seg.stop] = o.transpose(0, 1)
     return out
+
+
+def _blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks of a cache in the compute dtype (an fp8 cache widened, unscaled)."""
+    got = cache.index_select(0, ids)
+    return got.to(dtype) if got.dtype != dtype else got
 
 
 def _buffers(
@@ -336,7 +373,10 @@ def _gather_rows(
     width = table.shape[1]
     bits = _BIT_VIEWS.get(table.element_size())
     numel = rows.numel() * width
-    if bits is None:
+    if table.dtype != buf.dtype:  # an fp8 cache: widened (exactly) into the buffer
+        got = buf[:numel].view(-1, width)
+        got.copy_(torch.index_select(table, 0, rows))
+    elif bits is None:
         got = torch.index_select(table, 0, rows, out=buf[:numel].view(-1, width))
     else:
         got = torch.index_select(
@@ -504,8 +544,8 @@ def _prefill_masked(
     b0 = max(0, first - window + 1) // block_size if window > 0 else 0
     ids = seg.block_ids[b0:]
     lo = b0 * block_size
-    k = k_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
-    v = v_cache.index_select(0, ids).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
+    k = _blocks(k_cache, ids, q.dtype).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
+    v = _blocks(v_cache, ids, q.dtype).view(-1, num_kv_heads, head_dim)[: seg.ctx - lo]
     kpos = torch.arange(lo, seg.ctx, device=q.device)
     qpos = torch.arange(first, seg.ctx, device=q.device)[:, None]
     keep = kpos <= qpos

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagemill.kernels._dispatch import cdiv, interpreting, lazy_kernels, next_pow2
+from pagemill.kernels.kv_quant import is_fp8
 
 _kernels = lazy_kernels("attention")
 
@@ -162,6 +163,8 @@ def run_triton(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention: the planned launch (plus the merge of context splits).
 
@@ -172,13 +175,18 @@ def run_triton(
         raise ValueError("q and out need a contiguous last (head_dim) axis")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) axis")
+    fp8 = is_fp8(k_cache.dtype)
+    if fp8 and (k_scale is None or v_scale is None):
+        one = torch.ones((), dtype=torch.float32, device=q.device)
+        k_scale = one if k_scale is None else k_scale
+        v_scale = one if v_scale is None else v_scale
     split = plan.num_splits > 1
     part_acc = plan.part_acc if split else out  # unused without splits
     part_ml = plan.part_ml if split else out
     _kernels.paged_attention_kernel[plan.grid](
         q,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         out,
         block_tables,
         query_start_loc,
@@ -186,6 +194,8 @@ def run_triton(
         part_acc,
         part_ml,
         float(scale) * math.log2(math.e),
+        k_scale if fp8 else out,  # unused without fp8
+        v_scale if fp8 else out,
         float(softcap) if softcap > 0 else 1.0,
         int(window),
         block_tables.shape[0],
@@ -212,7 +222,11 @@ def run_triton(
         DOT_FP32=plan.dot_fp32,
         SPLIT=split,
         SOFTCAP=softcap > 0,
-        num_warps=plan.num_warps,
+        FP8=fp8,
+        E4M3=k_cache.dtype == torch.float8_e4m3fn,
+        # The byte decode of an fp8 cache adds registers: 4-warp decode tiles spill on sm_80
+        # and sm_90 (the AOT test), 8 do not.
+        num_warps=max(plan.num_warps, 8) if fp8 else plan.num_warps,
     )
     if split:
         _kernels.merge_splits_kernel[(q.shape[0], q.shape[1])](

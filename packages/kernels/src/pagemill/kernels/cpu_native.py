@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from pagemill.kernels.kv_quant import decode_table, is_fp8
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
@@ -128,16 +130,20 @@ def load() -> ctypes.CDLL | None:
         i32,
         ctypes.c_float,
         i32,
+        ptr,
+        ctypes.c_float,
+        ctypes.c_float,
     ]
     return lib
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native kernel serves these tensors (CPU, a float dtype, dense layouts)."""
+    """Whether the native kernel serves these tensors (CPU, a float dtype, dense layouts;
+    the cache in q's dtype or in fp8)."""
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPE_CODES
-        and k_cache.dtype == q.dtype
+        and (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype))
         and k_cache.is_contiguous()
         and q.stride(2) == 1
         and k_cache.shape[1] <= 256
@@ -157,18 +163,22 @@ def paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of one query token per request into `out` (at `rows`, else row = request).
 
     `window` > 0 attends to each request's last `window` positions only (the walk starts
     at the window's first block, so a windowed layer reads only its window); `softcap` > 0
-    caps the scaled scores as ``softcap * tanh(s / softcap)``.
+    caps the scaled scores as ``softcap * tanh(s / softcap)``. An fp8 cache is read as
+    bytes through its format's value table, times ``k_scale``/``v_scale``.
 
     `block_tables` [S, W] and `seq_lens` [S] are contiguous int32, `rows` [S] int64; the
     caller (the planner) guarantees every table reaches its context.
     """
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    lut = decode_table(k_cache.dtype) if is_fp8(k_cache.dtype) else None
     status = lib.pagemill_paged_decode(
         _DTYPE_CODES[q.dtype],
         q.data_ptr(),
@@ -192,6 +202,9 @@ def paged_decode(
         int(window),
         float(softcap),
         torch.get_num_threads(),
+        None if lut is None else lut.data_ptr(),
+        float(k_scale),
+        float(v_scale),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")

@@ -3,6 +3,9 @@
 The runtime computes ``slot = block_table[p // B] * B + p % B`` for every token it feeds;
 a slot of -1 marks a token whose K/V must not be stored (e.g. a padded row), so the op
 skips it rather than clobbering block 0.
+
+A float8 cache (``--kv-cache-dtype fp8``) stores ``saturate(x / scale)`` with the layer's
+``k_scale``/``v_scale`` (see `pagemill.kernels.kv_quant`); other caches take x as it is.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
+from pagemill.kernels.kv_quant import check_scale, is_fp8, quantize
 
 _kernels = lazy_kernels("kv_cache")
 
@@ -20,7 +24,11 @@ def _check_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             "k and v must both be [num_tokens, num_kv_heads, head_dim]; "
@@ -50,8 +58,10 @@ def write_kv_cache_torch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
     keep = slots >= 0
     if not bool(keep.all()):
@@ -61,8 +71,13 @@ def write_kv_cache_torch(
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if int(slots.max()) >= num_slots:
         raise ValueError(f"slot {int(slots.max())} is outside the cache ({num_slots} slots)")
-    for src, cache in ((k, k_cache), (v, v_cache)):
-        src = src.to(cache.dtype)
+    for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if is_fp8(cache.dtype):
+            # index_copy_ has no float8 kernel: the bytes move through uint8 views.
+            src = quantize(src, scale, cache.dtype).view(torch.uint8)
+            cache = cache.view(torch.uint8)
+        else:
+            src = src.to(cache.dtype)
         try:
             flat = cache.view(num_slots, cache.shape[2], cache.shape[3])
         except RuntimeError:
@@ -78,20 +93,28 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    _check_args(k, v, k_cache, v_cache, slot_mapping)
+    _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_triton_device(k, v, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
+    fp8 = is_fp8(k_cache.dtype)
+    one = None
+    if fp8 and (k_scale is None or v_scale is None):
+        one = torch.ones((), dtype=torch.float32, device=k.device)
     _kernels.write_kv_cache_kernel[(num_tokens,)](
         k,
         v,
-        k_cache,
-        v_cache,
+        k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache,
         slot_mapping.contiguous(),
+        (k_scale if k_scale is not None else one) if fp8 else k,
+        (v_scale if v_scale is not None else one) if fp8 else v,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -107,6 +130,9 @@ def write_kv_cache_triton(
         HEAD_DIM=head_dim,
         H_PAD=next_pow2(num_kv_heads),
         D_PAD=next_pow2(head_dim),
+        FP8=fp8,
+        E4M3=k_cache.dtype == torch.float8_e4m3fn,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
     )
 
 
@@ -116,6 +142,10 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    """Store k/v at their slots; ``k_scale``/``v_scale`` (0-dim fp32) quantize for an fp8
+    cache (None: 1.0) and are ignored by a cache in a float compute dtype."""
     impl = write_kv_cache_triton if use_triton(k) else write_kv_cache_torch
-    impl(k, v, k_cache, v_cache, slot_mapping)
+    impl(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

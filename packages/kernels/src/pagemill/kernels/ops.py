@@ -23,19 +23,21 @@ from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
 from pagemill.kernels.attention_cpu import TorchPlan
 from pagemill.kernels.kv_cache import write_kv_cache
+from pagemill.kernels.kv_quant import is_fp8
 
 COMPILE_READY = register_opaque(AttentionPlan)
 
 _LIB = torch.library.Library("pagemill", "DEF")
 _LIB.define(
     "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slot_mapping) -> ()"
+    "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
 )
 if COMPILE_READY:
     _LIB.define(
         "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
         f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
-        "float scale, int window=0, float softcap=0.0) -> Tensor"
+        "float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, "
+        "Tensor? v_scale=None) -> Tensor"
     )
 
 
@@ -45,9 +47,15 @@ def _write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    if k_cache.device.type != "cpu" or slot_mapping.dtype != torch.int64:
-        write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    if (
+        k_cache.device.type != "cpu"
+        or slot_mapping.dtype != torch.int64
+        or k_cache.dtype != k.dtype
+    ):
+        write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     # Compiled graphs are driven by the model runner, which derives every slot from block
     # tables it owns: valid by construction. So this path skips the checks of
@@ -63,6 +71,8 @@ def _write_kv_cache_fake(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     return None
 
@@ -80,6 +90,8 @@ if COMPILE_READY:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         impl = plan.impl
         if (
@@ -97,6 +109,7 @@ if COMPILE_READY:
             # the general entry's checks and dispatch cost about as much as the kernel
             # (12 of 37 us per layer, measured). The plan was built for these tensors.
             lib = cpu_native.load()
+            fp8 = is_fp8(k_cache.dtype)
             if lib is not None:
                 nd = impl.native
                 out = torch.empty_like(q)
@@ -112,6 +125,8 @@ if COMPILE_READY:
                     scale,
                     window,
                     softcap,
+                    1.0 if not fp8 or k_scale is None else float(k_scale),
+                    1.0 if not fp8 or v_scale is None else float(v_scale),
                 )
                 return out
         return paged_attention(
@@ -125,6 +140,8 @@ if COMPILE_READY:
             plan=plan,
             window=window,
             softcap=softcap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     def _paged_attention_fake(
@@ -135,6 +152,8 @@ if COMPILE_READY:
         scale: float,
         window: int = 0,
         softcap: float = 0.0,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch.empty_like(q)
 

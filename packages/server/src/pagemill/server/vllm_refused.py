@@ -168,11 +168,7 @@ REFUSED: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(("--num-gpu-blocks-override",), "size the pool with --kv-cache-memory-bytes"),
     VllmFlag(("--cpu-offload-gb",), "weights are not offloaded", neutral=("0",)),
-    _switch("--calculate-kv-scales", "the KV cache is stored in the compute dtype"),
     _switch("--kv-sharing-fast-prefill", "pagemill shares no KV between layers"),
-    VllmFlag(
-        ("--kv-cache-dtype",), "the KV cache is stored in the compute dtype", neutral=("auto",)
-    ),
     VllmFlag(("--mamba-cache-dtype",), _MAMBA, neutral=("auto",)),
     VllmFlag(("--mamba-ssm-cache-dtype",), _MAMBA, neutral=("auto",)),
     VllmFlag(("--mamba-block-size",), _MAMBA),

@@ -14,6 +14,8 @@ adds work to every score.
 import triton
 import triton.language as tl
 
+from pagemill.kernels._triton.fp8 import fp8_decode
+
 
 @triton.jit
 def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -47,6 +49,8 @@ def paged_attention_kernel(
     part_acc_ptr,
     part_ml_ptr,
     scale_log2,
+    k_scale_ptr,
+    v_scale_ptr,
     softcap,
     window,
     num_seqs,
@@ -73,6 +77,8 @@ def paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,
+    E4M3: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -104,6 +110,9 @@ def paged_attention_kernel(
     if DOT_FP32:
         qv = qv.to(tl.float32)
 
+    if FP8:
+        # fp8 K/V: the per-tensor K scale folds into the score scale, V's into the output.
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -127,8 +136,12 @@ def paged_attention_kernel(
         k_off = blk * stride_kb + in_blk * stride_ks + kvh * stride_kh
         v_off = blk * stride_vb + in_blk * stride_vs + kvh * stride_vh
         kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + k_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if FP8:
+            # uint8 views of the fp8 cache; every fp8 value is exact in fp16 and bf16.
+            k = fp8_decode(k, E4M3).to(qv.dtype)
+            v = fp8_decode(v, E4M3).to(qv.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -158,6 +171,8 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
     if SPLIT:
         # Partial state per (token, head, split): unnormalised acc, running max (log2 units), sum.
         num_splits = tl.num_programs(2)

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from pagemill.kernels._triton.fp8 import fp8_encode
+
 
 @triton.jit
 def write_kv_cache_kernel(
@@ -11,6 +13,8 @@ def write_kv_cache_kernel(
     kc_ptr,
     vc_ptr,
     slot_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -26,6 +30,9 @@ def write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -41,5 +48,13 @@ def write_kv_cache_kernel(
     vv = tl.load(v_ptr + t64 * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     kdst = kc_ptr + blk * stride_kcb + off * stride_kcs + h[:, None] * stride_kch + d[None, :]
     vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
-    tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        # Quantize: x / scale saturated to the format's range (no inf/NaN from outliers),
+        # stored as bytes (the caches arrive as uint8 views).
+        kq = tl.clamp(kv.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        vq = tl.clamp(vv.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        tl.store(kdst, fp8_encode(kq, E4M3), mask=mask)
+        tl.store(vdst, fp8_encode(vq, E4M3), mask=mask)
+    else:
+        tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)

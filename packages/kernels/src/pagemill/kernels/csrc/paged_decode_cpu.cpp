@@ -9,6 +9,8 @@
 // max and sum, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
+// An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
+// values; its per-tensor scales fold into the query (k_scale) and the output (v_scale).
 
 #include <cmath>
 #include <cstdint>
@@ -94,16 +96,29 @@ template <> struct Elem<2> {
     static inline void store(T* p, int64_t i, float v) { p[i] = float_to_half(v); }
 };
 
+// K/V element access: the compute dtype's own, or fp8 bytes decoded through a table.
+template <int DT, bool FP8> struct KVLoad;
+template <int DT> struct KVLoad<DT, false> {
+    using T = typename Elem<DT>::T;
+    static inline float load(const T* p, int64_t i, const float*) { return Elem<DT>::load(p, i); }
+};
+template <int DT> struct KVLoad<DT, true> {
+    using T = uint8_t;
+    static inline float load(const T* p, int64_t i, const float* lut) { return lut[p[i]]; }
+};
+
 constexpr int kMaxBlock = 256;    // largest block_size and head_dim served here
 
-template <int DT, int HEAD_DIM>
-void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_cache,
-                 const typename Elem<DT>::T* v_cache, typename Elem<DT>::T* out,
+template <int DT, bool FP8, int HEAD_DIM>
+void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::T* k_cache,
+                 const typename KVLoad<DT, FP8>::T* v_cache, typename Elem<DT>::T* out,
                  const int32_t* table, int32_t ctx, int64_t q_row, int64_t out_row,
                  int kvh, int group, int head_dim, int block_size, int num_kv_heads,
                  int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
-                 float scale, int window, float softcap) {
+                 float scale, int window, float softcap, const float* lut, float k_scale,
+                 float v_scale) {
     using E = Elem<DT>;
+    using KV = KVLoad<DT, FP8>;
     const int D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
     const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
     const int64_t block_stride = static_cast<int64_t>(block_size) * slot_stride;
@@ -111,7 +126,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
     std::vector<float> m(group, -INFINITY), l(group, 0.f), s(static_cast<size_t>(group) * block_size);
     for (int g = 0; g < group; ++g) {
         const auto* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
-        for (int d = 0; d < D; ++d) qf[g * D + d] = E::load(qp, d) * scale;
+        for (int d = 0; d < D; ++d) qf[g * D + d] = E::load(qp, d) * scale * k_scale;
     }
     const int num_blocks = (ctx + block_size - 1) / block_size;
     const int start = (window > 0 && ctx > window) ? ctx - window : 0;
@@ -124,7 +139,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
         for (int t = t0; t < n; ++t) {
             const auto* kt = kb + t * slot_stride;
             float kf[HEAD_DIM > 0 ? HEAD_DIM : kMaxBlock];
-            for (int d = 0; d < D; ++d) kf[d] = E::load(kt, d);
+            for (int d = 0; d < D; ++d) kf[d] = KV::load(kt, d, lut);
             for (int g = 0; g < group; ++g) {
                 const float* qg = &qf[g * D];
                 float dot = 0.f;
@@ -153,7 +168,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
         for (int t = t0; t < n; ++t) {
             const auto* vt = vb + t * slot_stride;
             float vf[HEAD_DIM > 0 ? HEAD_DIM : kMaxBlock];
-            for (int d = 0; d < D; ++d) vf[d] = E::load(vt, d);
+            for (int d = 0; d < D; ++d) vf[d] = KV::load(vt, d, lut);
             for (int g = 0; g < group; ++g) {
                 const float p = s[g * block_size + t];
                 float* ag = &acc[g * D];
@@ -164,19 +179,20 @@ void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_ca
     }
     for (int g = 0; g < group; ++g) {
         auto* op = out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
         for (int d = 0; d < D; ++d) E::store(op, d, acc[g * D + d] * inv);
     }
 }
 
-template <int DT, int HEAD_DIM>
+template <int DT, bool FP8, int HEAD_DIM>
 void decode_all(const void* q, const void* k_cache, const void* v_cache, void* out,
                 const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                 const int64_t* rows, int64_t num_seqs, int num_heads, int num_kv_heads,
                 int head_dim, int block_size, int64_t q_stride_t, int64_t q_stride_h,
                 int64_t o_stride_t, int64_t o_stride_h, float scale, int window, float softcap,
-                int num_threads) {
+                int num_threads, const float* lut, float k_scale, float v_scale) {
     using T = typename Elem<DT>::T;
+    using KT = typename KVLoad<DT, FP8>::T;
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
@@ -184,25 +200,26 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
         const int64_t seq = p / num_kv_heads;
         const int kvh = static_cast<int>(p % num_kv_heads);
         const int64_t row = rows ? rows[seq] : seq;
-        decode_pair<DT, HEAD_DIM>(static_cast<const T*>(q), static_cast<const T*>(k_cache),
-                                  static_cast<const T*>(v_cache), static_cast<T*>(out),
+        decode_pair<DT, FP8, HEAD_DIM>(static_cast<const T*>(q), static_cast<const KT*>(k_cache),
+                                  static_cast<const KT*>(v_cache), static_cast<T*>(out),
                                   block_tables + seq * table_stride, seq_lens[seq], row, row,
                                   kvh, group, head_dim, block_size, num_kv_heads, q_stride_t,
-                                  q_stride_h, o_stride_t, o_stride_h, scale, window, softcap);
+                                  q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
+                                  k_scale, v_scale);
     }
 }
 
-template <int DT>
+template <int DT, bool FP8>
 int dispatch_dim(const void* q, const void* k, const void* v, void* out, const int32_t* bt,
                  int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h,
                  int kvh, int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh,
-                 float scale, int win, float cap, int nt) {
+                 float scale, int win, float cap, int nt, const float* lut, float ks, float vs) {
     switch (d) {
-        case 64: decode_all<DT, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt); break;
-        case 128: decode_all<DT, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt); break;
+        case 64: decode_all<DT, FP8, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs); break;
+        case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs); break;
         default:
             if (d > kMaxBlock) return 2;
-            decode_all<DT, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt);
+            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs);
     }
     return 0;
 }
@@ -217,12 +234,16 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      int head_dim, int block_size, int64_t q_stride_t,
                                      int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                                      float scale, int window, float softcap,
-                                     int num_threads) {
+                                     int num_threads, const float* kv_lut, float k_scale,
+                                     float v_scale) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size > kMaxBlock) return 1;
     switch (dtype) {
-        case 0: return dispatch_dim<0>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
-        case 1: return dispatch_dim<1>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
-        case 2: return dispatch_dim<2>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads);
+        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
+                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
+        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
+                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
+        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
+                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
         default: return 3;
     }
 }

@@ -219,6 +219,12 @@ class EngineCore:
             vocab_size=model_config.vocab_size,
         )
         self.model_runner.use_cuda_graphs = self._cuda_graphs_wanted()
+        if cache.kv_cache_dtype != "auto" and self.tp is not None:
+            raise ValueError(
+                f"kv_cache_dtype={cache.kv_cache_dtype!r} is single-device for now; "
+                "use kv_cache_dtype='auto' with tensor_parallel_size > 1"
+            )
+        self.model_runner.kv_cache_dtype = cache.kv_cache_dtype
         tp = self.tp
         if tp is not None and self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
@@ -246,6 +252,10 @@ class EngineCore:
                 graphs.buckets,
                 seconds,
             )
+        kv_cache = self.model_runner.kv_cache
+        if cache.calculate_kv_scales and kv_cache is not None:
+            # After warm-up and capture, so the scales come from the first real prefill.
+            kv_cache.calculate_scales_on_next_forward()
         if self._workers is not None:
             self._workers.start_watching()
 

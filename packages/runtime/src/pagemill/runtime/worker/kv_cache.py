@@ -3,6 +3,10 @@
 The memory itself is a `pagemill.blockpool.KVStorage` (CuPy on CUDA, NumPy on CPU) that
 torch views zero-copy through DLPack, so the block pool's bookkeeping and the kernels
 share one allocation.
+
+With ``kv_cache_dtype`` fp8 the storage holds one byte per element (uint8 containers viewed
+as ``torch.float8_e4m3fn``/``float8_e5m2``), so the same budget sizes twice the blocks of a
+16-bit cache; each layer carries its K and V scales (`LayerKVScales`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import torch
 
 from pagemill.blockpool import CacheConfig, KVStorage, kv_bytes_per_token, num_blocks_for_budget
+from pagemill.blockpool.config import kv_cache_storage_dtype
 from pagemill.runtime.model_config import ModelConfig, canonical_dtype
 
 logger = logging.getLogger(__name__)
@@ -23,15 +28,57 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
-def kv_dtype_name(dtype: torch.dtype) -> str:
-    """The storage's name for a torch dtype ("torch.bfloat16" -> "bfloat16")."""
-    return canonical_dtype(str(dtype))
+# vLLM's calculate_kv_scales rule: scale = amax / constant (K_SCALE_CONSTANT,
+# V_SCALE_CONSTANT), leaving headroom under the fp8 maximum for later, larger activations.
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 
-def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_dtype_name(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
+    """The storage's name for the KV cache of a model computing in ``dtype``
+    ("torch.bfloat16" -> "bfloat16"; kv_cache_dtype "fp8" -> "float8_e4m3fn")."""
+    return kv_cache_storage_dtype(kv_cache_dtype, canonical_dtype(str(dtype)))
+
+
+def kv_torch_dtype(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dtype:
+    """The torch dtype the KV views have: ``dtype`` itself, or the fp8 format."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return getattr(torch, kv_dtype_name(dtype, kv_cache_dtype))
+
+
+def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     return kv_bytes_per_token(
-        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype_name(dtype)
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        kv_dtype_name(dtype, kv_cache_dtype),
     )
+
+
+class LayerKVScales:
+    """One layer's K and V scales (0-dim fp32, read by the kernels on every call; updated in
+    place so compiled graphs and CUDA graphs see new values). ``pending``: set them from
+    the next forward's K/V amax (``--calculate-kv-scales``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.k_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.v_scale = torch.ones((), dtype=torch.float32, device=device)
+        self.pending = False
+
+    def calculate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for scale, x, const in (
+            (self.k_scale, k, K_SCALE_CONSTANT),
+            (self.v_scale, v, V_SCALE_CONSTANT),
+        ):
+            amax = (
+                x.detach().abs().amax().float()
+                if x.numel()
+                else x.new_zeros((), dtype=torch.float32)
+            )
+            # An all-zero tensor says nothing about the range: keep 1.0 then.
+            scale.copy_(torch.where(amax > 0, amax / const, torch.ones_like(amax)))
+        self.pending = False
 
 
 def max_useful_blocks(block_size: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -46,9 +93,10 @@ def cpu_num_blocks(
     budget_bytes: int | None,
     max_num_seqs: int,
     max_model_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     budget = DEFAULT_CPU_KV_BYTES if budget_bytes is None else budget_bytes
-    n = num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype))
+    n = num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype))
     if budget_bytes is None:
         n = min(n, max_useful_blocks(block_size, max_num_seqs, max_model_len))
     return n
@@ -61,6 +109,7 @@ def cuda_num_blocks(
     device: torch.device,
     peak_activation_bytes: int,
     gpu_memory_utilization: float,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """Blocks that fit in utilization x total memory, after what is already used and the peak.
 
@@ -78,7 +127,7 @@ def cuda_num_blocks(
             f"gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.2f} GiB; "
             "raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
-    return num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype))
+    return num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype))
 
 
 def size_kv_pool(
@@ -101,7 +150,8 @@ def size_kv_pool(
     worth at a time, so one window plus a block (and the null block) is enough.
     """
     block_size = cache.block_size
-    per_token = bytes_per_token(config, dtype)
+    kv_dtype = cache.kv_cache_dtype
+    per_token = bytes_per_token(config, dtype, kv_dtype)
     if runner.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
         peak = runner.profile_peak_memory()
         # CUDA graphs hold their own pool (and buffers) for the engine's life, beside the
@@ -114,6 +164,7 @@ def size_kv_pool(
             runner.device,
             peak + graph_bytes,
             cache.gpu_memory_utilization,
+            kv_dtype,
         )
         logger.info(
             "profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
@@ -122,7 +173,13 @@ def size_kv_pool(
         )
     else:
         num_blocks = cpu_num_blocks(
-            config, dtype, block_size, cache.kv_cache_memory_bytes, max_num_seqs, max_model_len
+            config,
+            dtype,
+            block_size,
+            cache.kv_cache_memory_bytes,
+            max_num_seqs,
+            max_model_len,
+            kv_dtype,
         )
     needed = -(-max_model_len // block_size)
     if kv_sliding_window(config, cache, num_blocks) is not None:
@@ -140,13 +197,14 @@ def size_kv_pool(
         block_size,
         num_blocks * block_size,
         num_blocks * block_size * per_token / 2**20,
-        kv_dtype_name(dtype),
+        kv_dtype_name(dtype, kv_dtype),
     )
     return num_blocks
 
 
 class KVCache:
-    """Per-layer (K, V) torch views of the pool; keeps the backing storage alive."""
+    """Per-layer (K, V) torch views of the pool and their scales; keeps the backing storage
+    alive. ``dtype`` is the model's compute dtype, ``kv_cache_dtype`` the setting."""
 
     def __init__(
         self,
@@ -155,9 +213,14 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        compute_dtype = dtype
+        dtype = kv_torch_dtype(compute_dtype, kv_cache_dtype)
+        self.dtype = dtype
         self.storage: KVStorage | None = None
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         if device.type == "cuda":
@@ -168,7 +231,7 @@ class KVCache:
                     block_size,
                     config.num_key_value_heads,
                     config.head_dim,
-                    kv_dtype_name(dtype),
+                    kv_dtype_name(compute_dtype, kv_cache_dtype),
                     device=f"cuda:{device.index or 0}",
                 )
             except RuntimeError as e:
@@ -183,7 +246,7 @@ class KVCache:
                 block_size,
                 config.num_key_value_heads,
                 config.head_dim,
-                kv_dtype_name(dtype),
+                kv_dtype_name(compute_dtype, kv_cache_dtype),
                 device="cpu",
             )
         if self.storage is not None:
@@ -200,12 +263,30 @@ class KVCache:
                 for _ in range(config.num_hidden_layers)
             ]
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in self.caches)
+        self.scales = [LayerKVScales(device) for _ in range(config.num_hidden_layers)]
+
+    @property
+    def scales_pending(self) -> bool:
+        return any(s.pending for s in self.scales)
+
+    def calculate_scales_on_next_forward(self) -> None:
+        """``--calculate-kv-scales``: the next forward (run eagerly) sets every layer's."""
+        for s in self.scales:
+            s.pending = True
+
+    def load_scales(self, k_scales: list[float | None], v_scales: list[float | None]) -> None:
+        """Per-layer scales from a checkpoint (None: keep 1.0)."""
+        for s, k, v in zip(self.scales, k_scales, v_scales):
+            if k is not None:
+                s.k_scale.fill_(float(k))
+            if v is not None:
+                s.v_scale.fill_(float(v))
 
 
 def _as_torch(array: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     t = torch.from_dlpack(array)
-    if dtype == torch.bfloat16:
-        t = t.view(torch.bfloat16)  # stored as uint16 bit containers (NumPy has no bf16)
+    if dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        t = t.view(dtype)  # stored as uint16 / uint8 bit containers (NumPy has neither)
     if t.dtype != dtype:
         raise RuntimeError(f"KV storage holds {t.dtype}, the model computes in {dtype}")
     if t.device.type != device.type:

@@ -123,6 +123,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.kv_cache: KVCache | None = None
+        # CacheConfig.kv_cache_dtype, set by the engine before the pool is sized.
+        self.kv_cache_dtype = "auto"
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, device)
         # Live requests (running or preempted) until they finish; rows come and go.
         self.requests: dict[str, CachedRequestState] = {}
@@ -241,9 +243,14 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> KVCache:
         self.kv_cache = KVCache(
-            self.model_config, num_blocks, self.block_size, self.dtype, self.device
+            self.model_config,
+            num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_cache_dtype,
         )
-        self.model.bind_kv_caches(self.kv_cache.caches)
+        self.model.bind_kv_caches(self.kv_cache.caches, self.kv_cache.scales)
         return self.kv_cache
 
     # ---- CUDA graphs ---------------------------------------------------------------------
@@ -267,8 +274,11 @@ class ModelRunner:
         A trial capture against a one-block scratch cache (capture only records kernels;
         every row is padded, so nothing reads or writes the cache), measured and released.
         """
-        caches = KVCache(self.model_config, 1, self.block_size, self.dtype, self.device).caches
-        self.model.bind_kv_caches(caches)
+        scratch = KVCache(
+            self.model_config, 1, self.block_size, self.dtype, self.device, self.kv_cache_dtype
+        )
+        caches = scratch.caches
+        self.model.bind_kv_caches(caches, scratch.scales)
         try:
             return measure_graph_memory(lambda: self._build_graphs(caches), self.device)
         finally:
@@ -327,7 +337,12 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         scratch = KVCache(
-            self.model_config, blocks_needed, self.block_size, self.dtype, self.device
+            self.model_config,
+            blocks_needed,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.kv_cache_dtype,
         )
         # Only a torch-allocated scratch cache shows up in torch's counters.
         scratch_bytes = scratch.nbytes if scratch.storage is None else 0
@@ -335,7 +350,7 @@ class ModelRunner:
         self.kv_cache = scratch
         self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
         self.requests = {}
-        self.model.bind_kv_caches(scratch.caches)
+        self.model.bind_kv_caches(scratch.caches, scratch.scales)
         try:
             self.execute_model(batch)
             torch.cuda.synchronize(self.device)
@@ -639,7 +654,10 @@ class ModelRunner:
     def _local_logits(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's forward (the final-norm hidden states, whole on every rank) and its
         vocabulary columns of the logit rows (None when the step has none)."""
-        hidden = self._forward(step.input_ids, step.positions, step.attn)
+        forward = self._forward
+        if self.kv_cache is not None and self.kv_cache.scales_pending:
+            forward = self.model.forward  # --calculate-kv-scales: this step runs eagerly
+        hidden = forward(step.input_ids, step.positions, step.attn)
         assert step.batch is not None
         if not step.batch.num_samples:
             return hidden, None

@@ -93,7 +93,13 @@ def _add_hardware_args(
         "bandwidth_bytes_per_s, bf16_flops",
     )
     p.add_argument("--weight-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8 | int8 | int4")
-    p.add_argument("--kv-dtype", default="bf16", help="bf16 | fp16 | fp32 | fp8")
+    p.add_argument(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        default="bf16",
+        help="bf16 | fp16 | fp32 | fp8 | fp8_e4m3 | fp8_e5m2 (fp8: one byte per element, as "
+        "the engine's --kv-cache-dtype fp8 stores it)",
+    )
     add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
     add_config_args(
         p.add_argument_group("scheduler"), SchedulerConfig, scheduler_flags, defaults=defaults

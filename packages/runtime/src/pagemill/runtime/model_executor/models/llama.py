@@ -14,7 +14,7 @@ returns hidden states; logits are computed separately and only for the rows that
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
 from pagemill.runtime.model_executor.quantization.scheme import WeightScheme
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagemill.runtime.worker.kv_cache import LayerKVScales
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -99,6 +102,7 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner once the KV pool exists (views into KVStorage).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.kv_scales: LayerKVScales | None = None  # read by an fp8 KV cache only
 
     def forward(
         self,
@@ -120,14 +124,21 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(positions, q, k, cos_sin)
         plan = meta.plan
+        ks = vs = None
+        if self.kv_scales is not None:
+            if self.kv_scales.pending and not torch.compiler.is_compiling():
+                self.kv_scales.calculate(k, v)
+            ks, vs = self.kv_scales.k_scale, self.kv_scales.v_scale
         if torch.compiler.is_compiling():
             # One opaque call each in the graph (see pagemill.kernels.ops).
-            torch.ops.pagemill.write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            torch.ops.pagemill.write_kv_cache(
+                k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
+            )
             out = torch.ops.pagemill.paged_attention(
-                q, self.k_cache, self.v_cache, plan, self.scale, self.window, self.softcap
+                q, self.k_cache, self.v_cache, plan, self.scale, self.window, self.softcap, ks, vs
             )
         else:
-            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
             out = paged_attention(
                 q,
                 self.k_cache,
@@ -139,6 +150,8 @@ class LlamaAttention(nn.Module):
                 plan=plan,
                 window=self.window,
                 softcap=self.softcap,
+                k_scale=ks,
+                v_scale=vs,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -297,19 +310,28 @@ class LlamaForCausalLM(nn.Module):
         """`layers`, typed: a ModuleList yields plain Modules."""
         return [cast(DecoderLayer, layer) for layer in self.layers]
 
-    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def bind_kv_caches(
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_scales: list[LayerKVScales] | None = None,
+    ) -> None:
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}"
             )
-        for layer, (k, v) in zip(self.decoder_layers(), kv_caches):
+        scales: list[LayerKVScales | None] = [None] * len(kv_caches)
+        if kv_scales is not None:
+            scales = list(kv_scales)
+        for layer, (k, v), sc in zip(self.decoder_layers(), kv_caches, scales):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
+            layer.self_attn.kv_scales = sc
 
     def unbind_kv_caches(self) -> None:
         for layer in self.decoder_layers():
             layer.self_attn.k_cache = None
             layer.self_attn.v_cache = None
+            layer.self_attn.kv_scales = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -1,0 +1,155 @@
+"""fp8 KV cache vs the compute-dtype cache on one model: pool blocks in the same budget,
+greedy agreement over many prompts, prefill logit error, and a CPU decode step's time.
+
+    python benchmarks/kv_cache_fp8.py [--model M] [--kv fp8] [--prompts 32] [--tokens 32]
+
+Both engines run in one process on the same weights (default: the default model); the
+prompts are chat-templated questions so the continuations are the model's usual text.
+Agreement counts generated tokens equal at the same position (after a first divergence the
+texts differ, so this is a lower bound of how alike they read) and whole continuations
+that are identical. The step times are medians on a shared CPU: noisy, compare within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from pagemill.runtime import LLM, SamplingParams
+from pagemill.runtime.config import DEFAULT_MODEL
+
+TOPICS = [
+    "the moon",
+    "bread",
+    "rivers",
+    "volcanoes",
+    "bees",
+    "chess",
+    "the ocean",
+    "trains",
+    "music",
+    "winter",
+    "coffee",
+    "birds",
+    "mountains",
+    "rain",
+    "libraries",
+    "bicycles",
+    "gardens",
+    "stars",
+    "cats",
+    "the desert",
+    "forests",
+    "clocks",
+    "maps",
+    "bridges",
+    "islands",
+    "snow",
+    "paper",
+    "the wind",
+    "apples",
+    "lighthouses",
+    "owls",
+    "glass",
+]
+
+
+def prompts(llm: LLM, n: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        msgs = [{"role": "user", "content": f"Write two sentences about {topic}. ({i})"}]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        out.append(tok.encode(text, add_special_tokens=False))
+    return out
+
+
+def decode_step_ms(llm: LLM, batch: int, ctx: int, steps: int) -> float:
+    """Median engine step time of `batch` decodes at ~`ctx` tokens of context."""
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(100, 20000, (ctx,), generator=g).tolist()
+        engine.add_request(f"d{i}", ids, params)
+    times = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    # The last steps are pure decodes of the whole batch (prefill steps come first).
+    times = times[-(steps - 2) : -1]
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--kv", default="fp8")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--budget", default=str(256 << 20))
+    ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--decode-ctx", type=int, default=512)
+    ap.add_argument("--calculate-kv-scales", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
+    ref = LLM(args.model, **common)
+    q = LLM(
+        args.model,
+        kv_cache_dtype=args.kv,
+        calculate_kv_scales=args.calculate_kv_scales,
+        **common,
+    )
+    ps = prompts(ref, args.prompts)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in q.generate(ps, params, use_tqdm=False)]
+    same_pos = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)
+    ]
+    # Prefill logits at the last prompt position, from each engine's logprobs-free path.
+    lp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    errs, top1 = [], 0
+    for p in ps:
+        ra = ref.generate([p], lp, use_tqdm=False)[0].outputs[0].logprobs[0]
+        rb = q.generate([p], lp, use_tqdm=False)[0].outputs[0].logprobs[0]
+        shared = set(ra) & set(rb)
+        errs.append(max(abs(ra[t].logprob - rb[t].logprob) for t in shared))
+        top1 += max(ra, key=lambda t: ra[t].logprob) == max(rb, key=lambda t: rb[t].logprob)
+    res = {
+        "model": args.model,
+        "kv_cache_dtype": args.kv,
+        "calculate_kv_scales": args.calculate_kv_scales,
+        "dtype": str(ref.llm_engine.engine_core.dtype),
+        "blocks_same_budget": {
+            "auto": ref.llm_engine.engine_core.num_blocks,
+            args.kv: q.llm_engine.engine_core.num_blocks,
+        },
+        "prompts": len(ps),
+        "tokens_each": args.tokens,
+        "token_agreement_same_position": same_pos / (len(ps) * args.tokens),
+        "identical_continuations": sum(ra == rb for ra, rb in zip(a, b)) / len(ps),
+        "mean_common_prefix_tokens": statistics.mean(prefix),
+        "first_token_top1_agreement": top1 / len(ps),
+        "max_abs_logprob_err_top20_mean": statistics.mean(errs),
+        "max_abs_logprob_err_top20_max": max(errs),
+    }
+    print(json.dumps(res, indent=1), flush=True)
+    for name, llm in (("auto", ref), (args.kv, q)) if args.decode_batch else ():
+        res[f"decode_step_ms_{name}"] = decode_step_ms(llm, args.decode_batch, args.decode_ctx, 12)
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
