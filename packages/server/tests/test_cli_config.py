@@ -103,12 +103,19 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
     return [flag, value], value
 
 
+_COMPANIONS = {"calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
+
+
 @pytest.mark.parametrize("name", sorted(KWARG_ROUTES))
 @pytest.mark.parametrize("command", COMMANDS)
 def test_each_flag_lands_on_its_field(command: str, name: str) -> None:
     argv, value = _flag_value(name)
+    # Flags valid only beside another one: that one too, on both sides.
+    companion = _COMPANIONS.get(name, {})
+    for other, other_value in companion.items():
+        argv += ["--" + other.replace("_", "-"), other_value]
     got = cli.engine_config(parse([*COMMANDS[command], *argv]))
-    assert got == EngineConfig.from_kwargs(**{name: value})
+    assert got == EngineConfig.from_kwargs(**{name: value}, **companion)
     assert got != EngineConfig()
     section, field_name = KWARG_ROUTES[name]
     owner = got if section is None else getattr(got, section)

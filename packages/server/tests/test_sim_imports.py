@@ -21,6 +21,7 @@ ALLOWED_PAGEMILL = (
     "pagemill.server.sim",
     "pagemill.server.config_args",
     "pagemill.runtime.model_config",
+    "pagemill.runtime.moe_config",
     # Only inside `simulate --html` (lazily): the dashboard's picture and page, no torch.
     "pagemill.server.dashboard.replay",
 )

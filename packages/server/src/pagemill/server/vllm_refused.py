@@ -64,11 +64,12 @@ def _switch(flag: str, why: str, default_on: bool = False) -> VllmFlag:
 
 REFUSED: tuple[VllmFlag, ...] = (
     # ---- ModelConfig
-    VllmFlag(("--runner",), "pagemill runs generative models only", neutral=("auto", "generate")),
+    # --runner, --convert and --pooler-config are pagemill's own (EngineConfig) flags.
     VllmFlag(
-        ("--convert",), "pagemill converts no model to another task", neutral=("auto", "none")
+        ("--task",),
+        "vLLM's older name: use --runner pooling or --convert embed",
+        neutral=("auto", "generate"),
     ),
-    VllmFlag(("--task",), "pagemill runs generative models only", neutral=("auto", "generate")),
     VllmFlag(("--tokenizer-mode",), "pagemill uses the Hugging Face tokenizer", neutral=("auto",)),
     VllmFlag(("--hf-config-path",), "the model folder's config.json is used"),
     VllmFlag(("--allowed-local-media-path",), _MM),
@@ -89,8 +90,7 @@ REFUSED: tuple[VllmFlag, ...] = (
     _switch("--enable-prompt-embeds", "prompts are text or token ids"),
     VllmFlag(("--config-format",), "pagemill reads Hugging Face configs", neutral=("auto", "hf")),
     VllmFlag(("--hf-overrides",), "the model's config.json is used as it is"),
-    VllmFlag(("--pooler-config",), "pagemill has no pooling runner"),
-    VllmFlag(("--override-pooler-config",), "pagemill has no pooling runner"),
+    VllmFlag(("--override-pooler-config",), "vLLM's older name: use --pooler-config"),
     VllmFlag(("--logits-processor-pattern",), _CODE),
     VllmFlag(("--logits-processors",), _CODE, "values"),
     _switch("--enable-sleep-mode", "pagemill has no sleep mode"),
