@@ -180,3 +180,27 @@ def test_moe_gguf_generates_like_transformers(
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
+
+
+def test_quantized_experts_load_in_bf16_rounded_once(tmp_path, build_tiny_model) -> None:
+    """CPU bf16 serving: Q8_0 experts are held dense in bf16 (no fp32 copy), each weight the
+    `gguf` package's dequantized value rounded once — not recomputed with bf16 scales."""
+    family, arch, qtype, overrides = CASES["qwen3moe-Q8_0"]
+    build_tiny_model(tmp_path / "hf", family, seed=7, **overrides)
+    path = tmp_path / "gguf" / "tiny.gguf"
+    path.parent.mkdir()
+    held = safetensors_torch.load_file(
+        str(write_moe_gguf(tmp_path / "hf", path, family, arch, qtype) / "model.safetensors")
+    )
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_bytes=1 << 22)
+    model = llm.llm_engine.engine_core.model_runner.model
+    for i, layer in enumerate(model.layers):
+        experts = layer.mlp.experts
+        assert experts.w13_weight.dtype == experts.w2_weight.dtype == torch.bfloat16
+        inter = experts.intermediate_size
+        for j in range(experts.num_experts):
+            p = f"model.layers.{i}.mlp.experts.{j}."
+            want = torch.cat([held[p + "gate_proj.weight"], held[p + "up_proj.weight"]])
+            assert torch.equal(experts.w13_weight[j], want.to(torch.bfloat16))
+            assert torch.equal(experts.w2_weight[j], held[p + "down_proj.weight"].bfloat16())
+            assert experts.w13_weight[j].shape[0] == 2 * inter

@@ -250,8 +250,9 @@ class GGUFCheckpoint:
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """A stacked expert tensor (GGUF shape [in, rows, experts]) one expert at a time,
         so that no layer's experts are ever dense at once. Experts are served dense (the
-        MoE layer has no packed form), so nothing is requantized: exact rows are dequantized
-        into the compute dtype as they are copied in."""
+        MoE layer has no packed form), so nothing is requantized, and quantized rows are
+        dequantized exactly (fp32, one expert) before the one rounding to the compute dtype —
+        not with scales in that dtype, as a packed kernel would compute."""
         experts = shape[-1]
         size = n_bytes // experts
         arch = GGUF_ARCHS.get(self.architecture)
@@ -264,6 +265,8 @@ class GGUFCheckpoint:
                 requantize=False,
                 dense_dtype=dense_dtype,
             )
+            if isinstance(value, QuantizedRows):
+                value = value.dequantize(torch.float32).to(dense_dtype)
             yield hf.format(j), value if arch is None else arch.undo(name, value, config)
 
 
