@@ -7,7 +7,9 @@ tensors, as released checkpoints hold them) is written with `gguf.GGUFWriter` th
 ([E, rows, in]), routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`) kept F32, the expert
 counts and sizes as metadata keys; Mixtral as llama (q/k rows permuted). The reference is
 the original model with the file's weights (each tensor through the `gguf` package's
-quantize/dequantize): logits at every prompt position and greedy tokens.
+quantize/dequantize): logits at every prompt position and greedy tokens. (transformers'
+own GGUF reader cannot serve as a second reference here: it fails on these qwen2moe /
+qwen3moe files' expert shapes and reads a llama file with experts as a dense Llama.)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from pagemill.runtime import LLM
+from pagemill.runtime.model_executor.gguf_arch import Metadata, config_from_gguf
 
 # The dense architectures' writer (metadata keys, tokenizer, q/k permutation, round trip);
 # tests are imported by path (--import-mode=importlib), so it is loaded by path too.
@@ -204,3 +207,19 @@ def test_quantized_experts_load_in_bf16_rounded_once(tmp_path, build_tiny_model)
             assert torch.equal(experts.w13_weight[j], want.to(torch.bfloat16))
             assert torch.equal(experts.w2_weight[j], held[p + "down_proj.weight"].bfloat16())
             assert experts.w13_weight[j].shape[0] == 2 * inter
+
+
+def test_qwen_moe_file_with_a_dense_layer_is_refused(tmp_path, build_tiny_model) -> None:
+    """llama.cpp's qwen MoE architectures have no dense-MLP tensors: a file whose layer has
+    no router cannot be what the converter wrote, and is refused, naming the layers."""
+    family, arch, qtype, overrides = CASES["qwen3moe-F16"]
+    build_tiny_model(tmp_path / "hf", family, seed=7, **overrides)
+    path = tmp_path / "gguf" / "tiny.gguf"
+    path.parent.mkdir()
+    write_moe_gguf(tmp_path / "hf", path, family, arch, qtype)
+    reader = gguf.GGUFReader(str(path))
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert config_from_gguf(Metadata(reader.fields, shapes, lambda n: None))["num_experts"] == 8
+    del shapes["blk.1.ffn_gate_inp.weight"]
+    with pytest.raises(ValueError, match=r"qwen3moe GGUF has layers without a router \(\[1\]\)"):
+        config_from_gguf(Metadata(reader.fields, shapes, lambda n: None))
