@@ -223,3 +223,26 @@ def test_qwen_moe_file_with_a_dense_layer_is_refused(tmp_path, build_tiny_model)
     del shapes["blk.1.ffn_gate_inp.weight"]
     with pytest.raises(ValueError, match=r"qwen3moe GGUF has layers without a router \(\[1\]\)"):
         config_from_gguf(Metadata(reader.fields, shapes, lambda n: None))
+
+
+@pytest.mark.slow  # two worker processes
+def test_moe_gguf_tp2_generates_like_transformers(
+    tmp_path, build_tiny_model, random_prompts, hf_greedy
+) -> None:
+    """Under tensor parallelism the per-expert tensors read from the stacks are split by the
+    experts' intermediate size like a safetensors checkpoint's (shared expert included)."""
+    family, arch, qtype, overrides = CASES["qwen2moe-F32"]
+    build_tiny_model(tmp_path / "hf", family, seed=7, **overrides)
+    path = tmp_path / "gguf" / "tiny.gguf"
+    path.parent.mkdir()
+    ref_dir = write_moe_gguf(tmp_path / "hf", path, family, arch, qtype)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(ref_dir), dtype=torch.float32
+    ).eval()
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, kv_cache_memory_bytes=1 << 22)
+    try:
+        prompts = random_prompts([7, 30], ref.config.vocab_size, seed=5)
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+            assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
+    finally:
+        llm.shutdown()
