@@ -55,6 +55,12 @@ QWEN3_MOE = dict(
 CASES: dict[str, tuple[str, str, Any, dict[str, Any]]] = {
     "qwen3moe-F16": ("qwen3_moe", "qwen3moe", QT.F16, QWEN3_MOE),
     "qwen3moe-Q8_0": ("qwen3_moe", "qwen3moe", QT.Q8_0, {**QWEN3_MOE, "tie_word_embeddings": True}),
+    "olmoe-Q4_0": (
+        "olmoe",
+        "olmoe",
+        QT.Q4_0,
+        dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False),
+    ),
     # A shared expert with its sigmoid gate, top-3 not renormalised (llama.cpp's qwen2moe).
     # Every layer sparse: llama.cpp's qwen MoE architectures have no dense-MLP tensors.
     "qwen2moe-F32": (
