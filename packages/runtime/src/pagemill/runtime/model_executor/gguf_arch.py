@@ -28,6 +28,16 @@ Per architecture:
   and leaves the rest unscaled. head_dim is always hidden / heads (the converter drops it).
 - smollm3: llama's conventions; which layers skip RoPE is not stored — llama.cpp drops it
   from every fourth layer (layers 3, 7, ...), as SmolLM3's released configs do.
+- llama with experts (Mixtral — llama.cpp writes it as llama): `expert_count` /
+  `expert_used_count`, `feed_forward_length` each expert's; served as Mixtral.
+- qwen2moe, qwen3moe, olmoe: `expert_count` / `expert_used_count`; Qwen's routed experts
+  `expert_feed_forward_length` (`feed_forward_length` is the config's intermediate_size),
+  Qwen2-MoE's shared expert `expert_shared_feed_forward_length`. Every layer is sparse (the
+  format has no dense-MLP tensors for them: no `mlp_only_layers`). `norm_topk_prob` is not
+  stored: llama.cpp renormalises the top-k weights for qwen3moe and Mixtral, not for
+  qwen2moe or olmoe, whatever the original config said.
+- every MoE: a layer's experts are stacked into one tensor per projection
+  (`ffn_{gate,up,down}_exps`, [E, rows, in]), which `gguf_weights` hands out per expert.
 - olmo2: tensors renamed only (NEOX RoPE; the converter is not llama's, nothing permuted);
   q/k norms over the whole projection are `attn_q_norm` / `attn_k_norm`, the post-norms
   `post_attention_norm` / `post_ffw_norm`. A window (`attention.sliding_window`) means
@@ -194,6 +204,14 @@ def _llama(meta: Metadata, cfg: dict[str, Any]) -> None:
             meta.tensor("rope_freqs.weight"), cfg["rope_parameters"]["rope_theta"], cfg["head_dim"]
         )
         cfg["rope_parameters"].update(scaling)
+    if int(meta.arch_key("expert_count", 0) or 0) > 0:  # Mixtral, written as llama
+        cfg["architectures"] = ["MixtralForCausalLM"]
+        cfg["model_type"] = "mixtral"
+        _experts(meta, cfg, "num_local_experts", renormalize=True)
+        cfg["sliding_window"] = None
+        biases = cfg.pop("attention_bias"), cfg.pop("mlp_bias")
+        if any(biases):
+            raise ValueError("a llama GGUF with experts and biases is not Mixtral")
 
 
 def _granite(meta: Metadata, cfg: dict[str, Any]) -> None:
@@ -229,6 +247,54 @@ def _olmo2(meta: Metadata, cfg: dict[str, Any]) -> None:
     attn = meta.arch_key("rope.scaling.attn_factor")  # the converter's key for OLMo's yarn
     if rope.get("rope_type") == "yarn" and attn is not None:
         rope.setdefault("attention_factor", float(attn))
+
+
+def _experts(meta: Metadata, cfg: dict[str, Any], count_key: str, renormalize: bool) -> None:
+    """The routing facts every MoE file states; `renormalize` is llama.cpp's fixed choice
+    for the architecture (it keeps no `norm_topk_prob`)."""
+    cfg[count_key] = int(meta.required("expert_count"))
+    cfg["num_experts_per_tok"] = int(meta.required("expert_used_count"))
+    cfg["norm_topk_prob"] = renormalize
+
+
+def _expert_rows(meta: Metadata, tensor: str, key: str) -> int:
+    """An expert size from its key, or else from the first layer's tensor that has it
+    (GGUF shapes are innermost first: [in, rows, experts])."""
+    value = meta.arch_key(key)
+    if value is not None:
+        return int(_uniform(meta, key))
+    for name, shape in meta.shapes.items():
+        if name.startswith("blk.") and name.endswith(f".{tensor}.weight"):
+            return int(shape[1])
+    raise ValueError(f"the GGUF has neither {meta.arch}.{key} nor {tensor} tensors")
+
+
+def _qwen_moe(meta: Metadata, cfg: dict[str, Any]) -> None:
+    qwen3 = meta.arch == "qwen3moe"
+    _experts(meta, cfg, "num_experts", renormalize=qwen3)
+    cfg["moe_intermediate_size"] = _expert_rows(meta, "ffn_gate_exps", "expert_feed_forward_length")
+    dense = [
+        i
+        for i in range(cfg["num_hidden_layers"])
+        if f"blk.{i}.ffn_gate_inp.weight" not in meta.shapes
+    ]
+    if dense:  # llama.cpp's qwen MoE architectures have no tensor for a dense MLP either
+        raise ValueError(f"this {meta.arch} GGUF has layers without a router ({dense})")
+    cfg["use_sliding_window"] = False
+    if qwen3:
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in meta.shapes
+    elif any(n.endswith(".ffn_gate_shexp.weight") for n in meta.shapes):
+        cfg["shared_expert_intermediate_size"] = _expert_rows(
+            meta, "ffn_gate_shexp", "expert_shared_feed_forward_length"
+        )
+    else:
+        raise ValueError("this qwen2moe GGUF has no shared expert, which Qwen2-MoE always has")
+
+
+def _olmoe(meta: Metadata, cfg: dict[str, Any]) -> None:
+    _experts(meta, cfg, "num_experts", renormalize=False)
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in meta.shapes
+    cfg["clip_qkv"] = None
 
 
 def _qwen2(meta: Metadata, cfg: dict[str, Any]) -> None:
@@ -341,6 +407,9 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         GGUFArch("granite", "GraniteForCausalLM", "granite", permuted_qk=True, configure=_granite),
         GGUFArch("smollm3", "SmolLM3ForCausalLM", "smollm3", permuted_qk=True, configure=_smollm3),
         GGUFArch("olmo2", "Olmo2ForCausalLM", "olmo2", configure=_olmo2),
+        GGUFArch("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe", configure=_qwen_moe),
+        GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe", configure=_qwen_moe),
+        GGUFArch("olmoe", "OlmoeForCausalLM", "olmoe", configure=_olmoe),
     )
 }
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,9 @@ def read_gguf_tensor(
 
 
 _INDEX_VERSION = 1
+# A per-expert Hugging Face name: llama.cpp stacks a layer's experts into one tensor
+# (`ffn_gate_exps`, ...) named as the converter's merged name, without the expert index.
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)\.(.*)$")
 
 
 class GGUFCheckpoint:
@@ -175,7 +179,8 @@ class GGUFCheckpoint:
         return counts
 
     def _name_map(self, names: Iterable[str]) -> dict[str, str]:
-        """GGUF tensor name -> Hugging Face name, for the Hugging Face names asked for."""
+        """GGUF tensor name -> Hugging Face name, for the Hugging Face names asked for; a
+        stacked expert tensor -> the per-expert name with `{}` for the expert index."""
         import gguf
 
         archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
@@ -189,6 +194,10 @@ class GGUFCheckpoint:
             g = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
             if g is not None:
                 out[g] = hf
+            elif (m := _EXPERT.match(hf)) is not None:
+                g = tmap.get_name(m[1] + m[3], try_suffixes=(".weight", ".bias"))
+                if g is not None:
+                    out[g] = f"{m[1]}{{}}.{m[3]}"
         return out
 
     def weights(
@@ -211,6 +220,11 @@ class GGUFCheckpoint:
             hf = mapping.get(name)
             if hf is None:
                 continue
+            if "{}" in hf:
+                yield from self._experts(
+                    hf, name, kind, shape, offset, n_bytes, config, dense_dtype
+                )
+                continue
             value = read_gguf_tensor(
                 kind,
                 tuple(shape),
@@ -222,6 +236,38 @@ class GGUFCheckpoint:
             if arch is not None:  # llama.cpp's storage conventions (q/k permutation, norms)
                 value = arch.undo(name, value, config)
             yield hf, value
+
+    def _experts(
+        self,
+        hf: str,
+        name: str,
+        kind: int,
+        shape: list[int],
+        offset: int,
+        n_bytes: int,
+        config: ModelConfig,
+        dense_dtype: torch.dtype,
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
+        """A stacked expert tensor (GGUF shape [in, rows, experts]) one expert at a time,
+        so that no layer's experts are ever dense at once. Experts are served dense (the
+        MoE layer has no packed form), so nothing is requantized, and quantized rows are
+        dequantized exactly (fp32, one expert) before the one rounding to the compute dtype —
+        not with scales in that dtype, as a packed kernel would compute."""
+        experts = shape[-1]
+        size = n_bytes // experts
+        arch = GGUF_ARCHS.get(self.architecture)
+        for j in range(experts):
+            start = offset + j * size
+            value = read_gguf_tensor(
+                kind,
+                tuple(shape[:-1]),
+                self._data[start : start + size],
+                requantize=False,
+                dense_dtype=dense_dtype,
+            )
+            if isinstance(value, QuantizedRows):
+                value = value.dequantize(torch.float32).to(dense_dtype)
+            yield hf.format(j), value if arch is None else arch.undo(name, value, config)
 
 
 def iterate_gguf_weights(
