@@ -17,7 +17,7 @@ from pagemill.blockpool.kv_cache_manager import CacheRequest, KVCacheManager, Pr
 from pagemill.blockpool.kv_storage import KVStorage
 from pagemill.blockpool.sizing import DTYPE_BYTES, kv_bytes_per_token, num_blocks_for_budget
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "DTYPE_BYTES",

@@ -41,7 +41,7 @@ from pagemill.kernels.rotary import (
     rope_cos_sin,
 )
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = [
     "AttentionPlan",

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.sample.structured_output import StructuredOutputsParams
     from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 _LAZY = {
     "DEFAULT_MODEL": ".config",

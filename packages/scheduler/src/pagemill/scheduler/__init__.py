@@ -13,7 +13,7 @@ from pagemill.scheduler.stats import SchedulerStats
 from pagemill.scheduler.stopping import check_stop
 from pagemill.scheduler.token_ids_view import TokenIdsView
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "Request",
