@@ -336,8 +336,11 @@ def test_run_batch_takes_the_engine_flags() -> None:
 def test_hub_options_reach_huggingface_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from pagemill.runtime.model_executor.model_source import hub_cache_dir
 
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    # setenv first, so that monkeypatch restores these (apply_hub_options sets os.environ
+    # itself, and a variable delenv found absent would not be removed afterwards).
+    for name in ("HF_HUB_CACHE", "HF_TOKEN"):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     vllm_args.apply_hub_options(
         parse(["serve", "--download-dir", str(tmp_path), "--hf-token", "t"])
     )
