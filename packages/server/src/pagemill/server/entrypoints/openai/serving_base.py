@@ -272,7 +272,19 @@ class ServingBase:
     async def collect(
         self, raw_request: Request, out_queue: asyncio.Queue[Any], ids: list[str]
     ) -> list[Any]:
-        """Final outputs in prompt order; a client that hangs up aborts the requests.
+        """Final outputs in prompt order; a client that hangs up aborts the requests."""
+        final = await self.collect_final(raw_request, out_queue, ids)
+        for out in final.values():
+            try:
+                check_failed(out.outputs)
+            except RequestFailedError as exc:
+                raise failure(RequestFailedError(f"{out.request_id}: {out.outputs}")) from exc
+        return [final[rid] for rid in ids]
+
+    async def collect_final(
+        self, raw_request: Request, out_queue: asyncio.Queue[Any], ids: list[str]
+    ) -> dict[str, Any]:
+        """Each request's final output, by id (a 499 if the client hangs up first).
 
         A watcher waits for the connection's `http.disconnect` beside the collection, so a
         request still queued (no outputs to notice it by) is aborted as soon as the client
@@ -304,15 +316,9 @@ class ServingBase:
         if not collecting.done() or collecting.cancelled():
             raise APIError(499, "client disconnected")
         try:
-            final = collecting.result()
+            return collecting.result()
         except EngineDeadError as exc:
             raise failure(exc) from exc
-        for out in final.values():
-            try:
-                check_failed(out.outputs)
-            except RequestFailedError as exc:
-                raise failure(RequestFailedError(f"{out.request_id}: {out.outputs}")) from exc
-        return [final[rid] for rid in ids]
 
 
 class ReleasingStream:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import time
 from typing import Any, Literal
 
@@ -221,36 +220,7 @@ class EmbeddingServing(ServingBase):
         self, raw_request: Request, out_queue: asyncio.Queue[Any], ids: list[str]
     ) -> list[EmbeddingRequestOutput]:
         """Every vector in input order; a client that hangs up aborts the rest."""
-
-        async def gather() -> dict[str, EmbeddingRequestOutput]:
-            final: dict[str, EmbeddingRequestOutput] = {}
-            async with contextlib.aclosing(self.client.stream(out_queue, ids)) as stream:
-                async for out in stream:
-                    item: Any = out  # pooling requests yield EmbeddingRequestOutputs
-                    if isinstance(item, EmbeddingRequestOutput):
-                        final[item.request_id] = item
-            return final
-
-        async def watch() -> None:
-            while (await raw_request.receive())["type"] != "http.disconnect":
-                pass
-
-        collecting = asyncio.ensure_future(gather())
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await asyncio.wait({collecting, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (collecting, watcher):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-        if not collecting.done() or collecting.cancelled():
-            raise APIError(499, "client disconnected")
-        try:
-            final = collecting.result()
-        except EngineDeadError as exc:
-            raise failure(exc) from exc
+        final = await self.collect_final(raw_request, out_queue, ids)
         outputs = [final[rid] for rid in ids]
         for i, out in enumerate(outputs):
             if out.finish_reason == "length":
