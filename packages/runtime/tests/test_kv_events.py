@@ -210,3 +210,30 @@ def test_bad_kv_events_config_is_refused(tiny_llama) -> None:
         _engine(folder, {"enable_kv_cache_events": True, "publisher": "kafka"})
     with pytest.raises(ValueError, match="unknown field"):
         _engine(folder, {"enable_kv_cache_events": True, "endpiont": "tcp://*:1"})
+
+
+def test_default_endpoint_is_the_loopback_and_bound() -> None:
+    """Servers bind to 127.0.0.1 unless told otherwise: vLLM's default binds every
+    interface (tcp://*), pagemill's the loopback; a loopback endpoint is bound, so a
+    subscriber connects to it."""
+    from pagemill.runtime.engine.kv_events import KVEventBatch as OurBatch
+    from pagemill.runtime.engine.kv_events import KVEventsConfig, ZmqEventPublisher
+
+    assert KVEventsConfig().endpoint == "tcp://127.0.0.1:5557"
+    port = _free_port()
+    publisher = ZmqEventPublisher(KVEventsConfig(True, "zmq", endpoint=f"tcp://127.0.0.1:{port}"))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < deadline:  # a slow joiner misses the first
+            publisher.publish(OurBatch(time.time(), []))
+            if sub.poll(100):
+                got = sub.recv_multipart()
+        assert got is not None and len(got) == 3
+        assert DECODER.decode(got[2]).events == []
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()

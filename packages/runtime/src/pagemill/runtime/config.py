@@ -152,7 +152,8 @@ class EngineConfig:
     """Publish KV-cache events in vLLM's format, as JSON with vLLM's fields, e.g.
     '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
     "replay_endpoint": "tcp://*:5558"}' (also buffer_steps, hwm, max_queue_size, topic);
-    with data parallelism core N uses each port + N."""
+    the endpoint defaults to tcp://127.0.0.1:5557 (vLLM's: every interface, *); with data
+    parallelism core N uses each port + N."""
 
     data_parallel_size: int = 1
     """Run this many engine cores (each its own process, the CPU threads split between

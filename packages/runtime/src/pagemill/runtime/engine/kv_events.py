@@ -97,13 +97,17 @@ def to_wire(
     return out
 
 
+_LOOPBACK = ("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:")
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's `--kv-events-config` fields and defaults."""
+    """vLLM's `--kv-events-config` fields and defaults, except `endpoint`: vLLM binds
+    `tcp://*:5557`, every interface; pagemill binds the loopback unless told otherwise."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "null"
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
@@ -175,11 +179,13 @@ class ZmqEventPublisher(EventPublisher):
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         assert self.endpoint is not None
-        # vLLM's rule: a wildcard or local address is bound, anything else connected to.
+        # vLLM's rule: a wildcard or local address is bound, anything else connected to
+        # (a consumer listening there); the loopback counts as local.
         if (
             "*" in self.endpoint
             or "::" in self.endpoint
             or self.endpoint.startswith(("ipc://", "inproc://"))
+            or self.endpoint.startswith(_LOOPBACK)
         ):
             self._pub.bind(self.endpoint)
         else:
