@@ -389,12 +389,21 @@ def test_streamed_required_and_auto_tool_calls(client: openai.OpenAI) -> None:
             parallel_tool_calls=False,
         )
     )
-    calls = [
-        d.tool_calls for c in chunks if c.choices for d in [c.choices[0].delta] if d.tool_calls
-    ]
-    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
-    for call in calls[0]:
-        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    # Calls stream incrementally: each call's name once, then its argument pieces.
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    pieces = 0
+    for c in chunks:
+        for part in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            if part.function and part.function.name:
+                names[part.index] = part.function.name
+            if part.function and part.function.arguments:
+                arguments[part.index] = arguments.get(part.index, "") + part.function.arguments
+                pieces += 1
+    assert names and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert len(names) == 1 and pieces > 1  # parallel_tool_calls=False; streamed in pieces
+    for index, name in names.items():
+        jsonschema.validate(json.loads(arguments[index]), PARAMS[name])
     auto = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0
     )
