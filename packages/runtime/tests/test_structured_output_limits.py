@@ -8,7 +8,9 @@ its deadline is killed, and the next grammar compiles at once.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -172,12 +174,36 @@ def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_i
         assert time.monotonic() - t0 < 1.0  # beside the runaway, not behind it
         with pytest.raises(GrammarCompileTimeout, match="within 1 s"):
             runaway.future.result(timeout=30)
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 15.0
         assert workers.num_killed == 1
         # The slot replaced its worker: the next grammar compiles promptly.
         t1 = time.monotonic()
         assert workers.submit(("regex", "[0-9]{4}")).future.result(timeout=30) is not None
         assert time.monotonic() - t1 < 5.0
+    finally:
+        workers.shutdown()
+
+
+def test_a_compile_starved_of_cpu_is_not_a_timeout(tokenizer_info) -> None:
+    """The deadline counts the worker's CPU time: a compile that cannot get a core for
+    longer than the deadline (a loaded machine; here its worker is stopped) still
+    completes, while a runaway (above) is stopped."""
+    workers = CompileWorkers(tokenizer_info, num_workers=1, timeout=1.0, cache_limit_bytes=8 << 20)
+    try:
+        assert workers.submit(("regex", "[ab]+")).future.result(timeout=120) is not None
+        worker = workers._workers[0]
+        assert worker is not None and worker.pid is not None
+        before = worker.cpu_seconds()
+        assert before is not None
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            job = workers.submit(("regex", "[0-9]{3}-[a-z]+"))
+            time.sleep(2.5)  # 2.5x the deadline in wall time, no CPU used
+            assert not job.future.done()
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert job.future.result(timeout=30) is not None
+        assert workers.num_killed == 0
     finally:
         workers.shutdown()
 

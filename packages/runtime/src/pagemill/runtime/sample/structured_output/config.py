@@ -9,7 +9,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     structured_outputs_compile_timeout: float = 10.0
-    """Seconds a grammar may take to compile; past it the compile is stopped and its
+    """Seconds of CPU a grammar may take to compile (CPU, so that a compile waiting for a
+    core on a loaded machine is not stopped for it); past it the compile is stopped and its
     request fails with finish_reason "error" (a grammar that passed the request limits can
     still be this costly)."""
 

@@ -8,9 +8,9 @@ thread every later grammar waited behind it. A process can be killed. Each of
 by a small "zygote" process (one per engine process, started with `python -m` so it never
 re-imports the caller's `__main__`, as multiprocessing's spawn and forkserver would) that
 imported xgrammar once: a replacement starts in milliseconds rather than the seconds an
-import of xgrammar (and so torch) takes. A compile that runs past `timeout` seconds, or that
-nobody waits for any more, is ended by killing its process, which the slot then replaces. The
-compiled grammar comes back serialized (xgrammar's JSON: about 50 KB and 1 ms for a small
+import of xgrammar (and so torch) takes. A compile that uses more than `timeout` seconds of
+CPU, or that nobody waits for any more, is ended by killing its process, which the slot then
+replaces. The compiled grammar comes back serialized (xgrammar's JSON, small for a small
 schema) and is rebuilt here against the same `TokenizerInfo`.
 """
 
@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 # xgrammar, and so of torch) before its slot gives up.
 START_TIMEOUT_S = 120.0
 _POLL_S = 0.02
+# The wall-clock backstop behind the CPU-time deadline (see `_past_deadline`).
+_WALL_FACTOR = 6.0
+_WALL_MIN_EXTRA_S = 50.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class GrammarCompileError(ValueError):
@@ -200,6 +204,22 @@ class _Worker:
             raise RuntimeError("the grammar worker did not start")
         _, self.pid = self.conn.recv()
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) the worker has used, or None where /proc cannot say."""
+        if self.pid is None:
+            return None
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        # The command name (field 2) may hold spaces: count fields after its closing ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        try:
+            return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (IndexError, ValueError):
+            return None
+
     def kill(self) -> None:
         if self.pid is not None:
             with contextlib.suppress(OSError):
@@ -280,11 +300,28 @@ class CompileWorkers:
         if worker is not None:
             worker.kill()
 
+    def _past_deadline(self, worker: _Worker, start: float, cpu_start: float | None) -> bool:
+        """Whether the compile has used up its time.
+
+        The deadline counts the worker's CPU time, not the clock: it is there to stop a
+        runaway grammar, which burns CPU, and a compile that merely waits for a core on a
+        loaded machine (an engine step and other compiles on the same cores) has done
+        nothing wrong. A generous wall-clock limit stays behind it for a worker that makes
+        no progress at all, and for systems without /proc."""
+        wall = time.monotonic() - start
+        if cpu_start is None:
+            return wall > self.timeout
+        if wall > max(_WALL_FACTOR * self.timeout, self.timeout + _WALL_MIN_EXTRA_S):
+            return True
+        cpu = worker.cpu_seconds()
+        return cpu is not None and cpu - cpu_start > self.timeout
+
     def _run(self, worker: _Worker, job: CompileJob) -> tuple[_Worker | None, Any]:
         """Compile on `worker`; returns the worker (None once killed) and the outcome."""
         import xgrammar as xgr
 
         start = time.monotonic()
+        cpu_start = worker.cpu_seconds()
         try:
             worker.conn.send(job.key)
             while True:
@@ -295,7 +332,7 @@ class CompileWorkers:
                     worker.kill()
                     self.num_killed += 1
                     return None, GrammarCompileCancelled()
-                if time.monotonic() - start > self.timeout:
+                if self._past_deadline(worker, start, cpu_start):
                     worker.kill()
                     self.num_killed += 1
                     return None, GrammarCompileTimeout(
