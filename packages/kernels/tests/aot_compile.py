@@ -112,10 +112,11 @@ def _attention(
     softcap: float = 0.0,
     window: int = 0,
     kv: str = "",
+    sinks: bool = False,
 ) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
     sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant, an fp8
-    cache ``kv`` = "e4m3"/"e5m2" another)."""
+    cache ``kv`` = "e4m3"/"e5m2" another, attention ``sinks`` another)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
@@ -157,6 +158,7 @@ def _attention(
         softcap=softcap,
         k_scale=torch.ones(()) if kv else None,
         v_scale=torch.ones(()) if kv else None,
+        sinks=torch.zeros(heads) if sinks else None,
     )
 
 
@@ -241,6 +243,10 @@ def record_launches(grid: str) -> list[Launch]:
             dict(main, mode="decode-split", kv="e4m3"),
             dict(main, mode="prefill", kv="e4m3"),
             dict(main, mode="decode", kv="e5m2"),
+            # gpt-oss (head_dim 64, GQA 8): attention sinks, alternating 128-key windows.
+            dict(dtype="bf16", head_dim=64, group=8, mode="prefill", sinks=True, window=128),
+            dict(dtype="bf16", head_dim=64, group=8, mode="decode", sinks=True),
+            dict(dtype="bf16", head_dim=64, group=8, mode="decode-split", sinks=True),
         ]
         models = [("bf16", "llama-3.1-8b")]
         moe = [("bf16", "qwen3-30b-a3b", t) for t in (1, 64, 512)]
@@ -282,6 +288,12 @@ def record_launches(grid: str) -> list[Launch]:
             for d, g in sorted(layouts)
             for mode in ("decode", "decode-split", "prefill")
         ]
+        attention += [  # attention sinks (gpt-oss)
+            dict(dtype=dt, head_dim=d, group=8, mode=mode, sinks=True)
+            for dt in DTYPES
+            for d in HEAD_DIMS
+            for mode in ("decode", "decode-split", "prefill")
+        ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
         moe = [(dt, m, t) for dt in DTYPES for m in MOE_MODELS for t in (1, 64, 512)]
     for case in attention:
@@ -301,6 +313,7 @@ def record_launches(grid: str) -> list[Launch]:
                     "softcap",
                     "window",
                     "kv",
+                    "sinks",
                 )
                 if k in case
             },

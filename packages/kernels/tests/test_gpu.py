@@ -63,6 +63,30 @@ def test_paged_attention(tiled_triton_plan, dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 128])
+def test_paged_attention_sinks(tiled_triton_plan, dtype, window):
+    """gpt-oss-20b's heads (64 x 64, GQA 8): attention sinks, with and without its sliding
+    window, one pass and split contexts, against the CPU torch path (itself checked against
+    a dense reference in test_attention_sinks)."""
+    heads, kv_heads, head_dim = 64, 8, 64
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for q_lens, ctx in (([1, 300, 17, 1], [2000, 300, 40, 513]), ([1] * 4, [1, 3000, 17, 900])):
+        cpu, gpu = batch(q_lens, ctx, heads, kv_heads, head_dim, dtype)
+        ref = K.paged_attention_torch(
+            *(t.float() if t.is_floating_point() else t for t in cpu),
+            0.125,
+            window=window,
+            sinks=sinks,
+        )
+        q, kc, _, bt, qsl, sl = gpu
+        for splits in (1, 5) if q_lens == [1] * 4 else (1,):
+            plan = tiled_triton_plan(q, kc, bt, qsl, sl, num_splits=splits)
+            out = K.paged_attention(*gpu, 0.125, plan=plan, window=window, sinks=sinks.cuda())
+            assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_ops(dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 576, generator=g).to(dtype)
