@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "GptOssForCausalLM",
 )
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -58,6 +59,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
 # RoPE scalings the kernels build tables for (`pagemill.kernels.rotary`), checked here so an
