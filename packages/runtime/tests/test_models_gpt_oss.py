@@ -192,3 +192,82 @@ def test_quantization_is_refused_not_ignored(gpt_oss) -> None:
     config = ModelConfig.from_pretrained(folder)
     with pytest.raises(ValueError, match="not supported for mixture-of-experts"):
         load_model(folder, config, torch.float32, torch.device("cpu"), 512, quantization="int4")
+
+
+class _TwoRanks:
+    """The sizes of a 2-rank group, without the processes: each rank's partial sum is
+    returned as is, and the test adds them up as the all-reduce would."""
+
+    world_size = 2
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def test_block_shards_sum_to_the_whole(gpt_oss) -> None:
+    """Tensor parallelism's cut of the stacked experts (interleaved gate/up pairs, the down
+    bias on rank 0 only): the two ranks' partial sums add up to the unsplit block."""
+    from pagemill.runtime.distributed import ShardLayout
+
+    folder, model = gpt_oss
+    config = ModelConfig.from_pretrained(folder)
+    hf = model.model.layers[0].mlp
+    names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    full = {
+        "model.layers.0.mlp.router.weight": hf.router.weight.detach(),
+        "model.layers.0.mlp.router.bias": hf.router.bias.detach(),
+        **{f"model.layers.0.mlp.experts.{n}": getattr(hf.experts, n).detach() for n in names},
+    }
+    x = torch.randn(23, config.hidden_size, generator=torch.Generator().manual_seed(4)) * 2
+
+    def block(tp, tensors) -> torch.Tensor:
+        b = GptOssMoeBlock(config, torch.float32, tp)
+        got = dict(stacked_experts(tensors.items()))
+        e = b.experts
+        assert e.w13_bias is not None and e.w2_bias is not None
+        with torch.no_grad():
+            p = "model.layers.0.mlp."
+            b.router_weight.copy_(got[p + "router.weight"])
+            b.router_bias.copy_(got[p + "router.bias"])
+            e.w13_weight.copy_(got[p + "experts.gate_up_proj"])
+            e.w13_bias.copy_(got[p + "experts.gate_up_proj_bias"])
+            e.w2_weight.copy_(got[p + "experts.down_proj"])
+            e.w2_bias.copy_(got[p + "experts.down_proj_bias"])
+            return b(x)
+
+    whole = block(None, full)
+    parts = []
+    for rank in range(2):
+        layout = ShardLayout.create(config, 2, rank)
+        parts.append(block(_TwoRanks(), {n: layout.shard(n, t) for n, t in full.items()}))
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+    sinks = model.model.layers[0].self_attn.sinks.detach()
+    name = "model.layers.0.self_attn.sinks"
+    cut = [ShardLayout.create(config, 2, r).shard(name, sinks) for r in range(2)]
+    assert torch.equal(torch.cat(cut), sinks) and cut[0].shape == (2,)
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(gpt_oss, random_prompts) -> None:
+    """Two ranks (gloo): experts split by intermediate size, sinks with their heads."""
+    folder, model = gpt_oss
+    vocab = model.config.vocab_size
+    prompts = random_prompts([70, 9, 40, 23], vocab, seed=12)
+    max_tokens = [20, 30, 12, 25]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+
+    def run(tp: int) -> list[list[int]]:
+        llm = LLM(
+            str(folder),
+            tensor_parallel_size=tp,
+            dtype="float32",
+            max_model_len=160,
+            max_num_batched_tokens=32,
+            kv_cache_memory_bytes=4 << 20,
+        )
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    assert run(2) == run(1)
