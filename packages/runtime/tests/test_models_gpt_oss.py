@@ -271,3 +271,30 @@ def test_tp2_equals_tp1(gpt_oss, random_prompts) -> None:
             llm.shutdown()
 
     assert run(2) == run(1)
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_hf(gpt_oss, hf_greedy, random_prompts) -> None:
+    """The engine's compiled step (inductor): the sinks pass through the attention op and
+    the biases and activation through the MoE op, both opaque in the graph."""
+    from pagemill.runtime.worker.compilation import (
+        ENFORCE_EAGER_ENV,
+        compile_unavailable_reason,
+    )
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    folder, model = gpt_oss
+    prompts = random_prompts([30, 7, 19], model.config.vocab_size, seed=8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_num_batched_tokens=16,
+            max_num_seqs=3,
+            kv_cache_memory_bytes=4 << 20,
+        )
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    _check_against_hf(llm, model, prompts, [10, 12, 6], hf_greedy)
