@@ -119,6 +119,7 @@ def test_mxfp4_gpt_oss_matches_transformers(
     llm = LLM(
         str(tmp_path / "mxfp4"),
         dtype="float32",
+        quantization="mxfp4",  # vLLM's flag: checked against the checkpoint's method
         max_model_len=256,  # the default YaRN config reaches 128k
         max_num_batched_tokens=32,
         kv_cache_memory_bytes=4 << 20,
