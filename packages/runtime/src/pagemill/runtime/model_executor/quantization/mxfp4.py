@@ -38,7 +38,8 @@ def dequantize_mxfp4(
     """uint8 blocks [..., G, 16] and scales [..., G] -> [..., G * 32] in ``dtype``.
 
     Decoded in slices of rows, in fp32 (exact), so the index and fp32 temporaries stay a
-    few tens of MB for any tensor size (a gpt-oss-120b expert stack is 2 GB of fp32).
+    few tens of MB for any tensor size (a gpt-oss-120b layer's gate|up stack alone holds
+    two billion values).
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks and scales are uint8, got {blocks.dtype}, {scales.dtype}")
