@@ -90,6 +90,24 @@ def test_config_reads_gpt_oss(gpt_oss) -> None:
     assert spec.intermediate_size == 32 and all(spec.sparse_layers)
 
 
+def test_config_without_layer_types_alternates_as_transformers() -> None:
+    import transformers
+
+    raw = dict(
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        vocab_size=8,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=128,
+    )
+    config = ModelConfig.from_dict(raw)
+    assert config.layer_types == transformers.GptOssConfig(**raw).layer_types
+
+
 def test_prefill_logits_match_transformers(gpt_oss, random_prompts, all_logits) -> None:
     folder, model = gpt_oss
     config = ModelConfig.from_pretrained(folder)
