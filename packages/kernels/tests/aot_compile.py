@@ -58,6 +58,7 @@ MOE_MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2),
     "olmoe-1b-7b": (2048, 1024, 64, 8),
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+    "gpt-oss-20b": (2880, 2880, 32, 4),  # biased experts (the kernel's HAS_BIAS variant)
 }
 # Attention head layouts beyond those models: every head size x GQA group pagemill supports.
 HEAD_DIMS = (64, 128, 256)
@@ -112,10 +113,11 @@ def _attention(
     softcap: float = 0.0,
     window: int = 0,
     kv: str = "",
+    sinks: bool = False,
 ) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
     sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant, an fp8
-    cache ``kv`` = "e4m3"/"e5m2" another)."""
+    cache ``kv`` = "e4m3"/"e5m2" another, attention ``sinks`` another)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
@@ -157,6 +159,7 @@ def _attention(
         softcap=softcap,
         k_scale=torch.ones(()) if kv else None,
         v_scale=torch.ones(()) if kv else None,
+        sinks=torch.zeros(heads) if sinks else None,
     )
 
 
@@ -204,7 +207,15 @@ def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
             int4_group_gemm_triton(x, qweight, scales, scales, group)
 
 
-def _moe(dtype: torch.dtype, hidden: int, inter: int, experts: int, top_k: int, t: int) -> None:
+def _moe(
+    dtype: torch.dtype,
+    hidden: int,
+    inter: int,
+    experts: int,
+    top_k: int,
+    t: int,
+    bias: bool = False,
+) -> None:
     """The grouped GEMMs of one MoE layer for t tokens (t decides the token-block size).
     Two experts stand for all: the kernel's specialisation does not depend on their count,
     and `torch.empty` of the stacked weights never touches (allocates) their pages."""
@@ -219,7 +230,10 @@ def _moe(dtype: torch.dtype, hidden: int, inter: int, experts: int, top_k: int, 
     # The runtime's choice of block size compares pairs with experts: pass what it would
     # choose for the real expert count.
     block_m = 16 if t * top_k <= 4 * experts else 64
-    fused_moe_triton(x, w13, w2, weights, ids, block_m=block_m)
+    b13 = torch.zeros(e, 2 * inter, dtype=dtype) if bias else None
+    b2 = torch.zeros(e, hidden, dtype=dtype) if bias else None
+    activation = "swigluoai" if bias else "silu"  # gpt-oss: biased experts, clamped SwiGLU
+    fused_moe_triton(x, w13, w2, weights, ids, b13, b2, activation, block_m=block_m)
 
 
 def record_launches(grid: str) -> list[Launch]:
@@ -241,9 +255,13 @@ def record_launches(grid: str) -> list[Launch]:
             dict(main, mode="decode-split", kv="e4m3"),
             dict(main, mode="prefill", kv="e4m3"),
             dict(main, mode="decode", kv="e5m2"),
+            # gpt-oss (head_dim 64, GQA 8): attention sinks, alternating 128-key windows.
+            dict(dtype="bf16", head_dim=64, group=8, mode="prefill", sinks=True, window=128),
+            dict(dtype="bf16", head_dim=64, group=8, mode="decode", sinks=True),
+            dict(dtype="bf16", head_dim=64, group=8, mode="decode-split", sinks=True),
         ]
         models = [("bf16", "llama-3.1-8b")]
-        moe = [("bf16", "qwen3-30b-a3b", t) for t in (1, 64, 512)]
+        moe = [("bf16", m, t) for m in ("qwen3-30b-a3b", "gpt-oss-20b") for t in (1, 64, 512)]
     else:
         layouts = {(d, g) for d in HEAD_DIMS for g in GROUPS}
         layouts |= {(m[3], m[1] // m[2]) for m in MODELS.values()}
@@ -282,6 +300,12 @@ def record_launches(grid: str) -> list[Launch]:
             for d, g in sorted(layouts)
             for mode in ("decode", "decode-split", "prefill")
         ]
+        attention += [  # attention sinks (gpt-oss)
+            dict(dtype=dt, head_dim=d, group=8, mode=mode, sinks=True)
+            for dt in DTYPES
+            for d in HEAD_DIMS
+            for mode in ("decode", "decode-split", "prefill")
+        ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
         moe = [(dt, m, t) for dt in DTYPES for m in MOE_MODELS for t in (1, 64, 512)]
     for case in attention:
@@ -301,6 +325,7 @@ def record_launches(grid: str) -> list[Launch]:
                     "softcap",
                     "window",
                     "kv",
+                    "sinks",
                 )
                 if k in case
             },
@@ -315,7 +340,7 @@ def record_launches(grid: str) -> list[Launch]:
                 _int4_gemm(DTYPES[dt], rows, hidden, inter)
     for dt, model, t in moe:
         _CASE = {"dtype": dt, "model": model, "tokens": t, "kernel_family": "moe"}
-        _moe(DTYPES[dt], *MOE_MODELS[model], t)
+        _moe(DTYPES[dt], *MOE_MODELS[model], t, bias=model.startswith("gpt-oss"))
     return _RECORDED
 
 

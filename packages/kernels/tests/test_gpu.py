@@ -63,6 +63,30 @@ def test_paged_attention(tiled_triton_plan, dtype, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 128])
+def test_paged_attention_sinks(tiled_triton_plan, dtype, window):
+    """gpt-oss-20b's heads (64 x 64, GQA 8): attention sinks, with and without its sliding
+    window, one pass and split contexts, against the CPU torch path (itself checked against
+    a dense reference in test_attention_sinks)."""
+    heads, kv_heads, head_dim = 64, 8, 64
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for q_lens, ctx in (([1, 300, 17, 1], [2000, 300, 40, 513]), ([1] * 4, [1, 3000, 17, 900])):
+        cpu, gpu = batch(q_lens, ctx, heads, kv_heads, head_dim, dtype)
+        ref = K.paged_attention_torch(
+            *(t.float() if t.is_floating_point() else t for t in cpu),
+            0.125,
+            window=window,
+            sinks=sinks,
+        )
+        q, kc, _, bt, qsl, sl = gpu
+        for splits in (1, 5) if q_lens == [1] * 4 else (1,):
+            plan = tiled_triton_plan(q, kc, bt, qsl, sl, num_splits=splits)
+            out = K.paged_attention(*gpu, 0.125, plan=plan, window=window, sinks=sinks.cuda())
+            assert rel_err(out.cpu(), ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_ops(dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, 576, generator=g).to(dtype)
@@ -119,6 +143,30 @@ def test_fused_moe(dtype, tokens):
     )
     assert got.dtype == dtype
     assert rel_err(got.float().cpu(), ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_fused_moe_gpt_oss(dtype, tokens):
+    """gpt-oss-20b's expert shapes (fewer experts): expert biases, the clamped SwiGLU and
+    the top-k-then-softmax router, grouped-GEMM kernel against the CPU path in fp32."""
+    g = torch.Generator().manual_seed(4)
+    h, inter, e, k = 2880, 2880, 8, 4
+    x = torch.randn(tokens, h, generator=g)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5 * 3
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    b13 = torch.randn(e, 2 * inter, generator=g)
+    b2 = torch.randn(e, h, generator=g)
+    weights, ids = K.topk_then_softmax(torch.randn(tokens, e, generator=g), k)
+    ref = K.fused_moe_torch(x, w13, w2, weights, ids, b13, b2, "swigluoai")
+    args = (x, w13, w2, weights, ids, b13, b2)
+    got = K.fused_moe(
+        *(t.to(dtype).cuda() if t.is_floating_point() and t is not weights else t.cuda()
+          for t in args),
+        "swigluoai",
+    )  # fmt: skip
+    assert got.dtype == dtype
+    assert rel_err(got.float().cpu(), ref) < (1e-4 if dtype == torch.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -54,7 +54,7 @@ def build_tokenizer(folder: Path) -> Any:
 def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """Save a tiny fp32 model of `arch` into `folder`: "llama", "qwen2", "mistral", "qwen3",
     "phi3", "gemma2", "gemma3" (Gemma 3's text model), "smollm3", "olmo2", "granite", or the
-    mixture-of-experts "qwen2_moe", "qwen3_moe", "mixtral", "olmoe"."""
+    mixture-of-experts "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"."""
     import transformers
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,6 +89,7 @@ def build_model(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> tor
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     if arch == "mistral":
         common.setdefault("sliding_window", None)

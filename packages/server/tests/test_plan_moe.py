@@ -104,3 +104,34 @@ def test_other_moe_layouts_are_refused_by_name(tmp_path) -> None:
     )
     with pytest.raises(ValueError, match="mixture-of-experts configs other than"):
         load_model(path)
+
+
+def test_gpt_oss_20b_params_match_the_model_card(tmp_path) -> None:
+    """gpt-oss-20b's config.json: 21B held, 3.6B active — OpenAI's count of active
+    parameters leaves out the embedding table (the unembedding is in), the planner reads
+    both per token (as the Qwen3 card counts them)."""
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            dict(
+                architectures=["GptOssForCausalLM"],
+                model_type="gpt_oss",
+                hidden_size=2880,
+                intermediate_size=2880,
+                num_hidden_layers=24,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                head_dim=64,
+                num_local_experts=32,
+                num_experts_per_tok=4,
+                sliding_window=128,
+                attention_bias=True,
+                vocab_size=201088,
+                tie_word_embeddings=False,
+            )
+        )
+    )
+    spec = load_model(path)
+    assert spec.num_params / 1e9 == pytest.approx(21, rel=0.02)
+    embedding = 201088 * 2880
+    assert (spec.active_params - embedding) / 1e9 == pytest.approx(3.6, rel=0.04)

@@ -31,7 +31,9 @@ from pagemill.kernels.moe import (
     fused_moe_torch,
     fused_moe_triton,
     moe_align_block_size,
+    swigluoai_and_mul,
     topk_softmax,
+    topk_then_softmax,
 )
 from pagemill.kernels.rms_norm import rms_norm, rms_norm_torch, rms_norm_triton
 from pagemill.kernels.rotary import (
@@ -69,7 +71,9 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_torch",
     "silu_and_mul_triton",
+    "swigluoai_and_mul",
     "topk_softmax",
+    "topk_then_softmax",
     "write_kv_cache",
     "write_kv_cache_torch",
     "write_kv_cache_triton",

@@ -113,6 +113,7 @@ def paged_attention(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` over the paged cache: the plan's backend, else by q's device.
 
@@ -122,7 +123,10 @@ def paged_attention(
     before the softmax (Gemma 2). Both are per layer, so they are arguments of the call,
     not of the per-step plan, which every layer shares. A float8 cache is read as
     ``float(x) * k_scale`` / ``* v_scale`` (0-dim fp32 tensors, None: 1.0; see
-    `pagemill.kernels.kv_quant`).
+    `pagemill.kernels.kv_quant`). ``sinks`` [num_heads] (gpt-oss's attention sinks, None:
+    none) are one learned logit per head that joins each query's softmax denominator and
+    attends to no value: ``softmax([s_1..s_n, sink])`` with the sink's column dropped, so a
+    head can put weight nowhere. Like the window, they are the layer's.
     """
     _check_window(window, softcap)
     if plan is None:
@@ -144,6 +148,7 @@ def paged_attention(
         softcap=softcap,
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
 
 
@@ -162,6 +167,7 @@ def paged_attention_torch(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU serving backend: batched GEMMs for decodes, one SDPA per prefilling request.
 
@@ -175,6 +181,7 @@ def paged_attention_torch(
     _check_window(window, softcap)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
+    sinks = _check_sinks(sinks, q)
     if plan is None:
         plan = _plan(
             query_start_loc,
@@ -205,6 +212,7 @@ def paged_attention_torch(
         softcap=float(softcap),
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
 
 
@@ -223,6 +231,7 @@ def paged_attention_triton(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch for the whole mixed batch: online softmax over KV tiles, fp32 accumulation.
 
@@ -233,6 +242,7 @@ def paged_attention_triton(
     _check_window(window, softcap)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
+    sinks = _check_sinks(sinks, q)
     if plan is None:
         plan = _plan(
             query_start_loc,
@@ -267,6 +277,7 @@ def paged_attention_triton(
         softcap=float(softcap),
         k_scale=k_scale,
         v_scale=v_scale,
+        sinks=sinks,
     )
 
 
@@ -457,6 +468,22 @@ def _check_window(window: int, softcap: float) -> None:
         raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
     if softcap < 0:
         raise ValueError(f"softcap must be >= 0 (0: no soft-capping), got {softcap}")
+
+
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """One fp32 logit per query head, contiguous, on q's device (every backend reads it so)."""
+    if sinks is None:
+        return None
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1] or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be one float per query head [{q.shape[1]}], got "
+            f"{tuple(sinks.shape)} {sinks.dtype}"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}")
+    if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+        sinks = sinks.float().contiguous()
+    return sinks
 
 
 def _check_tensors(

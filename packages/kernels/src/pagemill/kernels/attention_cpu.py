@@ -7,10 +7,10 @@ GEMMs (or one SDPA for small chunks) over K/V gathered through the block tables;
 prefilling request gets one SDPA call with a causal mask offset by its cached prefix.
 Products accumulate in fp32 and softmax runs in fp32 for every input dtype.
 
-A layer with a sliding window or a score soft-cap (both per layer, so arguments of
-`run_torch`, not of the shared plan) takes the same gathers with a mask and, where SDPA
-cannot express it (soft-capping), explicit fp32 scores; a windowed prefill gathers only
-the blocks its window reaches.
+A layer with a sliding window, a score soft-cap or attention sinks (all per layer, so
+arguments of `run_torch`, not of the shared plan) takes the same gathers with a mask and,
+where SDPA cannot express it (soft-capping, sinks), explicit fp32 scores; a windowed
+prefill gathers only the blocks its window reaches.
 
 An fp8 cache is widened to q's dtype as it is gathered (exact: every fp8 value is a bf16
 and an fp16 value); its per-tensor scales fold into the softmax scale (K) and the output
@@ -265,13 +265,15 @@ def run_torch(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention over a planned batch: only gathers, GEMMs and SDPA calls.
 
     ``window`` > 0: sliding-window attention (keys ``p - window < pos <= p``); ``softcap``
-    > 0: scores capped as ``softcap * tanh(s / softcap)`` (see `paged_attention`).
+    > 0: scores capped as ``softcap * tanh(s / softcap)``; ``sinks`` (fp32 [num_heads]):
+    one extra logit per head in each softmax's denominator (see `paged_attention`).
     """
-    plain = window <= 0 and softcap <= 0
+    plain = window <= 0 and softcap <= 0 and sinks is None
     ks = vs = 1.0
     if is_fp8(k_cache.dtype):
         ks = 1.0 if k_scale is None else float(k_scale)
@@ -300,13 +302,16 @@ def run_torch(
             softcap,
             ks,
             vs,
+            sinks,
         )
     if plan.decode:
         kbuf, vbuf = _buffers(plan.workspace_numel, q.dtype, q.device)
         for chunk in plan.decode:
             qc = q if chunk.rows is None else q[chunk.rows]
             if not plain:
-                o = _decode_masked(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf, window, softcap)
+                o = _decode_masked(
+                    qc, k_cache, v_cache, chunk, scale, kbuf, vbuf, window, softcap, sinks
+                )
             elif chunk.small:
                 o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
             else:
@@ -321,7 +326,7 @@ def run_torch(
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         for seg in plan.prefill:
             if not plain:
-                _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap)
+                _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap, sinks)
                 if vs != 1.0:
                     out[seg.start : seg.stop].mul_(vs)
                 continue
@@ -476,18 +481,27 @@ def _attend(
     keep: torch.Tensor,
     scale: float,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit attention: fp32 scores, optional soft-cap, ``keep`` mask, fp32 softmax.
 
     ``q`` [..., M, D] against ``k``/``v`` [..., N, D] (broadcast over leading axes, which is
-    how GQA groups share a KV head); ``keep`` broadcasts to [..., M, N]. The order of
-    operations is transformers' eager attention: scale, cap, mask, softmax.
+    how GQA groups share a KV head); ``keep`` broadcasts to [..., M, N]; ``sinks`` to
+    [..., M, 1]. The order of operations is transformers' eager attention: scale, cap,
+    mask, softmax (with the sink's logit in the denominator: it also bounds the max, so
+    a row whose keys are all masked still has a finite one).
     """
     s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
     if softcap > 0:
         s = torch.tanh(s.div_(softcap)).mul_(softcap)
     s = s.masked_fill_(~keep, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1).to(v.dtype)
+    else:
+        sink = sinks.expand(*s.shape[:-1], 1)
+        top = torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+        e = s.sub_(top).exp_()
+        p = e.div_(e.sum(dim=-1, keepdim=True).add_((sink - top).exp_())).to(v.dtype)
     return torch.matmul(p, v)
 
 
@@ -501,9 +515,10 @@ def _decode_masked(
     vbuf: torch.Tensor,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A decode chunk of a windowed or soft-capped layer: the chunk's gather, then explicit
-    scores masked below each request's window as well as past its context."""
+    """A decode chunk of a windowed, soft-capped or sink layer: the chunk's gather, then
+    explicit scores masked below each request's window as well as past its context."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     k, v = _gather_chunk_kv(k_cache, v_cache, chunk, n, kbuf, vbuf)
@@ -519,6 +534,7 @@ def _decode_masked(
         keep.view(n, 1, 1, chunk.width),
         scale,
         softcap,
+        None if sinks is None else sinks.view(1, num_kv_heads, num_heads // num_kv_heads, 1),
     )
     return o.reshape(n, num_heads, head_dim)
 
@@ -532,8 +548,9 @@ def _prefill_masked(
     out: torch.Tensor,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """A prefill segment of a windowed or soft-capped layer, written into ``out``.
+    """A prefill segment of a windowed, soft-capped or sink layer, written into ``out``.
 
     With a window, only the blocks from the first query's window start on are gathered, so
     a long prompt's chunk costs its window, not its whole context.
@@ -553,7 +570,7 @@ def _prefill_masked(
         keep &= kpos > qpos - window
     qs = q[seg.start : seg.stop].transpose(0, 1)  # [H, L, D]
     k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KVH, N, D]
-    if softcap > 0:
+    if softcap > 0 or sinks is not None:
         num_heads = qs.shape[0]
         group = num_heads // num_kv_heads
         o = _attend(
@@ -563,6 +580,7 @@ def _prefill_masked(
             keep,
             scale,
             softcap,
+            None if sinks is None else sinks.view(num_kv_heads, group, 1, 1),
         ).reshape(num_heads, q_len, head_dim)
     else:
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=keep, scale=scale, enable_gqa=True)

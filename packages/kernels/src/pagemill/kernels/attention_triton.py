@@ -165,11 +165,13 @@ def run_triton(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention: the planned launch (plus the merge of context splits).
 
-    ``window`` and ``softcap`` are the layer's (see `paged_attention`): the window is a
-    runtime argument of the one kernel, soft-capping a compiled variant.
+    ``window``, ``softcap`` and ``sinks`` are the layer's (see `paged_attention`): the
+    window is a runtime argument of the one kernel, soft-capping and sinks compiled
+    variants.
     """
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out need a contiguous last (head_dim) axis")
@@ -197,6 +199,7 @@ def run_triton(
         k_scale if fp8 else out,  # unused without fp8
         v_scale if fp8 else out,
         float(softcap) if softcap > 0 else 1.0,
+        out if sinks is None else sinks,  # unused without sinks
         int(window),
         block_tables.shape[0],
         plan.split_len,
@@ -225,6 +228,7 @@ def run_triton(
         DOT_FP32=plan.dot_fp32,
         SPLIT=split,
         SOFTCAP=softcap > 0,
+        SINKS=sinks is not None,
         FP8=fp8,
         E4M3=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=max(plan.num_warps, 8) if fp8 and plan.d_pad > 64 else plan.num_warps,

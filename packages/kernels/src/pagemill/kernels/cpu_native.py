@@ -133,6 +133,7 @@ def load() -> ctypes.CDLL | None:
         ptr,
         ctypes.c_float,
         ctypes.c_float,
+        ptr,
     ]
     return lib
 
@@ -165,13 +166,16 @@ def paged_decode(
     softcap: float = 0.0,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request into `out` (at `rows`, else row = request).
 
     `window` > 0 attends to each request's last `window` positions only (the walk starts
     at the window's first block, so a windowed layer reads only its window); `softcap` > 0
     caps the scaled scores as ``softcap * tanh(s / softcap)``. An fp8 cache is read as
-    bytes through its format's value table, times ``k_scale``/``v_scale``.
+    bytes through its format's value table, times ``k_scale``/``v_scale``. ``sinks``
+    (contiguous fp32 [num_heads], None: none) start each head's softmax with the sink's
+    logit in its max and a 1 in its sum (see `paged_attention`).
 
     `block_tables` [S, W] and `seq_lens` [S] are contiguous int32, `rows` [S] int64; the
     caller (the planner) guarantees every table reaches its context.
@@ -205,6 +209,7 @@ def paged_decode(
         None if lut is None else lut.data_ptr(),
         float(k_scale),
         float(v_scale),
+        None if sinks is None else sinks.data_ptr(),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")

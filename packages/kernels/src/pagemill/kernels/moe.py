@@ -9,7 +9,13 @@ dense MLP's fused gate|up) and ``w2`` [E, H, I].
 
 * `topk_softmax`: the router — softmax over all experts in fp32, then top-k (ties as
   `torch.topk` breaks them), optionally renormalised over the k chosen (Mixtral; Qwen
-  with ``norm_topk_prob``).
+  with ``norm_topk_prob``). `topk_then_softmax` is gpt-oss's order: top-k of the raw
+  logits, then a softmax over the k chosen (the same weights up to rounding, and ties
+  broken on the logits, as transformers breaks them).
+* Experts may carry biases (``w13_bias`` [E, 2I], ``w2_bias`` [E, H]; gpt-oss) and an
+  activation other than SiLU-and-mul: ``"swigluoai"`` is gpt-oss's clamped SwiGLU,
+  ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``
+  (vLLM's name for it).
 * `fused_moe_torch`: the CPU path — one argsort by expert, then per expert that has tokens
   one gate|up GEMM, SiLU-and-mul and one down GEMM on its contiguous block of sorted rows,
   and a single weighted ``index_add`` back to the tokens. Experts without tokens cost
@@ -49,6 +55,29 @@ def topk_softmax(
     return weights, ids
 
 
+def topk_then_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (softmax over the top-k logits, fp32 [T, k]; expert ids int64 [T, k])."""
+    values, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=torch.float32), ids
+
+
+ACTIVATIONS = ("silu", "swigluoai")
+
+
+def swigluoai_and_mul(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU over ``[..., gate | up]`` (gate columns, then up columns)."""
+    i = x.shape[-1] // 2
+    gate = x[..., :i].clamp(max=limit)
+    up = x[..., i:].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _act(x: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == "silu":
+        return silu_and_mul(x)
+    return swigluoai_and_mul(x, alpha, limit)
+
+
 def _check(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> None:
@@ -64,15 +93,37 @@ def _check(
         raise ValueError(f"topk weights {tuple(weights.shape)} and ids {tuple(ids.shape)}")
 
 
+def _check_extras(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+) -> None:
+    e, n2, h = w13.shape
+    if w13_bias is not None and tuple(w13_bias.shape) != (e, n2):
+        raise ValueError(f"w13_bias must be [{e}, {n2}], got {tuple(w13_bias.shape)}")
+    if w2_bias is not None and tuple(w2_bias.shape) != (e, h):
+        raise ValueError(f"w2_bias must be [{e}, {h}], got {tuple(w2_bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def fused_moe_torch(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] (the experts' weighted sum, in x's dtype)."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    _check_extras(w13, w2, w13_bias, w2_bias, activation)
     k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     # Stable: a token's slots keep their order within an expert, so the sum is formed in the
@@ -87,10 +138,13 @@ def fused_moe_torch(
         if n == 0:
             continue
         seg = xs[start : start + n]
-        gate_up = F.linear(seg, w13[e])
-        i = gate_up.shape[-1] // 2
-        act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
-        ys[start : start + n] = F.linear(act, w2[e])
+        gate_up = F.linear(seg, w13[e], None if w13_bias is None else w13_bias[e])
+        if activation == "silu":
+            i = gate_up.shape[-1] // 2
+            act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
+        else:
+            act = swigluoai_and_mul(gate_up, swiglu_alpha, swiglu_limit)
+        ys[start : start + n] = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
         start += n
     ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
@@ -144,8 +198,10 @@ def _grouped_gemm(
     top_k: int,
     a_per_pair: bool,
     block_m: int,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """``c[pair] = a[row(pair)] @ b[expert]ᵀ`` (times the pair's weight) per sorted block."""
+    """``c[pair] = (a[row(pair)] @ b[expert]ᵀ + bias[expert])`` (times the pair's weight)
+    per sorted block."""
     n, k = b.shape[1], b.shape[2]
     dot_fp32 = interpreting() or a.dtype == torch.float32
     # Tiles: 16-bit operands take tensor-core tiles; fp32 (CUDA-core ieee dots, operands in
@@ -158,6 +214,7 @@ def _grouped_gemm(
         b,
         c,
         c if weights is None else weights,
+        c if bias is None else bias,
         sorted_ids,
         expert_ids,
         c.shape[0],  # pairs: c has one row per (token, slot)
@@ -167,9 +224,11 @@ def _grouped_gemm(
         b.stride(0),
         b.stride(1),
         c.stride(0),
+        0 if bias is None else bias.stride(0),
         TOP_K=top_k,
         A_PER_PAIR=a_per_pair,
         MUL_WEIGHT=weights is not None,
+        HAS_BIAS=bias is not None,
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -184,11 +243,18 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
     block_m: int | None = None,
 ) -> torch.Tensor:
-    """The grouped-GEMM kernel: gate|up over sorted token blocks, SiLU-and-mul, down with
-    the routing weight applied per pair, and the k slots of each token summed."""
+    """The grouped-GEMM kernel: gate|up (+ bias) over sorted token blocks, the activation,
+    down (+ bias) with the routing weight applied per pair, and the k slots of each token
+    summed."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    _check_extras(w13, w2, w13_bias, w2_bias, activation)
     check_triton_device(x, w13, w2)
     t, k = topk_ids.shape
     e, n2, _ = w13.shape
@@ -200,11 +266,13 @@ def fused_moe_triton(
     sorted_ids, expert_ids, _ = moe_align_block_size(topk_ids, block_m, e)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     gate_up = torch.empty((t * k, n2), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, None, k, False, block_m)
-    act = silu_and_mul(gate_up)
+    b13 = None if w13_bias is None else w13_bias.contiguous()
+    b2 = None if w2_bias is None else w2_bias.contiguous()
+    _grouped_gemm(x, w13, gate_up, sorted_ids, expert_ids, None, k, False, block_m, b13)
+    act = _act(gate_up, activation, swiglu_alpha, swiglu_limit)
     down = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(act, w2, down, sorted_ids, expert_ids, weights, k, True, block_m)
+    _grouped_gemm(act, w2, down, sorted_ids, expert_ids, weights, k, True, block_m, b2)
     return down.view(t, k, -1).sum(dim=1).to(x.dtype)
 
 
@@ -214,10 +282,25 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    if use_triton(x):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
+    impl = fused_moe_triton if use_triton(x) else fused_moe_torch
+    return impl(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+    )
 
 
 @torch.library.custom_op("pagemill::fused_moe", mutates_args=())
@@ -227,8 +310,24 @@ def _fused_moe_op(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
-    return fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+    )
 
 
 @_fused_moe_op.register_fake
@@ -238,5 +337,10 @@ def _(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     return torch.empty_like(x)

@@ -11,7 +11,8 @@ Eager code calls `paged_attention` / `write_kv_cache` directly: a custom op's di
 costs more than nothing, and only a graph needs the wrapping. `COMPILE_READY` is False
 on a torch that cannot pass opaque objects through a graph (the engine then stays eager).
 A layer's sliding window and soft-cap are plain int/float arguments: constants of the
-graph, one per layer, never part of the shared plan.
+graph, one per layer, never part of the shared plan; its attention sinks (gpt-oss) an
+optional tensor.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if COMPILE_READY:
         "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
         f"{torch._library.opaque_object.get_opaque_type_name(AttentionPlan)} plan, "
         "float scale, int window=0, float softcap=0.0, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor"
+        "Tensor? v_scale=None, Tensor? sinks=None) -> Tensor"
     )
 
 
@@ -92,6 +93,7 @@ if COMPILE_READY:
         softcap: float = 0.0,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         impl = plan.impl
         if (
@@ -104,6 +106,7 @@ if COMPILE_READY:
             and q.dtype == plan.dtype
             and k_cache.shape == plan.k_cache_shape
             and cpu_native.supports(q, k_cache)
+            and (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()))
         ):
             # A decode-only step on the native kernel: the common case at batch 1, where
             # the general entry's checks and dispatch cost about as much as the kernel
@@ -127,6 +130,7 @@ if COMPILE_READY:
                     softcap,
                     1.0 if not fp8 or k_scale is None else float(k_scale),
                     1.0 if not fp8 or v_scale is None else float(v_scale),
+                    sinks,
                 )
                 return out
         return paged_attention(
@@ -142,6 +146,7 @@ if COMPILE_READY:
             softcap=softcap,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=sinks,
         )
 
     def _paged_attention_fake(
@@ -154,6 +159,7 @@ if COMPILE_READY:
         softcap: float = 0.0,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return torch.empty_like(q)
 

@@ -44,7 +44,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("int8", "int4")
 # vLLM's --quantization names for a checkpoint quantized already: accepted as a check that
 # the checkpoint's quantization_config says so (its weights are read as they are).
-CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8")
+CHECKPOINT_QUANTIZATIONS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
 CPU_DENSE_WEIGHTS = ("auto", "always", "never")
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)
 DP_ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix")

@@ -42,6 +42,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "GptOssForCausalLM",
 )
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -58,6 +59,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"
 # RoPE scalings the kernels build tables for (`pagemill.kernels.rotary`), checked here so an
@@ -128,8 +130,8 @@ def _layer_types(
 ) -> list[str]:
     """Which layers attend through the sliding window, as transformers decides it.
 
-    transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 alternates
-    (sliding first), Gemma 3 has one global layer in every ``sliding_window_pattern`` (6),
+    transformers-5 configs list ``layer_types``; older ones imply them: Gemma 2 and gpt-oss
+    alternate (sliding first), Gemma 3 has one global layer in every ``sliding_window_pattern`` (6),
     Qwen2/3 window the layers from ``max_window_layers`` on, SmolLM3 its layers without
     RoPE, Mistral and Phi-3 all layers.
     """
@@ -144,7 +146,7 @@ def _layer_types(
             )
         return [str(t) for t in given]
     model_type = raw.get("model_type")
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
         return [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
     if model_type == "gemma3_text":
         pattern = int(raw.get("sliding_window_pattern") or 6)

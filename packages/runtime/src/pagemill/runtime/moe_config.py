@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,15 @@ def moe_spec(raw: dict[str, Any]) -> MoeSpec | None:
         return MoeSpec(
             num_experts=int(experts or 8),
             top_k=int(raw.get("num_experts_per_tok", 2)),
+            intermediate_size=int(raw["intermediate_size"]),
+            renormalize=True,
+            shared_intermediate_size=0,
+            sparse_layers=(True,) * layers,
+        )
+    if model_type == "gpt_oss":  # softmax over the top-k logits: renormalised top-k
+        return MoeSpec(
+            num_experts=int(experts or 128),
+            top_k=int(raw.get("num_experts_per_tok", 4)),
             intermediate_size=int(raw["intermediate_size"]),
             renormalize=True,
             shared_intermediate_size=0,

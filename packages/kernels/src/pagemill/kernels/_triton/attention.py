@@ -8,7 +8,9 @@ number of context splits is the grid's third axis, not a compile-time constant, 
 same reason; only whether the context is split (``SPLIT``) is. A layer's sliding
 ``window`` (0: none) is a runtime integer too — one compiled kernel serves windowed and
 global layers alike — while soft-capping is a compile-time switch (``SOFTCAP``), since it
-adds work to every score.
+adds work to every score. Attention sinks (``SINKS``, gpt-oss: one logit per query head)
+seed the online softmax as a key with a zero value would — running max the sink, sum 1 —
+in the first context split only, so the merge counts the sink once.
 """
 
 import triton
@@ -52,6 +54,7 @@ def paged_attention_kernel(
     k_scale_ptr,
     v_scale_ptr,
     softcap,
+    sinks_ptr,
     window,
     num_seqs,
     split_len,
@@ -77,6 +80,7 @@ def paged_attention_kernel(
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     FP8: tl.constexpr,
     E4M3: tl.constexpr,
 ):
@@ -115,6 +119,12 @@ def paged_attention_kernel(
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        # log2 units, as every score here; the sink is not scaled.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        seeded = (split == 0) & row_ok
+        m_i = tl.where(seeded, sink, m_i)
+        l_i = tl.where(seeded, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_end = tl.minimum(ctx, first_pos + q_tile + BLOCK_Q)
     kv_begin = 0

@@ -5,6 +5,7 @@ block of the expert-sorted (token, slot) pairs: every row of the block belongs t
 expert (``expert_ids`` per block, runs padded to BLOCK_M by `moe_align_block_size`), so the
 expert's weight tile is read once for up to BLOCK_M tokens. Padding pairs (id ==
 ``num_pairs``) load zeros and store nothing; blocks past the last run (expert -1) exit.
+An expert bias (gpt-oss) is added to the tile before the routing weight multiplies it.
 """
 
 import triton
@@ -17,6 +18,7 @@ def fused_moe_kernel(
     b_ptr,
     c_ptr,
     weights_ptr,
+    bias_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
     num_pairs,
@@ -26,9 +28,11 @@ def fused_moe_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    stride_bias_e,
     TOP_K: tl.constexpr,
     A_PER_PAIR: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,6 +66,10 @@ def fused_moe_kernel(
             acc += tl.dot(a, b)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        # The expert's bias joins before the routing weight: w * (x @ W + b), as gpt-oss.
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pair, mask=mask_m, other=0.0)
         acc = acc * w[:, None]

@@ -11,6 +11,9 @@
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 // An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
 // values; its per-tensor scales fold into the query (k_scale) and the output (v_scale).
+// Attention sinks (sinks non-null: one fp32 logit per query head, gpt-oss) start each
+// head's online softmax as if the sink were a first key with a zero value: max = sink,
+// sum = 1, so the sink is in the denominator and nowhere else.
 
 #include <cmath>
 #include <cstdint>
@@ -116,7 +119,7 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
                  int kvh, int group, int head_dim, int block_size, int num_kv_heads,
                  int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                  float scale, int window, float softcap, const float* lut, float k_scale,
-                 float v_scale) {
+                 float v_scale, const float* sinks) {
     using E = Elem<DT>;
     using KV = KVLoad<DT, FP8>;
     const int D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
@@ -127,6 +130,10 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
     for (int g = 0; g < group; ++g) {
         const auto* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
         for (int d = 0; d < D; ++d) qf[g * D + d] = E::load(qp, d) * scale * k_scale;
+        if (sinks) {
+            m[g] = sinks[kvh * group + g];
+            l[g] = 1.f;
+        }
     }
     const int num_blocks = (ctx + block_size - 1) / block_size;
     const int start = (window > 0 && ctx > window) ? ctx - window : 0;
@@ -190,7 +197,8 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 const int64_t* rows, int64_t num_seqs, int num_heads, int num_kv_heads,
                 int head_dim, int block_size, int64_t q_stride_t, int64_t q_stride_h,
                 int64_t o_stride_t, int64_t o_stride_h, float scale, int window, float softcap,
-                int num_threads, const float* lut, float k_scale, float v_scale) {
+                int num_threads, const float* lut, float k_scale, float v_scale,
+                const float* sinks) {
     using T = typename Elem<DT>::T;
     using KT = typename KVLoad<DT, FP8>::T;
     const int group = num_heads / num_kv_heads;
@@ -205,7 +213,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   block_tables + seq * table_stride, seq_lens[seq], row, row,
                                   kvh, group, head_dim, block_size, num_kv_heads, q_stride_t,
                                   q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
-                                  k_scale, v_scale);
+                                  k_scale, v_scale, sinks);
     }
 }
 
@@ -213,13 +221,14 @@ template <int DT, bool FP8>
 int dispatch_dim(const void* q, const void* k, const void* v, void* out, const int32_t* bt,
                  int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h,
                  int kvh, int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh,
-                 float scale, int win, float cap, int nt, const float* lut, float ks, float vs) {
+                 float scale, int win, float cap, int nt, const float* lut, float ks, float vs,
+                 const float* sk) {
     switch (d) {
-        case 64: decode_all<DT, FP8, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs); break;
-        case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs); break;
+        case 64: decode_all<DT, FP8, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk); break;
+        case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk); break;
         default:
             if (d > kMaxBlock) return 2;
-            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs);
+            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk);
     }
     return 0;
 }
@@ -235,15 +244,15 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                                      float scale, int window, float softcap,
                                      int num_threads, const float* kv_lut, float k_scale,
-                                     float v_scale) {
+                                     float v_scale, const float* sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size > kMaxBlock) return 1;
     switch (dtype) {
-        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
-                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
-        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
-                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
-        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale)
-                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale);
+        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
+                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
+        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
+                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
+        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
+                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
         default: return 3;
     }
 }

@@ -17,7 +17,10 @@ been cut to this rank's slice here:
   q/k norms, which span the whole projection and are cut like it;
 * mixture-of-experts: every expert and the shared expert are cut by their own
   intermediate size like the dense MLP (gate/up/w1/w3 rows, down/w2 columns: see
-  `layers.fused_moe`), the routers (``gate``, ``shared_expert_gate``) replicated.
+  `layers.fused_moe`), the routers (``gate``, ``shared_expert_gate``) replicated;
+  gpt-oss's stacked experts likewise (gate/up interleaved on the last axis, so a rank's
+  columns are one contiguous run of pairs; the down bias once, by rank 0), its attention
+  sinks with their query heads.
 
 KV heads: with at least as many KV heads as ranks each rank holds ``kv / tp`` of them;
 with fewer, each KV head is replicated on ``tp / kv`` ranks, the ones whose query heads
@@ -164,12 +167,30 @@ class ShardLayout:
             return t[:, self.rank * n : (self.rank + 1) * n]
         raise ValueError(f"unknown expert tensor {module!r}")
 
+    def _stacked_experts(self, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's [E, H, 2I] gate|up (pairs interleaved), [E, 2I] bias, [E, I, H] down
+        and [E, H] down bias (see `models.gpt_oss`)."""
+        if kind in ("gate_up_proj", "gate_up_proj_bias"):
+            n = t.shape[-1] // self.size
+            return t[..., self.rank * n : (self.rank + 1) * n]
+        if kind == "down_proj":
+            n = t.shape[1] // self.size
+            return t[:, self.rank * n : (self.rank + 1) * n]
+        if kind == "down_proj_bias":
+            return t if self.rank == 0 else torch.zeros_like(t)
+        raise ValueError(f"unknown stacked expert tensor {kind!r}")
+
     def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of checkpoint tensor `name` (a view, or a new tensor)."""
         leaf = name.rsplit(".", 2)
         module, kind = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", leaf[-1])
+        if module == "experts":  # gpt-oss: every expert stacked in one tensor
+            return self._stacked_experts(kind, t)
         if ".experts." in name or ".shared_expert." in name:
             return self._expert(module, t)
+        if kind == "sinks":  # gpt-oss: one per query head
+            first, count = self.q_heads
+            return t[first : first + count]
         if module in ("q_proj",):
             return t[self._q()]
         if module in ("k_proj", "v_proj"):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagemill.kernels import fused_moe, silu_and_mul, topk_softmax
+from pagemill.kernels import fused_moe, silu_and_mul, topk_softmax, topk_then_softmax
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_executor.layers.linear import Linear
 from pagemill.runtime.moe_config import MoeSpec
@@ -31,7 +31,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: ``(x, router_logits) -> this rank's partial sum``."""
+    """The routed experts of one layer: ``(x, router_logits) -> this rank's partial sum``.
+
+    gpt-oss's experts add ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H]; under tensor
+    parallelism rank 0 holds the down bias, the others zeros), use the clamped SwiGLU
+    (``activation="swigluoai"`` with its ``swiglu_alpha`` / ``swiglu_limit``) and route by
+    a softmax over the top-k logits (``topk_first``).
+    """
 
     def __init__(
         self,
@@ -41,23 +47,51 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         dtype: torch.dtype,
+        *,
+        bias: bool = False,
+        activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        topk_first: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
+        self.activation = activation
+        self.swiglu_alpha = float(swiglu_alpha)
+        self.swiglu_limit = float(swiglu_limit)
+        self.topk_first = topk_first
         self.w13_weight = _param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
         self.w2_weight = _param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if bias:
+            self.w13_bias = _param(num_experts, 2 * intermediate_size, dtype=dtype)
+            self.w2_bias = _param(num_experts, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
+        if self.topk_first:
+            weights, ids = topk_then_softmax(router_logits, self.top_k)
+        else:
+            weights, ids = topk_softmax(router_logits, self.top_k, self.renormalize)
+        args = (
+            x,
+            self.w13_weight,
+            self.w2_weight,
+            weights,
+            ids,
+            self.w13_bias,
+            self.w2_bias,
+            self.activation,
+            self.swiglu_alpha,
+            self.swiglu_limit,
+        )
         if torch.compiler.is_compiling():
-            out: torch.Tensor = torch.ops.pagemill.fused_moe(
-                x, self.w13_weight, self.w2_weight, weights, ids
-            )
+            out: torch.Tensor = torch.ops.pagemill.fused_moe(*args)
             return out
-        return fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        return fused_moe(*args)
 
     def extra_repr(self) -> str:
         e, n2, h = self.w13_weight.shape

@@ -5,6 +5,7 @@ its module.
 """
 
 from pagemill.runtime.model_executor.models.gemma import GemmaForCausalLM
+from pagemill.runtime.model_executor.models.gpt_oss import GptOssForCausalLM
 from pagemill.runtime.model_executor.models.granite import GraniteForCausalLM
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.model_executor.models.mixtral import MixtralForCausalLM
@@ -30,11 +31,13 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 __all__ = [
     "ARCHITECTURES",
     "GemmaForCausalLM",
+    "GptOssForCausalLM",
     "GraniteForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",

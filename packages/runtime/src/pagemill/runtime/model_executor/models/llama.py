@@ -103,6 +103,8 @@ class LlamaAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.kv_scales: LayerKVScales | None = None  # read by an fp8 KV cache only
+        # Attention sinks (gpt-oss): one fp32 logit per query head, set by models that have them.
+        self.sinks: nn.Parameter | None = None
 
     def forward(
         self,
@@ -135,7 +137,16 @@ class LlamaAttention(nn.Module):
                 k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
             )
             out = torch.ops.pagemill.paged_attention(
-                q, self.k_cache, self.v_cache, plan, self.scale, self.window, self.softcap, ks, vs
+                q,
+                self.k_cache,
+                self.v_cache,
+                plan,
+                self.scale,
+                self.window,
+                self.softcap,
+                ks,
+                vs,
+                self.sinks,
             )
         else:
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
@@ -152,6 +163,7 @@ class LlamaAttention(nn.Module):
                 softcap=self.softcap,
                 k_scale=ks,
                 v_scale=vs,
+                sinks=self.sinks,
             )
         return self.o_proj(out.reshape(t, self.q_size))
 

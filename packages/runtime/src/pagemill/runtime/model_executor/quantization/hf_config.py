@@ -35,7 +35,10 @@ from pagemill.runtime.model_executor.quantization.formats import QuantizedRows
 logger = logging.getLogger(__name__)
 
 # What the loader reads; everything else named in a quantization_config is refused.
-SUPPORTED = "awq (version gemm), gptq, compressed-tensors (pack-quantized, float-quantized), fp8"
+SUPPORTED = (
+    "awq (version gemm), gptq, compressed-tensors (pack-quantized, float-quantized), fp8, "
+    "mxfp4 (gpt-oss experts, dequantized)"
+)
 
 
 class UnsupportedQuantization(ValueError):
@@ -79,6 +82,13 @@ class QuantizationConfig(ABC):
         """What the log should say once everything is converted (e.g. rounding measured)."""
         return []
 
+    def rewrite(
+        self, names: set[str], weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]] | None:
+        """The whole stream converted by the method itself, for one whose tensors are not
+        per-module rows (MXFP4's stacked experts); None: `convert` per module."""
+        return None
+
     def module_parts(self, names: set[str]) -> dict[str, set[str]]:
         """Quantized module prefix -> the full names of its tensors present in the checkpoint."""
         prefixes = {n.rsplit(".", 1)[0] for n in names if "." in n}
@@ -116,12 +126,14 @@ def get_quantization_config(folder: Path, dtype: torch.dtype) -> QuantizationCon
     )
     from pagemill.runtime.model_executor.quantization.fp8 import Fp8Config
     from pagemill.runtime.model_executor.quantization.gptq import GPTQConfig
+    from pagemill.runtime.model_executor.quantization.mxfp4 import Mxfp4Config
 
     methods: dict[str, type[QuantizationConfig]] = {
         "awq": AWQConfig,
         "gptq": GPTQConfig,
         "compressed-tensors": CompressedTensorsConfig,
         "fp8": Fp8Config,
+        "mxfp4": Mxfp4Config,
     }
     cls = methods.get(method)
     if cls is None:
@@ -172,6 +184,12 @@ def quantized_weights(
     A module's rows are yielded as soon as all its tensors have been read, so only the
     modules split across the stream are held at once.
     """
+    rewritten = quant.rewrite(names, weights)
+    if rewritten is not None:
+        yield from rewritten
+        for k, n in sorted(quant.served.items()):
+            logger.info("%s: %d tensors %s", quant.describe(), n, k)
+        return
     groups = quant.module_parts(names)
     owner = {name: prefix for prefix, members in groups.items() for name in members}
     pending: dict[str, dict[str, torch.Tensor]] = {}
