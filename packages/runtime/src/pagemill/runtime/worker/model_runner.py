@@ -224,6 +224,7 @@ class ModelRunner:
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
+            "kv_cache_groups": self.kv_cache_groups,
             "packed_row_limits": packed_row_limits(self.model),
         }
 
@@ -236,7 +237,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
             saved = self.input_batch, self.requests
-            self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.input_batch = self._new_input_batch()
             self.requests = {}
             try:
                 self.execute_model(batch)
