@@ -206,3 +206,62 @@ def test_more_long_requests_fit_the_same_budget(hybrid, hf_greedy, random_prompt
         del llm
     assert results[True] == (4, 0)
     assert results[False][1] > 0
+
+
+def test_kv_events_replay_the_full_groups_index(hybrid, random_prompts) -> None:
+    """The published events, applied in order, rebuild group 0's (the full group's) hash
+    index, through windowed releases and evictions."""
+    import socket
+    import time
+
+    import msgspec
+    import zmq
+
+    from pagemill.runtime.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    _, folder, model = hybrid
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    llm = make_llm(
+        folder,
+        kv_cache_memory_bytes=64 << 10,
+        max_model_len=64,
+        max_num_batched_tokens=32,
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{port}",
+            "topic": "kv",
+        },
+    )
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    time.sleep(0.3)  # PUB drops what it sends before the subscription arrives
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    try:
+        kv = manager(llm)
+        assert isinstance(kv, HybridKVCacheManager)
+        prompts = random_prompts([40] * 12, model.config.vocab_size, seed=9)
+        llm.generate(prompts, SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)
+        assert kv.block_pool.num_evictions > 0
+        index: set[bytes] = set()
+        removed = 0
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and index != set(kv.block_pool.group_indexes[0]):
+            if not sub.poll(100):
+                continue
+            _, _, payload = sub.recv_multipart()
+            for ev in decoder.decode(payload).events:
+                if isinstance(ev, BlockStored):
+                    assert not index & set(ev.block_hashes)
+                    index.update(ev.block_hashes)
+                elif isinstance(ev, BlockRemoved):
+                    assert set(ev.block_hashes) <= index
+                    index.difference_update(ev.block_hashes)
+                    removed += 1
+        assert index == set(kv.block_pool.group_indexes[0]) and removed
+    finally:
+        sub.close(linger=0)
+        llm.llm_engine.engine_core.shutdown()
