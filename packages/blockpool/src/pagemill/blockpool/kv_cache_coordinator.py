@@ -125,7 +125,13 @@ class HybridKVCacheManager:
         usable = self.num_usable_blocks
         c = num_computed_tokens
         # Each block more of context costs one block in every group that has not yet
-        # skipped past it; find the most whole blocks that fit.
+        # skipped past it. Past every group's skipped blocks, m blocks of context cost
+        # G*m - sum(skips): solved directly (this runs per running request per step).
+        skips = [_skippable(c, w, bs) for w in self.windows]
+        m = (usable + sum(skips)) // len(skips)
+        if m >= max(skips):
+            return m * bs
+        # Otherwise the most whole blocks that fit, by bisection.
         lo, hi = 0, (c // bs) + usable + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -47,8 +47,9 @@ def group_layers_by_window(layer_windows: Sequence[int]) -> list[KVCacheGroupSpe
     Full-attention groups come first (group 0 then holds whole prefix chains, and is the
     group KV events describe). One attention type gives one group of every layer, which
     is exactly today's single table. Several types: the group size is the fewest layers
-    of any type, or the most when that wastes less (vLLM's rule: within 1.5x), and each
-    type's layers are cut into chunks of that size in layer order.
+    of any type, or the most when the counts are close (under 1.5x: fewer, larger groups
+    for little padding), as vLLM's uniform-page grouping does, and each type's layers are
+    cut into chunks of that size in layer order.
     """
     if not layer_windows:
         raise ValueError("a model needs at least one layer")
