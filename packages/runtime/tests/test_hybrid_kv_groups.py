@@ -129,6 +129,13 @@ def test_layers_form_groups_sharing_one_pool(hybrid) -> None:
     del llm
     off = make_llm(folder, sliding_window_free_blocks=False)
     assert isinstance(manager(off), KVCacheManager)
+    del off
+    # A pool that cannot hold one max_model_len request is refused with the count it
+    # needs: every block in the full group, a window plus one block in each windowed one.
+    windows = [w for _, w in GROUPS[name] if w is not None]
+    needed = 64 + sum(-(-(w - 1) // BLOCK) + 1 for w in windows) + 1
+    with pytest.raises(ValueError, match=f"request needs {needed} blocks"):
+        make_llm(folder, kv_cache_memory_bytes=16 << 10)
 
 
 def test_chunked_prefill_and_decode_past_the_window_match_hf(
