@@ -37,3 +37,22 @@ def test_readme_example_runs_and_matches_its_output(tmp_path: Path) -> None:
     if "backend=cupy" in proc.stdout:
         pytest.skip("the README output is written for the NumPy backend")
     assert proc.stdout == outputs[0]
+
+
+def test_readme_layer_groups_example_runs_and_matches_its_output(tmp_path: Path) -> None:
+    text = README.read_text()
+    found = re.search(
+        r"## Layer groups.*?```python\n(.*?)```\n\nPrints:\n\n```\n(.*?)```", text, re.S
+    )
+    assert found
+    script = tmp_path / "groups.py"
+    script.write_text(found.group(1))
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(script)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == found.group(2)

@@ -13,6 +13,8 @@ from pagemill.blockpool.hashing import (
     hash_block_chain,
     hash_block_tokens,
 )
+from pagemill.blockpool.kv_cache_coordinator import HybridKVCacheManager, KVCacheBlocks
+from pagemill.blockpool.kv_cache_groups import KVCacheGroupSpec, group_layers_by_window
 from pagemill.blockpool.kv_cache_manager import CacheRequest, KVCacheManager, PrefixCacheStats
 from pagemill.blockpool.kv_storage import KVStorage
 from pagemill.blockpool.sizing import DTYPE_BYTES, kv_bytes_per_token, num_blocks_for_budget
@@ -26,11 +28,15 @@ __all__ = [
     "CacheConfig",
     "CacheRequest",
     "FreeBlockQueue",
+    "HybridKVCacheManager",
     "KVCacheBlock",
+    "KVCacheBlocks",
+    "KVCacheGroupSpec",
     "KVCacheManager",
     "KVStorage",
     "PrefixCacheStats",
     "get_hash_fn",
+    "group_layers_by_window",
     "hash_block_chain",
     "hash_block_tokens",
     "kv_bytes_per_token",

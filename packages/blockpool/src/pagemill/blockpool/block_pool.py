@@ -24,14 +24,19 @@ if TYPE_CHECKING:
 
 
 class KVCacheBlock:
-    """One physical block: its id, how many requests hold it, its prefix hash, free links."""
+    """One physical block: its id, how many requests hold it, its prefix hash, free links.
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt")
+    `cache_group` is the KV cache group whose hash index holds `block_hash` (0 unless the
+    pool serves several groups, see `BlockPool`); it is meaningful only while cached.
+    """
+
+    __slots__ = ("block_hash", "block_id", "cache_group", "next_free", "prev_free", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id: int = block_id
         self.ref_cnt: int = 0
         self.block_hash: BlockHash | None = None
+        self.cache_group: int = 0
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -114,10 +119,22 @@ class BlockPool:
     table holds where a sliding-window request has given its block back (vLLM's null
     block). No slot of it is ever written, so whatever reads it reads zeros, never another
     request's KV; it is never free and never cached.
+
+    With `num_cache_groups` > 1 (a model whose layers form several KV cache groups, see
+    `kv_cache_coordinator`) the blocks of one pool serve every group, but the same token
+    prefix is different KV in each group (other layers), so each group has its own hash
+    index (`group_indexes`); a cached block remembers its group for eviction. Group 0's
+    index is `cached_block_hash_to_block` and the only one KV events describe: the stream
+    stays an exact replay of one index, and group 0 is the one holding whole chains
+    (full attention, when the model has any).
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        reserve_null_block: bool = False,
+        num_cache_groups: int = 1,
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"num_blocks must be an int, got {type(num_blocks).__name__}")
@@ -127,7 +144,12 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
+        if num_cache_groups < 1:
+            raise ValueError(f"num_cache_groups must be at least 1, got {num_cache_groups}")
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.group_indexes: list[dict[BlockHash, KVCacheBlock]] = [
+            self.cached_block_hash_to_block
+        ] + [{} for _ in range(num_cache_groups - 1)]
         # Cached blocks handed out for reuse (their hash dropped from the index), ever. Read
         # by observers (the server's dashboard); one add per allocation that evicts.
         self.num_evictions = 0
@@ -160,7 +182,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self.cached_block_hash_to_block)
+        return sum(len(index) for index in self.group_indexes)
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         """Pop `n` blocks off the free queue head, evicting their hashes; each gets ref 1."""
@@ -176,7 +198,7 @@ class BlockPool:
         popped: list[KVCacheBlock] = []
         head = queue._head
         node = head.next_free
-        index = self.cached_block_hash_to_block
+        indexes = self.group_indexes
         evicted = 0
         removed: list[BlockHash] | None = None if self.kv_events is None else []
         for _ in range(n):
@@ -185,10 +207,12 @@ class BlockPool:
             node.prev_free = node.next_free = None
             h = node.block_hash
             if h is not None:
+                group = node.cache_group
+                index = indexes[group]
                 if index.get(h) is node:
                     del index[h]
                     evicted += 1
-                    if removed is not None:
+                    if removed is not None and group == 0:
                         removed.append(h)
                 node.block_hash = None
             node.ref_cnt = 1
@@ -204,10 +228,10 @@ class BlockPool:
                 self.kv_events.append(BlockRemoved(removed))
         return popped
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
         if not self.enable_caching:
             return None
-        return self.cached_block_hash_to_block.get(block_hash)
+        return self.group_indexes[group].get(block_hash)
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit); revive freed ones."""
@@ -223,8 +247,9 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         request: CacheRequest | None = None,
         first_block: int = 0,
+        group: int = 0,
     ) -> None:
-        """Register full blocks under their hashes.
+        """Register full blocks under their hashes (in `group`'s index).
 
         A block that already has a hash is left alone, and so is a block whose hash another
         block already holds: the index never has two blocks for one hash, and the duplicate
@@ -239,8 +264,8 @@ class BlockPool:
             )
         if not self.enable_caching:
             return
-        index = self.cached_block_hash_to_block
-        stored: list[int] | None = None if self.kv_events is None else []
+        index = self.group_indexes[group]
+        stored: list[int] | None = None if self.kv_events is None or group else []
         for i, (block, h) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is not None:
                 if block.block_hash != h:
@@ -251,6 +276,7 @@ class BlockPool:
             if h in index:
                 continue
             block.block_hash = h
+            block.cache_group = group
             index[h] = block
             if stored is not None:
                 stored.append(i)
@@ -293,14 +319,16 @@ class BlockPool:
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop these blocks' hashes from the index (their KV is not to be trusted)."""
-        index = self.cached_block_hash_to_block
+        indexes = self.group_indexes
         removed: list[BlockHash] = []
         for block in blocks:
             h = block.block_hash
             if h is not None:
+                index = indexes[block.cache_group]
                 if index.get(h) is block:
                     del index[h]
-                    removed.append(h)
+                    if block.cache_group == 0:
+                        removed.append(h)
                 block.block_hash = None
         if removed and self.kv_events is not None:
             self.kv_events.append(BlockRemoved(removed))
@@ -329,7 +357,8 @@ class BlockPool:
         """Forget every cached hash; refused (False, nothing changed) while a block is held."""
         if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
             return False
-        self.cached_block_hash_to_block.clear()
+        for index in self.group_indexes:
+            index.clear()
         for block in self.blocks:
             block.block_hash = None
         if self.kv_events is not None:

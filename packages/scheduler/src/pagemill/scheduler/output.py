@@ -29,6 +29,11 @@ class ScheduledRequest:
     admission or a re-admission after preemption: the table and the computed prefix start
     over, so a runner that keeps per-request state must (re)build it from `request` rather
     than patch what it had. `request` is read-only to the runner.
+
+    `group_block_ids` is set when the KV cache manager keeps one table per KV cache group
+    (`pagemill.blockpool.HybridKVCacheManager`): the same change for every group's table,
+    in group order (`new_block_ids` is then group 0's); None when it has one table, or
+    when no group's table changed.
     """
 
     request_id: str
@@ -39,6 +44,7 @@ class ScheduledRequest:
     sample: bool
     is_new: bool
     request: Request
+    group_block_ids: tuple[list[int], ...] | None = None
 
     @property
     def num_new_blocks(self) -> int:

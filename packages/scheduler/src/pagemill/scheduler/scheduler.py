@@ -22,9 +22,10 @@ is copied whole, and the waiting queue is only touched at its head.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from pagemill.blockpool import HybridKVCacheManager, KVCacheBlocks
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.scheduler.output import RequestUpdate, ScheduledRequest, SchedulerOutput
 from pagemill.scheduler.request import Request, RequestStatus
@@ -35,6 +36,10 @@ from pagemill.scheduler.waiting_queue import make_waiting_queue, priority_key
 if TYPE_CHECKING:
     from pagemill.blockpool import KVCacheBlock, KVCacheManager
 
+    # Block ids a step adds to a request's table: group 0's, and every group's (or None)
+    # when the manager keeps one table per KV cache group.
+    _NewIds = tuple[list[int], tuple[list[int], ...] | None]
+
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _PREEMPTED = RequestStatus.PREEMPTED
@@ -44,7 +49,9 @@ class Scheduler:
     """Continuous-batching scheduler over a KVCacheManager (which owns the block tables:
     only the scheduler allocates, anyone may read them from the manager)."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager
+    ) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"config must be a SchedulerConfig, got {type(config).__name__}")
         self.config = config
@@ -63,6 +70,15 @@ class Scheduler:
             if self._windowed and config.enable_chunked_prefill
             else usable_tokens
         )
+        # One table per KV cache group (a model mixing full and windowed layers): steps
+        # are capped like under a window, and a request holds what the manager says.
+        self._hybrid = (
+            kv_cache_manager if isinstance(kv_cache_manager, HybridKVCacheManager) else None
+        )
+        if self._hybrid is not None:
+            self._windowed = True
+            cap = self._hybrid.request_capacity_tokens(config.enable_chunked_prefill)
+            self.pool_capacity_tokens = config.max_model_len if cap is None else cap
         self._use_prefix_cache: bool = kv_cache_manager.enable_caching
 
         self.requests: dict[str, Request] = {}
@@ -216,16 +232,16 @@ class Scheduler:
                 continue
             rid = req.request_id
             end = start + n
-            new_blocks: Sequence[KVCacheBlock] | None
+            new_ids: _NewIds | None
             if start // bs == end // bs and start < kv.num_request_blocks(rid) * bs:
                 # Fast path (most decodes): the step neither needs a new block nor completes
                 # one, so allocate_slots would change nothing (no growth, nothing to cache).
-                new_blocks = ()
+                new_ids = ([], None)
             else:
-                new_blocks = None
-            while new_blocks is None:
-                new_blocks = kv.allocate_slots(req, n)
-                if new_blocks is not None:
+                new_ids = None
+            while new_ids is None:
+                new_ids = self._allocate(req, n)
+                if new_ids is not None:
                     break
                 victim_idx = self._pick_victim()
                 victim = running[victim_idx]
@@ -238,7 +254,7 @@ class Scheduler:
                     i -= 1
                 if victim is req:
                     break
-            if new_blocks is None:  # `req` itself was preempted; running[i] is the next one
+            if new_ids is None:  # `req` itself was preempted; running[i] is the next one
                 continue
             scheduled[rid] = (
                 req,
@@ -247,10 +263,11 @@ class Scheduler:
                     req.all_token_ids[start:end],
                     start,
                     n,
-                    [b.block_id for b in new_blocks],
+                    new_ids[0],
                     end == req.num_tokens,
                     False,
                     req,
+                    new_ids[1],
                 ),
             )
             budget -= n
@@ -263,6 +280,7 @@ class Scheduler:
             use_cache = self._use_prefix_cache
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting.peek()
+                hit_blocks: list[KVCacheBlock] | KVCacheBlocks
                 if use_cache and not req.skip_reading_prefix_cache:
                     hit_blocks, num_hit = kv.get_computed_blocks(req)
                 else:
@@ -278,8 +296,8 @@ class Scheduler:
                         n = min(n, kv.max_num_tokens(num_hit) - num_hit)
                 elif n > budget:
                     break  # the whole prompt must go in one step; keep policy order
-                new_blocks = kv.allocate_slots(req, n, num_hit, hit_blocks)
-                if new_blocks is None:
+                table_ids = self._allocate(req, n, num_hit, hit_blocks)
+                if table_ids is None:
                     break  # head-of-line: admitting a later request would jump the order
                 waiting.pop()
                 rid = req.request_id
@@ -288,8 +306,6 @@ class Scheduler:
                     req.first_scheduled_time = time.monotonic()
                 req.status = _RUNNING
                 req.num_computed_tokens = num_hit
-                table = [b.block_id for b in hit_blocks]
-                table += [b.block_id for b in new_blocks]
                 running.append(req)
                 scheduled[rid] = (
                     req,
@@ -298,10 +314,11 @@ class Scheduler:
                         req.all_token_ids[num_hit : num_hit + n],
                         num_hit,
                         n,
-                        table,
+                        table_ids[0],
                         num_hit + n == num_tokens,
                         True,
                         req,
+                        table_ids[1],
                     ),
                 )
                 budget -= n
@@ -320,6 +337,34 @@ class Scheduler:
             preempted_ids = self._preempted_between + preempted_ids
             self._preempted_between = []
         return SchedulerOutput(batch, total, preempted_ids, finished_ids)
+
+    def _allocate(
+        self,
+        req: Request,
+        n: int,
+        num_hit: int = 0,
+        hit_blocks: list[KVCacheBlock] | KVCacheBlocks | None = None,
+    ) -> _NewIds | None:
+        """`allocate_slots` for either manager: the ids the step adds to the table (the
+        hits first), None when the pool cannot take it (nothing changed)."""
+        hybrid = self._hybrid
+        if hybrid is None:
+            assert not isinstance(hit_blocks, KVCacheBlocks)
+            assert not isinstance(self.kv_cache_manager, HybridKVCacheManager)
+            got = self.kv_cache_manager.allocate_slots(req, n, num_hit, hit_blocks)
+            if got is None:
+                return None
+            ids = [b.block_id for b in hit_blocks] if hit_blocks else []
+            ids += [b.block_id for b in got]
+            return ids, None
+        assert not isinstance(hit_blocks, list)
+        blocks = hybrid.allocate_slots(req, n, num_hit, hit_blocks)
+        if blocks is None:
+            return None
+        groups = blocks.get_block_ids()
+        if hit_blocks is not None and hit_blocks.num_blocks:
+            groups = tuple(h + g for h, g in zip(hit_blocks.get_block_ids(), groups))
+        return groups[0], groups
 
     def _pick_victim(self) -> int:
         """Index in `running` of the request to preempt: lowest priority, then newest."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagemill.blockpool import KVCacheManager
+from pagemill.blockpool import HybridKVCacheManager, KVCacheManager
 from pagemill.runtime.config import EngineConfig, resolve_dtype, torch_dtype
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, check_tensor_parallel
@@ -43,7 +43,7 @@ from pagemill.runtime.sample.structured_output import (
     grammar_failure_message,
 )
 from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
-from pagemill.runtime.worker.kv_cache import kv_sliding_window, size_kv_pool
+from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
@@ -122,13 +122,24 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
-        self.kv_cache_manager = KVCacheManager(
-            self.num_blocks,
-            cache.block_size,
-            enable_caching=cache.enable_prefix_caching,
-            hash_algo=cache.prefix_caching_hash_algo,
-            sliding_window=kv_sliding_window(model_config, cache, self.num_blocks),
-        )
+        groups = self.model_runner.kv_cache_groups
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if groups is not None:
+            self.kv_cache_manager = HybridKVCacheManager(
+                self.num_blocks,
+                cache.block_size,
+                groups,
+                enable_caching=cache.enable_prefix_caching,
+                hash_algo=cache.prefix_caching_hash_algo,
+            )
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                self.num_blocks,
+                cache.block_size,
+                enable_caching=cache.enable_prefix_caching,
+                hash_algo=cache.prefix_caching_hash_algo,
+                sliding_window=kv_sliding_window(model_config, cache, self.num_blocks),
+            )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self._kv_events = KVEventsHook.create(config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
@@ -218,6 +229,13 @@ class EngineCore:
             tp=self.tp,
             vocab_size=model_config.vocab_size,
         )
+        # Per-group block tables for models mixing full and windowed layers; single-rank
+        # and eager for now (the decode graphs and TP workers know one table).
+        groups = kv_cache_groups(local_config, cache)
+        if groups is not None and (self.tp is not None or self._cuda_graphs_wanted()):
+            logger.info("KV cache groups are single-rank and eager for now: one table kept")
+            groups = None
+        self.model_runner.kv_cache_groups = groups
         self.model_runner.use_cuda_graphs = self._cuda_graphs_wanted()
         if cache.kv_cache_dtype != "auto" and self.tp is not None:
             raise ValueError(
@@ -236,6 +254,7 @@ class EngineCore:
             cache,
             scheduler_config.max_num_seqs,
             self.max_model_len,
+            groups,
         )
         if tp is not None:
             num_blocks = self.num_blocks

@@ -33,7 +33,7 @@ import msgspec
 from pagemill.blockpool import kv_events as pool_events
 
 if TYPE_CHECKING:
-    from pagemill.blockpool import BlockPool, KVCacheManager
+    from pagemill.blockpool import BlockPool, HybridKVCacheManager, KVCacheManager
     from pagemill.runtime.config import EngineConfig
     from pagemill.runtime.engine.protocol import EngineCoreOutputs
 
@@ -289,7 +289,9 @@ class KVEventsHook:
         self.rank = rank
 
     @classmethod
-    def create(cls, config: EngineConfig, manager: KVCacheManager) -> KVEventsHook | None:
+    def create(
+        cls, config: EngineConfig, manager: KVCacheManager | HybridKVCacheManager
+    ) -> KVEventsHook | None:
         events = (
             KVEventsConfig.from_dict(config.kv_events_config)
             if config.kv_events_config is not None

@@ -4,6 +4,10 @@ Built once per step by the model runner and shared by all layers, so per-layer w
 only the kernels themselves: the KV write through `slot_mapping` and attention through
 the plan (`pagemill.kernels.plan_attention`), which already holds the decode/prefill split,
 the gather indices (CPU) or the launch parameters (Triton).
+
+With KV cache groups (full-attention and windowed layers with their own block tables) the
+slots and the plan differ per group: `groups` holds one metadata per group and each
+attention layer takes its group's (`groups[kv_group]`); the top-level fields are group 0's.
 """
 
 from __future__ import annotations
@@ -21,3 +25,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor
     plan: AttentionPlan
+    groups: list[AttentionMetadata] | None = None
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group` (itself when there is one group)."""
+        return self if self.groups is None else self.groups[group]

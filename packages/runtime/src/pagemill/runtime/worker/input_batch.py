@@ -16,6 +16,11 @@ into block 0 here too (`drop_blocks_before`): the KV cache manager may have give
 blocks to another request, and a path that gathers and masks them should read the
 never-written null block, not someone else's KV.
 
+With KV cache groups (a model mixing full-attention and windowed layers) a row has one
+table per group (`group_tables`, group 0's is `block_table`), all of one length, written
+from `ScheduledRequest.group_block_ids`; each windowed group's entries are dropped by its
+own window.
+
 Rows stay in admission order (a removed row is closed up, not swapped with the last one),
 which is the scheduler's order too: in the common step that schedules every running
 request, the flattened batch and the sampling rows are plain prefixes of these arrays.
@@ -63,7 +68,13 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        num_groups: int = 1,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_blocks_per_req = max_blocks_per_req
         self.device = device
@@ -74,6 +85,13 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
         # Leading entries of each row already turned into block 0 (`drop_blocks_before`).
         self.num_dropped = np.zeros(max_num_reqs, dtype=np.int32)
+        # Per KV cache group (group 0's are the two arrays above).
+        self.group_tables = [self.block_table] + [
+            np.zeros_like(self.block_table) for _ in range(num_groups - 1)
+        ]
+        self.group_dropped = [self.num_dropped] + [
+            np.zeros_like(self.num_dropped) for _ in range(num_groups - 1)
+        ]
         self.sampling_columns = SamplingColumns.empty(max_num_reqs)
         self._metadata: SamplingMetadata | None = None
 
@@ -83,7 +101,12 @@ class InputBatch:
 
     # ------------------------------------------------------------------ composition
 
-    def add(self, state: CachedRequestState, block_ids: list[int]) -> int:
+    def add(
+        self,
+        state: CachedRequestState,
+        block_ids: list[int],
+        group_ids: tuple[list[int], ...] | None = None,
+    ) -> int:
         row = len(self.req_ids)
         if row >= self.max_num_reqs:
             raise ValueError(f"more than max_num_seqs={self.max_num_reqs} requests in the batch")
@@ -94,13 +117,18 @@ class InputBatch:
         self.states.append(state)
         self.row_of[rid] = row
         self.num_blocks[row] = 0
-        self.num_dropped[row] = 0
-        self.append_blocks(row, block_ids)
+        for dropped in self.group_dropped:
+            dropped[row] = 0
+        self.append_blocks(row, block_ids, group_ids)
         self.sampling_columns.set_row(row, state.params)
         self._metadata = None
         return row
 
-    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+    def append_blocks(
+        self, row: int, block_ids: list[int], group_ids: tuple[list[int], ...] | None = None
+    ) -> None:
+        """Append to the row's table(s); `group_ids` gives every group's ids (None: the
+        same `block_ids` for every group, as profiling batches do)."""
         start = int(self.num_blocks[row])
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
@@ -108,17 +136,27 @@ class InputBatch:
                 f"request {self.req_ids[row]!r} would hold {end} blocks; max_model_len allows "
                 f"{self.max_blocks_per_req}"
             )
-        self.block_table[row, start:end] = block_ids
+        if group_ids is None:
+            for table in self.group_tables:
+                table[row, start:end] = block_ids
+        else:
+            for table, ids in zip(self.group_tables, group_ids):
+                if len(ids) != end - start:
+                    raise ValueError("KV cache groups' new block ids differ in length")
+                table[row, start:end] = ids
         self.num_blocks[row] = end
 
-    def drop_blocks_before(self, row: int, first_read_pos: int, block_size: int) -> None:
+    def drop_blocks_before(
+        self, row: int, first_read_pos: int, block_size: int, group: int = 0
+    ) -> None:
         """Point the row's blocks wholly before `first_read_pos` at block 0 (the null block
-        of a sliding-window pool): no query from here on reads them."""
+        of a sliding-window pool) in `group`'s table: no query from here on reads them."""
+        dropped = self.group_dropped[group]
         end = min(first_read_pos // block_size, int(self.num_blocks[row]))
-        start = int(self.num_dropped[row])
+        start = int(dropped[row])
         if end > start:
-            self.block_table[row, start:end] = 0
-            self.num_dropped[row] = end
+            self.group_tables[group][row, start:end] = 0
+            dropped[row] = end
 
     def remove(self, request_id: str) -> None:
         """Drop a request's row (no-op if it has none) and close the gap, keeping the order."""
@@ -128,9 +166,11 @@ class InputBatch:
         n = len(self.req_ids)
         if row < n - 1:
             width = int(self.num_blocks[row + 1 : n].max())
-            self.block_table[row : n - 1, :width] = self.block_table[row + 1 : n, :width]
+            for table in self.group_tables:
+                table[row : n - 1, :width] = table[row + 1 : n, :width]
             self.num_blocks[row : n - 1] = self.num_blocks[row + 1 : n]
-            self.num_dropped[row : n - 1] = self.num_dropped[row + 1 : n]
+            for dropped in self.group_dropped:
+                dropped[row : n - 1] = dropped[row + 1 : n]
             self.sampling_columns.close_gap(row, n)
             for rid in self.req_ids[row + 1 :]:
                 self.row_of[rid] -= 1

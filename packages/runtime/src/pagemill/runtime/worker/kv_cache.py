@@ -4,6 +4,12 @@ The memory itself is a `pagemill.blockpool.KVStorage` (CuPy on CUDA, NumPy on CP
 torch views zero-copy through DLPack, so the block pool's bookkeeping and the kernels
 share one allocation.
 
+A model that mixes full-attention and sliding-window layers gets one block table per KV
+cache group (`kv_cache_groups`, `pagemill.blockpool.HybridKVCacheManager`): the pool then
+has one K and one V tensor per layer *of a group* rather than per model layer, and layer
+i of every group reads and writes tensor i, so a block is a group's worth of layers and
+the same bytes hold more of them (see `pagemill.blockpool.kv_cache_groups`).
+
 With ``kv_cache_dtype`` fp8 the storage holds one byte per element (uint8 containers viewed
 as ``torch.float8_e4m3fn``/``float8_e5m2``), so the same budget sizes twice the blocks of a
 16-bit cache; each layer carries its K and V scales (`LayerKVScales`).
@@ -17,8 +23,16 @@ from typing import Any
 
 import torch
 
-from pagemill.blockpool import CacheConfig, KVStorage, kv_bytes_per_token, num_blocks_for_budget
+from pagemill.blockpool import (
+    CacheConfig,
+    KVCacheGroupSpec,
+    KVStorage,
+    group_layers_by_window,
+    kv_bytes_per_token,
+    num_blocks_for_budget,
+)
 from pagemill.blockpool.config import kv_cache_storage_dtype
+from pagemill.blockpool.kv_cache_groups import group_size, layer_tensor_index
 from pagemill.runtime.model_config import ModelConfig, canonical_dtype
 
 logger = logging.getLogger(__name__)
@@ -47,9 +61,16 @@ def kv_torch_dtype(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dt
     return getattr(torch, kv_dtype_name(dtype, kv_cache_dtype))
 
 
-def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def bytes_per_token(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    groups: list[KVCacheGroupSpec] | None = None,
+) -> int:
+    """Bytes of one token of one block: every layer's, or with KV cache groups one
+    group's worth of layers (a block then holds one group's KV)."""
     return kv_bytes_per_token(
-        config.num_hidden_layers,
+        config.num_hidden_layers if groups is None else group_size(groups),
         config.num_key_value_heads,
         config.head_dim,
         kv_dtype_name(dtype, kv_cache_dtype),
@@ -94,11 +115,14 @@ def cpu_num_blocks(
     max_num_seqs: int,
     max_model_len: int,
     kv_cache_dtype: str = "auto",
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> int:
     budget = DEFAULT_CPU_KV_BYTES if budget_bytes is None else budget_bytes
-    n = num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype))
+    per_token = bytes_per_token(config, dtype, kv_cache_dtype, groups)
+    n = num_blocks_for_budget(budget, block_size, per_token)
     if budget_bytes is None:
-        n = min(n, max_useful_blocks(block_size, max_num_seqs, max_model_len))
+        useful = max_useful_blocks(block_size, max_num_seqs, max_model_len)
+        n = min(n, useful * (1 if groups is None else len(groups)) + 1)
     return n
 
 
@@ -110,6 +134,7 @@ def cuda_num_blocks(
     peak_activation_bytes: int,
     gpu_memory_utilization: float,
     kv_cache_dtype: str = "auto",
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> int:
     """Blocks that fit in utilization x total memory, after what is already used and the peak.
 
@@ -127,7 +152,22 @@ def cuda_num_blocks(
             f"gpu_memory_utilization={gpu_memory_utilization} of {total / 2**30:.2f} GiB; "
             "raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
-    return num_blocks_for_budget(budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype))
+    return num_blocks_for_budget(
+        budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype, groups)
+    )
+
+
+def blocks_for_one_request(
+    groups: list[KVCacheGroupSpec], block_size: int, max_model_len: int
+) -> int:
+    """Blocks one max_model_len request needs with per-group tables (the null block
+    included): every block in full groups, a window's worth plus one in windowed ones."""
+    blocks = -(-max_model_len // block_size)
+    needed = 1
+    for g in groups:
+        w = g.sliding_window
+        needed += blocks if w is None else min(blocks, -(-(w - 1) // block_size) + 1)
+    return needed
 
 
 def size_kv_pool(
@@ -137,6 +177,7 @@ def size_kv_pool(
     cache: CacheConfig,
     max_num_seqs: int,
     max_model_len: int,
+    groups: list[KVCacheGroupSpec] | None = None,
 ) -> int:
     """Blocks for the pool: profiled on CUDA, a byte budget on CPU; too small fails here.
 
@@ -147,11 +188,13 @@ def size_kv_pool(
     A pool that cannot hold one max_model_len request would leave such a request waiting
     forever, so it is refused at start-up with the numbers that would fix it. When blocks
     leave the pool behind the window (`kv_sliding_window`), a request needs only a window's
-    worth at a time, so one window plus a block (and the null block) is enough.
+    worth at a time, so one window plus a block (and the null block) is enough. With KV
+    cache groups (`groups`) a block holds one group's layers, and one request needs
+    `blocks_for_one_request`.
     """
     block_size = cache.block_size
     kv_dtype = cache.kv_cache_dtype
-    per_token = bytes_per_token(config, dtype, kv_dtype)
+    per_token = bytes_per_token(config, dtype, kv_dtype, groups)
     if runner.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
         peak = runner.profile_peak_memory()
         # CUDA graphs hold their own pool (and buffers) for the engine's life, beside the
@@ -165,6 +208,7 @@ def size_kv_pool(
             peak + graph_bytes,
             cache.gpu_memory_utilization,
             kv_dtype,
+            groups,
         )
         logger.info(
             "profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
@@ -180,9 +224,12 @@ def size_kv_pool(
             max_num_seqs,
             max_model_len,
             kv_dtype,
+            groups,
         )
     needed = -(-max_model_len // block_size)
-    if kv_sliding_window(config, cache, num_blocks) is not None:
+    if groups is not None:
+        needed = blocks_for_one_request(groups, block_size, max_model_len)
+    elif kv_sliding_window(config, cache, num_blocks) is not None:
         needed = min(needed, num_blocks)
     if num_blocks < needed:
         raise ValueError(
@@ -204,7 +251,9 @@ def size_kv_pool(
 
 class KVCache:
     """Per-layer (K, V) torch views of the pool and their scales; keeps the backing storage
-    alive. ``dtype`` is the model's compute dtype, ``kv_cache_dtype`` the setting."""
+    alive. ``dtype`` is the model's compute dtype, ``kv_cache_dtype`` the setting. With KV
+    cache ``groups`` the pool has one tensor pair per layer of a group, and
+    ``caches[layer]`` is the pair that layer's place in its group names (shared)."""
 
     def __init__(
         self,
@@ -214,6 +263,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        groups: list[KVCacheGroupSpec] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -223,10 +273,12 @@ class KVCache:
         self.dtype = dtype
         self.storage: KVStorage | None = None
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        num_layers = config.num_hidden_layers
+        num_tensors = num_layers if groups is None else group_size(groups)
         if device.type == "cuda":
             try:
                 self.storage = KVStorage(
-                    config.num_hidden_layers,
+                    num_tensors,
                     num_blocks,
                     block_size,
                     config.num_key_value_heads,
@@ -241,7 +293,7 @@ class KVCache:
                 )
         else:
             self.storage = KVStorage(
-                config.num_hidden_layers,
+                num_tensors,
                 num_blocks,
                 block_size,
                 config.num_key_value_heads,
@@ -250,19 +302,23 @@ class KVCache:
                 device="cpu",
             )
         if self.storage is not None:
-            self.caches = [
+            tensors = [
                 (_as_torch(k, dtype, device), _as_torch(v, dtype, device))
                 for k, v in zip(self.storage.k_caches, self.storage.v_caches)
             ]
         else:
-            self.caches = [
+            tensors = [
                 (
                     torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, device=device),
                 )
-                for _ in range(config.num_hidden_layers)
+                for _ in range(num_tensors)
             ]
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in self.caches)
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in tensors)
+        if groups is None:
+            self.caches = tensors
+        else:
+            self.caches = [tensors[i] for i in layer_tensor_index(groups, num_layers)]
         self.scales = [LayerKVScales(device) for _ in range(config.num_hidden_layers)]
 
     @property
@@ -298,6 +354,19 @@ def shared_window(config: ModelConfig) -> int:
     """The sliding window every layer shares, or 0 (no window, or some layers global)."""
     windows = {config.layer_window(i) for i in range(config.num_hidden_layers)}
     return windows.pop() if len(windows) == 1 else 0
+
+
+def kv_cache_groups(config: ModelConfig, cache: CacheConfig) -> list[KVCacheGroupSpec] | None:
+    """Per-group block tables for a model whose layers attend through different windows
+    (full attention mixed with sliding windows: Gemma 2/3), or None for one table.
+
+    Off with ``sliding_window_free_blocks=False`` (every block kept, one table), and for
+    models whose layers all share one window (`kv_sliding_window` serves those).
+    """
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    if not cache.sliding_window_free_blocks or len(set(windows)) < 2:
+        return None
+    return group_layers_by_window(windows)
 
 
 def kv_sliding_window(config: ModelConfig, cache: CacheConfig, num_blocks: int) -> int | None:

@@ -5,6 +5,10 @@ single decode tokens mix freely. What a step needs beyond the token ids is built
 and read by everything downstream: the per-token positions and KV slots, the attention plan
 (shared by all layers) and the sampling metadata (shared with the sampler). Per-request
 state persists across steps in the `InputBatch`, so a step only writes what changed.
+
+With KV cache groups (`kv_cache_groups`: a model mixing full-attention and windowed layers)
+every group has its own block tables, so the slots and the attention plan are built per
+group and each layer reads its group's (`AttentionMetadata.groups`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagemill.blockpool import KVCacheGroupSpec
+from pagemill.blockpool.kv_cache_groups import layer_group
 from pagemill.kernels import plan_attention
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
@@ -78,6 +84,9 @@ class StepBatch:
     # None when every token of the step samples (decode).
     sample_indices: torch.Tensor | None
     num_samples: int  # logit rows
+    # KV cache groups 1.. (group 0's are `slots` and `block_tables`); None: one group.
+    group_slots: list[np.ndarray] | None = None
+    group_block_tables: list[np.ndarray] | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +135,8 @@ class ModelRunner:
         # CacheConfig.kv_cache_dtype, set by the engine before the pool is sized.
         self.kv_cache_dtype = "auto"
         self.input_batch = InputBatch(max_num_seqs, self.max_blocks_per_seq, device)
+        # Set by the engine before the pool is sized (None: one table for every layer).
+        self.kv_cache_groups: list[KVCacheGroupSpec] | None = None
         # Live requests (running or preempted) until they finish; rows come and go.
         self.requests: dict[str, CachedRequestState] = {}
         self._arange = np.arange(max(max_num_seqs, max_num_batched_tokens), dtype=np.int64)
@@ -213,6 +224,7 @@ class ModelRunner:
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
+            "kv_cache_groups": self.kv_cache_groups,
             "packed_row_limits": packed_row_limits(self.model),
         }
 
@@ -225,7 +237,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
             saved = self.input_batch, self.requests
-            self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+            self.input_batch = self._new_input_batch()
             self.requests = {}
             try:
                 self.execute_model(batch)
@@ -242,16 +254,38 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------
 
     def init_kv_cache(self, num_blocks: int) -> KVCache:
-        self.kv_cache = KVCache(
+        self.kv_cache = self._new_kv_cache(num_blocks)
+        self.input_batch = self._new_input_batch()
+        self._bind(self.kv_cache)
+        return self.kv_cache
+
+    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+        return KVCache(
             self.model_config,
             num_blocks,
             self.block_size,
             self.dtype,
             self.device,
             self.kv_cache_dtype,
+            self.kv_cache_groups,
         )
-        self.model.bind_kv_caches(self.kv_cache.caches, self.kv_cache.scales)
-        return self.kv_cache
+
+    def _new_input_batch(self) -> InputBatch:
+        groups = self.kv_cache_groups
+        return InputBatch(
+            self.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.device,
+            1 if groups is None else len(groups),
+        )
+
+    def _bind(self, cache: KVCache) -> None:
+        groups = self.kv_cache_groups
+        self.model.bind_kv_caches(
+            cache.caches,
+            cache.scales,
+            None if groups is None else layer_group(groups, self.model_config.num_hidden_layers),
+        )
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
@@ -274,11 +308,9 @@ class ModelRunner:
         A trial capture against a one-block scratch cache (capture only records kernels;
         every row is padded, so nothing reads or writes the cache), measured and released.
         """
-        scratch = KVCache(
-            self.model_config, 1, self.block_size, self.dtype, self.device, self.kv_cache_dtype
-        )
+        scratch = self._new_kv_cache(1)
         caches = scratch.caches
-        self.model.bind_kv_caches(caches, scratch.scales)
+        self._bind(scratch)
         try:
             return measure_graph_memory(lambda: self._build_graphs(caches), self.device)
         finally:
@@ -336,21 +368,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        scratch = KVCache(
-            self.model_config,
-            blocks_needed,
-            self.block_size,
-            self.dtype,
-            self.device,
-            self.kv_cache_dtype,
-        )
+        scratch = self._new_kv_cache(blocks_needed)
         # Only a torch-allocated scratch cache shows up in torch's counters.
         scratch_bytes = scratch.nbytes if scratch.storage is None else 0
         saved = self.kv_cache, self.input_batch, self.requests
         self.kv_cache = scratch
-        self.input_batch = InputBatch(self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        self.input_batch = self._new_input_batch()
         self.requests = {}
-        self.model.bind_kv_caches(scratch.caches, scratch.scales)
+        self._bind(scratch)
         try:
             self.execute_model(batch)
             torch.cuda.synchronize(self.device)
@@ -367,6 +392,7 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         batch = self.input_batch
         bs = self.block_size
+        groups = self.kv_cache_groups
         for rid in out.finished_req_ids:
             self.requests.pop(rid, None)
             self.prompt_outputs.forget(rid)
@@ -380,7 +406,7 @@ class ModelRunner:
                 if state is None or state.request is not s.request:
                     state = self.requests[rid] = CachedRequestState.create(s.request, self.device)
                 batch.remove(rid)
-                batch.add(state, s.new_block_ids)
+                batch.add(state, s.new_block_ids, s.group_block_ids)
             elif s.new_block_ids:
                 try:
                     row = batch.row_of[rid]
@@ -388,10 +414,16 @@ class ModelRunner:
                     raise ValueError(
                         f"request {rid!r} is scheduled as running but was never scheduled as new"
                     ) from None
-                batch.append_blocks(row, s.new_block_ids)
+                batch.append_blocks(row, s.new_block_ids, s.group_block_ids)
             if self._shared_window:
                 row = batch.row_of[rid]
                 batch.drop_blocks_before(row, s.start_pos - self._shared_window + 1, bs)
+            elif groups is not None:
+                row = batch.row_of[rid]
+                for g, spec in enumerate(groups):
+                    w = spec.sliding_window
+                    if w is not None:
+                        batch.drop_blocks_before(row, s.start_pos - w + 1, bs, g)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs | None:
         prepared = self._prepare_batch(out)
@@ -459,6 +491,17 @@ class ModelRunner:
         slots = table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(batch.num_blocks[rows].max())
         block_tables = np.ascontiguousarray(table[:n, :width] if in_order else table[rows, :width])
+        group_slots: list[np.ndarray] | None = None
+        group_block_tables: list[np.ndarray] | None = None
+        if len(batch.group_tables) > 1:
+            group_slots, group_block_tables = [], []
+            for t in batch.group_tables[1:]:
+                group_slots.append(
+                    t[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+                )
+                group_block_tables.append(
+                    np.ascontiguousarray(t[:n, :width] if in_order else t[rows, :width])
+                )
         qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
 
@@ -500,6 +543,8 @@ class ModelRunner:
             q_lens,
             sample_indices,
             num_logit_rows,
+            group_slots,
+            group_block_tables,
         )
         req_ids = [scheduled[i].request_id for i in sample_pos]
         return step, req_ids, metadata
@@ -524,17 +569,29 @@ class ModelRunner:
         if sample_indices is not None:
             sample_indices = moved[6]
         assert self.kv_cache is not None, "init_kv_cache first"
-        plan = plan_attention(
-            qsl_t.to(torch.int32),
-            seq_lens_t.to(torch.int32),
-            tables_t.to(torch.int32),
-            k_cache_shape=cache_shape(self.kv_cache.caches[0][0]),
-            num_heads=self.model_config.num_attention_heads,
-            dtype=self.dtype,
-            query_lens=batch.query_lens,
-            context_lens=batch.seq_lens,
-        )
-        attn = AttentionMetadata(slot_mapping=slots_t.to(torch.int64), plan=plan)
+        k_shape = cache_shape(self.kv_cache.caches[0][0])
+
+        def metadata_of(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+            plan = plan_attention(
+                qsl_t.to(torch.int32),
+                seq_lens_t.to(torch.int32),
+                tables.to(torch.int32),
+                k_cache_shape=k_shape,
+                num_heads=self.model_config.num_attention_heads,
+                dtype=self.dtype,
+                query_lens=batch.query_lens,
+                context_lens=batch.seq_lens,
+            )
+            return AttentionMetadata(slot_mapping=slots.to(torch.int64), plan=plan)
+
+        attn = metadata_of(slots_t, tables_t)
+        if batch.group_slots is not None and batch.group_block_tables is not None:
+            more = [torch.from_numpy(a) for a in batch.group_slots + batch.group_block_tables]
+            moved_groups = self._to_device(more)
+            k = len(batch.group_slots)
+            attn.groups = [attn] + [
+                metadata_of(moved_groups[i], moved_groups[k + i]) for i in range(k)
+            ]
         return StepInputs(
             input_ids.to(torch.int64),
             positions_t.to(torch.int64),

@@ -105,6 +105,8 @@ class LlamaAttention(nn.Module):
         self.kv_scales: LayerKVScales | None = None  # read by an fp8 KV cache only
         # Attention sinks (gpt-oss): one fp32 logit per query head, set by models that have them.
         self.sinks: nn.Parameter | None = None
+        # The KV cache group whose block table this layer reads (bind_kv_caches).
+        self.kv_group = 0
 
     def forward(
         self,
@@ -125,6 +127,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotate(positions, q, k, cos_sin)
+        if meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         plan = meta.plan
         ks = vs = None
         if self.kv_scales is not None:
@@ -326,7 +330,10 @@ class LlamaForCausalLM(nn.Module):
         self,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_scales: list[LayerKVScales] | None = None,
+        kv_groups: list[int] | None = None,
     ) -> None:
+        """Bind each layer's KV tensors (and scales; `kv_groups`: each layer's KV cache
+        group, whose block table and slots it then reads from the step's metadata)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}"
@@ -334,10 +341,12 @@ class LlamaForCausalLM(nn.Module):
         scales: list[LayerKVScales | None] = [None] * len(kv_caches)
         if kv_scales is not None:
             scales = list(kv_scales)
-        for layer, (k, v), sc in zip(self.decoder_layers(), kv_caches, scales):
+        groups = kv_groups if kv_groups is not None else [0] * len(kv_caches)
+        for layer, (k, v), sc, g in zip(self.decoder_layers(), kv_caches, scales, groups):
             layer.self_attn.k_cache = k
             layer.self_attn.v_cache = v
             layer.self_attn.kv_scales = sc
+            layer.self_attn.kv_group = g
 
     def unbind_kv_caches(self) -> None:
         for layer in self.decoder_layers():
