@@ -129,10 +129,13 @@ class _FakeCore:
         self.q.put(EngineDeadError("shut down"))
 
 
-def test_a_dead_core_fails_only_its_requests() -> None:
+def test_a_dead_core_stops_the_client_and_names_itself() -> None:
+    import pytest
+
     from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core_client import EngineDeadError
     from pagemill.runtime.engine.dp_client import DPClient
-    from pagemill.runtime.engine.protocol import FinishReason
+    from pagemill.runtime.engine.protocol import EngineCoreOutputs
 
     config = EngineConfig(data_parallel_size=2, data_parallel_routing="round_robin")
     client = DPClient(config, engine_threads=2, client_factory=_FakeCore)
@@ -144,14 +147,20 @@ def test_a_dead_core_fails_only_its_requests() -> None:
         a, b = client.clients  # type: ignore[misc]
         assert (a.added, b.added) == (["r0", "r2"], ["r1", "r3"])
         b.die()
-        out = client.get_output(timeout=5)
-        assert out is not None and out.engine_index == 1
-        assert sorted(o.request_id for o in out.outputs) == ["r1", "r3"]
-        assert all(o.finish_reason == FinishReason.ERROR for o in out.outputs)
-        assert client.dead_error is None and client.num_live_cores == 1
+        with pytest.raises(EngineDeadError, match="core 1 of 2 stopped"):
+            client.get_output(timeout=5)
+        assert "core 1" in str(client.dead_error)
+        # The live core's later outputs do not follow the reported death.
+        a.q.put(EngineCoreOutputs([]))
+        with pytest.raises(EngineDeadError):
+            client.get_output(timeout=0.2)
         r = _req([1])
         r.request_id = "r4"
-        client.add_request(r)
-        assert a.added[-1] == "r4"
+        with pytest.raises(EngineDeadError, match="core 1"):
+            client.add_request(r)
+        assert a.added == ["r0", "r2"]
+        with pytest.raises(EngineDeadError):
+            client.call(lambda core: None).result(timeout=1)
     finally:
         client.shutdown()
+    assert client.num_live_cores == 0

@@ -18,8 +18,11 @@ Routing policies (`--data-parallel-routing`):
   would pin all traffic on one core (the failure SGLang's and vLLM's router issues
   describe), and the others would only warm up once it was saturated.
 
-A core that dies fails the requests it holds (finish_reason "error") and takes no more;
-the others keep serving. The client is dead only when every core is.
+A core that dies kills the client, as a dead tensor-parallel worker kills its engine: the
+error names the core, every request in flight fails with it (those the core held could not
+finish anyway, and a server left on fewer cores than it was sized for would quietly drop
+capacity that no health check reports), and the server's watchdog exits non-zero so that a
+supervisor restarts the whole set.
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ from pagemill.runtime.engine.core_client import (
 )
 from pagemill.runtime.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagemill.runtime.engine.protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
@@ -219,6 +221,7 @@ class DPClient(EngineCoreClient):
         self._where: dict[str, int] = {}  # request id -> core, while in flight
         self._outputs: queue.SimpleQueue[EngineCoreOutputs | BaseException] = queue.SimpleQueue()
         self._dead_error: BaseException | None = None
+        self._raised: BaseException | None = None
         self._closed = False
         self.clients[0].on_event = self._forward_event
         self._readers = [
@@ -234,6 +237,8 @@ class DPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
             k = self.router.choose(request)
             self._where[request.request_id] = k
             self.router.inflight[k] += 1
@@ -266,8 +271,12 @@ class DPClient(EngineCoreClient):
         future holds the first live core's result once all have answered."""
         live = [k for k in range(len(self.clients)) if self.router.alive[k]]
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if not live:
-            result.set_exception(EngineDeadError("every data-parallel engine core has stopped"))
+        if self._dead_error is not None or not live:
+            result.set_exception(
+                EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
+                if self._dead_error is not None
+                else EngineDeadError("the engine was shut down")
+            )
             return result
         futures = [self.clients[k].call(fn) for k in live]
 
@@ -284,12 +293,15 @@ class DPClient(EngineCoreClient):
         return result
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        if self._raised is not None:
+            raise self._raised
         try:
             item = self._outputs.get(timeout=timeout)
         except queue.Empty:
             return None
         if isinstance(item, BaseException):
-            self._outputs.put(item)
+            # Sticky: the live cores' later outputs must not follow a death already reported.
+            self._raised = item
             raise item
         return item
 
@@ -328,32 +340,23 @@ class DPClient(EngineCoreClient):
     def _core_stopped(self, k: int, error: BaseException | None) -> None:
         with self._lock:
             self.router.alive[k] = False
-            lost = [rid for rid, core in self._where.items() if core == k]
-            for rid in lost:
-                del self._where[rid]
             self.router.inflight[k] = 0
             self.router.cached[k].clear()
-            all_dead = not any(self.router.alive)
-        if not self._closed:
-            logger.error("data-parallel engine core %d stopped: %r", k, error)
-            if lost:
-                message = f"engine core {k} stopped: {error!r}"
-                self._outputs.put(
-                    EngineCoreOutputs(
-                        [EngineCoreOutput(rid, [], FinishReason.ERROR, message) for rid in lost],
-                        engine_index=k,
-                    )
+            if not self._closed and self._dead_error is None:
+                self._dead_error = RuntimeError(
+                    f"data-parallel engine core {k} of {len(self.clients)} stopped: {error!r}"
                 )
-        if all_dead:
-            if error is not None and self._dead_error is None and not self._closed:
-                self._dead_error = error
-            self._outputs.put(
-                EngineDeadError(
-                    f"the engine stopped after an error: {self._dead_error!r}"
-                    if self._dead_error is not None
-                    else "the engine was shut down"
+                logger.error(
+                    "data-parallel engine core %d stopped (%r); the engine stops with it", k, error
                 )
-            )
+            self._where.clear()
+            dead = self._dead_error
+        # Put once per core; the consumer re-raises the first it takes on every later call.
+        self._outputs.put(
+            EngineDeadError(f"the engine stopped after an error: {dead!r}")
+            if dead is not None
+            else EngineDeadError("the engine was shut down")
+        )
 
     def _forward_event(self, kind: str, payload: dict[str, Any]) -> None:
         callback = self.on_event
