@@ -25,6 +25,7 @@ from pagemill.runtime.engine.llm_engine import LLMEngine
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagemill.server import AsyncEngine, build_app
 from pagemill.server.cli import build_parser
+from pagemill.server.dashboard import DashboardHub, DashboardSettings
 from pagemill.server.entrypoints.watchdog import Watchdog
 from pagemill.server.metrics import EngineMetrics
 
@@ -91,9 +92,11 @@ def test_dp2_prefix_routing_matches_one_engine(model_dir: Path) -> None:
         **kwargs, data_parallel_size=2, data_parallel_routing="prefix"
     )
     metrics = EngineMetrics(MODEL)
-    client = AsyncEngine.launch(config, engine_threads=2, observer=metrics)
+    settings = DashboardSettings(0.05)
+    client = AsyncEngine.launch(config, engine_threads=2, observer=metrics, dashboard=settings)
     try:
-        app = build_app(client, MODEL, metrics=metrics)
+        hub = DashboardHub(settings, model_name=MODEL)
+        app = build_app(client, MODEL, metrics=metrics, dashboard=hub)
         with ServeThread(app, client, shutdown_timeout=1) as srv:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 got = list(pool.map(lambda p: _complete(srv.url, p), prompts))
@@ -115,6 +118,18 @@ def test_dp2_prefix_routing_matches_one_engine(model_dir: Path) -> None:
             hits = _engine_series(text, "engine_prefix_cache_hits")
             assert hits.get(str(owner), 0) >= 3 * 64, text[:2000]
             assert hits.get(str(1 - owner), 0) < 64
+            queries = _engine_series(text, "engine_prefix_cache_queries")
+            total = re.search(r"^pagemill:prefix_cache_hits_total\{.*?\} (\S+)$", text, re.M)
+            assert total and float(total.group(1)) == sum(hits.values())
+            assert set(queries) == {"0", "1"} and sum(queries.values()) > 0
+
+            # The dashboard pictures each core's pool, its prefix hits in that core's.
+            snap = httpx.get(srv.url + "/dashboard/snapshot").json()["snapshot"]
+            cores = snap["cores"]
+            assert [c["engine"] for c in cores] == [0, 1]
+            assert all(c["num_blocks"] == 64 and len(c["grid"]) == 64 for c in cores)
+            assert cores[owner]["prefix_cache"]["hits"] == hits[str(owner)]
+            assert cores[owner]["grid"].count("c") >= 4  # the shared prefix stays cached
 
     finally:
         client.shutdown()

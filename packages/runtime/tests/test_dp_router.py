@@ -111,6 +111,15 @@ class _FakeCore:
     def abort_requests(self, ids, reason=None) -> None:
         pass
 
+    def call(self, fn):
+        import concurrent.futures
+        import threading
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        # Answered on another thread, as a core's reader thread answers.
+        threading.Thread(target=lambda: fut.set_result(fn(self))).start()
+        return fut
+
     def get_output(self, timeout=None):
         item = self.q.get()
         if isinstance(item, BaseException):
@@ -164,3 +173,29 @@ def test_a_dead_core_stops_the_client_and_names_itself() -> None:
     finally:
         client.shutdown()
     assert client.num_live_cores == 0
+
+
+def test_every_core_reports_to_the_dashboard_tagged_with_its_index() -> None:
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.dp_client import DPClient
+
+    config = EngineConfig(data_parallel_size=2, data_parallel_routing="round_robin")
+    factories = []
+
+    def make(config, observer_factory=None, **kwargs):
+        factories.append(observer_factory)
+        return _FakeCore(config, **kwargs)
+
+    client = DPClient(config, engine_threads=2, observer_factory=dict, client_factory=make)
+    try:
+        assert factories == [dict, dict]  # every core takes its own pictures
+        seen = []
+        client.on_event = lambda kind, payload: seen.append((kind, payload))
+        b = client.clients[1]
+        b.on_event("dashboard", {"t": 1.0})  # as core 1's reader thread would
+        assert seen == [("dashboard", {"t": 1.0, "engine_index": 1})]
+        a = client.clients[0]
+        assert client.call_each(lambda core: core is a).result(5) == [True, False]
+        assert client.call(lambda core: core is a).result(5) is True
+    finally:
+        client.shutdown()

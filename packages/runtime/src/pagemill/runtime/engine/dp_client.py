@@ -28,6 +28,7 @@ supervisor restarts the whole set.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -82,6 +83,43 @@ def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         block_size=stats[0].block_size if stats else 16,
         grammar_cache_bytes=sum(s.grammar_cache_bytes for s in stats),
     )
+
+
+def _gather(futures: list[concurrent.futures.Future[T]]) -> concurrent.futures.Future[list[T]]:
+    """One future of all `futures`' results, in order, set once the last is done (the
+    first exception, if any). The cores answer on their own reader threads, so the count
+    is taken under a lock: two last answers at once must not both settle it."""
+    result: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def done(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+                return
+        result.set_result([f.result() for f in futures])
+
+    for f in futures:
+        f.add_done_callback(done)
+    return result
+
+
+def _settle(
+    target: concurrent.futures.Future[T],
+    source: concurrent.futures.Future[list[T]],
+    pick: Callable[[list[T]], T],
+) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(pick(source.result()))
 
 
 class DPRouter:
@@ -190,8 +228,7 @@ class DPClient(EngineCoreClient):
                     replace(config, data_parallel_rank=rank),
                     engine_threads=per_core,
                     start_timeout=start_timeout,
-                    # The dashboard pictures core 0 only.
-                    observer_factory=observer_factory if rank == 0 else None,
+                    observer_factory=observer_factory,
                 )
             except BaseException as exc:
                 errors.append(exc)
@@ -223,7 +260,8 @@ class DPClient(EngineCoreClient):
         self._dead_error: BaseException | None = None
         self._raised: BaseException | None = None
         self._closed = False
-        self.clients[0].on_event = self._forward_event
+        for k, c in enumerate(self.clients):
+            c.on_event = functools.partial(self._forward_event, k)
         self._readers = [
             threading.Thread(
                 target=self._read, args=(k,), name=f"pagemill-dp-reader-{k}", daemon=True
@@ -278,19 +316,18 @@ class DPClient(EngineCoreClient):
                 else EngineDeadError("the engine was shut down")
             )
             return result
-        futures = [self.clients[k].call(fn) for k in live]
-
-        def done(_: object) -> None:
-            if all(f.done() for f in futures) and result.set_running_or_notify_cancel():
-                for f in futures:
-                    if f.exception() is not None:
-                        result.set_exception(f.exception())
-                        return
-                result.set_result(futures[0].result())
-
-        for f in futures:
-            f.add_done_callback(done)
+        gathered = _gather([self.clients[k].call(fn) for k in live])
+        gathered.add_done_callback(lambda f: _settle(result, f, lambda results: results[0]))
         return result
+
+    def call_each(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[list[T]]:
+        """Runs `fn` on every core; the future holds their results by engine index (what a
+        per-core view, such as the dashboard's pictures, needs). Fails if any core does."""
+        result: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
+        if self._dead_error is not None or not all(self.router.alive):
+            result.set_exception(EngineDeadError(f"the engine stopped: {self._dead_error!r}"))
+            return result
+        return _gather([c.call(fn) for c in self.clients])
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
         if self._raised is not None:
@@ -358,10 +395,11 @@ class DPClient(EngineCoreClient):
             else EngineDeadError("the engine was shut down")
         )
 
-    def _forward_event(self, kind: str, payload: dict[str, Any]) -> None:
+    def _forward_event(self, k: int, kind: str, payload: dict[str, Any]) -> None:
         callback = self.on_event
         if callback is not None:
-            callback(kind, payload)
+            # Which core a dashboard picture is of: block ids mean something in one pool only.
+            callback(kind, {**payload, "engine_index": k})
 
     # ------------------------------------------------------------ state
 
