@@ -199,3 +199,16 @@ def test_every_core_reports_to_the_dashboard_tagged_with_its_index() -> None:
         assert client.call(lambda core: core is a).result(5) is True
     finally:
         client.shutdown()
+
+
+def test_a_prefix_in_flight_attracts_before_its_events_arrive() -> None:
+    r = DPRouter("prefix", 2, BS)
+    doc = list(range(200, 240))
+    first = r.route("a", [*doc, 1])
+    # No event yet (its prefill is still running): the next reader of `doc` follows it.
+    assert r.route("b", [*doc, 2]) == first
+    assert r.matched_blocks(first, r.hash_prompt(doc)) == len(doc) // BS
+    assert r.finish("a") == first and r.finish("b") == first and r.finish("b") is None
+    # Both finished and nothing was announced: nothing is assumed held any more.
+    assert r.matched_blocks(first, r.hash_prompt(doc)) == 0
+    assert r.inflight == [0, 0] and r.routed[first] == 2

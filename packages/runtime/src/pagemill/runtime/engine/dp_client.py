@@ -6,17 +6,9 @@ the CPU threads split between them. Each request goes to one core, chosen by a
 stream (each tagged with `engine_index`) whose scheduler stats are the sum over the cores,
 while `core_stats` keeps each core's own for per-engine metrics.
 
-Routing policies (`--data-parallel-routing`):
-- round_robin: in turn.
-- least_loaded: fewest requests in flight (routed here, not finished), then lowest KV use.
-- prefix: the core whose prefix cache holds the longest leading run of the prompt's block
-  hashes, known from the cores' KV events (each core attaches its step's `KVEventBatch`
-  to its outputs; the router applies them to one hash set per core, and hashes the prompt
-  with the cores' own hash function and block size). Affinity only holds while that core
-  is within `PREFIX_LOAD_MARGIN` requests of the least loaded one, and each request in
-  flight costs `PREFIX_LOAD_PENALTY` blocks of match: without that, one popular prefix
-  would pin all traffic on one core (the failure SGLang's and vLLM's router issues
-  describe), and the others would only warm up once it was saturated.
+Routing (`--data-parallel-routing round_robin|least_loaded|prefix`) is `dp_router.DPRouter`,
+the policy Ray Serve's replicas are routed by too; for `prefix` each core attaches its
+step's `KVEventBatch` to its outputs and the router applies them to its index of that core.
 
 A core that dies kills the client, as a dead tensor-parallel worker kills its engine: the
 error names the core, every request in flight fails with it (those the core held could not
@@ -38,8 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from pagemill.blockpool import hash_block_chain
-from pagemill.blockpool.hashing import BlockHash, get_hash_fn
 from pagemill.runtime.engine.core_client import (
     CoreObserver,
     EngineCoreClient,
@@ -47,7 +37,12 @@ from pagemill.runtime.engine.core_client import (
     MPClient,
     default_engine_threads,
 )
-from pagemill.runtime.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagemill.runtime.engine.dp_router import (
+    PREFIX_LOAD_MARGIN,
+    PREFIX_LOAD_PENALTY,
+    ROUTING_POLICIES,
+    DPRouter,
+)
 from pagemill.runtime.engine.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -61,10 +56,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+__all__ = [
+    "PREFIX_LOAD_MARGIN",
+    "PREFIX_LOAD_PENALTY",
+    "ROUTING_POLICIES",
+    "DPClient",
+    "DPRouter",
+    "combine_stats",
+]
 
-PREFIX_LOAD_MARGIN = 4
-PREFIX_LOAD_PENALTY = 1.0
+T = TypeVar("T")
 
 
 def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -122,86 +123,6 @@ def _settle(
         target.set_result(pick(source.result()))
 
 
-class DPRouter:
-    """Picks a core for each request; thread-safe (the caller holds the client's lock)."""
-
-    def __init__(
-        self, policy: str, num_cores: int, block_size: int, hash_algo: str = "sha256"
-    ) -> None:
-        self.policy = policy
-        self.num_cores = num_cores
-        self.block_size = block_size
-        self.hash_fn = get_hash_fn(hash_algo)
-        self.inflight = [0] * num_cores
-        self.kv_usage = [0.0] * num_cores
-        self.alive = [True] * num_cores
-        self.cached: list[set[BlockHash]] = [set() for _ in range(num_cores)]
-        self.routed = [0] * num_cores
-        self._next = 0
-
-    def apply_events(self, core: int, events: Sequence[Any]) -> None:
-        index = self.cached[core]
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                index.update(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                index.difference_update(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                index.clear()
-
-    def prompt_hashes(self, request: EngineCoreRequest) -> list[BlockHash]:
-        salt = request.cache_salt
-        return hash_block_chain(
-            self.hash_fn,
-            request.prompt_token_ids,
-            self.block_size,
-            () if salt is None else (salt,),
-        )
-
-    def matched_blocks(self, core: int, hashes: Sequence[BlockHash]) -> int:
-        index = self.cached[core]
-        n = 0
-        for h in hashes:
-            if h not in index:
-                break
-            n += 1
-        return n
-
-    def choose(self, request: EngineCoreRequest) -> int:
-        live = [k for k in range(self.num_cores) if self.alive[k]]
-        if not live:
-            raise EngineDeadError("every data-parallel engine core has stopped")
-        if self.policy == "round_robin":
-            for _ in range(self.num_cores):
-                k = self._next % self.num_cores
-                self._next += 1
-                if self.alive[k]:
-                    return k
-        least = self._least_loaded(live)
-        if self.policy == "least_loaded":
-            return least
-        hashes = self.prompt_hashes(request)
-        floor = self.inflight[least]
-        best, best_score = least, 0.0
-        for k in live:
-            if self.inflight[k] > floor + PREFIX_LOAD_MARGIN:
-                continue
-            matched = self.matched_blocks(k, hashes)
-            if not matched:
-                continue
-            score = matched - PREFIX_LOAD_PENALTY * (self.inflight[k] - floor)
-            if score > best_score:
-                best, best_score = k, score
-        return best
-
-    def _least_loaded(self, live: list[int]) -> int:
-        # Ties go to the core after the last one picked, so equal cores take turns.
-        start = self._next
-        self._next += 1
-        order = [live[(start + i) % len(live)] for i in range(len(live))]
-        return min(order, key=lambda k: (self.inflight[k], self.kv_usage[k]))
-
-
 class DPClient(EngineCoreClient):
     """N engine-core processes as one client (see the module docstring)."""
 
@@ -255,7 +176,6 @@ class DPClient(EngineCoreClient):
             SchedulerStats(num_blocks=i.num_blocks, block_size=i.block_size) for i in infos
         ]
         self._lock = threading.Lock()
-        self._where: dict[str, int] = {}  # request id -> core, while in flight
         self._outputs: queue.SimpleQueue[EngineCoreOutputs | BaseException] = queue.SimpleQueue()
         self._dead_error: BaseException | None = None
         self._raised: BaseException | None = None
@@ -277,17 +197,13 @@ class DPClient(EngineCoreClient):
         with self._lock:
             if self._dead_error is not None:
                 raise EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
-            k = self.router.choose(request)
-            self._where[request.request_id] = k
-            self.router.inflight[k] += 1
-            self.router.routed[k] += 1
+            k = self.router.route(request.request_id, request.prompt_token_ids, request.cache_salt)
         logger.debug("request %s -> engine core %d", request.request_id, k)
         try:
             self.clients[k].add_request(request)
         except BaseException:
             with self._lock:
-                if self._where.pop(request.request_id, None) is not None:
-                    self.router.inflight[k] -= 1
+                self.router.finish(request.request_id)
             raise
 
     def abort_requests(
@@ -296,9 +212,8 @@ class DPClient(EngineCoreClient):
         by_core: dict[int, list[str]] = {}
         with self._lock:
             for rid in request_ids:
-                k = self._where.pop(rid, None)
+                k = self.router.finish(rid)
                 if k is not None:
-                    self.router.inflight[k] -= 1
                     by_core.setdefault(k, []).append(rid)
         for k, ids in by_core.items():
             if self.router.alive[k]:
@@ -366,8 +281,8 @@ class DPClient(EngineCoreClient):
                 router.apply_events(k, out.kv_events.events)
                 out.kv_events = None
             for o in out.outputs:
-                if o.finish_reason is not None and self._where.pop(o.request_id, None) is not None:
-                    router.inflight[k] -= 1
+                if o.finish_reason is not None:
+                    router.finish(o.request_id)
             if out.scheduler_stats is not None:
                 self.core_stats[k] = out.scheduler_stats
                 router.kv_usage[k] = out.scheduler_stats.kv_cache_usage
@@ -376,9 +291,7 @@ class DPClient(EngineCoreClient):
 
     def _core_stopped(self, k: int, error: BaseException | None) -> None:
         with self._lock:
-            self.router.alive[k] = False
-            self.router.inflight[k] = 0
-            self.router.cached[k].clear()
+            self.router.engine_stopped(k)
             if not self._closed and self._dead_error is None:
                 self._dead_error = RuntimeError(
                     f"data-parallel engine core {k} of {len(self.clients)} stopped: {error!r}"
@@ -386,7 +299,7 @@ class DPClient(EngineCoreClient):
                 logger.error(
                     "data-parallel engine core %d stopped (%r); the engine stops with it", k, error
                 )
-            self._where.clear()
+            self.router.finish_all()  # the client is dead: nothing is in flight
             dead = self._dead_error
         # Put once per core; the consumer re-raises the first it takes on every later call.
         self._outputs.put(
