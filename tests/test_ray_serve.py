@@ -40,8 +40,11 @@ def ray_app(tmp_path_factory: pytest.TempPathFactory):
     kwargs = engine_kwargs(folder, num_blocks=64)
     model = kwargs.pop("model")
     port = _free_port()
-    # A busy machine starts the raylet slowly; Ray's default 30 s wait is not always enough.
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "180")
+    # A busy machine starts Ray's raylet, agents and workers slowly: its default waits are
+    # not always enough (the raylet then aborts, or the workers are never seen).
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -102,3 +105,56 @@ def test_two_replicas_stream_a_chat_and_route_by_prefix(ray_app: str) -> None:
     assert len(by_replica) == 2
     hits = sorted(s["prefix_cache_hits"] for s in by_replica.values())
     assert hits[-1] >= 3 * 64 and hits[0] < 64, hits
+
+
+def _pending(rid: str, tokens: list[int]):
+    from types import SimpleNamespace
+
+    from pagemill.runtime.engine.protocol import EngineCoreRequest
+    from pagemill.runtime.sampling_params import SamplingParams
+
+    request = EngineCoreRequest(rid, tokens, SamplingParams(), 4, None, [], 0.0)
+    return SimpleNamespace(
+        args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=rid)
+    )
+
+
+def test_the_request_router_follows_replicas_prefix_caches() -> None:
+    """The Serve router alone (no cluster): replicas' routing stats say what they cache."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from pagemill.blockpool import hash_block_chain
+    from pagemill.blockpool.hashing import get_hash_fn
+    from pagemill.server.ray_serve import PagemillRequestRouter
+
+    dep = DeploymentID(name="PagemillEngine", app_name="pagemill")
+    doc, other = list(range(100, 164)), list(range(300, 364))
+    cached = hash_block_chain(get_hash_fn("sha256"), doc, 16)  # as the replica's pool holds it
+    a = SimpleNamespace(replica_id=ReplicaID("a", dep), routing_stats={})
+    b = SimpleNamespace(
+        replica_id=ReplicaID("b", dep),
+        routing_stats={"cached_block_hashes": cached, "kv_cache_usage": 0.2},
+    )
+    router = PagemillRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(policy="prefix", block_size=16, hash_algo="sha256")
+
+    def choose(pending) -> list[str]:
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+    assert choose(_pending("r1", [*doc, 1])) == ["b", "a"]  # b caches the document
+    assert choose(_pending("r2", [*other, 2])) == ["a", "b"]  # unknown: the less loaded
+    # r2's prompt is in flight on a, not yet in a's stats: its next reader follows it.
+    assert choose(_pending("r3", [*other, 3])) == ["a", "b"]
+    assert router.policy.inflight == [2, 1]
+    router.on_request_completed(b.replica_id, "r1")
+    router.on_request_completed(a.replica_id, "r2")
+    assert router.policy.inflight == [1, 0]
+    # Chosen b, but b turned it away and a ran it: counted on a.
+    pending = _pending("r4", [*doc, 4])
+    assert choose(pending) == ["b", "a"]
+    router.on_request_routed(pending, a.replica_id, None)
+    assert router.policy.inflight == [2, 0]
