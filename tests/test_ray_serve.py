@@ -45,6 +45,9 @@ def ray_app(tmp_path_factory: pytest.TempPathFactory):
     os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
     os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
     os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
+    # Under `uv run`, Ray starts each worker through `uv run` too (a sync of the project per
+    # worker); this venv already is the workers' environment.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
