@@ -15,6 +15,15 @@ import socket
 import pytest
 from server_helpers import build_tiny_llama, engine_kwargs
 
+# A busy machine starts Ray's raylet, agents and workers slowly: its default waits are
+# not always enough (the raylet then aborts, or the workers are never seen).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
+# Read when Ray is imported. Under `uv run`, Ray starts each worker through `uv run` too
+# (a fresh environment built from the uploaded project); this venv already is theirs.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
 serve = pytest.importorskip(
     "ray.serve", reason="Ray Serve is not installed (pip install 'pagemill-server[ray]')"
 )
@@ -40,14 +49,6 @@ def ray_app(tmp_path_factory: pytest.TempPathFactory):
     kwargs = engine_kwargs(folder, num_blocks=64)
     model = kwargs.pop("model")
     port = _free_port()
-    # A busy machine starts Ray's raylet, agents and workers slowly: its default waits are
-    # not always enough (the raylet then aborts, or the workers are never seen).
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
-    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
-    # Under `uv run`, Ray starts each worker through `uv run` too (a sync of the project per
-    # worker); this venv already is the workers' environment.
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
