@@ -371,21 +371,19 @@ class PagemillIngress:
         info: EngineCoreReady = await engine.info.remote()
         names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
         metrics = EngineMetrics(names[0])
-        self.engine = AsyncEngine(
+        # Names of our own: Serve's ASGI wrapper shares this object (its `app` property, ...).
+        self._pagemill_engine = AsyncEngine(
             client=ServeEngineClient(engine, info, asyncio.get_running_loop()),
             assets=assets,
             config=config,
             observer=metrics,
         )
-        self.app = build_app(self.engine, list(names), metrics=metrics, **(app_kwargs or {}))
+        self._pagemill_app = build_app(
+            self._pagemill_engine, list(names), metrics=metrics, **(app_kwargs or {})
+        )
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app
-
-    def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown(5.0)
+        return self._pagemill_app
 
 
 # ---------------------------------------------------------------- the application
