@@ -156,9 +156,16 @@ def test_the_request_router_follows_replicas_prefix_caches() -> None:
     assert router.policy.inflight == [2, 1]
     router.on_request_completed(b.replica_id, "r1")
     router.on_request_completed(a.replica_id, "r2")
-    assert router.policy.inflight == [1, 0]
+    router.on_request_completed(a.replica_id, "r3")
+    assert router.policy.inflight == [0, 0]
+    # Finished, not yet in a's polled stats: still taken as cached on a.
+    assert choose(_pending("r5", [*other, 5])) == ["a", "b"]
+    router.on_request_completed(a.replica_id, "r5")
+    a.routing_stats = {"cached_block_hashes": [], "kv_cache_usage": 0.0}  # a's next poll
+    k = router._engine(a)  # takes the new account in
+    assert router.policy.matched_blocks(k, router.policy.hash_prompt(other)) == 0
     # Chosen b, but b turned it away and a ran it: counted on a.
     pending = _pending("r4", [*doc, 4])
     assert choose(pending) == ["b", "a"]
     router.on_request_routed(pending, a.replica_id, None)
-    assert router.policy.inflight == [2, 0]
+    assert router.policy.inflight == [1, 0]

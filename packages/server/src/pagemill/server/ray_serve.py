@@ -249,7 +249,10 @@ class PagemillRequestRouter(RequestRouter):
             self.policy.move(pending_request.metadata.internal_request_id, k)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.policy.finish(internal_request_id)
+        # Its blocks stay cached there until evicted; the next poll of the replica's stats
+        # says which still are (without this, the next reader of the same document would
+        # miss it for up to a polling period).
+        self.policy.finish(internal_request_id, assume_cached=True)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

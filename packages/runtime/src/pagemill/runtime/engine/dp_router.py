@@ -118,12 +118,16 @@ class DPRouter:
         self.pending[k].update(hashes)
         return k
 
-    def finish(self, request_id: str) -> int | None:
-        """The request ended (or was aborted): the engine it was on, None if unknown."""
+    def finish(self, request_id: str, assume_cached: bool = False) -> int | None:
+        """The request ended (or was aborted): the engine it was on, None if unknown.
+        `assume_cached`: count its prompt as cached there until the engine's next account
+        (for an owner that learns by polling, not from every step's events)."""
         entry = self._assigned.pop(request_id, None)
         if entry is None:
             return None
         k, hashes = entry
+        if assume_cached:
+            self.cached[k].update(hashes)
         self.inflight[k] -= 1
         pending = self.pending[k]
         pending.subtract(hashes)
