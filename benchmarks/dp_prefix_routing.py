@@ -1,12 +1,28 @@
-"""Shared-prefix traffic against a running `pagemill serve -dp N`: TTFT and prefix hit rate.
+"""Shared-prefix chat traffic over N data-parallel engine cores: prefix hits, prefill, TTFT.
 
-K system prompts of L tokens, each request one of them plus a short distinct suffix, sent
-`--concurrency` at a time (streamed, so TTFT is the first token's arrival). The prefix hit
-rate comes from the server's own counters (pagemill:prefix_cache_hits / _queries, before
-and after the run), per engine where the server exports them.
+The workload (`chat_workload`): K long system prompts or documents, U users on each, every
+user a few turns; a turn's prompt is the system prompt, the user's conversation so far
+(messages and answers) and a new message, so a user's later turns share more than the
+system prompt with the earlier ones. Users arrive in a random order and take their turns
+in order, interleaved with the others. `--prefixes 1` is the single-prefix workload (every
+request shares one prompt: routing must then spread the load, there is nothing to keep).
 
-    pagemill serve MODEL -dp 2 --data-parallel-routing prefix --kv-cache-memory 12MiB &
-    python benchmarks/dp_prefix_routing.py --url http://127.0.0.1:8000 --prefixes 6
+Two ways to run it:
+
+- against a running server (`--url`): each turn a streamed /v1/completions call, sent
+  `--concurrency` at a time; TTFT is the first token's arrival, the prefix hit rate and
+  the prefill tokens computed come from the server's own counters
+  (pagemill:prefix_cache_hits / _queries before and after the run), per engine too.
+
+      pagemill serve MODEL -dp 2 --data-parallel-routing prefix --kv-cache-memory 12MiB &
+      python benchmarks/dp_prefix_routing.py --url http://127.0.0.1:8000
+
+- `--simulate`: no model, no server: the real router (`DPRouter`) in front of N real
+  schedulers and block pools, one step of each per tick, each core's KV events fed back to
+  the router as `DPClient` feeds them; prints every policy's figures on the same workload.
+  Deterministic (a seed), a second or two; the routing tests run it.
+
+      python benchmarks/dp_prefix_routing.py --simulate --cores 2 --pool-blocks 100
 """
 
 from __future__ import annotations
@@ -18,11 +34,150 @@ import random
 import re
 import statistics
 import time
+from dataclasses import dataclass
+from typing import Any
 
-import httpx
+
+@dataclass
+class Turn:
+    user: int
+    prefix: int  # which system prompt
+    prompt: list[int]
+
+
+def chat_workload(
+    *,
+    prefixes: int = 6,
+    prefix_len: int = 400,
+    users_per_prefix: int = 8,
+    turns: int = 2,
+    message_len: int = 24,
+    answer_len: int = 24,
+    vocab_size: int = 30000,
+    seed: int = 0,
+) -> list[Turn]:
+    """Every user's turns, in arrival order (a user's turns in order, users interleaved).
+
+    Token ids are drawn at random (distinct documents share no tokens by chance that
+    matters); an answer in the history stands for what the model said on the turn before.
+    """
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, vocab_size) for _ in range(n)]
+
+    systems = [tokens(prefix_len) for _ in range(prefixes)]
+    conversations: list[list[list[int]]] = []  # user -> each turn's prompt
+    owner: list[int] = []
+    for p in range(prefixes):
+        for _ in range(users_per_prefix):
+            history = list(systems[p])
+            prompts = []
+            for _ in range(turns):
+                history = history + tokens(message_len)
+                prompts.append(history)
+                history = history + tokens(answer_len)
+            conversations.append(prompts)
+            owner.append(p)
+    # Interleave: repeatedly pick a user with turns left (a user's turns stay in order).
+    left = {u: 0 for u in range(len(conversations))}
+    out: list[Turn] = []
+    while left:
+        u = rng.choice(sorted(left))
+        out.append(Turn(u, owner[u], conversations[u][left[u]]))
+        left[u] += 1
+        if left[u] == turns:
+            del left[u]
+    return out
+
+
+# ---------------------------------------------------------------- simulation (no model)
+
+
+def simulate(
+    workload: list[Turn],
+    policy: str,
+    *,
+    cores: int = 2,
+    pool_blocks: int = 100,
+    block_size: int = 16,
+    max_tokens: int = 8,
+    arrivals_per_tick: int = 1,
+    max_num_batched_tokens: int = 512,
+) -> dict[str, Any]:
+    """The workload through the real router and N real schedulers and block pools.
+
+    Each tick `arrivals_per_tick` requests arrive and are routed; then every core runs one
+    scheduler step (a sampled token per request that finished its prefill this step), and
+    its KV events go to the router, as a core's outputs carry them to `DPClient`; a request
+    is `route`d when it arrives and `finish`ed when its core finishes it, as there.
+    """
+    from pagemill.blockpool import KVCacheManager
+    from pagemill.runtime.engine.dp_client import DPRouter
+    from pagemill.runtime.engine.kv_events import to_wire
+    from pagemill.scheduler import Request, Scheduler
+    from pagemill.scheduler.config import SchedulerConfig
+
+    router = DPRouter(policy, cores, block_size)
+    config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max(len(t.prompt) for t in workload) + max_tokens,
+    )
+    scheds = []
+    for _ in range(cores):
+        kv = KVCacheManager(pool_blocks, block_size, enable_caching=True)
+        kv.block_pool.enable_kv_cache_events(block_size)
+        scheds.append(Scheduler(config, kv))
+    where: dict[str, int] = {}
+    routed = [0] * cores
+    pending = list(enumerate(workload))
+    pending.reverse()
+    ticks = 0
+    while pending or where:
+        ticks += 1
+        for _ in range(arrivals_per_tick):
+            if not pending:
+                break
+            i, turn = pending.pop()
+            rid = f"u{turn.user}-{i}"
+            k = router.route(rid, turn.prompt)
+            routed[k] += 1
+            where[rid] = k
+            scheds[k].add_request(Request(rid, turn.prompt, max_tokens=max_tokens, ignore_eos=True))
+        for k, s in enumerate(scheds):
+            if s.has_unfinished_requests():
+                out = s.schedule()
+                sampled = {r.request_id: 7 for r in out.scheduled if r.sample}
+                for upd in s.update_from_output(out, sampled):
+                    if upd.finished and where.pop(upd.request_id, None) is not None:
+                        router.finish(upd.request_id)
+            router.apply_events(k, to_wire(s.kv_cache_manager.block_pool.take_kv_events()))
+            router.kv_usage[k] = s.kv_cache_manager.usage
+        if ticks > 100 * len(workload) + 10_000:
+            raise RuntimeError("the simulation does not drain")
+    stats = [s.kv_cache_manager.prefix_cache_stats for s in scheds]
+    queries = sum(st.queries for st in stats)
+    hits = sum(st.hits for st in stats)
+    return {
+        "policy": policy,
+        "requests": len(workload),
+        "routed": routed,
+        "prefix_hit_rate": round(hits / queries, 4) if queries else None,
+        "prefill_tokens_computed": queries - hits,
+        "prompt_tokens": queries,
+        "per_engine_hit_rate": [
+            round(st.hits / st.queries, 4) if st.queries else None for st in stats
+        ],
+        "ticks": ticks,
+    }
+
+
+# ---------------------------------------------------------------- against a server
 
 
 def counters(url: str) -> dict[str, float]:
+    import httpx
+
     text = httpx.get(url + "/metrics", timeout=30).text
     out: dict[str, float] = {}
     for m in re.finditer(r"^pagemill:(\w+)_total\{([^}]*)\} (\S+)$", text, re.M):
@@ -34,6 +189,8 @@ def counters(url: str) -> dict[str, float]:
 
 
 def one(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
+    import httpx
+
     body = {
         "model": model,
         "prompt": prompt,
@@ -53,38 +210,32 @@ def one(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
     return ttft
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="served model name (default: the first listed)")
-    p.add_argument("--prefixes", type=int, default=6)
-    p.add_argument("--prefix-len", type=int, default=400)
-    p.add_argument("--suffix-len", type=int, default=8)
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+def against_server(args: argparse.Namespace, workload: list[Turn]) -> dict[str, Any]:
+    import httpx
+
     model = args.model or httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
-    rng = random.Random(args.seed)
-    prefixes = [
-        [rng.randrange(100, 20000) for _ in range(args.prefix_len)] for _ in range(args.prefixes)
-    ]
-    prompts = [
-        prefixes[rng.randrange(args.prefixes)]
-        + [rng.randrange(100, 20000) for _ in range(args.suffix_len)]
-        for _ in range(args.requests)
-    ]
+    # A user's next turn waits for the previous one's answer, as in a chat.
+    done: dict[int, concurrent.futures.Future[float]] = {}
+
+    def turn(t: Turn, before: concurrent.futures.Future[float] | None) -> float:
+        if before is not None:
+            before.result()
+        return one(args.url, model, t.prompt, args.max_tokens)
+
     before = counters(args.url)
     t0 = time.perf_counter()
+    futures = []
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-        ttfts = list(pool.map(lambda q: one(args.url, model, q, args.max_tokens), prompts))
+        for t in workload:
+            f = pool.submit(turn, t, done.get(t.user))
+            done[t.user] = f
+            futures.append(f)
+        ttfts = sorted(f.result() for f in futures)
     wall = time.perf_counter() - t0
     after = counters(args.url)
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     q, h = delta.get("prefix_cache_queries", 0.0), delta.get("prefix_cache_hits", 0.0)
-    ttfts.sort()
-    result = {
+    return {
         "requests": len(ttfts),
         "wall_s": round(wall, 2),
         "ttft_p50_s": round(statistics.median(ttfts), 3),
@@ -92,11 +243,56 @@ def main() -> None:
         "ttft_mean_s": round(statistics.fmean(ttfts), 3),
         "prefix_hit_rate": round(h / q, 3) if q else None,
         "prefill_tokens_computed": q - h,
-        "per_engine": {
-            k: v for k, v in delta.items() if "[" in k and k.startswith("engine_prefix")
-        },
+        "per_engine": {k: v for k, v in delta.items() if "[" in k and k.startswith("engine_")},
     }
-    print(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="served model name (default: the first listed)")
+    p.add_argument("--prefixes", type=int, default=6, help="distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=400)
+    p.add_argument("--users", type=int, default=8, help="users per system prompt")
+    p.add_argument("--turns", type=int, default=2, help="turns per user")
+    p.add_argument("--message-len", type=int, default=24)
+    p.add_argument("--answer-len", type=int, default=24)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=30000, help="token ids drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("--simulate (no server)")
+    s.add_argument("--simulate", action="store_true")
+    s.add_argument("--cores", type=int, default=2)
+    s.add_argument("--pool-blocks", type=int, default=100, help="blocks per core")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--arrivals-per-tick", type=int, default=1)
+    s.add_argument("--policies", default="round_robin,least_loaded,prefix", help="comma-separated")
+    args = p.parse_args()
+    workload = chat_workload(
+        prefixes=args.prefixes,
+        prefix_len=args.prefix_len,
+        users_per_prefix=args.users,
+        turns=args.turns,
+        message_len=args.message_len,
+        answer_len=args.answer_len,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+    )
+    if args.simulate:
+        for policy in args.policies.split(","):
+            result = simulate(
+                workload,
+                policy,
+                cores=args.cores,
+                pool_blocks=args.pool_blocks,
+                block_size=args.block_size,
+                max_tokens=args.max_tokens,
+                arrivals_per_tick=args.arrivals_per_tick,
+            )
+            print(json.dumps(result))
+        return
+    print(json.dumps(against_server(args, workload), indent=1))
 
 
 if __name__ == "__main__":

@@ -276,3 +276,63 @@ def test_simulation_replays_in_the_same_page(browser: Any, tmp_path: Path) -> No
     assert "frame" in page.text_content("#replay-frame")
     assert not errors, errors
     page.close()
+
+
+def test_data_parallel_cores_each_show_their_pool(browser: Any) -> None:
+    """Two cores' pictures (real schedulers and pools, tagged as `DPClient` tags them): the
+    page draws one grid per core, each with its own block ids, and a hover names the core
+    and the block's owners there."""
+    from fastapi import FastAPI
+
+    from pagemill.blockpool import KVCacheManager
+    from pagemill.scheduler import Request, Scheduler
+    from pagemill.scheduler.config import SchedulerConfig
+    from pagemill.server.dashboard.routes import install_dashboard
+    from pagemill.server.dashboard.snapshot import snapshot_scheduler
+
+    def core(num_blocks: int) -> Scheduler:
+        kv = KVCacheManager(num_blocks, 16, enable_caching=True)
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_model_len=512), kv)
+
+    def step(s: Scheduler) -> None:
+        out = s.schedule()
+        s.update_from_output(out, {r.request_id: 5 for r in out.scheduled if r.sample})
+
+    cores = [core(40), core(24)]
+    cores[0].add_request(Request("req-a", [*PREFIX, 7], max_tokens=8, ignore_eos=True))
+    step(cores[0])
+    cores[0].add_request(Request("req-b", [*PREFIX, 9], max_tokens=8, ignore_eos=True))
+    step(cores[0])
+    cores[1].add_request(Request("req-c", list(range(500, 540)), max_tokens=8, ignore_eos=True))
+    step(cores[1])
+    hub = DashboardHub(DashboardSettings(0.05), model_name="dp")
+    for k, s in enumerate(cores):
+        hub.publish_snapshot({**snapshot_scheduler(s), "engine_index": k})
+    app = FastAPI()
+    install_dashboard(app, hub)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    try:
+        with ServerThread(app) as url:
+            page.goto(url + "/dashboard")
+            _wait_snapshots(page, 0)
+            assert page.locator("#grid .core").count() == 2
+            counts = [page.locator(f"#grid .core:nth-child({k + 1}) .cell").count() for k in (0, 1)]
+            assert counts == [40, 24]
+            shared = [b.block_id for b in cores[0].kv_cache_manager.req_to_blocks["req-a"]][:3]
+            for k, s in enumerate(cores):
+                in_use = {b.block_id for t in s.kv_cache_manager.req_to_blocks.values() for b in t}
+                states = page.eval_on_selector_all(
+                    f'#grid .cell[data-engine="{k}"]', "cs => cs.map(c => c.dataset.state)"
+                )
+                assert {i for i, st in enumerate(states) if st in ("used", "shared")} == in_use
+            page.hover(f'#grid .cell[data-engine="0"][data-block="{shared[0]}"]')
+            tip = page.text_content("#tip")
+            assert "core 0" in tip and "ref count 2" in tip and "req-a" in tip and "req-b" in tip
+            ids = page.eval_on_selector_all("#running td.id", "ts => ts.map(t => t.textContent)")
+            assert sorted(ids) == ["core 0 · req-a", "core 0 · req-b", "core 1 · req-c"]
+            assert "2 engine cores" in page.text_content("#pool-note")
+            assert not errors, errors
+    finally:
+        page.close()

@@ -2,8 +2,8 @@
 
 Greedy answers to concurrent requests equal one engine's; with `prefix` routing a request
 that shares a long prefix goes to the core that cached it (seen in the per-engine prefix
-hit counters of /metrics); a core that dies fails its own requests and the other keeps
-serving.
+hit counters of /metrics); a core that dies ends the server with status 1, as a dead
+tensor-parallel worker does, after failing the requests in flight.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,8 @@ from pagemill.runtime.engine.llm_engine import LLMEngine
 from pagemill.runtime.sampling_params import RequestOutputKind, SamplingParams
 from pagemill.server import AsyncEngine, build_app
 from pagemill.server.cli import build_parser
+from pagemill.server.dashboard import DashboardHub, DashboardSettings
+from pagemill.server.entrypoints.watchdog import Watchdog
 from pagemill.server.metrics import EngineMetrics
 
 MODEL = "tiny"
@@ -60,7 +63,7 @@ def _engine_series(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.mark.slow  # three engine processes start: about a minute on a busy CPU
-def test_dp2_prefix_routing_matches_one_engine_and_survives_a_dead_core(model_dir: Path) -> None:
+def test_dp2_prefix_routing_matches_one_engine(model_dir: Path) -> None:
     kwargs = engine_kwargs(model_dir, num_blocks=64)
     prompts = [[5 + i, 6, 8, 9, 10 + i] for i in range(4)]
     shared = list(range(20, 84))  # 4 blocks of 16
@@ -89,9 +92,11 @@ def test_dp2_prefix_routing_matches_one_engine_and_survives_a_dead_core(model_di
         **kwargs, data_parallel_size=2, data_parallel_routing="prefix"
     )
     metrics = EngineMetrics(MODEL)
-    client = AsyncEngine.launch(config, engine_threads=2, observer=metrics)
+    settings = DashboardSettings(0.05)
+    client = AsyncEngine.launch(config, engine_threads=2, observer=metrics, dashboard=settings)
     try:
-        app = build_app(client, MODEL, metrics=metrics)
+        hub = DashboardHub(settings, model_name=MODEL)
+        app = build_app(client, MODEL, metrics=metrics, dashboard=hub)
         with ServeThread(app, client, shutdown_timeout=1) as srv:
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 got = list(pool.map(lambda p: _complete(srv.url, p), prompts))
@@ -113,17 +118,64 @@ def test_dp2_prefix_routing_matches_one_engine_and_survives_a_dead_core(model_di
             hits = _engine_series(text, "engine_prefix_cache_hits")
             assert hits.get(str(owner), 0) >= 3 * 64, text[:2000]
             assert hits.get(str(1 - owner), 0) < 64
+            queries = _engine_series(text, "engine_prefix_cache_queries")
+            total = re.search(r"^pagemill:prefix_cache_hits_total\{.*?\} (\S+)$", text, re.M)
+            assert total and float(total.group(1)) == sum(hits.values())
+            assert set(queries) == {"0", "1"} and sum(queries.values()) > 0
 
-            # A core that dies fails only what it holds; the other keeps serving.
-            victim = client.client.clients[1 - owner]  # type: ignore[attr-defined]
+            # The dashboard pictures each core's pool, its prefix hits in that core's.
+            snap = httpx.get(srv.url + "/dashboard/snapshot").json()["snapshot"]
+            cores = snap["cores"]
+            assert [c["engine"] for c in cores] == [0, 1]
+            assert all(c["num_blocks"] == 64 and len(c["grid"]) == 64 for c in cores)
+            assert cores[owner]["prefix_cache"]["hits"] == hits[str(owner)]
+            assert cores[owner]["grid"].count("c") >= 4  # the shared prefix stays cached
+
+    finally:
+        client.shutdown()
+
+
+def _first_event(lines: Iterator[str]) -> str:
+    return next(line for line in lines if line.startswith("data: {"))
+
+
+@pytest.mark.slow  # two engine processes start: half a minute on a busy CPU
+def test_dp2_a_dead_core_ends_the_server(model_dir: Path) -> None:
+    config = EngineConfig.from_kwargs(
+        **engine_kwargs(model_dir, max_model_len=1024, num_blocks=128),
+        data_parallel_size=2,
+        data_parallel_routing="round_robin",
+    )
+    client = AsyncEngine.launch(config, engine_threads=2)
+    body = {
+        "model": MODEL,
+        "prompt": [5, 6, 7],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        app = build_app(client, MODEL)
+        watchdog = Watchdog(client, 30, 1)
+        with (
+            ServeThread(app, client, shutdown_timeout=1, watchdog=watchdog) as srv,
+            httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as one,
+            httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as two,
+        ):
+            lines = [one.iter_lines(), two.iter_lines()]
+            for it in lines:  # both generating, one on each core (round robin)
+                assert _first_event(it)
+            assert client.client.router.inflight == [1, 1]  # type: ignore[attr-defined]
+            victim = client.client.clients[1]  # type: ignore[attr-defined]
             os.kill(victim.process.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 20
-            while client.client.num_live_cores == 2:  # type: ignore[attr-defined]
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            for p in prompts[:2]:
-                assert _complete(srv.url, p)["status"] == 200
-            assert not client.is_dead
+            # The victim's request and the other core's both end with an error event.
+            for it in lines:
+                rest = "\n".join(it)
+                assert '"code": 503' in rest and rest.rstrip().endswith("data: [DONE]")
+            assert srv.wait(20) == 1
+        assert "data-parallel engine core 1 of 2 stopped" in str(client.dead_error)
+        assert "exited unexpectedly" in str(client.dead_error)
+        assert client.is_dead
     finally:
         client.shutdown()
 

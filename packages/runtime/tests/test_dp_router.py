@@ -111,6 +111,15 @@ class _FakeCore:
     def abort_requests(self, ids, reason=None) -> None:
         pass
 
+    def call(self, fn):
+        import concurrent.futures
+        import threading
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        # Answered on another thread, as a core's reader thread answers.
+        threading.Thread(target=lambda: fut.set_result(fn(self))).start()
+        return fut
+
     def get_output(self, timeout=None):
         item = self.q.get()
         if isinstance(item, BaseException):
@@ -129,10 +138,13 @@ class _FakeCore:
         self.q.put(EngineDeadError("shut down"))
 
 
-def test_a_dead_core_fails_only_its_requests() -> None:
+def test_a_dead_core_stops_the_client_and_names_itself() -> None:
+    import pytest
+
     from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core_client import EngineDeadError
     from pagemill.runtime.engine.dp_client import DPClient
-    from pagemill.runtime.engine.protocol import FinishReason
+    from pagemill.runtime.engine.protocol import EngineCoreOutputs
 
     config = EngineConfig(data_parallel_size=2, data_parallel_routing="round_robin")
     client = DPClient(config, engine_threads=2, client_factory=_FakeCore)
@@ -144,14 +156,59 @@ def test_a_dead_core_fails_only_its_requests() -> None:
         a, b = client.clients  # type: ignore[misc]
         assert (a.added, b.added) == (["r0", "r2"], ["r1", "r3"])
         b.die()
-        out = client.get_output(timeout=5)
-        assert out is not None and out.engine_index == 1
-        assert sorted(o.request_id for o in out.outputs) == ["r1", "r3"]
-        assert all(o.finish_reason == FinishReason.ERROR for o in out.outputs)
-        assert client.dead_error is None and client.num_live_cores == 1
+        with pytest.raises(EngineDeadError, match="core 1 of 2 stopped"):
+            client.get_output(timeout=5)
+        assert "core 1" in str(client.dead_error)
+        # The live core's later outputs do not follow the reported death.
+        a.q.put(EngineCoreOutputs([]))
+        with pytest.raises(EngineDeadError):
+            client.get_output(timeout=0.2)
         r = _req([1])
         r.request_id = "r4"
-        client.add_request(r)
-        assert a.added[-1] == "r4"
+        with pytest.raises(EngineDeadError, match="core 1"):
+            client.add_request(r)
+        assert a.added == ["r0", "r2"]
+        with pytest.raises(EngineDeadError):
+            client.call(lambda core: None).result(timeout=1)
     finally:
         client.shutdown()
+    assert client.num_live_cores == 0
+
+
+def test_every_core_reports_to_the_dashboard_tagged_with_its_index() -> None:
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.dp_client import DPClient
+
+    config = EngineConfig(data_parallel_size=2, data_parallel_routing="round_robin")
+    factories = []
+
+    def make(config, observer_factory=None, **kwargs):
+        factories.append(observer_factory)
+        return _FakeCore(config, **kwargs)
+
+    client = DPClient(config, engine_threads=2, observer_factory=dict, client_factory=make)
+    try:
+        assert factories == [dict, dict]  # every core takes its own pictures
+        seen = []
+        client.on_event = lambda kind, payload: seen.append((kind, payload))
+        b = client.clients[1]
+        b.on_event("dashboard", {"t": 1.0})  # as core 1's reader thread would
+        assert seen == [("dashboard", {"t": 1.0, "engine_index": 1})]
+        a = client.clients[0]
+        assert client.call_each(lambda core: core is a).result(5) == [True, False]
+        assert client.call(lambda core: core is a).result(5) is True
+    finally:
+        client.shutdown()
+
+
+def test_a_prefix_in_flight_attracts_before_its_events_arrive() -> None:
+    r = DPRouter("prefix", 2, BS)
+    doc = list(range(200, 240))
+    first = r.route("a", [*doc, 1])
+    # No event yet (its prefill is still running): the next reader of `doc` follows it.
+    assert r.route("b", [*doc, 2]) == first
+    assert r.matched_blocks(first, r.hash_prompt(doc)) == len(doc) // BS
+    assert r.finish("a") == first and r.finish("b") == first and r.finish("b") is None
+    # Both finished and nothing was announced: nothing is assumed held any more.
+    assert r.matched_blocks(first, r.hash_prompt(doc)) == 0
+    assert r.inflight == [0, 0] and r.routed[first] == 2

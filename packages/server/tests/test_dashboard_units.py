@@ -315,3 +315,43 @@ def test_prompts_are_joined_on_the_api_side_only_when_asked(show: bool) -> None:
     else:
         assert "prompt" not in rows["r-1"]
     assert "prompt" not in rows["r-2"]
+
+
+def test_data_parallel_cores_keep_their_own_pools_in_one_picture() -> None:
+    """Two cores' pictures (tagged by the client with their engine index) become one: each
+    core's grid and figures under `cores`, totals where one core's figures go, every row and
+    event naming its core; a late picture of one core does not replace its newer one."""
+    from pagemill.server.dashboard import DashboardHub
+
+    s0, s1 = _scheduler(num_blocks=16), _scheduler(num_blocks=24)
+    s0.add_request(Request("a", [*PREFIX, 90], max_tokens=4, ignore_eos=True))
+    _step(s0)
+    s0.add_request(Request("b", [*PREFIX, 80], max_tokens=4, ignore_eos=True))
+    _step(s0)
+    s1.add_request(Request("c", list(range(100, 140)), max_tokens=4, ignore_eos=True))
+    _step(s1)
+    one, two = snapshot_scheduler(s0, now=1.0), snapshot_scheduler(s1, now=1.5)
+    hub = DashboardHub()
+    hub.publish_snapshot({**one, "engine_index": 0})
+    hub.publish_snapshot({**two, "engine_index": 1})
+    snap = hub.latest
+    assert snap is not None
+    json.dumps(snap)
+    assert [c["engine"] for c in snap["cores"]] == [0, 1]
+    assert [c["grid"] for c in snap["cores"]] == [one["grid"], two["grid"]]
+    assert snap["num_blocks"] == 40 and snap["in_use"] == one["in_use"] + two["in_use"]
+    assert snap["shared"] == 2 and snap["cores"][1]["shared"] == 0
+    assert snap["prefix_cache"]["hits"] == 32
+    assert snap["prefix_cache"]["queries"] == (
+        one["prefix_cache"]["queries"] + two["prefix_cache"]["queries"]
+    )
+    assert {(r["id"], r["engine"]) for r in snap["running"]} == {("a", 0), ("b", 0), ("c", 1)}
+    assert snap["t"] == 1.5
+
+    hub.publish_snapshot({**one, "t": 0.5, "engine_index": 0})  # older than core 0's: dropped
+    assert hub.latest["cores"][0]["t"] == 1.0
+    s1.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    later = snapshot_scheduler(s1, now=2.0)
+    hub.publish_snapshot({**later, "preemptions": 1, "engine_index": 1})
+    assert [(e["kind"], e["engine"]) for e in hub.events] == [("preempt", 1)]
+    assert hub.latest["cores"][1]["in_use"] == 0 and hub.latest["in_use"] == one["in_use"]

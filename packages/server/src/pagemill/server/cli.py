@@ -175,6 +175,37 @@ def _make_engine(config: EngineConfig) -> Any:
 # ---------------------------------------------------------------- serve
 
 
+def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
+    def refuse(message: str) -> int:
+        print(f"pagemill: {message}", file=sys.stderr)
+        return 2
+
+    if not args.ray:
+        return refuse("--num-replicas and --max-replicas need --ray")
+    if config.data_parallel_size > 1:
+        return refuse("--ray scales out with --num-replicas, not --data-parallel-size")
+    if args.dashboard:
+        return refuse("--dashboard is not served with --ray (Ray's own dashboard shows replicas)")
+    replicas = 1 if args.num_replicas is None else args.num_replicas
+    if replicas < 1 or (args.max_replicas is not None and args.max_replicas < replicas):
+        return refuse("--num-replicas must be >= 1 and --max-replicas >= --num-replicas")
+    check_model(config)
+    try:
+        from pagemill.server import ray_serve
+    except ImportError as exc:
+        return refuse(str(exc))
+    return ray_serve.run(
+        config,
+        host=args.host,
+        port=args.port,
+        num_replicas=replicas,
+        max_replicas=args.max_replicas,
+        served_model_name=args.served_model_name,
+        engine_threads=args.engine_threads,
+        api_key=resolve_api_key(args.api_key),
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)  # a bad flag fails here, before torch is imported
     apply_hub_options(args)
@@ -184,6 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pagemill.runtime.distributed.worker import main as worker_main
 
         return worker_main(["--device", config.device, "--log-level", args.log_level])
+    if args.ray or args.num_replicas is not None or args.max_replicas is not None:
+        return _serve_on_ray(args, config)
     check_model(config)
 
     from pagemill.server.async_engine import AsyncEngine
@@ -303,6 +336,20 @@ def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "http://127.0.0.1:8000/v1.",
     )
     add_engine_args(p, positional_model=True)
+    ray = p.add_argument_group("replicas on Ray Serve (pip install 'pagemill-server[ray]')")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve engine replicas on Ray Serve ($RAY_ADDRESS's cluster, else a local one), "
+        "routed by --data-parallel-routing (see pagemill.server.ray_serve)",
+    )
+    ray.add_argument("--num-replicas", type=int, default=None, help="with --ray (default 1)")
+    ray.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="with --ray: autoscale between --num-replicas and this many",
+    )
     s = p.add_argument_group("server")
     s.add_argument(
         "--host",

@@ -259,6 +259,12 @@ class EngineMetrics:
             per,
             registry=r,
         )
+        self.engine_preemptions = Counter(
+            "pagemill:engine_num_preemptions",
+            "Requests one core preempted (their blocks freed, recomputed later).",
+            per,
+            registry=r,
+        )
         self._last_engine_totals: dict[tuple[str, int], float] = {}
         self._last_totals: dict[str, float] = {}
         self._last_iteration: Any = None
@@ -369,6 +375,7 @@ class EngineMetrics:
             for key, metric in (
                 ("prefix_cache_queries", self.engine_prefix_queries),
                 ("prefix_cache_hits", self.engine_prefix_hits),
+                ("num_preemptions", self.engine_preemptions),
             ):
                 total = float(getattr(s, key))
                 delta = total - self._last_engine_totals.get((key, k), 0.0)

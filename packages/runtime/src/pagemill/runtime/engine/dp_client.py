@@ -6,25 +6,21 @@ the CPU threads split between them. Each request goes to one core, chosen by a
 stream (each tagged with `engine_index`) whose scheduler stats are the sum over the cores,
 while `core_stats` keeps each core's own for per-engine metrics.
 
-Routing policies (`--data-parallel-routing`):
-- round_robin: in turn.
-- least_loaded: fewest requests in flight (routed here, not finished), then lowest KV use.
-- prefix: the core whose prefix cache holds the longest leading run of the prompt's block
-  hashes, known from the cores' KV events (each core attaches its step's `KVEventBatch`
-  to its outputs; the router applies them to one hash set per core, and hashes the prompt
-  with the cores' own hash function and block size). Affinity only holds while that core
-  is within `PREFIX_LOAD_MARGIN` requests of the least loaded one, and each request in
-  flight costs `PREFIX_LOAD_PENALTY` blocks of match: without that, one popular prefix
-  would pin all traffic on one core (the failure SGLang's and vLLM's router issues
-  describe), and the others would only warm up once it was saturated.
+Routing (`--data-parallel-routing round_robin|least_loaded|prefix`) is `dp_router.DPRouter`,
+the policy Ray Serve's replicas are routed by too; for `prefix` each core attaches its
+step's `KVEventBatch` to its outputs and the router applies them to its index of that core.
 
-A core that dies fails the requests it holds (finish_reason "error") and takes no more;
-the others keep serving. The client is dead only when every core is.
+A core that dies kills the client, as a dead tensor-parallel worker kills its engine: the
+error names the core, every request in flight fails with it (those the core held could not
+finish anyway, and a server left on fewer cores than it was sized for would quietly drop
+capacity that no health check reports), and the server's watchdog exits non-zero so that a
+supervisor restarts the whole set.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -34,8 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from pagemill.blockpool import hash_block_chain
-from pagemill.blockpool.hashing import BlockHash, get_hash_fn
 from pagemill.runtime.engine.core_client import (
     CoreObserver,
     EngineCoreClient,
@@ -43,9 +37,13 @@ from pagemill.runtime.engine.core_client import (
     MPClient,
     default_engine_threads,
 )
-from pagemill.runtime.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from pagemill.runtime.engine.dp_router import (
+    PREFIX_LOAD_MARGIN,
+    PREFIX_LOAD_PENALTY,
+    ROUTING_POLICIES,
+    DPRouter,
+)
 from pagemill.runtime.engine.protocol import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
@@ -58,10 +56,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+__all__ = [
+    "PREFIX_LOAD_MARGIN",
+    "PREFIX_LOAD_PENALTY",
+    "ROUTING_POLICIES",
+    "DPClient",
+    "DPRouter",
+    "combine_stats",
+]
 
-PREFIX_LOAD_MARGIN = 4
-PREFIX_LOAD_PENALTY = 1.0
+T = TypeVar("T")
 
 
 def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
@@ -82,84 +86,41 @@ def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     )
 
 
-class DPRouter:
-    """Picks a core for each request; thread-safe (the caller holds the client's lock)."""
+def _gather(futures: list[concurrent.futures.Future[T]]) -> concurrent.futures.Future[list[T]]:
+    """One future of all `futures`' results, in order, set once the last is done (the
+    first exception, if any). The cores answer on their own reader threads, so the count
+    is taken under a lock: two last answers at once must not both settle it."""
+    result: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
+    lock = threading.Lock()
+    left = [len(futures)]
 
-    def __init__(
-        self, policy: str, num_cores: int, block_size: int, hash_algo: str = "sha256"
-    ) -> None:
-        self.policy = policy
-        self.num_cores = num_cores
-        self.block_size = block_size
-        self.hash_fn = get_hash_fn(hash_algo)
-        self.inflight = [0] * num_cores
-        self.kv_usage = [0.0] * num_cores
-        self.alive = [True] * num_cores
-        self.cached: list[set[BlockHash]] = [set() for _ in range(num_cores)]
-        self.routed = [0] * num_cores
-        self._next = 0
+    def done(_: object) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        for f in futures:
+            exc = f.exception()
+            if exc is not None:
+                result.set_exception(exc)
+                return
+        result.set_result([f.result() for f in futures])
 
-    def apply_events(self, core: int, events: Sequence[Any]) -> None:
-        index = self.cached[core]
-        for ev in events:
-            if isinstance(ev, BlockStored):
-                index.update(ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                index.difference_update(ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                index.clear()
+    for f in futures:
+        f.add_done_callback(done)
+    return result
 
-    def prompt_hashes(self, request: EngineCoreRequest) -> list[BlockHash]:
-        salt = request.cache_salt
-        return hash_block_chain(
-            self.hash_fn,
-            request.prompt_token_ids,
-            self.block_size,
-            () if salt is None else (salt,),
-        )
 
-    def matched_blocks(self, core: int, hashes: Sequence[BlockHash]) -> int:
-        index = self.cached[core]
-        n = 0
-        for h in hashes:
-            if h not in index:
-                break
-            n += 1
-        return n
-
-    def choose(self, request: EngineCoreRequest) -> int:
-        live = [k for k in range(self.num_cores) if self.alive[k]]
-        if not live:
-            raise EngineDeadError("every data-parallel engine core has stopped")
-        if self.policy == "round_robin":
-            for _ in range(self.num_cores):
-                k = self._next % self.num_cores
-                self._next += 1
-                if self.alive[k]:
-                    return k
-        least = self._least_loaded(live)
-        if self.policy == "least_loaded":
-            return least
-        hashes = self.prompt_hashes(request)
-        floor = self.inflight[least]
-        best, best_score = least, 0.0
-        for k in live:
-            if self.inflight[k] > floor + PREFIX_LOAD_MARGIN:
-                continue
-            matched = self.matched_blocks(k, hashes)
-            if not matched:
-                continue
-            score = matched - PREFIX_LOAD_PENALTY * (self.inflight[k] - floor)
-            if score > best_score:
-                best, best_score = k, score
-        return best
-
-    def _least_loaded(self, live: list[int]) -> int:
-        # Ties go to the core after the last one picked, so equal cores take turns.
-        start = self._next
-        self._next += 1
-        order = [live[(start + i) % len(live)] for i in range(len(live))]
-        return min(order, key=lambda k: (self.inflight[k], self.kv_usage[k]))
+def _settle(
+    target: concurrent.futures.Future[T],
+    source: concurrent.futures.Future[list[T]],
+    pick: Callable[[list[T]], T],
+) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(pick(source.result()))
 
 
 class DPClient(EngineCoreClient):
@@ -188,8 +149,7 @@ class DPClient(EngineCoreClient):
                     replace(config, data_parallel_rank=rank),
                     engine_threads=per_core,
                     start_timeout=start_timeout,
-                    # The dashboard pictures core 0 only.
-                    observer_factory=observer_factory if rank == 0 else None,
+                    observer_factory=observer_factory,
                 )
             except BaseException as exc:
                 errors.append(exc)
@@ -216,11 +176,12 @@ class DPClient(EngineCoreClient):
             SchedulerStats(num_blocks=i.num_blocks, block_size=i.block_size) for i in infos
         ]
         self._lock = threading.Lock()
-        self._where: dict[str, int] = {}  # request id -> core, while in flight
         self._outputs: queue.SimpleQueue[EngineCoreOutputs | BaseException] = queue.SimpleQueue()
         self._dead_error: BaseException | None = None
+        self._raised: BaseException | None = None
         self._closed = False
-        self.clients[0].on_event = self._forward_event
+        for k, c in enumerate(self.clients):
+            c.on_event = functools.partial(self._forward_event, k)
         self._readers = [
             threading.Thread(
                 target=self._read, args=(k,), name=f"pagemill-dp-reader-{k}", daemon=True
@@ -234,17 +195,15 @@ class DPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self._lock:
-            k = self.router.choose(request)
-            self._where[request.request_id] = k
-            self.router.inflight[k] += 1
-            self.router.routed[k] += 1
+            if self._dead_error is not None:
+                raise EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
+            k = self.router.route(request.request_id, request.prompt_token_ids, request.cache_salt)
         logger.debug("request %s -> engine core %d", request.request_id, k)
         try:
             self.clients[k].add_request(request)
         except BaseException:
             with self._lock:
-                if self._where.pop(request.request_id, None) is not None:
-                    self.router.inflight[k] -= 1
+                self.router.finish(request.request_id)
             raise
 
     def abort_requests(
@@ -253,9 +212,8 @@ class DPClient(EngineCoreClient):
         by_core: dict[int, list[str]] = {}
         with self._lock:
             for rid in request_ids:
-                k = self._where.pop(rid, None)
+                k = self.router.finish(rid)
                 if k is not None:
-                    self.router.inflight[k] -= 1
                     by_core.setdefault(k, []).append(rid)
         for k, ids in by_core.items():
             if self.router.alive[k]:
@@ -266,30 +224,36 @@ class DPClient(EngineCoreClient):
         future holds the first live core's result once all have answered."""
         live = [k for k in range(len(self.clients)) if self.router.alive[k]]
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if not live:
-            result.set_exception(EngineDeadError("every data-parallel engine core has stopped"))
+        if self._dead_error is not None or not live:
+            result.set_exception(
+                EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
+                if self._dead_error is not None
+                else EngineDeadError("the engine was shut down")
+            )
             return result
-        futures = [self.clients[k].call(fn) for k in live]
-
-        def done(_: object) -> None:
-            if all(f.done() for f in futures) and result.set_running_or_notify_cancel():
-                for f in futures:
-                    if f.exception() is not None:
-                        result.set_exception(f.exception())
-                        return
-                result.set_result(futures[0].result())
-
-        for f in futures:
-            f.add_done_callback(done)
+        gathered = _gather([self.clients[k].call(fn) for k in live])
+        gathered.add_done_callback(lambda f: _settle(result, f, lambda results: results[0]))
         return result
 
+    def call_each(self, fn: Callable[[EngineCore], T]) -> concurrent.futures.Future[list[T]]:
+        """Runs `fn` on every core; the future holds their results by engine index (what a
+        per-core view, such as the dashboard's pictures, needs). Fails if any core does."""
+        result: concurrent.futures.Future[list[T]] = concurrent.futures.Future()
+        if self._dead_error is not None or not all(self.router.alive):
+            result.set_exception(EngineDeadError(f"the engine stopped: {self._dead_error!r}"))
+            return result
+        return _gather([c.call(fn) for c in self.clients])
+
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs | None:
+        if self._raised is not None:
+            raise self._raised
         try:
             item = self._outputs.get(timeout=timeout)
         except queue.Empty:
             return None
         if isinstance(item, BaseException):
-            self._outputs.put(item)
+            # Sticky: the live cores' later outputs must not follow a death already reported.
+            self._raised = item
             raise item
         return item
 
@@ -317,8 +281,8 @@ class DPClient(EngineCoreClient):
                 router.apply_events(k, out.kv_events.events)
                 out.kv_events = None
             for o in out.outputs:
-                if o.finish_reason is not None and self._where.pop(o.request_id, None) is not None:
-                    router.inflight[k] -= 1
+                if o.finish_reason is not None:
+                    router.finish(o.request_id)
             if out.scheduler_stats is not None:
                 self.core_stats[k] = out.scheduler_stats
                 router.kv_usage[k] = out.scheduler_stats.kv_cache_usage
@@ -327,38 +291,28 @@ class DPClient(EngineCoreClient):
 
     def _core_stopped(self, k: int, error: BaseException | None) -> None:
         with self._lock:
-            self.router.alive[k] = False
-            lost = [rid for rid, core in self._where.items() if core == k]
-            for rid in lost:
-                del self._where[rid]
-            self.router.inflight[k] = 0
-            self.router.cached[k].clear()
-            all_dead = not any(self.router.alive)
-        if not self._closed:
-            logger.error("data-parallel engine core %d stopped: %r", k, error)
-            if lost:
-                message = f"engine core {k} stopped: {error!r}"
-                self._outputs.put(
-                    EngineCoreOutputs(
-                        [EngineCoreOutput(rid, [], FinishReason.ERROR, message) for rid in lost],
-                        engine_index=k,
-                    )
+            self.router.engine_stopped(k)
+            if not self._closed and self._dead_error is None:
+                self._dead_error = RuntimeError(
+                    f"data-parallel engine core {k} of {len(self.clients)} stopped: {error!r}"
                 )
-        if all_dead:
-            if error is not None and self._dead_error is None and not self._closed:
-                self._dead_error = error
-            self._outputs.put(
-                EngineDeadError(
-                    f"the engine stopped after an error: {self._dead_error!r}"
-                    if self._dead_error is not None
-                    else "the engine was shut down"
+                logger.error(
+                    "data-parallel engine core %d stopped (%r); the engine stops with it", k, error
                 )
-            )
+            self.router.finish_all()  # the client is dead: nothing is in flight
+            dead = self._dead_error
+        # Put once per core; the consumer re-raises the first it takes on every later call.
+        self._outputs.put(
+            EngineDeadError(f"the engine stopped after an error: {dead!r}")
+            if dead is not None
+            else EngineDeadError("the engine was shut down")
+        )
 
-    def _forward_event(self, kind: str, payload: dict[str, Any]) -> None:
+    def _forward_event(self, k: int, kind: str, payload: dict[str, Any]) -> None:
         callback = self.on_event
         if callback is not None:
-            callback(kind, payload)
+            # Which core a dashboard picture is of: block ids mean something in one pool only.
+            callback(kind, {**payload, "engine_index": k})
 
     # ------------------------------------------------------------ state
 

@@ -6,6 +6,10 @@ The hub is the one place that crosses: producers call `publish_snapshot` / `on_s
 under a lock, and every page gets its messages through `call_soon_threadsafe` onto its own
 bounded queue (a slow page loses old messages, it never slows a producer). JSON is encoded
 on the event loop, never on the engine's thread.
+
+With several data-parallel cores every core takes its own pictures (tagged with its
+`engine_index` by the client); the hub keeps the latest of each, names each core's events
+from its own previous picture, and publishes them merged (see `cores`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from pagemill.server.dashboard.cores import merge_core_snapshots
 from pagemill.server.dashboard.events import events_between
 from pagemill.server.dashboard.series import SeriesRecorder
 from pagemill.server.dashboard.snapshot import PROMPT_PREVIEW_CHARS, snapshot_engine
@@ -65,6 +70,7 @@ class DashboardHub:
         self.series = series if series is not None else SeriesRecorder()
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.latest: dict[str, Any] | None = None
+        self.core_latest: dict[int, dict[str, Any]] = {}  # data parallel: per engine index
         self.watchers: WatcherCount = LocalWatchers()
         self.client: Any = None
         self._tap: SnapshotTap | None = None
@@ -107,6 +113,10 @@ class DashboardHub:
 
     def publish_snapshot(self, snap: dict[str, Any]) -> None:
         self._add_prompts(snap)
+        core = snap.pop("engine_index", None)
+        if core is not None:
+            self._publish_core(core, snap)
+            return
         with self._lock:
             latest = self.latest
             if latest is not None and snap["t"] < latest["t"]:
@@ -115,6 +125,17 @@ class DashboardHub:
             self.latest = snap
             self.events.extend(events)
         self._broadcast({"type": "snapshot", "snapshot": snap, "events": events})
+
+    def _publish_core(self, core: int, snap: dict[str, Any]) -> None:
+        with self._lock:
+            prev = self.core_latest.get(core)
+            if prev is not None and snap["t"] < prev["t"]:
+                return
+            events = [{**e, "engine": core} for e in events_between(prev, snap)]
+            self.core_latest[core] = snap
+            merged = self.latest = merge_core_snapshots(self.core_latest)
+            self.events.extend(events)
+        self._broadcast({"type": "snapshot", "snapshot": merged, "events": events})
 
     def _add_prompts(self, snap: dict[str, Any]) -> None:
         prompt_of = getattr(self.client, "prompt_of", None)
@@ -182,11 +203,19 @@ class DashboardHub:
         if client is None:
             return self.latest
         fn = functools.partial(snapshot_engine, show_prompts=self.settings.show_prompts)
+        # Data parallel: one picture from each core (`call` would answer with one core's).
+        call_each = getattr(getattr(client, "client", None), "call_each", None)
         try:
-            snap = await asyncio.wait_for(client.call(fn), timeout)
+            if call_each is not None:
+                snaps = await asyncio.wait_for(asyncio.wrap_future(call_each(fn)), timeout)
+            else:
+                snaps = [await asyncio.wait_for(client.call(fn), timeout)]
         except Exception as exc:  # a dead or busy engine: the page keeps the last picture
             logger.debug("dashboard refresh failed: %r", exc)
             return self.latest
-        if snap is not None:
-            self.publish_snapshot(snap)
-        return snap
+        for k, snap in enumerate(snaps):
+            if snap is not None:
+                if call_each is not None:
+                    snap["engine_index"] = k
+                self.publish_snapshot(snap)
+        return self.latest if call_each is not None else snaps[0]

@@ -12,7 +12,7 @@
   var $ = function (id) { return document.getElementById(id); };
   var state = {
     config: {}, snap: null, series: [], events: [], cells: [], grid: "", owners: null,
-    snapshots: 0, charts: [], highlighted: [],
+    snapshots: 0, charts: [], highlighted: [], cores: [],
   };
   window.pagemill = state;
 
@@ -41,8 +41,9 @@
     return [ref > 1 ? "shared" : "used", ref];
   }
 
-  function renderGrid(snap) {
-    var g = $("grid"), grid = snap.grid, cells = state.cells, prev = state.grid;
+  // Paints `grid` into `g`, reusing `cells` (the previous grid's) and repainting only the
+  // cells that changed since `prev`; returns the cells. `engine` tags a data-parallel core's.
+  function paint(g, grid, cells, prev, engine) {
     var dense = grid.length > 1024;
     if (cells.length !== grid.length) {
       g.textContent = "";
@@ -53,12 +54,12 @@
         cell.dataset.block = i;
         cell.dataset.state = "free";
         cell.dataset.ref = "0";
+        if (engine != null) cell.dataset.engine = engine;
         cells.push(cell);
         frag.appendChild(cell);
       }
       g.appendChild(frag);
       g.classList.toggle("dense", dense);
-      state.cells = cells;
       prev = "";
     }
     for (var j = 0; j < grid.length; j++) {
@@ -70,17 +71,57 @@
       e.dataset.ref = c === "+" ? "10+" : String(s[1]);
       e.textContent = s[1] > 1 && !dense ? c : "";
     }
+    return cells;
+  }
+
+  function renderGrid(snap) {
+    var g = $("grid"), grid = snap.grid;
+    if (state.cores.length) { g.textContent = ""; g.className = "grid"; state.cores = []; state.cells = []; }
+    state.cells = paint(g, grid, state.cells, state.grid);
     state.grid = grid;
     state.owners = null;
     $("pool-note").textContent = snap.num_blocks + " blocks of " + snap.block_size + " tokens" +
       (grid.length < snap.num_blocks ? " (first " + grid.length + " shown)" : "");
   }
 
+  // Data parallel: one pool per engine core, each with its own block ids.
+  function renderCores(snap) {
+    var box = $("grid"), views = state.cores;
+    if (views.length !== snap.cores.length) {
+      box.textContent = "";
+      box.className = "cores";
+      state.cells = []; state.grid = "";
+      views = state.cores = snap.cores.map(function () {
+        var wrap = el("div", "core"), head = el("h3"), g = el("div", "grid");
+        wrap.appendChild(head);
+        wrap.appendChild(g);
+        box.appendChild(wrap);
+        return { head: head, g: g, cells: [], grid: "" };
+      });
+    }
+    snap.cores.forEach(function (c, i) {
+      var v = views[i], pc = c.prefix_cache;
+      v.cells = paint(v.g, c.grid, v.cells, v.grid, c.engine);
+      v.grid = c.grid;
+      v.head.textContent = "core " + c.engine + " · " + c.num_blocks + " blocks · KV " +
+        pct(c.in_use / c.num_blocks) + " · prefix hits " + (pc.enabled ? pct(pc.hit_rate) : "off") +
+        " · " + c.num_running + " running, " + c.num_waiting + " waiting";
+    });
+    state.owners = null;
+    $("pool-note").textContent = snap.cores.length + " engine cores, " + snap.num_blocks +
+      " blocks of " + snap.block_size + " tokens in all";
+  }
+
+  function cellsOf(engine) {
+    return engine != null && state.cores[engine] ? state.cores[engine].cells : state.cells;
+  }
+
   function owners() {
     if (state.owners) return state.owners;
     var map = {};
     (state.snap ? state.snap.running : []).forEach(function (r) {
-      (r.blocks || []).forEach(function (b) { (map[b] = map[b] || []).push(r.id); });
+      var at = r.engine != null ? r.engine + ":" : "";
+      (r.blocks || []).forEach(function (b) { (map[at + b] = map[at + b] || []).push(r.id); });
     });
     state.owners = map;
     return map;
@@ -89,11 +130,12 @@
   function showTip(ev) {
     var tip = $("tip"), t = ev.target;
     if (!t.dataset || t.dataset.block == null || !state.snap) { tip.hidden = true; return; }
-    var b = +t.dataset.block, st = t.dataset.state, text = "block " + b + ": ";
+    var b = +t.dataset.block, st = t.dataset.state, core = t.dataset.engine;
+    var text = (core != null ? "core " + core + ", " : "") + "block " + b + ": ";
     if (st === "free") text += "free";
     else if (st === "cached") text += "free, cached (a prefix hit revives it; evicted when reused)";
     else {
-      var who = owners()[b] || [];
+      var who = owners()[(core != null ? core + ":" : "") + b] || [];
       text += "ref count " + t.dataset.ref + (who.length ? " · " + who.join(", ") : "");
     }
     tip.textContent = text;
@@ -102,11 +144,14 @@
     tip.style.top = (ev.clientY + 12) + "px";
   }
 
-  function highlight(blocks) {
-    state.highlighted.forEach(function (b) { if (state.cells[b]) state.cells[b].classList.remove("hl"); });
-    state.highlighted = blocks || [];
-    state.highlighted.forEach(function (b) { if (state.cells[b]) state.cells[b].classList.add("hl"); });
+  function highlight(blocks, engine) {
+    state.highlighted.forEach(function (e) { e.classList.remove("hl"); });
+    var cells = cellsOf(engine);
+    state.highlighted = (blocks || []).map(function (b) { return cells[b]; }).filter(Boolean);
+    state.highlighted.forEach(function (e) { e.classList.add("hl"); });
   }
+
+  function requestId(r) { return (r.engine != null ? "core " + r.engine + " · " : "") + r.id; }
 
   // ------------------------------------------------------------------ requests
 
@@ -137,7 +182,7 @@
     snap.running.forEach(function (r) {
       var tr = el("tr");
       tr.dataset.request = r.id;
-      var id = el("td", "id", r.id);
+      var id = el("td", "id", requestId(r));
       id.title = r.id;
       tr.appendChild(id);
       var ph = el("td");
@@ -152,7 +197,7 @@
       tr.appendChild(el("td", null, r.cached_tokens ? r.cached_tokens + " tok" : "–"));
       tr.appendChild(el("td", null, r.preemptions ? "×" + r.preemptions : "–"));
       tr.appendChild(el("td", "blocks", blockList(r.blocks)));
-      tr.addEventListener("mouseenter", function () { highlight(r.blocks); });
+      tr.addEventListener("mouseenter", function () { highlight(r.blocks, r.engine); });
       tr.addEventListener("mouseleave", function () { highlight([]); });
       body.appendChild(tr);
     });
@@ -165,7 +210,7 @@
     snap.waiting.forEach(function (r) {
       var tr = el("tr");
       tr.dataset.request = r.id;
-      var id = el("td", "id", r.id);
+      var id = el("td", "id", requestId(r));
       id.title = r.prompt != null ? r.prompt : r.id;
       tr.appendChild(id);
       tr.appendChild(el("td", null, r.status));
@@ -181,11 +226,12 @@
   // ------------------------------------------------------------------ events
 
   function eventText(e) {
+    var where = e.engine != null ? "  core " + e.engine + ":" : "";
     if (e.kind === "preempt") {
-      return clock(e.t) + "  preempted " + e.count + (e.ids && e.ids.length ? " (" + e.ids.join(", ") + ")" : "") +
+      return clock(e.t) + where + "  preempted " + e.count + (e.ids && e.ids.length ? " (" + e.ids.join(", ") + ")" : "") +
         ": blocks freed, recomputed later";
     }
-    return clock(e.t) + "  evicted " + e.count + " cached block" + (e.count > 1 ? "s" : "") + " for reuse";
+    return clock(e.t) + where + "  evicted " + e.count + " cached block" + (e.count > 1 ? "s" : "") + " for reuse";
   }
 
   function renderEvents(events) {
@@ -200,7 +246,7 @@
   function render(snap) {
     if (!snap) return;
     state.snap = snap;
-    renderGrid(snap);
+    if (snap.cores) renderCores(snap); else renderGrid(snap);
     renderRunning(snap);
     renderWaiting(snap);
     var n = snap.num_blocks;

@@ -1,0 +1,171 @@
+"""pagemill on Ray Serve (`pagemill.server.ray_serve`): a local Ray, two engine replicas of a
+tiny random Llama behind the OpenAI ingress, routed by `PagemillRequestRouter` (prefix).
+
+A streamed chat through the `openai` client must arrive in pieces and equal the same
+request answered whole; requests that share a long prompt must land on one replica (its
+prefix-cache hits, read from the replicas themselves, cover the shared blocks).
+Skipped, saying why, when Ray Serve is not installed (`pip install 'pagemill-server[ray]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from server_helpers import build_tiny_llama, engine_kwargs
+
+# A busy machine starts Ray's raylet, agents and workers slowly: its default waits are
+# not always enough (the raylet then aborts, or the workers are never seen).
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "300")
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+os.environ.setdefault("RAY_agent_register_timeout_ms", "600000")
+# Read when Ray is imported. Under `uv run`, Ray starts each worker through `uv run` too
+# (a fresh environment built from the uploaded project); this venv already is theirs.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+serve = pytest.importorskip(
+    "ray.serve", reason="Ray Serve is not installed (pip install 'pagemill-server[ray]')"
+)
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_app(tmp_path_factory: pytest.TempPathFactory):
+    import ray
+
+    from pagemill.server.ray_serve import build_serve_app
+
+    folder = tmp_path_factory.mktemp("ray-llama")
+    build_tiny_llama(folder)
+    kwargs = engine_kwargs(folder, num_blocks=64)
+    model = kwargs.pop("model")
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_serve_app(
+            model,
+            num_replicas=2,
+            routing="prefix",
+            served_model_name=MODEL,
+            engine_threads=1,
+            num_cpus=0.5,
+            **kwargs,
+        )
+        serve.run(app, name="pagemill", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow  # a local Ray and three Serve replicas start: about a minute
+def test_two_replicas_stream_a_chat_and_route_by_prefix(ray_app: str) -> None:
+    client = openai.OpenAI(base_url=ray_app + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hello world, tell me a story"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    answer = whole.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
+    )
+    pieces, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert len([p for p in pieces if p]) > 1  # streamed, not one block
+    assert "".join(pieces) == answer
+    assert finish == whole.choices[0].finish_reason == "length"
+
+    # Four requests sharing 4 blocks of prompt: prefix routing keeps them on one replica,
+    # whose prefix cache then serves the shared blocks to the three that follow.
+    shared = list(range(20, 84))
+    for tail in ([3], [4], [5], [6]):
+        r = client.completions.create(
+            model=MODEL, prompt=[*shared, *tail], max_tokens=2, temperature=0
+        )
+        assert r.choices[0].finish_reason == "length"
+    from ray import serve as ray_serve
+
+    from pagemill.server.ray_serve import routing_summary
+
+    # Utility calls go to the least loaded replica, taking turns when both are idle.
+    handle = ray_serve.get_deployment_handle("PagemillEngine", app_name="pagemill")
+    by_replica = {}
+    for _ in range(6):
+        summary = handle.call.remote(routing_summary).result(timeout_s=60)
+        by_replica[summary["pid"]] = summary
+    assert len(by_replica) == 2
+    hits = sorted(s["prefix_cache_hits"] for s in by_replica.values())
+    assert hits[-1] >= 3 * 64 and hits[0] < 64, hits
+
+
+def _pending(rid: str, tokens: list[int]):
+    from types import SimpleNamespace
+
+    from pagemill.runtime.engine.protocol import EngineCoreRequest
+    from pagemill.runtime.sampling_params import SamplingParams
+
+    request = EngineCoreRequest(rid, tokens, SamplingParams(), 4, None, [], 0.0)
+    return SimpleNamespace(
+        args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=rid)
+    )
+
+
+def test_the_request_router_follows_replicas_prefix_caches() -> None:
+    """The Serve router alone (no cluster): replicas' routing stats say what they cache."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from pagemill.blockpool import hash_block_chain
+    from pagemill.blockpool.hashing import get_hash_fn
+    from pagemill.server.ray_serve import PagemillRequestRouter
+
+    dep = DeploymentID(name="PagemillEngine", app_name="pagemill")
+    doc, other = list(range(100, 164)), list(range(300, 364))
+    cached = hash_block_chain(get_hash_fn("sha256"), doc, 16)  # as the replica's pool holds it
+    a = SimpleNamespace(replica_id=ReplicaID("a", dep), routing_stats={})
+    b = SimpleNamespace(
+        replica_id=ReplicaID("b", dep),
+        routing_stats={"cached_block_hashes": cached, "kv_cache_usage": 0.2},
+    )
+    router = PagemillRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(policy="prefix", block_size=16, hash_algo="sha256")
+
+    def choose(pending) -> list[str]:
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+    assert choose(_pending("r1", [*doc, 1])) == ["b", "a"]  # b caches the document
+    assert choose(_pending("r2", [*other, 2])) == ["a", "b"]  # unknown: the less loaded
+    # r2's prompt is in flight on a, not yet in a's stats: its next reader follows it.
+    assert choose(_pending("r3", [*other, 3])) == ["a", "b"]
+    assert router.policy.inflight == [2, 1]
+    router.on_request_completed(b.replica_id, "r1")
+    router.on_request_completed(a.replica_id, "r2")
+    router.on_request_completed(a.replica_id, "r3")
+    assert router.policy.inflight == [0, 0]
+    # Finished, not yet in a's polled stats: still taken as cached on a.
+    assert choose(_pending("r5", [*other, 5])) == ["a", "b"]
+    router.on_request_completed(a.replica_id, "r5")
+    a.routing_stats = {"cached_block_hashes": [], "kv_cache_usage": 0.0}  # a's next poll
+    k = router._engine(a)  # takes the new account in
+    assert router.policy.matched_blocks(k, router.policy.hash_prompt(other)) == 0
+    # Chosen b, but b turned it away and a ran it: counted on a.
+    pending = _pending("r4", [*doc, 4])
+    assert choose(pending) == ["b", "a"]
+    router.on_request_routed(pending, a.replica_id, None)
+    assert router.policy.inflight == [1, 0]
