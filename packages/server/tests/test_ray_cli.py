@@ -16,6 +16,8 @@ from pagemill.server.cli import main
         (["--ray", "--dashboard"], "--dashboard is not served with --ray"),
         (["--ray", "--num-replicas", "0"], "--num-replicas must be >= 1"),
         (["--ray", "--num-replicas", "3", "--max-replicas", "2"], "--max-replicas >="),
+        (["--ray", "--tool-call-parser", "hermes"], "--tool-call-parser is not served with"),
+        (["--ray", "--allowed-origins", '["*"]', "--max-log-len", "5"], "--allowed-origins, "),
     ],
 )
 def test_ray_flags_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -175,6 +175,34 @@ def _make_engine(config: EngineConfig) -> Any:
 # ---------------------------------------------------------------- serve
 
 
+# Server flags the Ray app honours (`ray_serve.run`'s arguments) or that act before it.
+_RAY_SERVER_FLAGS = frozenset(
+    {
+        "func", "command", "model", "ray", "num_replicas", "max_replicas", "host", "port",
+        "served_model_name", "engine_threads", "api_key", "dashboard", "log_level",
+        "hf_token", "download_dir", "trust_remote_code", "enable_auto_tool_choice",
+        "disable_log_stats",
+    }
+)  # fmt: skip
+
+
+def _flags_not_served_on_ray(args: argparse.Namespace) -> list[str]:
+    """The server (not engine) flags set away from their defaults that the Ray app does not
+    take: refused by name rather than dropped. Engine flags all reach the replicas through
+    `EngineConfig`."""
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine, positional_model=False)
+    engine_dests = {a.dest for a in engine._actions}
+    defaults = parse_args(["serve"])
+    return [
+        "--" + dest.replace("_", "-")
+        for dest, value in sorted(vars(args).items())
+        if dest not in engine_dests
+        and dest not in _RAY_SERVER_FLAGS
+        and value != getattr(defaults, dest, value)
+    ]
+
+
 def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
     def refuse(message: str) -> int:
         print(f"pagemill: {message}", file=sys.stderr)
@@ -186,6 +214,13 @@ def _serve_on_ray(args: argparse.Namespace, config: EngineConfig) -> int:
         return refuse("--ray scales out with --num-replicas, not --data-parallel-size")
     if args.dashboard:
         return refuse("--dashboard is not served with --ray (Ray's own dashboard shows replicas)")
+    dropped = _flags_not_served_on_ray(args)
+    if dropped:
+        return refuse(
+            f"{', '.join(dropped)} {'is' if len(dropped) == 1 else 'are'} not served with --ray "
+            "yet (the Ray app takes the engine flags, --host, --port, --served-model-name, "
+            "--api-key and --engine-threads)"
+        )
     replicas = 1 if args.num_replicas is None else args.num_replicas
     if replicas < 1 or (args.max_replicas is not None and args.max_replicas < replicas):
         return refuse("--num-replicas must be >= 1 and --max-replicas >= --num-replicas")
