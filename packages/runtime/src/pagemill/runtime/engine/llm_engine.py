@@ -167,14 +167,11 @@ class LLMEngine(ModelFacts):
         the latency metrics.
         """
         params = SamplingParams() if params is None else params
-        if lora_request is not None:
-            if not self.config.enable_lora:
-                raise ValueError(
-                    f"lora_request {lora_request.lora_name!r}: this engine serves no LoRA "
-                    "adapters (start it with enable_lora=True)"
-                )
-            if isinstance(params, PoolingParams):
-                raise ValueError("LoRA adapters serve generation only, not pooling requests")
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r}: this engine serves no LoRA "
+                "adapters (start it with enable_lora=True)"
+            )
         if isinstance(request_id, str) and self.output_processor.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)

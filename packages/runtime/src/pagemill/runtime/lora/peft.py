@@ -60,7 +60,12 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def _config(folder: Path, max_lora_rank: int) -> tuple[int, float]:
+def read_adapter_config(folder: Path, max_lora_rank: int) -> tuple[int, float]:
+    """(rank, scaling) of a PEFT LoRA folder, after every check its config and file list
+    allow (the weights' own checks need the model: `load_peft_adapter`); raises
+    `LoRAError`. Cheap: the front end runs it when an adapter is registered."""
+    if not folder.is_dir():
+        raise LoRAError(f"LoRA adapter folder {str(folder)!r} does not exist")
     path = folder / "adapter_config.json"
     if not path.is_file():
         raise LoRAError(f"{folder}: no adapter_config.json (a PEFT LoRA adapter folder is needed)")
@@ -104,6 +109,13 @@ def _config(folder: Path, max_lora_rank: int) -> tuple[int, float]:
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise LoRAError(f"{folder}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    if not (folder / "adapter_model.safetensors").is_file():
+        also = (
+            " (adapter_model.bin is not read: pickles can run code)"
+            if (folder / "adapter_model.bin").is_file()
+            else ""
+        )
+        raise LoRAError(f"{folder}: no adapter_model.safetensors{also}")
     return r, float(scaling)
 
 
@@ -120,17 +132,8 @@ def load_peft_adapter(
     from safetensors import safe_open
 
     folder = Path(path)
-    if not folder.is_dir():
-        raise LoRAError(f"LoRA adapter folder {path!r} does not exist")
-    rank, scaling = _config(folder, max_lora_rank)
+    rank, scaling = read_adapter_config(folder, max_lora_rank)
     file = folder / "adapter_model.safetensors"
-    if not file.is_file():
-        also = (
-            " (adapter_model.bin is not read: pickles can run code)"
-            if (folder / "adapter_model.bin").is_file()
-            else ""
-        )
-        raise LoRAError(f"{folder}: no adapter_model.safetensors{also}")
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(file), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
