@@ -266,3 +266,19 @@ def test_compiled_step_serves_adapters_and_base_together(
     for (prompt, name), out in zip(jobs, outs):
         want = hf_greedy(base if name is None else merged[name], prompt, 10)
         assert out.outputs[0].token_ids == want, name
+
+
+def test_lora_request_crosses_the_process_boundary() -> None:
+    """The engine-core request record carries the adapter through msgpack (engine process)."""
+    from pagemill.runtime.engine.protocol import Codec, EngineCoreRequest
+
+    codec = Codec()
+    lora = LoRARequest("sql", 3, "/adapters/sql")
+    sent = EngineCoreRequest("r", [1, 2], SamplingParams(), 5, None, [], 0.0, lora_request=lora)
+    got = codec.decode(codec.encode(sent))
+    assert isinstance(got, EngineCoreRequest) and got.lora_request == lora
+    plain = EngineCoreRequest("r", [1, 2], SamplingParams(), 5, None, [], 0.0)
+    assert codec.decode(codec.encode(plain)).lora_request is None
+    for bad in (("", 1, "/p"), ("a", 0, "/p"), ("a", 1, "")):
+        with pytest.raises(ValueError, match="LoRARequest"):
+            LoRARequest(*bad)
