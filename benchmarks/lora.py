@@ -69,13 +69,18 @@ def write_adapter(folder: Path, config: Any, rank: int, seed: int) -> None:
     )
 
 
+def _decode_len(args: argparse.Namespace) -> int:
+    """Tokens each request decodes: its prefill step, the warm-up and the timed steps."""
+    return args.warmup + args.steps + 8
+
+
 def _engine(args: argparse.Namespace, lora: bool) -> Any:
     from pagemill.runtime import LLM
 
     kw: dict[str, Any] = dict(
         device=args.device,
         max_num_seqs=64,
-        max_model_len=args.prompt + args.warmup + args.steps * args.rounds + 64,
+        max_model_len=args.prompt + _decode_len(args) + 8,
         enforce_eager=args.eager,
     )
     if args.dtype:
@@ -93,7 +98,7 @@ def _time_steps(engine: Any, loras: list[Any], args: argparse.Namespace, tag: st
     """64 requests (one LoRARequest or None each) decoding: median forward and step ms."""
     from pagemill.runtime import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=10_000_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=_decode_len(args), ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     vocab = engine.engine_core.model_config.vocab_size
     ids = []
