@@ -73,6 +73,13 @@ class LLM:
         if lora_request is None or isinstance(lora_request, LoRARequest):
             loras: list[LoRARequest | None] = [lora_request] * len(parsed)
         else:
+            if not isinstance(lora_request, (list, tuple)) or not all(
+                r is None or isinstance(r, LoRARequest) for r in lora_request
+            ):
+                raise ValueError(
+                    "lora_request must be a LoRARequest, a list of them (None for the base "
+                    f"model) or None, got {type(lora_request).__name__}"
+                )
             loras = list(lora_request)
             if len(loras) != len(parsed):
                 raise ValueError(
