@@ -241,7 +241,7 @@ def _lora(dtype: torch.dtype, model: str, rank: int, t: int) -> None:
         out = sum(slices)
         starts = torch.tensor([0, *torch.tensor(slices).cumsum(0).tolist()], dtype=torch.int32)
         a = torch.empty(slots, len(slices) * rank, hidden, dtype=dtype)
-        b = torch.empty(slots, out, rank, dtype=dtype)
+        b = torch.empty(slots, out, len(slices) * rank, dtype=dtype)
         y = torch.empty(t, out, dtype=dtype)
         add_lora_triton(y, x, a, b, sorted_ids, seg, starts, max_slice=max(slices))
 

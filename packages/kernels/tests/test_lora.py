@@ -12,14 +12,25 @@ from pagemill.kernels import add_lora, add_lora_torch, add_lora_triton, lora_seg
 def _reference(y, x, a, b, slots, starts):
     """Every token on its own: y + sum over slices of (x A_jᵀ) B_jᵀ of its slot, in fp64."""
     out = y.double().clone()
-    r = b.shape[2]
+    r = a.shape[1] // (len(starts) - 1)
     for t, s in enumerate(slots.tolist()):
         if s < 0:
             continue
         for j in range(len(starts) - 1):
             h = x[t].double() @ a[s, j * r : (j + 1) * r].double().t()
-            out[t, starts[j] : starts[j + 1]] += h @ b[s, starts[j] : starts[j + 1]].double().t()
+            bj = b[s, starts[j] : starts[j + 1], j * r : (j + 1) * r].double()
+            out[t, starts[j] : starts[j + 1]] += h @ bj.t()
     return out
+
+
+def block_diagonal(b, slices, r):
+    """Zero B outside each slice's (rows, rank columns) block: the layout's contract."""
+    mask = torch.zeros_like(b)
+    row = 0
+    for j, n in enumerate(slices):
+        mask[:, row : row + n, j * r : (j + 1) * r] = 1
+        row += n
+    return b * mask
 
 
 def _case(t, k, slices, r, num_slots, dtype=torch.float32, seed=0, base_share=0.3):
@@ -28,7 +39,8 @@ def _case(t, k, slices, r, num_slots, dtype=torch.float32, seed=0, base_share=0.
     x = torch.randn(t, k, generator=g).to(dtype)
     y = torch.randn(t, out, generator=g).to(dtype)
     a = (torch.randn(num_slots, len(slices) * r, k, generator=g) / k**0.5).to(dtype)
-    b = torch.randn(num_slots, out, r, generator=g).to(dtype)
+    b = block_diagonal(torch.randn(num_slots, out, len(slices) * r, generator=g), slices, r)
+    b = b.to(dtype)
     slots = torch.randint(0, num_slots, (t,), generator=g)
     slots[torch.rand(t, generator=g) < base_share] = -1
     starts = [0]
@@ -80,6 +92,7 @@ def test_shapes_that_disagree_are_refused() -> None:
         (37, 64, (64, 16, 16), 16, 3, torch.float32),
         (70, 48, (40, 72), 4, 4, torch.float32),
         (20, 32, (32, 32), 16, 2, torch.bfloat16),
+        (9, 32, (48, 16), 80, 2, torch.float32),  # several rank tiles (shrink and expand)
     ],
 )
 def test_triton_matches_per_token_reference(t, k, slices, r, slots, dtype) -> None:

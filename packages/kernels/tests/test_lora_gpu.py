@@ -30,7 +30,13 @@ def test_add_lora(dtype, t, k, slices, r):
     x = torch.randn(t, k, generator=gen).to(dtype)
     y = torch.randn(t, out, generator=gen).to(dtype)
     a = (torch.randn(num_slots, len(slices) * r, k, generator=gen) / k**0.5).to(dtype)
-    b = (torch.randn(num_slots, out, r, generator=gen) / r**0.5).to(dtype)
+    b = torch.randn(num_slots, out, len(slices) * r, generator=gen) / r**0.5
+    row = 0
+    for j, n in enumerate(slices):  # block-diagonal, as the layout requires
+        b[:, row : row + n, : j * r] = 0
+        b[:, row : row + n, (j + 1) * r :] = 0
+        row += n
+    b = b.to(dtype)
     slots = torch.randint(-1, num_slots, (t,), generator=gen)
     starts = torch.tensor([0, *torch.tensor(slices).cumsum(0).tolist()], dtype=torch.int32)
     sorted_ids, seg = lora_segments(slots, num_slots)

@@ -4,15 +4,17 @@ One step serves requests of several adapters and of the base model together (pun
 SGMV, vLLM's ``lora_shrink`` / ``lora_expand``). A layer holds every loaded adapter
 stacked by slot: ``lora_a`` [L, S * R, in] (the S slices of a fused projection — q|k|v,
 gate|up — one after the other along the rank, each padded to the rank R) and ``lora_b``
-[L, out, R] (slice j owns the output columns ``slice_starts[j] : slice_starts[j + 1]``;
-the adapter's scaling is folded in when it is loaded). A token's slot comes from the
-model runner once per step, as `lora_segments`: the step's token indices sorted by slot
+[L, out, S * R], block-diagonal: slice j's B fills the output rows ``slice_starts[j] :
+slice_starts[j + 1]`` and the rank columns ``j * R : (j + 1) * R``, zeros elsewhere (the
+adapter's scaling is folded in when it is loaded). Block-diagonal, the expand of a fused
+projection is one GEMM on CPU; the zeros cost S times the expand's small FLOPs. A token's
+slot comes from the model runner once per step, as `lora_segments`: the step's token indices sorted by slot
 (``sorted_ids``) and where each slot's run starts (``seg_starts`` [L + 1]); base-model
 tokens (slot -1) sort past the last run and are never touched.
 
-* `add_lora_torch`: the CPU path — per slot that has tokens, one GEMM into the rank and
-  one per slice out of it, on that slot's rows only; cost follows the tokens that use an
-  adapter, never the number of slots.
+* `add_lora_torch`: the CPU path — the adapter tokens gathered once in slot order, then
+  per slot that has tokens one shrink and one expand GEMM on its contiguous rows, and one
+  scatter back; cost follows the tokens that use an adapter, never the number of slots.
 * `add_lora_triton`: the GPU path (`pagemill.kernels._triton.lora`) — a shrink launch
   (x @ Aᵀ into an fp32 [S, T, R] buffer) and an expand launch (buffer @ Bᵀ added to y),
   each over (token block, slice, slot) programs; programs past a slot's run exit at once.
@@ -60,16 +62,15 @@ def _check(
 ) -> tuple[int, int]:
     if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
         raise ValueError(
-            "add_lora takes y [T, out], x [T, in], lora_a [L, S*R, in], lora_b [L, out, R]"
+            "add_lora takes y [T, out], x [T, in], lora_a [L, S*R, in], lora_b [L, out, S*R]"
         )
     slots, sr, k = lora_a.shape
-    r = lora_b.shape[2]
     s = slice_starts.numel() - 1
+    r = sr // max(s, 1)
     if (
         x.shape[1] != k
         or y.shape[0] != x.shape[0]
-        or lora_b.shape[0] != slots
-        or lora_b.shape[1] != y.shape[1]
+        or tuple(lora_b.shape) != (slots, y.shape[1], sr)
         or s < 1
         or sr != s * r
     ):
@@ -89,23 +90,26 @@ def add_lora_torch(
     seg_starts: torch.Tensor,
     slice_starts: torch.Tensor,
 ) -> None:
-    """``y[t] += (x[t] @ A[slot(t)]ᵀ) @ B[slot(t)]ᵀ`` per slice, in place; base tokens
-    unchanged. Products accumulate in fp32 and round once into y's dtype."""
-    num_slices, r = _check(y, x, lora_a, lora_b, slice_starts)
+    """``y[t] += (x[t] @ A[slot(t)]ᵀ) @ B[slot(t)]ᵀ``, in place; base tokens unchanged.
+
+    The GEMMs run in the stacks' dtype: x's rows are cast to it (a runtime on CPU keeps
+    fp32 stacks under a bf16 model: such small bf16 GEMMs cost several times their fp32
+    twins there). A token has one slot, so the rows are distinct: the delta lands with a
+    gather, an add and an `index_copy_` (a 16-bit `index_add_` is a slow scatter on CPU)."""
+    _check(y, x, lora_a, lora_b, slice_starts)
     bounds = seg_starts.tolist()
-    cols = slice_starts.tolist()
+    n = bounds[-1]
+    if n == 0:
+        return
+    ids = sorted_ids[:n].to(torch.int64)
+    xs = x.index_select(0, ids).to(lora_a.dtype)
+    delta = torch.empty(n, y.shape[1], dtype=lora_a.dtype, device=x.device)
     for slot in range(lora_a.shape[0]):
         lo, hi = bounds[slot], bounds[slot + 1]
-        if hi <= lo:
-            continue
-        rows = sorted_ids[lo:hi].to(torch.int64)
-        xs = x.index_select(0, rows).float()
-        h = xs @ lora_a[slot].float().t()  # [n, S * R]
-        delta = torch.empty(hi - lo, y.shape[1], dtype=torch.float32, device=y.device)
-        for j in range(num_slices):
-            b = lora_b[slot, cols[j] : cols[j + 1]].float()
-            torch.mm(h[:, j * r : (j + 1) * r], b.t(), out=delta[:, cols[j] : cols[j + 1]])
-        y.index_add_(0, rows, delta.to(y.dtype))
+        if hi > lo:  # contiguous rows: the GEMMs read and write them in place
+            h = torch.mm(xs[lo:hi], lora_a[slot].t())
+            torch.mm(h, lora_b[slot].t(), out=delta[lo:hi])
+    y.index_copy_(0, ids, y.index_select(0, ids) + delta.to(y.dtype))
 
 
 def add_lora_triton(
@@ -132,10 +136,13 @@ def add_lora_triton(
     dot_fp32 = interpreting() or x.dtype == torch.float32
     buf = torch.empty(num_slices, t, r, dtype=torch.float32, device=x.device)
     block_m = 16 if t <= 64 else 64
-    # Shrink: the whole rank is one tile (a LoRA rank is small); K is walked in tiles.
-    block_r = max(16, next_pow2(r))
+    # Shrink: rank columns in tiles of up to 64 (one tile for the usual ranks), K walked in
+    # tiles; expand: the rank walked in tiles. fp32 (CUDA-core ieee dots, operands in
+    # registers) takes smaller tiles, checked ahead of time: tests/aot_compile.
+    block_r = min(max(16, next_pow2(r)), 32 if dot_fp32 else 64)
     block_k = 32 if dot_fp32 else 64
-    _kernels.lora_shrink_kernel[(cdiv(t, block_m), num_slices, slots)](
+    grid_r = cdiv(r, block_r)
+    _kernels.lora_shrink_kernel[(cdiv(t, block_m) * grid_r, num_slices, slots)](
         x,
         lora_a,
         buf,
@@ -155,6 +162,7 @@ def add_lora_triton(
         num_warps=4,
     )
     block_n = 32 if dot_fp32 else 64
+    block_r = 16 if dot_fp32 else block_r
     _kernels.lora_expand_kernel[(cdiv(t, block_m) * cdiv(max_slice, block_n), num_slices, slots)](
         buf,
         lora_b,

@@ -29,8 +29,12 @@ def lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """buf[slice, t, :R] = x[t] @ A[slot, slice * R : (slice + 1) * R]ᵀ for t in the run."""
-    pid_m = tl.program_id(0)
+    """buf[slice, t, :R] = x[t] @ A[slot, slice * R : (slice + 1) * R]ᵀ for t in the run;
+    a program computes BLOCK_R of the rank's columns."""
+    pid = tl.program_id(0)
+    num_r = tl.cdiv(R, BLOCK_R)
+    pid_m = pid // num_r
+    pid_r = pid % num_r
     sl = tl.program_id(1)
     slot = tl.program_id(2)
     lo = tl.load(seg_ptr + slot)
@@ -41,7 +45,7 @@ def lora_shrink_kernel(
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < hi
     rows = tl.load(sorted_ids_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
@@ -82,7 +86,8 @@ def lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """y[t, cols of slice] += buf[slice, t, :R] @ B[slot, cols, :R]ᵀ for t in the run."""
+    """y[t, cols of slice] += buf[slice, t, :R] @ B[slot, cols, slice * R : (slice + 1) *
+    R]ᵀ for t in the run; the rank is walked BLOCK_R at a time."""
     pid = tl.program_id(0)
     sl = tl.program_id(1)
     slot = tl.program_id(2)
@@ -105,21 +110,20 @@ def lora_expand_kernel(
     mask_n = offs_n < n1 - n0
     cols = (n0 + offs_n).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    h = tl.load(
-        buf_ptr + sl * stride_bs + rows[:, None] * stride_bm + offs_r[None, :],
-        mask=mask_m[:, None] & mask_r[None, :],
-        other=0.0,
-    )
-    bt = tl.load(
-        b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn + offs_r[:, None],
-        mask=mask_r[:, None] & mask_n[None, :],
-        other=0.0,
-    )
-    if DOT_FP32:
-        acc = tl.dot(h, bt.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(h.to(bt.dtype), bt)
+    h_ptrs = buf_ptr + sl * stride_bs + rows[:, None] * stride_bm + offs_r[None, :]
+    b_rows = slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+    b_ptrs = b_ptr + b_rows + (sl * R + offs_r)[:, None]  # slice's block of the diagonal
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        mask_r = offs_r < R - r0
+        h = tl.load(h_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(h, bt.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(bt.dtype), bt)
+        h_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
     y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)

@@ -38,7 +38,8 @@ class LoRAStepMapping:
 
 class LoRALayer:
     """One projection's adapter slots: ``lora_a`` [max_loras, S * R, in] and ``lora_b``
-    [max_loras, out, R] over its S slices (q|k|v, gate|up, or one), zero where empty."""
+    [max_loras, out, S * R] (block-diagonal, see `pagemill.kernels.lora`) over its S slices
+    (q|k|v, gate|up, or one), zero where empty."""
 
     def __init__(
         self,
@@ -61,7 +62,7 @@ class LoRALayer:
         self.starts = starts
         s = len(slice_sizes)
         self.lora_a = torch.zeros(max_loras, s * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, out, s * max_rank, dtype=dtype, device=device)
         self.slice_starts = torch.tensor(starts, dtype=torch.int32, device=device)
 
     @torch.no_grad()
@@ -74,7 +75,8 @@ class LoRALayer:
         for j, (a, b) in pieces.items():
             r = a.shape[0]
             self.lora_a[slot, j * r_max : j * r_max + r].copy_(a)
-            self.lora_b[slot, self.starts[j] : self.starts[j + 1], :r].copy_(b)
+            cols = slice(j * r_max, j * r_max + r)
+            self.lora_b[slot, self.starts[j] : self.starts[j + 1], cols].copy_(b)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each token's adapter delta (y is updated in place and returned)."""

@@ -49,7 +49,9 @@ class LoRAManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
-        self.dtype = dtype
+        # On CPU the stacks stay fp32 under a bf16 model: the adapter GEMMs are small, and
+        # small bf16 GEMMs cost several times their fp32 twins there (kernels.lora).
+        self.dtype = torch.float32 if device.type == "cpu" else dtype
         self.device = device
         self.mapping = LoRAStepMapping(max_loras, max_num_tokens, device)
         # (layer, our projection) -> its LoRALayer; (layer, PEFT module) -> (in, out).
@@ -80,7 +82,7 @@ class LoRAManager:
                     max_loras,
                     max_lora_rank,
                     self.mapping,
-                    dtype,
+                    self.dtype,
                     device,
                 )
                 linear.lora = lora
