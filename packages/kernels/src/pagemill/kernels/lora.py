@@ -9,8 +9,8 @@ slice_starts[j + 1]`` and the rank columns ``j * R : (j + 1) * R``, zeros elsewh
 adapter's scaling is folded in when it is loaded). Block-diagonal, the expand of a fused
 projection is one GEMM on CPU; the zeros cost S times the expand's small FLOPs. A token's
 slot comes from the model runner once per step, as `lora_segments`: the step's token
-indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_starts`` [L + 1]); base-model
-tokens (slot -1) sort past the last run and are never touched.
+indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_starts``
+[L + 1]); base-model tokens (slot -1) sort past the last run and are never touched.
 
 * `add_lora_torch`: the CPU path — the adapter tokens gathered once in slot order, then
   per slot that has tokens one shrink and one expand GEMM on its contiguous rows, and one
