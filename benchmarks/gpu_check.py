@@ -477,6 +477,37 @@ def cmd_moe(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- lora
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    """Many LoRA adapters (the Triton shrink/expand): a decode step of 4 adapters x 16
+    requests against 64 base requests at rank 16 on the dummy model, and an adapter's
+    load time (benchmarks/lora.py)."""
+    sys.path.insert(0, str(BENCH))
+    import lora as bench
+
+    os.environ.pop("PAGEMILL_ENFORCE_EAGER", None)
+    ns = argparse.Namespace(
+        model=str(args.model_dir),
+        device="cpu" if args.cpu else "cuda",
+        dtype="float32" if args.cpu else "bfloat16",
+        load_format="dummy",
+        kv_cache_gib=None if args.cpu else 24,
+        rank=16,
+        prompt=16 if args.cpu else 128,
+        steps=3 if args.cpu else 10,
+        warmup=1 if args.cpu else 3,
+        rounds=1 if args.cpu else 3,
+        eager=True,  # with LoRA the GPU path runs without CUDA graphs anyway
+        no_lora_engine=False,
+    )
+    report = bench.run(ns)
+    bench.print_report(report)
+    write_json(args.out, report)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- plan
 
 
@@ -751,6 +782,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             "kernels",
             "int4-gemm",
             "moe",
+            "lora",
             "plan",
             "steps-eager",
             "steps-graphs",
@@ -896,6 +928,9 @@ def main(argv: list[str] | None = None) -> int:
     add("kernels", cmd_kernels).add_argument("--out", required=True)
     add("int4-gemm", cmd_int4_gemm).add_argument("--out", required=True)
     add("moe", cmd_moe).add_argument("--out", required=True)
+    p = add("lora", cmd_lora)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
     p = add("plan", cmd_plan)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--context", type=int, default=192)

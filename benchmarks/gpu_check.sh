@@ -20,6 +20,8 @@
 #                 (1, 16, 256 rows) vs a dense bf16 GEMM: ms, weight GB/s, error vs torch
 #   moe           fused MoE (Triton grouped GEMM), Qwen3-30B-A3B expert shapes, bf16, 4 layers:
 #                 decode step at batch 1/64/256 against transformers' eager MoE block
+#   lora          many LoRA adapters (Triton shrink/expand) on the dummy model, rank 16: a decode
+#                 step of 4 adapters x 16 requests vs 64 base requests, and adapter load time
 #   model, plan   a dummy Llama-3.1-8B folder (config + synthetic tokenizer; random weights)
 #                 and `pagemill plan`'s weight-streaming roofline for this GPU (3.35 ms on H200)
 #   steps-eager   decode step time, batch 1..256, EngineConfig.enforce_eager=True
@@ -111,6 +113,7 @@ stage kernels 60 "${CHECK[@]}" kernels "${FLAG[@]}" --out "$RESULTS/kernels.json
 stage int4-gemm 30 "${CHECK[@]}" int4-gemm "${FLAG[@]}" --out "$RESULTS/int4-gemm.json"
 stage moe 45 "${CHECK[@]}" moe "${FLAG[@]}" --out "$RESULTS/moe.json"
 stage model 20 "${CHECK[@]}" model --kind "$MODEL_KIND" --dir "$MODEL"
+stage lora 60 "${CHECK[@]}" lora "${FLAG[@]}" --model-dir "$MODEL" --out "$RESULTS/lora.json"
 # The step table's contexts: prompt + the tokens decoded by the time each row is timed.
 stage plan 20 "${CHECK[@]}" plan "${FLAG[@]}" --model-dir "$MODEL" --batch-sizes "$SIZES" --out "$RESULTS/plan.json"
 stage steps-eager 75 "${CHECK[@]}" steps "${FLAG[@]}" --model-dir "$MODEL" --mode eager --batch-sizes "$SIZES" "${STEP_ARGS[@]}" --out "$RESULTS/steps-eager.json"

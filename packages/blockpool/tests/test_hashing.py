@@ -101,3 +101,12 @@ def test_chain_equality_iff_prefix_and_salt_equality(
     # A hash never appears at two different depths either.
     if c1 and c2:
         assert (c1[-1] in set(c2)) == (len(c1) <= len(c2) and c1[-1] == c2[len(c1) - 1])
+
+
+def test_lora_id_and_salt_keys_never_collide() -> None:
+    """A LoRA id (int) and a salt (str) of the same spelling are different extra keys."""
+    fn = get_hash_fn()
+    assert hash_block_tokens(fn, None, [1, 2], (1,)) != hash_block_tokens(fn, None, [1, 2], ("1",))
+    assert hash_block_tokens(fn, None, [1, 2], ("s", 1)) != hash_block_tokens(
+        fn, None, [1, 2], ("s",)
+    )

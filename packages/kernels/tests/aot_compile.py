@@ -6,11 +6,12 @@
 Run by tests/test_aot_compile.py in a subprocess (see there why), usable by hand. How a
 configuration is obtained: the real launchers (`run_triton` with a plan from
 `plan_triton`, `rms_norm_triton`, `apply_rotary_triton`, `write_kv_cache_triton`,
-`silu_and_mul_triton`, `fused_moe_triton`) are called with small CPU tensors of the served
-shapes, while `JITFunction.run` — what ``kernel[grid](...)`` calls — is replaced by a recorder. Each
-recorded launch is then specialised the way Triton's launcher does it (its own binder:
-argument types, 16-byte alignment and divisibility of pointers and integers, constexprs,
-launch options such as ``num_warps``) for a `GPUTarget`, and compiled with
+`silu_and_mul_triton`, `fused_moe_triton`, `add_lora_triton`) are called with small CPU
+tensors of the served shapes, while `JITFunction.run` — what ``kernel[grid](...)`` calls —
+is replaced by a recorder. Each recorded launch is then specialised the way Triton's
+launcher does it (its own binder: argument types, 16-byte alignment and divisibility of
+pointers and integers, constexprs, launch options such as ``num_warps``) for a `GPUTarget`,
+and compiled with
 ``triton.compile(ASTSource(...), target=...)``; the ptxas that ships with Triton builds the
 cubin. Nothing here re-states a tile size: change the planner and this compiles the new one.
 
@@ -92,7 +93,7 @@ def _install_recorder() -> None:
     # The launchers refuse CPU tensors outside the interpreter; here nothing is launched.
     import pagemill.kernels  # noqa: F401 - loads the op modules
 
-    for op in ("activation", "int4_gemm", "kv_cache", "rms_norm", "rotary", "moe"):
+    for op in ("activation", "int4_gemm", "kv_cache", "rms_norm", "rotary", "moe", "lora"):
         # sys.modules: the package rebinds e.g. `pagemill.kernels.rms_norm` to the function.
         sys.modules[f"pagemill.kernels.{op}"].check_triton_device = lambda *tensors: None
 
@@ -236,6 +237,29 @@ def _moe(
     fused_moe_triton(x, w13, w2, weights, ids, b13, b2, activation, block_m=block_m)
 
 
+def _lora(dtype: torch.dtype, model: str, rank: int, t: int) -> None:
+    """The shrink/expand of a fused q|k|v and gate|up projection with 4 adapter slots;
+    the kernels' specialisation depends on dtype, rank and token count, not on the shape's
+    values, so one layer of each kind stands for all."""
+    from pagemill.kernels import add_lora_triton, lora_segments
+
+    hidden, heads, kv_heads, head_dim, inter = MODELS[model]
+    slots = 4
+    token_slots = torch.arange(t) % (slots + 1) - 1
+    sorted_ids, seg = lora_segments(token_slots, slots)
+    x = torch.zeros(t, hidden, dtype=dtype)
+    for slices in (
+        (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim),
+        (inter, inter),
+    ):
+        out = sum(slices)
+        starts = torch.tensor([0, *torch.tensor(slices).cumsum(0).tolist()], dtype=torch.int32)
+        a = torch.empty(slots, len(slices) * rank, hidden, dtype=dtype)
+        b = torch.empty(slots, out, len(slices) * rank, dtype=dtype)
+        y = torch.empty(t, out, dtype=dtype)
+        add_lora_triton(y, x, a, b, sorted_ids, seg, starts, max_slice=max(slices))
+
+
 def record_launches(grid: str) -> list[Launch]:
     """Call the launchers over the grid's configurations; returns the recorded launches."""
     global _CASE
@@ -262,6 +286,7 @@ def record_launches(grid: str) -> list[Launch]:
         ]
         models = [("bf16", "llama-3.1-8b")]
         moe = [("bf16", m, t) for m in ("qwen3-30b-a3b", "gpt-oss-20b") for t in (1, 64, 512)]
+        lora = [("bf16", "llama-3.1-8b", 16, t) for t in (1, 64, 512)]
     else:
         layouts = {(d, g) for d in HEAD_DIMS for g in GROUPS}
         layouts |= {(m[3], m[1] // m[2]) for m in MODELS.values()}
@@ -308,6 +333,9 @@ def record_launches(grid: str) -> list[Launch]:
         ]
         models = [(dt, m) for dt in DTYPES for m in MODELS]
         moe = [(dt, m, t) for dt in DTYPES for m in MOE_MODELS for t in (1, 64, 512)]
+        lora = [
+            (dt, m, r, t) for dt in DTYPES for m in MODELS for r in (8, 16, 64) for t in (1, 512)
+        ]
     for case in attention:
         _CASE = dict(case, kernel_family="attention")
         _attention(
@@ -341,6 +369,9 @@ def record_launches(grid: str) -> list[Launch]:
     for dt, model, t in moe:
         _CASE = {"dtype": dt, "model": model, "tokens": t, "kernel_family": "moe"}
         _moe(DTYPES[dt], *MOE_MODELS[model], t, bias=model.startswith("gpt-oss"))
+    for dt, model, rank, t in lora:
+        _CASE = {"dtype": dt, "model": model, "rank": rank, "tokens": t, "kernel_family": "lora"}
+        _lora(DTYPES[dt], model, rank, t)
     return _RECORDED
 
 

@@ -107,8 +107,8 @@ def test_every_field_has_exactly_one_flat_name() -> None:
     expected |= {
         ("scheduler", f.name)
         for f in dataclasses.fields(SchedulerConfig)
-        if f.name != "max_model_len"
-    }  # the engine's max_model_len decides it
+        if f.name not in ("max_model_len", "max_loras")
+    }  # the engine's max_model_len and max_loras decide them
     expected |= {("cache", f.name) for f in dataclasses.fields(CacheConfig)}
     expected |= {
         ("structured_outputs", f.name) for f in dataclasses.fields(StructuredOutputsConfig)
@@ -209,3 +209,15 @@ def test_resolve_device() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             EngineConfig(device="cuda:0").resolve_device()
+
+
+def test_lora_options_are_checked_and_reach_the_scheduler() -> None:
+    cfg = EngineConfig.from_kwargs(enable_lora=True, max_loras=3, max_lora_rank=32)
+    assert cfg.scheduler.max_loras == 3
+    assert EngineConfig.from_kwargs(max_loras=3).scheduler.max_loras == 0  # LoRA off
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        EngineConfig.from_kwargs(enable_lora=True, max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        EngineConfig.from_kwargs(enable_lora=True, max_lora_rank=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)

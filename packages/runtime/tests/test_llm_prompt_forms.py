@@ -146,6 +146,11 @@ def test_bad_prompts_are_refused(llm: LLM, prompt: object, error: type, message:
 def test_generate_arguments(llm: LLM) -> None:
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate(TEXT, lora_request=object(), use_tqdm=False)  # type: ignore[arg-type]
+    from pagemill.runtime.lora import LoRARequest
+
+    with pytest.raises(ValueError, match="enable_lora"):  # this engine serves no adapters
+        llm.generate(TEXT, lora_request=LoRARequest("a", 1, "/a"), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="2 priorities for 1 prompts"):
         llm.generate(TEXT, priority=[0, 1], use_tqdm=False)
     [out] = llm.generate(TEXT, SamplingParams(max_tokens=1), priority=[3], use_tqdm=False)

@@ -577,3 +577,30 @@ def test_fcfs_after_a_restricted_step_preempts_the_newest_and_requeues_in_arriva
     out = s.schedule()  # "c" needs a third block: the newest arrival, "c" itself, goes
     assert out.preempted_req_ids == ["c"] and shape(out) == [("a", 7, 1, True)]
     assert [r.request_id for r in s.iter_waiting()] == ["b", "c"]
+
+
+def test_max_loras_bounds_the_distinct_adapters_running_together() -> None:
+    """Two adapter slots: a third adapter waits (in order) until one's requests finish;
+    base-model requests and requests of a running adapter are never held back."""
+    s, _ = make(max_loras=2)
+    s.add_request(req("a", [1] * 5, max_tokens=2, lora_int_id=1))
+    s.add_request(req("b", [1] * 5, max_tokens=5, lora_int_id=2))
+    s.add_request(req("c", [1] * 5, max_tokens=2, lora_int_id=3))
+    s.add_request(req("d", [1] * 5, max_tokens=2))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["a", "b"]  # c waits, d behind it (FCFS)
+    run_until_finished(s, "a")
+    out, _ = step(s)  # a's slot is free: c (then d) come in next to b
+    assert [x.request_id for x in out.scheduled] == ["b", "c", "d"]
+
+
+def test_lora_requests_hash_their_blocks_apart() -> None:
+    """The same prompt under two adapters (and the base) shares no cached block."""
+    s, _ = make()
+    prompt = list(range(3, 40))
+    for i, lora in enumerate((0, 1, 2, 1)):
+        r = req(f"r{i}", prompt, max_tokens=1, lora_int_id=lora)
+        s.add_request(r)
+        out, _ = step(s)
+        assert out.scheduled[0].start_pos == (32 if i == 3 else 0), i  # only r3 hits (r1's)
+        run_until_finished(s, f"r{i}")

@@ -229,7 +229,10 @@ def test_refusal_names_the_value(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, text in (
         (["--kv-cache-dtype", "int4"], "pagemill serve: error: argument --kv-cache-dtype"),
         (["-pp", "2"], "pagemill: -pp 2 (a vLLM flag) is not supported: pipeline"),
-        (["--enable-lora"], "pagemill: --enable-lora (a vLLM flag) is not supported: "),
+        (
+            ["--fully-sharded-loras"],
+            "pagemill: --fully-sharded-loras (a vLLM flag) is not supported: ",
+        ),
         (["--api-key", "a", "b"], "pagemill: --api-key with several keys"),
         (
             ["-O", '{"level": 3, "cudagraph_capture_sizes": [1]}'],
@@ -312,15 +315,15 @@ def test_bad_config_file(
 
 def test_config_file_refused_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(json.dumps({"enable-lora": True}))  # JSON is YAML too
+    cfg.write_text(json.dumps({"fully-sharded-loras": True}))  # JSON is YAML too
     with pytest.raises(SystemExit) as exc:
         parse(["serve", "--config", str(cfg)])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.startswith("pagemill: --enable-lora (a vLLM flag)")
+    assert capsys.readouterr().err.startswith("pagemill: --fully-sharded-loras (a vLLM flag)")
 
 
 def test_run_batch_refuses_vllm_run_batch_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--enable-metrics"], ["--output-tmp-dir", "/t"], ["--enable-lora"]):
+    for argv in (["--enable-metrics"], ["--output-tmp-dir", "/t"], ["--lora-modules", "a=b"]):
         with pytest.raises(SystemExit) as exc:
             parse(["run-batch", "-i", "a", "-o", "b", *argv])
         assert exc.value.code == 2

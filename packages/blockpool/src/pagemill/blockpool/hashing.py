@@ -151,10 +151,16 @@ class BlockHasher:
         if num_full <= num_hashed:
             return []
         salt = request.cache_salt
+        extra: tuple[object, ...] = () if salt is None else (salt,)
+        # A LoRA adapter's KV is its own: its id (an int, never equal to a str salt) keys
+        # every block (vLLM keys by adapter too). Requests without the attribute: none.
+        lora = getattr(request, "lora_int_id", 0)
+        if lora:
+            extra += (lora,)
         return hash_block_chain(
             self.hash_fn,
             tokens[num_hashed * bs : num_full * bs],
             bs,
-            () if salt is None else (salt,),
+            extra,
             hashes[-1] if hashes else None,
         )

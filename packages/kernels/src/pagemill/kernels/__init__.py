@@ -26,6 +26,7 @@ from pagemill.kernels.int4_gemm import (
     pack_int4_groups,
 )
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
+from pagemill.kernels.lora import add_lora, add_lora_torch, add_lora_triton, lora_segments
 from pagemill.kernels.moe import (
     fused_moe,
     fused_moe_torch,
@@ -48,6 +49,9 @@ __version__ = "0.3.0"
 __all__ = [
     "AttentionPlan",
     "__version__",
+    "add_lora",
+    "add_lora_torch",
+    "add_lora_triton",
     "apply_rotary",
     "apply_rotary_torch",
     "apply_rotary_triton",
@@ -58,6 +62,7 @@ __all__ = [
     "int4_group_gemm",
     "int4_group_gemm_torch",
     "int4_group_gemm_triton",
+    "lora_segments",
     "moe_align_block_size",
     "pack_int4_groups",
     "paged_attention",

@@ -169,6 +169,22 @@ class EngineConfig:
     data_parallel_rank: int = 0
     """Which data-parallel core this is (set by the front end, not a flag)."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) on top of the model: each request may name one,
+    and requests of different adapters and of the base model share a step."""
+
+    max_loras: int = 1
+    """Most LoRA adapters held on the device at once, and so used by one step's requests
+    (vLLM's default 1); more are kept in CPU memory and swapped in least-recently-used."""
+
+    max_lora_rank: int = 16
+    """Largest LoRA rank served (the device slots are sized for it); a higher-rank adapter
+    is refused."""
+
+    max_cpu_loras: int | None = None
+    """Most LoRA adapters kept in CPU memory (default: max_loras); the others are read from
+    their folder again when needed."""
+
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
@@ -277,8 +293,34 @@ class EngineConfig:
             if not isinstance(self.kv_events_config, dict):
                 raise bad("kv_events_config", "must be None or a dict of vLLM's fields")
             KVEventsConfig.from_dict(self.kv_events_config)  # raises naming the field
+        self._check_lora(bad)
         if self.max_model_len is not None and self.scheduler.max_model_len != self.max_model_len:
             self.scheduler = replace(self.scheduler, max_model_len=self.max_model_len)
+
+    def _check_lora(self, bad: Any) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise bad("enable_lora", "must be a bool")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad(name, "must be an integer >= 1")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, int) or cpu < 1):
+            raise bad("max_cpu_loras", "must be None or an integer >= 1")
+        if cpu is not None and cpu < self.max_loras:
+            raise ValueError(
+                f"EngineConfig.max_cpu_loras ({cpu}) must be >= max_loras ({self.max_loras})"
+            )
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora with tensor_parallel_size > 1 is not supported yet: "
+                "use tensor_parallel_size=1"
+            )
+        if self.scheduler.max_loras != self.max_loras:
+            # The scheduler admits no more distinct adapters than there are device slots.
+            self.scheduler = replace(self.scheduler, max_loras=self.max_loras)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -338,7 +380,7 @@ def _routes() -> dict[str, tuple[str | None, str]]:
         if f.name not in ("scheduler", "cache", "structured_outputs", "data_parallel_rank")
     }
     for f in fields(SchedulerConfig):
-        if f.name == "max_model_len":  # the engine's max_model_len decides it
+        if f.name in ("max_model_len", "max_loras"):  # the engine's own fields decide them
             continue
         # vLLM calls the policy knob scheduling_policy.
         routes["scheduling_policy" if f.name == "policy" else f.name] = ("scheduler", f.name)

@@ -17,6 +17,7 @@ from pagemill.runtime.chat_template import resolve_chat_template
 from pagemill.runtime.config import DEFAULT_MODEL, EngineConfig
 from pagemill.runtime.engine import LLMEngine
 from pagemill.runtime.inputs import ParsedPrompt, PromptType, as_prompt_list, parse_prompt
+from pagemill.runtime.lora.request import LoRARequest
 from pagemill.runtime.outputs import (
     CompletionOutput,
     EmbeddingRequestOutput,
@@ -53,7 +54,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        lora_request: None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete every prompt, in vLLM's forms: a string, `{"prompt": text}`,
@@ -63,14 +64,29 @@ class LLM:
         One SamplingParams applies to all prompts; a list gives one per prompt. `priority`
         (one per prompt) matters under `scheduling_policy="priority"`. Outputs come in input
         order, each with its `prompt_token_ids` and, when logprobs were asked for, vLLM's
-        `Logprob` objects.
+        `Logprob` objects. `lora_request` (an engine with ``enable_lora=True``) runs every
+        prompt with that adapter, or one per prompt from a list (None: the base model).
         """
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: pagemill serves no LoRA adapters")
         if isinstance(prompts, (list, tuple)) and not prompts:
             return []
         parsed = [parse_prompt(p) for p in as_prompt_list(prompts)]
-        return self._run(parsed, sampling_params, use_tqdm, priority)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(parsed)
+        else:
+            if not isinstance(lora_request, (list, tuple)) or not all(
+                r is None or isinstance(r, LoRARequest) for r in lora_request
+            ):
+                raise ValueError(
+                    "lora_request must be a LoRARequest, a list of them (None for the base "
+                    f"model) or None, got {type(lora_request).__name__}"
+                )
+            loras = list(lora_request)
+            if len(loras) != len(parsed):
+                raise ValueError(
+                    f"got {len(loras)} LoRA requests for {len(parsed)} prompts; "
+                    "pass one or one per prompt"
+                )
+        return self._run(parsed, sampling_params, use_tqdm, priority, loras)
 
     def chat(
         self,
@@ -111,6 +127,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         priority: Sequence[int] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:  # the model's generation-config defaults, as vLLM
             params_list = [self.llm_engine.get_default_sampling_params()] * len(prompts)
@@ -142,6 +159,7 @@ class LLM:
                     params,
                     priority=0 if priority is None else priority[i],
                     cache_salt=prompt.cache_salt,
+                    lora_request=None if loras is None else loras[i],
                 )
                 order[rid] = i
         except BaseException:

@@ -44,6 +44,9 @@ class SchedulerConfig:
 
     policy: str = field(default="fcfs", metadata={"choices": POLICIES})
     """Admission order: fcfs (arrival order) or priority (lower value first, then arrival)."""
+    max_loras: int = 0
+    """Most distinct LoRA adapters among the running requests (the device's adapter slots);
+    0: no limit (set by the engine when it serves adapters)."""
 
     def __post_init__(self) -> None:
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -78,6 +78,7 @@ class Request:
         "eos_token_id",
         "first_scheduled_time",
         "ignore_eos",
+        "lora_int_id",
         "max_tokens",
         "min_tokens",
         "num_cached_tokens",
@@ -110,6 +111,7 @@ class Request:
         sampling_params: object = None,
         pooling_params: object = None,
         skip_reading_prefix_cache: bool = False,
+        lora_int_id: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -145,6 +147,10 @@ class Request:
         # Admit without prefix-cache hits: the runner needs an output at every prompt
         # position (prompt logprobs, mean pooling), which a hit would skip (vLLM's name).
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        # The LoRA adapter it runs with (0: the base model): a key of its cached blocks,
+        # and SchedulerConfig.max_loras bounds the distinct ones running together.
+        _check_int("lora_int_id", lora_int_id, 0)
+        self.lora_int_id = lora_int_id
 
         # Hashes of the full blocks of all_token_ids, kept complete by append_output_token
         # once the scheduler has attached its KV cache manager's hasher.

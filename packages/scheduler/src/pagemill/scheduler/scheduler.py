@@ -278,8 +278,15 @@ class Scheduler:
             waiting = self.waiting
             chunked = cfg.enable_chunked_prefill
             use_cache = self._use_prefix_cache
+            max_loras = cfg.max_loras
+            loras = {r.lora_int_id for r in running if r.lora_int_id} if max_loras else set()
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting.peek()
+                lora = req.lora_int_id
+                if lora and max_loras and lora not in loras:
+                    if len(loras) >= max_loras:
+                        break  # every adapter slot is taken: wait, in order, for one to free
+                    loras.add(lora)
                 hit_blocks: list[KVCacheBlock] | KVCacheBlocks
                 if use_cache and not req.skip_reading_prefix_cache:
                     hit_blocks, num_hit = kv.get_computed_blocks(req)

@@ -56,6 +56,7 @@ from pagemill.runtime.engine.protocol import (
     FinishReason,
     SchedulerStats,
 )
+from pagemill.runtime.lora import LoRARequest
 
 if TYPE_CHECKING:
     from pagemill.runtime import LLMEngine
@@ -378,6 +379,7 @@ class AsyncEngine(ModelFacts):
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue[QueueItem]:
         """Validate a request (off the event loop) and hand it to the core; its outputs
         arrive on the returned queue.
@@ -414,6 +416,7 @@ class AsyncEngine(ModelFacts):
             cache_salt,
             arrival,
             _Tracked(q, loop),
+            lora_request,
         )
         done = self.input_pool.submit(admit)
         try:
@@ -439,6 +442,7 @@ class AsyncEngine(ModelFacts):
         cache_salt: str | None,
         arrival: float,
         tracked: _Tracked,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """On the tokenizer thread: validate, register with the output processor, send to
         the core. It returns once the core's channel holds the request, so a caller that
@@ -450,6 +454,7 @@ class AsyncEngine(ModelFacts):
             priority=priority,
             cache_salt=cache_salt,
             arrival_time=arrival,
+            lora_request=lora_request,
         )
         with self._lock:  # checked under the lock `_die` takes: no stream is left behind
             self._check_alive()

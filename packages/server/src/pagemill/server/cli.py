@@ -253,6 +253,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray or args.num_replicas is not None or args.max_replicas is not None:
         return _serve_on_ray(args, config)
     check_model(config)
+    from pagemill.server.entrypoints.openai.serving_lora import parse_lora_modules
+
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules or [])
+    except ValueError as exc:
+        print(f"pagemill: {exc}", file=sys.stderr)
+        return 2
+    if lora_modules and not config.enable_lora:
+        print("pagemill: --lora-modules needs --enable-lora", file=sys.stderr)
+        return 2
 
     from pagemill.server.async_engine import AsyncEngine
     from pagemill.server.entrypoints.connection_limits import ConnectionLimits
@@ -322,6 +332,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             reasoning_parser=args.reasoning_parser,
             metrics_require_api_key=args.metrics_require_api_key,
             cors=cors_settings(args),
+            lora_modules=lora_modules,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
         print(
             f"pagemill: serving {name!r} on http://{args.host}:{args.port}/v1 "

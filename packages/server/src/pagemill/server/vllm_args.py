@@ -165,6 +165,21 @@ def add_vllm_frontend_args(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("vLLM front-end flags")
     add_config_flag(v)
     v.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters a request's model may name (needs --enable-lora): name=path, or "
+        'vLLM\'s JSON form {"name": ..., "path": ...}; each is a PEFT folder',
+    )
+    v.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which also turns them on): off by default, "
+        "since they let an API client make the server read any folder",
+    )
+    v.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: pagemill always reads tool calls out of "

@@ -7,8 +7,8 @@ pagemill or stops in one line naming the flag pagemill cannot honour, instead of
 argparse "unrecognized arguments" dump or, worse, a flag taken and silently ignored:
 
 - a flag set to a value that asks for what pagemill does anyway (`--pipeline-parallel-size
-  1`, `--tokenizer-mode auto`, `--no-enable-lora`) is accepted and changes nothing;
-- any other use is refused: "pagemill: --enable-lora (a vLLM flag) is not supported: ...",
+  1`, `--tokenizer-mode auto`, `--lora-dtype auto`) is accepted and changes nothing;
+- any other use is refused: "pagemill: --fully-sharded-loras (a vLLM flag) is not supported: ...",
   exit code 2.
 
 Standard library only.
@@ -46,7 +46,6 @@ class VllmFlag:
     neutral: tuple[str, ...] = ()
 
 
-_LORA = "pagemill serves no LoRA adapters"
 _MM = "pagemill serves text-only models"
 _DP = "pagemill runs its data-parallel cores on one machine (--data-parallel-size only)"
 _MOE = "pagemill has no expert parallelism"
@@ -186,16 +185,12 @@ REFUSED: tuple[VllmFlag, ...] = (
     _switch("--interleave-mm-strings", _MM),
     _switch("--skip-mm-profiling", _MM),
     VllmFlag(("--video-pruning-rate",), _MM),
-    # ---- LoRAConfig
-    _switch("--enable-lora", _LORA),
-    VllmFlag(("--max-loras",), _LORA),
-    VllmFlag(("--max-lora-rank",), _LORA),
-    VllmFlag(("--lora-extra-vocab-size",), _LORA),
-    VllmFlag(("--lora-dtype",), _LORA),
-    VllmFlag(("--max-cpu-loras",), _LORA),
-    _switch("--fully-sharded-loras", _LORA),
-    VllmFlag(("--default-mm-loras",), _LORA),
-    VllmFlag(("--lora-modules",), _LORA, "values"),
+    # ---- LoRAConfig (--enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras and
+    # --lora-modules are pagemill's own flags)
+    VllmFlag(("--lora-extra-vocab-size",), "pagemill's LoRA adapters add no vocabulary"),
+    VllmFlag(("--lora-dtype",), "LoRA adapters run in the model's dtype", neutral=("auto",)),
+    _switch("--fully-sharded-loras", "LoRA is single-device (no tensor parallelism) for now"),
+    VllmFlag(("--default-mm-loras",), _MM),
     # ---- ObservabilityConfig
     VllmFlag(("--show-hidden-metrics-for-version",), "pagemill hides no metrics"),
     VllmFlag(("--otlp-traces-endpoint",), "pagemill exports no OpenTelemetry traces"),
@@ -276,6 +271,11 @@ RUN_BATCH_REFUSED: tuple[VllmFlag, ...] = (
     VllmFlag(("--url",), "run-batch serves no /metrics; `pagemill serve` does"),
     VllmFlag(("--port",), "run-batch serves no /metrics; `pagemill serve` does"),
     VllmFlag(("--output-tmp-dir",), "results are written next to --output-file, then renamed"),
+    VllmFlag(
+        ("--lora-modules",),
+        "run-batch names no LoRA adapters yet; `pagemill serve --lora-modules` does",
+        "values",
+    ),
 )
 
 

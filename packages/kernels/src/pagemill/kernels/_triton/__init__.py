@@ -15,6 +15,7 @@ MODULES = (
     "pagemill.kernels._triton.attention",
     "pagemill.kernels._triton.int4_gemm",
     "pagemill.kernels._triton.kv_cache",
+    "pagemill.kernels._triton.lora",
     "pagemill.kernels._triton.rms_norm",
     "pagemill.kernels._triton.rotary",
 )

@@ -35,6 +35,7 @@ from pagemill.runtime.engine.protocol import (
     PromptLogprobsRows,
     SchedulerStats,
 )
+from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.sampler import Sampler
@@ -229,6 +230,16 @@ class EngineCore:
             tp=self.tp,
             vocab_size=model_config.vocab_size,
         )
+        if config.enable_lora:  # before the pool is sized: the slots take device memory
+            self.model_runner.lora = LoRAManager(
+                model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras or config.max_loras,
+                scheduler_config.max_num_batched_tokens,
+                self.dtype,
+                self.device,
+            )
         # Per-group block tables for models mixing full and windowed layers; single-rank
         # and eager for now (the decode graphs and TP workers know one table).
         groups = kv_cache_groups(local_config, cache)
@@ -303,6 +314,9 @@ class EngineCore:
         if self.tp is not None:
             logger.info("tensor parallel: no CUDA graphs (single-rank for now)")
             return False
+        if self.config.enable_lora:
+            logger.info("LoRA: no CUDA graphs (the adapter mapping is not captured yet)")
+            return False
         return True
 
     def _maybe_compile(self) -> None:
@@ -355,6 +369,12 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue one completion. The front end validated it: a problem found here is a bug
         on that side, and the request fails alone (finish_reason "error")."""
+        lora = request.lora_request
+        lora_runner = self.model_runner.lora
+        if lora is not None:
+            if lora_runner is None:
+                raise ValueError("this engine serves no LoRA adapters (enable_lora=False)")
+            lora_runner.add_adapter(lora)  # reads and checks it the first time
         record = Request(
             request.request_id,
             request.prompt_token_ids,
@@ -369,6 +389,7 @@ class EngineCore:
             sampling_params=request.sampling_params,
             pooling_params=request.pooling_params,
             skip_reading_prefix_cache=_skips_prefix_cache(request),
+            lora_int_id=0 if lora is None else lora.lora_int_id,
         )
         constraint = request.sampling_params.structured_outputs
         if constraint is not None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagemill.runtime.engine.model_assets import eos_ids
 from pagemill.runtime.engine.protocol import EngineCoreRequest
+from pagemill.runtime.lora.request import LoRARequest
 from pagemill.runtime.pooling_params import PoolingDefaults, PoolingParams
 from pagemill.runtime.sample.structured_output.params import validate as validate_structured_output
 from pagemill.runtime.sampling_params import SamplingParams
@@ -157,6 +158,7 @@ class InputProcessor:
         priority: int,
         cache_salt: str | None,
         arrival_time: float,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         if isinstance(params, PoolingParams):
             return self.process_pooling(
@@ -249,6 +251,7 @@ class InputProcessor:
                     arrival_time,
                     priority,
                     cache_salt,
+                    lora_request=lora_request,
                 )
             )
         return ProcessedRequest(text, prompt_ids, completions)

@@ -24,6 +24,7 @@ from pagemill.runtime.engine.input_processor import InputProcessor
 from pagemill.runtime.engine.model_assets import ModelAssets
 from pagemill.runtime.engine.output_processor import IterationStats, OutputProcessor
 from pagemill.runtime.engine.protocol import EngineCoreReady, FinishReason, SchedulerStats
+from pagemill.runtime.lora.request import LoRARequest
 from pagemill.runtime.outputs import EmbeddingRequestOutput, RequestOutput
 from pagemill.runtime.pooling_params import PoolingDefaults, PoolingParams
 from pagemill.runtime.sampling_params import SamplingParams
@@ -156,6 +157,7 @@ class LLMEngine(ModelFacts):
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; every problem with it is a ValueError raised here, not later.
 
@@ -165,6 +167,11 @@ class LLMEngine(ModelFacts):
         the latency metrics.
         """
         params = SamplingParams() if params is None else params
+        if lora_request is not None and not self.config.enable_lora:
+            raise ValueError(
+                f"lora_request {lora_request.lora_name!r}: this engine serves no LoRA "
+                "adapters (start it with enable_lora=True)"
+            )
         if isinstance(request_id, str) and self.output_processor.is_known(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
@@ -175,6 +182,7 @@ class LLMEngine(ModelFacts):
             priority=priority,
             cache_salt=cache_salt,
             arrival_time=arrival,
+            lora_request=lora_request,
         )
         taken = [
             r.request_id

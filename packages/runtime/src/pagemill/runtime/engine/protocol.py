@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from pagemill.runtime.engine.kv_events import KVEventBatch
+from pagemill.runtime.lora.request import LoRARequest
 from pagemill.runtime.pooling_params import PoolingParams
 from pagemill.runtime.sampling_params import SamplingParams
 
@@ -76,6 +77,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag
     # An embedding request: the core pools the prompt's hidden states instead of sampling
     # (`sampling_params` is then a fixed greedy one-token placeholder, max_tokens 1).
     pooling_params: PoolingParams | None = None
+    # The LoRA adapter it runs with (None: the base model); the core reads its folder.
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

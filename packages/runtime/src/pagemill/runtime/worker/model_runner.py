@@ -48,6 +48,7 @@ from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
     from pagemill.runtime.engine.protocol import PromptLogprobsRows
+    from pagemill.runtime.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ class ModelRunner:
         # Pooling and prompt logprobs across chunks; the current step's share of them.
         self.prompt_outputs = PromptOutputs()
         self._prompt_work: PromptWork | None = None
+        # Set by the engine when it serves LoRA adapters: slots and each step's mapping.
+        self.lora: LoRAManager | None = None
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -533,6 +536,8 @@ class ModelRunner:
         else:
             metadata = None
 
+        if self.lora is not None:
+            self.lora.prepare_step([s.request.lora_int_id for s in scheduled], q_lens)
         step = StepBatch(
             torch.tensor(ids, dtype=torch.int64),
             positions,

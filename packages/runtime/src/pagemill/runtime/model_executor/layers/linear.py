@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ from pagemill.runtime.model_executor.quantization.scheme import (
     PACKED_MAX_TOKENS,
     WeightScheme,
 )
+
+if TYPE_CHECKING:
+    from pagemill.runtime.lora.layers import LoRALayer
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,9 @@ class Linear(nn.Module):
         self._pieces: dict[int, QuantizedRows] = {}
         self._loaded: dict[int, int] = {}
         self._finalized = False
+        # Adapter slots (`pagemill.runtime.lora`), set once by the LoRA manager: every
+        # token then adds its own adapter's delta after the layer's own matmul.
+        self.lora: LoRALayer | None = None
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -287,6 +294,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        y = self._forward(x)
+        return y if self.lora is None else self.lora.apply(x, y)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "dense":
             assert self.weight is not None  # a dense layer keeps its weight
             return F.linear(x, self.weight, self.bias)

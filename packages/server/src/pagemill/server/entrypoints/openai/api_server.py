@@ -48,6 +48,11 @@ from pagemill.server.entrypoints.openai.protocol_structured import (
 from pagemill.server.entrypoints.openai.serving_chat import ChatServing
 from pagemill.server.entrypoints.openai.serving_completion import CompletionServing
 from pagemill.server.entrypoints.openai.serving_embedding import EmbeddingRequest, EmbeddingServing
+from pagemill.server.entrypoints.openai.serving_lora import (
+    LoRARegistry,
+    install_lora_routes,
+    runtime_updating_allowed,
+)
 from pagemill.server.entrypoints.openai.serving_responses import install_responses
 from pagemill.server.entrypoints.openai.serving_tokenize import TokenizeServing
 from pagemill.server.entrypoints.watchdog import Watchdog
@@ -164,6 +169,8 @@ def build_app(
     dashboard: DashboardHub | None = None,
     metrics_require_api_key: bool = False,
     cors: Mapping[str, Any] | None = None,
+    lora_modules: Sequence[tuple[str, str]] = (),
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app for one engine.
 
@@ -181,7 +188,10 @@ def build_app(
     "qwen3") splits the reasoning from the answer. `dashboard` (a `dashboard.DashboardHub`)
     adds the live page at /dashboard (behind `api_key` when there is one). `cors` (Starlette
     `CORSMiddleware` keywords: allow_origins, ...) answers browsers' cross-origin requests;
-    without it there are no CORS headers.
+    without it there are no CORS headers. `lora_modules` ((name, folder) pairs) are the
+    adapters a request's ``model`` may name, for an engine with ``enable_lora``;
+    `allow_runtime_lora_updating` (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) adds
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (see `serving_lora`).
     """
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -226,6 +236,15 @@ def build_app(
         client, names, allow_special_tokens=allow_special_tokens_in_chat, **common
     )
     embeddings = EmbeddingServing(client, names, **common)
+    loras = None
+    engine_config = client.config
+    if engine_config is not None and engine_config.enable_lora:
+        loras = LoRARegistry(engine_config.max_lora_rank, names)
+        for lora_name, lora_path in lora_modules:
+            loras.add(lora_name, lora_path)  # a bad folder stops the start, naming it
+        completions.loras = chat.loras = embeddings.loras = loras
+    elif lora_modules:
+        raise ValueError("lora_modules need an engine with enable_lora (--enable-lora)")
     watchdog = watchdog if watchdog is not None else Watchdog(client)
 
     @contextlib.asynccontextmanager
@@ -300,9 +319,20 @@ def build_app(
     @app.get("/v1/models", dependencies=protected)
     async def models() -> ModelList:
         root = str(getattr(client.config, "model", served_model_name))
-        return ModelList(
-            data=[ModelCard(id=name, root=root, max_model_len=max_model_len) for name in names]
-        )
+        cards = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in names]
+        for adapter in [] if loras is None else loras.adapters():
+            cards.append(
+                ModelCard(
+                    id=adapter.lora_name,
+                    root=adapter.lora_path,
+                    parent=served_model_name,
+                    max_model_len=max_model_len,
+                )
+            )
+        return ModelList(data=cards)
+
+    if loras is not None and runtime_updating_allowed(allow_runtime_lora_updating):
+        install_lora_routes(app, loras, protected)
 
     @app.post("/v1/completions", dependencies=protected)
     async def create_completion(req: CompletionRequest, raw_request: Request) -> Response:

@@ -472,6 +472,8 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagemill"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

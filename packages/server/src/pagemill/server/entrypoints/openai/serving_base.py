@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagemill.runtime import RequestOutputKind, SamplingParams
+from pagemill.runtime.lora import LoRARequest
 from pagemill.runtime.sample.structured_output import is_grammar_failure
 from pagemill.server.async_engine import (
     AsyncEngine,
@@ -38,6 +39,7 @@ from pagemill.server.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
+from pagemill.server.entrypoints.openai.serving_lora import LoRARegistry
 from pagemill.server.entrypoints.openai.structured import logit_bias, structured_params
 
 RETRY_AFTER_SECONDS = 1
@@ -134,18 +136,29 @@ class ServingBase:
         if vocab_limit is None:
             vocab_limit = len(tokenizer) if tokenizer is not None else 2**31
         self.vocab_limit = vocab_limit
+        # LoRA adapters by name (`serving_lora`), set by build_app when the engine serves them.
+        self.loras: LoRARegistry | None = None
 
     # ------------------------------------------------------------ checks
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            names = ", ".join(f"'{n}'" for n in self.served_model_names)
+            if self.lora_request(model) is not None:
+                return
+            served = self.served_model_names
+            if self.loras is not None:
+                served = served + [a.lora_name for a in self.loras.adapters()]
+            names = ", ".join(f"'{n}'" for n in served)
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves {names}.",
                 param="model",
                 code="model_not_found",
             )
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return None if self.loras is None else self.loras.get(model)
 
     def default(self, req: SamplingFields, name: str, api_default: Any) -> Any:
         """A sampling field as sent, else the model's default (--generation-config), else
@@ -253,6 +266,7 @@ class ServingBase:
                     priority=req.priority,
                     cache_salt=req.cache_salt,
                     arrival_time=arrival_time,
+                    lora_request=self.lora_request(getattr(req, "model", None)),
                 )
                 ids.append(rid)
         except BaseException as exc:

@@ -1,0 +1,119 @@
+"""Batched LoRA: the CPU path and the Triton shrink/expand (interpreter) against a
+per-token reference that gathers each token's own A and B (no sorting, no segments)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagemill.kernels import add_lora, add_lora_torch, add_lora_triton, lora_segments
+
+
+def _reference(y, x, a, b, slots, starts):
+    """Every token on its own: y + sum over slices of (x A_jᵀ) B_jᵀ of its slot, in fp64."""
+    out = y.double().clone()
+    r = a.shape[1] // (len(starts) - 1)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        for j in range(len(starts) - 1):
+            h = x[t].double() @ a[s, j * r : (j + 1) * r].double().t()
+            bj = b[s, starts[j] : starts[j + 1], j * r : (j + 1) * r].double()
+            out[t, starts[j] : starts[j + 1]] += h @ bj.t()
+    return out
+
+
+def block_diagonal(b, slices, r):
+    """Zero B outside each slice's (rows, rank columns) block: the layout's contract."""
+    mask = torch.zeros_like(b)
+    row = 0
+    for j, n in enumerate(slices):
+        mask[:, row : row + n, j * r : (j + 1) * r] = 1
+        row += n
+    return b * mask
+
+
+def _case(t, k, slices, r, num_slots, dtype=torch.float32, seed=0, base_share=0.3):
+    g = torch.Generator().manual_seed(seed)
+    out = sum(slices)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    y = torch.randn(t, out, generator=g).to(dtype)
+    a = (torch.randn(num_slots, len(slices) * r, k, generator=g) / k**0.5).to(dtype)
+    b = block_diagonal(torch.randn(num_slots, out, len(slices) * r, generator=g), slices, r)
+    b = b.to(dtype)
+    slots = torch.randint(0, num_slots, (t,), generator=g)
+    slots[torch.rand(t, generator=g) < base_share] = -1
+    starts = [0]
+    for n in slices:
+        starts.append(starts[-1] + n)
+    return y, x, a, b, slots, starts
+
+
+def test_segments_sort_tokens_by_slot_and_leave_base_tokens_out() -> None:
+    slots = torch.tensor([2, -1, 0, 2, 0, -1, 1])
+    sorted_ids, seg = lora_segments(slots, 4)
+    assert seg.tolist() == [0, 2, 3, 5, 5]
+    assert sorted_ids[:5].tolist() == [2, 4, 6, 0, 3]  # stable within a slot
+    assert sorted(sorted_ids[5:].tolist()) == [1, 5]
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "slices", "r", "slots"),
+    [(1, 32, (48,), 8, 2), (37, 64, (64, 16, 16), 16, 3), (130, 48, (40, 40), 4, 4)],
+)
+def test_torch_path_matches_per_token_reference(t, k, slices, r, slots) -> None:
+    y, x, a, b, token_slots, starts = _case(t, k, slices, r, slots)
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, slots)
+    add_lora_torch(y, x, a, b, sorted_ids, seg, torch.tensor(starts))
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_base_only_step_changes_nothing() -> None:
+    y, x, a, b, _, starts = _case(9, 16, (24,), 4, 2)
+    before = y.clone()
+    sorted_ids, seg = lora_segments(torch.full((9,), -1), 2)
+    add_lora(y, x, a, b, sorted_ids, seg, torch.tensor(starts))
+    assert torch.equal(y, before)
+
+
+def test_shapes_that_disagree_are_refused() -> None:
+    y, x, a, b, slots, starts = _case(4, 16, (24,), 4, 2)
+    sorted_ids, seg = lora_segments(slots, 2)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        add_lora_torch(y[:, :20], x, a, b, sorted_ids, seg, torch.tensor(starts))
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize(
+    ("t", "k", "slices", "r", "slots", "dtype"),
+    [
+        (3, 32, (48,), 8, 2, torch.float32),
+        (37, 64, (64, 16, 16), 16, 3, torch.float32),
+        (70, 48, (40, 72), 4, 4, torch.float32),
+        (20, 32, (32, 32), 16, 2, torch.bfloat16),
+        (9, 32, (48, 16), 80, 2, torch.float32),  # several rank tiles (shrink and expand)
+    ],
+)
+def test_triton_matches_per_token_reference(t, k, slices, r, slots, dtype) -> None:
+    y, x, a, b, token_slots, starts = _case(t, k, slices, r, slots, dtype=dtype, seed=t)
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, slots)
+    add_lora_triton(y, x, a, b, sorted_ids, seg, torch.tensor(starts, dtype=torch.int32))
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+
+
+def test_custom_op_updates_y_in_a_compiled_graph() -> None:
+    y, x, a, b, slots, starts = _case(11, 32, (24, 8), 4, 3)
+    want = _reference(y, x, a, b, slots, starts)
+    sorted_ids, seg = lora_segments(slots, 3)
+    st = torch.tensor(starts)
+
+    def f(y, x):
+        y = y * 1.0
+        torch.ops.pagemill.add_lora(y, x, a, b, sorted_ids, seg, st)
+        return y
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(y, x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
