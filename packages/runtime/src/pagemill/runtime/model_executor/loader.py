@@ -34,6 +34,7 @@ from pagemill.runtime.model_executor.quantization import (
     plan_weights,
     weight_report,
 )
+from pagemill.runtime.model_executor.quantization.crossover import measure_packed_limits
 from pagemill.runtime.model_executor.quantization.hf_config import (
     checkpoint_names,
     declared_quantization,
@@ -189,6 +190,7 @@ def load_model(
             err.mean_abs,
         )
     logger.info("weights: %s", weight_report(model, errors).summary())
+    measure_packed_limits(model)  # where packed layers hand over to their dense copies
     return model
 
 
