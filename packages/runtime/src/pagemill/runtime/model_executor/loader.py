@@ -114,6 +114,7 @@ def load_model(
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
     gguf = gguf_for_folder(path) if load_format == "auto" else None
+    logger.info("loading %s (%s) ...", path.name, gguf.name if gguf is not None else load_format)
     # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
     hf_quant = (
         None if load_format == "dummy" or gguf is not None else get_quantization_config(path, dtype)
