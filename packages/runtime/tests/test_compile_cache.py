@@ -76,6 +76,17 @@ def test_key_changes_with_what_enters_the_graph(tiny_llama) -> None:
     assert _key(_eager(folder, dtype="float32", max_num_seqs=5)) != base
     assert _key(_eager(folder, dtype="bfloat16", max_num_seqs=4)) != base
     assert _key(_eager(folder, dtype="float32", max_num_seqs=4, quantization="int8")) != base
+    assert _key(_eager(folder, dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8")) != base
+
+
+def test_key_sees_class_wide_switches(tiny_llama, monkeypatch) -> None:
+    from pagemill.runtime.model_executor.layers import Linear
+
+    folder, _ = tiny_llama
+    llm = _eager(folder, dtype="float32")
+    base = _key(llm)
+    monkeypatch.setattr(Linear, "compiled_branch", "cond")  # one graph with torch.cond
+    assert _key(llm) != base
 
 
 def test_signature_sees_formats_not_values(tiny_llama) -> None:

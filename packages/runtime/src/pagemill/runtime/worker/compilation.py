@@ -248,8 +248,12 @@ def compile_cache_key(
     model: torch.nn.Module, settings: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """The key of a compiled forward (hex digest) and what it was computed from."""
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
     parts = {
         "format": _CACHE_FORMAT,
+        # Class-wide switches (not in any module's own attributes) that change the graph.
+        "linear": [Linear.compiled_branch, Linear.opaque_packed],
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],

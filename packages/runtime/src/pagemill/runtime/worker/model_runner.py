@@ -213,6 +213,7 @@ class ModelRunner:
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "packed_row_limits": packed_row_limits(self.model),
         }
 
