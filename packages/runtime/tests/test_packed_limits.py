@@ -8,6 +8,7 @@ when it is not made at all.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
 import pytest
@@ -48,13 +49,12 @@ def _packed(model: torch.nn.Module) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear) and m.has_dense_fallback]
 
 
-def _fake_timer(dense_from: dict[int, int], calls: list[tuple[int, int]]):
-    """Packed is faster below `dense_from[out_features]` rows, slower from there on."""
+def _fake_timer(dense_from, calls: list[tuple[int, int]]):
+    """Packed is faster below `dense_from(layer)` rows, slower from there on."""
 
     def timer(layers: Sequence[Linear], rows: int) -> tuple[float, float]:
         calls.append((layers[0].out_features, rows))
-        edge = dense_from.get(layers[0].out_features, 10**9)
-        return (2.0, 1.0) if rows >= edge else (1.0, 2.0)
+        return (2.0, 1.0) if rows >= dense_from(layers[0]) else (1.0, 2.0)
 
     return timer
 
@@ -73,20 +73,22 @@ def test_measured_limits_reach_the_layers_and_are_kept(tiny_llama, tmp_path, mon
     layers = _packed(model)
     table = {*PACKED_MAX_TOKENS.values(), LM_HEAD_PACKED_MAX_TOKENS}
     assert layers and {m.packed_max_tokens for m in layers} <= table
+    head = model.logits_proj
+    assert head in layers
     monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
     path = tmp_path / "limits.json"
-    shapes = sorted({m.out_features for m in layers})
-    edges = {out: 2 ** (i % 4) for i, out in enumerate(shapes)}  # 1, 2, 4, 8, 1, ...
     calls: list[tuple[int, int]] = []
-    limits = measure_packed_limits(model, path, _fake_timer(edges, calls), rows=(1, 2, 4, 8, 16))
-    assert limits is not None and set(limits) == {layer_kind(m) for m in layers}
+    timer = _fake_timer(lambda m: 16 if m is head else 4, calls)
+    limits = measure_packed_limits(model, path, timer, rows=(1, 2, 4, 8, 16))
+    # The LM head decides alone; the forward's layers share one limit per format.
+    assert limits == {"lm_head": 8, "int8": 2}
     for m in layers:
-        assert m.packed_max_tokens == edges[m.out_features] // 2, layer_kind(m)
-    assert set(packed_row_limits(model)) <= {edges[out] // 2 for out in shapes}
-    # One measurement per kind and row count, not per layer.
-    assert len(calls) == 5 * len(limits)
-    saved = json.loads(path.read_text())
-    assert {k: v["limit"] for k, v in saved.items()} == limits
+        assert m.packed_max_tokens == (8 if m is head else 2)
+    assert packed_row_limits(model) == [2]  # the head is outside the compiled forward
+    # One measurement per layer kind and row count, not per layer.
+    kinds = {layer_kind(m) for m in layers}
+    assert len(calls) == 5 * len(kinds)
+    assert set(json.loads(path.read_text())) == kinds
 
     # A second start reads the file: nothing is timed, the same limits are set.
     fresh = _hybrid(folder)
@@ -94,8 +96,41 @@ def test_measured_limits_reach_the_layers_and_are_kept(tiny_llama, tmp_path, mon
     def no_timer(layers, rows):
         raise AssertionError("measured again although the file had the answer")
 
-    assert measure_packed_limits(fresh, path, no_timer) == limits
+    assert measure_packed_limits(fresh, path, no_timer, rows=(1, 2, 4, 8, 16)) == limits
     assert [m.packed_max_tokens for m in _packed(fresh)] == [m.packed_max_tokens for m in layers]
+
+
+def test_a_format_decides_on_its_summed_step_time(tiny_llama, tmp_path, monkeypatch) -> None:
+    """One kind gains a lot from packing at 2 rows, another loses a little: packed stays."""
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    head = model.logits_proj
+    body = sorted({layer_kind(m) for m in _packed(model) if m is not head})
+    assert len(body) >= 2
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+
+    def timer(layers, rows):
+        if layers[0] is head:
+            return 1.0, 2.0
+        if layer_kind(layers[0]) == body[0]:
+            return (1.0, 10.0) if rows <= 2 else (10.0, 1.0)
+        return 1.1, 1.0  # packed always a little slower
+
+    limits = measure_packed_limits(model, tmp_path / "l.json", timer, rows=(1, 2, 4))
+    assert limits is not None and limits["int8"] == 2
+
+
+def test_a_busy_machine_keeps_the_table(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    before = [m.packed_max_tokens for m in _packed(model)]
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    calls: list[tuple[int, int]] = []
+    path = tmp_path / "l.json"
+    limits = measure_packed_limits(model, path, _fake_timer(lambda m: 1, calls), budget_s=0.0)
+    assert limits == {}
+    assert [m.packed_max_tokens for m in _packed(model)] == before
+    assert not path.exists()  # the next start measures again
 
 
 def test_unreadable_file_is_measured_again(tiny_llama, tmp_path, monkeypatch) -> None:
@@ -105,9 +140,9 @@ def test_unreadable_file_is_measured_again(tiny_llama, tmp_path, monkeypatch) ->
     path = tmp_path / "limits.json"
     path.write_text('{"int8:64x64": {"lim')  # truncated
     calls: list[tuple[int, int]] = []
-    limits = measure_packed_limits(model, path, _fake_timer({}, calls), rows=(1, 2))
+    limits = measure_packed_limits(model, path, _fake_timer(lambda m: 99, calls), rows=(1, 2))
     assert limits is not None and set(limits.values()) == {2} and calls
-    assert {k: v["limit"] for k, v in json.loads(path.read_text()).items()} == limits
+    assert set(json.loads(path.read_text())) == {layer_kind(m) for m in _packed(model)}
 
 
 def test_table_mode_and_fixed_limits_are_not_measured(tiny_llama, tmp_path, monkeypatch) -> None:
@@ -143,23 +178,29 @@ def test_table_mode_and_fixed_limits_are_not_measured(tiny_llama, tmp_path, monk
         measure_packed_limits(model, tmp_path / "l.json", no_timer)
 
 
-def test_loading_measures_once_into_the_cache_folder(tiny_llama, tmp_path, monkeypatch) -> None:
+def test_loading_measures_once_into_the_cache_folder(
+    tiny_llama, tmp_path, monkeypatch, caplog
+) -> None:
     """load_model measures (with the real timer) and keeps the result under the cache."""
     folder, _ = tiny_llama
     monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
     monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path))
-    model = _hybrid(folder)
+    with caplog.at_level(logging.INFO):
+        model = _hybrid(folder)
     files = list((tmp_path / "compiled").glob("packed-limits-*.json"))
-    assert len(files) == 1
+    if not files:  # a CI box too loaded for the time budget: the table, said so
+        assert "too busy" in caplog.text
+        return
+    assert len(files) == 1 and "measured" in caplog.text
     saved = json.loads(files[0].read_text())
     for m in _packed(model):
         entry = saved[layer_kind(m)]
-        assert m.packed_max_tokens == entry["limit"]
+        assert m.packed_max_tokens in entry["rows"] or m.packed_max_tokens == 0
         assert len(entry["packed_ms"]) == len(entry["rows"]) and min(entry["packed_ms"]) > 0
 
 
 def test_real_timer_times_both_paths(tiny_llama) -> None:
     folder, _ = tiny_llama
     layers = _packed(_hybrid(folder))[:2]
-    packed, dense = time_layers(layers, 4, budget_s=0.01)
+    packed, dense = time_layers(layers, 4)
     assert packed > 0 and dense > 0
