@@ -11,6 +11,7 @@ median and interquartile range and the median of the per-pair ratios (cache / fr
 
     python benchmarks/compile_cache.py                       # batch 1, 16, 64, 40 pairs
     python benchmarks/compile_cache.py --batch-sizes 1,16,64,256 --pairs 60 --json out.json
+    python benchmarks/compile_cache.py --threads 1            # on a busy machine
 
 Figures are printed (and written to --json); nothing is asserted.
 """
@@ -117,8 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per engine first")
     ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="per engine")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (1 on an oversubscribed machine: a parallel region "
+        "waits for its slowest thread, and a loaded box deschedules threads)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model_dir = resolve_model_dir(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
