@@ -102,7 +102,7 @@ def test_signature_sees_formats_not_values(tiny_llama) -> None:
     assert json.dumps(model_signature(model)) != before
 
 
-@pytest.mark.slow  # three starts, one cold: ~60-90 s on two shared cores
+@pytest.mark.slow  # five starts, three cold: ~2-3 min on two quiet shared cores
 def test_warm_start_loads_and_matches_cold(tiny_llama, tmp_path) -> None:
     if compile_unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(compile_unavailable_reason(torch.device("cpu")))
@@ -113,14 +113,16 @@ def test_warm_start_loads_and_matches_cold(tiny_llama, tmp_path) -> None:
     assert warm["loaded"] and warm["tokens"] == cold["tokens"]
     assert warm["folder"] == cold["folder"]
 
-    # A corrupt entry is logged, compiled again and rewritten; never fatal.
-    entries = list(Path(cold["folder"], "dynamo").rglob("entry"))
-    assert entries
-    for entry in entries:
-        entry.write_bytes(b"not a pickle")
-    rebuilt, log = _start(folder, tmp_path)
-    assert not rebuilt["loaded"] and rebuilt["tokens"] == cold["tokens"]
-    assert "failed to load" in log
+    # A corrupt entry (garbage, or cut short as by a full disk or a killed writer) is
+    # logged, compiled again and rewritten; never fatal.
+    for corrupt in (lambda data: b"not a pickle", lambda data: data[: len(data) // 2]):
+        entries = list(Path(cold["folder"], "dynamo").rglob("entry"))
+        assert entries
+        for entry in entries:
+            entry.write_bytes(corrupt(entry.read_bytes()))
+        rebuilt, log = _start(folder, tmp_path)
+        assert not rebuilt["loaded"] and rebuilt["tokens"] == cold["tokens"]
+        assert "failed to load" in log or "broke the compilation" in log
     again, _ = _start(folder, tmp_path)
     assert again["loaded"] and again["tokens"] == cold["tokens"]
 
