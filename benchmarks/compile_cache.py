@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from throughput import MODES, resolve_model_dir
 
+from pagemill.runtime.model_executor.quantization.crossover import PACKED_LIMITS_ENV
 from pagemill.runtime.worker.compilation import COMPILE_CACHE_ENV
 
 
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # Both engines must hand packed layers to their dense copies at the same row counts,
+    # or their graphs differ by more than freezing: the fixed table, not two measurements.
+    os.environ[PACKED_LIMITS_ENV] = "table"
     if args.threads:
         torch.set_num_threads(args.threads)
 
