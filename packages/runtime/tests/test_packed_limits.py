@@ -130,7 +130,12 @@ def test_a_busy_machine_keeps_the_table(tiny_llama, tmp_path, monkeypatch) -> No
     limits = measure_packed_limits(model, path, _fake_timer(lambda m: 1, calls), budget_s=0.0)
     assert limits == {}
     assert [m.packed_max_tokens for m in _packed(model)] == before
-    assert not path.exists()  # the next start measures again
+
+    # Kept as the answer: a later start that measured would change the compiled graphs.
+    def no_timer(layers, rows):
+        raise AssertionError("measured again after a busy start")
+
+    assert measure_packed_limits(_hybrid(folder), path, no_timer) == {}
 
 
 def test_unreadable_file_is_measured_again(tiny_llama, tmp_path, monkeypatch) -> None:
@@ -188,11 +193,12 @@ def test_loading_measures_once_into_the_cache_folder(
     with caplog.at_level(logging.INFO):
         model = _hybrid(folder)
     files = list((tmp_path / "compiled").glob("packed-limits-*.json"))
-    if not files:  # a CI box too loaded for the time budget: the table, said so
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    if any(v.get("busy") for v in saved.values()):  # a CI box too loaded for the budget
         assert "too busy" in caplog.text
         return
-    assert len(files) == 1 and "measured" in caplog.text
-    saved = json.loads(files[0].read_text())
+    assert "measured" in caplog.text
     for m in _packed(model):
         entry = saved[layer_kind(m)]
         assert m.packed_max_tokens in entry["rows"] or m.packed_max_tokens == 0

@@ -11,7 +11,9 @@ counts, packed and dense alternating, the fastest run of each kept (other jobs o
 add time). Results are kept in a JSON file next to the compile cache, keyed by CPU
 features, torch version and thread count, so later starts read them; a file that does not
 parse is measured again. If measuring overruns its budget, the machine is too busy for
-the timings to mean anything: the table is used and nothing is kept.
+the timings to mean anything: the table is used, and that is kept too — a later start that
+measured would change the graphs and miss the compile cache (delete the file to measure
+again).
 
 The decision is per group, not per kind: the LM head (outside the compiled forward) on its
 own, every other layer per format, summing the kinds' step times. Every distinct limit in
@@ -150,9 +152,11 @@ def _read(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not all(
             isinstance(v, dict)
-            and isinstance(v.get("packed_ms"), list)
-            and isinstance(v.get("dense_ms"), list)
             and isinstance(v.get("rows"), list)
+            and (
+                v.get("busy") is True
+                or (isinstance(v.get("packed_ms"), list) and isinstance(v.get("dense_ms"), list))
+            )
             for v in data.values()
         ):
             raise ValueError("not a map of layer kinds to timings")
@@ -183,8 +187,8 @@ def measure_packed_limits(
     the table is asked for or nothing is packed.
 
     Measuring stops at `budget_s`: a machine that slow is too busy for timings to mean
-    anything, so the kinds left (and the group they are in) keep the table's limit, and
-    nothing measured in this start is saved; the next start tries again.
+    anything, so this start's kinds (and their groups) keep the table's limit, and that is
+    saved as the answer: measuring at a later start would change the compiled graphs.
     """
     from pagemill.runtime.model_executor.layers.linear import Linear
 
@@ -220,29 +224,31 @@ def measure_packed_limits(
         if elapsed > budget_s:
             logger.warning(
                 "packed vs dense: measuring took %.1f s (budget %.1f s): the machine is too "
-                "busy for timings to mean anything; using the fixed table this start",
+                "busy for timings to mean anything; keeping the fixed table (delete %s to "
+                "measure again)",
                 elapsed,
                 budget_s,
+                path,
             )
-            fresh = {}
+            fresh = {kind: {"rows": list(rows), "busy": True} for kind in todo}
         else:
-            known.update(fresh)
             logger.info(
                 "packed vs dense: measured %d layer kinds in %.1f s (kept in %s)",
                 len(fresh),
                 elapsed,
                 path,
             )
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
-                tmp.replace(path)
-            except OSError as e:
-                logger.warning("packed limits: could not save %s (%s)", path, e)
+        known.update(fresh)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            tmp.replace(path)
+        except OSError as e:
+            logger.warning("packed limits: could not save %s (%s)", path, e)
     limits: dict[str, int] = {}
     for group, members in sorted(groups.items()):
-        if not all(k in known for k in members):
+        if any(known[k].get("busy") for k in members):
             continue  # keeps the table's limit
         # The group's step time at each row count: per-layer times times the layer counts.
         packed = [
