@@ -31,6 +31,12 @@ from pagemill.runtime.model_executor.quantization.crossover import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch) -> None:
+    """Loading with measuring on writes under the cache folder: never the user's."""
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def _hybrid(folder, **kwargs) -> torch.nn.Module:
     config = ModelConfig.from_pretrained(folder)
     return load_model(
