@@ -16,5 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Engines default to a compiled forward on CPU, which costs tens of seconds per engine; the
 # suite builds dozens, so only the tests about compilation (which unset this) pay for it.
 os.environ.setdefault("PAGEMILL_ENFORCE_EAGER", "1")
+# Packed/dense hand-over points from the fixed table, not timed on a loaded box.
+os.environ.setdefault("PAGEMILL_PACKED_LIMITS", "table")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -16,7 +16,9 @@ by timing `LLMEngine.step()` when every running request is in its decode phase, 
 of --modes (how the weights are served and whether the step is compiled), against the
 machine's limits measured in the same process: the weight-streaming floor (the bytes a
 small step reads / large-tensor read bandwidth) and the GEMM roofline (the bf16 GEMM rate
-/ 2 FLOPs per weight per token).
+/ 2 FLOPs per weight per token); and against "dense linears alone": dense bf16 `F.linear`
+over all of the model's linear layers and LM head, eager, at the same batch sizes in the
+same process (`x lin`: the step / those linears, everything the step does beyond its GEMMs).
 
 Figures are printed (and written to --json); nothing is asserted.
 
@@ -158,6 +160,52 @@ def model_costs(llm: Any) -> dict[str, float]:
         2 * m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear)
     )
     return {"step_bytes": report.step_bytes, "flops_per_token": flops, "weights": report.summary()}
+
+
+def linear_shapes(llm: Any) -> list[tuple[int, int]]:
+    """[out, in] of every linear layer one token passes through, the LM head last: fused
+    projections as the engine runs them."""
+    from pagemill.runtime.model_executor.layers import Linear
+
+    model = llm.llm_engine.engine_core.model_runner.model
+    shapes = [
+        (m.out_features, m.in_features)
+        for name, m in model.named_modules()
+        if isinstance(m, Linear) and name.split(".")[-1] != "logits_proj"
+    ]
+    head = model.lm_head_weight
+    return [*shapes, (int(head.shape[0]), int(head.shape[1]))]
+
+
+class DenseLinears:
+    """Dense bf16 `F.linear` over the model's linear layers and LM head, eager (oneDNN, so
+    AMX / AVX512-BF16 where the CPU has them): what the step's GEMMs alone would cost, the
+    yardstick the step is held to. Random weights of the same shapes: time does not depend
+    on the values."""
+
+    def __init__(self, shapes: list[tuple[int, int]], device: str) -> None:
+        dev = torch.device("cpu" if device == "auto" else device)
+        self.weights = [torch.randn(o, i, dtype=torch.bfloat16, device=dev) for o, i in shapes]
+        self.device = dev
+
+    def time_ms(self, rows: int, iters: int) -> float:
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in self.weights}
+        xs = {k: v.to(self.device) for k, v in xs.items()}
+
+        def run() -> None:
+            with torch.inference_mode():
+                for w in self.weights:
+                    torch.nn.functional.linear(xs[w.shape[1]], w)
+
+        run()
+        times = []
+        for _ in range(max(3, iters)):
+            _sync(str(self.device))
+            t0 = time.perf_counter()
+            run()
+            _sync(str(self.device))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
 
 
 def _sync(device: str) -> None:
@@ -471,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             rows = step_time_table(llm, args, vocab_size)
+            dense = DenseLinears(linear_shapes(llm), args.device)
+            for row in rows:
+                row["dense_linears_ms"] = dense.time_ms(row["batch_size"], args.step_iters)
+                row["x_linears"] = row["step_ms"] / row["dense_linears_ms"]
+            del dense
             floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3
             roof = limits["bf16_gemm_gflop_s"] * 1e9 / costs["flops_per_token"]
             for row in rows:
@@ -509,13 +562,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{'batch':>6} {'step ms':>10} {'x floor':>8} {'forward ms':>11} {'host ms':>9} "
-            f"{'host':>6} {'tok/s':>10} {'of roof':>8}"
+            f"{'host':>6} {'tok/s':>10} {'of roof':>8} {'linears ms':>11} {'x lin':>6}"
         )
         for row in rows:
             print(
                 f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['x_floor']:8.2f} "
                 f"{row['forward_ms']:11.2f} {row['host_ms']:9.2f} {row['host_share']:6.1%} "
-                f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%}"
+                f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%} "
+                f"{row['dense_linears_ms']:11.2f} {row['x_linears']:6.2f}"
             )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

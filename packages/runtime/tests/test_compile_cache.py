@@ -76,6 +76,17 @@ def test_key_changes_with_what_enters_the_graph(tiny_llama) -> None:
     assert _key(_eager(folder, dtype="float32", max_num_seqs=5)) != base
     assert _key(_eager(folder, dtype="bfloat16", max_num_seqs=4)) != base
     assert _key(_eager(folder, dtype="float32", max_num_seqs=4, quantization="int8")) != base
+    assert _key(_eager(folder, dtype="float32", max_num_seqs=4, kv_cache_dtype="fp8")) != base
+
+
+def test_key_sees_class_wide_switches(tiny_llama, monkeypatch) -> None:
+    from pagemill.runtime.model_executor.layers import Linear
+
+    folder, _ = tiny_llama
+    llm = _eager(folder, dtype="float32")
+    base = _key(llm)
+    monkeypatch.setattr(Linear, "compiled_branch", "cond")  # one graph with torch.cond
+    assert _key(llm) != base
 
 
 def test_signature_sees_formats_not_values(tiny_llama) -> None:
@@ -91,7 +102,7 @@ def test_signature_sees_formats_not_values(tiny_llama) -> None:
     assert json.dumps(model_signature(model)) != before
 
 
-@pytest.mark.slow  # three starts, one cold: ~60-90 s on two shared cores
+@pytest.mark.slow  # five starts, three cold: ~2-3 min on two quiet shared cores
 def test_warm_start_loads_and_matches_cold(tiny_llama, tmp_path) -> None:
     if compile_unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(compile_unavailable_reason(torch.device("cpu")))
@@ -102,14 +113,16 @@ def test_warm_start_loads_and_matches_cold(tiny_llama, tmp_path) -> None:
     assert warm["loaded"] and warm["tokens"] == cold["tokens"]
     assert warm["folder"] == cold["folder"]
 
-    # A corrupt entry is logged, compiled again and rewritten; never fatal.
-    entries = list(Path(cold["folder"], "dynamo").rglob("entry"))
-    assert entries
-    for entry in entries:
-        entry.write_bytes(b"not a pickle")
-    rebuilt, log = _start(folder, tmp_path)
-    assert not rebuilt["loaded"] and rebuilt["tokens"] == cold["tokens"]
-    assert "failed to load" in log
+    # A corrupt entry (garbage, or cut short as by a full disk or a killed writer) is
+    # logged, compiled again and rewritten; never fatal.
+    for corrupt in (lambda data: b"not a pickle", lambda data: data[: len(data) // 2]):
+        entries = list(Path(cold["folder"], "dynamo").rglob("entry"))
+        assert entries
+        for entry in entries:
+            entry.write_bytes(corrupt(entry.read_bytes()))
+        rebuilt, log = _start(folder, tmp_path)
+        assert not rebuilt["loaded"] and rebuilt["tokens"] == cold["tokens"]
+        assert "failed to load" in log or "broke the compilation" in log
     again, _ = _start(folder, tmp_path)
     assert again["loaded"] and again["tokens"] == cold["tokens"]
 

@@ -34,6 +34,7 @@ from pagemill.runtime.model_executor.quantization import (
     plan_weights,
     weight_report,
 )
+from pagemill.runtime.model_executor.quantization.crossover import measure_packed_limits
 from pagemill.runtime.model_executor.quantization.hf_config import (
     checkpoint_names,
     declared_quantization,
@@ -113,6 +114,7 @@ def load_model(
     cls = _ARCHITECTURES[model_config.architecture]
     start = time.monotonic()
     gguf = gguf_for_folder(path) if load_format == "auto" else None
+    logger.info("loading %s (%s) ...", path.name, gguf.name if gguf is not None else load_format)
     # A quantized HF checkpoint (AWQ, GPTQ, compressed-tensors, FP8): read, or refused here.
     hf_quant = (
         None if load_format == "dummy" or gguf is not None else get_quantization_config(path, dtype)
@@ -189,6 +191,7 @@ def load_model(
             err.mean_abs,
         )
     logger.info("weights: %s", weight_report(model, errors).summary())
+    measure_packed_limits(model)  # where packed layers hand over to their dense copies
     return model
 
 

@@ -28,15 +28,12 @@ oneDNN weights bypass AOT autograd's cache, so a cached start compiles without i
 warm start loads the package instead of tracing; an entry that fails to load is logged,
 removed and rebuilt.
 
-Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`) until its step speed is compared with the
-frozen graph's on a quiet machine. Measured on the shared 2-core box (December 2026):
-SmolLM2 `LLM()` 85-207 s cold, 9.0-10.0 s warm (same tokens); a warm process's batch-1
-step 6.6-7.2 ms when the box was quiet, against 7.4 ms for the frozen graph in another
-run; but the same process later measured 20-490 ms per step as other jobs loaded the box,
-and one unfrozen run's step table (36 / 127 / 244 ms at batch 1 / 16 / 64, load ~3) was
-~5x the frozen run's (7.4 / 21 / 51 ms, an hour earlier): not comparable. To decide, run
-`benchmarks/throughput.py --modes gguf --step-batch-sizes 1,16,64,256` twice back to back,
-with and without `PAGEMILL_COMPILE_CACHE=1`, on an idle machine.
+Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`) until its step is shown to be within a few
+percent of the frozen graph's. The fair test is `benchmarks/compile_cache.py`: both graphs
+in one process, their steps interleaved, so a loaded machine slows both alike (runs one
+after the other on a shared box measure the load, not the graphs). Make it the default
+(`compile_cache_enabled`) when it is; if it is much slower, keep the speed first (weights
+prepacked outside the graph, inductor's mega-cache or AOTInductor).
 """
 
 from __future__ import annotations
@@ -248,8 +245,12 @@ def compile_cache_key(
     model: torch.nn.Module, settings: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """The key of a compiled forward (hex digest) and what it was computed from."""
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
     parts = {
         "format": _CACHE_FORMAT,
+        # Class-wide switches (not in any module's own attributes) that change the graph.
+        "linear": [Linear.compiled_branch, Linear.opaque_packed],
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],

@@ -228,6 +228,7 @@ class ModelRunner:
             "vocab_size": self.vocab_size,
             "num_blocks": None if self.kv_cache is None else self.kv_cache.num_blocks,
             "kv_cache_groups": self.kv_cache_groups,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "packed_row_limits": packed_row_limits(self.model),
         }
 
@@ -236,6 +237,12 @@ class ModelRunner:
         counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
         longest = min(self.max_num_batched_tokens, self.max_model_len)
         todo = sorted(n for n in counts if n <= longest)
+        start = time.perf_counter()
+        logger.info(
+            "compile: %d graphs, for steps of %s tokens (the first traces the model)",
+            len(todo),
+            ", ".join(map(str, todo)),
+        )
         for i, num_tokens in enumerate(todo):
             t0 = time.perf_counter()
             batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
@@ -247,11 +254,12 @@ class ModelRunner:
             finally:
                 self.input_batch, self.requests = saved
             logger.info(
-                "compile: graph %d/%d (a %d-token step) ready in %.1f s",
+                "compile: graph %d/%d (a %d-token step) ready in %.1f s (%.1f s so far)",
                 i + 1,
                 len(todo),
                 num_tokens,
                 time.perf_counter() - t0,
+                time.perf_counter() - start,
             )
 
     # ---- KV cache ------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def plan_weights(
       group size are kept as they are: no second rounding); the LM head becomes int8 per
       channel (a GGUF Q8_0 head is kept exact unless int8 is asked). CPU only.
     - `dense_fallback` None: keep dense copies for large batches where bf16 GEMMs are native.
+    - `packed_max_tokens` None: the row count where a packed layer hands over to its dense
+      copy is measured on this machine once loaded (`crossover.measure_packed_limits`;
+      `scheme.PACKED_MAX_TOKENS` until then, and when measuring is turned off).
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(
@@ -102,7 +105,13 @@ def plan_weights(
         return WeightPlan(DENSE, None)
     if dense_fallback is None:
         dense_fallback = default_dense_fallback(dtype, device)
-    base = WeightScheme("dense", group_size, dense_fallback, packed_max_tokens)
+    base = WeightScheme(
+        "dense",
+        group_size,
+        dense_fallback,
+        packed_max_tokens,
+        measure_packed_limit=packed_max_tokens is None,
+    )
     head_limit = LM_HEAD_PACKED_MAX_TOKENS if packed_max_tokens is None else packed_max_tokens
     if quantization is None:
         if not gguf or dtype != torch.bfloat16:

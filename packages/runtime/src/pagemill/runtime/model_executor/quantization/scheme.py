@@ -46,6 +46,9 @@ class WeightScheme:
     dense_fallback: bool = False
     # Overrides PACKED_MAX_TOKENS for this layer (None: the table's value for its format).
     packed_max_tokens: int | None = None
+    # Whether the limit may be measured on this machine instead, after loading
+    # (`crossover.measure_packed_limits`); False when the caller fixed it.
+    measure_packed_limit: bool = False
     # The dtype the packed kernels compute in (activations and scales; None: bf16). PyTorch's
     # int8/int4 CPU kernels are vectorized for bf16 only: with fp32 activations they run
     # 3x (1 row) to 40x (64 rows) slower than a dense fp32 GEMM, with fp16 slower still. So

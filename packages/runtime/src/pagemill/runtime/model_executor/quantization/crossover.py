@@ -1,0 +1,269 @@
+"""Where a packed layer hands over to its dense copy, measured on this machine.
+
+A packed CPU kernel reads 2-4x fewer bytes than a dense bf16 GEMM, which wins while a step
+streams weights (few rows), and computes slower once a step is compute-bound. Where the
+two cross depends on the CPU (AMX or AVX512-BF16, cache sizes, core count), the format and
+the layer's shape: a table measured on one machine is wrong on the next. So at the first
+start on a machine, every distinct kind of packed layer (format, shape, group size) that
+keeps a dense copy is timed both ways on the model's own weights — enough layers of that
+kind in turn that the weights stream from memory as they do in a step — at a few row
+counts, packed and dense alternating, the fastest run of each kept (other jobs only ever
+add time). Results are kept in a JSON file next to the compile cache, keyed by CPU
+features, torch version and thread count, so later starts read them; a file that does not
+parse is measured again. If measuring overruns its budget, the machine is too busy for
+the timings to mean anything: the table is used, and that is kept too — a later start that
+measured would change the graphs and miss the compile cache (delete the file to measure
+again).
+
+The decision is per group, not per kind: the LM head (outside the compiled forward) on its
+own, every other layer per format, summing the kinds' step times. Every distinct limit in
+the forward is one more compiled graph (see `Linear.compiled_branch`), so a limit per
+shape would cost a compile per shape at every cold start. Row counts are powers of two.
+
+`PAGEMILL_PACKED_LIMITS=table` skips the measurement and uses the fixed table
+(`scheme.PACKED_MAX_TOKENS`), as the test suite does to stay deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+PACKED_LIMITS_ENV = "PAGEMILL_PACKED_LIMITS"
+PACKED_LIMITS_MODES = ("measure", "table")
+ROW_COUNTS = (1, 2, 4, 8, 16, 32)
+# Alternating runs per row count, and the dense bytes of a layer kind's sample (past the
+# last-level cache of most CPUs).
+REPS = 3
+SAMPLE_BYTES = 48 << 20
+# Past this, the machine is too busy for the timings to mean anything.
+BUDGET_S = 5.0
+# Bump when what is measured, or how, changes: older results are then measured again.
+_FORMAT = 1
+
+# (layers of one kind, rows) -> (packed seconds, dense seconds) per layer
+Timer = Callable[[Sequence["Linear"], int], tuple[float, float]]
+
+
+def packed_limits_mode() -> str:
+    mode = os.environ.get(PACKED_LIMITS_ENV, "measure")
+    if mode not in PACKED_LIMITS_MODES:
+        raise ValueError(f"{PACKED_LIMITS_ENV} must be one of {PACKED_LIMITS_MODES}, got {mode!r}")
+    return mode
+
+
+def layer_kind(layer: Linear) -> str:
+    """What the crossover depends on, besides the machine."""
+    return (
+        f"{layer.weight_format}:{layer.out_features}x{layer.in_features}"
+        f":g{layer.group_size}:{str(layer.kernel_dtype).removeprefix('torch.')}"
+        f"/{str(layer.dtype).removeprefix('torch.')}"
+    )
+
+
+def machine_key() -> str:
+    """The CPU (its feature flags and model name), torch and the thread count."""
+    from pagemill.runtime.worker.compilation import _cpu_flags
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln), "")
+    except OSError:
+        model = ""
+    parts = [
+        str(_FORMAT),
+        torch.__version__,
+        sys.version.split()[0],
+        str(torch.get_num_threads()),
+        model,
+        _cpu_flags(),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def limits_file(root: Path | None = None) -> Path:
+    if root is None:
+        from pagemill.runtime.worker.compilation import CompileCache
+
+        root = CompileCache.root()
+    return root / f"packed-limits-{machine_key()}.json"
+
+
+def crossover(rows: Sequence[int], packed_s: Sequence[float], dense_s: Sequence[float]) -> int:
+    """The largest row count up to which packed was never slower than dense (0: dense
+    always wins)."""
+    limit = 0
+    for n, p, d in zip(rows, packed_s, dense_s):
+        if p > d:
+            break
+        limit = n
+    return limit
+
+
+def sample_layers(layers: Sequence[Linear], max_bytes: int = SAMPLE_BYTES) -> list[Linear]:
+    """Enough of `layers` that their dense weights outgrow the CPU's caches (a step
+    streams them), few enough that a big model's timing stays short."""
+    one = layers[0].in_features * layers[0].out_features * layers[0].dtype.itemsize
+    return list(layers[: max(1, min(len(layers), -(-max_bytes // one)))])
+
+
+def time_layers(layers: Sequence[Linear], rows: int) -> tuple[float, float]:
+    """Seconds per layer to run `layers` packed and dense on `rows` rows: the fastest of a
+    few alternating runs (other jobs on the machine only ever add time)."""
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
+    x = torch.randn(rows, layers[0].in_features, dtype=layers[0].dtype)
+    packed: list[float] = []
+    dense: list[float] = []
+
+    def once(fn: Callable[[Linear, torch.Tensor], torch.Tensor]) -> float:
+        t0 = time.perf_counter()
+        for layer in layers:
+            fn(layer, x)
+        return (time.perf_counter() - t0) / len(layers)
+
+    with torch.inference_mode():
+        once(Linear._packed)
+        once(Linear._dense)
+        for _ in range(REPS):
+            packed.append(once(Linear._packed))
+            dense.append(once(Linear._dense))
+    return min(packed), min(dense)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not all(
+            isinstance(v, dict)
+            and isinstance(v.get("rows"), list)
+            and (
+                v.get("busy") is True
+                or (isinstance(v.get("packed_ms"), list) and isinstance(v.get("dense_ms"), list))
+            )
+            for v in data.values()
+        ):
+            raise ValueError("not a map of layer kinds to timings")
+        return data
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("packed limits: %s is unreadable (%s); measuring again", path, e)
+        return {}
+
+
+def _group(name: str, layer: Linear) -> str:
+    """Layers that share one limit: the LM head (outside the compiled forward) on its own,
+    the rest per format: every distinct limit in the forward is another compiled graph."""
+    return "lm_head" if name.split(".")[-1] == "logits_proj" else layer.weight_format
+
+
+def measure_packed_limits(
+    model: nn.Module,
+    path: Path | None = None,
+    timer: Timer | None = None,
+    rows: Sequence[int] = ROW_COUNTS,
+    budget_s: float = BUDGET_S,
+) -> dict[str, int] | None:
+    """Set `packed_max_tokens` of every packed layer with a dense copy whose scheme leaves it
+    to measurement, from `path` (default: `limits_file()`) or by measuring the layer kinds
+    it lacks; returns the limit per group (LM head, or format: see `_group`), or None when
+    the table is asked for or nothing is packed.
+
+    Measuring stops at `budget_s`: a machine that slow is too busy for timings to mean
+    anything, so this start's kinds (and their groups) keep the table's limit, and that is
+    saved as the answer: measuring at a later start would change the compiled graphs.
+    """
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
+    if packed_limits_mode() == "table":
+        return None
+    timer = time_layers if timer is None else timer
+    kinds: dict[str, list[Linear]] = {}
+    groups: dict[str, set[str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.has_dense_fallback and m.scheme.measure_packed_limit:
+            kind = layer_kind(m)
+            kinds.setdefault(kind, []).append(m)
+            groups.setdefault(_group(name, m), set()).add(kind)
+    if not kinds:
+        return None
+    path = limits_file() if path is None else path
+    known = _read(path)
+    todo = [k for k in kinds if k not in known or known[k]["rows"] != list(rows)]
+    fresh: dict[str, Any] = {}
+    if todo:
+        start = time.perf_counter()
+        for kind in todo:
+            if time.perf_counter() - start > budget_s:
+                break
+            sample = sample_layers(kinds[kind])
+            times = [timer(sample, n) for n in rows]
+            fresh[kind] = {
+                "rows": list(rows),
+                "packed_ms": [t[0] * 1e3 for t in times],
+                "dense_ms": [t[1] * 1e3 for t in times],
+            }
+        elapsed = time.perf_counter() - start
+        if elapsed > budget_s:
+            logger.warning(
+                "packed vs dense: measuring took %.1f s (budget %.1f s): the machine is too "
+                "busy for timings to mean anything; keeping the fixed table (delete %s to "
+                "measure again)",
+                elapsed,
+                budget_s,
+                path,
+            )
+            fresh = {kind: {"rows": list(rows), "busy": True} for kind in todo}
+        else:
+            logger.info(
+                "packed vs dense: measured %d layer kinds in %.1f s (kept in %s)",
+                len(fresh),
+                elapsed,
+                path,
+            )
+        known.update(fresh)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            tmp.replace(path)
+        except OSError as e:
+            logger.warning("packed limits: could not save %s (%s)", path, e)
+    limits: dict[str, int] = {}
+    for group, members in sorted(groups.items()):
+        if any(known[k].get("busy") for k in members):
+            continue  # keeps the table's limit
+        # The group's step time at each row count: per-layer times times the layer counts.
+        packed = [
+            sum(known[k]["packed_ms"][i] * len(kinds[k]) for k in members) for i in range(len(rows))
+        ]
+        dense = [
+            sum(known[k]["dense_ms"][i] * len(kinds[k]) for k in members) for i in range(len(rows))
+        ]
+        limits[group] = crossover(rows, packed, dense)
+        for k in members:
+            for layer in kinds[k]:
+                layer.packed_max_tokens = limits[group]
+    if limits:
+        logger.info(
+            "packed vs dense: %s",
+            ", ".join(f"{g} packed up to {n} rows" for g, n in limits.items()),
+        )
+    return limits

@@ -1,0 +1,218 @@
+"""Packed vs dense hand-over points measured at start-up: the plumbing, not the timings.
+
+The timer is replaced by one whose answer the test chooses, so what is checked is how a
+measurement becomes each layer's `packed_max_tokens`, how it is kept and read back, and
+when it is not made at all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from pagemill.runtime.config import ModelConfig
+from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
+from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.model_executor.quantization import (
+    LM_HEAD_PACKED_MAX_TOKENS,
+    PACKED_MAX_TOKENS,
+    plan_weights,
+)
+from pagemill.runtime.model_executor.quantization.crossover import (
+    PACKED_LIMITS_ENV,
+    crossover,
+    layer_kind,
+    measure_packed_limits,
+    time_layers,
+)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch) -> None:
+    """Loading with measuring on writes under the cache folder: never the user's."""
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _hybrid(folder, **kwargs) -> torch.nn.Module:
+    config = ModelConfig.from_pretrained(folder)
+    return load_model(
+        folder,
+        config,
+        torch.bfloat16,
+        torch.device("cpu"),
+        128,
+        quantization="int8",
+        dense_fallback=True,
+        **kwargs,
+    )
+
+
+def _packed(model: torch.nn.Module) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear) and m.has_dense_fallback]
+
+
+def _fake_timer(dense_from, calls: list[tuple[int, int]]):
+    """Packed is faster below `dense_from(layer)` rows, slower from there on."""
+
+    def timer(layers: Sequence[Linear], rows: int) -> tuple[float, float]:
+        calls.append((layers[0].out_features, rows))
+        return (2.0, 1.0) if rows >= dense_from(layers[0]) else (1.0, 2.0)
+
+    return timer
+
+
+def test_crossover_is_the_last_row_count_packed_wins() -> None:
+    rows = [1, 2, 4, 8]
+    assert crossover(rows, [1, 1, 1, 1], [2, 2, 2, 2]) == 8
+    assert crossover(rows, [1, 1, 3, 1], [2, 2, 2, 2]) == 2  # the first loss ends it
+    assert crossover(rows, [3, 1, 1, 1], [2, 2, 2, 2]) == 0  # dense from one row
+    assert crossover(rows, [2, 2, 2, 2], [2, 2, 2, 2]) == 8  # a tie keeps the smaller weight
+
+
+def test_measured_limits_reach_the_layers_and_are_kept(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+    model = _hybrid(folder)  # the suite runs with the table: nothing measured yet
+    layers = _packed(model)
+    table = {*PACKED_MAX_TOKENS.values(), LM_HEAD_PACKED_MAX_TOKENS}
+    assert layers and {m.packed_max_tokens for m in layers} <= table
+    head = model.logits_proj
+    assert head in layers
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    path = tmp_path / "limits.json"
+    calls: list[tuple[int, int]] = []
+    timer = _fake_timer(lambda m: 16 if m is head else 4, calls)
+    limits = measure_packed_limits(model, path, timer, rows=(1, 2, 4, 8, 16))
+    # The LM head decides alone; the forward's layers share one limit per format.
+    assert limits == {"lm_head": 8, "int8": 2}
+    for m in layers:
+        assert m.packed_max_tokens == (8 if m is head else 2)
+    assert packed_row_limits(model) == [2]  # the head is outside the compiled forward
+    # One measurement per layer kind and row count, not per layer.
+    kinds = {layer_kind(m) for m in layers}
+    assert len(calls) == 5 * len(kinds)
+    assert set(json.loads(path.read_text())) == kinds
+
+    # A second start reads the file: nothing is timed, the same limits are set.
+    fresh = _hybrid(folder)
+
+    def no_timer(layers, rows):
+        raise AssertionError("measured again although the file had the answer")
+
+    assert measure_packed_limits(fresh, path, no_timer, rows=(1, 2, 4, 8, 16)) == limits
+    assert [m.packed_max_tokens for m in _packed(fresh)] == [m.packed_max_tokens for m in layers]
+
+
+def test_a_format_decides_on_its_summed_step_time(tiny_llama, tmp_path, monkeypatch) -> None:
+    """One kind gains a lot from packing at 2 rows, another loses a little: packed stays."""
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    head = model.logits_proj
+    body = sorted({layer_kind(m) for m in _packed(model) if m is not head})
+    assert len(body) >= 2
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+
+    def timer(layers, rows):
+        if layers[0] is head:
+            return 1.0, 2.0
+        if layer_kind(layers[0]) == body[0]:
+            return (1.0, 10.0) if rows <= 2 else (10.0, 1.0)
+        return 1.1, 1.0  # packed always a little slower
+
+    limits = measure_packed_limits(model, tmp_path / "l.json", timer, rows=(1, 2, 4))
+    assert limits is not None and limits["int8"] == 2
+
+
+def test_a_busy_machine_keeps_the_table(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    before = [m.packed_max_tokens for m in _packed(model)]
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    calls: list[tuple[int, int]] = []
+    path = tmp_path / "l.json"
+    limits = measure_packed_limits(model, path, _fake_timer(lambda m: 1, calls), budget_s=0.0)
+    assert limits == {}
+    assert [m.packed_max_tokens for m in _packed(model)] == before
+
+    # Kept as the answer: a later start that measured would change the compiled graphs.
+    def no_timer(layers, rows):
+        raise AssertionError("measured again after a busy start")
+
+    assert measure_packed_limits(_hybrid(folder), path, no_timer) == {}
+
+
+def test_unreadable_file_is_measured_again(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    path = tmp_path / "limits.json"
+    path.write_text('{"int8:64x64": {"lim')  # truncated
+    calls: list[tuple[int, int]] = []
+    limits = measure_packed_limits(model, path, _fake_timer(lambda m: 99, calls), rows=(1, 2))
+    assert limits is not None and set(limits.values()) == {2} and calls
+    assert set(json.loads(path.read_text())) == {layer_kind(m) for m in _packed(model)}
+
+
+def test_table_mode_and_fixed_limits_are_not_measured(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+
+    def no_timer(layers, rows):
+        raise AssertionError("measured although measuring is off")
+
+    model = _hybrid(folder)
+    before = [m.packed_max_tokens for m in _packed(model)]
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "table")
+    assert measure_packed_limits(model, tmp_path / "l.json", no_timer) is None
+    assert [m.packed_max_tokens for m in _packed(model)] == before
+    assert not (tmp_path / "l.json").exists()
+
+    # A limit the caller fixed (plan_weights' packed_max_tokens) is honoured, not measured.
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    plan = plan_weights(
+        "int8",
+        gguf=False,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        dense_fallback=True,
+        packed_max_tokens=3,
+    )
+    assert not plan.linear.measure_packed_limit and not plan.lm_head.measure_packed_limit
+    auto = plan_weights(
+        "int8", gguf=False, dtype=torch.bfloat16, device=torch.device("cpu"), dense_fallback=True
+    )
+    assert auto.linear.measure_packed_limit and auto.lm_head.measure_packed_limit
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "bogus")
+    with pytest.raises(ValueError, match=PACKED_LIMITS_ENV):
+        measure_packed_limits(model, tmp_path / "l.json", no_timer)
+
+
+def test_loading_measures_once_into_the_cache_folder(
+    tiny_llama, tmp_path, monkeypatch, caplog
+) -> None:
+    """load_model measures (with the real timer) and keeps the result under the cache."""
+    folder, _ = tiny_llama
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO):
+        model = _hybrid(folder)
+    files = list((tmp_path / "compiled").glob("packed-limits-*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    if any(v.get("busy") for v in saved.values()):  # a CI box too loaded for the budget
+        assert "too busy" in caplog.text
+        return
+    assert "measured" in caplog.text
+    for m in _packed(model):
+        entry = saved[layer_kind(m)]
+        assert m.packed_max_tokens in entry["rows"] or m.packed_max_tokens == 0
+        assert len(entry["packed_ms"]) == len(entry["rows"]) and min(entry["packed_ms"]) > 0
+
+
+def test_real_timer_times_both_paths(tiny_llama) -> None:
+    folder, _ = tiny_llama
+    layers = _packed(_hybrid(folder))[:2]
+    packed, dense = time_layers(layers, 4)
+    assert packed > 0 and dense > 0
