@@ -1,0 +1,160 @@
+"""Whole-row reductions of the sampler, written once for eager torch and torch.compile.
+
+A random row's draw needs two facts about its whole vocabulary: the largest scaled logit
+(z = logits / temperature) and, per block of `BLOCK` token ids, the sum of the candidate
+tokens' weights exp(z - max). Eagerly each is several passes that write [rows, vocab] fp32
+temporaries (convert, divide, subtract, exp, sum); compiled, inductor fuses each into one
+read of the logits in their own dtype and writes only [rows] or [rows, vocab / BLOCK]. The
+rest of a draw (choose a block, then a token inside it) touches `BLOCK` entries per row.
+
+Candidates are what the sampler's rejection rounds leave (see `Sampler._draw_nucleus`):
+tokens whose weight reaches `min_rel` (min-p) and that rank above a threshold token
+(`thr_z`, `thr_id`), ranks ordered as a sort of the logits orders them: larger z first,
+equal z by smaller token id. Ranks compare z, never the weights: z is one correctly rounded
+division, so eager code and compiled code agree on every comparison (exp may differ by
+an ulp between them, which only moves a weight by as much).
+
+Rows are taken from `x` through `rows` (an index tensor), so a round over a few rows of a
+large batch gathers inside the fused loop instead of copying them first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 256
+
+
+def scaled_max(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """[n] fp32: the largest logit / temperature of each row of `x`."""
+    return (x.float() / temperature.unsqueeze(1)).amax(dim=-1)
+
+
+def block_sums(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    peak: torch.Tensor,
+    min_rel: torch.Tensor,
+    thr_z: torch.Tensor,
+    thr_id: torch.Tensor,
+) -> torch.Tensor:
+    """[n, ceil(vocab / BLOCK)] fp32: per block, the candidates' sum of exp(z - peak)."""
+    z = x.float() / temperature.unsqueeze(1)
+    w = torch.exp(z - peak.unsqueeze(1))
+    ids = torch.arange(z.shape[1], device=z.device).unsqueeze(0)
+    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
+    keep = (w >= min_rel.unsqueeze(1)) & ((z > tz) | ((z == tz) & (ids < ti)))
+    w = torch.where(keep, w, 0.0)
+    pad = (-w.shape[1]) % BLOCK
+    if pad:
+        w = F.pad(w, (0, pad))
+    return w.view(w.shape[0], -1, BLOCK).sum(dim=-1)
+
+
+# The kernels over some rows of `x`, as compiled: the gather fuses into the loop. Each is
+# its own code object, which dynamo caches graphs by.
+def _scaled_max_of_rows(
+    x: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor
+) -> torch.Tensor:
+    return scaled_max(x[rows], temperature)
+
+
+def _block_sums_of_rows(x: torch.Tensor, rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    return block_sums(x[rows], *args)
+
+
+_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _compiled(name: str) -> Callable[..., torch.Tensor]:
+    """One torch.compile wrapper per kernel and process: its graphs serve every sampler."""
+    fn = _COMPILED.get(name)
+    if fn is None:
+        plain = _scaled_max_of_rows if name == "scaled_max" else _block_sums_of_rows
+        fn = _COMPILED[name] = torch.compile(plain, dynamic=True, fullgraph=True)
+    return fn
+
+
+class RowKernels:
+    """`scaled_max` and `block_sums` over some rows of the logits: compiled once `compile`
+    has built them, eager before (and where compiling is unavailable).
+
+    Compiling costs seconds (inductor's on-disk cache makes a later start cheaper), so it
+    happens at start-up beside the model's own compile, never inside a request's step. The
+    row count is a dynamic dimension, so one graph serves every batch; torch would
+    specialise a count of 1 into a graph of its own, so a single row is padded to two.
+    """
+
+    def __init__(self) -> None:
+        self._compiled: dict[str, Callable[..., torch.Tensor]] = {}
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self._compiled)
+
+    def compile(self, vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> float:
+        """Compile both kernels and run them on throwaway rows of each logits dtype in
+        `dtypes`; returns seconds. A failure is logged and leaves the eager kernels."""
+        start = time.perf_counter()
+        fns = {name: _compiled(name) for name in ("scaled_max", "block_sums")}
+        try:
+            for dtype in dtypes:
+                # Distinct tensors for distinct arguments: dynamo guards on aliasing.
+                x = torch.zeros(3, vocab, dtype=dtype, device=device)
+                rows = torch.arange(2, device=device)
+                t = torch.ones(2, device=device)
+                peak = fns["scaled_max"](x, rows, t)
+                min_rel = torch.zeros(2, device=device)
+                thr_z = torch.full((2,), float("-inf"), device=device)
+                thr_id = torch.full((2,), vocab, device=device)
+                fns["block_sums"](x, rows, t, peak, min_rel, thr_z, thr_id)
+        except Exception:  # a slower sampler is better than no engine
+            logger.warning("sampler: compiling its row kernels failed; eager", exc_info=True)
+            return time.perf_counter() - start
+        self._compiled = fns
+        return time.perf_counter() - start
+
+    def _call(
+        self,
+        name: str,
+        fn: Callable[..., torch.Tensor],
+        x: torch.Tensor,
+        rows: torch.Tensor | None,
+        *args: torch.Tensor,
+    ) -> torch.Tensor:
+        """`fn` over rows `rows` of `x` (all of them when None), the others [n] per row."""
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            return fn(x if rows is None else x[rows], *args)
+        if rows is None:
+            rows = torch.arange(x.shape[0], device=x.device)
+        if rows.numel() != 1:
+            return compiled(x, rows, *args)
+        two = [a.repeat(2) for a in (rows, *args)]  # see the class docstring
+        return compiled(x, *two)[:1]
+
+    def scaled_max(
+        self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor
+    ) -> torch.Tensor:
+        return self._call("scaled_max", scaled_max, x, rows, temperature)
+
+    def block_sums(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor | None,
+        temperature: torch.Tensor,
+        peak: torch.Tensor,
+        min_rel: torch.Tensor,
+        thr_z: torch.Tensor,
+        thr_id: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._call(
+            "block_sums", block_sums, x, rows, temperature, peak, min_rel, thr_z, thr_id
+        )
