@@ -89,7 +89,8 @@ class RowKernels:
     Compiling costs seconds (inductor's on-disk cache makes a later start cheaper), so it
     happens at start-up beside the model's own compile, never inside a request's step. The
     row count is a dynamic dimension, so one graph serves every batch; torch would
-    specialise a count of 1 into a graph of its own, so a single row is padded to two.
+    specialise a count of 1 into a graph of its own, so a single row of a larger batch is
+    padded to two, and a batch of one row runs eagerly.
     """
 
     def __init__(self) -> None:
@@ -105,21 +106,33 @@ class RowKernels:
         start = time.perf_counter()
         fns = {name: _compiled(name) for name in ("scaled_max", "block_sums")}
         try:
-            for dtype in dtypes:
-                # Distinct tensors for distinct arguments: dynamo guards on aliasing.
-                x = torch.zeros(3, vocab, dtype=dtype, device=device)
-                rows = torch.arange(2, device=device)
-                t = torch.ones(2, device=device)
-                peak = fns["scaled_max"](x, rows, t)
-                min_rel = torch.zeros(2, device=device)
-                thr_z = torch.full((2,), float("-inf"), device=device)
-                thr_id = torch.full((2,), vocab, device=device)
-                fns["block_sums"](x, rows, t, peak, min_rel, thr_z, thr_id)
+            # In inference mode, as the sampler runs: dynamo guards on grad mode and on
+            # whether a tensor is an inference tensor (the engine's logits are).
+            with torch.inference_mode():
+                self._warm_up(fns, vocab, device, dtypes)
         except Exception:  # a slower sampler is better than no engine
             logger.warning("sampler: compiling its row kernels failed; eager", exc_info=True)
             return time.perf_counter() - start
         self._compiled = fns
         return time.perf_counter() - start
+
+    @staticmethod
+    def _warm_up(
+        fns: dict[str, Callable[..., torch.Tensor]],
+        vocab: int,
+        device: torch.device,
+        dtypes: tuple[torch.dtype, ...],
+    ) -> None:
+        for dtype in dtypes:
+            # Distinct tensors for distinct arguments: dynamo guards on aliasing.
+            x = torch.zeros(3, vocab, dtype=dtype, device=device)
+            rows = torch.arange(2, device=device)
+            t = torch.ones(2, device=device)
+            peak = fns["scaled_max"](x, rows, t)
+            min_rel = torch.zeros(2, device=device)
+            thr_z = torch.full((2,), float("-inf"), device=device)
+            thr_id = torch.full((2,), vocab, device=device)
+            fns["block_sums"](x, rows, t, peak, min_rel, thr_z, thr_id)
 
     def _call(
         self,
@@ -131,13 +144,18 @@ class RowKernels:
     ) -> torch.Tensor:
         """`fn` over rows `rows` of `x` (all of them when None), the others [n] per row."""
         compiled = self._compiled.get(name)
-        if compiled is None:
+        # A one-row batch would need graphs of its own (see the class docstring); eager
+        # costs little there.
+        if compiled is None or x.shape[0] == 1:
             return fn(x if rows is None else x[rows], *args)
         if rows is None:
             rows = torch.arange(x.shape[0], device=x.device)
+        # Dynamo guards on whether each tensor is an inference tensor: the small ones are
+        # made so (the sampler runs in inference mode), as the graphs were built.
+        small = [a if a.is_inference() else a.clone() for a in (rows, *args)]
         if rows.numel() != 1:
-            return compiled(x, rows, *args)
-        two = [a.repeat(2) for a in (rows, *args)]  # see the class docstring
+            return compiled(x, *small)
+        two = [a.repeat(2) for a in small]  # see the class docstring
         return compiled(x, *two)[:1]
 
     def scaled_max(
