@@ -132,6 +132,12 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self._kv_events = KVEventsHook.create(config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
+        runner = self.model_runner
+        if self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
+            # The model's logits, and fp32 ones (rows with penalties, bans or grammars).
+            dtypes = tuple(dict.fromkeys((runner.dtype, torch.float32)))
+            seconds = self.sampler.compile(runner.vocab_size, self.device, dtypes)
+            logger.info("compiled the sampler's row kernels in %.1f s", seconds)
         self.isolator = FaultIsolator(self.scheduler)
 
     def _start_workers(
