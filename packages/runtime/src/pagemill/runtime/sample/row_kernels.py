@@ -8,11 +8,11 @@ read of the logits in their own dtype and writes only [rows] or [rows, vocab / B
 rest of a draw (choose a block, then a token inside it) touches `BLOCK` entries per row.
 
 Candidates are what the sampler's rejection rounds leave (see `Sampler._draw_nucleus`):
-tokens whose weight reaches `min_rel` (min-p) and that rank above a threshold token
-(`thr_z`, `thr_id`), ranks ordered as a sort of the logits orders them: larger z first,
-equal z by smaller token id. Ranks compare z, never the weights: z is one correctly rounded
-division, so eager code and compiled code agree on every comparison (exp may differ by
-an ulp between them, which only moves a weight by as much).
+the tokens that rank above a threshold token (`thr_z`, `thr_id`), ranks ordered as a sort
+of the logits orders them: larger z first, equal z by smaller token id. Ranks compare z,
+never the weights: z is one correctly rounded division, so eager code and compiled code
+agree on every comparison (exp may differ by an ulp between them, which only moves a
+weight by as much).
 
 Rows are taken from `x` through `rows` (an index tensor), so a round over a few rows of a
 large batch gathers inside the fused loop instead of copying them first.
@@ -41,21 +41,51 @@ def block_sums(
     x: torch.Tensor,
     temperature: torch.Tensor,
     peak: torch.Tensor,
-    min_rel: torch.Tensor,
     thr_z: torch.Tensor,
     thr_id: torch.Tensor,
 ) -> torch.Tensor:
     """[n, ceil(vocab / BLOCK)] fp32: per block, the candidates' sum of exp(z - peak)."""
     z = x.float() / temperature.unsqueeze(1)
     w = torch.exp(z - peak.unsqueeze(1))
-    ids = torch.arange(z.shape[1], device=z.device).unsqueeze(0)
-    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
-    keep = (w >= min_rel.unsqueeze(1)) & ((z > tz) | ((z == tz) & (ids < ti)))
-    w = torch.where(keep, w, 0.0)
+    # int32 ids: inductor's CPU loops vectorise int64 comparisons poorly (~2x slower).
+    ids = torch.arange(z.shape[1], device=z.device, dtype=torch.int32).unsqueeze(0)
+    tz, ti = thr_z.unsqueeze(1), thr_id.int().unsqueeze(1)
+    w = torch.where((z > tz) | ((z == tz) & (ids < ti)), w, 0.0)
     pad = (-w.shape[1]) % BLOCK
     if pad:
         w = F.pad(w, (0, pad))
     return w.view(w.shape[0], -1, BLOCK).sum(dim=-1)
+
+
+def block_sums_eager(
+    x: torch.Tensor,
+    temperature: torch.Tensor,
+    peak: torch.Tensor,
+    thr_z: torch.Tensor,
+    thr_id: torch.Tensor,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """`block_sums` in a few in-place passes over `scratch` ([n, >= vocab] fp32), with the
+    threshold's comparisons skipped when no row has one (a first round)."""
+    n, vocab = x.shape
+    pad = (-vocab) % BLOCK
+    w = scratch.view(-1)[: n * (vocab + pad)].view(n, vocab + pad)
+    if pad:
+        w[:, vocab:] = 0.0
+    w = w[:, :vocab]
+    torch.div(x, temperature.unsqueeze(1), out=w)
+    if bool((thr_z > float("-inf")).any()):
+        tz = thr_z.unsqueeze(1)
+        drop = w < tz
+        ties = w == tz
+        if bool(ties.any()):
+            ids = torch.arange(vocab, device=x.device).unsqueeze(0)
+            drop |= ties & (ids >= thr_id.unsqueeze(1))
+        w.sub_(peak.unsqueeze(1)).exp_().masked_fill_(drop, 0.0)
+    else:
+        w.sub_(peak.unsqueeze(1)).exp_()
+    full = scratch.view(-1)[: n * (vocab + pad)].view(n, -1, BLOCK)
+    return full.sum(dim=-1)
 
 
 # The kernels over some rows of `x`, as compiled: the gather fuses into the loop. Each is
@@ -95,6 +125,15 @@ class RowKernels:
 
     def __init__(self) -> None:
         self._compiled: dict[str, Callable[..., torch.Tensor]] = {}
+        self._scratch: torch.Tensor | None = None
+
+    def _scratch_for(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """A reused fp32 buffer of at least rows x cols (fresh large tensors cost page
+        faults on every call)."""
+        buf = self._scratch
+        if buf is None or buf.numel() < rows * cols or buf.device != device:
+            buf = self._scratch = torch.empty(rows * cols, device=device)
+        return buf
 
     @property
     def compiled(self) -> bool:
@@ -129,10 +168,9 @@ class RowKernels:
             rows = torch.arange(2, device=device)
             t = torch.ones(2, device=device)
             peak = fns["scaled_max"](x, rows, t)
-            min_rel = torch.zeros(2, device=device)
             thr_z = torch.full((2,), float("-inf"), device=device)
             thr_id = torch.full((2,), vocab, device=device)
-            fns["block_sums"](x, rows, t, peak, min_rel, thr_z, thr_id)
+            fns["block_sums"](x, rows, t, peak, thr_z, thr_id)
 
     def _call(
         self,
@@ -169,10 +207,12 @@ class RowKernels:
         rows: torch.Tensor | None,
         temperature: torch.Tensor,
         peak: torch.Tensor,
-        min_rel: torch.Tensor,
         thr_z: torch.Tensor,
         thr_id: torch.Tensor,
     ) -> torch.Tensor:
-        return self._call(
-            "block_sums", block_sums, x, rows, temperature, peak, min_rel, thr_z, thr_id
-        )
+        if "block_sums" in self._compiled and x.shape[0] > 1:
+            return self._call("block_sums", block_sums, x, rows, temperature, peak, thr_z, thr_id)
+        xr = x if rows is None else x[rows]
+        n, vocab = xr.shape
+        scratch = self._scratch_for(n, vocab + BLOCK, x.device)
+        return block_sums_eager(xr, temperature, peak, thr_z, thr_id, scratch)

@@ -257,19 +257,20 @@ class Sampler:
     ) -> torch.Tensor:
         """Tokens of random `rows` of `x` (all when None) without top-k, drawn from their
         whole rows after top-p and min-p: rejection sampling, as FlashInfer's top-p
-        sampling does, with no sort and no [rows, vocab] temporaries.
+        sampling does, with no sort and no [rows, vocab] result.
 
-        A round draws a token s among the candidates (min-p's set, less what earlier
-        rounds ruled out) by inverse CDF: block sums from the row kernels, then a running
-        sum inside the chosen block. Top-p keeps s iff the mass ranked above it (larger
-        logits, and equal ones of smaller token id: a sort's order) is below top_p of the
-        row's mass, which is what the next round's candidates weigh: the tokens ranked
-        above s. So one `block_sums` per round both tests the last draw and prepares the
-        next. A rejected s cannot be kept, nor anything ranked below it; accepted draws
-        follow the filtered distribution exactly (the conditional of a draw on its
-        acceptance), and a round accepts with probability at least top_p of what is left.
-        Rounds, draws and uniforms (a seeded row's from its own generator) depend only on
-        the row itself, never on its batch.
+        A round draws a token s among the candidates (at first the whole row) by inverse
+        CDF: block sums from the row kernels, then a running sum inside the chosen block.
+        Both filters keep a prefix of the ranking (larger logits first, equal ones by
+        smaller token id: a sort's order): min-p keeps s iff its probability reaches
+        min_p of the largest, top-p iff the mass ranked above s is below top_p of the
+        row's mass (HF's order: top-p measures the whole row, min-p applies after it).
+        That mass is what the next round's candidates weigh, the tokens ranked above s,
+        so one `block_sums` per round both tests a draw and prepares the next. A rejected
+        s cannot be kept, nor anything ranked below it; accepted draws follow the filtered
+        distribution exactly (the conditional of a draw on its acceptance). Rounds, draws
+        and uniforms (a seeded row's from its own generator) depend only on the row
+        itself, never on its batch.
         """
         vocab = x.shape[1]
         count = x.shape[0] if rows is None else rows.numel()
@@ -279,25 +280,16 @@ class Sampler:
 
         device = x.device
         temperature = _required(pick(md.temperature), "temperature")
-        top_p = pick(md.top_p)
-        min_p = pick(md.min_p)
+        top_p, min_p = pick(md.top_p), pick(md.min_p)
         gens = _generators_of(md.generators, rows)
         kernels = self._kernels
         peak = kernels.scaled_max(x, rows, temperature)
-        zero = torch.zeros(count, device=device)
-        min_rel = zero if min_p is None else min_p.float()
         thr_z = torch.full((count,), float("-inf"), device=device)
         thr_id = torch.full((count,), vocab, dtype=torch.long, device=device)
-        sums = kernels.block_sums(x, rows, temperature, peak, min_rel, thr_z, thr_id)
+        sums = kernels.block_sums(x, rows, temperature, peak, thr_z, thr_id)
         limit = None
         if top_p is not None:
-            # The rows' mass (HF's order: top-p measures the whole row, min-p comes after).
-            total = (
-                sums
-                if min_p is None
-                else kernels.block_sums(x, rows, temperature, peak, zero, thr_z, thr_id)
-            )
-            limit = total.double().sum(dim=-1) * top_p.double()
+            limit = sums.double().sum(dim=-1) * top_p.double()
             limit = torch.where(top_p < 1.0, limit, float("inf"))
         tokens = torch.empty(count, dtype=torch.long, device=device)
         active = torch.arange(count, device=device)  # positions still drawing
@@ -306,22 +298,31 @@ class Sampler:
             a_gens = gens if active.numel() == count else _generators_of(gens, active)
             u = self._uniforms(active.numel(), a_gens, device)
             t_a, peak_a = temperature[active], peak[active]
-            bounds = (min_rel[active], thr_z[active], thr_id[active])
-            s = _pick_in_blocks(x, act_rows, sums, u, t_a, peak_a, *bounds)
-            if limit is None:
+            s = _pick_in_blocks(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
+            if limit is None and min_p is None:
                 tokens[active] = s
                 break
             x_rows = x if act_rows is None else x[act_rows]
             zs = x_rows.gather(1, s.unsqueeze(1)).squeeze(1).float() / t_a
-            # The candidates of a next round (ranked above s; they all pass min-p, being
-            # at least as likely as s) weigh exactly the mass that decides on s.
-            above = kernels.block_sums(x, act_rows, t_a, peak_a, min_rel[active], zs, s)
-            ok = above.double().sum(dim=-1) < limit[active]
+            ok = torch.ones_like(s, dtype=torch.bool)
+            if min_p is not None:
+                ok &= torch.exp(zs - peak_a) >= min_p[active]
+            above = None
+            if limit is not None:
+                above = kernels.block_sums(x, act_rows, t_a, peak_a, zs, s)
+                ok &= above.double().sum(dim=-1) < limit[active]
             tokens[active[ok]] = s[ok]
             rejected = ~ok
             if not bool(rejected.any()):
                 break
-            active, sums = active[rejected], above[rejected]
+            if above is None:
+                r_rows = active[rejected] if rows is None else rows[active[rejected]]
+                sums = kernels.block_sums(
+                    x, r_rows, t_a[rejected], peak_a[rejected], zs[rejected], s[rejected]
+                )
+            else:
+                sums = above[rejected]
+            active = active[rejected]
             thr_z[active], thr_id[active] = zs[rejected], s[rejected]
             act_rows = active if rows is None else rows[active]
         return tokens
@@ -384,7 +385,6 @@ def _pick_in_blocks(
     u: torch.Tensor,
     temperature: torch.Tensor,
     peak: torch.Tensor,
-    min_rel: torch.Tensor,
     thr_z: torch.Tensor,
     thr_id: torch.Tensor,
 ) -> torch.Tensor:
@@ -411,7 +411,7 @@ def _pick_in_blocks(
     z = x[row_ids.unsqueeze(1), cols].float() / temperature.unsqueeze(1)
     w = torch.exp(z - peak.unsqueeze(1))
     tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
-    keep = valid & (w >= min_rel.unsqueeze(1)) & ((z > tz) | ((z == tz) & (cols < ti)))
+    keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
     w = torch.where(keep, w, 0.0)
     icum = w.double().cumsum(dim=-1)
     j = torch.searchsorted(icum, target - before, right=True)
