@@ -173,19 +173,12 @@ class RowKernels:
             fns["block_sums"](x, rows, t, peak, thr_z, thr_id)
 
     def _call(
-        self,
-        name: str,
-        fn: Callable[..., torch.Tensor],
-        x: torch.Tensor,
-        rows: torch.Tensor | None,
-        *args: torch.Tensor,
+        self, name: str, x: torch.Tensor, rows: torch.Tensor | None, *args: torch.Tensor
     ) -> torch.Tensor:
-        """`fn` over rows `rows` of `x` (all of them when None), the others [n] per row."""
-        compiled = self._compiled.get(name)
-        # A one-row batch would need graphs of its own (see the class docstring); eager
-        # costs little there.
-        if compiled is None or x.shape[0] == 1:
-            return fn(x if rows is None else x[rows], *args)
+        """Compiled kernel `name` over rows `rows` of `x` (all when None); `x` has more
+        than one row (a one-row batch would need graphs of its own, see the class
+        docstring: it runs eagerly, where that costs little)."""
+        compiled = self._compiled[name]
         if rows is None:
             rows = torch.arange(x.shape[0], device=x.device)
         # Dynamo guards on whether each tensor is an inference tensor: the small ones are
@@ -199,7 +192,12 @@ class RowKernels:
     def scaled_max(
         self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor
     ) -> torch.Tensor:
-        return self._call("scaled_max", scaled_max, x, rows, temperature)
+        if "scaled_max" in self._compiled and x.shape[0] > 1:
+            return self._call("scaled_max", x, rows, temperature)
+        xr = x if rows is None else x[rows]
+        n, vocab = xr.shape
+        z = self._scratch_for(n, vocab + BLOCK, x.device)[: n * vocab].view(n, vocab)
+        return torch.div(xr, temperature.unsqueeze(1), out=z).amax(dim=-1)
 
     def block_sums(
         self,
@@ -211,7 +209,7 @@ class RowKernels:
         thr_id: torch.Tensor,
     ) -> torch.Tensor:
         if "block_sums" in self._compiled and x.shape[0] > 1:
-            return self._call("block_sums", block_sums, x, rows, temperature, peak, thr_z, thr_id)
+            return self._call("block_sums", x, rows, temperature, peak, thr_z, thr_id)
         xr = x if rows is None else x[rows]
         n, vocab = xr.shape
         scratch = self._scratch_for(n, vocab + BLOCK, x.device)
