@@ -73,7 +73,9 @@ def block_sums_eager(
     if pad:
         w[:, vocab:] = 0.0
     w = w[:, :vocab]
-    torch.div(x, temperature.unsqueeze(1), out=w)
+    # Converted into the buffer first: a mixed-dtype division would convert into a fresh
+    # tensor of its own.
+    w.copy_(x).div_(temperature.unsqueeze(1))
     if bool((thr_z > float("-inf")).any()):
         tz = thr_z.unsqueeze(1)
         drop = w < tz
@@ -197,7 +199,7 @@ class RowKernels:
         xr = x if rows is None else x[rows]
         n, vocab = xr.shape
         z = self._scratch_for(n, vocab + BLOCK, x.device)[: n * vocab].view(n, vocab)
-        return torch.div(xr, temperature.unsqueeze(1), out=z).amax(dim=-1)
+        return z.copy_(xr).div_(temperature.unsqueeze(1)).amax(dim=-1)
 
     def block_sums(
         self,
@@ -214,3 +216,26 @@ class RowKernels:
         n, vocab = xr.shape
         scratch = self._scratch_for(n, vocab + BLOCK, x.device)
         return block_sums_eager(xr, temperature, peak, thr_z, thr_id, scratch)
+
+    def first_round(
+        self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`scaled_max`, `block_sums` of every token): a first round's two reductions.
+        Eagerly in one buffer, so the logits are converted and divided once."""
+        n = x.shape[0] if rows is None else rows.numel()
+        vocab = x.shape[1]
+        thr_z = torch.full((n,), float("-inf"), device=x.device)
+        thr_id = torch.full((n,), vocab, dtype=torch.long, device=x.device)
+        if self._compiled and x.shape[0] > 1:
+            peak = self.scaled_max(x, rows, temperature)
+            return peak, self.block_sums(x, rows, temperature, peak, thr_z, thr_id)
+        xr = x if rows is None else x[rows]
+        pad = (-vocab) % BLOCK
+        buf = self._scratch_for(n, vocab + BLOCK, x.device)[: n * (vocab + pad)]
+        w = buf.view(n, vocab + pad)
+        if pad:
+            w[:, vocab:] = 0.0
+        w = w[:, :vocab]
+        peak = w.copy_(xr).div_(temperature.unsqueeze(1)).amax(dim=-1)
+        w.sub_(peak.unsqueeze(1)).exp_()
+        return peak, buf.view(n, -1, BLOCK).sum(dim=-1)

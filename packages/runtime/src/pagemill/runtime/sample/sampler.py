@@ -283,10 +283,9 @@ class Sampler:
         top_p, min_p = pick(md.top_p), pick(md.min_p)
         gens = _generators_of(md.generators, rows)
         kernels = self._kernels
-        peak = kernels.scaled_max(x, rows, temperature)
+        peak, sums = kernels.first_round(x, rows, temperature)
         thr_z = torch.full((count,), float("-inf"), device=device)
         thr_id = torch.full((count,), vocab, dtype=torch.long, device=device)
-        sums = kernels.block_sums(x, rows, temperature, peak, thr_z, thr_id)
         limit = None
         if top_p is not None:
             limit = sums.double().sum(dim=-1) * top_p.double()
