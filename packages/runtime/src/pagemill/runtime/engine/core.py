@@ -134,9 +134,9 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed)
         runner = self.model_runner
         if self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
-            # The model's logits, and fp32 ones (rows with penalties, bans or grammars).
-            dtypes = tuple(dict.fromkeys((runner.dtype, torch.float32)))
-            seconds = self.sampler.compile(runner.vocab_size, self.device, dtypes)
+            # For the model's logits; fp32 ones (rows with penalties, bans or a grammar
+            # are converted) run the same kernels eagerly.
+            seconds = self.sampler.compile(runner.vocab_size, self.device, (runner.dtype,))
             logger.info("compiled the sampler's row kernels in %.1f s", seconds)
         self.isolator = FaultIsolator(self.scheduler)
 

@@ -127,7 +127,12 @@ class RowKernels:
 
     def __init__(self) -> None:
         self._compiled: dict[str, Callable[..., torch.Tensor]] = {}
+        self._dtypes: frozenset[torch.dtype] = frozenset()
         self._scratch: torch.Tensor | None = None
+
+    def _use_compiled(self, x: torch.Tensor) -> bool:
+        # Logits of a dtype that was not compiled would be traced in the middle of a step.
+        return x.dtype in self._dtypes and x.shape[0] > 1
 
     def _scratch_for(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
         """A reused fp32 buffer of at least rows x cols (fresh large tensors cost page
@@ -155,6 +160,7 @@ class RowKernels:
             logger.warning("sampler: compiling its row kernels failed; eager", exc_info=True)
             return time.perf_counter() - start
         self._compiled = fns
+        self._dtypes = frozenset(dtypes)
         return time.perf_counter() - start
 
     @staticmethod
@@ -194,7 +200,7 @@ class RowKernels:
     def scaled_max(
         self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor
     ) -> torch.Tensor:
-        if "scaled_max" in self._compiled and x.shape[0] > 1:
+        if self._use_compiled(x):
             return self._call("scaled_max", x, rows, temperature)
         xr = x if rows is None else x[rows]
         n, vocab = xr.shape
@@ -210,7 +216,7 @@ class RowKernels:
         thr_z: torch.Tensor,
         thr_id: torch.Tensor,
     ) -> torch.Tensor:
-        if "block_sums" in self._compiled and x.shape[0] > 1:
+        if self._use_compiled(x):
             return self._call("block_sums", x, rows, temperature, peak, thr_z, thr_id)
         xr = x if rows is None else x[rows]
         n, vocab = xr.shape
@@ -226,7 +232,7 @@ class RowKernels:
         vocab = x.shape[1]
         thr_z = torch.full((n,), float("-inf"), device=x.device)
         thr_id = torch.full((n,), vocab, dtype=torch.long, device=x.device)
-        if self._compiled and x.shape[0] > 1:
+        if self._use_compiled(x):
             peak = self.scaled_max(x, rows, temperature)
             return peak, self.block_sums(x, rows, temperature, peak, thr_z, thr_id)
         xr = x if rows is None else x[rows]

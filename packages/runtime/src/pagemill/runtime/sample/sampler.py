@@ -93,9 +93,10 @@ class Sampler:
         device: torch.device | str = "cpu",
         dtypes: tuple[torch.dtype, ...] = (torch.float32,),
     ) -> float:
-        """Compile the whole-row kernels for logits of `vocab` columns and these dtypes
-        (the model's, and fp32 for rows with penalties or bans); returns seconds. Until
-        then (and if compiling fails) the same kernels run eagerly."""
+        """Compile the whole-row kernels for logits of `vocab` columns and these dtypes;
+        returns seconds. Logits of other dtypes (fp32 copies of rows with penalties or
+        bans, when the model's are bf16), and all logits until then or if compiling
+        fails, run the same kernels eagerly."""
         return self._kernels.compile(vocab, torch.device(device), dtypes)
 
     @property
