@@ -9,8 +9,10 @@ step's phases are marked with `record_function` around the engine's own methods
 (monkeypatched on this process's objects: no source changes): scheduling, input
 preparation, the model forward, the LM head, sampling, and the rest of the step (output
 processing: scheduler update, outputs). Inside the forward, the profiler's ops are
-grouped by name into linears, attention, KV write, the compiled graph's own fused loops
-(norms, rotary, activation, residual adds: inductor's C++ kernels) and the rest. Graph
+grouped by name into linears, attention, KV write, the compiled graph's own C++ code
+(inductor's fused loops: norms, rotary, activation, residual adds, and the matmuls it
+lowers itself, e.g. `_weight_int8pack_mm` of Q8_0 layers: one profiler entry per graph
+call, not per kernel) and the rest. Graph
 breaks are dynamo's counters over the profiled steps.
 
 Printed per batch size: ms per step in each phase and category, with its share of the
@@ -40,7 +42,9 @@ FORWARD_GROUPS: list[tuple[str, tuple[str, ...]]] = [
         "linears",
         ("mm", "linear", "matmul", "gemm", "gguf", "int4", "int8", "qlinear", "onednn", "mkldnn"),
     ),
-    ("fused loops (norms, rotary, act.)", ("cpp_fused", "compiledfxgraph", "kernel_")),
+    # inductor's generated C++ (not an op the profiler sees): the fused norms, rotary,
+    # activations and residual adds, and any matmul inductor lowers itself (int8 weights)
+    ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
 ]
 
 
