@@ -130,6 +130,10 @@ class RowKernels:
         self._dtypes: frozenset[torch.dtype] = frozenset()
         self._scratch: torch.Tensor | None = None
 
+    def serves(self, dtype: torch.dtype) -> bool:
+        """Whether logits of `dtype` run compiled kernels."""
+        return dtype in self._dtypes
+
     def _use_compiled(self, x: torch.Tensor) -> bool:
         # Logits of a dtype that was not compiled would be traced in the middle of a step.
         return x.dtype in self._dtypes and x.shape[0] > 1

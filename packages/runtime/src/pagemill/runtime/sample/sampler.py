@@ -123,10 +123,12 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(sampled_token_ids=[], logprob_token_ids=None, logprobs=None)
         raw = logits
-        if logits.dtype != torch.float32 and _needs_fp32(metadata):
+        if logits.dtype != torch.float32 and (
+            _needs_fp32(metadata) or not self._kernels.serves(logits.dtype)
+        ):
             # Converted once into a reused buffer: on CPU, argmax, topk and division are
-            # several times slower on bf16 than on fp32 (the conversion is exact). The row
-            # kernels read any dtype, so batches that only they serve skip it.
+            # several times slower on bf16 than on fp32 (the conversion is exact). Compiled
+            # row kernels read their dtype as it is, so batches only they serve skip it.
             raw = self._scratch.get("raw", num_rows, vocab, logits.device).copy_(logits)
         # A converted copy is the sampler's own: bans and penalties may go into it unless
         # the logprobs still need the raw values.
