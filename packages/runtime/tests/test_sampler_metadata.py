@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import pagemill.runtime.sample.sampler as sampler_module
+from pagemill.runtime.sample.row_kernels import RowKernels
 from pagemill.runtime.sample.sampler import Sampler
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 from pagemill.runtime.sampling_params import SamplingParams
@@ -149,8 +149,12 @@ def _take(md: SamplingMetadata, rows: Sequence[int]) -> SamplingMetadata:
     )
 
 
-def _run(md: SamplingMetadata, logits: list[torch.Tensor]) -> list[list[int]]:
+def _run(
+    md: SamplingMetadata, logits: list[torch.Tensor], kernels: RowKernels | None = None
+) -> list[list[int]]:
     sampler = Sampler(seed=0)
+    if kernels is not None:  # compiled once, shared; the generator restarts from the seed
+        sampler._kernels = kernels
     return [sampler(x, md).sampled_token_ids for x in logits]
 
 
@@ -161,22 +165,22 @@ def _step_logits(rows: int, steps: int) -> list[torch.Tensor]:
     return [torch.randn(rows, VOCAB, generator=g) * scale for _ in range(steps)]
 
 
-@pytest.mark.parametrize("width_cap", [None, 4])
-def test_sliced_metadata_samples_like_fresh_metadata(
-    width_cap: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Also with a tiny first head: a row then races in the first or the second head
-    depending on its batch (the first head is as wide as the batch's largest top_k)."""
-    if width_cap is not None:
-        monkeypatch.setattr(sampler_module, "_HEAD_WIDTH_CAP", width_cap)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_sliced_metadata_samples_like_fresh_metadata(compiled: bool) -> None:
+    """A row's head is as wide as its batch's largest top_k, its rejection rounds are its
+    own: neither changes its tokens. Compiled, the row kernels serve any row count."""
+    kernels = None
+    if compiled:
+        kernels = RowKernels()
+        assert kernels.compile(VOCAB, torch.device("cpu"), (torch.float32,)) and kernels.compiled
     params = _params()
     everything = list(range(len(params)))
     logits = _step_logits(len(params), steps=4)
-    whole = _run(_fresh(params, everything), logits)
-    for rows in ([4, 2, 6, 0], [9, 10, 3, 7, 1], [5, 8]):
+    whole = _run(_fresh(params, everything), logits, kernels)
+    for rows in ([4, 2, 6, 0], [9, 10, 3, 7, 1], [5, 8], [2]):
         sub_logits = [x[rows] for x in logits]
-        sliced = _run(_take(_fresh(params, everything), rows), sub_logits)
-        alone = _run(_fresh(params, rows), sub_logits)
+        sliced = _run(_take(_fresh(params, everything), rows), sub_logits, kernels)
+        alone = _run(_fresh(params, rows), sub_logits, kernels)
         assert sliced == alone
         # and a row's token does not depend on which rows share its batch, nor where it sits
         assert sliced == [[step[r] for r in rows] for step in whole]

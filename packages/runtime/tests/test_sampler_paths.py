@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-import pagemill.runtime.sample.sampler as sampler_module
 from pagemill.runtime.sample.sampler import Sampler, apply_top_k_top_p_min_p
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
@@ -39,22 +38,17 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("width_cap", [None, 4])
-def test_sampled_tokens_are_always_kept_by_the_filters(
-    width_cap: int | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Also with a tiny cap on the first head, which sends many rows to a second one."""
-    if width_cap is not None:
-        monkeypatch.setattr(sampler_module, "_HEAD_WIDTH_CAP", width_cap)
+def test_sampled_tokens_are_always_kept_by_the_filters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixed batches: top-k rows race in their head, the others take the rejection rounds."""
     head_races = _count_calls(monkeypatch, "_race_head")
-    filtered_races = _count_calls(monkeypatch, "_race_filtered")
+    nucleus_draws = _count_calls(monkeypatch, "_draw_nucleus")
     vocab, rows = 1024, 96
     g = torch.Generator().manual_seed(3)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=g))]  # noqa: E731
     params = [
         SamplingParams(
             temperature=pick([0.3, 0.8, 1.5]),
-            top_k=pick([0, 3] if width_cap else [0, 3, 40]),
+            top_k=pick([0, 3, 40]),
             top_p=pick([1.0, 0.5, 0.9]),
             min_p=pick([0.0, 0.02, 0.3]),
             seed=pick([None, r]),
@@ -65,18 +59,15 @@ def test_sampled_tokens_are_always_kept_by_the_filters(
     md = _metadata(params)
     temperature = md.temperature.unsqueeze(1)
     sampler = Sampler(seed=1)
-    for _ in range(5):
-        # peaked enough that every row's head is narrow (the sort is for flat rows)
-        logits = torch.randn(rows, vocab, generator=g) * 8
+    for scale in (8, 8, 1, 1, 0.2):  # peaked to flat
+        logits = torch.randn(rows, vocab, generator=g) * scale
         kept = apply_top_k_top_p_min_p(
             logits / temperature, md.top_k, md.top_p, md.min_p, md.max_top_k
         ) != float("-inf")
         tokens = torch.tensor(sampler(logits, md).sampled_token_ids)
         assert kept[torch.arange(rows), tokens].all()
-    # every step raced within a head; with the tiny cap, some rows needed a second head
     assert len(head_races) >= 5
-    if width_cap is not None:
-        assert len(filtered_races) > 5
+    assert len(nucleus_draws) == 5
 
 
 # A narrow head (6 tokens that matter in a vocabulary of 1000): the head race, where
@@ -86,26 +77,21 @@ HEAD = torch.tensor([2.0, 1.4, 1.0, 0.3, -0.2, -1.0])
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "width_cap", "races"),
+    ("kwargs", "races"),
     [
-        ({"top_p": 0.8}, None, 1),
-        ({"min_p": 0.3}, None, 1),
-        ({"top_k": 3}, None, 1),
-        ({"top_k": 4, "top_p": 0.9, "min_p": 0.2}, None, 1),
-        # a first head of 2 tokens cannot hold the cut: every row races again in its own
-        ({"top_p": 0.8}, 2, 2),
+        ({"top_p": 0.8}, 0),  # no top-k: the rejection rounds (`_draw_nucleus`)
+        ({"min_p": 0.3}, 0),
+        ({"top_k": 3}, 1),
+        ({"top_k": 4, "top_p": 0.9, "min_p": 0.2}, 1),
     ],
 )
 @pytest.mark.parametrize("seeded", [False, True])
 def test_head_race_follows_the_filtered_distribution(
     kwargs: dict,
-    width_cap: int | None,
     races: int,
     seeded: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if width_cap is not None:
-        monkeypatch.setattr(sampler_module, "_HEAD_WIDTH_CAP", width_cap)
     head_races = _count_calls(monkeypatch, "_race_head")
     vocab, temperature = 1000, 0.9
     row = torch.full((vocab,), -30.0)

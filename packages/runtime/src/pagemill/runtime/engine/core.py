@@ -144,6 +144,13 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self._kv_events = KVEventsHook.create(config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
+        runner = self.model_runner
+        if self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
+            # For fp32 logits only (one graph per kernel): rows with penalties, bans or a
+            # grammar are converted to fp32 anyway, and converting the rest costs less
+            # than compiling a second set of graphs at every start.
+            seconds = self.sampler.compile(runner.vocab_size, self.device, (torch.float32,))
+            logger.info("compiled the sampler's row kernels in %.1f s", seconds)
         self.isolator = FaultIsolator(self.scheduler)
 
     def _start_workers(

@@ -12,14 +12,15 @@ live on the host).
 
 Random rows are drawn by inverse CDF in token-id order: one float64 uniform per row (a
 seeded row's from its own generator), the first token whose running sum of unnormalised
-probabilities exceeds u x the row's sum (block sums, then the block's own running sum; see
-`_inverse_cdf`). It needs no noise per vocab entry (generating that was most of a random
-row's cost), works on unnormalised masked rows, and because the order is the token ids, a
-seeded row draws the same token from a head of any width as from its whole row: its token
-depends only on its own logits and generator, never on which requests share the batch.
-Rows that top-k, top-p or min-p filter draw among their best tokens (the "head" found with
-`topk`, see `_filter_head`); flat rows, whose top-p/min-p head would be a sizeable part of
-the vocabulary, are drawn by rejection instead of a sort (`Sampler._draw_nucleus`).
+probabilities exceeds u x the row's sum (block sums, then the block's own running sum). It
+needs no noise per vocab entry and no sort, and because the order is the token ids, a
+seeded row's token depends only on its own logits and generator, never on which requests
+share the batch.
+
+Rows without top-k (plain temperature, top-p, min-p) are drawn from their whole row by the
+row kernels (`row_kernels`: fused, compiled at start-up by `Sampler.compile`), top-p by
+rejection rounds instead of a sort (`Sampler._draw_nucleus`). Top-k rows draw among their
+k best tokens, found with `topk` (`_filter_head`, `_race_head`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagemill.runtime.sample.row_kernels import BLOCK, RowKernels
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 
 __all__ = [
@@ -44,9 +46,6 @@ __all__ = [
 ]
 
 _TINY = torch.finfo(torch.float32).tiny
-# Head width for rows filtered by top-p or min-p alone (see _filter_head): topk costs grow
-# with the width (on 256 x 49152 fp32, 2 cores: 13 ms at 64, 26 ms at 256, 85 ms at 4096).
-_HEAD_WIDTH_CAP = 256
 _CUT_MARGIN = 1e-4
 
 
@@ -86,6 +85,23 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._scratch = _Scratch()
+        self._kernels = RowKernels()
+
+    def compile(
+        self,
+        vocab: int,
+        device: torch.device | str = "cpu",
+        dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    ) -> float:
+        """Compile the whole-row kernels for logits of `vocab` columns and these dtypes;
+        returns seconds. Logits of other dtypes (fp32 copies of rows with penalties or
+        bans, when the model's are bf16), and all logits until then or if compiling
+        fails, run the same kernels eagerly."""
+        return self._kernels.compile(vocab, torch.device(device), dtypes)
+
+    @property
+    def compiled(self) -> bool:
+        return self._kernels.compiled
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -107,9 +123,12 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(sampled_token_ids=[], logprob_token_ids=None, logprobs=None)
         raw = logits
-        if logits.dtype != torch.float32:
+        if logits.dtype != torch.float32 and (
+            _needs_fp32(metadata) or not self._kernels.serves(logits.dtype)
+        ):
             # Converted once into a reused buffer: on CPU, argmax, topk and division are
-            # several times slower on bf16 than on fp32 (the conversion is exact).
+            # several times slower on bf16 than on fp32 (the conversion is exact). Compiled
+            # row kernels read their dtype as it is, so batches only they serve skip it.
             raw = self._scratch.get("raw", num_rows, vocab, logits.device).copy_(logits)
         # A converted copy is the sampler's own: bans and penalties may go into it unless
         # the logprobs still need the raw values.
@@ -159,28 +178,34 @@ class Sampler:
         return x
 
     def _sample(self, x: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Tokens of a batch with random rows: rows filtered by top-k/top-p/min-p race in
-        their head, the other random rows over the whole vocabulary, greedy rows argmax."""
+        """Tokens of a batch with random rows: top-k rows race in their head (`topk`), the
+        other random rows are drawn from their whole row by the row kernels (with rejection
+        rounds for top-p), greedy rows argmax."""
         num_rows, vocab = x.shape
         random = None if md.all_random else ~_required(md.greedy, "greedy")
-        filtered = _filter_flags(md.top_k, md.top_p, md.min_p, vocab)
+        with_k = None if md.top_k is None else (md.top_k > 0) & (md.top_k < vocab)
+        if with_k is not None and not bool(with_k.any()):
+            with_k = None
         # An argmax over every row reads the logits once and copies nothing; picking the
         # greedy rows out first would copy them. Random rows' results are overwritten.
         tokens = x.argmax(dim=-1) if random is not None else None
         groups: list[tuple[torch.Tensor | None, bool]]
-        if filtered is None:
+        if with_k is None:
             groups = [(random, False)]
         elif random is None:
-            groups = [(filtered, True), (~filtered, False)]
+            groups = [(with_k, True), (~with_k, False)]
         else:
-            groups = [(filtered & random, True), (~filtered & random, False)]
-        for mask, is_filtered in groups:
+            groups = [(with_k & random, True), (~with_k & random, False)]
+        for mask, is_top_k in groups:
             rows = None if mask is None else mask.nonzero().squeeze(1)
             if rows is not None and rows.numel() == 0:
                 continue
             if rows is not None and rows.numel() == num_rows:
                 rows = None
-            drawn = self._sample_rows(x, md, rows, is_filtered)
+            if is_top_k:
+                drawn = self._sample_rows(x, md, rows)
+            else:
+                drawn = self._draw_nucleus(x, rows, md)
             if rows is None:
                 tokens = drawn
             else:
@@ -191,9 +216,9 @@ class Sampler:
         return tokens
 
     def _sample_rows(
-        self, x: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None, filtered: bool
+        self, x: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None
     ) -> torch.Tensor:
-        """Random tokens for `rows` of `x` (every row when None), in that order."""
+        """Random tokens for top-k `rows` of `x` (every row when None), in that order."""
 
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
             return t if rows is None or t is None else t.index_select(0, rows)
@@ -207,138 +232,101 @@ class Sampler:
             torch.div(x, temperature, out=z)
         else:
             torch.div(_take_rows(x, rows), temperature.index_select(0, rows), out=z)
-        if not filtered:
-            return self._race_full(z, gens)
-        return self._race_filtered(
-            z, pick(md.top_k), pick(md.top_p), pick(md.min_p), md.max_top_k, gens, _HEAD_WIDTH_CAP
-        )
+        top_k = _required(pick(md.top_k), "top_k")
+        return self._race_filtered(z, top_k, pick(md.top_p), pick(md.min_p), md.max_top_k, gens)
 
     def _race_filtered(
         self,
         z: torch.Tensor,
-        top_k: torch.Tensor | None,
+        top_k: torch.Tensor,
         top_p: torch.Tensor | None,
         min_p: torch.Tensor | None,
         max_top_k: int,
         gens: dict[int, torch.Generator],
-        width_cap: int | None,
     ) -> torch.Tensor:
-        """Tokens of rows that top-k, top-p or min-p filter; `z` is theirs to modify."""
+        """Tokens of top-k rows (with their top-p and min-p); `z` is theirs to modify."""
         vocab = z.shape[1]
-        aux = self._scratch.get("aux", z.shape[0], vocab, z.device)
-        head, wider = _filter_head(
-            z, top_k, top_p, min_p, max_top_k, aux, width_cap, split_flat=True
-        )
-        if head.flat is not None:
-            # Flat rows leave the head (its width was sized without them) for rejection.
-            flat = head.flat
-            rows = flat.nonzero().squeeze(1)
-            if wider is not None:
-                wider = wider & ~flat
-                wider = wider if bool(wider.any()) else None
-            head.drop |= flat.unsqueeze(1)  # their head entries are never drawn
-            others = (~flat).nonzero().squeeze(1)
-            tokens = torch.zeros(z.shape[0], dtype=torch.long, device=z.device)
-
-            def take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
-                return None if t is None else t.index_select(0, idx)
-
-            tokens[rows] = self._draw_nucleus(
-                _take_rows(z, rows),
-                take(top_p, rows),
-                take(min_p, rows),
-                _generators_of(gens, rows),
-            )
-            if others.numel():
-                tokens[others] = self._race_filtered(
-                    _take_rows(z, others),
-                    take(top_k, others),
-                    take(top_p, others),
-                    take(min_p, others),
-                    max_top_k,
-                    _generators_of(gens, others),
-                    width_cap,
-                )
-            return tokens
-        if wider is None:
-            if head.order.shape[1] < vocab:
-                return self._race_head(head, gens, vocab)
-            # A head as wide as the vocabulary (it was sorted): mask the rows in place and
-            # race over them like unfiltered rows, rather than in sorted order with
-            # [rows, vocab] index and weight tensors on the side.
-            z.masked_fill_(_head_mask(head, None, vocab), float("-inf"))
-            return self._race_full(z, gens)
-        # Rows whose filters may keep more than the capped head: the others race now, these
-        # on their own with a head sized for them alone. Their seeded generators draw only
-        # there, so a row's stream never depends on which pass its batch put it in.
-        rows = wider.nonzero().squeeze(1)
-        later = set(rows.tolist())
-        tokens = self._race_head(head, {p: g for p, g in gens.items() if p not in later}, vocab)
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.index_select(0, rows)
-
-        tokens[rows] = self._race_filtered(
-            _take_rows(z, rows),
-            pick(top_k),
-            pick(top_p),
-            pick(min_p),
-            max_top_k,
-            _generators_of(gens, rows),
-            None,
-        )
-        return tokens
+        head, _ = _filter_head(z, top_k, top_p, min_p, max_top_k, None)
+        if head.order.shape[1] < vocab:
+            return self._race_head(head, gens, vocab)
+        # A head as wide as the vocabulary (it was sorted): mask the rows in place and
+        # race over them like unfiltered rows, rather than in sorted order with
+        # [rows, vocab] index and weight tensors on the side.
+        z.masked_fill_(_head_mask(head, None, vocab), float("-inf"))
+        return self._race_full(z, gens)
 
     def _draw_nucleus(
-        self,
-        z: torch.Tensor,
-        top_p: torch.Tensor | None,
-        min_p: torch.Tensor | None,
-        gens: dict[int, torch.Generator],
+        self, x: torch.Tensor, rows: torch.Tensor | None, md: SamplingMetadata
     ) -> torch.Tensor:
-        """Tokens of flat rows filtered by top-p and/or min-p (no top-k), without ordering
-        the vocabulary: rejection sampling, as FlashInfer's top-p sampling does.
+        """Tokens of random `rows` of `x` (all when None) without top-k, drawn from their
+        whole rows after top-p and min-p: rejection sampling, as FlashInfer's top-p
+        sampling does, with no sort and no [rows, vocab] result.
 
-        Draw a token s from the min-p set; top-p keeps s iff the mass ranked above it (every
-        larger probability, and equal ones of smaller token id: a sort's order, ties broken
-        by id) is below top_p of the row. Accepted draws follow the filtered distribution
-        exactly (the conditional of a draw on acceptance). A rejected s cannot be kept, nor
-        anything ranked below it, so the next round draws only among the tokens above it:
-        at least one token fewer each round, and a round accepts with probability at least
-        top_p of what is left. Each round costs a few passes over the row and one uniform,
-        a seeded row's from its own generator. `z` is the rows' scaled logits, theirs to modify.
+        A round draws a token s among the candidates (at first the whole row) by inverse
+        CDF: block sums from the row kernels, then a running sum inside the chosen block.
+        Both filters keep a prefix of the ranking (larger logits first, equal ones by
+        smaller token id: a sort's order): min-p keeps s iff its probability reaches
+        min_p of the largest, top-p iff the mass ranked above s is below top_p of the
+        row's mass (HF's order: top-p measures the whole row, min-p applies after it).
+        That mass is what the next round's candidates weigh, the tokens ranked above s,
+        so one `block_sums` per round both tests a draw and prepares the next. A rejected
+        s cannot be kept, nor anything ranked below it; accepted draws follow the filtered
+        distribution exactly (the conditional of a draw on its acceptance). Rounds, draws
+        and uniforms (a seeded row's from its own generator) depend only on the row
+        itself, never on its batch.
         """
-        rows, vocab = z.shape
-        w = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # probability / the row's largest
-        if top_p is None:
-            limit = torch.full((rows,), float("inf"), dtype=torch.float64, device=z.device)
-        else:
-            limit = w.sum(dim=-1).double() * top_p.double()
-        cand = w if min_p is None else w.masked_fill(w < min_p.unsqueeze(1), 0.0)
-        ids = torch.arange(vocab, device=z.device).unsqueeze(0)
-        tokens = torch.empty(rows, dtype=torch.long, device=z.device)
-        active = torch.arange(rows, device=z.device)
-        while active.numel():
-            s = _inverse_cdf(
-                cand, self._uniforms(active.numel(), _generators_of(gens, active), z.device)
-            ).unsqueeze(1)
-            wa = w if active.numel() == rows else _take_rows(w, active)
-            ws = wa.gather(1, s)
-            mass = torch.where(wa > ws, wa, 0.0).sum(dim=-1).double()
-            ties = (wa == ws).sum(dim=-1)
-            if bool((ties > 1).any()):  # equal probabilities rank by token id
-                before = ((wa == ws) & (ids < s)).sum(dim=-1)
-                mass += ws.squeeze(1).double() * before
-            ok = mass < limit.index_select(0, active)
-            tokens[active[ok]] = s.squeeze(1)[ok]
+        vocab = x.shape[1]
+        count = x.shape[0] if rows is None else rows.numel()
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if rows is None or t is None else t.index_select(0, rows)
+
+        device = x.device
+        temperature = _required(pick(md.temperature), "temperature")
+        top_p, min_p = pick(md.top_p), pick(md.min_p)
+        gens = _generators_of(md.generators, rows)
+        kernels = self._kernels
+        peak, sums = kernels.first_round(x, rows, temperature)
+        thr_z = torch.full((count,), float("-inf"), device=device)
+        thr_id = torch.full((count,), vocab, dtype=torch.long, device=device)
+        limit = None
+        if top_p is not None:
+            limit = sums.double().sum(dim=-1) * top_p.double()
+            limit = torch.where(top_p < 1.0, limit, float("inf"))
+        tokens = torch.empty(count, dtype=torch.long, device=device)
+        active = torch.arange(count, device=device)  # positions still drawing
+        act_rows = rows  # their rows in x (None: all rows, in order)
+        while True:
+            a_gens = gens if active.numel() == count else _generators_of(gens, active)
+            u = self._uniforms(active.numel(), a_gens, device)
+            t_a, peak_a = temperature[active], peak[active]
+            s = _pick_in_blocks(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
+            if limit is None and min_p is None:
+                tokens[active] = s
+                break
+            x_rows = x if act_rows is None else x[act_rows]
+            zs = x_rows.gather(1, s.unsqueeze(1)).squeeze(1).float() / t_a
+            ok = torch.ones_like(s, dtype=torch.bool)
+            if min_p is not None:
+                ok &= torch.exp(zs - peak_a) >= min_p[active]
+            above = None
+            if limit is not None:
+                above = kernels.block_sums(x, act_rows, t_a, peak_a, zs, s)
+                ok &= above.double().sum(dim=-1) < limit[active]
+            tokens[active[ok]] = s[ok]
             rejected = ~ok
             if not bool(rejected.any()):
                 break
-            wr, sr = wa[rejected], s[rejected]
-            wsr = wr.gather(1, sr)
-            above = (wr > wsr) | ((wr == wsr) & (ids < sr))
-            cand = cand[rejected].masked_fill_(~above, 0.0)
+            if above is None:
+                r_rows = active[rejected] if rows is None else rows[active[rejected]]
+                sums = kernels.block_sums(
+                    x, r_rows, t_a[rejected], peak_a[rejected], zs[rejected], s[rejected]
+                )
+            else:
+                sums = above[rejected]
             active = active[rejected]
+            thr_z[active], thr_id[active] = zs[rejected], s[rejected]
+            act_rows = active if rows is None else rows[active]
         return tokens
 
     def _uniforms(
@@ -384,6 +372,54 @@ def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     ):
         return t
     return t[rows]
+
+
+def _needs_fp32(md: SamplingMetadata) -> bool:
+    """Whether low-precision logits are converted before sampling: greedy rows (argmax),
+    top-k rows (topk) and logprobs are faster on fp32; the row kernels read any dtype."""
+    return not md.all_random or md.top_k is not None or md.max_num_logprobs is not None
+
+
+def _pick_in_blocks(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    sums: torch.Tensor,
+    u: torch.Tensor,
+    temperature: torch.Tensor,
+    peak: torch.Tensor,
+    thr_z: torch.Tensor,
+    thr_id: torch.Tensor,
+) -> torch.Tensor:
+    """[n] token ids: per row, the first candidate whose running weight exceeds u x the
+    row's candidate mass, from the row kernels' `sums` ([n, blocks]) and the chosen
+    block's own weights, recomputed here as `row_kernels.block_sums` computes them.
+
+    Sums are float64 from the blocks on. Rounding may put the target past the last block
+    (or column) with any weight: it then takes that last one; a weight of 0 is never
+    chosen.
+    """
+    n, nb = sums.shape
+    vocab = x.shape[1]
+    cum = sums.double().cumsum(dim=-1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    b = torch.searchsorted(cum, target, right=True)
+    idx = torch.arange(nb, device=x.device)
+    b = torch.minimum(b, torch.where(sums > 0, idx, 0).amax(dim=-1, keepdim=True))
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
+    cols = b * BLOCK + torch.arange(BLOCK, device=x.device)
+    valid = cols < vocab
+    cols = cols.clamp_max(vocab - 1)
+    row_ids = torch.arange(n, device=x.device) if rows is None else rows
+    z = x[row_ids.unsqueeze(1), cols].float() / temperature.unsqueeze(1)
+    w = torch.exp(z - peak.unsqueeze(1))
+    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
+    keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
+    w = torch.where(keep, w, 0.0)
+    icum = w.double().cumsum(dim=-1)
+    j = torch.searchsorted(icum, target - before, right=True)
+    inner = torch.arange(BLOCK, device=x.device)
+    j = torch.minimum(j, torch.where(w > 0, inner, 0).amax(dim=-1, keepdim=True))
+    return (b * BLOCK + j).squeeze(1)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -607,8 +643,6 @@ class _Head:
     """[rows, width] bool."""
     rel_probs: torch.Tensor
     """[rows, width] fp32: each token's probability divided by its row's largest."""
-    flat: torch.Tensor | None = None
-    """[rows] bool or None: rows left out of the head (`split_flat`), drawn by rejection."""
 
 
 def _filter_flags(
@@ -634,7 +668,6 @@ def _filter_head(
     max_top_k: int,
     scratch: torch.Tensor | None,
     width_cap: int | None = None,
-    split_flat: bool = False,
 ) -> tuple[_Head, torch.Tensor | None]:
     """What top-k, then top-p, then min-p keep of each row of `z` (logits / temperature).
 
@@ -659,11 +692,6 @@ def _filter_head(
     head are done: a top-p row whose head holds top_p of the mass, a min-p row whose last
     head token is below min_p. The rows left over are returned as a mask (None when there
     are none) for a second, uncapped head of their own.
-
-    With `split_flat` (and a `width_cap`), rows without top-k whose head could exceed a
-    quarter of the vocabulary and whose cut is not within their `width_cap` best tokens
-    (flat rows: only a full sort would order them) are marked in `head.flat` for
-    `_draw_nucleus`. Which rows are flat depends on each row alone, never on its batch.
     """
     vocab = z.shape[1]
     use_k: torch.Tensor | None = None
@@ -682,7 +710,6 @@ def _filter_head(
         counted = counted & ~use_k
     total = None  # the sum of rel_probs over the whole row, for top-p rows without top-k
     num_candidates = None
-    flat_rows: torch.Tensor | None = None
     if counted is not None and bool(counted.any()):
         rel = torch.sub(z, z.amax(dim=-1, keepdim=True), out=scratch).exp_()
         total = rel.sum(dim=-1, keepdim=True)
@@ -735,21 +762,7 @@ def _filter_head(
     drop[:, 0] = False
     if min_p is not None:
         drop |= rel_probs < min_p.unsqueeze(1)
-    if split_flat and width_cap is not None and num_candidates is not None and counted is not None:
-        flat = counted & (num_candidates > vocab // 4)
-        if bool(flat.any()):
-            # ... unless the cut falls within their `width_cap` best tokens (the head holds
-            # at least those: their need was capped there), as for `wider` below.
-            cap = min(width_cap, width)
-            inside = torch.zeros_like(flat)
-            if total is not None and top_p is not None and use_p is not None:
-                cap_mass = rel_probs[:, :cap].sum(dim=-1) / total.squeeze(1)
-                inside |= use_p & (cap_mass >= top_p + _CUT_MARGIN)
-            if min_p is not None and use_m is not None:
-                inside |= use_m & (rel_probs[:, cap - 1] < min_p * (1.0 - _CUT_MARGIN))
-            flat &= ~inside
-            flat_rows = flat if bool(flat.any()) else None
-    head = _Head(order=order, drop=drop, rel_probs=rel_probs, flat=flat_rows)
+    head = _Head(order=order, drop=drop, rel_probs=rel_probs)
     if num_candidates is None or counted is None or width == vocab:
         return head, None
     wider = counted & (num_candidates > width)
