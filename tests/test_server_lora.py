@@ -117,6 +117,25 @@ def test_model_field_picks_the_adapter(live) -> None:
     assert _complete(live["url"], MODEL, prompt) == _greedy_text(live["base"], tok, prompt, 8)
 
 
+def test_responses_name_the_adapter_that_answered(live) -> None:
+    """As vLLM: a response's `model` is the adapter's name when the request named one."""
+    client = _client(live["url"])
+    for model in ("a1", MODEL):
+        r = client.completions.create(model=model, prompt=[5, 17, 42], max_tokens=2)
+        assert r.model == model
+        c = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert c.model == model
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                stream=True,
+            )
+        )  # fmt: skip
+        assert chunks and all(ch.model == model for ch in chunks)
+
+
 def test_unknown_model_is_a_404_in_openais_shape(live) -> None:
     with pytest.raises(openai.NotFoundError) as exc:
         _complete(live["url"], "no-such-adapter", [1, 2, 3])

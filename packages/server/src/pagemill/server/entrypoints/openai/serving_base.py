@@ -156,6 +156,13 @@ class ServingBase:
                 code="model_not_found",
             )
 
+    def response_model(self, model: str | None) -> str:
+        """The name a response reports: the adapter's when the request named one (as vLLM
+        does, so a client can tell which adapter answered), else the served model's."""
+        if model is not None and self.lora_request(model) is not None:
+            return model
+        return self.served_model_name
+
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model)."""
         return None if self.loras is None else self.loras.get(model)

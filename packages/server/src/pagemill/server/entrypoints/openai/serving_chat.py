@@ -281,7 +281,7 @@ class ChatServing(ServingBase):
         n_prompt, n_completion = usage_counts([final])
         return ChatCompletionResponse(
             id=request_id,
-            model=self.served_model_name,
+            model=self.response_model(req.model),
             choices=choices,
             prompt_logprobs=prompt_logprobs_field(
                 self.tokenizer, final.prompt_logprobs, req.prompt_logprobs or 0
@@ -339,7 +339,7 @@ class ChatServing(ServingBase):
                 "id": request_id,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.served_model_name,
+                "model": self.response_model(req.model),
                 "choices": [
                     {
                         "index": index,
@@ -398,7 +398,7 @@ class ChatServing(ServingBase):
                     "id": request_id,
                     "object": "chat.completion.chunk",
                     "created": created,
-                    "model": self.served_model_name,
+                    "model": self.response_model(req.model),
                     "choices": [],
                     "usage": usage(n_prompt, n_completion, n_cached).model_dump(),
                 }

@@ -81,7 +81,7 @@ class CompletionServing(ServingBase):
         n_prompt, n_completion = usage_counts(finals)
         return CompletionResponse(
             id=request_id,
-            model=self.served_model_name,
+            model=self.response_model(req.model),
             choices=choices,
             usage=usage(n_prompt, n_completion, sum(cached_tokens(o) for o in finals)),
         )
@@ -153,7 +153,7 @@ class CompletionServing(ServingBase):
                 "id": request_id,
                 "object": "text_completion",
                 "created": created,
-                "model": self.served_model_name,
+                "model": self.response_model(req.model),
                 "choices": [
                     {
                         "index": index,
@@ -206,7 +206,7 @@ class CompletionServing(ServingBase):
                     "id": request_id,
                     "object": "text_completion",
                     "created": created,
-                    "model": self.served_model_name,
+                    "model": self.response_model(req.model),
                     "choices": [],
                     "usage": usage_now(),
                 }
