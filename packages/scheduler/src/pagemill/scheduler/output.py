@@ -9,6 +9,7 @@ per step cheap to build.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,10 @@ class ScheduledRequest:
     admission or a re-admission after preemption: the table and the computed prefix start
     over, so a runner that keeps per-request state must (re)build it from `request` rather
     than patch what it had. `request` is read-only to the runner.
+
+    `spec_token_ids` are the draft tokens (speculative decoding) this step verifies: they
+    are the last `len(spec_token_ids)` entries of `token_ids`, past the request's own
+    tokens, and a request with drafts samples at each of them and after the last.
     """
 
     request_id: str
@@ -39,6 +44,7 @@ class ScheduledRequest:
     sample: bool
     is_new: bool
     request: Request
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def num_new_blocks(self) -> int:
