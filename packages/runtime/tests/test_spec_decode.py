@@ -248,3 +248,26 @@ def test_seeded_sampling_with_ngram_repeats(tiny_llama, random_prompts) -> None:
 
     assert run() == run()
     assert llm.llm_engine.get_stats().spec_num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_compiled_step_verifies_drafts(tiny_qwen2, hf_greedy, random_prompts) -> None:
+    """The compiled forward (dynamic token counts) runs the verify steps too."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    folder, model = tiny_qwen2
+    prompts = _repetitive(random_prompts, model.config.vocab_size)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = LLM(
+            str(folder),
+            dtype="float32",
+            max_num_batched_tokens=64,
+            kv_cache_memory_bytes=4 << 20,
+            speculative_config=NGRAM,
+        )
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    _check(llm, model, prompts, [40, 36, 40, 40], hf_greedy)
