@@ -97,7 +97,7 @@ def test_budget_and_max_model_len_trim_drafts() -> None:
 
 def test_preemption_drops_drafts_and_recomputes() -> None:
     # 4 blocks of 4 tokens: two requests of 7 tokens each fill them; drafts need more.
-    s, kv = make(num_blocks=5)
+    s, _ = make(num_blocks=5)
     a = Request("a", [1] * 7, eos_token_id=EOS)
     b = Request("b", [3] * 7, eos_token_id=EOS)
     s.add_request(a)

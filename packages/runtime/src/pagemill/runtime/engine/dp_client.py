@@ -24,9 +24,8 @@ the others keep serving. The client is dead only when every core is.
 
 from __future__ import annotations
 
-import itertools
-
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
