@@ -136,7 +136,9 @@ class EngineCore:
         self.sampler = Sampler(seed=config.seed)
         self.isolator = FaultIsolator(self.scheduler)
         # Speculative decoding (None when off): drafts after each step, verified in the next.
-        self.spec = SpecDecoding.create(config, RejectionSampler(self.sampler, config.seed))
+        self.spec = SpecDecoding.create(
+            config, RejectionSampler(self.sampler, config.seed), self, model_path
+        )
 
     def _start_workers(
         self,

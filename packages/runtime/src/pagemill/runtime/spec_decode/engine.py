@@ -11,7 +11,10 @@ from pagemill.runtime.spec_decode.metrics import SpecDecodingStats
 from pagemill.runtime.spec_decode.proposer import Proposer, SpecDecoder
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.sample.rejection_sampler import RejectionSampler
     from pagemill.runtime.worker.model_runner import ModelRunnerOutput
     from pagemill.scheduler import Scheduler
@@ -36,11 +39,40 @@ class SpecDecoding:
         cls,
         config: EngineConfig,
         rejection_sampler: RejectionSampler,
-        proposer: Proposer | None = None,
+        core: EngineCore | None = None,
+        model_path: Path | None = None,
     ) -> SpecDecoding | None:
+        """None when speculation is off; a draft model is loaded here (next to the
+        target `core`, whose folder is `model_path`)."""
         if config.speculative_config is None:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
+        proposer: Proposer | None = None
+        if spec.method == "draft_model":
+            assert core is not None and model_path is not None and spec.model is not None
+            if core.tp is not None:
+                raise ValueError(
+                    "speculative_config.model: a draft model is single-device for now; "
+                    "use tensor_parallel_size=1 or method 'ngram'"
+                )
+            from pagemill.runtime.spec_decode.draft_model import DraftModelProposer
+
+            sched = core.scheduler.config
+            proposer = DraftModelProposer.load(
+                spec.model,
+                spec.num_speculative_tokens,
+                target_path=model_path,
+                target_config=core.model_config,
+                device=core.device,
+                dtype=core.dtype,
+                block_size=config.cache.block_size,
+                num_blocks=core.num_blocks,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_model_len=core.max_model_len,
+                load_format=config.load_format,
+                seed=config.seed,
+            )
         logger.info(
             "speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens
         )
@@ -48,7 +80,8 @@ class SpecDecoding:
 
     def after_step(self, scheduler: Scheduler) -> None:
         """Propose the running requests' drafts for the next step."""
-        drafts = self.decoder.propose(scheduler.running, len(scheduler.running))
+        running = scheduler.running
+        drafts = self.decoder.propose(running, len(running), {r.request_id for r in running})
         if drafts:
             scheduler.update_draft_token_ids(drafts)
 

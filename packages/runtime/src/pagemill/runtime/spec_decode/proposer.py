@@ -11,7 +11,7 @@ allowed ids) verifies at every position the way one step samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol
 
 from pagemill.runtime.sampling_params import SamplingParams
@@ -21,7 +21,29 @@ from pagemill.scheduler import Request, RequestStatus
 
 
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int]) -> list[int]: ...
+    def propose_requests(
+        self, requests: Sequence[Request], rooms: Sequence[int], live: Collection[str]
+    ) -> dict[str, list[int]]:
+        """Up to rooms[i] drafts for each request; `live` holds every unfinished id (a
+        proposer with per-request state drops the others')."""
+        ...
+
+
+class NgramRequests:
+    """The n-gram proposer over a batch (it needs no state)."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+
+    def propose_requests(
+        self, requests: Sequence[Request], rooms: Sequence[int], live: Collection[str]
+    ) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {}
+        for req, room in zip(requests, rooms):
+            tokens = self.proposer.propose(req.all_token_ids)[:room]
+            if tokens:
+                drafts[req.request_id] = tokens
+        return drafts
 
 
 def speculates(request: Request) -> bool:
@@ -48,17 +70,24 @@ class SpecDecoder:
         if proposer is None:
             if config.method != "ngram":
                 raise ValueError(f"no proposer given for method {config.method!r}")
-            proposer = NgramProposer(
-                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            proposer = NgramRequests(
+                NgramProposer(
+                    config.num_speculative_tokens,
+                    config.prompt_lookup_min,
+                    config.prompt_lookup_max,
+                )
             )
         self.proposer = proposer
 
-    def propose(self, running: Iterable[Request], num_running: int) -> dict[str, list[int]]:
+    def propose(
+        self, running: Iterable[Request], num_running: int, live: Collection[str]
+    ) -> dict[str, list[int]]:
         cap = self.config.disable_by_batch_size
         if cap and num_running >= cap:
             return {}
         k = self.config.num_speculative_tokens
-        drafts: dict[str, list[int]] = {}
+        chosen: list[Request] = []
+        rooms: list[int] = []
         for req in running:
             # Decoding (all but the newest token computed) and allowed to speculate.
             if req.status != RequestStatus.RUNNING:
@@ -70,7 +99,6 @@ class SpecDecoder:
                 room = min(room, req.max_tokens - req.num_output_tokens - 1)
             if room <= 0:
                 continue
-            tokens = self.proposer.propose(req.all_token_ids)[:room]
-            if tokens:
-                drafts[req.request_id] = tokens
-        return drafts
+            chosen.append(req)
+            rooms.append(room)
+        return self.proposer.propose_requests(chosen, rooms, live)
