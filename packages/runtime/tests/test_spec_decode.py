@@ -271,3 +271,84 @@ def test_compiled_step_verifies_drafts(tiny_qwen2, hf_greedy, random_prompts) ->
         )
     assert llm.llm_engine.engine_core.model_runner.compiled
     _check(llm, model, prompts, [40, 36, 40, 40], hf_greedy)
+
+
+# ---- draft model --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(tiny_qwen2, tmp_path_factory) -> str:
+    """The target without its last layer (transformers' own copy, tokenizer alongside): a
+    draft that agrees with the target often, not always."""
+    import shutil
+
+    import transformers
+
+    folder, _ = tiny_qwen2
+    draft = tmp_path_factory.mktemp("draft-2-layers")
+    m = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    m.model.layers = m.model.layers[:2]
+    m.config.num_hidden_layers = 2
+    if getattr(m.config, "layer_types", None):
+        m.config.layer_types = m.config.layer_types[:2]
+    m.save_pretrained(draft)
+    for f in folder.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, draft / f.name)
+    return str(draft)
+
+
+def _draft_llm(target, draft: str, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
+    return LLM(
+        str(target),
+        dtype="float32",
+        max_num_batched_tokens=32,
+        speculative_config={"model": draft, "num_speculative_tokens": 3},
+        **kw,
+    )
+
+
+def _greedy_equal(llm, model, prompts, max_tokens, hf_greedy) -> None:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, max_tokens)
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_qwen2, hf_greedy, random_prompts) -> None:
+    folder, model = tiny_qwen2
+    prompts = random_prompts([10, 30, 7, 50], model.config.vocab_size, seed=3)
+    llm = _draft_llm(folder, str(folder))
+    _greedy_equal(llm, model, prompts, 20, hf_greedy)
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_truncated_draft_accepts_some_and_output_is_unchanged(
+    tiny_qwen2, truncated_draft, hf_greedy, random_prompts
+) -> None:
+    folder, model = tiny_qwen2
+    prompts = random_prompts([10, 30, 7, 50], model.config.vocab_size, seed=3)
+    llm = _draft_llm(folder, truncated_draft)
+    _greedy_equal(llm, model, prompts, 20, hf_greedy)
+    stats = llm.llm_engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+
+
+def test_draft_model_survives_preemption(
+    tiny_qwen2, truncated_draft, hf_greedy, random_prompts
+) -> None:
+    folder, model = tiny_qwen2
+    prompts = random_prompts([30, 34, 52, 30], model.config.vocab_size, seed=4)
+    llm = _draft_llm(folder, truncated_draft, max_model_len=128, kv_cache_memory_bytes=8 * 12288)
+    _greedy_equal(llm, model, prompts, 40, hf_greedy)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_qwen2, build_tiny_model, tmp_path) -> None:
+    folder, _ = tiny_qwen2
+    build_tiny_model(tmp_path / "other", "qwen2", vocab_size=400)
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary"):
+        _draft_llm(folder, str(tmp_path / "other"))

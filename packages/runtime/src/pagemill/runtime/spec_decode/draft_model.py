@@ -40,6 +40,8 @@ _GREEDY = SamplingParams(temperature=0.0)
 class _DraftState:
     shadow: Request  # the draft cache's view: tokens whose KV it holds, and its progress
     new: bool = True  # its block table has not reached the runner yet
+    # Leading tokens that are the request's own (not drafts): they never change.
+    num_real: int = 0
 
 
 def check_same_vocabulary(
@@ -160,11 +162,12 @@ class DraftModelProposer:
         # Valid cache: the longest prefix its tokens share with the request's.
         have = shadow.all_token_ids
         valid = min(shadow.num_computed_tokens, len(tokens))
-        for i in range(valid):
+        for i in range(min(state.num_real, valid), valid):
             if have[i] != tokens[i]:
                 valid = i
                 break
         shadow.all_token_ids = list(tokens)
+        state.num_real = len(tokens)
         shadow.num_computed_tokens = valid
         n = min(len(tokens) - valid, budget)
         if n <= 0:  # everything but nothing is cached: recompute the last token
@@ -216,5 +219,6 @@ class DraftModelProposer:
 
     def _drop(self, rid: str) -> None:
         del self.states[rid]
-        self.kv.free(rid)
+        if self.kv.has_request(rid):  # none when its first allocation failed
+            self.kv.free(rid)
         self._finished.append(rid)
