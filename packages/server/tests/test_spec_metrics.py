@@ -51,3 +51,15 @@ def test_spec_decode_counters_follow_the_engine_totals() -> None:
     assert samples[("pagemill:spec_decode_num_drafts_total", own)] == 5
     assert samples[("pagemill:spec_decode_acceptance_rate", own)] == 9 / 15
     assert samples[("pagemill:spec_decode_mean_accepted_length", own)] == 1 + 9 / 5
+
+
+def test_dashboard_series_shows_acceptance_per_bucket() -> None:
+    from pagemill.server.dashboard.series import SeriesRecorder
+
+    rec = SeriesRecorder(bucket_s=1.0, clock=lambda: 0.0)
+    rec.add_step(engine(0, 0, 0, []).get_stats(), None, 0.01, now=0.1)
+    rec.add_step(engine(2, 8, 2, [2]).get_stats(), None, 0.01, now=0.5)
+    [first] = rec.add_step(engine(4, 16, 8, [4, 2]).get_stats(), None, 0.01, now=1.2)
+    assert first["spec_accept"] == 25.0  # 2 of 8 drafted in the first second
+    [second] = rec.flush(now=2.1)
+    assert second["spec_accept"] == 75.0  # 6 of the next 8
