@@ -352,3 +352,30 @@ def test_draft_with_another_vocabulary_is_refused(tiny_qwen2, build_tiny_model, 
     build_tiny_model(tmp_path / "other", "qwen2", vocab_size=400)
     with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary"):
         _draft_llm(folder, str(tmp_path / "other"))
+
+
+@pytest.mark.slow  # the grammar worker's start-up dominates (minutes on a loaded 2-core box)
+def test_structured_output_requests_decode_without_drafts(tiny_llama) -> None:
+    """A constrained request next to speculating ones: it never gets drafts, so every one of
+    its tokens is masked by its grammar and its output matches it exactly."""
+    import re
+
+    from pagemill.runtime.sample.structured_output.params import StructuredOutputsParams
+
+    folder, _ = tiny_llama
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
+              speculative_config=NGRAM)  # fmt: skip
+    prompt = "hello world hello world hello world hello"
+    regex = r"(fox|dog) [0-9]{2}"
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=regex)
+        ),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    constrained, free = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert re.fullmatch(regex, constrained.outputs[0].text)
+    stats = llm.llm_engine.get_stats()
+    # Only the free request drafted: at most one draft per step of its 29 decode steps.
+    assert 0 < stats.spec_num_drafts <= 29
+    assert len(free.outputs[0].token_ids) == 30

@@ -63,3 +63,21 @@ def test_dashboard_series_shows_acceptance_per_bucket() -> None:
     assert first["spec_accept"] == 25.0  # 2 of 8 drafted in the first second
     [second] = rec.flush(now=2.1)
     assert second["spec_accept"] == 75.0  # 6 of the next 8
+
+
+def test_speculative_config_flag_reaches_the_engine_config() -> None:
+    import pytest
+
+    from pagemill.server import cli
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    args = cli.parse_args(["serve", "some/model", "--speculative-config", spec])
+    assert cli.engine_config(args).speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3,
+    }
+    eagle = '{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}'
+    args = cli.parse_args(["serve", "some/model", "--speculative-config", eagle])
+    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
+        cli.engine_config(args)
