@@ -158,8 +158,10 @@ class EngineConfig:
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding, as JSON in vLLM's spelling: '{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}' drafts from
-    earlier occurrences of the context's last tokens. Greedy output is unchanged token for
-    token and sampling keeps its distribution; EAGLE/EAGLE-3 are refused (not supported yet)."""
+    earlier occurrences of the context's last tokens; '{"model": PATH,
+    "num_speculative_tokens": 3}' from a smaller model with the same vocabulary. Greedy output
+    is unchanged token for token and sampling keeps its distribution; EAGLE/EAGLE-3 are
+    refused (not supported yet)."""
 
     data_parallel_size: int = 1
     """Run this many engine cores (each its own process, the CPU threads split between
