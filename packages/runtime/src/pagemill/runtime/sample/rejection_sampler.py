@@ -151,16 +151,9 @@ class RejectionSampler:
         ids = rows.tolist()
         accept = torch.empty(n, dtype=torch.float64, device=device)
         resid = torch.empty(n, dtype=torch.float64, device=device)
-        # Group the rows of each request (its rows are consecutive in the batch).
-        starts: list[int] = []
-        s = 0
-        for c in counts:
-            starts.append(s)
-            s += c
-        owner = {}
-        for req, (start, c) in enumerate(zip(starts, counts)):
-            for r in range(start, start + c):
-                owner[r] = req
+        # The request of each draft row (a request's rows are consecutive), then the
+        # positions in `rows` of each request's random rows.
+        owner = [req for req, c in enumerate(counts) for _ in range(c)]
         by_req: dict[int, list[int]] = {}
         for pos, r in enumerate(ids):
             by_req.setdefault(owner[r], []).append(pos)
