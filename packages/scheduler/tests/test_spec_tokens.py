@@ -5,6 +5,8 @@ token by token, drafts dropped on preemption and capped by the budget and max_mo
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagemill.blockpool import KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -119,3 +121,125 @@ def test_drafts_for_requests_not_running_are_ignored() -> None:
     s.add_request(Request("w", [1, 2, 3], eos_token_id=EOS))
     s.update_draft_token_ids({"w": [5], "gone": [6]})
     assert s.get_request("w").spec_token_ids == []
+
+
+# ---- a property: speculation never changes what plain decoding gives -----------------------
+
+VOCAB = 11
+
+
+def target_next(tokens: list[int]) -> int:
+    """A deterministic stand-in for the model's greedy choice after `tokens`."""
+    return (sum(tokens[-3:]) * 7 + len(tokens)) % VOCAB + 3
+
+
+def run(prompts, max_tokens, drafts_of, num_blocks, budget, prefix) -> tuple[dict, int]:
+    """Drive the scheduler with a fake runner: KV is written per slot and every context
+    read back through the block table; drafts are verified against `target_next`."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=prefix)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=64), kv)
+    for i, p in enumerate(prompts):
+        s.add_request(Request(f"r{i}", p, max_tokens=max_tokens[i], eos_token_id=None))
+    slots: dict[int, tuple[int, ...]] = {}
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while s.has_unfinished_requests():
+        steps += 1
+        assert steps < 2000
+        out = s.schedule()
+        sampled: dict[str, int | list[int]] = {}
+        for x in out.scheduled:
+            table = kv.get_block_ids(x.request_id)
+            seq = list(x.request.all_token_ids[: x.start_pos]) + list(x.token_ids)
+            for p in range(x.start_pos):  # the context this step attends to
+                assert slots[table[p // 4] * 4 + p % 4] == tuple(seq[: p + 1])
+            for p in range(x.start_pos, x.start_pos + x.num_tokens):
+                slots[table[p // 4] * 4 + p % 4] = tuple(seq[: p + 1])
+            if not x.sample:
+                continue
+            base = len(x.request.all_token_ids)
+            if not x.spec_token_ids:
+                sampled[x.request_id] = target_next(seq[:base])
+                continue
+            accepted: list[int] = []
+            for j, d in enumerate(x.spec_token_ids):
+                want = target_next(seq[: base + j])
+                if d != want:
+                    accepted.append(want)
+                    break
+                accepted.append(d)
+            else:
+                accepted.append(target_next(seq))
+            sampled[x.request_id] = accepted
+        for u in s.update_from_output(out, sampled):
+            results.setdefault(u.request_id, []).extend(u.new_token_ids)
+        live = {r.request_id: r for r in s.running}
+        s.update_draft_token_ids(
+            {
+                rid: drafts_of(r.all_token_ids)
+                for rid, r in live.items()
+                if r.num_computed_tokens == r.num_tokens - 1
+            }
+        )
+    assert kv.get_num_free_blocks() == num_blocks
+    return results, s.num_preemptions
+
+
+def plain(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(target_next(tokens))
+    return tokens[len(prompt) :]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(3, 13), min_size=1, max_size=20), min_size=1, max_size=4),
+    max_tokens=st.lists(st.integers(1, 20), min_size=4, max_size=4),
+    k=st.integers(1, 4),
+    right=st.floats(0.0, 1.0),
+    seed=st.integers(0, 1000),
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(2, 24),
+    prefix=st.booleans(),
+)
+def test_speculation_matches_plain_decoding(
+    prompts, max_tokens, k, right, seed, num_blocks, budget, prefix
+) -> None:
+    import random
+
+    rng = random.Random(seed)
+
+    def drafts_of(tokens: list[int]) -> list[int]:
+        # Right guesses with probability `right` each, else a wrong one.
+        out, ctx = [], list(tokens)
+        for _ in range(k):
+            t = target_next(ctx)
+            out.append(t if rng.random() < right else (t + 1 - 3) % VOCAB + 3)
+            ctx.append(out[-1])
+        return out
+
+    results, _ = run(prompts, max_tokens, drafts_of, num_blocks, budget, prefix)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == plain(p, max_tokens[i])
+
+
+def test_preemption_mid_speculation_matches_plain_decoding() -> None:
+    import random
+
+    rng = random.Random(0)
+
+    def drafts_of(tokens: list[int]) -> list[int]:
+        out, ctx = [], list(tokens)
+        for _ in range(3):
+            t = target_next(ctx)
+            out.append(t if rng.random() < 0.7 else (t - 2) % VOCAB + 3)
+            ctx.append(out[-1])
+        return out
+
+    prompts = [[rng.randrange(3, 14) for _ in range(n)] for n in (18, 15, 20, 9)]
+    # 14 blocks of 4 tokens for four requests growing to ~40 tokens each.
+    results, preemptions = run(prompts, [20] * 4, drafts_of, 14, 10, True)
+    assert preemptions > 0
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"] == plain(p, 20)
