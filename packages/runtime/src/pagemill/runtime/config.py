@@ -155,6 +155,14 @@ class EngineConfig:
     the endpoint defaults to tcp://127.0.0.1:5557 (vLLM's: every interface, *); with data
     parallelism core N uses each port + N."""
 
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding, as JSON in vLLM's spelling: '{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}' drafts from
+    earlier occurrences of the context's last tokens; '{"model": PATH,
+    "num_speculative_tokens": 3}' from a smaller model with the same vocabulary. Greedy output
+    is unchanged token for token and sampling keeps its distribution; EAGLE/EAGLE-3 are
+    refused (not supported yet)."""
+
     data_parallel_size: int = 1
     """Run this many engine cores (each its own process, the CPU threads split between
     them) behind one API server; requests are routed by --data-parallel-routing."""
@@ -294,6 +302,10 @@ class EngineConfig:
                 raise bad("kv_events_config", "must be None or a dict of vLLM's fields")
             KVEventsConfig.from_dict(self.kv_events_config)  # raises naming the field
         self._check_lora(bad)
+        if self.speculative_config is not None:
+            from pagemill.runtime.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the field
         if self.max_model_len is not None and self.scheduler.max_model_len != self.max_model_len:
             self.scheduler = replace(self.scheduler, max_model_len=self.max_model_len)
 

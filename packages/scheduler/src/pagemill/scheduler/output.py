@@ -9,6 +9,7 @@ per step cheap to build.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,10 @@ class ScheduledRequest:
     (`pagemill.blockpool.HybridKVCacheManager`): the same change for every group's table,
     in group order (`new_block_ids` is then group 0's); None when it has one table, or
     when no group's table changed.
+
+    `spec_token_ids` are the draft tokens (speculative decoding) this step verifies: they
+    are the last `len(spec_token_ids)` entries of `token_ids`, past the request's own
+    tokens, and a request with drafts samples at each of them and after the last.
     """
 
     request_id: str
@@ -45,6 +50,7 @@ class ScheduledRequest:
     is_new: bool
     request: Request
     group_block_ids: tuple[list[int], ...] | None = None
+    spec_token_ids: Sequence[int] = ()
 
     @property
     def num_new_blocks(self) -> int:

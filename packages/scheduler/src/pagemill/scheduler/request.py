@@ -90,6 +90,7 @@ class Request:
         "request_id",
         "sampling_params",
         "skip_reading_prefix_cache",
+        "spec_token_ids",
         "status",
         "stop_reason",
         "stop_token_ids",
@@ -157,6 +158,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.block_hasher: BlockHasher | None = None
         self.num_computed_tokens = 0
+        # Draft tokens a proposer guessed for the next step (speculative decoding, vLLM's
+        # name): scheduled after the request's next token and verified by the runner; never
+        # part of all_token_ids, so neither hashed nor counted. The scheduler consumes them.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0

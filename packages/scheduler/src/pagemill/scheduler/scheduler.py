@@ -218,7 +218,9 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            n = req.num_tokens - start
+            num_tokens = req.num_tokens
+            spec = req.spec_token_ids
+            n = num_tokens + len(spec) - start
             if threshold and n > threshold:
                 n = threshold
             if n > budget:
@@ -256,18 +258,25 @@ class Scheduler:
                     break
             if new_ids is None:  # `req` itself was preempted; running[i] is the next one
                 continue
+            token_ids = req.all_token_ids[start:end]
+            drafts: list[int] | tuple[()] = ()
+            if end > num_tokens:  # the drafts the caps left room for, verified this step
+                drafts = spec[: end - num_tokens]
+                token_ids += drafts
+                req.spec_token_ids = []
             scheduled[rid] = (
                 req,
                 ScheduledRequest(
                     rid,
-                    req.all_token_ids[start:end],
+                    token_ids,
                     start,
                     n,
                     new_ids[0],
-                    end == req.num_tokens,
+                    end >= num_tokens,
                     False,
                     req,
                     new_ids[1],
+                    drafts,
                 ),
             )
             budget -= n
@@ -393,6 +402,7 @@ class Scheduler:
         req = self.running.pop(idx)
         self.kv_cache_manager.free(req.request_id)
         req.status = _PREEMPTED
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -454,7 +464,7 @@ class Scheduler:
     # ------------------------------------------------------------------ after the forward
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, int]
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
     ) -> list[RequestUpdate]:
         """Append each sampled token (hashing any block it fills), apply the stop rules
         (`check_stop`), free finished requests now.
@@ -462,6 +472,12 @@ class Scheduler:
         `sampled` maps request id -> token id for every scheduled request with sample=True
         (extra entries are ignored). Requests aborted since schedule() are skipped. The
         result also carries the requests ignored at add_request since the previous call.
+
+        A request that verified drafts this step (`ScheduledRequest.spec_token_ids`) maps
+        to its accepted drafts plus one token (1 to k + 1 ids): its computed count drops by
+        the rejected drafts, whose KV slots the next step overwrites (their blocks stay in
+        its table for the tokens to come). The stop rules run after each token; tokens
+        after the one that stops the request are dropped.
         """
         updates = self._pending_updates
         self._pending_updates = []
@@ -484,21 +500,55 @@ class Scheduler:
                 raise KeyError(
                     f"no sampled token for request {rid!r}, which was scheduled with sample=True"
                 ) from None
-            req.append_output_token(token)
-            status = stop(req, max_model_len, pool_cap)
+            if isinstance(token, int):
+                req.append_output_token(token)
+                status = stop(req, max_model_len, pool_cap)
+                new_tokens = [token]
+            else:
+                status, new_tokens = self._append_verified(req, sched, token)
             if status is None:
-                updates.append(RequestUpdate(rid, [token], False, None, None))
+                updates.append(RequestUpdate(rid, new_tokens, False, None, None))
             else:
                 self._finish(req, status)
                 any_finished = True
                 updates.append(
                     RequestUpdate(
-                        rid, [token], True, RequestStatus.finish_reason(status), req.stop_reason
+                        rid, new_tokens, True, RequestStatus.finish_reason(status), req.stop_reason
                     )
                 )
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return updates
+
+    def _append_verified(
+        self, req: Request, sched: ScheduledRequest, tokens: Sequence[int]
+    ) -> tuple[RequestStatus | None, list[int]]:
+        """Append a speculative step's tokens (accepted drafts, then one more) up to the
+        first that stops the request; roll the computed count back past the rejected drafts."""
+        num_drafts = len(sched.spec_token_ids)
+        if not 1 <= len(tokens) <= num_drafts + 1:
+            raise ValueError(
+                f"request {req.request_id!r} verified {num_drafts} drafts but got "
+                f"{len(tokens)} tokens (1 to {num_drafts + 1} expected)"
+            )
+        req.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        status = None
+        new_tokens: list[int] = []
+        for token in tokens:
+            req.append_output_token(token)
+            new_tokens.append(token)
+            status = check_stop(req, self.config.max_model_len, self.pool_capacity_tokens)
+            if status is not None:
+                break
+        return status, new_tokens
+
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """Give running requests their drafts for the next step (vLLM's name); ids no
+        longer running are ignored (they finished or were preempted meanwhile)."""
+        for rid, drafts in draft_token_ids.items():
+            req = self.requests.get(rid)
+            if req is not None and req.status == _RUNNING:
+                req.spec_token_ids = list(drafts)
 
     # ------------------------------------------------------------------ queries
 

@@ -136,6 +136,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "request_queue_time_seconds": ("request_queue_time_seconds",),
     "request_prompt_tokens": ("request_prompt_tokens",),
     "request_generation_tokens": ("request_generation_tokens",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 
 
@@ -226,6 +230,29 @@ class EngineMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
         )
+        # Speculative decoding (--speculative-config): vLLM's counters, and two gauges of
+        # pagemill's own over the totals since start.
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Draft proposals verified (one per request and step)."
+        )
+        self.spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            ("position",),
+        )
+        self.spec_acceptance_rate = gauge(
+            "spec_decode_acceptance_rate", "Accepted / verified draft tokens since start."
+        )
+        self.spec_mean_accepted_length = gauge(
+            "spec_decode_mean_accepted_length",
+            "Tokens per verified draft since start: 1 + accepted / drafts.",
+        )
         # Not in vLLM's set: the engine's own time per step, the yardstick for the latency a
         # streaming client sees (a "decode" step completed no prompt; "prefill" ones did).
         self.step_time = Histogram(
@@ -307,6 +334,10 @@ class EngineMetrics:
                 ("request_queue_time_seconds", "queue_time"),
                 ("request_prompt_tokens", "request_prompt_tokens"),
                 ("request_generation_tokens", "request_generation_tokens"),
+                ("spec_decode_num_drafts", "spec_num_drafts"),
+                ("spec_decode_num_draft_tokens", "spec_num_draft_tokens"),
+                ("spec_decode_num_accepted_tokens", "spec_num_accepted_tokens"),
+                ("spec_decode_num_accepted_tokens_per_pos", "spec_accepted_per_pos"),
             )
         }
         r.register(VllmNames(twins))
@@ -334,6 +365,8 @@ class EngineMetrics:
             if delta > 0:
                 metric.labels(m).inc(delta)
             self._last_totals[key] = total
+        if getattr(stats, "spec_num_drafts", 0):
+            self._spec(stats)
         per_engine = getattr(engine, "per_engine", None)
         if per_engine:
             self._per_engine(per_engine)
@@ -364,6 +397,31 @@ class EngineMetrics:
                 self.queue_time.labels(m).observe(f.queue_time)
             self.request_prompt_tokens.labels(m).observe(f.num_prompt_tokens)
             self.request_generation_tokens.labels(m).observe(f.num_generation_tokens)
+
+    def _spec(self, stats: Any) -> None:
+        """Speculative decoding's totals folded in as counter increments."""
+        m = self.model_name
+        for key, metric in (
+            ("spec_num_drafts", self.spec_num_drafts),
+            ("spec_num_draft_tokens", self.spec_num_draft_tokens),
+            ("spec_num_accepted_tokens", self.spec_num_accepted_tokens),
+        ):
+            total = float(getattr(stats, key))
+            delta = total - self._last_totals.get(key, 0.0)
+            if delta > 0:
+                metric.labels(m).inc(delta)
+            self._last_totals[key] = total
+        for pos, value in enumerate(stats.spec_accepted_per_pos):
+            key = f"spec_accepted_pos_{pos}"
+            delta = float(value) - self._last_totals.get(key, 0.0)
+            child = self.spec_accepted_per_pos.labels(m, str(pos))
+            if delta > 0:
+                child.inc(delta)
+            self._last_totals[key] = float(value)
+        drafts, draft_tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
+        accepted = stats.spec_num_accepted_tokens
+        self.spec_acceptance_rate.labels(m).set(accepted / draft_tokens if draft_tokens else 0.0)
+        self.spec_mean_accepted_length.labels(m).set(1.0 + accepted / drafts if drafts else 0.0)
 
     def _per_engine(self, per_engine: Any) -> None:
         m = self.model_name

@@ -49,7 +49,7 @@ class VllmFlag:
 _MM = "pagemill serves text-only models"
 _DP = "pagemill runs its data-parallel cores on one machine (--data-parallel-size only)"
 _MOE = "pagemill has no expert parallelism"
-_SPEC = "speculative decoding is not implemented"
+_SPEC = "lookahead slots are vLLM's older speculation knob: use --speculative-config"
 _DISAGG = "pagemill has no KV transfer"
 _TLS = "pagemill serves plain HTTP; put a TLS-terminating proxy in front"
 _CODE = "pagemill loads no code by name"
@@ -209,7 +209,6 @@ REFUSED: tuple[VllmFlag, ...] = (
     VllmFlag(("--cuda-graph-sizes",), _CUDA_GRAPH, "values"),
     VllmFlag(("--max-cudagraph-capture-size",), _CUDA_GRAPH),
     # ---- VllmConfig
-    VllmFlag(("--speculative-config",), _SPEC),
     VllmFlag(("--kv-transfer-config",), _DISAGG),
     VllmFlag(("--additional-config",), "pagemill has no platform plugins"),
     _switch("--aggregate-engine-logging", _DP),

@@ -38,11 +38,13 @@ from pagemill.runtime.engine.protocol import (
 from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.loader import load_model
+from pagemill.runtime.sample.rejection_sampler import RejectionSampler
 from pagemill.runtime.sample.sampler import Sampler
 from pagemill.runtime.sample.structured_output import (
     StructuredOutputManager,
     grammar_failure_message,
 )
+from pagemill.runtime.spec_decode.engine import SpecDecoding
 from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -152,6 +154,10 @@ class EngineCore:
             seconds = self.sampler.compile(runner.vocab_size, self.device, (torch.float32,))
             logger.info("compiled the sampler's row kernels in %.1f s", seconds)
         self.isolator = FaultIsolator(self.scheduler)
+        # Speculative decoding (None when off): drafts after each step, verified in the next.
+        self.spec = SpecDecoding.create(
+            config, RejectionSampler(self.sampler, config.seed), self, model_path
+        )
 
     def _start_workers(
         self,
@@ -440,6 +446,7 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         s = self.scheduler.get_stats()
+        spec = None if self.spec is None else self.spec.stats
         return SchedulerStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting + len(self._waiting_for_grammar),
@@ -452,6 +459,10 @@ class EngineCore:
             grammar_cache_bytes=(
                 0 if self.structured_output is None else self.structured_output.cache_bytes
             ),
+            spec_num_drafts=0 if spec is None else spec.num_drafts,
+            spec_num_draft_tokens=0 if spec is None else spec.num_draft_tokens,
+            spec_num_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
+            spec_accepted_per_pos=[] if spec is None else list(spec.accepted_per_pos),
         )
 
     # ---- the step ------------------------------------------------------------------------
@@ -489,6 +500,8 @@ class EngineCore:
             sampled = {**token_ids, **dict.fromkeys(model_output.pooled, 0)}
         updates = self.scheduler.update_from_output(scheduler_output, sampled)
         self.isolator.on_step_done()
+        if self.spec is not None:
+            self.spec.after_step(self.scheduler)
         if self.structured_output is not None and self.structured_output.num_requests:
             updates = self._advance_grammars(token_ids, updates)
         if self._grammar_failures:
@@ -569,12 +582,14 @@ class EngineCore:
             self.scheduler.add_request(request)
 
     def _advance_grammars(
-        self, token_ids: dict[str, int], updates: list[RequestUpdate]
+        self, token_ids: dict[str, int | list[int]], updates: list[RequestUpdate]
     ) -> list[RequestUpdate]:
-        """Move each matcher past its token; a finished grammar ends its request (stop)."""
+        """Move each matcher past its token; a finished grammar ends its request (stop).
+        (Constrained requests never speculate: each has exactly one token.)"""
         manager = self.structured_output
         assert manager is not None
-        done = set(manager.accept_tokens(token_ids))
+        single = {rid: t for rid, t in token_ids.items() if isinstance(t, int)}
+        done = set(manager.accept_tokens(single))
         ended: list[str] = []
         for i, u in enumerate(updates):
             if u.finished:
@@ -588,7 +603,9 @@ class EngineCore:
 
     def _sample(
         self, out: ModelRunnerOutput
-    ) -> tuple[dict[str, int], dict[str, LogprobsRow] | None]:
+    ) -> tuple[dict[str, int | list[int]], dict[str, LogprobsRow] | None]:
+        """One token per request; a request that verified drafts maps to its accepted
+        drafts and one more token instead (a list, see `Scheduler.update_from_output`)."""
         if not out.req_ids:
             return {}, None
         assert out.sampling_metadata is not None
@@ -597,8 +614,12 @@ class EngineCore:
             bitmask = self.structured_output.grammar_bitmask(out.req_ids)
             if bitmask is not None:
                 metadata = replace(metadata, token_bitmask=bitmask)
-        sampled = self.sampler(out.logits, metadata)
-        token_ids = dict(zip(out.req_ids, sampled.sampled_token_ids))
+        logits = out.logits if out.spec is None else out.logits[: len(out.req_ids)]
+        sampled = self.sampler(logits, metadata)
+        token_ids: dict[str, int | list[int]] = dict(zip(out.req_ids, sampled.sampled_token_ids))
+        if out.spec is not None:
+            assert self.spec is not None
+            token_ids.update(self.spec.verify(out, sampled.sampled_token_ids))
         if sampled.logprobs is None or sampled.logprob_token_ids is None:
             return token_ids, None
         return token_ids, dict(zip(out.req_ids, zip(sampled.logprob_token_ids, sampled.logprobs)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -83,6 +84,13 @@ def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         num_blocks=blocks,
         block_size=stats[0].block_size if stats else 16,
         grammar_cache_bytes=sum(s.grammar_cache_bytes for s in stats),
+        spec_num_drafts=sum(s.spec_num_drafts for s in stats),
+        spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in stats),
+        spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in stats),
+        spec_accepted_per_pos=[
+            sum(p)
+            for p in itertools.zip_longest(*(s.spec_accepted_per_pos for s in stats), fillvalue=0)
+        ],
     )
 
 

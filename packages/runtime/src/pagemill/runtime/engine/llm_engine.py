@@ -48,6 +48,11 @@ class EngineStats:
     num_blocks: int
     block_size: int
     grammar_cache_bytes: int = 0  # compiled grammars held (structured output)
+    # Speculative decoding totals (spec_decode/metrics.py); 0 when off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def combine(cls, core: SchedulerStats, out: OutputProcessor) -> EngineStats:
@@ -65,6 +70,10 @@ class EngineStats:
             core.num_blocks,
             core.block_size,
             core.grammar_cache_bytes,
+            core.spec_num_drafts,
+            core.spec_num_draft_tokens,
+            core.spec_num_accepted_tokens,
+            tuple(core.spec_accepted_per_pos),
         )
 
 

@@ -119,6 +119,11 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     num_blocks: int = 0
     block_size: int = 16
     grammar_cache_bytes: int = 0
+    # Speculative decoding totals (see spec_decode/metrics.py); 0 when it is off.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="outputs"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +64,19 @@ class ModelRunnerOutput:
     # Pooling requests (which do not sample): their finished vectors.
     pooled: dict[str, list[float]] | None = None
     prompt_logprobs: dict[str, PromptLogprobsRows] | None = None
+    # Requests verifying drafts this step: their draft rows follow the rows of `req_ids`.
+    spec: SpecStep | None = None
+
+
+@dataclass(slots=True)
+class SpecStep:
+    """The step's draft verification: for each request with drafts (its index in
+    `req_ids`), its drafts; their logit rows come after one row per `req_ids` entry,
+    request after request, and `metadata` has one row per draft row."""
+
+    indices: list[int]
+    draft_token_ids: list[Sequence[int]]
+    metadata: SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -163,6 +176,7 @@ class ModelRunner:
         self._prompt_work: PromptWork | None = None
         # Set by the engine when it serves LoRA adapters: slots and each step's mapping.
         self.lora: LoRAManager | None = None
+        self._spec_step: SpecStep | None = None
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -460,6 +474,7 @@ class ModelRunner:
         starts = np.empty(n, dtype=np.int64)
         ids: list[int] = []
         sample_pos: list[int] = []
+        spec_pos: list[int] = []  # requests verifying drafts: logits at each of them
         prompt_pos: list[int] = []  # requests with outputs at prompt positions
         for i, s in enumerate(scheduled):
             try:
@@ -477,6 +492,8 @@ class ModelRunner:
                 if s.request.pooling_params is not None:
                     continue  # pools instead of sampling
             if s.sample:
+                if s.spec_token_ids:
+                    spec_pos.append(len(sample_pos))
                 sample_pos.append(i)
         total = len(ids)
         if total != int(q_lens.sum()):
@@ -519,7 +536,11 @@ class ModelRunner:
         work = self._prompt_work = (
             self.prompt_outputs.plan(scheduled, prompt_pos, qsl) if prompt_pos else None
         )
-        num_logit_rows = len(sample_pos)
+        last_rows = qsl[1:][sample_pos].astype(np.int64) - 1
+        self._spec_step = None
+        if spec_pos:
+            last_rows = self._plan_drafts(scheduled, sample_pos, spec_pos, last_rows, rows)
+        num_logit_rows = len(last_rows)
         # Under tensor parallelism the prompt-logprob rows join the gathered logit rows; on
         # one device `_output` computes their logits a slice at a time (a long chunk's
         # rows x vocabulary would otherwise be one large tensor).
@@ -529,14 +550,14 @@ class ModelRunner:
                 np.concatenate(
                     [
                         np.asarray(work.logit_rows, dtype=np.int64),
-                        qsl[1:][sample_pos].astype(np.int64) - 1,
+                        last_rows,
                     ]
                 )
             )
-        elif len(sample_pos) == total:  # every token samples: all hidden rows, in order
+        elif len(sample_pos) == total and not spec_pos:  # every token samples, in order
             sample_indices = None
         else:
-            sample_indices = torch.from_numpy(qsl[1:][sample_pos].astype(np.int64) - 1)
+            sample_indices = torch.from_numpy(last_rows)
         if sample_pos and in_order and len(sample_pos) == n == batch.num_reqs:
             metadata = batch.sampling_metadata()
         elif sample_pos:
@@ -561,6 +582,30 @@ class ModelRunner:
         )
         req_ids = [scheduled[i].request_id for i in sample_pos]
         return step, req_ids, metadata
+
+    def _plan_drafts(
+        self,
+        scheduled: list[ScheduledRequest],
+        sample_pos: list[int],
+        spec_pos: list[int],
+        last_rows: np.ndarray,
+        rows: np.ndarray,
+    ) -> np.ndarray:
+        """The logit rows with the draft rows appended: a request with k drafts also needs
+        the outputs at the k positions before its last (the token before each draft)."""
+        drafts = [scheduled[sample_pos[j]].spec_token_ids for j in spec_pos]
+        counts = np.array([len(d) for d in drafts], dtype=np.int64)
+        ends = last_rows[spec_pos]  # the bonus rows; the drafts' rows end just before
+        draft_rows = np.repeat(ends - counts, counts) + (
+            self._arange[: int(counts.sum())] - np.repeat(np.cumsum(counts) - counts, counts)
+        )
+        batch_rows = rows[np.asarray(sample_pos, dtype=np.int64)[spec_pos]]
+        self._spec_step = SpecStep(
+            list(spec_pos),
+            list(drafts),
+            self.input_batch.sampling_metadata(np.repeat(batch_rows, counts)),
+        )
+        return np.concatenate([last_rows, draft_rows])
 
     def _step_inputs(
         self, batch: StepBatch, req_ids: list[str], metadata: SamplingMetadata | None
@@ -678,7 +723,9 @@ class ModelRunner:
         parallelism the prompt-logprob rows lead the gathered logits and are split off)."""
         work = self._prompt_work
         if work is None:
-            return ModelRunnerOutput(step.sample_req_ids, logits, step.sampling_metadata)
+            return ModelRunnerOutput(
+                step.sample_req_ids, logits, step.sampling_metadata, spec=self._spec_step
+            )
         done = self.prompt_outputs
         k = len(work.logit_rows) if self.tp is not None else 0
         prompt_logits = logits[:k]
@@ -695,6 +742,7 @@ class ModelRunner:
             step.sampling_metadata,
             pooled=done.pool(hidden, work) if work.pool else None,
             prompt_logprobs=done.prompt_logprobs(logits_of, work) if work.logprobs else None,
+            spec=self._spec_step,
         )
 
     def _replay(

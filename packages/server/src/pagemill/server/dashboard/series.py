@@ -61,8 +61,9 @@ class SeriesRecorder:
     A point: `t` (wall seconds, bucket end), `tok_s` (generated tokens/s), `prompt_s`
     (prompt tokens/s), `batch` (mean running requests per step), `waiting`, `kv` (KV
     usage %, last in the bucket), `ttft` and `itl` (mean, ms; None when none happened),
-    `step_ms` (mean step time) and `steps`. After an idle stretch a point of Nones is
-    inserted so the charts show a gap, not a line across it.
+    `step_ms` (mean step time), `steps`, and `spec_accept` (speculative decoding: % of the
+    draft tokens verified in the bucket that were accepted; None when none were). After an
+    idle stretch a point of Nones is inserted so the charts show a gap, not a line across it.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class SeriesRecorder:
         self.clock = clock
         self.points: deque[dict[str, Any]] = deque(maxlen=history)
         self._start: float | None = None
+        self._spec_totals = (0, 0)  # the engine's drafted / accepted totals at the last step
         self._reset()
 
     def _reset(self) -> None:
@@ -88,6 +90,8 @@ class SeriesRecorder:
         self._itl_sum = 0.0
         self._itl_n = 0
         self._step_s = 0.0
+        self._drafted = 0
+        self._accepted = 0
 
     def add_step(
         self, stats: Any, iteration_stats: Any, step_seconds: float, now: float | None = None
@@ -102,6 +106,11 @@ class SeriesRecorder:
         self._batch += stats.num_running
         self._waiting = stats.num_waiting
         self._kv = stats.kv_cache_usage
+        drafted = getattr(stats, "spec_num_draft_tokens", 0)
+        accepted = getattr(stats, "spec_num_accepted_tokens", 0)
+        self._drafted += max(0, drafted - self._spec_totals[0])
+        self._accepted += max(0, accepted - self._spec_totals[1])
+        self._spec_totals = (drafted, accepted)
         it = iteration_stats
         if it is not None:
             self._gen += it.num_generation_tokens
@@ -144,6 +153,9 @@ class SeriesRecorder:
             "itl": round(1e3 * self._itl_sum / self._itl_n, 2) if self._itl_n else None,
             "step_ms": round(1e3 * self._step_s / steps, 3),
             "steps": self._steps,
+            "spec_accept": (
+                round(100.0 * self._accepted / self._drafted, 1) if self._drafted else None
+            ),
         }
         self._reset()
         return point

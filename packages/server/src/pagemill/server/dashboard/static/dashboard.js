@@ -276,6 +276,7 @@
     { title: "time to first token (ms)", series: [["TTFT", "ttft", "#7a4fb5", true]] },
     { title: "inter-token latency (ms)", series: [["ITL", "itl", "#c2571a", true]] },
     { title: "step time (ms)", series: [["step", "step_ms", "#59616b"]] },
+    { title: "speculative drafts accepted (%)", series: [["accepted", "spec_accept", "#3a6ea5", true]] },
   ];
 
   function chartData(points, spec) {

@@ -1,0 +1,101 @@
+"""The engine core's side of speculative decoding: drafts after each step, their
+verification in the next, and the acceptance counters."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from pagemill.runtime.spec_decode.config import SpeculativeConfig
+from pagemill.runtime.spec_decode.metrics import SpecDecodingStats
+from pagemill.runtime.spec_decode.proposer import Proposer, SpecDecoder
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.core import EngineCore
+    from pagemill.runtime.sample.rejection_sampler import RejectionSampler
+    from pagemill.runtime.worker.model_runner import ModelRunnerOutput
+    from pagemill.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class SpecDecoding:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        rejection_sampler: RejectionSampler,
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.config = config
+        self.decoder = SpecDecoder(config, proposer)
+        self.rejection_sampler = rejection_sampler
+        self.stats = SpecDecodingStats(num_spec_tokens=config.num_speculative_tokens)
+
+    @classmethod
+    def create(
+        cls,
+        config: EngineConfig,
+        rejection_sampler: RejectionSampler,
+        core: EngineCore | None = None,
+        model_path: Path | None = None,
+    ) -> SpecDecoding | None:
+        """None when speculation is off; a draft model is loaded here (next to the
+        target `core`, whose folder is `model_path`)."""
+        if config.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        proposer: Proposer | None = None
+        if spec.method == "draft_model":
+            assert core is not None and model_path is not None and spec.model is not None
+            if core.tp is not None:
+                raise ValueError(
+                    "speculative_config.model: a draft model is single-device for now; "
+                    "use tensor_parallel_size=1 or method 'ngram'"
+                )
+            from pagemill.runtime.spec_decode.draft_model import DraftModelProposer
+
+            sched = core.scheduler.config
+            proposer = DraftModelProposer.load(
+                spec.model,
+                spec.num_speculative_tokens,
+                target_path=model_path,
+                target_config=core.model_config,
+                device=core.device,
+                dtype=core.dtype,
+                block_size=config.cache.block_size,
+                num_blocks=core.num_blocks,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_model_len=core.max_model_len,
+                load_format=config.load_format,
+                seed=config.seed,
+            )
+        logger.info(
+            "speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens
+        )
+        return cls(spec, rejection_sampler, proposer)
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        """Propose the running requests' drafts for the next step."""
+        running = scheduler.running
+        drafts = self.decoder.propose(running, len(running), {r.request_id for r in running})
+        if drafts:
+            scheduler.update_draft_token_ids(drafts)
+
+    def verify(self, out: ModelRunnerOutput, bonus: list[int]) -> dict[str, list[int]]:
+        """The tokens of the requests that verified drafts (accepted drafts + one)."""
+        spec = out.spec
+        assert spec is not None
+        n = len(out.req_ids)
+        results = self.rejection_sampler(
+            out.logits[n:], spec.metadata, spec.draft_token_ids, [bonus[i] for i in spec.indices]
+        )
+        stats = self.stats
+        tokens: dict[str, list[int]] = {}
+        for i, drafts, result in zip(spec.indices, spec.draft_token_ids, results):
+            stats.observe(len(drafts), len(result) - 1)
+            tokens[out.req_ids[i]] = result
+        return tokens

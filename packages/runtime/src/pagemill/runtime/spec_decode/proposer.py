@@ -1,0 +1,104 @@
+"""Which requests speculate, and their drafts for the next step.
+
+A request speculates only where verification stays exact without re-running history-
+dependent sampling rules at every draft position: no repetition/presence/frequency penalty,
+no bad words, min_tokens already met, no logprobs (each accepted token would need its own
+row of them), no structured output (a grammar would have to mask each draft position in
+turn; such requests decode one token at a time, so their output is exactly the grammar's),
+no pooling. Everything else (greedy, temperature, top-k/top-p/min-p, seeds, logit bias,
+allowed ids) verifies at every position the way one step samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Protocol
+
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.spec_decode.config import SpeculativeConfig
+from pagemill.runtime.spec_decode.ngram_proposer import NgramProposer
+from pagemill.scheduler import Request, RequestStatus
+
+
+class Proposer(Protocol):
+    def propose_requests(
+        self, requests: Sequence[Request], rooms: Sequence[int], live: Collection[str]
+    ) -> dict[str, list[int]]:
+        """Up to rooms[i] drafts for each request; `live` holds every unfinished id (a
+        proposer with per-request state drops the others')."""
+        ...
+
+
+class NgramRequests:
+    """The n-gram proposer over a batch (it needs no state)."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+
+    def propose_requests(
+        self, requests: Sequence[Request], rooms: Sequence[int], live: Collection[str]
+    ) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {}
+        for req, room in zip(requests, rooms):
+            tokens = self.proposer.propose(req.all_token_ids)[:room]
+            if tokens:
+                drafts[req.request_id] = tokens
+        return drafts
+
+
+def speculates(request: Request) -> bool:
+    """Whether this request may verify drafts (see the module docstring)."""
+    p = request.sampling_params
+    if not isinstance(p, SamplingParams) or request.pooling_params is not None:
+        return False
+    return (
+        p.structured_outputs is None
+        and p.logprobs is None
+        and not p.bad_words_token_ids
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and request.num_output_tokens >= p.min_tokens
+    )
+
+
+class SpecDecoder:
+    """Drafts for the running requests after each step (vLLM's `propose_draft_token_ids`)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        if proposer is None:
+            if config.method != "ngram":
+                raise ValueError(f"no proposer given for method {config.method!r}")
+            proposer = NgramRequests(
+                NgramProposer(
+                    config.num_speculative_tokens,
+                    config.prompt_lookup_min,
+                    config.prompt_lookup_max,
+                )
+            )
+        self.proposer = proposer
+
+    def propose(
+        self, running: Iterable[Request], num_running: int, live: Collection[str]
+    ) -> dict[str, list[int]]:
+        cap = self.config.disable_by_batch_size
+        if cap and num_running >= cap:
+            return {}
+        k = self.config.num_speculative_tokens
+        chosen: list[Request] = []
+        rooms: list[int] = []
+        for req in running:
+            # Decoding (all but the newest token computed) and allowed to speculate.
+            if req.status != RequestStatus.RUNNING:
+                continue
+            if req.num_computed_tokens != req.num_tokens - 1 or not speculates(req):
+                continue
+            room = k
+            if req.max_tokens is not None:  # drafts past max_tokens could never be kept
+                room = min(room, req.max_tokens - req.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            chosen.append(req)
+            rooms.append(room)
+        return self.proposer.propose_requests(chosen, rooms, live)
