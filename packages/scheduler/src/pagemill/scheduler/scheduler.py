@@ -22,7 +22,7 @@ is copied whole, and the waiting queue is only touched at its head.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagemill.blockpool import HybridKVCacheManager, KVCacheBlocks
