@@ -28,6 +28,7 @@ from pagemill.kernels.int4_gemm import (
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
 from pagemill.kernels.moe import (
     fused_moe,
+    fused_moe_int4_cpu,
     fused_moe_torch,
     fused_moe_triton,
     moe_align_block_size,
@@ -52,6 +53,7 @@ __all__ = [
     "apply_rotary_torch",
     "apply_rotary_triton",
     "fused_moe",
+    "fused_moe_int4_cpu",
     "fused_moe_torch",
     "fused_moe_triton",
     "gelu_tanh_and_mul",
