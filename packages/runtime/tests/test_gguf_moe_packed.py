@@ -224,3 +224,21 @@ def test_packed_experts_generate_like_dense_ones(
     assert max(apart) <= bound and max(ours) <= bound, (apart, ours, dense_err, theirs)
     assert max(dense_err) <= bound, (dense_err, theirs)
     assert out_packed == out_dense
+
+
+@pytest.mark.slow  # a compile of the step
+def test_packed_experts_in_a_compiled_step(tmp_path, build_tiny_model, random_prompts) -> None:
+    """The compiled forward holds the packed experts as the opaque op: the same greedy
+    tokens as eager steps."""
+    family, arch, qtype, _, overrides, _ = CASES["qwen3moe-Q4_0"]
+    build_tiny_model(tmp_path / "hf", family, seed=7, **overrides)
+    path = tmp_path / "gguf" / "tiny.gguf"
+    path.parent.mkdir()
+    _moe.write_moe_gguf(tmp_path / "hf", path, family, arch, qtype)
+    prompts = random_prompts([5, 23], 320, seed=4)  # the tiny tokenizer's vocabulary
+    outs = []
+    for eager in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_bytes=1 << 22, enforce_eager=eager)
+        assert llm.llm_engine.engine_core.model_runner.model.layers[0].mlp.experts.packed
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, _moe.GREEDY)])
+    assert outs[0] == outs[1]
