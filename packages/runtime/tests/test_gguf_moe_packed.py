@@ -22,6 +22,7 @@ import torch
 from pagemill.kernels import fused_moe_int4_cpu, topk_softmax
 from pagemill.runtime import LLM
 from pagemill.runtime.model_executor.layers.fused_moe import FusedMoE
+from pagemill.runtime.model_executor.quantization import weight_report
 from pagemill.runtime.model_executor.quantization.formats import (
     Int4Groups,
     Int8Blocks,
@@ -194,6 +195,8 @@ def test_packed_experts_generate_like_dense_ones(
     # (a bf16 scale and zero), 8.5 -> 10 for Q8_0's two planes.
     file_bytes = _expert_file_bytes(path)
     assert file_bytes <= held <= 1.2 * file_bytes, (held, file_bytes)
+    report = weight_report(model)
+    assert report.packed_bytes >= held and "experts" in report.summary()
 
     prompts = random_prompts([5, 23], ref.config.vocab_size, seed=4)
     runner = packed.llm_engine.engine_core.model_runner
