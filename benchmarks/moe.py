@@ -2,6 +2,7 @@
 
     python benchmarks/moe.py                        # CPU, Qwen3-30B-A3B shapes, 2 layers, bf16
     python benchmarks/moe.py --device cuda --layers 4 --json out.json
+    python benchmarks/moe.py --int4 --batch-sizes 1,16  # CPU: packed int4 experts vs dense bf16
 
 A stack of ``--layers`` sparse blocks with Qwen3-30B-A3B's per-layer shapes (hidden 2048,
 128 experts, top-8, expert intermediate 768; random weights, shared between the two
@@ -15,6 +16,12 @@ Bytes: a step must read at least the weights of every expert some token picked (
 plus the router; ``floor MB/token`` is that over the batch. ``GB/s`` is floor bytes over the
 measured step time — the bandwidth a step would need to run that fast reading only the
 floor, to set next to the machine's.
+
+``--int4`` (CPU) times instead the same stack with its experts packed as a GGUF Q4_0-like
+file's are served (`FusedMoE`'s packed path: int4 groups of 32 with a bf16 scale and zero,
+PyTorch's int4 CPU kernel per expert) against the dense bf16 experts it was quantized from,
+in the same run; ``held MB`` is the experts' resident bytes, ``read MB/tok`` the floor
+(every picked expert's bytes once, plus the router) over the batch.
 """
 
 from __future__ import annotations
@@ -133,6 +140,115 @@ def run(device: str, layers: int, batch_sizes: list[int], iters: int, dtype: str
     }
 
 
+def packed_copy(blocks, dtype: torch.dtype):
+    """The blocks again, their experts quantized to int4 groups of 32 and packed."""
+    from pagemill.runtime.model_executor.layers.fused_moe import SparseMoeBlock
+    from pagemill.runtime.model_executor.quantization.formats import quantize_int4_groups
+    from pagemill.runtime.moe_config import MoeSpec
+
+    h, e, k, i = SHAPES["hidden"], SHAPES["experts"], SHAPES["top_k"], SHAPES["inter"]
+    out = []
+    for b in blocks:
+        p = SparseMoeBlock(MoeSpec(e, k, i, True, 0, (True,)), h, dtype)
+        p.gate = b.gate
+        p.experts.plan_packing("native", torch.bfloat16)
+        with torch.no_grad():
+            for j in range(e):
+                p.experts.load_expert_rows(
+                    j, 13, 0, quantize_int4_groups(b.experts.w13_weight[j], 32, dtype)
+                )
+                p.experts.load_expert_rows(
+                    j, 2, 0, quantize_int4_groups(b.experts.w2_weight[j], 32, dtype)
+                )
+        assert p.experts.packed
+        out.append(p)
+    return out
+
+
+def expert_bytes(block) -> int:
+    x = block.experts
+    if x.packed:
+        return x.packed_nbytes()
+    return sum(t.numel() * t.element_size() for t in (x.w13_weight, x.w2_weight))
+
+
+def read_bytes(blocks, x: torch.Tensor) -> int:
+    """Bytes a step must read: each picked expert's share of its layer's bytes, plus the router."""
+    from pagemill.kernels import topk_softmax
+
+    e, k = SHAPES["experts"], SHAPES["top_k"]
+    total = 0
+    for b in blocks:
+        _, ids = topk_softmax(torch.nn.functional.linear(x, b.gate), k, True)
+        total += ids.unique().numel() * expert_bytes(b) // e + b.gate.numel() * 2
+        x = x + b(x)
+    return total
+
+
+def timed_pair(fa, fb, iters: int) -> tuple[float, float]:
+    """Best of `iters` for each, the two alternated: on a shared CPU the other loads come and
+    go, and alternating with the minimum keeps them from landing on one side only."""
+    fa(), fb()
+    ta, tb = [], []
+    for _ in range(iters):
+        for fn, times in ((fa, ta), (fb, tb)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(ta), min(tb)
+
+
+def run_int4(layers: int, batch_sizes: list[int], iters: int) -> dict:
+    dev, dt = torch.device("cpu"), torch.bfloat16
+    dense, _ = build(layers, dt, dev)
+    packed = packed_copy(dense, dt)
+    rows = []
+    for bs in batch_sizes:
+        x = torch.randn(bs, SHAPES["hidden"]).to(dt) * 0.5
+        with torch.inference_mode():
+            a, b = step(packed, x, False), step(dense, x, False)
+            err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+            t_packed, t_dense = timed_pair(
+                lambda x=x: step(packed, x, False), lambda x=x: step(dense, x, False), iters
+            )
+            r_packed, r_dense = read_bytes(packed, x), read_bytes(dense, x)
+        rows.append(
+            {
+                "batch": bs,
+                "dense_ms": t_dense * 1e3,
+                "int4_ms": t_packed * 1e3,
+                "speedup": t_dense / t_packed,
+                "dense_read_mb_per_token": r_dense / bs / 1e6,
+                "int4_read_mb_per_token": r_packed / bs / 1e6,
+                "rel_err_vs_dense": err,
+            }
+        )
+    return {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "mode": "int4 vs dense bf16",
+        "layers": layers,
+        "shapes": SHAPES,
+        "dense_held_mb": sum(expert_bytes(b) for b in dense) / 1e6,
+        "int4_held_mb": sum(expert_bytes(b) for b in packed) / 1e6,
+        "rows": rows,
+    }
+
+
+def print_int4_report(report: dict) -> None:
+    print(
+        f"cpu ({report['threads']} threads), {report['layers']} layers of {report['shapes']}: "
+        f"experts held {report['dense_held_mb']:.0f} MB bf16, {report['int4_held_mb']:.0f} MB int4"
+    )
+    print(" batch  dense ms  int4 ms  speedup  read MB/tok dense  int4  rel err")
+    for r in report["rows"]:
+        print(
+            f"{r['batch']:6d} {r['dense_ms']:9.2f} {r['int4_ms']:8.2f} {r['speedup']:8.2f} "
+            f"{r['dense_read_mb_per_token']:18.2f} {r['int4_read_mb_per_token']:5.2f} "
+            f"{r['rel_err_vs_dense']:8.1e}"
+        )
+
+
 def print_report(report: dict) -> None:
     print(f"{report['device']} {report['dtype']}, {report['layers']} layers of {report['shapes']}")
     print(
@@ -154,7 +270,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--int4", action="store_true", help="packed int4 experts vs dense bf16 (CPU)")
     args = ap.parse_args()
+    if args.int4:
+        if args.device != "cpu" or args.dtype != "bf16":
+            ap.error("--int4 runs on --device cpu in --dtype bf16 (the packed CPU kernel)")
+        report = run_int4(args.layers, [int(b) for b in args.batch_sizes.split(",")], args.iters)
+        print_int4_report(report)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+        return
     report = run(
         args.device,
         args.layers,

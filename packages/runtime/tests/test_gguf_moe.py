@@ -26,6 +26,7 @@ import torch
 
 from pagemill.runtime import LLM
 from pagemill.runtime.model_executor.gguf_arch import Metadata, config_from_gguf
+from pagemill.runtime.model_executor.layers.fused_moe import FusedMoE
 
 # The dense architectures' writer (metadata keys, tokenizer, q/k permutation, round trip);
 # tests are imported by path (--import-mode=importlib), so it is loaded by path too.
@@ -102,9 +103,20 @@ def _stacked(checkpoint: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, s
     return {k: sorted(v) for k, v in out.items()}
 
 
-def write_moe_gguf(hf_dir: Path, path: Path, family: str, arch: str, qtype: Any) -> Path:
+def write_moe_gguf(
+    hf_dir: Path,
+    path: Path,
+    family: str,
+    arch: str,
+    qtype: Any,
+    expert_blocks: Any = None,
+) -> Path:
     """Write the checkpoint in `hf_dir` as llama.cpp would; returns a model folder holding
-    the weights the file holds (each tensor through its type's quantize/dequantize)."""
+    the weights the file holds (each tensor through its type's quantize/dequantize).
+
+    `expert_blocks`: (GGML type, data [E, rows, in] -> raw blocks) for the stacked expert
+    tensors, for types the `gguf` package cannot quantize (K-quants); they hold what the
+    package dequantizes those blocks to."""
     config = transformers.AutoConfig.from_pretrained(str(hf_dir))
     checkpoint = safetensors_torch.load_file(str(hf_dir / "model.safetensors"))
     w = gguf.GGUFWriter(str(path), arch)
@@ -135,7 +147,13 @@ def write_moe_gguf(hf_dir: Path, path: Path, family: str, arch: str, qtype: Any)
         assert name is not None, hf
         routed = any(k in name for k in _F32_ALWAYS)
         stored = qtype if data.ndim >= 2 and not routed else QT.F32
-        back = torch.from_numpy(_roundtrip(data, stored).copy())
+        raw = None
+        if expert_blocks is not None and hf in stacks:
+            stored, make = expert_blocks
+            raw = make(data)
+            back = torch.from_numpy(gguf.quants.dequantize(raw, stored).copy())
+        else:
+            back = torch.from_numpy(_roundtrip(data, stored).copy())
         if hf in stacks:
             for j, n in stacks[hf]:
                 held[n] = back[j].clone()
@@ -145,7 +163,9 @@ def write_moe_gguf(hf_dir: Path, path: Path, family: str, arch: str, qtype: Any)
             data = _permute(data, config.num_attention_heads)
         elif arch == "llama" and ".attn_k." in name:
             data = _permute(data, config.num_key_value_heads)
-        if stored in (QT.F32, QT.F16):
+        if raw is not None:
+            w.add_tensor(name, raw, raw_dtype=stored)
+        elif stored in (QT.F32, QT.F16):
             w.add_tensor(name, data.astype(np.float16 if stored == QT.F16 else np.float32))
         else:
             w.add_tensor(name, gguf.quants.quantize(data, stored), raw_dtype=stored)
@@ -191,9 +211,13 @@ def test_moe_gguf_generates_like_transformers(
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
 
 
-def test_quantized_experts_load_in_bf16_rounded_once(tmp_path, build_tiny_model) -> None:
-    """CPU bf16 serving: Q8_0 experts are held dense in bf16 (no fp32 copy), each weight the
-    `gguf` package's dequantized value rounded once — not recomputed with bf16 scales."""
+def test_quantized_experts_load_in_bf16_rounded_once(
+    tmp_path, build_tiny_model, monkeypatch
+) -> None:
+    """CPU bf16 serving with packed experts off: Q8_0 experts are held dense in bf16 (no
+    fp32 copy), each weight the `gguf` package's dequantized value rounded once — not
+    recomputed with bf16 scales. (Packed experts: test_gguf_moe_packed.)"""
+    monkeypatch.setattr(FusedMoE, "pack_gguf_experts", False)
     family, arch, qtype, overrides = CASES["qwen3moe-Q8_0"]
     build_tiny_model(tmp_path / "hf", family, seed=7, **overrides)
     path = tmp_path / "gguf" / "tiny.gguf"

@@ -29,6 +29,7 @@ from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, writ
 from pagemill.kernels.lora import add_lora, add_lora_torch, add_lora_triton, lora_segments
 from pagemill.kernels.moe import (
     fused_moe,
+    fused_moe_int4_cpu,
     fused_moe_torch,
     fused_moe_triton,
     moe_align_block_size,
@@ -56,6 +57,7 @@ __all__ = [
     "apply_rotary_torch",
     "apply_rotary_triton",
     "fused_moe",
+    "fused_moe_int4_cpu",
     "fused_moe_torch",
     "fused_moe_triton",
     "gelu_tanh_and_mul",

@@ -20,6 +20,9 @@ dense MLP's fused gate|up) and ``w2`` [E, H, I].
   one gate|up GEMM, SiLU-and-mul and one down GEMM on its contiguous block of sorted rows,
   and a single weighted ``index_add`` back to the tokens. Experts without tokens cost
   nothing but a skipped loop step (the loop is over experts, never over tokens).
+* `fused_moe_int4_cpu`: the same loop with each expert's gate|up and down packed for
+  PyTorch's int4 CPU kernel (GGUF experts kept as the file holds them: int4 groups, or
+  int8 blocks as two int4 planes); ``torch.ops.pagemill.fused_moe_int4`` is its opaque op.
 * `fused_moe_triton`: the GPU path (`pagemill.kernels._triton.moe`) — token blocks padded
   per expert, one grouped-GEMM launch for gate|up and one for down.
 * `fused_moe`: dispatch by device; ``torch.ops.pagemill.fused_moe`` is the same as an opaque
@@ -109,6 +112,43 @@ def _check_extras(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
+def _sorted_experts(
+    x: torch.Tensor,
+    num_experts: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_mlp,  # (expert, rows [n, H]) -> [n, H]
+) -> torch.Tensor:
+    """Sort the (token, slot) pairs by expert, run `expert_mlp` once per expert with tokens
+    on its contiguous block of rows, and add the weighted rows back to their tokens."""
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    # Stable: a token's slots keep their order within an expert, so the sum is formed in the
+    # same order as an expert-by-expert loop (transformers' eager block) forms it.
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    tokens = order // k
+    xs = x.index_select(0, tokens)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        ys[start : start + n] = expert_mlp(e, xs[start : start + n])
+        start += n
+    ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tokens, ys)
+    return out
+
+
+def _act_rows(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    if activation == "silu":
+        i = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :i]) * gate_up[:, i:]
+    return swigluoai_and_mul(gate_up, alpha, limit)
+
+
 def fused_moe_torch(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -124,32 +164,70 @@ def fused_moe_torch(
     """x [T, H] -> [T, H] (the experts' weighted sum, in x's dtype)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     _check_extras(w13, w2, w13_bias, w2_bias, activation)
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    # Stable: a token's slots keep their order within an expert, so the sum is formed in the
-    # same order as an expert-by-expert loop (transformers' eager block) forms it.
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    tokens = order // k
-    xs = x.index_select(0, tokens)
-    ys = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        seg = xs[start : start + n]
+
+    def expert_mlp(e: int, seg: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(seg, w13[e], None if w13_bias is None else w13_bias[e])
-        if activation == "silu":
-            i = gate_up.shape[-1] // 2
-            act = F.silu(gate_up[:, :i]) * gate_up[:, i:]
-        else:
-            act = swigluoai_and_mul(gate_up, swiglu_alpha, swiglu_limit)
-        ys[start : start + n] = F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
-        start += n
-    ys = ys * topk_weights.reshape(-1)[order].to(ys.dtype).unsqueeze(-1)
-    out = torch.zeros_like(x)
-    out.index_add_(0, tokens, ys)
-    return out
+        act = _act_rows(gate_up, activation, swiglu_alpha, swiglu_limit)
+        return F.linear(act, w2[e], None if w2_bias is None else w2_bias[e])
+
+    return _sorted_experts(x, w13.shape[0], topk_weights, topk_ids, expert_mlp)
+
+
+def _int4_mm(
+    x: torch.Tensor, qweight: torch.Tensor, sz: torch.Tensor, group_size: int, planes: int
+) -> torch.Tensor:
+    """One expert's packed GEMM: PyTorch's int4 CPU kernel, the input repeated per plane
+    (two planes carry an int8 block format exactly; see the runtime's `formats`)."""
+    xk = x if x.dtype == sz.dtype else x.to(sz.dtype)
+    if planes > 1:
+        xk = torch.cat([xk] * planes, dim=-1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xk.contiguous(), qweight, group_size, sz)
+
+
+def fused_moe_int4_cpu(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_sizes: list[int],
+    planes: list[int],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    """`fused_moe_torch` with each expert's weights packed for PyTorch's int4 CPU kernel
+    (``_weight_int4pack_mm_for_cpu``, as a packed `Linear` holds them): ``w13_qweight``
+    [E, 2I, ...] / ``w2_qweight`` [E, H, ...] as ``_convert_weight_to_int4pack_for_cpu``
+    packs one expert, ``*_scales_zeros`` [E, planes * K / g, N, 2] in the kernel dtype
+    (bf16: the kernel is vectorized for it), ``group_sizes`` / ``planes`` (w13's, w2's).
+    The kernel computes in the scales' dtype; the result comes back in x's."""
+    if x.dim() != 2 or w13_qweight.shape[0] != w2_qweight.shape[0]:
+        raise ValueError("fused_moe_int4_cpu takes x [T, H] and per-expert stacks of one size")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk weights {tuple(topk_weights.shape)} and ids {tuple(topk_ids.shape)}"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    (g13, g2), (p13, p2) = group_sizes, planes
+    h = x.shape[1]
+    if w13_scales_zeros.shape[1] * g13 != p13 * h:
+        raise ValueError(f"w13 scales {tuple(w13_scales_zeros.shape)} do not fit hidden {h}")
+
+    def expert_mlp(e: int, seg: torch.Tensor) -> torch.Tensor:
+        gate_up = _int4_mm(seg, w13_qweight[e], w13_scales_zeros[e], g13, p13).to(x.dtype)
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e]
+        act = _act_rows(gate_up, activation, swiglu_alpha, swiglu_limit)
+        down = _int4_mm(act, w2_qweight[e], w2_scales_zeros[e], g2, p2).to(x.dtype)
+        return down if w2_bias is None else down + w2_bias[e]
+
+    return _sorted_experts(x, w13_qweight.shape[0], topk_weights, topk_ids, expert_mlp)
 
 
 def moe_align_block_size(
@@ -337,6 +415,61 @@ def _(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pagemill::fused_moe_int4", mutates_args=())
+def _fused_moe_int4_op(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_sizes: list[int],
+    planes: list[int],
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+) -> torch.Tensor:
+    return fused_moe_int4_cpu(
+        x,
+        w13_qweight,
+        w13_scales_zeros,
+        w2_qweight,
+        w2_scales_zeros,
+        topk_weights,
+        topk_ids,
+        group_sizes,
+        planes,
+        w13_bias,
+        w2_bias,
+        activation,
+        swiglu_alpha,
+        swiglu_limit,
+    )
+
+
+@_fused_moe_int4_op.register_fake
+def _(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales_zeros: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    group_sizes: list[int],
+    planes: list[int],
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     activation: str = "silu",

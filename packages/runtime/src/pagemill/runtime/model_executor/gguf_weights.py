@@ -222,7 +222,7 @@ class GGUFCheckpoint:
                 continue
             if "{}" in hf:
                 yield from self._experts(
-                    hf, name, kind, shape, offset, n_bytes, config, dense_dtype
+                    hf, name, kind, shape, offset, n_bytes, config, dense_dtype, requantize
                 )
                 continue
             value = read_gguf_tensor(
@@ -247,12 +247,14 @@ class GGUFCheckpoint:
         n_bytes: int,
         config: ModelConfig,
         dense_dtype: torch.dtype,
+        requantize: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedRows]]:
         """A stacked expert tensor (GGUF shape [in, rows, experts]) one expert at a time,
-        so that no layer's experts are ever dense at once. Experts are served dense (the
-        MoE layer has no packed form), so nothing is requantized, and quantized rows are
-        dequantized exactly (fp32, one expert) before the one rounding to the compute dtype —
-        not with scales in that dtype, as a packed kernel would compute."""
+        so that no layer's experts are ever dense at once. With `requantize` (the rows will
+        be served packed) quantized rows come out as `read_gguf_tensor` gives them, the
+        same rules as a dense layer's (the MoE layer packs them: `layers.fused_moe`);
+        otherwise they are dequantized exactly (fp32, one expert) before the one rounding
+        to the compute dtype — not with scales in that dtype, as a packed kernel computes."""
         experts = shape[-1]
         size = n_bytes // experts
         arch = GGUF_ARCHS.get(self.architecture)
@@ -262,10 +264,11 @@ class GGUFCheckpoint:
                 kind,
                 tuple(shape[:-1]),
                 self._data[start : start + size],
-                requantize=False,
+                requantize=requantize,
                 dense_dtype=dense_dtype,
+                errors=self.requant_errors,
             )
-            if isinstance(value, QuantizedRows):
+            if isinstance(value, QuantizedRows) and not requantize:
                 value = value.dequantize(torch.float32).to(dense_dtype)
             yield hf.format(j), value if arch is None else arch.undo(name, value, config)
 

@@ -54,8 +54,9 @@ class MoeForCausalLM(LlamaForCausalLM):
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
     def _check_schemes(self) -> None:
-        """Refuse int8/int4 weights: the routed experts have no packed format yet, and
-        quantizing only the attention would not be what was asked."""
+        """Refuse int8/int4 quantization: the routed experts keep a GGUF file's packed rows
+        but are not quantized from dense ones, and quantizing only the attention would not
+        be what was asked."""
         asked = {m.scheme.method for m in self.modules() if isinstance(m, Linear)}
         packed = sorted(asked & {"int8", "int4"})
         if packed:
@@ -72,8 +73,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         self._check_schemes()
         super().init_dummy_weights(seed)
 
+    def _plan_experts(self) -> None:
+        """The experts follow the projections' scheme: a "native" one (a GGUF file in bf16 on
+        CPU) keeps their quantized rows packed too (`FusedMoE.plan_packing`)."""
+        schemes = [m.scheme for m in self.modules() if isinstance(m, Linear)]
+        if not schemes:
+            return
+        for layer in self.layers:
+            mlp = getattr(layer, "mlp", None)
+            if isinstance(mlp, SparseMoeBlock):
+                mlp.experts.plan_packing(schemes[0].method, schemes[0].kernel_dtype)
+
     def _targets(self) -> dict[str, list[tuple[torch.Tensor | Linear, int, int]]]:
         t = super()._targets()
+        self._plan_experts()
         for i, layer in enumerate(self.layers):
             mlp = getattr(layer, "mlp", None)
             if isinstance(mlp, SparseMoeBlock):

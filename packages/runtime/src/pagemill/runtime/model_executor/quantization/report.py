@@ -90,6 +90,13 @@ def weight_report(
         report.packed_bytes += packed
         report.step_bytes += packed + bias
         report.dense_copy_bytes += count(module.weight)
+    for module in model.modules():
+        if getattr(module, "w13_qweight", None) is not None:  # packed experts (`FusedMoE`)
+            fmt = "int4x2" if getattr(module, "planes", [1]) != [1, 1] else "int4"
+            report.formats[f"experts {fmt} ({getattr(module, 'source', '?')})"] += 1
+            packed = sum(count(t) for t in module.buffers(recurse=False))
+            report.packed_bytes += packed
+            report.step_bytes += packed
     linear_params = {
         id(p) for m in model.modules() if isinstance(m, Linear) for p in m.parameters(recurse=False)
     }
