@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,6 +89,9 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
         return [flag, "3MiB"], 3 * 2**20
     if name == "kv_events_config":  # vLLM's fields only
         return [flag, '{"topic": "kv"}'], {"topic": "kv"}
+    if name == "speculative_config":  # vLLM's fields only
+        spec = {"method": "ngram", "num_speculative_tokens": 3}
+        return [flag, json.dumps(spec)], spec
     if f.type.startswith("dict"):
         return [flag, '{"temperature": 0.5}'], {"temperature": 0.5}
     if name == "max_logprobs":  # capped at its default
