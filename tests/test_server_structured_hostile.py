@@ -197,13 +197,15 @@ def test_runaway_grammar_wedges_nothing(url: str, monkeypatch: pytest.MonkeyPatc
         f"/health worst {worst * 1000:.0f} ms, plain request {plain_s * 1000:.0f} ms, "
         f"runaway failed after {elapsed:.1f} s"
     )
-    assert worst <= 0.5
-    assert plain is not None and plain.status_code == 200 and plain_s <= 2.0
+    # Bounds a wedge would break (it holds /health for the whole compile), loose enough
+    # for a loaded 2-core CI box: the compile deadline counts CPU time, not wall time.
+    assert worst <= 2.0
+    assert plain is not None and plain.status_code == 200 and plain_s <= 10.0
     r = results["runaway"]
     # A 400 naming the deadline, never a 200 with empty content.
     assert r.status_code == 400 and "did not compile within 1.5 s" in r.text, r.text
     assert "4999" not in r.text
-    assert elapsed < 1.5 + 2.0  # its deadline
+    assert elapsed < 20.0  # its 1.5 s (CPU) deadline, not the 60 s wait above
     # A small schema right after it succeeds.
     r = post(url, "/v1/completions", completion(SMALL_SCHEMA, max_tokens=32))
     assert r.status_code == 200, r.text
