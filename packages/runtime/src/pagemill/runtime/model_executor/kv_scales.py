@@ -67,6 +67,25 @@ class CheckpointKVScales:
         return sum(k is not None or v is not None for k, v in zip(self.k, self.v))
 
 
+def kv_scale_names(folder: str | Path) -> list[str]:
+    """Names of the checkpoint's K/V cache scale tensors (from the headers only)."""
+    try:
+        files = safetensors_files(folder)
+    except (FileNotFoundError, ValueError):
+        return []
+    names = []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            names += [n for n in f.keys() if _which(n) is not None]  # noqa: SIM118
+    return names
+
+
+def _which(name: str) -> tuple[int, str] | None:
+    m = _LAYER.search(name)
+    which = SCALE_NAMES.get(m.group(2)) if m else None
+    return None if m is None or which is None else (int(m.group(1)), which)
+
+
 def read_kv_scales(folder: str | Path, num_layers: int) -> CheckpointKVScales | None:
     """The checkpoint's K/V cache scales, or None when it has none (or no safetensors)."""
     try:
@@ -80,11 +99,10 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> CheckpointKVScales | 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open objects are not iterable
-                m = _LAYER.search(name)
-                which = SCALE_NAMES.get(m.group(2)) if m else None
-                if m is None or which is None:
+                found = _which(name)
+                if found is None:
                     continue
-                layer = int(m.group(1))
+                layer, which = found
                 if layer >= num_layers:
                     raise ValueError(
                         f"checkpoint tensor {name} is a KV cache scale of layer {layer}, "
@@ -123,10 +141,11 @@ def apply_checkpoint_kv_scales(
     they apply: an fp8 cache without ``calculate_kv_scales``. Elsewhere they are left
     unused with a log line saying so (a float cache needs none; calculated scales, and
     int8's, come from the first prefill)."""
-    scales = read_kv_scales(folder, num_layers)
-    if scales is None:
+    names = kv_scale_names(folder)
+    if not names:
         return None
-    found = f"{len(scales.names)} KV cache scale tensors (e.g. {scales.names[0]})"
+    # Where they go unused they are not read either: a shape we could not serve is no error.
+    found = f"{len(names)} KV cache scale tensors (e.g. {names[0]})"
     if cache.kv_cache_dtype == "auto":
         logger.info(
             "checkpoint has %s; not used: kv_cache_dtype is auto (set --kv-cache-dtype fp8 "
@@ -144,7 +163,8 @@ def apply_checkpoint_kv_scales(
     if not cache.kv_cache_dtype.startswith("fp8"):
         logger.info("checkpoint has %s; not used by a %s cache", found, cache.kv_cache_dtype)
         return None
-    if kv_cache is None:
+    scales = read_kv_scales(folder, num_layers)
+    if kv_cache is None or scales is None:
         return None
     kv_cache.load_scales(scales.k, scales.v)
     n = scales.num_layers_with_scales
