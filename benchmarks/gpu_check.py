@@ -406,20 +406,22 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     if args.cpu:
         report = bench.run(
-            True, ["fp32", "fp32-kvfp8"], iters=2, only="decode 64 x 300,prefill 4 x 512"
+            True,
+            ["fp32", "fp32-kvfp8", "fp32-kvint8"],
+            iters=2,
+            only="decode 64 x 300,prefill 4 x 512",
         )
     else:
-        # bf16-kvfp8: the same cases over an fp8 KV cache (--kv-cache-dtype fp8).
+        # bf16-kvfp8 / -kvint8: the same cases over an fp8 / int8 KV cache
+        # (--kv-cache-dtype fp8 / int8).
         report = bench.run(
             False,
-            ["bf16", "bf16-kvfp8"],
+            ["bf16", "bf16-kvfp8", "bf16-kvint8"],
             only="decode 64 x 4096,decode 256,prefill 4 x 4096,prefill 2k,mixed",
         )
     bench.print_report(report)
     decode = [
-        r
-        for r in report["rows"]
-        if r["case"].startswith("decode 64 x") and not r["dtype"].endswith("-kvfp8")
+        r for r in report["rows"] if r["case"].startswith("decode 64 x") and "-kv" not in r["dtype"]
     ]
     fp8_decode = [
         r
@@ -430,6 +432,14 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         "decode_gb_per_s": decode[0]["gb_per_s"] if decode else None,
         "decode_of_copy": decode[0]["of_copy"] if decode else None,
         "decode_ms_kvfp8": fp8_decode[0]["ms"] if fp8_decode else None,
+        "decode_ms_kvint8": next(
+            (
+                r["ms"]
+                for r in report["rows"]
+                if r["case"].startswith("decode 64 x") and r["dtype"].endswith("-kvint8")
+            ),
+            None,
+        ),
         "decode_ms": decode[0]["ms"] if decode else None,
         "copy_gb_per_s": report["copy_bandwidth"] / 1e9 if report["copy_bandwidth"] else None,
         "prefill_tflop_per_s": max(

@@ -16,6 +16,7 @@
 #                 the Triton int4 GEMM, eager and with CUDA graphs)
 #   kernels       paged attention, Llama-3.1-8B heads, bf16: decode 64 x 4k in GB/s against a
 #                 device-to-device copy measured in the same run, prefill in TFLOP/s
+#                 (and the same over fp8 and int8 KV caches: --kv-cache-dtype fp8 / int8)
 #   int4-gemm     the int4-group GEMM of AWQ/GPTQ/w4a16 weights on Llama-3.1-8B's projections
 #                 (1, 16, 256 rows) vs a dense bf16 GEMM: ms, weight GB/s, error vs torch
 #   moe           fused MoE (Triton grouped GEMM), Qwen3-30B-A3B expert shapes, bf16, 4 layers:

@@ -10,7 +10,8 @@ bytes/s of a large device-to-device copy (%copy), and against the spec sheet (%b
 prefill is compute-bound, so TFLOP/s against the dense bf16 peak. Bytes count K/V actually
 attended plus q and out; FLOPs count the two matmuls (4 * H * D per query-key pair) over the
 causal pairs only. A dtype name ending in ``-kvfp8`` (``bf16-kvfp8``) keeps q in that dtype
-and stores K/V in float8 e4m3 (``--kv-cache-dtype fp8``): half the K/V bytes per step.
+and stores K/V in float8 e4m3 (``--kv-cache-dtype fp8``): half the K/V bytes per step;
+``-kvint8`` stores them as int8 codes with per-tensor scales (``--kv-cache-dtype int8``).
 """
 
 from __future__ import annotations
@@ -202,20 +203,30 @@ def run(
     }
     for dname in names:
         kv_fp8 = dname.endswith("-kvfp8")
-        dtype = dtypes[dname.removesuffix("-kvfp8")]
+        kv_int8 = dname.endswith("-kvint8")
+        dtype = dtypes[dname.removesuffix("-kvfp8").removesuffix("-kvint8")]
         for case in cases:
             batch = build(case, heads, kv_heads, head_dim, block_size, dtype, device)
+            kw: dict = {}
             if kv_fp8:
                 q_, kc_, vc_, *meta = batch
                 batch = (q_, kc_.to(torch.float8_e4m3fn), vc_.to(torch.float8_e4m3fn), *meta)
+            if kv_int8:
+                q_, kc_, vc_, *meta = batch
+                ks = kc_.abs().amax().float() / 127
+                vs = vc_.abs().amax().float() / 127
+                kc8 = torch.round(kc_.float() / ks).to(torch.int8)
+                vc8 = torch.round(vc_.float() / vs).to(torch.int8)
+                batch = (q_, kc8, vc8, *meta)
+                kw = {"k_scale": ks, "v_scale": vs}
             scale = head_dim**-0.5
             if not cpu and case is cases[0]:
-                ref = paged_attention_torch(*batch, scale)
-                got = fn(*batch, scale)
+                ref = paged_attention_torch(*batch, scale, **kw)
+                got = fn(*batch, scale, **kw)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 report["checks"].append({"dtype": dname, "case": case.name, "rel_err": err})
             out = torch.empty_like(batch[0])
-            secs = timer(lambda b=batch, o=out, s=scale: fn(*b, s, out=o), iters)
+            secs = timer(lambda b=batch, o=out, s=scale, kw=kw: fn(*b, s, out=o, **kw), iters)
             nbytes, flops = work(
                 case, heads, kv_heads, head_dim, batch[0].element_size(), batch[1].element_size()
             )

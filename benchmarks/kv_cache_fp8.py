@@ -1,9 +1,13 @@
-"""fp8 KV cache vs the compute-dtype cache on one model: pool blocks in the same budget,
-greedy agreement over many prompts, prefill logit error, and a CPU decode step's time.
+"""8-bit KV caches (fp8, int8) vs the compute-dtype cache on one model: pool blocks in the
+same budget, greedy agreement over many prompts, prefill logit error, and a CPU decode
+step's time.
 
-    python benchmarks/kv_cache_fp8.py [--model M] [--kv fp8] [--prompts 32] [--tokens 32]
+    python benchmarks/kv_cache_fp8.py [--model M] [--kv fp8,fp8+calc,int8] [--prompts 32]
+        [--tokens 32]
 
-Both engines run in one process on the same weights (default: the default model); the
+``--kv`` lists the caches to compare with the compute-dtype one: a ``--kv-cache-dtype``
+value, ``+calc`` adding ``--calculate-kv-scales`` (int8 always calculates its scales).
+Every engine runs in one process on the same weights (default: the default model); the
 prompts are chat-templated questions so the continuations are the model's usual text.
 Agreement counts generated tokens equal at the same position (after a first divergence the
 texts differ, so this is a lower bound of how alike they read) and whole continuations
@@ -87,35 +91,16 @@ def decode_step_ms(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--kv", default="fp8")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--budget", default=str(256 << 20))
-    ap.add_argument("--decode-batch", type=int, default=16)
-    ap.add_argument("--decode-ctx", type=int, default=512)
-    ap.add_argument("--calculate-kv-scales", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
-    ref = LLM(args.model, **common)
-    q = LLM(
-        args.model,
-        kv_cache_dtype=args.kv,
-        calculate_kv_scales=args.calculate_kv_scales,
-        **common,
-    )
-    ps = prompts(ref, args.prompts)
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+def compare(ref: LLM, q: LLM, ps: list[list[int]], tokens: int) -> dict:
+    """Greedy agreement and prefill logprob error of engine ``q`` against ``ref``."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in q.generate(ps, params, use_tqdm=False)]
     same_pos = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     prefix = [
         next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)
     ]
-    # Prefill logits at the last prompt position, from each engine's logprobs-free path.
+    # Logprobs at the last prompt position (the first generated token's distribution).
     lp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
     errs, top1 = [], 0
     for p in ps:
@@ -124,27 +109,53 @@ def main() -> None:
         shared = set(ra) & set(rb)
         errs.append(max(abs(ra[t].logprob - rb[t].logprob) for t in shared))
         top1 += max(ra, key=lambda t: ra[t].logprob) == max(rb, key=lambda t: rb[t].logprob)
-    res = {
-        "model": args.model,
-        "kv_cache_dtype": args.kv,
-        "calculate_kv_scales": args.calculate_kv_scales,
-        "dtype": str(ref.llm_engine.engine_core.dtype),
-        "blocks_same_budget": {
-            "auto": ref.llm_engine.engine_core.num_blocks,
-            args.kv: q.llm_engine.engine_core.num_blocks,
-        },
-        "prompts": len(ps),
-        "tokens_each": args.tokens,
-        "token_agreement_same_position": same_pos / (len(ps) * args.tokens),
+    return {
+        "blocks_same_budget": q.llm_engine.engine_core.num_blocks,
+        "token_agreement_same_position": same_pos / (len(ps) * tokens),
         "identical_continuations": sum(ra == rb for ra, rb in zip(a, b)) / len(ps),
         "mean_common_prefix_tokens": statistics.mean(prefix),
         "first_token_top1_agreement": top1 / len(ps),
         "max_abs_logprob_err_top20_mean": statistics.mean(errs),
         "max_abs_logprob_err_top20_max": max(errs),
     }
-    print(json.dumps(res, indent=1), flush=True)
-    for name, llm in (("auto", ref), (args.kv, q)) if args.decode_batch else ():
-        res[f"decode_step_ms_{name}"] = decode_step_ms(llm, args.decode_batch, args.decode_ctx, 12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--kv", default="fp8,fp8+calc,int8")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--budget", default=str(256 << 20))
+    ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--decode-ctx", type=int, default=512)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
+    ref = LLM(args.model, **common)
+    ps = prompts(ref, args.prompts)
+    res: dict = {
+        "model": args.model,
+        "dtype": str(ref.llm_engine.engine_core.dtype),
+        "prompts": len(ps),
+        "tokens_each": args.tokens,
+        "blocks_same_budget_auto": ref.llm_engine.engine_core.num_blocks,
+        "kv": {},
+    }
+    engines = {"auto": ref}
+    for spec in args.kv.split(","):
+        kv, _, flag = spec.partition("+")
+        calc = flag == "calc" or kv == "int8"
+        q = LLM(args.model, kv_cache_dtype=kv, calculate_kv_scales=calc, **common)
+        res["kv"][spec] = {"calculate_kv_scales": calc, **compare(ref, q, ps, args.tokens)}
+        print(json.dumps({spec: res["kv"][spec]}, indent=1), flush=True)
+        if args.decode_batch:
+            engines[spec] = q
+        else:
+            del q
+    for name, llm in engines.items() if args.decode_batch else ():
+        ms = decode_step_ms(llm, args.decode_batch, args.decode_ctx, 12)
+        res.setdefault("decode_step_ms", {})[name] = ms
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

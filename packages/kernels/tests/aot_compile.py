@@ -118,14 +118,20 @@ def _attention(
 ) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
     sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant, an fp8
-    cache ``kv`` = "e4m3"/"e5m2" another, attention ``sinks`` another)."""
+    cache ``kv`` = "e4m3"/"e5m2" another, an int8 cache ``kv`` = "int8" another, attention
+    ``sinks`` another)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
     q_lens = [1] * num_seqs if mode.startswith("decode") else [300] + [1] * (num_seqs - 1)
     num_tokens = sum(q_lens)
     width = -(-context // BLOCK_SIZE)
-    kv_dtype = {"": dtype, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[kv]
+    kv_dtype = {
+        "": dtype,
+        "e4m3": torch.float8_e4m3fn,
+        "e5m2": torch.float8_e5m2,
+        "int8": torch.int8,
+    }[kv]
     k_cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=kv_dtype)
     q = torch.zeros(num_tokens, heads, head_dim, dtype=dtype)
     tables = torch.zeros(num_seqs, width, dtype=torch.int32)
@@ -186,7 +192,8 @@ def _small_ops(
     apply_rotary_triton(pos, q, k, torch.zeros(64, head_dim, dtype=torch.float32))
     cache = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=dtype)
     write_kv_cache_triton(k, k, cache, cache, torch.zeros(t, dtype=torch.int64))
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):  # --kv-cache-dtype fp8 / fp8_e5m2
+    # --kv-cache-dtype fp8 / fp8_e5m2 / int8
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
         cache8 = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=fp8)
         one = torch.ones(())
         write_kv_cache_triton(k, k, cache8, cache8, torch.zeros(t, dtype=torch.int64), one, one)
@@ -279,6 +286,10 @@ def record_launches(grid: str) -> list[Launch]:
             dict(main, mode="decode-split", kv="e4m3"),
             dict(main, mode="prefill", kv="e4m3"),
             dict(main, mode="decode", kv="e5m2"),
+            # --kv-cache-dtype int8 on the main layout.
+            dict(main, mode="decode", kv="int8"),
+            dict(main, mode="decode-split", kv="int8"),
+            dict(main, mode="prefill", kv="int8"),
             # gpt-oss (head_dim 64, GQA 8): attention sinks, alternating 128-key windows.
             dict(dtype="bf16", head_dim=64, group=8, mode="prefill", sinks=True, window=128),
             dict(dtype="bf16", head_dim=64, group=8, mode="decode", sinks=True),
@@ -317,11 +328,11 @@ def record_launches(grid: str) -> list[Launch]:
             for d in HEAD_DIMS
             for mode in ("decode", "decode-split", "prefill")
         ]
-        attention += [  # fp8 KV caches under 16-bit compute
+        attention += [  # fp8 and int8 KV caches under 16-bit compute
             dict(dtype=dt, head_dim=d, group=g, mode=mode, kv=kv)
             for dt in DTYPES
             if dt != "fp32"
-            for kv in ("e4m3", "e5m2")
+            for kv in ("e4m3", "e5m2", "int8")
             for d, g in sorted(layouts)
             for mode in ("decode", "decode-split", "prefill")
         ]

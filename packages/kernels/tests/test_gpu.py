@@ -198,3 +198,53 @@ def test_fp8_kv_cache(fp8, dtype):
             qg, kc8.cuda(), vc8.cuda(), *meta_g, 0.09, k_scale=ks.cuda(), v_scale=vs.cuda()
         )
         assert rel_err(got.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_kv_cache(dtype):
+    """--kv-cache-dtype int8: the compiled write is byte-equal to a plain-torch
+    ``clamp(round(x / scale), -127, 127)`` (power-of-two scales, so the division is exact
+    whatever the GPU's fp32 divide), and attention over the int8 codes (decode with context
+    splits, prefill) matches the dense fp64 reference of ``code * scale``."""
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(53, 8, 128, generator=g).to(dtype) * 30
+    k[0, 0, :6] = torch.tensor([1e4, -1e4, 0.25, 0.75, -0.25, -0.0]).to(dtype)
+    slots = torch.randperm(16 * 16, generator=g)[:53]
+    slots[::7] = -1
+    ks, vs = torch.tensor(0.5), torch.tensor(0.25)
+    kc = torch.zeros(16, 16, 8, 128, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    kc_gpu, vc_gpu = kc.cuda(), vc.cuda()
+    K.write_kv_cache(k.cuda(), k.cuda(), kc_gpu, vc_gpu, slots.cuda(), ks.cuda(), vs.cuda())
+    keep = slots >= 0
+    for cache, s in ((kc, 0.5), (vc, 0.25)):
+        codes = torch.round(k[keep].double() / s).clamp(-127, 127).to(torch.int8)
+        cache.view(-1, 8, 128)[slots[keep]] = codes
+    assert torch.equal(kc_gpu.cpu(), kc)
+    assert torch.equal(vc_gpu.cpu(), vc)
+    kss, vss = 0.013, 0.021
+    for q_lens, ctx in (([1] * 6, [4000, 17, 900, 2048, 1, 333]), ([300, 1, 64], [700, 50, 64])):
+        cpu, gpu = batch(q_lens, ctx, 32, 8, 128, dtype)
+        q, kc, vc, tables, qsl, lens = cpu
+        kc8 = torch.randint(-127, 128, kc.shape, generator=g, dtype=torch.int8)
+        vc8 = torch.randint(-127, 128, vc.shape, generator=g, dtype=torch.int8)
+        ref = K.paged_attention_torch(
+            q.float(),
+            (kc8.double() * kss).float(),
+            (vc8.double() * vss).float(),
+            tables,
+            qsl,
+            lens,
+            0.09,
+        )
+        qg, _, _, *meta_g = gpu
+        got = K.paged_attention(
+            qg,
+            kc8.cuda(),
+            vc8.cuda(),
+            *meta_g,
+            0.09,
+            k_scale=torch.tensor(kss).cuda(),
+            v_scale=torch.tensor(vss).cuda(),
+        )
+        assert rel_err(got.cpu().float(), ref) < 2e-2

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagemill.blockpool.hashing import HASH_ALGOS
 
 # vLLM's --kv-cache-dtype values: "fp8" is e4m3 (more precision, range +-448).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,15 @@ class CacheConfig:
     cache); the KV cache gets what remains after profiling."""
 
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
-    """KV cache storage: auto (the model's compute dtype), or fp8 / fp8_e4m3 / fp8_e5m2
-    (one byte per element, twice the tokens in the same memory; each layer's K and V are
-    divided by a per-tensor scale on write and multiplied back on read)."""
+    """KV cache storage: auto (the model's compute dtype), or fp8 / fp8_e4m3 / fp8_e5m2 /
+    int8 (one byte per element, twice the tokens in the same memory; each layer's K and V are
+    divided by a per-tensor scale on write and multiplied back on read). int8 stores
+    symmetric rounded codes and needs calculate_kv_scales (checkpoint scales are fp8's)."""
 
     calculate_kv_scales: bool = False
-    """With an fp8 KV cache: set each layer's K and V scales from the first prefill's
-    largest magnitudes (vLLM's rule) instead of the checkpoint's k_scale/v_scale or 1.0."""
+    """With an fp8 or int8 KV cache: set each layer's K and V scales from the first
+    prefill's largest magnitudes (vLLM's rule) instead of the checkpoint's k_scale/v_scale
+    or 1.0."""
 
     def __post_init__(self) -> None:
         size = self.block_size
@@ -96,8 +98,15 @@ class CacheConfig:
             )
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError(
-                "CacheConfig.calculate_kv_scales needs an fp8 kv_cache_dtype (the auto cache "
-                "stores K/V unscaled in the compute dtype)"
+                "CacheConfig.calculate_kv_scales needs an fp8 or int8 kv_cache_dtype (the auto "
+                "cache stores K/V unscaled in the compute dtype)"
+            )
+        if self.kv_cache_dtype == "int8" and not self.calculate_kv_scales:
+            # Checkpoints carry fp8 scales (amax / 448 or so): read as int8 steps they would
+            # saturate almost every value, and 1.0 rounds K/V to whole numbers.
+            raise ValueError(
+                "CacheConfig.kv_cache_dtype='int8' needs calculate_kv_scales=True "
+                "(--calculate-kv-scales): int8 scales come from the first prefill"
             )
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, int | float):
@@ -110,11 +119,13 @@ class CacheConfig:
 
 def kv_cache_storage_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
     """The KV storage dtype name (a key of `sizing.DTYPE_BYTES`) for a ``kv_cache_dtype``
-    setting: the compute dtype for "auto", else the fp8 format it names."""
+    setting: the compute dtype for "auto", else the 8-bit format it names."""
     if kv_cache_dtype == "auto":
         return compute_dtype
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return "float8_e4m3fn"
     if kv_cache_dtype == "fp8_e5m2":
         return "float8_e5m2"
+    if kv_cache_dtype == "int8":
+        return "int8"
     raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")

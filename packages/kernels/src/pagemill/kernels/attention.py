@@ -27,7 +27,7 @@ from pagemill.kernels._dispatch import check_triton_device, use_triton
 from pagemill.kernels._opaque import OpaqueBase
 from pagemill.kernels.attention_cpu import TorchPlan, plan_torch, run_torch
 from pagemill.kernels.attention_triton import TritonPlan, plan_triton, run_triton
-from pagemill.kernels.kv_quant import check_scale, is_fp8
+from pagemill.kernels.kv_quant import check_scale, is_quantized_kv
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -499,11 +499,11 @@ def _check_tensors(
         )
     if k_cache.shape[3] != q.shape[2]:
         raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, cache has {k_cache.shape[3]}")
-    kv_ok = k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)
+    kv_ok = k_cache.dtype == q.dtype or is_quantized_kv(k_cache.dtype)
     if q.dtype not in _FLOAT_DTYPES or not kv_ok or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             "q must be fp32/fp16/bf16 and k_cache and v_cache share q's dtype or one fp8 "
-            f"dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"or int8 dtype; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagemill.kernels import cpu_native
-from pagemill.kernels.kv_quant import is_fp8
+from pagemill.kernels.kv_quant import is_quantized_kv
 
 # Gathering K/V for a decode batch writes tens of MB; a freshly allocated buffer of that
 # size is page-faulted in on every call, which costs more than the copy itself. Reusing
@@ -275,7 +275,7 @@ def run_torch(
     """
     plain = window <= 0 and softcap <= 0 and sinks is None
     ks = vs = 1.0
-    if is_fp8(k_cache.dtype):
+    if is_quantized_kv(k_cache.dtype):
         ks = 1.0 if k_scale is None else float(k_scale)
         vs = 1.0 if v_scale is None else float(v_scale)
     native_scale = scale

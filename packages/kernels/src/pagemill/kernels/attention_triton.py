@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagemill.kernels._dispatch import cdiv, interpreting, lazy_kernels, next_pow2
-from pagemill.kernels.kv_quant import is_fp8
+from pagemill.kernels.kv_quant import is_quantized_kv
 
 _kernels = lazy_kernels("attention")
 
@@ -177,7 +177,7 @@ def run_triton(
         raise ValueError("q and out need a contiguous last (head_dim) axis")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) axis")
-    fp8 = is_fp8(k_cache.dtype)
+    fp8 = is_quantized_kv(k_cache.dtype)  # fp8 or int8 codes, read as bytes
     if fp8 and (k_scale is None or v_scale is None):
         one = torch.ones((), dtype=torch.float32, device=q.device)
         k_scale = one if k_scale is None else k_scale
@@ -231,6 +231,7 @@ def run_triton(
         SINKS=sinks is not None,
         FP8=fp8,
         E4M3=k_cache.dtype == torch.float8_e4m3fn,
+        INT8=k_cache.dtype == torch.int8,
         num_warps=max(plan.num_warps, 8) if fp8 and plan.d_pad > 64 else plan.num_warps,
     )
     if split:

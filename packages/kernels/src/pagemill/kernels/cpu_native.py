@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pagemill.kernels.kv_quant import decode_table, is_fp8
+from pagemill.kernels.kv_quant import decode_table, is_quantized_kv
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPE_CODES
-        and (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype))
+        and (k_cache.dtype == q.dtype or is_quantized_kv(k_cache.dtype))
         and k_cache.is_contiguous()
         and q.stride(2) == 1
         and k_cache.shape[1] <= 256
@@ -182,7 +182,7 @@ def paged_decode(
     """
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    lut = decode_table(k_cache.dtype) if is_fp8(k_cache.dtype) else None
+    lut = decode_table(k_cache.dtype) if is_quantized_kv(k_cache.dtype) else None
     status = lib.pagemill_paged_decode(
         _DTYPE_CODES[q.dtype],
         q.data_ptr(),

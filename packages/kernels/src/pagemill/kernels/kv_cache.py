@@ -4,8 +4,9 @@ The runtime computes ``slot = block_table[p // B] * B + p % B`` for every token 
 a slot of -1 marks a token whose K/V must not be stored (e.g. a padded row), so the op
 skips it rather than clobbering block 0.
 
-A float8 cache (``--kv-cache-dtype fp8``) stores ``saturate(x / scale)`` with the layer's
-``k_scale``/``v_scale`` (see `pagemill.kernels.kv_quant`); other caches take x as it is.
+A float8 or int8 cache (``--kv-cache-dtype fp8`` / ``int8``) stores ``saturate(x / scale)``
+(int8: rounded) with the layer's ``k_scale``/``v_scale`` (see `pagemill.kernels.kv_quant`);
+other caches take x as it is.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
-from pagemill.kernels.kv_quant import check_scale, is_fp8, quantize
+from pagemill.kernels.kv_quant import check_scale, is_quantized_kv, quant_max, quantize
 
 _kernels = lazy_kernels("kv_cache")
 
@@ -72,7 +73,7 @@ def write_kv_cache_torch(
     if int(slots.max()) >= num_slots:
         raise ValueError(f"slot {int(slots.max())} is outside the cache ({num_slots} slots)")
     for src, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        if is_fp8(cache.dtype):
+        if is_quantized_kv(cache.dtype):
             # index_copy_ has no float8 kernel: the bytes move through uint8 views.
             src = quantize(src, scale, cache.dtype).view(torch.uint8)
             cache = cache.view(torch.uint8)
@@ -103,7 +104,7 @@ def write_kv_cache_triton(
         return
     if k.stride(2) != 1 or v.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k, v and the caches need a contiguous last (head_dim) axis")
-    fp8 = is_fp8(k_cache.dtype)
+    fp8 = is_quantized_kv(k_cache.dtype)  # fp8 or int8 codes, written as bytes
     one = None
     if fp8 and (k_scale is None or v_scale is None):
         one = torch.ones((), dtype=torch.float32, device=k.device)
@@ -132,7 +133,8 @@ def write_kv_cache_triton(
         D_PAD=next_pow2(head_dim),
         FP8=fp8,
         E4M3=k_cache.dtype == torch.float8_e4m3fn,
-        FP8_MAX=torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+        INT8=k_cache.dtype == torch.int8,
+        FP8_MAX=quant_max(k_cache.dtype) if fp8 else 0.0,
     )
 
 
@@ -146,6 +148,6 @@ def write_kv_cache(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store k/v at their slots; ``k_scale``/``v_scale`` (0-dim fp32) quantize for an fp8
-    cache (None: 1.0) and are ignored by a cache in a float compute dtype."""
+    or int8 cache (None: 1.0) and are ignored by a cache in a float compute dtype."""
     impl = write_kv_cache_triton if use_triton(k) else write_kv_cache_torch
     impl(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

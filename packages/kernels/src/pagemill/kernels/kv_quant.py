@@ -1,10 +1,16 @@
-"""An fp8 KV cache: what "quantize on write, dequantize on read" means, in one place.
+"""An 8-bit KV cache: what "quantize on write, dequantize on read" means, in one place.
 
 vLLM's ``--kv-cache-dtype fp8`` semantics: each layer has one K scale and one V scale
 (fp32, per tensor); the write stores ``saturate(x / scale)`` in float8 and every read
 computes ``float(x_fp8) * scale``. Saturating (clamping to the format's largest finite
 value) rather than overflowing to NaN/inf is what a cast to ``float8_e4m3fn`` would not
 do on its own (it has no inf), so an outlier costs precision, never a poisoned row.
+
+``--kv-cache-dtype int8`` is the same contract with symmetric int8 codes: the write stores
+``clamp(round(x / scale), -127, 127)`` (round half to even, as ``torch.round``), the read
+``float(x_int8) * scale``. -128 is never written, so the range is symmetric and a negated
+input gives the negated code. Every int8 value is exact in bf16/fp16, so the torch paths
+widen the codes exactly and fold the scales in, as they do for fp8.
 
 Scales are 0-dim fp32 tensors so a product with a bf16/fp16 tensor keeps that dtype and
 a compiled graph or CUDA graph reads the current value rather than a baked constant.
@@ -15,27 +21,47 @@ from __future__ import annotations
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Every dtype a quantized KV cache is stored in (one byte per element, with scales).
+KV_QUANT_DTYPES = (*FP8_DTYPES, torch.int8)
+
+# The largest int8 code written (symmetric: -INT8_MAX .. INT8_MAX).
+INT8_MAX = 127
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def is_quantized_kv(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` holds scaled 8-bit codes (fp8 or int8)."""
+    return dtype in KV_QUANT_DTYPES
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+def quant_max(dtype: torch.dtype) -> float:
+    """The largest magnitude a quantized cache of ``dtype`` stores (its saturation point)."""
+    return float(INT8_MAX) if dtype == torch.int8 else fp8_max(dtype)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``x / scale`` saturated to ``dtype``'s range and cast (round to nearest)."""
+    """``x / scale`` saturated to ``dtype``'s range and cast (round to nearest, ties even)."""
     y = x.float()
     if scale is not None:
         y = y / scale
-    limit = fp8_max(dtype)
-    return y.clamp_(-limit, limit).to(dtype)
+    limit = quant_max(dtype)
+    y = y.clamp_(-limit, limit)
+    if dtype == torch.int8:
+        # A float -> int cast truncates: round first (NaN cannot reach here from a finite
+        # activation; clamp keeps +-inf in range).
+        y = y.round_()
+    return y.to(dtype)
 
 
 def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 ``x`` back to ``dtype`` as ``float32(x) * scale``."""
+    """8-bit ``x`` back to ``dtype`` as ``float32(x) * scale``."""
     y = x.float()
     if scale is not None:
         y = y * scale
@@ -55,11 +81,14 @@ _LUTS: dict[torch.dtype, torch.Tensor] = {}
 
 
 def decode_table(dtype: torch.dtype) -> torch.Tensor:
-    """The 256 float32 values of an fp8 format indexed by its bit pattern (for the native
-    CPU kernel, which reads the cache as bytes)."""
+    """The 256 float32 values of an 8-bit format indexed by its bit pattern (for the native
+    CPU kernel, which reads the cache as bytes): fp8's values, or int8's two's-complement
+    integers (the kernel multiplies by the scale after the lookup, whatever the format)."""
     lut = _LUTS.get(dtype)
     if lut is None:
+        if not is_quantized_kv(dtype):
+            raise ValueError(f"no byte decode table for a {dtype} KV cache")
         lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-        # NaN patterns never occur in a saturated cache; keep them finite-agnostic as NaN.
+        # fp8 NaN patterns never occur in a saturated cache; they stay NaN in the table.
         _LUTS[dtype] = lut = lut.contiguous()
     return lut

@@ -24,7 +24,7 @@ from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
 from pagemill.kernels.attention_cpu import TorchPlan
 from pagemill.kernels.kv_cache import write_kv_cache
-from pagemill.kernels.kv_quant import is_fp8
+from pagemill.kernels.kv_quant import is_quantized_kv
 
 COMPILE_READY = register_opaque(AttentionPlan)
 
@@ -112,7 +112,7 @@ if COMPILE_READY:
             # the general entry's checks and dispatch cost about as much as the kernel
             # (12 of 37 us per layer, measured). The plan was built for these tensors.
             lib = cpu_native.load()
-            fp8 = is_fp8(k_cache.dtype)
+            fp8 = is_quantized_kv(k_cache.dtype)
             if lib is not None:
                 nd = impl.native
                 out = torch.empty_like(q)

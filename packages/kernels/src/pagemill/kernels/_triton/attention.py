@@ -16,7 +16,7 @@ in the first context split only, so the merge counts the sink once.
 import triton
 import triton.language as tl
 
-from pagemill.kernels._triton.fp8 import fp8_decode
+from pagemill.kernels._triton.fp8 import kv_decode
 
 
 @triton.jit
@@ -83,6 +83,7 @@ def paged_attention_kernel(
     SINKS: tl.constexpr,
     FP8: tl.constexpr,
     E4M3: tl.constexpr,
+    INT8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -150,8 +151,8 @@ def paged_attention_kernel(
         v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=kv_mask, other=0)
         if FP8:
             # uint8 views of the fp8 cache; every fp8 value is exact in fp16 and bf16.
-            k = fp8_decode(k, E4M3).to(qv.dtype)
-            v = fp8_decode(v, E4M3).to(qv.dtype)
+            k = kv_decode(k, E4M3, INT8).to(qv.dtype)
+            v = kv_decode(v, E4M3, INT8).to(qv.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)

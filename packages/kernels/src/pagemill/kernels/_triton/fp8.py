@@ -1,4 +1,4 @@
-"""fp8 KV bytes <-> floats with integer and fp32 arithmetic only.
+"""fp8 (and int8) KV bytes <-> floats with integer and fp32 arithmetic only.
 
 Triton's own float8 casts need sm_89+ for e4m3 (sm_80 serves fp8e5/fp8e4b15 only), and
 the interpreter's cast drops the carry when rounding crosses a power of two. The cache is
@@ -41,3 +41,31 @@ def fp8_decode(b, E4M3: tl.constexpr):
         return bits.to(tl.float16, bitcast=True) * 256.0
     else:
         return (h << 8).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def int8_encode(x):
+    """fp32 ``x`` (already clamped to +-127) to the int8 code's byte, round half to even as
+    ``torch.round``: adding and removing 1.5 * 2^23 leaves an fp32 with no fraction bits,
+    and the fp32 add itself rounds to nearest even."""
+    r = (x + 12582912.0) - 12582912.0
+    return r.to(tl.int32).to(tl.int8).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def kv_encode(x, E4M3: tl.constexpr, INT8: tl.constexpr):
+    """A quantized KV cache's byte for the clamped fp32 ``x``: an int8 code or an fp8 value."""
+    if INT8:
+        return int8_encode(x)
+    else:
+        return fp8_encode(x, E4M3)
+
+
+@triton.jit
+def kv_decode(b, E4M3: tl.constexpr, INT8: tl.constexpr):
+    """A quantized KV cache's byte ``b`` (uint8) as fp16, exactly (int8 codes and fp8
+    values alike are fp16 numbers)."""
+    if INT8:
+        return b.to(tl.int8, bitcast=True).to(tl.float16)
+    else:
+        return fp8_decode(b, E4M3)

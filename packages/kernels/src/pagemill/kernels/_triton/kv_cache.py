@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from pagemill.kernels._triton.fp8 import fp8_encode
+from pagemill.kernels._triton.fp8 import kv_encode
 
 
 @triton.jit
@@ -32,6 +32,7 @@ def write_kv_cache_kernel(
     D_PAD: tl.constexpr,
     FP8: tl.constexpr,
     E4M3: tl.constexpr,
+    INT8: tl.constexpr,
     FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -50,11 +51,11 @@ def write_kv_cache_kernel(
     vdst = vc_ptr + blk * stride_vcb + off * stride_vcs + h[:, None] * stride_vch + d[None, :]
     if FP8:
         # Quantize: x / scale saturated to the format's range (no inf/NaN from outliers),
-        # stored as bytes (the caches arrive as uint8 views).
+        # stored as bytes (the caches arrive as uint8 views; FP8 covers int8 codes too).
         kq = tl.clamp(kv.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
         vq = tl.clamp(vv.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
-        tl.store(kdst, fp8_encode(kq, E4M3), mask=mask)
-        tl.store(vdst, fp8_encode(vq, E4M3), mask=mask)
+        tl.store(kdst, kv_encode(kq, E4M3, INT8), mask=mask)
+        tl.store(vdst, kv_encode(vq, E4M3, INT8), mask=mask)
     else:
         tl.store(kdst, kv.to(kc_ptr.dtype.element_ty), mask=mask)
         tl.store(vdst, vv.to(vc_ptr.dtype.element_ty), mask=mask)

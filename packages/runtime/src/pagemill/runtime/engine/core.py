@@ -37,6 +37,7 @@ from pagemill.runtime.engine.protocol import (
 )
 from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.kv_scales import apply_checkpoint_kv_scales
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.rejection_sampler import RejectionSampler
 from pagemill.runtime.sample.sampler import Sampler
@@ -296,6 +297,8 @@ class EngineCore:
                 seconds,
             )
         kv_cache = self.model_runner.kv_cache
+        if config.load_format != "dummy":  # fp8 checkpoints' k_scale / v_scale
+            apply_checkpoint_kv_scales(kv_cache, model_path, cache, model_config.num_hidden_layers)
         if cache.calculate_kv_scales and kv_cache is not None:
             # After warm-up and capture, so the scales come from the first real prefill.
             kv_cache.calculate_scales_on_next_forward()

@@ -10,9 +10,9 @@ has one K and one V tensor per layer *of a group* rather than per model layer, a
 i of every group reads and writes tensor i, so a block is a group's worth of layers and
 the same bytes hold more of them (see `pagemill.blockpool.kv_cache_groups`).
 
-With ``kv_cache_dtype`` fp8 the storage holds one byte per element (uint8 containers viewed
-as ``torch.float8_e4m3fn``/``float8_e5m2``), so the same budget sizes twice the blocks of a
-16-bit cache; each layer carries its K and V scales (`LayerKVScales`).
+With ``kv_cache_dtype`` fp8 or int8 the storage holds one byte per element (uint8 containers
+viewed as ``torch.float8_e4m3fn``/``float8_e5m2``, or int8 itself), so the same budget sizes
+twice the blocks of a 16-bit cache; each layer carries its K and V scales (`LayerKVScales`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 # V_SCALE_CONSTANT), leaving headroom under the fp8 maximum for later, larger activations.
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
+# The int8 cache's rule: amax maps to the largest code. int8's steps are uniform, so headroom
+# costs resolution everywhere, where fp8's costs only its smallest exponents; a later, larger
+# activation saturates instead.
+INT8_K_SCALE_CONSTANT = 127.0
+INT8_V_SCALE_CONSTANT = 127.0
 
 
 def kv_dtype_name(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
@@ -55,7 +60,7 @@ def kv_dtype_name(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> str:
 
 
 def kv_torch_dtype(dtype: torch.dtype, kv_cache_dtype: str = "auto") -> torch.dtype:
-    """The torch dtype the KV views have: ``dtype`` itself, or the fp8 format."""
+    """The torch dtype the KV views have: ``dtype`` itself, or the 8-bit format."""
     if kv_cache_dtype == "auto":
         return dtype
     return getattr(torch, kv_dtype_name(dtype, kv_cache_dtype))
@@ -82,15 +87,21 @@ class LayerKVScales:
     place so compiled graphs and CUDA graphs see new values). ``pending``: set them from
     the next forward's K/V amax (``--calculate-kv-scales``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         self.k_scale = torch.ones((), dtype=torch.float32, device=device)
         self.v_scale = torch.ones((), dtype=torch.float32, device=device)
         self.pending = False
+        int8 = kv_dtype == torch.int8
+        self.constants = (
+            (INT8_K_SCALE_CONSTANT, INT8_V_SCALE_CONSTANT)
+            if int8
+            else (K_SCALE_CONSTANT, V_SCALE_CONSTANT)
+        )
 
     def calculate(self, k: torch.Tensor, v: torch.Tensor) -> None:
         for scale, x, const in (
-            (self.k_scale, k, K_SCALE_CONSTANT),
-            (self.v_scale, v, V_SCALE_CONSTANT),
+            (self.k_scale, k, self.constants[0]),
+            (self.v_scale, v, self.constants[1]),
         ):
             amax = (
                 x.detach().abs().amax().float()
@@ -319,7 +330,7 @@ class KVCache:
             self.caches = tensors
         else:
             self.caches = [tensors[i] for i in layer_tensor_index(groups, num_layers)]
-        self.scales = [LayerKVScales(device) for _ in range(config.num_hidden_layers)]
+        self.scales = [LayerKVScales(device, dtype) for _ in range(config.num_hidden_layers)]
 
     @property
     def scales_pending(self) -> bool:

@@ -97,8 +97,8 @@ def _add_hardware_args(
         "--kv-dtype",
         "--kv-cache-dtype",
         default="bf16",
-        help="bf16 | fp16 | fp32 | fp8 | fp8_e4m3 | fp8_e5m2 (fp8: one byte per element, as "
-        "the engine's --kv-cache-dtype fp8 stores it)",
+        help="bf16 | fp16 | fp32 | fp8 | fp8_e4m3 | fp8_e5m2 | int8 (8-bit: one byte per "
+        "element, as the engine's --kv-cache-dtype fp8 / int8 stores it)",
     )
     add_config_args(p.add_argument_group("KV cache"), CacheConfig, _CACHE_FLAGS)
     add_config_args(
