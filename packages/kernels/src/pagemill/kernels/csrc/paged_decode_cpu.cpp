@@ -303,6 +303,17 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         const int n = (b == num_blocks - 1) ? ctx - b * block_size : block_size;
         const char* kb = kbase + static_cast<int64_t>(table[b]) * block_bytes;
         const char* vb = vbase + static_cast<int64_t>(table[b]) * block_bytes;
+        if (b + 1 < num_blocks) {
+            // The next block is elsewhere in memory (the table's order, not the address
+            // order): ask for its rows now so they arrive while this block computes.
+            const int64_t nb = static_cast<int64_t>(table[b + 1]) * block_bytes;
+            const int nt = std::min(block_size, ctx - (b + 1) * block_size);
+            for (int t = 0; t < nt; ++t)
+                for (int64_t o = 0; o < D * esize; o += 64) {
+                    _mm_prefetch(kbase + nb + t * slot_bytes + o, _MM_HINT_T0);
+                    _mm_prefetch(vbase + nb + t * slot_bytes + o, _MM_HINT_T0);
+                }
+        }
         for (int t0 = (b == start / block_size) ? start - b * block_size : 0; t0 < n; t0 += kTile) {
             const int cnt = std::min(kTile, n - t0);
             for (int j = 0; j < cnt; ++j) {
