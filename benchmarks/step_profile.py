@@ -9,7 +9,7 @@ step's phases are marked with `record_function` around the engine's own methods
 (monkeypatched on this process's objects: no source changes): scheduling, input
 preparation, the model forward, the LM head, sampling, and the rest of the step (output
 processing: scheduler update, outputs). Inside the forward, the profiler's ops are
-grouped by name into linears, attention, KV write, the compiled graph's own C++ code
+grouped by name (or by the pagemill custom op they run inside) into linears, attention, KV write, the compiled graph's own C++ code
 (inductor's fused loops: norms, rotary, activation, residual adds, and the matmuls it
 lowers itself, e.g. `_weight_int8pack_mm` of Q8_0 layers: one profiler entry per graph
 call, not per kernel) and the rest. Graph
@@ -94,6 +94,17 @@ def group_of(op: str) -> str:
     return "other forward ops"
 
 
+def _owner(ev: Any) -> str:
+    """The name an op is grouped by: its own, or that of the pagemill custom op it runs
+    inside (the KV write's `aten::index_copy_` is the KV write's, not an "other" op)."""
+    parent = ev.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("pagemill::"):
+            return str(parent.name)
+        parent = parent.cpu_parent
+    return str(ev.name)
+
+
 def breakdown(prof: Any, steps: int, top_ops: int) -> tuple[dict[str, float], list[str]]:
     """ms per step by phase ("forward: <group>" inside the forward), and the top ops."""
     totals: dict[str, float] = defaultdict(float)
@@ -111,7 +122,7 @@ def breakdown(prof: Any, steps: int, top_ops: int) -> tuple[dict[str, float], li
         if phase is None:
             phase = "output processing & rest"
         if phase == "forward":
-            phase = f"forward: {group_of(ev.name)}"
+            phase = f"forward: {group_of(_owner(ev))}"
         totals[phase] += self_ms
         by_op[f"[{phase}] {ev.name}"] += self_ms
     # Python between ops (no op running) is charged to the innermost phase range.
