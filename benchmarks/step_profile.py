@@ -9,7 +9,8 @@ step's phases are marked with `record_function` around the engine's own methods
 (monkeypatched on this process's objects: no source changes): scheduling, input
 preparation, the model forward, the LM head, sampling, and the rest of the step (output
 processing: scheduler update, outputs). Inside the forward, the profiler's ops are
-grouped by name (or by the pagemill custom op they run inside) into linears, attention, KV write, the compiled graph's own C++ code
+grouped by name (or by the pagemill custom op they run inside) into linears, attention,
+KV write, the compiled graph's own C++ code
 (inductor's fused loops: norms, rotary, activation, residual adds, and the matmuls it
 lowers itself, e.g. `_weight_int8pack_mm` of Q8_0 layers: one profiler entry per graph
 call, not per kernel) and the rest. Graph
