@@ -9,7 +9,8 @@ step's phases are marked with `record_function` around the engine's own methods
 (monkeypatched on this process's objects: no source changes): scheduling, input
 preparation, the model forward, the LM head, sampling, and the rest of the step (output
 processing: scheduler update, outputs). Inside the forward, the profiler's ops are
-grouped by name into linears, attention, KV write, the compiled graph's own C++ code
+grouped by name (or by the pagemill custom op they run inside) into linears, attention,
+KV write, the compiled graph's own C++ code
 (inductor's fused loops: norms, rotary, activation, residual adds, and the matmuls it
 lowers itself, e.g. `_weight_int8pack_mm` of Q8_0 layers: one profiler entry per graph
 call, not per kernel) and the rest. Graph
@@ -18,6 +19,12 @@ breaks are dynamo's counters over the profiled steps.
 Printed per batch size: ms per step in each phase and category, with its share of the
 step. Times are the calling thread's wall time inside each op (intra-op threads run
 inside it), so they add up to the step.
+
+The CPU KV cache is zero-filled memory the OS maps lazily: the first write into each page
+(2 MB with transparent huge pages) takes a page fault that zeroes it, and the profiler
+charges that to the KV write (`aten::index_copy_`). Batches that decode into blocks no
+request has used yet pay it; a long-running server pays it once per page. --prefault-kv
+writes every page of the cache before profiling, to show the step without that cost.
 """
 
 from __future__ import annotations
@@ -88,6 +95,17 @@ def group_of(op: str) -> str:
     return "other forward ops"
 
 
+def _owner(ev: Any) -> str:
+    """The name an op is grouped by: its own, or that of the pagemill custom op it runs
+    inside (the KV write's `aten::index_copy_` is the KV write's, not an "other" op)."""
+    parent = ev.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("pagemill::"):
+            return str(parent.name)
+        parent = parent.cpu_parent
+    return str(ev.name)
+
+
 def breakdown(prof: Any, steps: int, top_ops: int) -> tuple[dict[str, float], list[str]]:
     """ms per step by phase ("forward: <group>" inside the forward), and the top ops."""
     totals: dict[str, float] = defaultdict(float)
@@ -105,7 +123,7 @@ def breakdown(prof: Any, steps: int, top_ops: int) -> tuple[dict[str, float], li
         if phase is None:
             phase = "output processing & rest"
         if phase == "forward":
-            phase = f"forward: {group_of(ev.name)}"
+            phase = f"forward: {group_of(_owner(ev))}"
         totals[phase] += self_ms
         by_op[f"[{phase}] {ev.name}"] += self_ms
     # Python between ops (no op running) is charged to the innermost phase range.
@@ -128,6 +146,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top-ops", type=int, default=15)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--prefault-kv",
+        action="store_true",
+        help="write every page of the KV cache first (no first-touch page faults profiled)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -142,6 +165,12 @@ def main() -> int:
     engine = llm.llm_engine
     core = engine.engine_core
     instrument(core)
+    if args.prefault_kv:
+        t0 = time.perf_counter()
+        for k, v in core.model_runner.kv_cache.caches:
+            k.view(torch.uint8).zero_()
+            v.view(torch.uint8).zero_()
+        print(f"KV cache pre-faulted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, max_tokens=4096, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     vocab = core.model_runner.vocab_size

@@ -40,15 +40,24 @@ def _batch(seed, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype):
     return q, kc, vc, tables, torch.tensor(ctx, dtype=torch.int32)
 
 
-def _dense(q, kc, vc, tables, lens, scale):
+def _dense(q, kc, vc, tables, lens, scale, window=0, softcap=0.0, sinks=None, ks=1.0, vs=1.0):
+    """float64 attention of each request's one query over its whole context, with the
+    layer options spelled out as transformers' eager attention does them."""
     out = []
     group = q.shape[1] // kc.shape[2]
     for s, n in enumerate(lens.tolist()):
         nb = -(-n // kc.shape[1])
-        k = kc[tables[s, :nb].long()].reshape(-1, kc.shape[2], kc.shape[3])[:n].double()
-        v = vc[tables[s, :nb].long()].reshape(-1, vc.shape[2], vc.shape[3])[:n].double()
+        k = kc[tables[s, :nb].long()].reshape(-1, kc.shape[2], kc.shape[3])[:n].double() * ks
+        v = vc[tables[s, :nb].long()].reshape(-1, vc.shape[2], vc.shape[3])[:n].double() * vs
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        w = torch.softmax(torch.einsum("hd,thd->ht", q[s].double(), k) * scale, dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[s].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if window and n > window:
+            scores[:, : n - window] = float("-inf")
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None]], dim=1)
+        w = torch.softmax(scores, dim=-1)[:, :n]
         out.append(torch.einsum("ht,thd->hd", w, v))
     return torch.stack(out)
 
@@ -106,3 +115,46 @@ def test_native_result_does_not_depend_on_threads(lib, monkeypatch):
         cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+# Head dims 64 and 128 take the vectorised path where the CPU has AVX-512 (tiles of 16
+# tokens; blocks of 5, 16 and 40 tokens cut tiles at, on and across block edges); a GQA
+# group over 16 and head dim 96 take the portable one. Both must give the same answers.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (32, 1, 64), (6, 2, 96)]
+)
+@pytest.mark.parametrize("block_size", [5, 16, 40])
+@pytest.mark.parametrize(
+    ("window", "softcap", "with_sinks"),
+    [(0, 0.0, False), (23, 0.0, False), (0, 3.0, False), (0, 0.0, True), (17, 2.0, True)],
+)
+def test_native_layer_options_match_dense(
+    lib, dtype, num_heads, num_kv_heads, head_dim, block_size, window, softcap, with_sinks
+):
+    ctx = [1, 16, 17, 31, 33, 64, 100, 150]
+    q, kc, vc, tables, lens = _batch(4, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    sinks = (
+        torch.randn(num_heads, generator=torch.Generator().manual_seed(5)) if with_sinks else None
+    )
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(
+        lib, q, kc, vc, out, tables, lens, None, 0.3, window, softcap, sinks=sinks
+    )
+    ref = _dense(q, kc, vc, tables, lens, 0.3, window, softcap, sinks)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_fp8_cache_matches_dense(lib, fp8, dtype, head_dim):
+    """An fp8 cache read through its value table, scales folded in, on both paths' shapes."""
+    q, kc, vc, tables, lens = _batch(6, [3, 16, 45, 90], 9, 3, head_dim, 16, torch.float32)
+    kc, vc, q = kc.to(fp8), vc.to(fp8), q.to(dtype)
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2, k_scale=0.5, v_scale=2.0)
+    ref = _dense(q, kc, vc, tables, lens, 0.2, ks=0.5, vs=2.0)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]

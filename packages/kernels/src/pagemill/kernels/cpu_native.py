@@ -3,7 +3,7 @@
 The torch path gathers every request's K/V into a dense copy before its GEMMs; at batch
 256 that copy is most of attention's time. `csrc/paged_decode_cpu.cpp` reads K/V in
 place through the block table instead. It is plain C++ (no torch headers), compiled once
-per machine with the host compiler (`-O3 -march=native -fopenmp`, about a second) into
+per machine with the host compiler (`-O3 -march=native -fopenmp`, a few seconds) into
 the cache folder and called through ctypes with raw pointers. Without a compiler, or if
 the build fails, `load()` returns None and the torch path runs (one warning).
 """
