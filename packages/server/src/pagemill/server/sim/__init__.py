@@ -29,27 +29,41 @@ from pagemill.server.sim.specs import (
     load_model,
     model_from_hf_config,
 )
+from pagemill.server.sim.replicas import ROUTERS, ReplicaRun, ReplicaSimulator, compare_routers
 from pagemill.server.sim.static_sim import StaticBatchSimulator
-from pagemill.server.sim.workload import LengthDist, SimRequest, WorkloadSpec, generate_workload
+from pagemill.server.sim.workload import (
+    ChatSpec,
+    LengthDist,
+    SimRequest,
+    WorkloadSpec,
+    generate_chat_workload,
+    generate_workload,
+)
 
 __all__ = [
     "EXPERIMENTS",
+    "ROUTERS",
     "CapacityPlan",
+    "ChatSpec",
     "Comparison",
     "Deployment",
     "GPUSpec",
     "LengthDist",
     "ModelSpec",
     "PagedSimulator",
+    "ReplicaRun",
+    "ReplicaSimulator",
     "RooflineCostModel",
     "RunResult",
     "SimRequest",
     "StaticBatchSimulator",
     "StepCost",
     "WorkloadSpec",
+    "compare_routers",
     "default_workloads",
     "estimate_activation_bytes",
     "format_plan",
+    "generate_chat_workload",
     "generate_workload",
     "known_gpus",
     "known_models",
