@@ -20,6 +20,7 @@ from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunResult, percentile
 from pagemill.server.sim.paged_sim import PagedSimulator
 from pagemill.server.sim.plan import CapacityPlan, estimate_activation_bytes, format_plan, make_plan
+from pagemill.server.sim.replicas import ROUTERS, ReplicaRun, ReplicaSimulator, compare_routers
 from pagemill.server.sim.specs import (
     GPUSpec,
     ModelSpec,
@@ -29,7 +30,6 @@ from pagemill.server.sim.specs import (
     load_model,
     model_from_hf_config,
 )
-from pagemill.server.sim.replicas import ROUTERS, ReplicaRun, ReplicaSimulator, compare_routers
 from pagemill.server.sim.static_sim import StaticBatchSimulator
 from pagemill.server.sim.workload import (
     ChatSpec,

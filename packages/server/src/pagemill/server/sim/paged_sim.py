@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from pagemill.blockpool import KVCacheManager
+from pagemill.blockpool import HybridKVCacheManager, KVCacheManager
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunRecorder, RunResult
@@ -42,7 +42,7 @@ def step_figures(
     out: SchedulerOutput,
     requests: dict[str, Request],
     holding: dict[str, Request],
-    kv: KVCacheManager,
+    kv: KVCacheManager | HybridKVCacheManager,
 ) -> StepFigures:
     """The figures of a step just scheduled; adds its requests to ``holding`` (those whose
     block tables count, until they finish or are preempted)."""

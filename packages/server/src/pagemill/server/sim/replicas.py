@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagemill.blockpool import KVCacheManager
+from pagemill.runtime.config import DP_ROUTING_POLICIES
 from pagemill.scheduler import (
     Request,
     RequestStatus,
@@ -32,7 +33,6 @@ from pagemill.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
-from pagemill.runtime.config import DP_ROUTING_POLICIES
 from pagemill.scheduler.config import SchedulerConfig
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunRecorder, RunResult

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pagemill.server.sim.metrics import RunResult
@@ -44,8 +45,6 @@ def format_router(run: ReplicaRun) -> str:
 
 
 def _named(result: RunResult, name: str) -> RunResult:
-    from dataclasses import replace
-
     return replace(result, name=name)
 
 
