@@ -224,3 +224,34 @@ def test_data_parallel_vllm_series_carry_each_cores_engine_label() -> None:
     ours = families["pagemill:time_to_first_token_seconds"].samples
     [count] = [s.value for s in ours if s.name.endswith("_count")]
     assert sum(ttft.values()) == count == 3
+
+
+def test_data_parallel_spec_decode_series_are_per_core() -> None:
+    metrics = EngineMetrics("m")
+    a, b = _core(1, 0, 0.1, 0, 0), _core(1, 0, 0.1, 0, 0)
+    for core, (drafts, tokens, accepted, per_pos) in (
+        (a, (4, 12, 7, [4, 2, 1])),
+        (b, (2, 6, 1, [1])),
+    ):
+        core.spec_num_drafts, core.spec_num_draft_tokens = drafts, tokens
+        core.spec_num_accepted_tokens, core.spec_accepted_per_pos = accepted, per_pos
+    metrics.on_step(_dp_output(0, [a, b], prompt=0, ttfts=[]), 0.01)
+    families = scrape(metrics)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in families[name].samples
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    for name, want in (
+        ("vllm:spec_decode_num_drafts", (4, 2)),
+        ("vllm:spec_decode_num_draft_tokens", (12, 6)),
+        ("vllm:spec_decode_num_accepted_tokens", (7, 1)),
+    ):
+        assert (total(name, engine="0"), total(name, engine="1")) == want, name
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    assert total(per_pos, engine="0", position="2") == 1
+    assert total(per_pos, engine="1", position="0") == 1
+    assert total(per_pos, engine="1", position="1") == 0

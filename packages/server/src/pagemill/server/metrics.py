@@ -556,7 +556,7 @@ class EngineMetrics:
     def _engine_spec(self, k: int, s: Any) -> None:
         """One core's speculative-decoding totals, as increments of its vLLM series."""
         m, e, twins = self.model_name, str(k), self._engine_twins
-        totals = [
+        totals: list[tuple[str, Any, tuple[str, ...], float]] = [
             (key, twins[name], (), float(getattr(s, key)))
             for key, name in (
                 ("spec_num_drafts", "spec_decode_num_drafts"),
