@@ -295,7 +295,7 @@ class ServeEngineClient(EngineCoreClient):
     Each replica's stream carries its scheduler figures; `core_stats` keeps the latest of
     every replica seen (indexed in the order they first answered: the `engine` label of
     the per-engine metrics) and the outputs carry their sum, as `DPClient` does for its
-    cores, so the ingress's /metrics and dashboard chips show the replicas' real numbers.
+    cores, so the ingress's /metrics shows the replicas' real numbers.
     They are as fresh as each replica's latest output: an idle replica keeps the figures
     of its last step, and one that Serve replaced keeps its index until the ingress
     restarts (its successor gets a new one)."""
