@@ -220,27 +220,28 @@ class ReplicaSimulator:
                 recs[k].arrive(r.request_id, clock, r.prompt_len)
                 scheds[k].add_request(req)
             for k, sched in enumerate(scheds):
-                if running[k] is not None or not sched.has_unfinished_requests():
-                    continue
-                out = sched.schedule()
-                for rid in out.preempted_req_ids:
-                    holding[k].pop(rid, None)
-                if not out.scheduled:
-                    complete(k, out, 0.0)
-                    continue
-                figures = step_figures(out, live, holding[k], sched.kv_cache_manager)
-                dt = self.step_time(figures.chunks)
-                for rec in (total, recs[k]):
-                    rec.step(
-                        clock + dt,
-                        dt,
-                        len(out.scheduled),
-                        out.total_num_scheduled_tokens,
-                        figures.prompt_tokens,
-                        figures.reserved_slots,
-                        figures.real_slots,
-                    )
-                running[k] = (clock + dt, out, dt)
+                # A step that scheduled nothing but ended requests (refused ones) takes no
+                # time: the replica tries again at once (`complete` raises on no progress).
+                while running[k] is None and sched.has_unfinished_requests():
+                    out = sched.schedule()
+                    for rid in out.preempted_req_ids:
+                        holding[k].pop(rid, None)
+                    if not out.scheduled:
+                        complete(k, out, 0.0)
+                        continue
+                    figures = step_figures(out, live, holding[k], sched.kv_cache_manager)
+                    dt = self.step_time(figures.chunks)
+                    for rec in (total, recs[k]):
+                        rec.step(
+                            clock + dt,
+                            dt,
+                            len(out.scheduled),
+                            out.total_num_scheduled_tokens,
+                            figures.prompt_tokens,
+                            figures.reserved_slots,
+                            figures.real_slots,
+                        )
+                    running[k] = (clock + dt, out, dt)
             ends = [step[0] for step in running if step is not None]
             if ready:
                 ends.append(ready[0][0])
