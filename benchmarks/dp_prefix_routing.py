@@ -20,7 +20,9 @@ Two ways to run it:
 - `--simulate`: no model, no server: the real router (`DPRouter`) in front of N real
   schedulers and block pools, one step of each per tick, each core's KV events fed back to
   the router as `DPClient` feeds them; prints every policy's figures on the same workload.
-  Deterministic (a seed), a second or two; the routing tests run it.
+  Deterministic (a seed), a second or two; the routing tests run it. It is
+  `pagemill simulate --replicas N --router all`'s loop with a step costing one tick; that
+  command adds the roofline step cost of a model on a GPU, TTFT and throughput.
 
       python benchmarks/dp_prefix_routing.py --simulate --cores 2 --pool-blocks 100
 """
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import random
 import re
 import statistics
 import time
@@ -56,39 +57,25 @@ def chat_workload(
     vocab_size: int = 30000,
     seed: int = 0,
 ) -> list[Turn]:
-    """Every user's turns, in arrival order (a user's turns in order, users interleaved).
+    """Every user's turns, in arrival order (a user's turns in order, users interleaved):
+    `pagemill simulate --replicas`'s chat workload (`pagemill.server.sim.ChatSpec`) with
+    fixed lengths."""
+    from pagemill.server.sim import ChatSpec, LengthDist, generate_chat_workload
 
-    Token ids are drawn at random (distinct documents share no tokens by chance that
-    matters); an answer in the history stands for what the model said on the turn before.
-    """
-    rng = random.Random(seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(10, vocab_size) for _ in range(n)]
-
-    systems = [tokens(prefix_len) for _ in range(prefixes)]
-    conversations: list[list[list[int]]] = []  # user -> each turn's prompt
-    owner: list[int] = []
-    for p in range(prefixes):
-        for _ in range(users_per_prefix):
-            history = list(systems[p])
-            prompts = []
-            for _ in range(turns):
-                history = history + tokens(message_len)
-                prompts.append(history)
-                history = history + tokens(answer_len)
-            conversations.append(prompts)
-            owner.append(p)
-    # Interleave: repeatedly pick a user with turns left (a user's turns stay in order).
-    left = {u: 0 for u in range(len(conversations))}
-    out: list[Turn] = []
-    while left:
-        u = rng.choice(sorted(left))
-        out.append(Turn(u, owner[u], conversations[u][left[u]]))
-        left[u] += 1
-        if left[u] == turns:
-            del left[u]
-    return out
+    spec = ChatSpec(
+        prefixes=prefixes,
+        prefix_len=prefix_len,
+        users_per_prefix=users_per_prefix,
+        turns=turns,
+        message_len=LengthDist(message_len, kind="fixed"),
+        answer_len=LengthDist(answer_len, kind="fixed"),
+        vocab_size=vocab_size,
+        seed=seed,
+    )
+    return [
+        Turn(r.user or 0, r.group or 0, list(r.prompt_token_ids))
+        for r in generate_chat_workload(spec)
+    ]
 
 
 # ---------------------------------------------------------------- simulation (no model)
@@ -105,70 +92,48 @@ def simulate(
     arrivals_per_tick: int = 1,
     max_num_batched_tokens: int = 512,
 ) -> dict[str, Any]:
-    """The workload through the real router and N real schedulers and block pools.
+    """The workload through the real router and N real schedulers and block pools
+    (`pagemill.server.sim.ReplicaSimulator`, the loop of `pagemill simulate --replicas`),
+    every step costing one tick, so the cores step in lockstep.
 
-    Each tick `arrivals_per_tick` requests arrive and are routed; then every core runs one
-    scheduler step (a sampled token per request that finished its prefill this step), and
-    its KV events go to the router, as a core's outputs carry them to `DPClient`; a request
-    is `route`d when it arrives and `finish`ed when its core finishes it, as there.
+    Each tick `arrivals_per_tick` requests arrive and are routed (a turn is sent on its
+    tick whether or not the turn before it has finished); then every core with work runs
+    one scheduler step, and its KV events go to the router as a core's outputs carry them
+    to `DPClient`.
     """
-    from pagemill.blockpool import KVCacheManager
-    from pagemill.runtime.engine.dp_client import DPRouter
-    from pagemill.runtime.engine.kv_events import to_wire
-    from pagemill.scheduler import Request, Scheduler
     from pagemill.scheduler.config import SchedulerConfig
+    from pagemill.server.sim import ReplicaSimulator, SimRequest
 
-    router = DPRouter(policy, cores, block_size)
+    requests = [
+        SimRequest(i, f"u{t.user}-{i}", float(i // arrivals_per_tick), tuple(t.prompt), max_tokens)
+        for i, t in enumerate(workload)
+    ]
     config = SchedulerConfig(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max(len(t.prompt) for t in workload) + max_tokens,
     )
-    scheds = []
-    for _ in range(cores):
-        kv = KVCacheManager(pool_blocks, block_size, enable_caching=True)
-        kv.block_pool.enable_kv_cache_events(block_size)
-        scheds.append(Scheduler(config, kv))
-    where: dict[str, int] = {}
-    routed = [0] * cores
-    pending = list(enumerate(workload))
-    pending.reverse()
-    ticks = 0
-    while pending or where:
-        ticks += 1
-        for _ in range(arrivals_per_tick):
-            if not pending:
-                break
-            i, turn = pending.pop()
-            rid = f"u{turn.user}-{i}"
-            k = router.route(rid, turn.prompt)
-            routed[k] += 1
-            where[rid] = k
-            scheds[k].add_request(Request(rid, turn.prompt, max_tokens=max_tokens, ignore_eos=True))
-        for k, s in enumerate(scheds):
-            if s.has_unfinished_requests():
-                out = s.schedule()
-                sampled = {r.request_id: 7 for r in out.scheduled if r.sample}
-                for upd in s.update_from_output(out, sampled):
-                    if upd.finished and where.pop(upd.request_id, None) is not None:
-                        router.finish(upd.request_id)
-            router.apply_events(k, to_wire(s.kv_cache_manager.block_pool.take_kv_events()))
-            router.kv_usage[k] = s.kv_cache_manager.usage
-        if ticks > 100 * len(workload) + 10_000:
-            raise RuntimeError("the simulation does not drain")
-    stats = [s.kv_cache_manager.prefix_cache_stats for s in scheds]
-    queries = sum(st.queries for st in stats)
-    hits = sum(st.hits for st in stats)
+    sim = ReplicaSimulator(
+        cores,
+        policy,
+        num_blocks=pool_blocks,
+        block_size=block_size,
+        scheduler_config=config,
+        step_time=lambda chunks: 1.0,
+    )
+    run = sim.run(requests)
+    queries, hits = sum(run.prefix_queries), sum(run.prefix_hits)
     return {
         "policy": policy,
         "requests": len(workload),
-        "routed": routed,
+        "routed": run.routed,
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
-        "prefill_tokens_computed": queries - hits,
+        "prefill_tokens_computed": run.prefill_tokens_computed,
         "prompt_tokens": queries,
         "per_engine_hit_rate": [
-            round(st.hits / st.queries, 4) if st.queries else None for st in stats
+            round(h / q, 4) if q else None
+            for q, h in zip(run.prefix_queries, run.prefix_hits, strict=True)
         ],
-        "ticks": ticks,
+        "ticks": round(run.total.duration_s),
     }
 
 

@@ -110,6 +110,27 @@ def test_two_replicas_stream_a_chat_and_route_by_prefix(ray_app: str) -> None:
     hits = sorted(s["prefix_cache_hits"] for s in by_replica.values())
     assert hits[-1] >= 3 * 64 and hits[0] < 64, hits
 
+    # The ingress's /metrics reports the replicas' own figures (it runs no engine itself).
+    import re
+
+    import httpx
+
+    text = httpx.get(ray_app + "/metrics", timeout=30).text
+
+    def series(name: str) -> list[float]:
+        pattern = rf"^{name}\{{[^}}]*\}} (\S+)$"
+        return sorted(float(v) for v in re.findall(pattern, text, re.M))
+
+    queries = sum(s["prefix_cache_queries"] for s in by_replica.values())
+    assert series("pagemill:prefix_cache_hits_total") == [sum(hits)], text[:3000]
+    assert series("pagemill:prefix_cache_queries_total") == [queries]
+    # Per replica (`engine="i"`): each replica that has answered the ingress, with its own
+    # figures (one that served only utility calls has not streamed its stats yet).
+    per_replica = series("pagemill:engine_prefix_cache_hits_total")
+    assert per_replica[-1] == hits[-1] and set(per_replica) <= set(hits), (per_replica, hits)
+    assert sum(per_replica) == sum(hits)
+    assert series("vllm:prefix_cache_hits_total") == per_replica
+
 
 def _pending(rid: str, tokens: list[int]):
     from types import SimpleNamespace
@@ -169,3 +190,69 @@ def test_the_request_router_follows_replicas_prefix_caches() -> None:
     assert choose(pending) == ["b", "a"]
     router.on_request_routed(pending, a.replica_id, None)
     assert router.policy.inflight == [1, 0]
+
+
+def test_the_ingress_client_carries_the_replicas_stats() -> None:
+    """The ingress runs no engine: its /metrics figures are the replicas' own, as each
+    replica's stream reports them (summed, and per replica under `engine="i"`)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagemill.runtime.engine.protocol import EngineCoreOutput, SchedulerStats
+    from pagemill.server.metrics import EngineMetrics
+    from pagemill.server.ray_serve import ReplicaOutputs, ServeEngineClient
+
+    def stats(running: int, queries: int, hits: int) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=running,
+            kv_cache_usage=0.5,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_blocks=64,
+        )
+
+    streams = {
+        "r1": [ReplicaOutputs("A", [EngineCoreOutput("r1", [7])], stats(1, 80, 0))],
+        "r2": [
+            ReplicaOutputs("B", [EngineCoreOutput("r2", [8])], None),  # before B's first step
+            ReplicaOutputs("B", [EngineCoreOutput("r2", [9])], stats(2, 64, 48)),
+        ],
+        "r3": [ReplicaOutputs("A", [EngineCoreOutput("r3", [5])], stats(1, 160, 64))],
+    }
+
+    class Response:
+        def __init__(self, items: list) -> None:
+            self.items = items
+
+        async def _gen(self):
+            for item in self.items:
+                yield item
+
+        def __aiter__(self):
+            return self._gen()
+
+    handle = SimpleNamespace()
+    handle.options = lambda **_: handle
+    handle.generate = SimpleNamespace(remote=lambda req: Response(streams[req.request_id]))
+    client = ServeEngineClient(handle, SimpleNamespace(), None)  # type: ignore[arg-type]
+    metrics = EngineMetrics("m")
+    for rid in streams:
+        asyncio.run(client._run(_pending(rid, [1, 2, 3]).args[0]))
+        while (out := client.get_output(timeout=0)) is not None:
+            if out.scheduler_stats is None:
+                assert out.engine_index == 1  # B answered before its stats came
+                continue
+            view = SimpleNamespace(
+                get_stats=lambda out=out: out.scheduler_stats,
+                per_engine=client.core_stats,
+                engine_index=out.engine_index,
+                iteration_stats=None,
+            )
+            metrics.on_step(view, None)
+    assert client.core_stats == [stats(1, 160, 64), stats(2, 64, 48)]
+    text = metrics.render().decode()
+    assert 'pagemill:prefix_cache_queries_total{model_name="m"} 224.0' in text
+    assert 'pagemill:prefix_cache_hits_total{model_name="m"} 112.0' in text
+    assert 'pagemill:num_requests_running{model_name="m"} 3.0' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0' in text
+    assert 'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 48.0' in text

@@ -122,6 +122,16 @@ def test_dp2_prefix_routing_matches_one_engine(model_dir: Path) -> None:
             total = re.search(r"^pagemill:prefix_cache_hits_total\{.*?\} (\S+)$", text, re.M)
             assert total and float(total.group(1)) == sum(hits.values())
             assert set(queries) == {"0", "1"} and sum(queries.values()) > 0
+            # vLLM's names: one series per core, each with its own engine label.
+            vllm_hits = {
+                m.group(1): float(m.group(2))
+                for m in re.finditer(
+                    r'^vllm:prefix_cache_hits_total\{.*?engine="(\d+)".*?\} (\S+)$', text, re.M
+                )
+            }
+            assert vllm_hits == hits
+            running = re.findall(r'^vllm:num_requests_running\{.*?engine="(\d+)"', text, re.M)
+            assert sorted(running) == ["0", "1"]
 
             # The dashboard pictures each core's pool, its prefix hits in that core's.
             snap = httpx.get(srv.url + "/dashboard/snapshot").json()["snapshot"]

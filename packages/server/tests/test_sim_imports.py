@@ -22,8 +22,15 @@ ALLOWED_PAGEMILL = (
     "pagemill.server.config_args",
     "pagemill.runtime.model_config",
     "pagemill.runtime.moe_config",
+    # `simulate --replicas`: the routing policies' names, and (lazily) the engine's own
+    # router and KV-event wire classes, both torch-free.
+    "pagemill.runtime.config",
+    "pagemill.runtime.engine.dp_router",
+    "pagemill.runtime.engine.kv_events",
     # Only inside `simulate --html` (lazily): the dashboard's picture and page, no torch.
     "pagemill.server.dashboard.replay",
+    "pagemill.server.dashboard.cores",
+    "pagemill.server.dashboard.snapshot",
 )
 
 

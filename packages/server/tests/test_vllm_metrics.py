@@ -146,3 +146,112 @@ def test_every_vllm_series_equals_its_pagemill_twin() -> None:
         assert samples[("pagemill:" + base, ours)] == value, name
         checked += 1
     assert checked > 100
+
+
+def _core(running: int, waiting: int, kv: float, queries: int, hits: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        num_running=running,
+        num_waiting=waiting,
+        kv_cache_usage=kv,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        num_preemptions=0,
+        spec_num_drafts=0,
+    )
+
+
+def _dp_output(engine: int, cores: list[SimpleNamespace], prompt: int, ttfts: list[float]):
+    stats = SimpleNamespace(
+        num_running=sum(c.num_running for c in cores),
+        num_waiting=sum(c.num_waiting for c in cores),
+        kv_cache_usage=sum(c.kv_cache_usage for c in cores) / len(cores),
+        grammar_cache_bytes=0,
+        num_preemptions=0,
+        prefix_cache_queries=sum(c.prefix_cache_queries for c in cores),
+        prefix_cache_hits=sum(c.prefix_cache_hits for c in cores),
+    )
+    it = SimpleNamespace(
+        num_prompt_tokens=prompt,
+        num_generation_tokens=len(ttfts),
+        time_to_first_tokens=ttfts,
+        inter_token_latencies=[],
+        finished_requests=[],
+    )
+    return SimpleNamespace(
+        get_stats=lambda: stats, iteration_stats=it, per_engine=cores, engine_index=engine
+    )
+
+
+def test_data_parallel_vllm_series_carry_each_cores_engine_label() -> None:
+    """-dp 2 (or two Ray Serve replicas): every vllm: series is per core, `engine="i"`,
+    with that core's own figures, as vLLM labels them; summed over `engine` they are the
+    pagemill: totals."""
+    metrics = EngineMetrics("m")
+    a, b = _core(3, 1, 0.5, 100, 40), _core(1, 0, 0.25, 60, 0)
+    metrics.on_step(_dp_output(0, [a, b], prompt=30, ttfts=[0.1, 0.2]), 0.01)
+    a2 = _core(2, 0, 0.75, 160, 88)
+    metrics.on_step(_dp_output(1, [a2, b], prompt=12, ttfts=[0.3]), 0.01)
+    families = scrape(metrics)
+
+    def by_engine(name: str, suffix: str = "") -> dict[str, float]:
+        samples = [s for s in families[name].samples if s.name == name + suffix]
+        assert all(set(s.labels) >= {"model_name", "engine"} for s in samples)
+        values = {s.labels["engine"]: s.value for s in samples}
+        assert len(values) == len(samples)  # one series per core, no unlabelled total
+        return values
+
+    want_cores = {"0": a2, "1": b}
+    for name, attr in (
+        ("vllm:num_requests_running", "num_running"),
+        ("vllm:num_requests_waiting", "num_waiting"),
+        ("vllm:kv_cache_usage_perc", "kv_cache_usage"),
+        ("vllm:gpu_cache_usage_perc", "kv_cache_usage"),
+    ):
+        assert by_engine(name) == {k: getattr(c, attr) for k, c in want_cores.items()}, name
+    for name, attr in (
+        ("vllm:prefix_cache_queries", "prefix_cache_queries"),
+        ("vllm:prefix_cache_hits", "prefix_cache_hits"),
+    ):
+        got = by_engine(name, "_total")
+        assert got == {k: getattr(c, attr) for k, c in want_cores.items()}, name
+        total = families[name.replace("vllm:", "pagemill:")].samples[0].value
+        assert sum(got.values()) == total
+    # The front end's figures follow the core each output came from.
+    assert by_engine("vllm:prompt_tokens", "_total") == {"0": 30, "1": 12}
+    assert by_engine("vllm:generation_tokens", "_total") == {"0": 2, "1": 1}
+    ttft = by_engine("vllm:time_to_first_token_seconds", "_count")
+    assert ttft == {"0": 2, "1": 1}
+    ours = families["pagemill:time_to_first_token_seconds"].samples
+    [count] = [s.value for s in ours if s.name.endswith("_count")]
+    assert sum(ttft.values()) == count == 3
+
+
+def test_data_parallel_spec_decode_series_are_per_core() -> None:
+    metrics = EngineMetrics("m")
+    a, b = _core(1, 0, 0.1, 0, 0), _core(1, 0, 0.1, 0, 0)
+    for core, (drafts, tokens, accepted, per_pos) in (
+        (a, (4, 12, 7, [4, 2, 1])),
+        (b, (2, 6, 1, [1])),
+    ):
+        core.spec_num_drafts, core.spec_num_draft_tokens = drafts, tokens
+        core.spec_num_accepted_tokens, core.spec_accepted_per_pos = accepted, per_pos
+    metrics.on_step(_dp_output(0, [a, b], prompt=0, ttfts=[]), 0.01)
+    families = scrape(metrics)
+
+    def total(name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in families[name].samples
+            if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    for name, want in (
+        ("vllm:spec_decode_num_drafts", (4, 2)),
+        ("vllm:spec_decode_num_draft_tokens", (12, 6)),
+        ("vllm:spec_decode_num_accepted_tokens", (7, 1)),
+    ):
+        assert (total(name, engine="0"), total(name, engine="1")) == want, name
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos"
+    assert total(per_pos, engine="0", position="2") == 1
+    assert total(per_pos, engine="1", position="0") == 1
+    assert total(per_pos, engine="1", position="1") == 0

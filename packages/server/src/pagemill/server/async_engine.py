@@ -131,6 +131,8 @@ class StatsView:
     iteration_stats: IterationStats
     # Each data-parallel core's own stats (None with one core), for per-engine metrics.
     per_engine: list[SchedulerStats] | None = None
+    # The core this output came from (its iteration figures are that core's).
+    engine_index: int = 0
 
     def get_stats(self) -> EngineStats:
         return self.stats
@@ -597,7 +599,10 @@ class AsyncEngine(ModelFacts):
         if observer is not None:
             try:  # metrics must never be what stops the engine
                 view = StatsView(
-                    self.get_stats(), processed.stats, getattr(self.client, "core_stats", None)
+                    self.get_stats(),
+                    processed.stats,
+                    getattr(self.client, "core_stats", None),
+                    core.engine_index,
                 )
                 observer.on_step(view, core.step_seconds)
             except Exception:

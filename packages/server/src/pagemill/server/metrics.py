@@ -146,30 +146,83 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
 class VllmNames(Collector):
     """vLLM's names for pagemill's series, made at scrape time from the same values.
 
-    Each `pagemill:<name>` family is copied as `vllm:<alias>` with vLLM's labels
-    (`model_name` plus `engine="0"`: pagemill runs one engine core). Nothing is recorded
-    twice: the engine thread's per-step work is the same as without the vLLM names.
+    Each `pagemill:<name>` family is copied as `vllm:<alias>` with vLLM's labels:
+    `model_name` plus `engine`. With one engine core that is `engine="0"` on the totals.
+    With several (`-dp N`, or the replicas behind the Ray Serve ingress) each core's
+    series carries its own `engine="i"`, as vLLM's do, copied from the per-core family
+    (`per_engine`: the `pagemill:engine_*` series, and the front end's figures kept per
+    core); a sum over `engine` gives the totals. Nothing is recorded twice with one core.
     """
 
-    def __init__(self, metrics: dict[str, Any]) -> None:
+    def __init__(self, metrics: dict[str, Any], per_engine: dict[str, Any] | None = None) -> None:
         self.metrics = metrics  # pagemill name (no prefix) -> its metric object
+        self.per_engine = per_engine or {}  # the same name -> its per-core metric object
+
+    def _source(self, name: str) -> tuple[list[Metric], bool]:
+        """The families to copy, and whether they carry their own `engine` label."""
+        per = self.per_engine.get(name)
+        if per is not None:
+            families = list(per.collect())
+            if any(f.samples for f in families):
+                return families, True
+        return list(self.metrics[name].collect()), False
 
     def collect(self) -> Iterator[Metric]:
-        for name, metric in self.metrics.items():
-            for family in metric.collect():
+        for name in self.metrics:
+            families, per_core = self._source(name)
+            for family in families:
                 source = family.name  # e.g. "pagemill:prompt_tokens"
                 for alias in VLLM_NAMES[name]:
                     target = "vllm:" + alias
                     copy = Metric(target, family.documentation, family.type, family.unit)
                     for sample in family.samples:
+                        labels = sample.labels if per_core else {**sample.labels, "engine": "0"}
                         copy.add_sample(
                             target + sample.name[len(source) :],
-                            {**sample.labels, "engine": "0"},
+                            labels,
                             sample.value,
                             sample.timestamp,
                             sample.exemplar,
                         )
                     yield copy
+
+
+# The front end's figures (tokens, latencies, finished requests, speculative decoding) also
+# kept per core when there are several, for vLLM's per-engine series only (their
+# `pagemill:` series stay the totals): name -> (kind, documentation, extra labels, buckets).
+_PER_CORE_FRONT_END: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
+    "prompt_tokens": ("counter", "Prompt tokens accepted.", (), ()),
+    "generation_tokens": ("counter", "Tokens generated.", (), ()),
+    "request_success": ("counter", "Requests that finished.", ("finished_reason",), ()),
+    "time_to_first_token_seconds": ("histogram", "Time to first token.", (), _TTFT_BUCKETS),
+    "inter_token_latency_seconds": ("histogram", "Time between tokens.", (), _ITL_BUCKETS),
+    "e2e_request_latency_seconds": ("histogram", "Arrival to last.", (), _LATENCY_BUCKETS),
+    "request_queue_time_seconds": ("histogram", "Arrival to scheduled.", (), _LATENCY_BUCKETS),
+    "request_prompt_tokens": ("histogram", "Prompt length.", (), _TOKEN_BUCKETS),
+    "request_generation_tokens": ("histogram", "Generated tokens.", (), _TOKEN_BUCKETS),
+    "spec_decode_num_drafts": ("counter", "Drafts verified.", (), ()),
+    "spec_decode_num_draft_tokens": ("counter", "Draft tokens verified.", (), ()),
+    "spec_decode_num_accepted_tokens": ("counter", "Draft tokens accepted.", (), ()),
+    "spec_decode_num_accepted_tokens_per_pos": (
+        "counter",
+        "Draft tokens accepted, by position.",
+        ("position",),
+        (),
+    ),
+}
+
+
+_ITERATION_SERIES = (
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+)
 
 
 class EngineMetrics:
@@ -340,7 +393,29 @@ class EngineMetrics:
                 ("spec_decode_num_accepted_tokens_per_pos", "spec_accepted_per_pos"),
             )
         }
-        r.register(VllmNames(twins))
+        # Per core (several cores only): the scheduler's figures are the `pagemill:engine_*`
+        # series above; the front end's are kept here, outside the registry.
+        per = [*labels, "engine"]
+        self._engine_twins: dict[str, Any] = {}
+        for name, (kind, doc, extra, buckets) in _PER_CORE_FRONT_END.items():
+            if kind == "counter":
+                self._engine_twins[name] = Counter(
+                    f"pagemill:{name}", doc, [*per, *extra], registry=None
+                )
+            else:
+                self._engine_twins[name] = Histogram(
+                    f"pagemill:{name}", doc, [*per, *extra], buckets=buckets, registry=None
+                )
+        per_engine = {
+            "num_requests_running": self.engine_running,
+            "num_requests_waiting": self.engine_waiting,
+            "kv_cache_usage_perc": self.engine_kv_usage,
+            "prefix_cache_queries": self.engine_prefix_queries,
+            "prefix_cache_hits": self.engine_prefix_hits,
+            "num_preemptions": self.engine_preemptions,
+            **self._engine_twins,
+        }
+        r.register(VllmNames(twins, per_engine))
 
     # -------------------------------------------------- the hook (engine thread)
 
@@ -381,22 +456,58 @@ class EngineMetrics:
         if it is None or it is self._last_iteration:
             return
         self._last_iteration = it
+        self._fold(
+            it,
+            (m,),
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.request_success,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        )
+        if per_engine:  # several cores: each output is one core's (its `engine_index`)
+            e = self._engine_twins
+            self._fold(
+                it,
+                (m, str(getattr(engine, "engine_index", 0))),
+                *(e[name] for name in _ITERATION_SERIES),
+            )
+
+    @staticmethod
+    def _fold(
+        it: Any,
+        key: tuple[str, ...],
+        prompt_tokens: Any,
+        generation_tokens: Any,
+        request_success: Any,
+        ttft: Any,
+        itl: Any,
+        e2e: Any,
+        queue_time: Any,
+        request_prompt_tokens: Any,
+        request_generation_tokens: Any,
+    ) -> None:
+        """One output's increments into one set of series, labelled `key`."""
         if it.num_prompt_tokens:
-            self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)
+            prompt_tokens.labels(*key).inc(it.num_prompt_tokens)
         if it.num_generation_tokens:
-            self.generation_tokens.labels(m).inc(it.num_generation_tokens)
+            generation_tokens.labels(*key).inc(it.num_generation_tokens)
         for value in it.time_to_first_tokens:
-            self.ttft.labels(m).observe(value)
-        itl = self.itl.labels(m)
+            ttft.labels(*key).observe(value)
+        itl_child = itl.labels(*key)
         for value in it.inter_token_latencies:
-            itl.observe(value)
+            itl_child.observe(value)
         for f in it.finished_requests:
-            self.request_success.labels(m, f.finish_reason).inc()
-            self.e2e.labels(m).observe(f.e2e_latency)
+            request_success.labels(*key, f.finish_reason).inc()
+            e2e.labels(*key).observe(f.e2e_latency)
             if f.queue_time is not None:
-                self.queue_time.labels(m).observe(f.queue_time)
-            self.request_prompt_tokens.labels(m).observe(f.num_prompt_tokens)
-            self.request_generation_tokens.labels(m).observe(f.num_generation_tokens)
+                queue_time.labels(*key).observe(f.queue_time)
+            request_prompt_tokens.labels(*key).observe(f.num_prompt_tokens)
+            request_generation_tokens.labels(*key).observe(f.num_generation_tokens)
 
     def _spec(self, stats: Any) -> None:
         """Speculative decoding's totals folded in as counter increments."""
@@ -439,6 +550,29 @@ class EngineMetrics:
                 delta = total - self._last_engine_totals.get((key, k), 0.0)
                 metric.labels(m, e).inc(max(0.0, delta))
                 self._last_engine_totals[(key, k)] = total
+            if getattr(s, "spec_num_drafts", 0):
+                self._engine_spec(k, s)
+
+    def _engine_spec(self, k: int, s: Any) -> None:
+        """One core's speculative-decoding totals, as increments of its vLLM series."""
+        m, e, twins = self.model_name, str(k), self._engine_twins
+        totals: list[tuple[str, Any, tuple[str, ...], float]] = [
+            (key, twins[name], (), float(getattr(s, key)))
+            for key, name in (
+                ("spec_num_drafts", "spec_decode_num_drafts"),
+                ("spec_num_draft_tokens", "spec_decode_num_draft_tokens"),
+                ("spec_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
+            )
+        ]
+        per_pos = twins["spec_decode_num_accepted_tokens_per_pos"]
+        totals += [
+            (f"spec_accepted_pos_{pos}", per_pos, (str(pos),), float(v))
+            for pos, v in enumerate(s.spec_accepted_per_pos)
+        ]
+        for key, metric, extra, total in totals:
+            delta = total - self._last_engine_totals.get((key, k), 0.0)
+            metric.labels(m, e, *extra).inc(max(0.0, delta))
+            self._last_engine_totals[(key, k)] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,7 +34,9 @@ import logging
 import os
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 try:
@@ -53,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the extra
 
 from pagemill.runtime.config import EngineConfig
 from pagemill.runtime.engine.core_client import EngineCoreClient, EngineDeadError
+from pagemill.runtime.engine.dp_client import combine_stats
 from pagemill.runtime.engine.dp_router import DPRouter
 from pagemill.runtime.engine.protocol import (
     EngineCoreOutput,
@@ -60,6 +63,7 @@ from pagemill.runtime.engine.protocol import (
     EngineCoreReady,
     EngineCoreRequest,
     FinishReason,
+    SchedulerStats,
 )
 
 if TYPE_CHECKING:
@@ -92,6 +96,17 @@ def routing_summary(core: EngineCore) -> dict[str, Any]:
 # ---------------------------------------------------------------- the engine replica
 
 
+@dataclass
+class ReplicaOutputs:
+    """What a replica streams for a request: its outputs, and the replica's scheduler
+    figures as of its latest step (the ingress's /metrics and dashboard read them: the
+    ingress runs no engine of its own), named by `replica` (an id of that replica's life)."""
+
+    replica: str
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats | None = None
+
+
 class EngineReplica:
     """One pagemill engine core as a Serve replica: `generate` streams one request."""
 
@@ -117,6 +132,8 @@ class EngineReplica:
 
                 torch.set_num_threads(engine_threads)
             self.client = ThreadedClient(EngineCore.from_config(config), name="pagemill-replica")
+        self.replica_id = uuid.uuid4().hex
+        self._stats: SchedulerStats | None = None
         self._lock = threading.Lock()
         # request id -> (its loop, its queue of outputs), while it streams.
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -136,15 +153,18 @@ class EngineReplica:
                 return
             if out is None:
                 continue
+            if out.scheduler_stats is not None:
+                self._stats = out.scheduler_stats
             for o in out.outputs:
                 with self._lock:
                     entry = self._streams.get(o.request_id)
                 if entry is not None:
                     entry[0].call_soon_threadsafe(entry[1].put_nowait, o)
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[list[EngineCoreOutput]]:
-        """The request's outputs as the core makes them (a list per wake-up); a caller that
-        goes away (its stream cancelled) aborts the request, freeing its blocks."""
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[ReplicaOutputs]:
+        """The request's outputs as the core makes them (a list per wake-up, with the
+        replica's latest stats); a caller that goes away (its stream cancelled) aborts the
+        request, freeing its blocks."""
         rid = request.request_id
         q: asyncio.Queue[Any] = asyncio.Queue()
         with self._lock:
@@ -160,7 +180,7 @@ class EngineReplica:
                     if isinstance(item, BaseException):
                         raise item
                 finished = any(o.finish_reason is not None for o in batch)
-                yield batch
+                yield ReplicaOutputs(self.replica_id, batch, self._stats)
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -270,7 +290,15 @@ def _is_request(arg: Any) -> bool:
 
 class ServeEngineClient(EngineCoreClient):
     """The front end's engine-core client over the engine deployment: each request is a
-    streaming call to the replica the router picks; aborts cancel that call."""
+    streaming call to the replica the router picks; aborts cancel that call.
+
+    Each replica's stream carries its scheduler figures; `core_stats` keeps the latest of
+    every replica seen (indexed in the order they first answered: the `engine` label of
+    the per-engine metrics) and the outputs carry their sum, as `DPClient` does for its
+    cores, so the ingress's /metrics shows the replicas' real numbers.
+    They are as fresh as each replica's latest output: an idle replica keeps the figures
+    of its last step, and one that Serve replaced keeps its index until the ingress
+    restarts (its successor gets a new one)."""
 
     def __init__(
         self, handle: DeploymentHandle, info: EngineCoreReady, loop: asyncio.AbstractEventLoop
@@ -280,6 +308,8 @@ class ServeEngineClient(EngineCoreClient):
         self._unary = handle
         self._outputs: queue.SimpleQueue[EngineCoreOutputs | BaseException] = queue.SimpleQueue()
         self._responses: dict[str, Any] = {}
+        self._replica_index: dict[str, int] = {}
+        self.core_stats: list[SchedulerStats] = []
         self._closed = False
         # Serve handles are asyncio objects: the replica's own loop drives every call (the
         # front end calls in from its threads).
@@ -295,8 +325,8 @@ class ServeEngineClient(EngineCoreClient):
         try:
             response: Any = self._stream.generate.remote(request)
             self._responses[rid] = response
-            async for batch in response:
-                self._outputs.put(EngineCoreOutputs(batch))
+            async for item in response:
+                self._outputs.put(self._from_replica(item))
         except asyncio.CancelledError:
             pass  # aborted here: the front end has already finished the request
         except Exception as exc:  # that request alone fails (a replica died under it)
@@ -308,6 +338,18 @@ class ServeEngineClient(EngineCoreClient):
                 )
         finally:
             self._responses.pop(rid, None)
+
+    def _from_replica(self, item: ReplicaOutputs) -> EngineCoreOutputs:
+        k = self._replica_index.setdefault(item.replica, len(self._replica_index))
+        if item.stats is None:
+            return EngineCoreOutputs(item.outputs, engine_index=k)
+        stats = list(self.core_stats)
+        if k < len(stats):
+            stats[k] = item.stats
+        else:  # a replica seen for the first time, before its own stats came
+            stats += [SchedulerStats() for _ in range(k - len(stats))] + [item.stats]
+        self.core_stats = stats  # a new list: readers on other threads see a whole one
+        return EngineCoreOutputs(item.outputs, scheduler_stats=combine_stats(stats), engine_index=k)
 
     def abort_requests(
         self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT

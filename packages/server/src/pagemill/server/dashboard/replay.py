@@ -121,8 +121,10 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def render_replay_html(runs: list[dict[str, Any]], title: str) -> str:
-    """The dashboard page with everything inlined and `runs` (ReplayRecorder.as_dict()s)."""
+def render_replay_html(runs: list[dict[str, Any]], title: str, sections: str = "") -> str:
+    """The dashboard page with everything inlined and `runs` (ReplayRecorder.as_dict()s).
+    `sections`: HTML (escaped by the caller, no script) placed above the picture, e.g. the
+    routers of `simulate --replicas` side by side."""
     recording = {"config": {"mode": "replay", "title": title}, "runs": _finite(runs)}
     blob = gzip.compress(json.dumps(recording, separators=(",", ":")).encode(), mtime=0)
     data = base64.b64encode(blob).decode("ascii")
@@ -145,6 +147,8 @@ def render_replay_html(runs: list[dict[str, Any]], title: str) -> str:
     page = page.replace(
         "<title>pagemill dashboard</title>", f"<title>pagemill simulation: {_escape(title)}</title>"
     )
+    if sections:
+        page = page.replace('<section class="chips"', sections + '\n<section class="chips"', 1)
     if "dashboard/static/" in page:
         raise RuntimeError("the replay page still refers to a static file")
     return page
@@ -154,8 +158,10 @@ def _escape(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
-def write_replay_html(path: Path, runs: list[dict[str, Any]], title: str) -> Path:
+def write_replay_html(
+    path: Path, runs: list[dict[str, Any]], title: str, sections: str = ""
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_replay_html(runs, title), "utf-8")
+    path.write_text(render_replay_html(runs, title, sections), "utf-8")
     return path

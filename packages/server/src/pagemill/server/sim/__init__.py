@@ -20,6 +20,7 @@ from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunResult, percentile
 from pagemill.server.sim.paged_sim import PagedSimulator
 from pagemill.server.sim.plan import CapacityPlan, estimate_activation_bytes, format_plan, make_plan
+from pagemill.server.sim.replicas import ROUTERS, ReplicaRun, ReplicaSimulator, compare_routers
 from pagemill.server.sim.specs import (
     GPUSpec,
     ModelSpec,
@@ -30,26 +31,39 @@ from pagemill.server.sim.specs import (
     model_from_hf_config,
 )
 from pagemill.server.sim.static_sim import StaticBatchSimulator
-from pagemill.server.sim.workload import LengthDist, SimRequest, WorkloadSpec, generate_workload
+from pagemill.server.sim.workload import (
+    ChatSpec,
+    LengthDist,
+    SimRequest,
+    WorkloadSpec,
+    generate_chat_workload,
+    generate_workload,
+)
 
 __all__ = [
     "EXPERIMENTS",
+    "ROUTERS",
     "CapacityPlan",
+    "ChatSpec",
     "Comparison",
     "Deployment",
     "GPUSpec",
     "LengthDist",
     "ModelSpec",
     "PagedSimulator",
+    "ReplicaRun",
+    "ReplicaSimulator",
     "RooflineCostModel",
     "RunResult",
     "SimRequest",
     "StaticBatchSimulator",
     "StepCost",
     "WorkloadSpec",
+    "compare_routers",
     "default_workloads",
     "estimate_activation_bytes",
     "format_plan",
+    "generate_chat_workload",
     "generate_workload",
     "known_gpus",
     "known_models",

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pagemill.blockpool.config import CacheConfig
 from pagemill.scheduler.config import SchedulerConfig
@@ -27,9 +28,10 @@ from pagemill.server.sim.experiments import (
 )
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.plan import DEFAULT_BATCH_SIZES, GIB, format_plan, make_plan
+from pagemill.server.sim.replicas import ROUTERS
 from pagemill.server.sim.report import format_comparison
 from pagemill.server.sim.specs import known_gpus, known_models, load_gpu, load_model
-from pagemill.server.sim.workload import DISTRIBUTIONS, LengthDist
+from pagemill.server.sim.workload import DISTRIBUTIONS, ChatSpec, LengthDist
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -52,6 +54,19 @@ def _rate(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0, got {text!r}")
     return value
+
+
+def _routers(text: str) -> tuple[str, ...]:
+    if text == "all":
+        return ROUTERS
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in ROUTERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or repr(text)}: choose from {', '.join(ROUTERS)} (comma-separated) "
+            "or 'all'"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 def _experiments(text: str) -> tuple[str, ...]:
@@ -174,10 +189,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--experiments",
         type=_experiments,
-        default=EXPERIMENTS,
-        help=f"comma-separated subset of {', '.join(EXPERIMENTS)}, or 'all'",
+        default=None,
+        help=f"comma-separated subset of {', '.join(EXPERIMENTS)}, or 'all' (default all)",
     )
-    sim.add_argument("--num-requests", type=int, default=600)
+    sim.add_argument("--num-requests", type=int, default=None, help="(default 600)")
     sim.add_argument(
         "--request-rate",
         type=_rate,
@@ -202,8 +217,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--budgets",
         type=_int_list,
-        default=DEFAULT_BUDGETS,
-        help="token budgets of the chunked-prefill experiment",
+        default=None,
+        help="token budgets of the chunked-prefill experiment (default "
+        f"{','.join(map(str, DEFAULT_BUDGETS))})",
     )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument(
@@ -222,6 +238,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "run in the dashboard's view (block pool, requests, charts); opens "
         "from disk, no server or network needed",
     )
+    rep = sim.add_argument_group(
+        "replicas behind a router (--replicas N)",
+        "N copies of the deployment behind the engine's own router (the policy of "
+        "`serve -dp N --data-parallel-routing` and of the Ray Serve replicas), each with its "
+        "own scheduler and KV pool, on multi-turn chats over shared system prompts "
+        "(--system-prompt-len tokens each; messages of --prompt-len and answers of "
+        "--output-len tokens, clipped so a whole chat fits --max-model-len); reports each "
+        "router's prefix-cache hit rate, prefill tokens, TTFT, throughput and requests per "
+        "replica, and the routers side by side. Runs instead of the one-engine experiments.",
+    )
+    rep.add_argument(
+        "--replicas", type=positive_int, default=None, metavar="N", help="number of replicas"
+    )
+    rep.add_argument(
+        "--router",
+        type=_routers,
+        default=None,
+        help=f"{' | '.join(ROUTERS)}, several comma-separated, or 'all' (default all)",
+    )
+    rep.add_argument(
+        "--prefixes", type=positive_int, default=None, help="distinct system prompts (default 6)"
+    )
+    rep.add_argument(
+        "--users-per-prefix",
+        type=positive_int,
+        default=None,
+        help="chat users on each system prompt (default 8)",
+    )
+    rep.add_argument("--turns", type=positive_int, default=None, help="turns per chat (default 2)")
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -269,18 +314,62 @@ def _json_safe(value: object) -> object:
     return value
 
 
+_REPLICA_ONLY = ("router", "prefixes", "users_per_prefix", "turns")
+_ENGINE_ONLY = ("experiments", "num_requests", "budgets")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _deployment(args: argparse.Namespace) -> Deployment:
+    return Deployment(
+        load_model(args.model),
+        load_gpu(args.gpu),
+        weight_dtype=args.weight_dtype,
+        kv_dtype=args.kv_dtype,
+        step_overhead_s=args.step_overhead_ms / 1e3,
+        num_blocks=args.num_blocks,
+        tensor_parallel_size=args.tensor_parallel_size,
+        **config_kwargs(args, (*_CACHE_FLAGS, *_SIM_SCHEDULER_FLAGS)),
+    )
+
+
+def _describe_deployment(args: argparse.Namespace, deployment: Deployment) -> str:
+    pool = deployment.pool_blocks
+    return (
+        f"{deployment.model.name} ({args.weight_dtype}) on "
+        + (f"{args.tensor_parallel_size} x " if args.tensor_parallel_size > 1 else "")
+        + f"{deployment.gpu.name}: "
+        f"KV pool {pool:,} blocks x {args.block_size} = {deployment.kv_token_capacity:,} tokens, "
+        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
+        f"budget {args.max_num_batched_tokens} tokens/step"
+    )
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        given = [_flag(d) for d in _ENGINE_ONLY if getattr(args, d) is not None]
+        if given:
+            print(
+                f"pagemill simulate: error: {', '.join(given)} belong to the one-engine "
+                "experiments, which --replicas does not run; run them separately",
+                file=sys.stderr,
+            )
+            return 2
+        return cmd_simulate_replicas(args)
+    given = [_flag(d) for d in _REPLICA_ONLY if getattr(args, d) is not None]
+    if given:
+        print(f"pagemill simulate: error: {', '.join(given)} needs --replicas N", file=sys.stderr)
+        return 2
+    if args.experiments is None:
+        args.experiments = EXPERIMENTS
+    if args.num_requests is None:
+        args.num_requests = 600
+    if args.budgets is None:
+        args.budgets = DEFAULT_BUDGETS
     try:
-        deployment = Deployment(
-            load_model(args.model),
-            load_gpu(args.gpu),
-            weight_dtype=args.weight_dtype,
-            kv_dtype=args.kv_dtype,
-            step_overhead_s=args.step_overhead_ms / 1e3,
-            num_blocks=args.num_blocks,
-            tensor_parallel_size=args.tensor_parallel_size,
-            **config_kwargs(args, (*_CACHE_FLAGS, *_SIM_SCHEDULER_FLAGS)),
-        )
+        deployment = _deployment(args)
         dist = {"kind": args.length_dist, "spread": args.length_spread}
         workloads = default_workloads(
             num_requests=args.num_requests,
@@ -294,14 +383,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"pagemill simulate: error: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"{deployment.model.name} ({args.weight_dtype}) on "
-        + (f"{args.tensor_parallel_size} x " if args.tensor_parallel_size > 1 else "")
-        + f"{deployment.gpu.name}: "
-        f"KV pool {pool:,} blocks x {args.block_size} = {deployment.kv_token_capacity:,} tokens, "
-        f"max_model_len {args.max_model_len}, max_num_seqs {args.max_num_seqs}, "
-        f"budget {args.max_num_batched_tokens} tokens/step\n"
-    )
+    print(_describe_deployment(args, deployment) + "\n")
     started = time.perf_counter()
     recorders: dict[str, object] = {}
     observe = None
@@ -349,6 +431,106 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         for c in comparisons:
             print(f"wrote {plot_comparison(c, out_dir / f'{c.key}.png')}")
     return 0
+
+
+def _chat_spec(args: argparse.Namespace) -> ChatSpec:
+    """The chat workload of the flags; messages and answers are clipped so that a user's
+    last turn (system prompt, every message and answer) fits max_model_len."""
+    turns = args.turns or 2
+    room = args.max_model_len - args.system_prompt_len
+    cap = room // (2 * turns)
+    if cap < 1:
+        raise ValueError(
+            f"--system-prompt-len {args.system_prompt_len} leaves no room for {turns} turns "
+            f"under --max-model-len {args.max_model_len}"
+        )
+    dist = {"kind": args.length_dist, "spread": args.length_spread, "maximum": cap}
+    return ChatSpec(
+        prefixes=args.prefixes or 6,
+        prefix_len=args.system_prompt_len,
+        users_per_prefix=args.users_per_prefix or 8,
+        turns=turns,
+        message_len=LengthDist(min(args.prompt_len, cap), **dist),
+        answer_len=LengthDist(min(args.output_len, cap), **dist),
+        request_rate=args.request_rate,
+        seed=args.seed,
+    )
+
+
+def cmd_simulate_replicas(args: argparse.Namespace) -> int:
+    """`simulate --replicas N`: every router on one chat workload over N replicas."""
+    from pagemill.server.sim.replicas import compare_routers
+    from pagemill.server.sim.routing_report import format_router, format_routers, routers_html
+    from pagemill.server.sim.workload import generate_chat_workload
+
+    routers = args.router or ROUTERS
+    try:
+        deployment = _deployment(args)
+        spec = _chat_spec(args)
+        requests = generate_chat_workload(spec, deployment.max_model_len)
+        header = _describe_deployment(args, deployment)
+    except (ValueError, TypeError) as exc:
+        print(f"pagemill simulate: error: {exc}", file=sys.stderr)
+        return 2
+    rate = "all at t=0" if math.isinf(spec.request_rate) else f"Poisson {spec.request_rate:g}/s"
+    print(f"{args.replicas} replicas, each {header}")
+    print(
+        f"workload: {spec.prefixes} system prompts of {spec.prefix_len} tokens x "
+        f"{spec.users_per_prefix} users x {spec.turns} turns = {len(requests)} requests "
+        f"(users arrive {rate}; a turn is sent when the one before finished; messages "
+        f"{args.length_dist} mean {spec.message_len.mean}, answers mean "
+        f"{spec.answer_len.mean}), seed {spec.seed}\n"
+    )
+    started = time.perf_counter()
+    recorders: dict[str, Any] = {}
+    observe = None
+    if args.html is not None:
+        from pagemill.server.sim.replica_replay import ReplicaReplayRecorder
+
+        def observe(name: str) -> Any:
+            return recorders.setdefault(name, ReplicaReplayRecorder(f"router {name}")).on_step
+
+    try:
+        runs = compare_routers(deployment, requests, args.replicas, routers, observe)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"pagemill simulate: error: {exc}", file=sys.stderr)
+        return 2
+    for run in runs:
+        print(format_router(run))
+        print()
+    print(format_routers(runs))
+    print(f"(simulated in {time.perf_counter() - started:.1f} s of wall time)")
+
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "routing": {
+            "replicas": args.replicas,
+            "num_requests": len(requests),
+            "routers": {r.router: _json_tree(r.summary()) for r in runs},
+        }
+    }
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n", "utf-8")
+    print(f"wrote {out_dir / 'results.json'}")
+    if args.html is not None:
+        from pagemill.server.dashboard.replay import write_replay_html
+
+        title = (
+            f"{args.replicas} x {deployment.model.name} ({args.weight_dtype}) on "
+            f"{deployment.gpu.name}, {deployment.pool_blocks:,} blocks each"
+        )
+        recorded = [recorders[r.router].as_dict() for r in runs]
+        page = write_replay_html(args.html, recorded, title, routers_html(runs, args.replicas))
+        print(f"wrote {page}")
+    return 0
+
+
+def _json_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _json_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_tree(v) for v in value]
+    return _json_safe(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

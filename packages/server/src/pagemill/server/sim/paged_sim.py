@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from pagemill.blockpool import KVCacheManager
-from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler
+from pagemill.blockpool import HybridKVCacheManager, KVCacheManager
+from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerOutput
 from pagemill.server.sim.hardware import Deployment
 from pagemill.server.sim.metrics import RunRecorder, RunResult
 from pagemill.server.sim.workload import SimRequest
@@ -24,6 +24,46 @@ def fake_token(index: int, position: int) -> int:
     """A deterministic 'sampled' token; requests run with ignore_eos so its value never stops
     one."""
     return 1 + (index * 7919 + position * 104729) % 30011
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What one scheduled step costs and holds: ``chunks`` (tokens, context end) per request
+    for the cost model, the prompt tokens it computes, and the KV slots reserved vs holding
+    real tokens once it ran."""
+
+    chunks: list[tuple[int, int]]
+    prompt_tokens: int
+    reserved_slots: int
+    real_slots: int
+
+
+def step_figures(
+    out: SchedulerOutput,
+    requests: dict[str, Request],
+    holding: dict[str, Request],
+    kv: KVCacheManager | HybridKVCacheManager,
+) -> StepFigures:
+    """The figures of a step just scheduled; adds its requests to ``holding`` (those whose
+    block tables count, until they finish or are preempted)."""
+    block_size = kv.block_size
+    chunks = []
+    prompt_tokens = 0
+    for s in out.scheduled:
+        end = s.start_pos + s.num_tokens
+        chunks.append((s.num_tokens, end))
+        holding[s.request_id] = requests[s.request_id]
+        p = requests[s.request_id].num_prompt_tokens
+        if s.start_pos < p:
+            prompt_tokens += min(end, p) - s.start_pos
+    # Reserved = blocks in use in the real pool (a shared prefix block counts once);
+    # real = reserved minus each table's unfilled tail (only full blocks are shared).
+    reserved = (kv.num_blocks - kv.get_num_free_blocks()) * block_size
+    slack = sum(
+        kv.num_request_blocks(rid) * block_size - q.num_computed_tokens
+        for rid, q in holding.items()
+    )
+    return StepFigures(chunks, prompt_tokens, reserved, reserved - slack)
 
 
 # Told after every simulated step: (virtual clock, scheduler, the step's updates, step time).
@@ -70,7 +110,6 @@ class PagedSimulator:
         sched = self.scheduler
         kv = self.kv_cache_manager
         cost = self.deployment.cost_model
-        block_size = kv.block_size
         rec = RunRecorder(self.name)
         reqs = sorted(requests, key=lambda r: (r.arrival_time, r.index))
         by_id = {r.request_id: r for r in reqs}
@@ -106,33 +145,17 @@ class PagedSimulator:
                 holding.pop(rid, None)
             dt = 0.0
             if out.scheduled:
-                chunks = []
-                prompt_tokens = 0
-                for s in out.scheduled:
-                    end = s.start_pos + s.num_tokens
-                    chunks.append((s.num_tokens, end))
-                    holding[s.request_id] = sim_reqs[s.request_id]
-                    p = sim_reqs[s.request_id].num_prompt_tokens
-                    if s.start_pos < p:
-                        prompt_tokens += min(end, p) - s.start_pos
-                dt = cost.step_time(chunks)
-                # Reserved = blocks in use in the real pool (a shared prefix block counts once);
-                # real = reserved minus each table's unfilled tail (only full blocks are shared).
-                used_blocks = kv.num_blocks - kv.get_num_free_blocks()
-                reserved = used_blocks * block_size
-                slack = sum(
-                    kv.num_request_blocks(rid) * block_size - q.num_computed_tokens
-                    for rid, q in holding.items()
-                )
+                figures = step_figures(out, sim_reqs, holding, kv)
+                dt = cost.step_time(figures.chunks)
                 clock += dt
                 rec.step(
                     clock,
                     dt,
                     len(out.scheduled),
                     out.total_num_scheduled_tokens,
-                    prompt_tokens,
-                    reserved,
-                    reserved - slack,
+                    figures.prompt_tokens,
+                    figures.reserved_slots,
+                    figures.real_slots,
                 )
             sampled = {
                 s.request_id: fake_token(by_id[s.request_id].index, s.start_pos + s.num_tokens)

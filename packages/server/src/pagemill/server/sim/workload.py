@@ -96,6 +96,11 @@ class SimRequest:
     arrival_time: float
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    # A chat's later turn: sent no earlier than this request (the turn before) finished.
+    after: str | None = None
+    # Chat workloads: which shared system prompt the request starts with, whose turn it is.
+    group: int | None = None
+    user: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -128,3 +133,90 @@ def generate_workload(spec: WorkloadSpec, max_model_len: int) -> list[SimRequest
         out_len = max(1, min(out_len, max_model_len - len(prompt)))
         requests.append(SimRequest(i, f"req-{i}", t, tuple(prompt), out_len))
     return requests
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """Multi-turn chats on shared documents: ``prefixes`` system prompts of ``prefix_len``
+    tokens, ``users_per_prefix`` users on each, every user ``turns`` turns. A turn's prompt is
+    the system prompt, the conversation so far (messages and answers) and a new message, so
+    a user's later turns share more than the system prompt with the earlier ones; each
+    turn's output length is the length of the answer its next turn carries. Users arrive
+    in a random order (Poisson at ``request_rate``) and take their turns in order,
+    interleaved with the others; a turn is sent when the one before it has finished.
+    ``turns=1`` is K system prompts x suffixes."""
+
+    prefixes: int = 6
+    prefix_len: int = 400
+    users_per_prefix: int = 8
+    turns: int = 2
+    message_len: LengthDist = LengthDist(24, kind="fixed")
+    answer_len: LengthDist = LengthDist(24, kind="fixed")
+    request_rate: float = math.inf
+    vocab_size: int = 30000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("prefixes", "prefix_len", "users_per_prefix", "turns"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.request_rate > 0:
+            raise ValueError(
+                f"request_rate must be > 0 (inf = all at once), got {self.request_rate}"
+            )
+        if self.vocab_size < 11:
+            raise ValueError("vocab_size must be > 10")
+
+    @property
+    def num_requests(self) -> int:
+        return self.prefixes * self.users_per_prefix * self.turns
+
+
+def generate_chat_workload(spec: ChatSpec, max_model_len: int | None = None) -> list[SimRequest]:
+    """Every user's turns in the order they are sent (see `ChatSpec`); refuses a
+    conversation that outgrows ``max_model_len`` rather than clipping it (a clipped chat
+    would no longer extend its own history)."""
+    rng = random.Random(spec.seed)
+
+    def tokens(n: int) -> list[int]:
+        # Random ids: distinct documents share no tokens by chance that matters. An answer
+        # in the history stands for what the model said on the turn before.
+        return [rng.randrange(10, spec.vocab_size) for _ in range(n)]
+
+    systems = [tokens(spec.prefix_len) for _ in range(spec.prefixes)]
+    conversations: list[list[tuple[list[int], int]]] = []  # user -> each turn's (prompt, answer)
+    owner: list[int] = []
+    for p in range(spec.prefixes):
+        for _ in range(spec.users_per_prefix):
+            history = list(systems[p])
+            turns = []
+            for _ in range(spec.turns):
+                history = history + tokens(spec.message_len.sample(rng))
+                answer = spec.answer_len.sample(rng)
+                turns.append((history, answer))
+                history = history + tokens(answer)
+            conversations.append(turns)
+            owner.append(p)
+    # Interleave: repeatedly pick a user with turns left (a user's turns stay in order).
+    left = {u: 0 for u in range(len(conversations))}
+    order: list[tuple[int, int]] = []
+    while left:
+        u = rng.choice(sorted(left))
+        order.append((u, left[u]))
+        left[u] += 1
+        if left[u] == spec.turns:
+            del left[u]
+    out: list[SimRequest] = []
+    t = 0.0
+    for i, (u, turn) in enumerate(order):
+        if math.isfinite(spec.request_rate) and i > 0:
+            t += rng.expovariate(spec.request_rate)
+        prompt, answer = conversations[u][turn]
+        if max_model_len is not None and len(prompt) + answer > max_model_len:
+            raise ValueError(
+                f"a chat turn needs {len(prompt) + answer} tokens (prompt and answer), over "
+                f"max_model_len {max_model_len}: fewer turns or shorter prompts"
+            )
+        after = f"u{u}-t{turn - 1}" if turn else None
+        out.append(SimRequest(i, f"u{u}-t{turn}", t, tuple(prompt), answer, after, owner[u], u))
+    return out
