@@ -500,10 +500,10 @@ class EngineCore:
             sampled = {**token_ids, **dict.fromkeys(model_output.pooled, 0)}
         updates = self.scheduler.update_from_output(scheduler_output, sampled)
         self.isolator.on_step_done()
-        if self.spec is not None:
-            self.spec.after_step(self.scheduler)
         if self.structured_output is not None and self.structured_output.num_requests:
             updates = self._advance_grammars(token_ids, updates)
+        if self.spec is not None:  # after the grammars moved: drafts are cut by them
+            self.spec.after_step(self.scheduler, self.structured_output)
         if self._grammar_failures:
             updates = self._grammar_failures + updates
             self._grammar_failures = []
@@ -584,19 +584,19 @@ class EngineCore:
     def _advance_grammars(
         self, token_ids: dict[str, int | list[int]], updates: list[RequestUpdate]
     ) -> list[RequestUpdate]:
-        """Move each matcher past its token; a finished grammar ends its request (stop).
-        (Constrained requests never speculate: each has exactly one token.)"""
+        """Move each matcher past its tokens; a finished grammar ends its request (stop),
+        and a verified step's tokens after the one that finished it are not output."""
         manager = self.structured_output
         assert manager is not None
-        single = {rid: t for rid, t in token_ids.items() if isinstance(t, int)}
-        done = set(manager.accept_tokens(single))
+        done = manager.accept_tokens(token_ids)
         ended: list[str] = []
         for i, u in enumerate(updates):
             if u.finished:
                 ended.append(u.request_id)
             elif u.request_id in done:
                 ended.append(u.request_id)
-                updates[i] = RequestUpdate(u.request_id, u.new_token_ids, True, "stop", None)
+                kept = u.new_token_ids[: done[u.request_id]]
+                updates[i] = RequestUpdate(u.request_id, kept, True, "stop", None)
                 self.scheduler.finish_requests([u.request_id], RequestStatus.FINISHED_STOPPED)
         manager.remove_requests(ended)
         return updates
@@ -611,9 +611,15 @@ class EngineCore:
         assert out.sampling_metadata is not None
         metadata = out.sampling_metadata
         if self.structured_output is not None and self.structured_output.num_requests:
-            bitmask = self.structured_output.grammar_bitmask(out.req_ids)
+            spec = out.spec
+            indices, drafts = ((), ()) if spec is None else (spec.indices, spec.draft_token_ids)
+            bitmask, draft_mask = self.structured_output.grammar_bitmasks(
+                out.req_ids, indices, drafts
+            )
             if bitmask is not None:
                 metadata = replace(metadata, token_bitmask=bitmask)
+            if spec is not None and draft_mask is not None:
+                spec.metadata = replace(spec.metadata, token_bitmask=draft_mask)
         logits = out.logits if out.spec is None else out.logits[: len(out.req_ids)]
         sampled = self.sampler(logits, metadata)
         token_ids: dict[str, int | list[int]] = dict(zip(out.req_ids, sampled.sampled_token_ids))

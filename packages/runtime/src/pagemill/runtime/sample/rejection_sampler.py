@@ -15,9 +15,12 @@ al.) becomes:
 
 Each emitted token then follows the target's distribution exactly, given the tokens before
 it. p_j is the sampler's own: logit bias and allowed ids, temperature, then top-k, top-p and
-min-p (`apply_top_k_top_p_min_p`). Rules that depend on the tokens generated so far
-(penalties, bad words, min_tokens, a grammar) would need the drafts in that history: the
-engine does not speculate for such requests (see `spec_decode/proposer.py`).
+min-p (`apply_top_k_top_p_min_p`), and a grammar's token bitmask: the engine fills one
+mask per draft row from the grammar's state after the drafts before it
+(`StructuredOutputManager.grammar_bitmasks`), so a draft the grammar forbids has p_j = 0
+and is always replaced. Rules that depend on the tokens generated so far (penalties, bad
+words, min_tokens) would need the drafts in that history: the engine does not speculate
+for such requests (see `spec_decode/proposer.py`).
 
 Randomness: a seeded request draws its 2k uniforms (k acceptance tests, k residual draws) in
 one call on its own generator, in that fixed order, whatever the batch; the others share this
