@@ -83,10 +83,10 @@ def test_requests_with_history_rules_do_not_speculate() -> None:
     for kw in (
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
-        {"logprobs": 2},
         {"min_tokens": 3},
     ):
         assert not speculates(req(**kw)), kw
+    assert speculates(req(logprobs=2))
 
 
 # ---- rejection sampler --------------------------------------------------------------------

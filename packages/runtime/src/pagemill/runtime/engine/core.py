@@ -59,6 +59,15 @@ logger = logging.getLogger(__name__)
 LogprobsRow = tuple[list[int], list[float]]
 
 
+def _logprob_rows(
+    logprobs: dict[str, list[LogprobsRow]], update: RequestUpdate
+) -> list[LogprobsRow] | None:
+    """The rows of the tokens the update emits (a stop inside a verified step's tokens
+    drops the rest, and their rows with them)."""
+    rows = logprobs.get(update.request_id)
+    return None if rows is None else rows[: len(update.new_token_ids)]
+
+
 def _skips_prefix_cache(request: EngineCoreRequest) -> bool:
     """Whether the request needs an output at prompt positions a prefix-cache hit would
     skip: prompt logprobs, or a pooling type other than LAST. Like vLLM, such a request
@@ -518,7 +527,7 @@ class EngineCore:
     @staticmethod
     def _outputs(
         updates: list[RequestUpdate],
-        logprobs: dict[str, LogprobsRow] | None,
+        logprobs: dict[str, list[LogprobsRow]] | None,
         records: dict[str, Request],
         pooled: dict[str, list[float]] | None = None,
         prompt_logprobs: dict[str, PromptLogprobsRows] | None = None,
@@ -536,7 +545,7 @@ class EngineCore:
                 u.new_token_ids,
                 reason,
                 u.stop_reason,
-                None if logprobs is None else logprobs.get(u.request_id),
+                None if logprobs is None else _logprob_rows(logprobs, u),
             )
             if pooled is not None and u.request_id in pooled:
                 # The vector replaces the placeholder token; it ends the request normally.
@@ -603,9 +612,10 @@ class EngineCore:
 
     def _sample(
         self, out: ModelRunnerOutput
-    ) -> tuple[dict[str, int | list[int]], dict[str, LogprobsRow] | None]:
+    ) -> tuple[dict[str, int | list[int]], dict[str, list[LogprobsRow]] | None]:
         """One token per request; a request that verified drafts maps to its accepted
-        drafts and one more token instead (a list, see `Scheduler.update_from_output`)."""
+        drafts and one more token instead (a list, see `Scheduler.update_from_output`).
+        The logprobs (when a row asked for them) are one row per emitted token."""
         if not out.req_ids:
             return {}, None
         assert out.sampling_metadata is not None
@@ -623,9 +633,23 @@ class EngineCore:
         logits = out.logits if out.spec is None else out.logits[: len(out.req_ids)]
         sampled = self.sampler(logits, metadata)
         token_ids: dict[str, int | list[int]] = dict(zip(out.req_ids, sampled.sampled_token_ids))
+        verified: dict[str, list[int]] = {}
         if out.spec is not None:
             assert self.spec is not None
-            token_ids.update(self.spec.verify(out, sampled.sampled_token_ids))
+            verified = self.spec.verify(out, sampled.sampled_token_ids)
+            token_ids.update(verified)
         if sampled.logprobs is None or sampled.logprob_token_ids is None:
             return token_ids, None
-        return token_ids, dict(zip(out.req_ids, zip(sampled.logprob_token_ids, sampled.logprobs)))
+        rows = [[row] for row in zip(sampled.logprob_token_ids, sampled.logprobs)]
+        step = out.spec
+        if step is not None and step.metadata.max_num_logprobs is not None:
+            assert self.spec is not None
+            # A verified request's rows: its drafts' rows, then the bonus row if it got
+            # that far (a rejected draft's correction came from the draft rows).
+            results = [verified[out.req_ids[i]] for i in step.indices]
+            draft_rows = self.spec.rejection_sampler.logprobs(
+                out.logits[len(out.req_ids) :], step.metadata, step.draft_token_ids, results
+            )
+            for i, result, head in zip(step.indices, results, draft_rows):
+                rows[i] = head + rows[i] if len(result) > len(head) else head
+        return token_ids, dict(zip(out.req_ids, rows))

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagemill.runtime.sample.sampler import Sampler, apply_top_k_top_p_min_p
+from pagemill.runtime.sample.sampler import Sampler, _logprobs, apply_top_k_top_p_min_p
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 
 
@@ -111,6 +111,37 @@ class RejectionSampler:
                 tokens.append(bonus)
             out.append(tokens)
             row += len(drafts_i)
+        return out
+
+    @torch.inference_mode()
+    def logprobs(
+        self,
+        draft_logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        draft_token_ids: Sequence[Sequence[int]],
+        results: Sequence[Sequence[int]],
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Per request, the logprob rows of its emitted tokens that came from draft rows
+        (accepted drafts and a correction; a bonus token's row is the plain sampler's):
+        [emitted id, top-1 id, ...] and their logprobs in the target's raw distribution at
+        that position, as the sampler reports them for a one-token step."""
+        n = metadata.max_num_logprobs
+        assert n is not None
+        emitted: list[int] = []
+        for drafts, result in zip(draft_token_ids, results):
+            # Rows past the first rejection are never reported; their draft stands in.
+            emitted += [result[j] if j < len(result) else d for j, d in enumerate(drafts)]
+        if not emitted:
+            return [[] for _ in results]
+        raw = draft_logits.float()
+        tokens = torch.tensor(emitted, device=raw.device)
+        ids, values = _logprobs(raw, tokens, n, torch.empty_like(raw))
+        out: list[list[tuple[list[int], list[float]]]] = []
+        row = 0
+        for drafts, result in zip(draft_token_ids, results):
+            m = min(len(result), len(drafts))
+            out.append(list(zip(ids[row : row + m], values[row : row + m])))
+            row += len(drafts)
         return out
 
     def _verify_random(

@@ -2,12 +2,12 @@
 
 A request speculates only where verification stays exact without re-running history-
 dependent sampling rules at every draft position: no repetition/presence/frequency penalty,
-no bad words, min_tokens already met, no logprobs (each accepted token would need its own
-row of them), no pooling. Structured output does speculate: its drafts are cut where the
-grammar rejects them and every verified position is masked by the grammar's state there
-(`StructuredOutputManager.grammar_bitmasks`). Everything else (greedy, temperature,
-top-k/top-p/min-p, seeds, logit bias, allowed ids) verifies at every position the way one
-step samples.
+no bad words, min_tokens already met, no pooling. Logprobs are reported for every
+emitted token from its own verified row. Structured output does speculate: its drafts are
+cut where the grammar rejects them and every verified position is masked by the grammar's
+state there (`StructuredOutputManager.grammar_bitmasks`). Everything else (greedy,
+temperature, top-k/top-p/min-p, seeds, logit bias, allowed ids) verifies at every position
+the way one step samples.
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ def speculates(request: Request) -> bool:
     if not isinstance(p, SamplingParams) or request.pooling_params is not None:
         return False
     return (
-        p.logprobs is None
-        and not p.bad_words_token_ids
+        not p.bad_words_token_ids
         and p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
