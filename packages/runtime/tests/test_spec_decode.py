@@ -75,18 +75,19 @@ def test_ngram_takes_the_longest_match_and_its_latest_occurrence() -> None:
     assert NgramProposer(3, 1, 3).propose([1, 2, 3]) == []
 
 
-def test_requests_with_history_rules_do_not_speculate() -> None:
+def test_every_sampled_request_speculates() -> None:
     def req(**kw) -> Request:
         return Request("r", [1, 2], sampling_params=SamplingParams(**kw))
 
-    assert speculates(req(temperature=0.7, top_p=0.9, seed=3))
     for kw in (
+        {"temperature": 0.7, "top_p": 0.9, "seed": 3},
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
         {"min_tokens": 3},
+        {"logprobs": 2},
+        {"bad_words_token_ids": [[5, 6]]},
     ):
-        assert not speculates(req(**kw)), kw
-    assert speculates(req(logprobs=2))
+        assert speculates(req(**kw)), kw
 
 
 # ---- rejection sampler --------------------------------------------------------------------

@@ -38,7 +38,7 @@ from pagemill.runtime.engine.protocol import (
 from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.loader import load_model
-from pagemill.runtime.sample.rejection_sampler import RejectionSampler
+from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
 from pagemill.runtime.sample.structured_output import (
     StructuredOutputManager,
@@ -620,6 +620,10 @@ class EngineCore:
             return {}, None
         assert out.sampling_metadata is not None
         metadata = out.sampling_metadata
+        if out.spec is not None:  # each verified position sees the drafts before it
+            metadata, out.spec.metadata = with_draft_history(
+                metadata, out.spec.metadata, out.spec.indices, out.spec.draft_token_ids
+            )
         if self.structured_output is not None and self.structured_output.num_requests:
             spec = out.spec
             indices, drafts = ((), ()) if spec is None else (spec.indices, spec.draft_token_ids)

@@ -19,8 +19,8 @@ min-p (`apply_top_k_top_p_min_p`), and a grammar's token bitmask: the engine fil
 mask per draft row from the grammar's state after the drafts before it
 (`StructuredOutputManager.grammar_bitmasks`), so a draft the grammar forbids has p_j = 0
 and is always replaced. Rules that depend on the tokens generated so far (penalties, bad
-words, min_tokens) would need the drafts in that history: the engine does not speculate
-for such requests (see `spec_decode/proposer.py`).
+words, min_tokens) see each row's own history, the drafts before it included
+(`with_draft_history`).
 
 Randomness: a seeded request draws its 2k uniforms (k acceptance tests, k residual draws) in
 one call on its own generator, in that fixed order, whatever the batch; the others share this
@@ -30,11 +30,40 @@ sampler's generator. With the same seed and the same drafts a request's tokens r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
 from pagemill.runtime.sample.sampler import Sampler, _logprobs, apply_top_k_top_p_min_p
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
+
+
+def with_draft_history(
+    metadata: SamplingMetadata,
+    draft_metadata: SamplingMetadata,
+    indices: Sequence[int],
+    draft_token_ids: Sequence[Sequence[int]],
+) -> tuple[SamplingMetadata, SamplingMetadata]:
+    """The step's metadata with each verified position's own history: draft row j of a
+    request has its output plus drafts 0..j-1, its bonus row its output plus every draft.
+
+    Penalties, bad words and min_tokens read a row's output (`output_token_ids`), so with
+    these histories each position is masked and penalised exactly as a one-token step
+    that had emitted the drafts before it would be. Unchanged (the same objects) when no
+    row has such a rule."""
+    md = draft_metadata
+    if md.no_penalties and not md.min_tokens and not md.bad_words_token_ids:
+        return metadata, draft_metadata
+    outputs = list(metadata.output_token_ids)
+    draft_outputs: list[Sequence[int]] = []
+    for i, drafts in zip(indices, draft_token_ids):
+        seen = list(outputs[i])
+        draft_outputs += [seen + list(drafts[:j]) for j in range(len(drafts))]
+        outputs[i] = seen + list(drafts)
+    return (
+        replace(metadata, output_token_ids=outputs),
+        replace(draft_metadata, output_token_ids=draft_outputs),
+    )
 
 
 class RejectionSampler:
