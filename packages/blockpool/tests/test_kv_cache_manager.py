@@ -416,3 +416,36 @@ def test_free_drops_all_per_request_state() -> None:
     del r
     gc.collect()
     assert dead() is None
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_trim_gives_back_the_tail_past_the_kept_tokens(hybrid: bool) -> None:
+    """A verified step's rejected drafts: the blocks past those of the computed tokens go
+    back to the pool, the prefix stays registered and hittable, the table grows again."""
+    from pagemill.blockpool import HybridKVCacheManager, KVCacheGroupSpec
+
+    m: KVCacheManager | HybridKVCacheManager
+    if hybrid:
+        groups = [KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,), 8)]
+        m = HybridKVCacheManager(num_blocks=40, block_size=4, kv_cache_groups=groups)
+    else:
+        m = KVCacheManager(num_blocks=40, block_size=4)
+    free0 = m.get_num_free_blocks()
+    r = Req("a", list(range(10)))
+    run_prefill(m, hashed(m, r))  # 10 tokens: 3 blocks per group
+    held = free0 - m.get_num_free_blocks()
+    # Next token plus 9 drafts: positions 10..19, two more blocks per group.
+    r.all_token_ids.append(99)
+    assert m.allocate_slots(hashed(m, r), 10) is not None
+    r.num_computed_tokens = 20
+    assert m.trim("a", 25) is None  # nothing past 25 tokens' blocks
+    r.num_computed_tokens = 11  # one draft accepted
+    assert m.trim("a", 11) == 3
+    assert m.get_num_free_blocks() == free0 - held
+    assert m.trim("a", 11) is None
+    assert m.num_request_blocks("a") == 3
+    # The two full prompt blocks are still hits for another request.
+    b = Req("b", [*range(8), 50, 51])
+    assert lookup(m, b)[1] == 8
+    # Growing again takes new blocks after the kept ones.
+    assert m.allocate_slots(r, 2) is not None and m.num_request_blocks("a") == 4

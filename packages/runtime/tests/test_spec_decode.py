@@ -75,18 +75,19 @@ def test_ngram_takes_the_longest_match_and_its_latest_occurrence() -> None:
     assert NgramProposer(3, 1, 3).propose([1, 2, 3]) == []
 
 
-def test_requests_with_history_rules_do_not_speculate() -> None:
+def test_every_sampled_request_speculates() -> None:
     def req(**kw) -> Request:
         return Request("r", [1, 2], sampling_params=SamplingParams(**kw))
 
-    assert speculates(req(temperature=0.7, top_p=0.9, seed=3))
     for kw in (
+        {"temperature": 0.7, "top_p": 0.9, "seed": 3},
         {"repetition_penalty": 1.2},
         {"presence_penalty": 0.5},
-        {"logprobs": 2},
         {"min_tokens": 3},
+        {"logprobs": 2},
+        {"bad_words_token_ids": [[5, 6]]},
     ):
-        assert not speculates(req(**kw)), kw
+        assert speculates(req(**kw)), kw
 
 
 # ---- rejection sampler --------------------------------------------------------------------
@@ -355,9 +356,10 @@ def test_draft_with_another_vocabulary_is_refused(tiny_qwen2, build_tiny_model, 
 
 
 @pytest.mark.slow  # the grammar worker's start-up dominates (minutes on a loaded 2-core box)
-def test_structured_output_requests_decode_without_drafts(tiny_llama) -> None:
-    """A constrained request next to speculating ones: it never gets drafts, so every one of
-    its tokens is masked by its grammar and its output matches it exactly."""
+def test_structured_output_requests_draft_beside_speculating_ones(tiny_llama) -> None:
+    """A constrained request next to a speculating one drafts too (its drafts cut and
+    masked by its grammar): its output matches the grammar exactly, and the free request's
+    tokens are its own alone."""
     import re
 
     from pagemill.runtime.sample.structured_output.params import StructuredOutputsParams
@@ -366,16 +368,20 @@ def test_structured_output_requests_decode_without_drafts(tiny_llama) -> None:
     llm = LLM(str(folder), dtype="float32", kv_cache_memory_bytes=4 << 20,
               speculative_config=NGRAM)  # fmt: skip
     prompt = "hello world hello world hello world hello"
-    regex = r"(fox|dog) [0-9]{2}"
-    params = [
-        SamplingParams(
-            temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=regex)
-        ),
-        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-    ]
-    constrained, free = llm.generate([prompt, prompt], params, use_tqdm=False)
-    assert re.fullmatch(regex, constrained.outputs[0].text)
-    stats = llm.llm_engine.get_stats()
-    # Only the free request drafted: at most one draft per step of its 29 decode steps.
-    assert 0 < stats.spec_num_drafts <= 29
-    assert len(free.outputs[0].token_ids) == 30
+    regex = r"( world hello){2,5} (fox|dog) [0-9]{2}"
+    constrained_params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    free_params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    (alone,) = llm.generate([prompt], [free_params], use_tqdm=False)
+    before = llm.llm_engine.get_stats().spec_num_drafts
+    constrained, free = llm.generate(
+        [prompt, prompt], [constrained_params, free_params], use_tqdm=False
+    )
+    assert re.fullmatch(regex, constrained.outputs[0].text), constrained.outputs[0].text
+    assert list(free.outputs[0].token_ids) == list(alone.outputs[0].token_ids)
+    (again,) = llm.generate([prompt], [constrained_params], use_tqdm=False)
+    assert list(again.outputs[0].token_ids) == list(constrained.outputs[0].token_ids)
+    # The constrained request drafted as well: more drafts than the free one's own run.
+    mixed_drafts = llm.llm_engine.get_stats().spec_num_drafts - before
+    assert mixed_drafts > before > 0

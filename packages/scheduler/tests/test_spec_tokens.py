@@ -116,6 +116,38 @@ def test_preemption_drops_drafts_and_recomputes() -> None:
     assert a.num_computed_tokens == a.num_tokens - 1 == 9
 
 
+def test_rejected_drafts_blocks_return_to_the_pool_in_the_same_step() -> None:
+    """Free blocks after a step whose drafts were all rejected equal those after the same
+    step without drafts; the table the runner mirrors is cut where the manager's was."""
+    with_drafts, kv = make()
+    r = decode_ready(with_drafts, [5, 6, 7])  # 4 tokens, 3 computed: one block
+    plain, kv_plain = make()
+    decode_ready(plain, [5, 6, 7])
+    with_drafts.update_draft_token_ids({"r": [11, 12, 13, 14, 15, 16]})
+    out = with_drafts.schedule()
+    assert kv.num_request_blocks("r") == 3  # slots for 10 tokens
+    with_drafts.update_from_output(out, {"r": [30]})
+    plain.update_from_output(plain.schedule(), {"r": 30})
+    assert kv.get_num_free_blocks() == kv_plain.get_num_free_blocks() == 64 - 1
+    assert r.num_computed_tokens == 4 and kv.num_request_blocks("r") == 1
+    # The runner hears of it when the request runs next, and the table grows from there.
+    (sched,) = with_drafts.schedule().scheduled
+    assert sched.num_kept_blocks == 1 and len(sched.new_block_ids) == 1
+    assert kv.get_block_ids("r")[1] == sched.new_block_ids[0]
+    (sched,) = plain.schedule().scheduled
+    assert sched.num_kept_blocks is None
+
+
+def test_partly_accepted_drafts_keep_the_blocks_of_what_was_accepted() -> None:
+    s, kv = make()
+    r = decode_ready(s, [5, 6, 7])
+    s.update_draft_token_ids({"r": [11, 12, 13, 14, 15, 16, 17, 18]})
+    out = s.schedule()  # positions 3..11: three blocks
+    s.update_from_output(out, {"r": [11, 12, 13, 40]})  # 3 accepted, 5 rejected
+    assert r.num_computed_tokens == 7 and kv.num_request_blocks("r") == 2
+    assert kv.get_num_free_blocks() == 64 - 2
+
+
 def test_drafts_for_requests_not_running_are_ignored() -> None:
     s, _ = make()
     s.add_request(Request("w", [1, 2, 3], eos_token_id=EOS))
@@ -135,12 +167,16 @@ def target_next(tokens: list[int]) -> int:
 
 def run(prompts, max_tokens, drafts_of, num_blocks, budget, prefix) -> tuple[dict, int]:
     """Drive the scheduler with a fake runner: KV is written per slot and every context
-    read back through the block table; drafts are verified against `target_next`."""
+    read back through the block table the runner mirrors (from `new_block_ids`, `is_new`
+    and `num_kept_blocks` alone); drafts are verified against `target_next`. After every
+    step a running request holds exactly the blocks of its computed tokens: none is
+    left holding only rejected drafts."""
     kv = KVCacheManager(num_blocks=num_blocks, block_size=4, enable_caching=prefix)
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=64), kv)
     for i, p in enumerate(prompts):
         s.add_request(Request(f"r{i}", p, max_tokens=max_tokens[i], eos_token_id=None))
     slots: dict[int, tuple[int, ...]] = {}
+    mirror: dict[str, list[int]] = {}
     results: dict[str, list[int]] = {}
     steps = 0
     while s.has_unfinished_requests():
@@ -149,7 +185,14 @@ def run(prompts, max_tokens, drafts_of, num_blocks, budget, prefix) -> tuple[dic
         out = s.schedule()
         sampled: dict[str, int | list[int]] = {}
         for x in out.scheduled:
-            table = kv.get_block_ids(x.request_id)
+            if x.is_new:
+                mirror[x.request_id] = list(x.new_block_ids)
+            else:
+                if x.num_kept_blocks is not None:
+                    del mirror[x.request_id][x.num_kept_blocks :]
+                mirror[x.request_id] += x.new_block_ids
+            table = mirror[x.request_id]
+            assert table == kv.get_block_ids(x.request_id)
             seq = list(x.request.all_token_ids[: x.start_pos]) + list(x.token_ids)
             for p in range(x.start_pos):  # the context this step attends to
                 assert slots[table[p // 4] * 4 + p % 4] == tuple(seq[: p + 1])
@@ -173,6 +216,8 @@ def run(prompts, max_tokens, drafts_of, num_blocks, budget, prefix) -> tuple[dic
             sampled[x.request_id] = accepted
         for u in s.update_from_output(out, sampled):
             results.setdefault(u.request_id, []).extend(u.new_token_ids)
+        for r in s.running:
+            assert kv.num_request_blocks(r.request_id) == -(-r.num_computed_tokens // 4)
         live = {r.request_id: r for r in s.running}
         s.update_draft_token_ids(
             {

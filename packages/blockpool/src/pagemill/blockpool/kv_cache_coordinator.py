@@ -412,6 +412,25 @@ class HybridKVCacheManager:
         for g, table in enumerate(tables):
             self.block_pool.free_blocks(reversed(table[nulls[g] :]))
 
+    def trim(self, request_id: str, num_tokens: int) -> int | None:
+        """Give back every group's blocks past those of the first `num_tokens` positions
+        (rejected drafts' slots, see `KVCacheManager.trim`); the new table length, or None
+        when nothing was given back."""
+        tables = self.req_to_blocks.get(request_id)
+        if tables is None:
+            return None
+        nulls = self._num_null_blocks[request_id]
+        keep = max(-(-num_tokens // self.block_size), *nulls)
+        if keep >= len(tables[0]):
+            return None
+        cached = self._num_cached_blocks[request_id]
+        for g, table in enumerate(tables):
+            tail = table[keep:]
+            del table[keep:]
+            cached[g] = min(cached[g], keep)
+            self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def forget_blocks_from(self, request_id: str, first_block: int) -> None:
         """Take the request's blocks from `first_block` on out of every group's index (a
         step that failed never wrote their KV)."""

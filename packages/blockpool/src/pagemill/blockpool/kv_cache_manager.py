@@ -371,6 +371,28 @@ class KVCacheManager:
         num_null = self._num_null_blocks.pop(request_id)
         self.block_pool.free_blocks(reversed(table[num_null:]))
 
+    def trim(self, request_id: str, num_tokens: int) -> int | None:
+        """Give back the table's blocks past those of its first `num_tokens` positions.
+
+        For a verified speculative step: the blocks that held only rejected drafts' slots
+        return to the pool in the same step instead of waiting for the request to grow
+        into them again. They were never registered in the prefix index (a block is
+        registered only once full of the request's own tokens, and drafts are not among
+        them), so nothing hashed is lost. Returns the new table length when blocks were
+        given back (a runner that mirrors the table cuts it there), else None.
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            return None
+        keep = max(-(-num_tokens // self.block_size), self._num_null_blocks[request_id])
+        if keep >= len(table):
+            return None
+        tail = table[keep:]
+        del table[keep:]
+        self._num_cached_blocks[request_id] = min(self._num_cached_blocks[request_id], keep)
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def forget_blocks_from(self, request_id: str, first_block: int) -> None:
         """Take the request's blocks from `first_block` on out of the prefix index.
 

@@ -39,6 +39,11 @@ class ScheduledRequest:
     `spec_token_ids` are the draft tokens (speculative decoding) this step verifies: they
     are the last `len(spec_token_ids)` entries of `token_ids`, past the request's own
     tokens, and a request with drafts samples at each of them and after the last.
+
+    `num_kept_blocks` is set on the first step after the request's table lost its tail
+    (blocks that held only rejected drafts went back to the pool): a runner that mirrors
+    the table cuts it to this many entries (in every group) before appending
+    `new_block_ids`. None when the table only grew.
     """
 
     request_id: str
@@ -51,6 +56,7 @@ class ScheduledRequest:
     request: Request
     group_block_ids: tuple[list[int], ...] | None = None
     spec_token_ids: Sequence[int] = ()
+    num_kept_blocks: int | None = None
 
     @property
     def num_new_blocks(self) -> int:

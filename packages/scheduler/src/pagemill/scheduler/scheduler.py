@@ -91,6 +91,9 @@ class Scheduler:
         # Preempted between steps (undo_step, preempt_all_running): told to the runner by
         # the next schedule(), like preemptions made inside it.
         self._preempted_between: list[str] = []
+        # Running requests whose table lost its tail to rejected drafts (`trim`), with the
+        # length it kept: told to the runner when they are next scheduled.
+        self._trimmed: dict[str, int] = {}
         # While restricted (`restrict_to`), only `_allowed` ids are scheduled; every other
         # live request waits aside in `_held`, in queue order.
         self._allowed: frozenset[str] | None = None
@@ -194,6 +197,7 @@ class Scheduler:
         rid = req.request_id
         if req.status == _RUNNING:
             self.kv_cache_manager.free(rid)
+            self._trimmed.pop(rid, None)
         req.status = status
         del self.requests[rid]
         self._finished_req_ids.append(rid)
@@ -277,6 +281,7 @@ class Scheduler:
                     req,
                     new_ids[1],
                     drafts,
+                    self._trimmed.pop(rid, None) if self._trimmed else None,
                 ),
             )
             budget -= n
@@ -401,6 +406,7 @@ class Scheduler:
         """Recompute preemption: drop the KV, keep every token, requeue at the head."""
         req = self.running.pop(idx)
         self.kv_cache_manager.free(req.request_id)
+        self._trimmed.pop(req.request_id, None)  # re-admission sends the whole table
         req.status = _PREEMPTED
         req.spec_token_ids = []
         req.num_computed_tokens = 0
@@ -475,8 +481,9 @@ class Scheduler:
 
         A request that verified drafts this step (`ScheduledRequest.spec_token_ids`) maps
         to its accepted drafts plus one token (1 to k + 1 ids): its computed count drops by
-        the rejected drafts, whose KV slots the next step overwrites (their blocks stay in
-        its table for the tokens to come). The stop rules run after each token; tokens
+        the rejected drafts, whose KV slots the next step overwrites; blocks that held only
+        rejected drafts go back to the pool at once (`ScheduledRequest.num_kept_blocks`
+        tells the runner next time). The stop rules run after each token; tokens
         after the one that stops the request are dropped.
         """
         updates = self._pending_updates
@@ -531,7 +538,14 @@ class Scheduler:
                 f"request {req.request_id!r} verified {num_drafts} drafts but got "
                 f"{len(tokens)} tokens (1 to {num_drafts + 1} expected)"
             )
-        req.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        rejected = num_drafts + 1 - len(tokens)
+        req.num_computed_tokens -= rejected
+        if rejected:
+            # The blocks that held only rejected drafts go back to the pool now.
+            kept = self.kv_cache_manager.trim(req.request_id, req.num_computed_tokens)
+            if kept is not None:
+                rid = req.request_id
+                self._trimmed[rid] = min(kept, self._trimmed.get(rid, kept))
         status = None
         new_tokens: list[int] = []
         for token in tokens:

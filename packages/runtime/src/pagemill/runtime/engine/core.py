@@ -39,7 +39,7 @@ from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.kv_scales import apply_checkpoint_kv_scales
 from pagemill.runtime.model_executor.loader import load_model
-from pagemill.runtime.sample.rejection_sampler import RejectionSampler
+from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
 from pagemill.runtime.sample.structured_output import (
     StructuredOutputManager,
@@ -58,6 +58,15 @@ logger = logging.getLogger(__name__)
 
 # Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
 LogprobsRow = tuple[list[int], list[float]]
+
+
+def _logprob_rows(
+    logprobs: dict[str, list[LogprobsRow]], update: RequestUpdate
+) -> list[LogprobsRow] | None:
+    """The rows of the tokens the update emits (a stop inside a verified step's tokens
+    drops the rest, and their rows with them)."""
+    rows = logprobs.get(update.request_id)
+    return None if rows is None else rows[: len(update.new_token_ids)]
 
 
 def _skips_prefix_cache(request: EngineCoreRequest) -> bool:
@@ -503,10 +512,10 @@ class EngineCore:
             sampled = {**token_ids, **dict.fromkeys(model_output.pooled, 0)}
         updates = self.scheduler.update_from_output(scheduler_output, sampled)
         self.isolator.on_step_done()
-        if self.spec is not None:
-            self.spec.after_step(self.scheduler)
         if self.structured_output is not None and self.structured_output.num_requests:
             updates = self._advance_grammars(token_ids, updates)
+        if self.spec is not None:  # after the grammars moved: drafts are cut by them
+            self.spec.after_step(self.scheduler, self.structured_output)
         if self._grammar_failures:
             updates = self._grammar_failures + updates
             self._grammar_failures = []
@@ -521,7 +530,7 @@ class EngineCore:
     @staticmethod
     def _outputs(
         updates: list[RequestUpdate],
-        logprobs: dict[str, LogprobsRow] | None,
+        logprobs: dict[str, list[LogprobsRow]] | None,
         records: dict[str, Request],
         pooled: dict[str, list[float]] | None = None,
         prompt_logprobs: dict[str, PromptLogprobsRows] | None = None,
@@ -539,7 +548,7 @@ class EngineCore:
                 u.new_token_ids,
                 reason,
                 u.stop_reason,
-                None if logprobs is None else logprobs.get(u.request_id),
+                None if logprobs is None else _logprob_rows(logprobs, u),
             )
             if pooled is not None and u.request_id in pooled:
                 # The vector replaces the placeholder token; it ends the request normally.
@@ -587,42 +596,67 @@ class EngineCore:
     def _advance_grammars(
         self, token_ids: dict[str, int | list[int]], updates: list[RequestUpdate]
     ) -> list[RequestUpdate]:
-        """Move each matcher past its token; a finished grammar ends its request (stop).
-        (Constrained requests never speculate: each has exactly one token.)"""
+        """Move each matcher past its tokens; a finished grammar ends its request (stop),
+        and a verified step's tokens after the one that finished it are not output."""
         manager = self.structured_output
         assert manager is not None
-        single = {rid: t for rid, t in token_ids.items() if isinstance(t, int)}
-        done = set(manager.accept_tokens(single))
+        done = manager.accept_tokens(token_ids)
         ended: list[str] = []
         for i, u in enumerate(updates):
             if u.finished:
                 ended.append(u.request_id)
             elif u.request_id in done:
                 ended.append(u.request_id)
-                updates[i] = RequestUpdate(u.request_id, u.new_token_ids, True, "stop", None)
+                kept = u.new_token_ids[: done[u.request_id]]
+                updates[i] = RequestUpdate(u.request_id, kept, True, "stop", None)
                 self.scheduler.finish_requests([u.request_id], RequestStatus.FINISHED_STOPPED)
         manager.remove_requests(ended)
         return updates
 
     def _sample(
         self, out: ModelRunnerOutput
-    ) -> tuple[dict[str, int | list[int]], dict[str, LogprobsRow] | None]:
+    ) -> tuple[dict[str, int | list[int]], dict[str, list[LogprobsRow]] | None]:
         """One token per request; a request that verified drafts maps to its accepted
-        drafts and one more token instead (a list, see `Scheduler.update_from_output`)."""
+        drafts and one more token instead (a list, see `Scheduler.update_from_output`).
+        The logprobs (when a row asked for them) are one row per emitted token."""
         if not out.req_ids:
             return {}, None
         assert out.sampling_metadata is not None
         metadata = out.sampling_metadata
+        if out.spec is not None:  # each verified position sees the drafts before it
+            metadata, out.spec.metadata = with_draft_history(
+                metadata, out.spec.metadata, out.spec.indices, out.spec.draft_token_ids
+            )
         if self.structured_output is not None and self.structured_output.num_requests:
-            bitmask = self.structured_output.grammar_bitmask(out.req_ids)
+            spec = out.spec
+            indices, drafts = ((), ()) if spec is None else (spec.indices, spec.draft_token_ids)
+            bitmask, draft_mask = self.structured_output.grammar_bitmasks(
+                out.req_ids, indices, drafts
+            )
             if bitmask is not None:
                 metadata = replace(metadata, token_bitmask=bitmask)
+            if spec is not None and draft_mask is not None:
+                spec.metadata = replace(spec.metadata, token_bitmask=draft_mask)
         logits = out.logits if out.spec is None else out.logits[: len(out.req_ids)]
         sampled = self.sampler(logits, metadata)
         token_ids: dict[str, int | list[int]] = dict(zip(out.req_ids, sampled.sampled_token_ids))
+        verified: dict[str, list[int]] = {}
         if out.spec is not None:
             assert self.spec is not None
-            token_ids.update(self.spec.verify(out, sampled.sampled_token_ids))
+            verified = self.spec.verify(out, sampled.sampled_token_ids)
+            token_ids.update(verified)
         if sampled.logprobs is None or sampled.logprob_token_ids is None:
             return token_ids, None
-        return token_ids, dict(zip(out.req_ids, zip(sampled.logprob_token_ids, sampled.logprobs)))
+        rows = [[row] for row in zip(sampled.logprob_token_ids, sampled.logprobs)]
+        step = out.spec
+        if step is not None and step.metadata.max_num_logprobs is not None:
+            assert self.spec is not None
+            # A verified request's rows: its drafts' rows, then the bonus row if it got
+            # that far (a rejected draft's correction came from the draft rows).
+            results = [verified[out.req_ids[i]] for i in step.indices]
+            draft_rows = self.spec.rejection_sampler.logprobs(
+                out.logits[len(out.req_ids) :], step.metadata, step.draft_token_ids, results
+            )
+            for i, result, head in zip(step.indices, results, draft_rows):
+                rows[i] = head + rows[i] if len(result) > len(head) else head
+        return token_ids, dict(zip(out.req_ids, rows))

@@ -421,18 +421,22 @@ class OutputProcessor:
         stats.num_generation_tokens += n
         self.generation_tokens_total += n
 
-    def _logprob_entries(self, c: _Completion, row: LogprobsRow | None) -> list[dict[int, float]]:
-        if row is None:
-            return []
-        ids, lps = row
-        entry = {int(ids[0]): float(lps[0])}
-        for t, lp in zip(ids[1 : 1 + (c.num_logprobs or 0)], lps[1 : 1 + (c.num_logprobs or 0)]):
-            entry.setdefault(int(t), float(lp))
-        if c.cumulative_logprob is not None:
-            c.cumulative_logprob += float(lps[0])
-        if c.logprobs is not None:
-            c.logprobs.append(entry)
-        return [entry]
+    def _logprob_entries(
+        self, c: _Completion, rows: Sequence[LogprobsRow] | None
+    ) -> list[dict[int, float]]:
+        """One entry per new token (a verified speculative step brings several)."""
+        entries: list[dict[int, float]] = []
+        n = c.num_logprobs or 0
+        for ids, lps in rows or ():
+            entry = {int(ids[0]): float(lps[0])}
+            for t, lp in zip(ids[1 : 1 + n], lps[1 : 1 + n]):
+                entry.setdefault(int(t), float(lp))
+            if c.cumulative_logprob is not None:
+                c.cumulative_logprob += float(lps[0])
+            if c.logprobs is not None:
+                c.logprobs.append(entry)
+            entries.append(entry)
+        return entries
 
     def _finish_parent(self, parent: _Parent, now: float) -> None:
         """Bookkeeping once every completion has ended (or the caller aborted)."""

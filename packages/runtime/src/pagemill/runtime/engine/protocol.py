@@ -90,8 +90,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # The stop token id that ended it; for an ignored or failed request, why (the front
     # end logs it; a client never sees the core's words).
     stop_reason: int | str | None = None
-    # Sampled requests that asked for logprobs: ([sampled id, top ids...], [logprobs]).
-    new_logprobs: tuple[list[int], list[float]] | None = None
+    # Sampled requests that asked for logprobs, one row per new token (a verified
+    # speculative step emits several): ([sampled id, top ids...], [logprobs]).
+    new_logprobs: list[tuple[list[int], list[float]]] | None = None
     # Sent with a request's first tokens: when it was first scheduled (time.monotonic(),
     # one clock for every process of the machine) and how many prompt tokens it found cached.
     first_scheduled_time: float | None = None

@@ -15,9 +15,12 @@ al.) becomes:
 
 Each emitted token then follows the target's distribution exactly, given the tokens before
 it. p_j is the sampler's own: logit bias and allowed ids, temperature, then top-k, top-p and
-min-p (`apply_top_k_top_p_min_p`). Rules that depend on the tokens generated so far
-(penalties, bad words, min_tokens, a grammar) would need the drafts in that history: the
-engine does not speculate for such requests (see `spec_decode/proposer.py`).
+min-p (`apply_top_k_top_p_min_p`), and a grammar's token bitmask: the engine fills one
+mask per draft row from the grammar's state after the drafts before it
+(`StructuredOutputManager.grammar_bitmasks`), so a draft the grammar forbids has p_j = 0
+and is always replaced. Rules that depend on the tokens generated so far (penalties, bad
+words, min_tokens) see each row's own history, the drafts before it included
+(`with_draft_history`).
 
 Randomness: a seeded request draws its 2k uniforms (k acceptance tests, k residual draws) in
 one call on its own generator, in that fixed order, whatever the batch; the others share this
@@ -27,11 +30,40 @@ sampler's generator. With the same seed and the same drafts a request's tokens r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from pagemill.runtime.sample.sampler import Sampler, apply_top_k_top_p_min_p
+from pagemill.runtime.sample.sampler import Sampler, _logprobs, apply_top_k_top_p_min_p
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
+
+
+def with_draft_history(
+    metadata: SamplingMetadata,
+    draft_metadata: SamplingMetadata,
+    indices: Sequence[int],
+    draft_token_ids: Sequence[Sequence[int]],
+) -> tuple[SamplingMetadata, SamplingMetadata]:
+    """The step's metadata with each verified position's own history: draft row j of a
+    request has its output plus drafts 0..j-1, its bonus row its output plus every draft.
+
+    Penalties, bad words and min_tokens read a row's output (`output_token_ids`), so with
+    these histories each position is masked and penalised exactly as a one-token step
+    that had emitted the drafts before it would be. Unchanged (the same objects) when no
+    row has such a rule."""
+    md = draft_metadata
+    if md.no_penalties and not md.min_tokens and not md.bad_words_token_ids:
+        return metadata, draft_metadata
+    outputs = list(metadata.output_token_ids)
+    draft_outputs: list[Sequence[int]] = []
+    for i, drafts in zip(indices, draft_token_ids):
+        seen = list(outputs[i])
+        draft_outputs += [seen + list(drafts[:j]) for j in range(len(drafts))]
+        outputs[i] = seen + list(drafts)
+    return (
+        replace(metadata, output_token_ids=outputs),
+        replace(draft_metadata, output_token_ids=draft_outputs),
+    )
 
 
 class RejectionSampler:
@@ -108,6 +140,37 @@ class RejectionSampler:
                 tokens.append(bonus)
             out.append(tokens)
             row += len(drafts_i)
+        return out
+
+    @torch.inference_mode()
+    def logprobs(
+        self,
+        draft_logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        draft_token_ids: Sequence[Sequence[int]],
+        results: Sequence[Sequence[int]],
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Per request, the logprob rows of its emitted tokens that came from draft rows
+        (accepted drafts and a correction; a bonus token's row is the plain sampler's):
+        [emitted id, top-1 id, ...] and their logprobs in the target's raw distribution at
+        that position, as the sampler reports them for a one-token step."""
+        n = metadata.max_num_logprobs
+        assert n is not None
+        emitted: list[int] = []
+        for drafts, result in zip(draft_token_ids, results):
+            # Rows past the first rejection are never reported; their draft stands in.
+            emitted += [result[j] if j < len(result) else d for j, d in enumerate(drafts)]
+        if not emitted:
+            return [[] for _ in results]
+        raw = draft_logits.float()
+        tokens = torch.tensor(emitted, device=raw.device)
+        ids, values = _logprobs(raw, tokens, n, torch.empty_like(raw))
+        out: list[list[tuple[list[int], list[float]]]] = []
+        row = 0
+        for drafts, result in zip(draft_token_ids, results):
+            m = min(len(result), len(drafts))
+            out.append(list(zip(ids[row : row + m], values[row : row + m])))
+            row += len(drafts)
         return out
 
     def _verify_random(

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.config import EngineConfig
     from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.sample.rejection_sampler import RejectionSampler
+    from pagemill.runtime.sample.structured_output.manager import StructuredOutputManager
     from pagemill.runtime.worker.model_runner import ModelRunnerOutput
     from pagemill.scheduler import Scheduler
 
@@ -78,10 +79,15 @@ class SpecDecoding:
         )
         return cls(spec, rejection_sampler, proposer)
 
-    def after_step(self, scheduler: Scheduler) -> None:
-        """Propose the running requests' drafts for the next step."""
+    def after_step(
+        self, scheduler: Scheduler, grammars: StructuredOutputManager | None = None
+    ) -> None:
+        """Propose the running requests' drafts for the next step; a constrained request's
+        are cut where its grammar (already past this step's tokens) would reject them."""
         running = scheduler.running
         drafts = self.decoder.propose(running, len(running), {r.request_id for r in running})
+        if drafts and grammars is not None and grammars.num_requests:
+            drafts = grammars.validate_drafts(drafts)
         if drafts:
             scheduler.update_draft_token_ids(drafts)
 

@@ -1,12 +1,11 @@
 """Which requests speculate, and their drafts for the next step.
 
-A request speculates only where verification stays exact without re-running history-
-dependent sampling rules at every draft position: no repetition/presence/frequency penalty,
-no bad words, min_tokens already met, no logprobs (each accepted token would need its own
-row of them), no structured output (a grammar would have to mask each draft position in
-turn; such requests decode one token at a time, so their output is exactly the grammar's),
-no pooling. Everything else (greedy, temperature, top-k/top-p/min-p, seeds, logit bias,
-allowed ids) verifies at every position the way one step samples.
+Every sampled request may speculate; verification stays exact because each verified
+position is sampled the way a one-token step there would be: its own history for
+penalties, bad words and min_tokens (the drafts before it included,
+`rejection_sampler.with_draft_history`), the grammar's state after those drafts for
+structured output (`StructuredOutputManager.grammar_bitmasks`), and its own logprob row.
+Pooling requests never sample, so they never speculate.
 """
 
 from __future__ import annotations
@@ -48,18 +47,7 @@ class NgramRequests:
 
 def speculates(request: Request) -> bool:
     """Whether this request may verify drafts (see the module docstring)."""
-    p = request.sampling_params
-    if not isinstance(p, SamplingParams) or request.pooling_params is not None:
-        return False
-    return (
-        p.structured_outputs is None
-        and p.logprobs is None
-        and not p.bad_words_token_ids
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and request.num_output_tokens >= p.min_tokens
-    )
+    return isinstance(request.sampling_params, SamplingParams) and request.pooling_params is None
 
 
 class SpecDecoder:

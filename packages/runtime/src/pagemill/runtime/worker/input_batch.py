@@ -146,6 +146,14 @@ class InputBatch:
                 table[row, start:end] = ids
         self.num_blocks[row] = end
 
+    def truncate_blocks(self, row: int, num_blocks: int) -> None:
+        """Cut the row's table(s) to `num_blocks` entries: the manager gave the tail back
+        (`ScheduledRequest.num_kept_blocks`), and later blocks are appended after it."""
+        if num_blocks < int(self.num_blocks[row]):
+            self.num_blocks[row] = num_blocks
+            for dropped in self.group_dropped:
+                dropped[row] = min(int(dropped[row]), num_blocks)
+
     def drop_blocks_before(
         self, row: int, first_read_pos: int, block_size: int, group: int = 0
     ) -> None:

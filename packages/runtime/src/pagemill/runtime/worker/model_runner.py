@@ -432,13 +432,15 @@ class ModelRunner:
                     state = self.requests[rid] = CachedRequestState.create(s.request, self.device)
                 batch.remove(rid)
                 batch.add(state, s.new_block_ids, s.group_block_ids)
-            elif s.new_block_ids:
+            elif s.new_block_ids or s.num_kept_blocks is not None:
                 try:
                     row = batch.row_of[rid]
                 except KeyError:
                     raise ValueError(
                         f"request {rid!r} is scheduled as running but was never scheduled as new"
                     ) from None
+                if s.num_kept_blocks is not None:  # rejected drafts' blocks were given back
+                    batch.truncate_blocks(row, s.num_kept_blocks)
                 batch.append_blocks(row, s.new_block_ids, s.group_block_ids)
             if self._shared_window:
                 row = batch.row_of[rid]

@@ -19,7 +19,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,7 @@ class StructuredOutputManager:
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
+        self._draft_bitmask: torch.Tensor | None = None
         self.num_compiles = 0
         self._cache_bytes = 0
 
@@ -218,54 +219,187 @@ class StructuredOutputManager:
     def grammar_bitmask(self, req_ids: Sequence[str]) -> torch.Tensor | None:
         """[len(req_ids), ceil(V/32)] int32 (bit set = allowed) for the step's sampled rows,
         all ones in unconstrained rows; None when no row is constrained."""
+        return self.grammar_bitmasks(req_ids)[0]
+
+    def grammar_bitmasks(
+        self,
+        req_ids: Sequence[str],
+        spec_indices: Sequence[int] = (),
+        spec_drafts: Sequence[Sequence[int]] = (),
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The masks of a step's rows: one per `req_ids` entry, and one per draft row of
+        the requests verifying drafts (`spec_indices[m]` into `req_ids` has the drafts
+        `spec_drafts[m]`; their rows follow each other in that order).
+
+        A verified position must be sampled from the distribution an ordinary step would
+        use there, and that one is masked by the grammar's state after the tokens before
+        it: draft row j gets the state after drafts 0..j-1, and the request's own row (the
+        bonus row, after the last draft) the state after all of them. The matcher walks
+        the drafts to fill them and is rolled back: it only ever moves by tokens the step
+        actually emits (`accept_tokens`). A draft the grammar rejects gets a row that
+        bans it, so verification stops there; the rows after it are never read and copy
+        its mask. None for a tensor with no constrained row.
+        """
         requests = self._requests
         if not requests:
-            return None
+            return None, None
         rows = [(i, requests[r]) for i, r in enumerate(req_ids) if r in requests]
         if not rows:
-            return None
+            return None, None
         bitmask = self._bitmask[: len(req_ids)]
         if len(rows) < len(req_ids):
             bitmask.fill_(-1)
+        drafts_of: dict[int, tuple[int, Sequence[int]]] = {}
+        offset = 0
+        for i, drafts in zip(spec_indices, spec_drafts):
+            drafts_of[i] = (offset, drafts)
+            offset += len(drafts)
+        draft_mask: torch.Tensor | None = None
+        if any(i in drafts_of for i, _ in rows):
+            draft_mask = self._draft_rows(offset)
         for i, state in rows:
             matcher = state.matcher
             if matcher is None:  # not admitted yet: cannot be sampled this step
                 continue
-            if state.reasoning_end:
-                bitmask[i].fill_(-1)  # still reasoning: the grammar has not started
-            elif matcher.is_terminated():
-                bitmask[i].fill_(-1)  # it ends this step anyway
-            else:
-                matcher.fill_next_token_bitmask(bitmask, i)
-        return bitmask
+            reasoning = state.reasoning_end
+            spec = drafts_of.get(i)
+            advanced = 0
+            if spec is not None:
+                assert draft_mask is not None
+                start, drafts = spec
+                advanced, reasoning = _fill_draft_rows(
+                    matcher, reasoning, drafts, draft_mask, start
+                )
+                if advanced < 0:  # a draft was rejected: the bonus row is never read
+                    bitmask[i].copy_(draft_mask[start + len(drafts) - 1])
+                    if advanced < -1:
+                        matcher.rollback(-advanced - 1)
+                    continue
+            _fill_row(matcher, reasoning, bitmask, i)
+            if advanced:
+                matcher.rollback(advanced)
+        return bitmask, draft_mask
 
-    def accept_tokens(self, sampled: dict[str, int]) -> list[str]:
-        """Advance each constrained request's matcher by its sampled token.
+    def _draft_rows(self, n: int) -> torch.Tensor:
+        """n all-ones rows (unconstrained draft rows stay so) in a buffer kept across steps."""
+        buf = self._draft_bitmask
+        if buf is None or buf.shape[0] < n:
+            buf = self._draft_bitmask = xgr.allocate_token_bitmask(
+                max(n, 2 * (0 if buf is None else buf.shape[0])), self.vocab_size
+            )
+        rows = buf[:n]
+        rows.fill_(-1)
+        return rows
 
-        Returns the requests whose grammar is now finished: terminated (a stop token was
-        taken after the grammar completed) or stuck on a token it rejects (possible only
-        when another rule, such as min_tokens banning EOS, empties the allowed set).
-        """
-        done: list[str] = []
-        for rid, state in self._requests.items():
-            token = sampled.get(rid)
+    def validate_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Each constrained request's drafts cut before the first token its grammar would
+        reject (or that would follow the grammar's end): such a draft could never be
+        accepted, so verifying it and what follows it would be wasted work. The matchers
+        are left as they were. Unconstrained requests' drafts pass unchanged; a request
+        left with no draft is dropped."""
+        requests = self._requests
+        out: dict[str, list[int]] = {}
+        for rid, tokens in drafts.items():
+            state = requests.get(rid)
+            if state is None:
+                out[rid] = tokens
+                continue
             matcher = state.matcher
-            if token is None or matcher is None:
+            if matcher is None:
                 continue
-            if state.reasoning_end:
-                if token in state.reasoning_end:
-                    state.reasoning_end = frozenset()  # the answer, constrained, starts now
+            reasoning = state.reasoning_end
+            keep = advanced = 0
+            for token in tokens:
+                if reasoning:
+                    if token in reasoning:
+                        reasoning = frozenset()
+                elif matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                else:
+                    advanced += 1
+                keep += 1
+            if advanced:
+                matcher.rollback(advanced)
+            if keep:
+                out[rid] = tokens[:keep]
+        return out
+
+    def accept_tokens(self, sampled: Mapping[str, int | Sequence[int]]) -> dict[str, int]:
+        """Advance each constrained request's matcher by its emitted tokens (one, or a
+        verified step's accepted drafts and the token after them), in order.
+
+        Returns the requests whose grammar is now finished, each with how many of its
+        tokens it took up to the one that finished it (later ones are not its output):
+        terminated (a stop token was taken after the grammar completed) or stuck on a
+        token it rejects (possible only when another rule, such as min_tokens banning
+        EOS, empties the allowed set).
+        """
+        done: dict[str, int] = {}
+        for rid, state in self._requests.items():
+            tokens = sampled.get(rid)
+            matcher = state.matcher
+            if tokens is None or matcher is None:
                 continue
-            if matcher.is_terminated():
-                done.append(rid)
-            elif not matcher.accept_token(token):
-                state.rejected = True
-                logger.warning("request %s: the grammar rejected token %d; ending it", rid, token)
-                done.append(rid)
-            elif matcher.is_terminated():
-                done.append(rid)
+            if isinstance(tokens, int):
+                tokens = (tokens,)
+            for n, token in enumerate(tokens, 1):
+                if state.reasoning_end:
+                    if token in state.reasoning_end:
+                        state.reasoning_end = frozenset()  # the answer, constrained, starts now
+                    continue
+                if matcher.is_terminated():
+                    done[rid] = n
+                elif not matcher.accept_token(token):
+                    state.rejected = True
+                    logger.warning(
+                        "request %s: the grammar rejected token %d; ending it", rid, token
+                    )
+                    done[rid] = n
+                elif matcher.is_terminated():
+                    done[rid] = n
+                if rid in done:
+                    break
         return done
 
     def shutdown(self) -> None:
         if self._workers is not None:
             self._workers.shutdown()
+
+
+def _fill_row(
+    matcher: xgr.GrammarMatcher, reasoning: frozenset[int], bitmask: torch.Tensor, row: int
+) -> None:
+    """The mask of the next token in the matcher's current state."""
+    if reasoning:
+        bitmask[row].fill_(-1)  # still reasoning: the grammar has not started
+    elif matcher.is_terminated():
+        bitmask[row].fill_(-1)  # the request ends with the token that terminated it
+    else:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _fill_draft_rows(
+    matcher: xgr.GrammarMatcher,
+    reasoning: frozenset[int],
+    drafts: Sequence[int],
+    bitmask: torch.Tensor,
+    start: int,
+) -> tuple[int, frozenset[int]]:
+    """Fill rows start.. (one per draft) while walking the matcher through the drafts.
+
+    Returns how many tokens the matcher advanced and whether it is still reasoning after
+    the last draft; the count is -(advanced + 1) when a draft was rejected (its row bans
+    it, the rows after it copy that row)."""
+    advanced = 0
+    for j, token in enumerate(drafts):
+        row = start + j
+        _fill_row(matcher, reasoning, bitmask, row)
+        if reasoning:
+            if token in reasoning:
+                reasoning = frozenset()
+            continue
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            bitmask[row + 1 : start + len(drafts)] = bitmask[row]
+            return -(advanced + 1), reasoning
+        advanced += 1
+    return advanced, reasoning
