@@ -272,7 +272,7 @@ class EngineCore:
             self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
         # Per rank: every rank holds the same blocks, each with its own KV heads. A draft
         # model's or EAGLE head's pool (as many blocks) shares the budget.
-        draft_per_token, draft_weights = draft_pool_sizes(config, self.dtype)
+        draft_per_token, draft_weights = draft_pool_sizes(config, self.dtype, model_config)
         self.num_blocks = size_kv_pool(
             self.model_runner,
             local_config,

@@ -92,7 +92,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return cast(dict[str, Any], json.loads((path / "config.json").read_text()))
 
 
-def _tensor_names(folder: Path) -> set[str]:
+def tensor_names(folder: Path) -> set[str]:
     from pagemill.runtime.model_executor.weights import safetensors_files
 
     names: set[str] = set()
@@ -250,7 +250,7 @@ class EagleProposer:
         folder = resolve_model_path(path, None)
         raw = _read_json(folder)
         config = head_config(folder)
-        names = _tensor_names(folder)
+        names = tensor_names(folder)
         check_head(method, raw, config, target_config, names)
         target = target_runner.model
         if type(target) is not LlamaForCausalLM:
