@@ -280,3 +280,25 @@ def test_refusals_name_the_problem(target, build_tiny_model, tmp_path) -> None:
         _llm(folder, "eagle3", e3)
     with pytest.raises(ValueError, match="must name the EAGLE head"):
         _llm(folder, "eagle3", "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_compiled_target_feeds_the_head(method, target, hf_greedy, random_prompts, tmp_path):
+    """The target's compiled forward hands over its hidden states too (EAGLE-1); EAGLE-3
+    switches the target to its eager forward, where the layer pre-hooks fire."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    folder, model = target
+    build = eagle1_mirror if method == "eagle" else eagle3_mirror
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = _llm(folder, method, build(model, tmp_path / "head"))
+    assert llm.llm_engine.engine_core.model_runner.compiled
+    prompts = random_prompts([9, 30], model.config.vocab_size, seed=8)
+    _greedy_equal(llm, model, prompts, 16, hf_greedy)
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
