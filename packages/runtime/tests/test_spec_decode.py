@@ -41,8 +41,8 @@ def test_config_ngram_defaults_follow_vllm() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3}, "not supported yet"),
-        ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "not supported yet"),
+        ({"method": "medusa", "model": "x", "num_speculative_tokens": 3}, "not supported yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 3}, "must name the EAGLE head"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         (
@@ -342,7 +342,11 @@ def test_draft_model_survives_preemption(
 ) -> None:
     folder, model = tiny_qwen2
     prompts = random_prompts([30, 34, 52, 30], model.config.vocab_size, seed=4)
-    llm = _draft_llm(folder, truncated_draft, max_model_len=128, kv_cache_memory_bytes=8 * 12288)
+    # 8 blocks of 16 tokens: the target's 768 B/token and the 2-layer draft's own 512.
+    llm = _draft_llm(
+        folder, truncated_draft, max_model_len=128, kv_cache_memory_bytes=8 * 16 * (768 + 512)
+    )
+    assert llm.llm_engine.num_blocks == 8
     _greedy_equal(llm, model, prompts, 40, hf_greedy)
     stats = llm.llm_engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_num_accepted_tokens > 0

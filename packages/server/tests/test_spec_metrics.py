@@ -77,7 +77,7 @@ def test_speculative_config_flag_reaches_the_engine_config() -> None:
         "num_speculative_tokens": 4,
         "prompt_lookup_max": 3,
     }
-    eagle = '{"method": "eagle3", "model": "x", "num_speculative_tokens": 3}'
-    args = cli.parse_args(["serve", "some/model", "--speculative-config", eagle])
-    with pytest.raises(ValueError, match="'eagle3' is not supported yet"):
+    medusa = '{"method": "medusa", "model": "x", "num_speculative_tokens": 3}'
+    args = cli.parse_args(["serve", "some/model", "--speculative-config", medusa])
+    with pytest.raises(ValueError, match="'medusa' is not supported yet"):
         cli.engine_config(args)

@@ -45,7 +45,7 @@ from pagemill.runtime.sample.structured_output import (
     StructuredOutputManager,
     grammar_failure_message,
 )
-from pagemill.runtime.spec_decode.engine import SpecDecoding
+from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes
 from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -280,7 +280,9 @@ class EngineCore:
         tp = self.tp
         if tp is not None and self.device.type == "cuda" and cache.kv_cache_memory_bytes is None:
             self._collective(lambda: tp.broadcast_object(PROFILE))  # they profile with us
-        # Per rank: every rank holds the same blocks, each with its own KV heads.
+        # Per rank: every rank holds the same blocks, each with its own KV heads. A draft
+        # model's or EAGLE head's pool (as many blocks) shares the budget.
+        draft_per_token, draft_weights = draft_pool_sizes(config, self.dtype, model_config)
         self.num_blocks = size_kv_pool(
             self.model_runner,
             local_config,
@@ -289,6 +291,8 @@ class EngineCore:
             scheduler_config.max_num_seqs,
             self.max_model_len,
             groups,
+            draft_per_token,
+            draft_weights,
         )
         if tp is not None:
             num_blocks = self.num_blocks

@@ -3,9 +3,11 @@
 `{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
 "prompt_lookup_max": b}` (prompt lookup: the drafts are the tokens that followed the last
 earlier occurrence of the context's final n-gram), or `{"model": PATH, "num_speculative_tokens":
-k}` (a smaller draft model with the target's vocabulary). Methods pagemill does not have
-(EAGLE, EAGLE-3, Medusa, MTP, ...) and keys it does not know are refused by name: a
-speculation setting that is silently dropped would only show up as a slower server.
+k}` (a smaller draft model with the target's vocabulary), or `{"method": "eagle" | "eagle3",
+"model": PATH, "num_speculative_tokens": k}` (an EAGLE / EAGLE-3 head trained on a
+Llama-family target's hidden states, `spec_decode.eagle`). Methods pagemill does not have
+(Medusa, MTP, ...) and keys it does not know are refused by name: a speculation setting that
+is silently dropped would only show up as a slower server.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's other methods: refused with a message saying so, not as unknown words.
-_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 _KEYS = (
     "method",
     "model",
@@ -68,7 +70,8 @@ class SpeculativeConfig:
         if method in _NOT_YET:
             raise ValueError(
                 f"speculative_config.method={method!r} is not supported yet; pagemill "
-                "speculates with 'ngram' or a draft model ({\"model\": PATH})"
+                "speculates with 'ngram', 'eagle', 'eagle3' or a draft model "
+                '({"model": PATH})'
             )
         if method not in SPEC_METHODS:
             raise ValueError(
@@ -102,8 +105,9 @@ class SpeculativeConfig:
                 )
             return cls("ngram", k, lo, hi, None, disable)
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative_config.model must name the draft model (a path)")
+            what = "the EAGLE head" if method in ("eagle", "eagle3") else "the draft model"
+            raise ValueError(f"speculative_config.model must name {what} (a path)")
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if raw.get(key) is not None:
                 raise ValueError(f"speculative_config.{key} is for method 'ngram' only")
-        return cls("draft_model", k, 0, 0, model, disable)
+        return cls(method, k, 0, 0, model, disable)

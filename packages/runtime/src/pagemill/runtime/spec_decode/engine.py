@@ -3,9 +3,13 @@ verification in the next, and the acceptance counters."""
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
+from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.spec_decode.config import SpeculativeConfig
 from pagemill.runtime.spec_decode.metrics import SpecDecodingStats
 from pagemill.runtime.spec_decode.proposer import Proposer, SpecDecoder
@@ -21,6 +25,33 @@ if TYPE_CHECKING:
     from pagemill.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def draft_pool_sizes(
+    config: EngineConfig, dtype: torch.dtype, target: ModelConfig
+) -> tuple[int, int]:
+    """(KV bytes per token, weight bytes) of the draft model or EAGLE head, for sizing the
+    target's pool so that both pools (and the draft's weights) fit the budget; (0, 0)
+    without one. Read from its config.json and file sizes, before anything loads; an EAGLE
+    head that cannot serve this target is refused here, before the pool is built."""
+    if config.speculative_config is None:
+        return 0, 0
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.model is None:
+        return 0, 0
+    from pagemill.runtime.model_executor.loader import resolve_model_path
+    from pagemill.runtime.model_executor.weights import safetensors_files
+
+    folder = resolve_model_path(spec.model, None)
+    raw = json.loads((folder / "config.json").read_text())
+    draft = ModelConfig.from_dict(raw, require_supported=False)
+    if spec.method in ("eagle", "eagle3"):
+        from pagemill.runtime.spec_decode.eagle import check_head, head_config, tensor_names
+
+        check_head(spec.method, raw, head_config(folder), target, tensor_names(folder))
+    size = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim * size
+    return per_token, sum(f.stat().st_size for f in safetensors_files(folder))
 
 
 class SpecDecoding:
@@ -73,6 +104,30 @@ class SpecDecoding:
                 max_model_len=core.max_model_len,
                 load_format=config.load_format,
                 seed=config.seed,
+            )
+        elif spec.method in ("eagle", "eagle3"):
+            assert core is not None and spec.model is not None
+            if core.tp is not None:
+                raise ValueError(
+                    f"speculative_config.method={spec.method!r} is single-device for now; "
+                    "use tensor_parallel_size=1"
+                )
+            from pagemill.runtime.spec_decode.eagle import EagleProposer
+
+            sched = core.scheduler.config
+            proposer = EagleProposer.load(
+                spec.method,
+                spec.model,
+                spec.num_speculative_tokens,
+                target_runner=core.model_runner,
+                target_config=core.model_config,
+                device=core.device,
+                dtype=core.dtype,
+                block_size=config.cache.block_size,
+                num_blocks=core.num_blocks,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_model_len=core.max_model_len,
             )
         logger.info(
             "speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens

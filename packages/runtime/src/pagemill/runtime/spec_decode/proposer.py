@@ -72,7 +72,8 @@ class SpecDecoder:
     ) -> dict[str, list[int]]:
         cap = self.config.disable_by_batch_size
         if cap and num_running >= cap:
-            return {}
+            # No drafts; a proposer with a cache of its own (EAGLE) still reads the step.
+            return self.proposer.propose_requests([], [], live)
         k = self.config.num_speculative_tokens
         chosen: list[Request] = []
         rooms: list[int] = []

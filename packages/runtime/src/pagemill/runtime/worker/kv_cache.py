@@ -127,9 +127,12 @@ def cpu_num_blocks(
     max_model_len: int,
     kv_cache_dtype: str = "auto",
     groups: list[KVCacheGroupSpec] | None = None,
+    draft_bytes_per_token: int = 0,
 ) -> int:
+    """`draft_bytes_per_token`: a draft model's or EAGLE head's own pool, which has as many
+    blocks as this one; the budget covers both."""
     budget = DEFAULT_CPU_KV_BYTES if budget_bytes is None else budget_bytes
-    per_token = bytes_per_token(config, dtype, kv_cache_dtype, groups)
+    per_token = bytes_per_token(config, dtype, kv_cache_dtype, groups) + draft_bytes_per_token
     n = num_blocks_for_budget(budget, block_size, per_token)
     if budget_bytes is None:
         useful = max_useful_blocks(block_size, max_num_seqs, max_model_len)
@@ -146,12 +149,14 @@ def cuda_num_blocks(
     gpu_memory_utilization: float,
     kv_cache_dtype: str = "auto",
     groups: list[KVCacheGroupSpec] | None = None,
+    draft_bytes_per_token: int = 0,
 ) -> int:
     """Blocks that fit in utilization x total memory, after what is already used and the peak.
 
     `peak_activation_bytes` is the profiled extra memory of a max-budget forward on top of
-    the weights; everything else already in use on the device (weights, other processes)
-    is read from the driver.
+    the weights (and of anything loaded later, such as a draft's weights); everything else
+    already in use on the device (weights, other processes) is read from the driver. A
+    draft's pool (`draft_bytes_per_token`, as many blocks) comes out of the same budget.
     """
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
@@ -164,7 +169,9 @@ def cuda_num_blocks(
             "raise gpu_memory_utilization or lower max_num_batched_tokens"
         )
     return num_blocks_for_budget(
-        budget, block_size, bytes_per_token(config, dtype, kv_cache_dtype, groups)
+        budget,
+        block_size,
+        bytes_per_token(config, dtype, kv_cache_dtype, groups) + draft_bytes_per_token,
     )
 
 
@@ -189,8 +196,14 @@ def size_kv_pool(
     max_num_seqs: int,
     max_model_len: int,
     groups: list[KVCacheGroupSpec] | None = None,
+    draft_bytes_per_token: int = 0,
+    draft_weight_bytes: int = 0,
 ) -> int:
     """Blocks for the pool: profiled on CUDA, a byte budget on CPU; too small fails here.
+
+    Speculative decoding with a draft model or an EAGLE head gives it a pool of its own
+    with as many blocks (`draft_bytes_per_token` per token); both pools share the budget,
+    and on CUDA the draft's weights, loaded after sizing, are held back from it too.
 
     On CUDA with decode graphs on (`runner.use_cuda_graphs`), the graphs' memory is
     measured before the pool is sized and subtracted from its budget; with an explicit
@@ -216,10 +229,11 @@ def size_kv_pool(
             dtype,
             block_size,
             runner.device,
-            peak + graph_bytes,
+            peak + graph_bytes + draft_weight_bytes,
             cache.gpu_memory_utilization,
             kv_dtype,
             groups,
+            draft_bytes_per_token,
         )
         logger.info(
             "profiled activation peak: %.1f MiB; CUDA graphs: %.1f MiB",
@@ -236,6 +250,7 @@ def size_kv_pool(
             max_model_len,
             kv_dtype,
             groups,
+            draft_bytes_per_token,
         )
     needed = -(-max_model_len // block_size)
     if groups is not None:
@@ -245,17 +260,21 @@ def size_kv_pool(
     if num_blocks < needed:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * block_size} tokens, "
-            f"{per_token} bytes/token) but one max_model_len={max_model_len} request needs "
+            f"{per_token + draft_bytes_per_token} bytes/token) but one "
+            f"max_model_len={max_model_len} request needs "
             f"{needed} blocks; raise kv_cache_memory_bytes / gpu_memory_utilization or lower "
             "max_model_len"
         )
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s)%s",
         num_blocks,
         block_size,
         num_blocks * block_size,
         num_blocks * block_size * per_token / 2**20,
         kv_dtype_name(dtype, kv_dtype),
+        f"; the draft's pool: {num_blocks * block_size * draft_bytes_per_token / 2**20:.1f} MiB"
+        if draft_bytes_per_token
+        else "",
     )
     return num_blocks
 

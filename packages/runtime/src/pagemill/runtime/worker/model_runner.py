@@ -177,6 +177,9 @@ class ModelRunner:
         # Set by the engine when it serves LoRA adapters: slots and each step's mapping.
         self.lora: LoRAManager | None = None
         self._spec_step: SpecStep | None = None
+        # Set by an EAGLE proposer: sees each eager/compiled single-device step's batch and
+        # final hidden states (the proposer turns CUDA graphs off).
+        self.hidden_states_hook: Callable[[SchedulerOutput, torch.Tensor], None] | None = None
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -710,6 +713,8 @@ class ModelRunner:
             return self._execute_parallel(step)
         start = time.perf_counter()
         hidden, logits = self._local_logits(step)
+        if self.hidden_states_hook is not None:
+            self.hidden_states_hook(out, hidden)
         if logits is None:
             logits = hidden.new_empty(0, vocab)
         result = self._output(step, hidden, logits)

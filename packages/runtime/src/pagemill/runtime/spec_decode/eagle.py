@@ -1,0 +1,516 @@
+"""EAGLE and EAGLE-3 heads propose the next tokens from the target's own hidden states
+(vLLM's `method: "eagle"` / `"eagle3"`).
+
+After each target step the target model runner hands over the hidden states of every token
+it forwarded (`ModelRunner.hidden_states_hook`): the final ones for EAGLE-1, the inputs of
+three layers for EAGLE-3 (collected by forward pre-hooks, which is why the target then runs
+eagerly). The head pairs the target's feature at position p with token p+1, so only the
+positions whose inputs the target kept are fed: for a verified step, the accepted drafts
+and the token before them; the rejected ones are fed again once the target recomputes them.
+
+The head has its own `ModelRunner`, paged KV pool and block manager (as many blocks as the
+target's pool, each one head-layer deep; `size_kv_pool` counts them into the budget). Each
+step it first writes its cache from the new target features (one batched forward, split by
+its token budget), which yields the first draft at each speculating request's last
+position; then it drafts the rest autoregressively, one batched forward per position,
+reading its own output hidden state where the target's is not known yet. Drafts are argmax
+picks, so the rejection sampler sees one-hot draft distributions and sampling stays exact.
+
+Limits, said plainly: positions whose target features the head never saw (a prefix-cache
+hit: the target skipped them) are written with a zero feature, which costs acceptance, not
+correctness; the head runs eagerly and so do the target's CUDA graphs' steps (graphs off);
+single device only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagemill.blockpool import KVCacheManager
+from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.model_executor.models.llama_eagle import EagleHeadBase
+from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagemill.runtime.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_GREEDY = SamplingParams(temperature=0.0)
+# The checkpoint architectures each method reads (vLLM's names and the EAGLE repo's).
+EAGLE_ARCHITECTURES = {
+    "eagle": ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM"),
+    "eagle3": ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3", "LlamaForCausalLM"),
+}
+# Targets whose model is the plain Llama module (its layers take (positions, x, residual)).
+LLAMA_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class _HeadState:
+    shadow: Request  # the head cache's view of the request (block allocation, progress)
+    fed: int = 0  # head KV positions written from target features (valid, not drafts)
+    new: bool = True  # its block table has not reached the head's runner yet
+    last: torch.Tensor | None = None  # the target feature at position fed - 1
+
+
+@dataclass
+class _Feed:
+    """Head positions [start, start + len(token_ids)) to write, and whether the last one
+    yields a draft."""
+
+    state: _HeadState
+    start: int
+    token_ids: list[int]
+    features: torch.Tensor  # [len(token_ids), feature size], the target's
+    sample: bool
+    done: int = 0
+
+
+@dataclass
+class _Capture:
+    """One target step: its scheduled requests (request, first position, token count, first
+    row) and the features of all its tokens."""
+
+    rows: list[tuple[Request, int, int, int]]
+    features: torch.Tensor
+    aux: list[torch.Tensor] = field(default_factory=list)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return cast(dict[str, Any], json.loads((path / "config.json").read_text()))
+
+
+def tensor_names(folder: Path) -> set[str]:
+    from pagemill.runtime.model_executor.weights import safetensors_files
+
+    names: set[str] = set()
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            names.update(sf.keys())
+    return {n[len("model.") :] if n.startswith("model.") else n for n in names}
+
+
+def aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's three target layers (each id: that layer's input; 0 is the embedding),
+    from the head's config or vLLM's default (2, L // 2, L - 3)."""
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = raw.get("eagle_config") or {}
+    if ids is None and isinstance(eagle_config, dict):
+        ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+    source = "eagle_aux_hidden_state_layer_ids"
+    if ids is None:
+        n = num_target_layers
+        ids, source = [2, n // 2, n - 3], f"the default (2, L // 2, L - 3) for L={n}"
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != 3 or any(not 0 <= i < num_target_layers for i in ids):
+        raise ValueError(
+            f"speculative_config.model: EAGLE-3 needs three target layer ids in "
+            f"[0, {num_target_layers}); {source} gives {list(ids)}"
+        )
+    return ids
+
+
+def check_head(
+    method: str,
+    raw: dict[str, Any],
+    head: ModelConfig,
+    target: ModelConfig,
+    names: set[str],
+) -> None:
+    """Refuse, by name, a head pagemill would run wrongly."""
+    archs = raw.get("architectures") or []
+    known = EAGLE_ARCHITECTURES[method]
+    other = "eagle3" if method == "eagle" else "eagle"
+    if any(a in EAGLE_ARCHITECTURES[other][:2] for a in archs):
+        raise ValueError(
+            f"speculative_config.model is an {other} head ({archs}); set method {other!r}"
+        )
+    if not any(a in known for a in archs) or raw.get("model_type", "llama") != "llama":
+        raise ValueError(
+            f"speculative_config.model: method {method!r} reads Llama EAGLE heads "
+            f"(architectures {', '.join(known[:2])}), got {archs or raw.get('model_type')!r}"
+        )
+    if target.architecture not in LLAMA_TARGETS:
+        raise ValueError(
+            f"speculative_config.method={method!r} needs a Llama-family target "
+            f"({', '.join(LLAMA_TARGETS)}); the model is {target.architecture}"
+        )
+    if raw.get("add_para_norm"):
+        raise ValueError("speculative_config.model: HASS heads (add_para_norm) are not supported")
+    if head.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the head's vocab_size ({head.vocab_size}) differs "
+            f"from the target's ({target.vocab_size})"
+        )
+    if method == "eagle":
+        if head.hidden_size != target.hidden_size:
+            raise ValueError(
+                f"speculative_config.model: the EAGLE head's hidden_size ({head.hidden_size}) "
+                f"differs from the target's ({target.hidden_size})"
+            )
+        return
+    eagle_config = raw.get("eagle_config") or {}
+    if isinstance(eagle_config, dict) and eagle_config.get("use_aux_hidden_state") is False:
+        raise ValueError(
+            "speculative_config.model: EAGLE-3 heads without auxiliary hidden states "
+            "(eagle_config.use_aux_hidden_state=false) are not supported"
+        )
+    target_hidden = int(raw.get("target_hidden_size") or head.hidden_size)
+    if target_hidden != target.hidden_size:
+        raise ValueError(
+            f"speculative_config.model: the head's target_hidden_size ({target_hidden}) "
+            f"differs from the target's hidden_size ({target.hidden_size})"
+        )
+    if "embed_tokens.weight" not in names and head.hidden_size != target.hidden_size:
+        raise ValueError(
+            "speculative_config.model: the head has no embedding of its own and its "
+            "hidden_size differs from the target's"
+        )
+    draft_vocab = int(raw.get("draft_vocab_size") or head.vocab_size)
+    if draft_vocab != target.vocab_size and "d2t" not in names:
+        raise ValueError(
+            f"speculative_config.model: the head drafts over {draft_vocab} ids, the target "
+            f"has {target.vocab_size}, and the checkpoint has no d2t map between them"
+        )
+
+
+class EagleProposer:
+    def __init__(
+        self,
+        method: str,
+        head: EagleHeadBase,
+        runner: ModelRunner,
+        target_runner: ModelRunner,
+        num_blocks: int,
+        k: int,
+        max_model_len: int,
+        aux_layers: tuple[int, ...] = (),
+    ) -> None:
+        self.method = method
+        self.head = head
+        self.runner = runner
+        self.k = k
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, runner.block_size, enable_caching=False)
+        self.budget = runner.max_num_batched_tokens
+        self.states: dict[str, _HeadState] = {}
+        self._finished: list[str] = []
+        self._capture: _Capture | None = None
+        self._aux: list[torch.Tensor] = []
+        self.aux_layers = aux_layers
+        target_runner.hidden_states_hook = self._on_target_step
+        # Decode graphs would skip the hook: the target's steps all run through it.
+        target_runner.graphs = None
+        # The hooked layers in the order they run (ids may repeat or come in any order).
+        self._hooked = sorted(set(aux_layers))
+        if aux_layers:
+            model = target_runner.model
+            for i in self._hooked:
+                model.layers[i].register_forward_pre_hook(self._on_layer_input)
+            # Pre-hooks fire in eager code only.
+            target_runner._forward = model.forward
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def load(
+        cls,
+        method: str,
+        path: str,
+        k: int,
+        *,
+        target_runner: ModelRunner,
+        target_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> EagleProposer:
+        from pagemill.runtime.model_executor.loader import resolve_model_path
+        from pagemill.runtime.model_executor.models.llama_eagle import EagleLlamaForCausalLM
+        from pagemill.runtime.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+        from pagemill.runtime.model_executor.weights import iterate_weights
+        from pagemill.runtime.worker.model_runner import ModelRunner
+
+        folder = resolve_model_path(path, None)
+        raw = _read_json(folder)
+        config = head_config(folder)
+        names = tensor_names(folder)
+        check_head(method, raw, config, target_config, names)
+        target = target_runner.model
+        if type(target) is not LlamaForCausalLM:
+            raise ValueError(
+                f"speculative_config.method={method!r} needs a Llama-family target; "
+                f"{target_config.architecture} is served by {type(target).__name__}"
+            )
+        aux: tuple[int, ...] = ()
+        head: EagleHeadBase
+        with torch.device(device):
+            if method == "eagle":
+                head = EagleLlamaForCausalLM(
+                    config,
+                    dtype,
+                    max_model_len,
+                    target.embed,
+                    target.compute_logits,
+                    fc_bias="fc.bias" in names,
+                )
+            else:
+                aux = aux_layer_ids(raw, target_config.num_hidden_layers)
+                head = Eagle3LlamaForCausalLM(
+                    config,
+                    dtype,
+                    max_model_len,
+                    target_embed=target.embed,
+                    target_hidden_size=target_config.hidden_size,
+                    draft_vocab_size=int(raw.get("draft_vocab_size") or config.vocab_size),
+                    own_embedding="embed_tokens.weight" in names,
+                    norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                )
+                head.has_d2t = "d2t" in names
+        head.load_weights(iterate_weights(folder))
+        head.eval()
+        budget = max_num_batched_tokens + max_num_seqs * k
+        runner = ModelRunner(
+            cast(LlamaForCausalLM, head),
+            config,
+            device,
+            dtype,
+            block_size,
+            max_num_seqs,
+            budget,
+            max_model_len,
+        )
+        runner.init_kv_cache(num_blocks)
+        logger.info(
+            "%s head %s: %d layer(s), %d KV blocks of its own%s",
+            method,
+            folder,
+            config.num_hidden_layers,
+            num_blocks,
+            f", target layers {list(aux)}" if aux else "",
+        )
+        return cls(method, head, runner, target_runner, num_blocks, k, max_model_len, aux)
+
+    # ---------------------------------------------------------------- target hooks
+
+    def _on_layer_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        x, residual = args[1], args[2]
+        self._aux.append(x if residual is None else x + residual)
+
+    def _on_target_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        rows: list[tuple[Request, int, int, int]] = []
+        row = 0
+        for s in out.scheduled:
+            rows.append((s.request, s.start_pos, s.num_tokens, row))
+            row += s.num_tokens
+        if self.aux_layers:
+            # This step's inputs of the hooked layers are the last ones collected.
+            by_layer = dict(zip(self._hooked, self._aux[-len(self._hooked) :]))
+            features = torch.cat([by_layer[i] for i in self.aux_layers], dim=-1)
+        else:
+            features = hidden
+        self._aux = []
+        self._capture = _Capture(rows, features)
+
+    # ---------------------------------------------------------------- per step
+
+    @torch.inference_mode()
+    def propose_requests(
+        self, requests: Sequence[Request], rooms: Sequence[int], live: Collection[str]
+    ) -> dict[str, list[int]]:
+        for rid in [r for r in self.states if r not in live]:
+            self._drop(rid)
+        capture, self._capture = self._capture, None
+        want = {
+            r.request_id: min(room, self.max_model_len - r.num_tokens)
+            for r, room in zip(requests, rooms)
+        }
+        want = {rid: n for rid, n in want.items() if n > 0}
+        feeds = self._feeds(capture, live, requests, want)
+        drafts: dict[str, list[int]] = {}
+        carry: dict[str, torch.Tensor] = {}
+        self._run_feeds(feeds, drafts, carry)
+        steps = {rid: d for rid, d in drafts.items() if len(d) < want[rid]}
+        while steps:
+            steps = self._draft_step(steps, carry, want)
+        return {rid: d for rid, d in drafts.items() if d}
+
+    def _feeds(
+        self,
+        capture: _Capture | None,
+        live: Collection[str],
+        requests: Sequence[Request],
+        want: dict[str, int],
+    ) -> list[_Feed]:
+        """What to write into the head's cache: the new target positions of every request
+        the last step forwarded, and the last position again for a speculating request
+        whose last step brought nothing new (so that it yields a draft)."""
+        feeds: dict[str, _Feed] = {}
+        size = self.head.feature_size
+        if capture is not None:
+            for req, start, n, row in capture.rows:
+                rid = req.request_id
+                if rid not in live:
+                    continue
+                tokens = req.all_token_ids
+                end = min(start + n, req.num_computed_tokens, len(tokens) - 1)
+                if end <= start:
+                    continue
+                state = self.states.get(rid)
+                if state is None:
+                    shadow = Request(rid, [tokens[0]], sampling_params=_GREEDY)
+                    state = self.states[rid] = _HeadState(shadow)
+                lo = min(state.fed, start)
+                parts = []
+                if lo < start:  # never seen by the target this time: a zero feature
+                    parts.append(capture.features.new_zeros(start - lo, size))
+                parts.append(capture.features[row : row + end - start])
+                feats = torch.cat(parts) if len(parts) > 1 else parts[0]
+                sample = rid in want and end == req.num_tokens - 1
+                feeds[rid] = _Feed(state, lo, list(tokens[lo + 1 : end + 1]), feats, sample)
+        for req in requests:
+            rid = req.request_id
+            if rid not in want or rid in feeds:
+                continue
+            state = self.states.get(rid)
+            if state is None or state.last is None or state.fed != req.num_tokens - 1:
+                continue
+            p = state.fed - 1
+            tokens = [req.all_token_ids[p + 1]]
+            feeds[rid] = _Feed(state, p, tokens, state.last[None], True)
+        return list(feeds.values())
+
+    def _run_feeds(
+        self, feeds: list[_Feed], drafts: dict[str, list[int]], carry: dict[str, torch.Tensor]
+    ) -> None:
+        pending = list(feeds)
+        while pending:
+            budget = self.budget
+            batch: list[tuple[_Feed, ScheduledRequest, int]] = []
+            for f in pending:
+                if budget <= 0:
+                    break
+                n = min(len(f.token_ids) - f.done, budget)
+                start = f.start + f.done
+                last = f.done + n == len(f.token_ids)
+                step = self._schedule(
+                    f.state, start, f.token_ids[f.done : f.done + n], f.sample and last
+                )
+                if step is None:  # the head's pool is full: this request waits
+                    f.done = len(f.token_ids)
+                    continue
+                batch.append((f, step, n))
+                budget -= n
+            if not batch:
+                break
+            features = torch.cat([f.features[f.done : f.done + n] for f, _, n in batch])
+            for f, _, n in batch:
+                f.done += n
+                f.state.fed = f.start + f.done
+                f.state.last = f.features[f.done - 1].clone()
+            hidden = self.head.combine_hidden_states(features.to(self.runner.dtype))
+            self._forward([s for _, s, _ in batch], hidden, drafts, carry)
+            pending = [f for f in pending if f.done < len(f.token_ids)]
+
+    def _draft_step(
+        self,
+        steps: dict[str, list[int]],
+        carry: dict[str, torch.Tensor],
+        want: dict[str, int],
+    ) -> dict[str, list[int]]:
+        """One more draft for each request in `steps`: its last draft at the next position,
+        with the head's own output as the hidden state."""
+        scheduled: list[ScheduledRequest] = []
+        hidden: list[torch.Tensor] = []
+        for rid, d in steps.items():
+            state = self.states[rid]
+            pos = state.fed + len(d) - 1
+            step = self._schedule(state, pos, [d[-1]], True)
+            if step is None:
+                continue
+            scheduled.append(step)
+            hidden.append(carry[rid])
+        if not scheduled:
+            return {}
+        drafts = {s.request_id: steps[s.request_id] for s in scheduled}
+        self._forward(scheduled, torch.stack(hidden), drafts, carry)
+        return {rid: d for rid, d in drafts.items() if len(d) < want[rid]}
+
+    def _forward(
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        drafts: dict[str, list[int]],
+        carry: dict[str, torch.Tensor],
+    ) -> None:
+        out = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled), [], self._finished)
+        self._finished = []
+        step = self.runner.prepare(out)
+        if step is None:
+            return
+        normed, nxt = self.head.forward_head(step.input_ids, step.positions, hidden, step.attn)
+        if not step.sample_req_ids:
+            return
+        rows = step.sample_indices
+        if rows is not None:
+            normed, nxt = normed.index_select(0, rows), nxt.index_select(0, rows)
+        ids = self.head.draft_to_target(self.head.draft_logits(normed).argmax(dim=-1)).tolist()
+        for i, (rid, token) in enumerate(zip(step.sample_req_ids, ids)):
+            drafts.setdefault(rid, []).append(int(token))
+            carry[rid] = nxt[i]
+
+    def _schedule(
+        self, state: _HeadState, start: int, token_ids: list[int], sample: bool
+    ) -> ScheduledRequest | None:
+        shadow = state.shadow
+        shadow.num_computed_tokens = start
+        need = start + len(token_ids) + 1
+        if len(shadow.all_token_ids) < need:  # only its length is read (no prefix caching)
+            shadow.all_token_ids.extend([0] * (need - len(shadow.all_token_ids)))
+        blocks = self.kv.allocate_slots(shadow, len(token_ids))
+        if blocks is None:
+            return None
+        new_ids = (
+            self.kv.get_block_ids(shadow.request_id) if state.new else [b.block_id for b in blocks]
+        )
+        step = ScheduledRequest(
+            shadow.request_id, token_ids, start, len(token_ids), new_ids, sample, state.new, shadow
+        )
+        state.new = False
+        shadow.num_computed_tokens = start + len(token_ids)
+        return step
+
+    def _drop(self, rid: str) -> None:
+        del self.states[rid]
+        if self.kv.has_request(rid):
+            self.kv.free(rid)
+        self._finished.append(rid)
+
+
+def head_config(folder: Path) -> ModelConfig:
+    """The head's config (a Llama layer's shape) whatever architecture name it carries."""
+    return ModelConfig.from_pretrained(folder)
+
+
+def head_kv_bytes_per_token(path: str, dtype_bytes: int) -> int:
+    """KV bytes per token of the head's own pool (for the pool's budget)."""
+    from pagemill.runtime.model_executor.loader import resolve_model_path
+
+    c = ModelConfig.from_dict(_read_json(resolve_model_path(path, None)), require_supported=False)
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes
