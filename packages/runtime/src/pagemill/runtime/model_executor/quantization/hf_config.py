@@ -213,7 +213,8 @@ def quantized_weights(
         raise ValueError(f"{quant.describe()}: tensors of {prefix} were listed but not read")
     if skipped:
         logger.info(
-            "%s: not used (activations and the KV cache stay in %s): %s",
+            "%s: not used by the weights (activations stay in %s; an fp8 KV cache reads "
+            "its k/v scales on its own): %s",
             quant.describe(),
             str(quant.dtype).removeprefix("torch."),
             ", ".join(f"{n} {leaf}" for leaf, n in sorted(skipped.items())),
