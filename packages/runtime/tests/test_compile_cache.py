@@ -258,3 +258,34 @@ def test_changed_key_compiles_again(tiny_llama, tmp_path) -> None:
     other, _ = _start(folder, tmp_path, max_num_seqs=3)
     assert not other["loaded"] and other["folder"] != first["folder"]
     assert other["tokens"] == first["tokens"]
+
+
+_SAMPLER = """
+import json, torch
+from pathlib import Path
+from pagemill.runtime.sample import row_kernels
+from pagemill.runtime.sample.sampler import Sampler
+from pagemill.runtime.worker.compilation import compile_cached
+sampler = Sampler(seed=0)
+_, loaded = compile_cached("sampler row kernels", {"vocab": 64}, [Path(row_kernels.__file__)],
+                           lambda: sampler.compile(64, "cpu", (torch.float32,)))
+print(json.dumps({"loaded": loaded, "compiled": sampler.compiled}))
+"""
+
+
+@pytest.mark.slow  # two small compiles in subprocesses
+def test_sampler_kernels_load_from_the_cache(tmp_path) -> None:
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable_reason(torch.device("cpu")))
+    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(tmp_path), **{COMPILE_CACHE_ENV: "1"})
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+    def start() -> dict:
+        proc = subprocess.run(
+            [sys.executable, "-c", _SAMPLER], env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert start() == {"loaded": False, "compiled": True}
+    assert start() == {"loaded": True, "compiled": True}
