@@ -128,11 +128,28 @@ def _set_inductor_cache_dir() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
+def _mark_static_attributes(model: torch.nn.Module) -> None:
+    """Tell dynamo the model's own tensor attributes (KV caches, packed weights) keep their
+    shapes: with `dynamic=True` it would otherwise give every size and stride of the KV
+    caches a symbol, and the shape guard relating them (kept: it is SHAPE_ENV) grows with
+    the layer count; rebuilding that guard dominated loading a cached graph. Their shapes
+    are in the compile cache's key, and they do not change between steps."""
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    torch._dynamo.mark_static(v)
+
+
 def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[..., torch.Tensor]:
     """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
 
     _set_inductor_cache_dir()
+    _mark_static_attributes(model)
     return torch.compile(
         _private_forward(model),
         dynamic=True,
