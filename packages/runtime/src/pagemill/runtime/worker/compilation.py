@@ -132,7 +132,7 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
     """Tell dynamo the model's own tensor attributes (KV caches, packed weights) keep their
     shapes: with `dynamic=True` it would otherwise give every size and stride of the KV
     caches a symbol, and the shape guard relating them (kept: it is SHAPE_ENV) grows with
-    the layer count; rebuilding that guard dominated loading a cached graph. Their shapes
+    the layer count, and rebuilding it was a large part of loading a cached graph. Their shapes
     are in the compile cache's key, and they do not change between steps."""
     for module in model.modules():
         for key, value in vars(module).items():
