@@ -18,5 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PAGEMILL_ENFORCE_EAGER", "1")
 # Packed/dense hand-over points from the fixed table, not timed on a loaded box.
 os.environ.setdefault("PAGEMILL_PACKED_LIMITS", "table")
+# The compile cache (on by default) would write into the user's cache folder and let one
+# run's graphs stand in for the next's; the tests about it turn it on with a tmp folder.
+# An env var, not a monkeypatch: it must reach the engine processes the tests spawn.
+os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

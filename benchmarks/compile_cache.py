@@ -3,8 +3,9 @@
 The compile cache (`pagemill.runtime.worker.compilation.CompileCache`) compiles the forward
 without inductor's `freezing` (frozen constants bypass AOT autograd's cache), so its dense
 linears are plain GEMMs on the weights as graph inputs rather than oneDNN's prepacked
-constants, and its packed matmuls are opaque calls. Whether that costs step time decides
-the cache's default. On a shared, loaded machine two runs one after the other measure the
+constants, and its packed matmuls are opaque calls. Whether that costs step time decided
+the cache's default (on, since the ratio measured within a few percent); rerun it when
+torch or the graph changes. On a shared, loaded machine two runs one after the other measure the
 load, not the graphs: here both engines live in ONE process and their steps alternate
 (A B B A ...), so every slow-down from other jobs lands on both; reported are each side's
 median and interquartile range and the median of the per-pair ratios (cache / frozen).

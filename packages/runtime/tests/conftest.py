@@ -9,12 +9,17 @@ last-bit rounding between two attention implementations at a near tie.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# As the repository's root conftest, for a run rooted here: no compile cache in the user's
+# folder (an env var, so spawned engine processes see it too).
+os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
 
 TINY_VOCAB_CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -46,7 +46,11 @@ from pagemill.runtime.sample.structured_output import (
     grammar_failure_message,
 )
 from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes
-from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
+from pagemill.runtime.worker.compilation import (
+    ENFORCE_EAGER_ENV,
+    compile_cached,
+    compile_unavailable_reason,
+)
 from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
@@ -161,8 +165,16 @@ class EngineCore:
             # For fp32 logits only (one graph per kernel): rows with penalties, bans or a
             # grammar are converted to fp32 anyway, and converting the rest costs less
             # than compiling a second set of graphs at every start.
-            seconds = self.sampler.compile(runner.vocab_size, self.device, (torch.float32,))
-            logger.info("compiled the sampler's row kernels in %.1f s", seconds)
+            from pagemill.runtime.sample import row_kernels
+
+            seconds, loaded = compile_cached(
+                "sampler row kernels",
+                {"vocab": runner.vocab_size, "dtypes": (torch.float32,)},
+                [Path(row_kernels.__file__)],
+                lambda: self.sampler.compile(runner.vocab_size, self.device, (torch.float32,)),
+            )
+            how = "loaded from the compile cache" if loaded else "compiled"
+            logger.info("%s the sampler's row kernels in %.1f s", how, seconds)
         self.isolator = FaultIsolator(self.scheduler)
         # Speculative decoding (None when off): drafts after each step, verified in the next.
         self.spec = SpecDecoding.create(

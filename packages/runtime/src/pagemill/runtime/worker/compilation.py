@@ -28,11 +28,12 @@ oneDNN weights bypass AOT autograd's cache, so a cached start compiles without i
 warm start loads the package instead of tracing; an entry that fails to load is logged,
 removed and rebuilt.
 
-Status: opt-in (`PAGEMILL_COMPILE_CACHE=1`) until its step is shown to be within a few
-percent of the frozen graph's. The fair test is `benchmarks/compile_cache.py`: both graphs
-in one process, their steps interleaved, so a loaded machine slows both alike (runs one
-after the other on a shared box measure the load, not the graphs). Make it the default
-(`compile_cache_enabled`) when it is; if it is much slower, keep the speed first (weights
+Status: on by default; `PAGEMILL_COMPILE_CACHE=0` compiles at every start, with `freezing`.
+`benchmarks/compile_cache.py` is the fair test of that choice: both graphs in one process,
+their steps interleaved, so a loaded machine slows both alike (runs one after the other on
+a shared box measure the load, not the graphs). It was made the default once the unfrozen
+step measured within a few percent of the frozen one's there; rerun it when the graph or
+torch changes, and if the cached graph falls well behind, keep the speed first (weights
 prepacked outside the graph, inductor's mega-cache or AOTInductor).
 """
 
@@ -57,10 +58,11 @@ logger = logging.getLogger(__name__)
 # Set (to 1) to make `enforce_eager` the default, e.g. for a test suite that builds many
 # engines and only wants to pay for compilation in the tests about it.
 ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
-# Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache.
+# Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache;
+# 1 (or unset) uses the compile cache.
 COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
 # Bump when what a cache entry holds, or how it is keyed, changes.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2
 
 _INPUTS = ("input_ids", "positions", "meta")
 
@@ -126,11 +128,28 @@ def _set_inductor_cache_dir() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
 
 
+def _mark_static_attributes(model: torch.nn.Module) -> None:
+    """Tell dynamo the model's own tensor attributes (KV caches, packed weights) keep their
+    shapes: with `dynamic=True` it would otherwise give every size and stride of the KV
+    caches a symbol, and the shape guard relating them (kept: it is SHAPE_ENV) grows with
+    the layer count, and rebuilding it was a large part of loading a cached graph. Their shapes
+    are in the compile cache's key, and they do not change between steps."""
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    torch._dynamo.mark_static(v)
+
+
 def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[..., torch.Tensor]:
     """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
 
     _set_inductor_cache_dir()
+    _mark_static_attributes(model)
     return torch.compile(
         _private_forward(model),
         dynamic=True,
@@ -143,10 +162,12 @@ def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[.
 
 
 def compile_cache_enabled() -> bool:
-    """Opt-in (`PAGEMILL_COMPILE_CACHE=1`) for now: a cached graph is compiled without
-    `freezing`, and its step speed against the frozen graph's is not settled yet (see the
-    module docstring)."""
-    return os.environ.get(COMPILE_CACHE_ENV, "0") == "1"
+    """On unless `PAGEMILL_COMPILE_CACHE=0`; any other value than 0 or 1 is refused, so a
+    misspelt attempt to turn it off is not silently ignored."""
+    value = os.environ.get(COMPILE_CACHE_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{COMPILE_CACHE_ENV} must be 0 or 1, got {value!r}")
+    return value != "0"
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
@@ -169,10 +190,39 @@ def _tensor_sig(t: torch.Tensor) -> list[Any]:
     ]
 
 
+# How deep `model_signature` follows pagemill's own objects hung on a module (a Linear's
+# LoRA slots, then their shared step mapping).
+_OBJECT_DEPTH = 3
+
+
+def _value_sig(value: Any, depth: int) -> Any:
+    """A module attribute's part of the signature: tensors' metadata, plain values, and the
+    attributes of pagemill's own objects (LoRA slots, weight schemes, KV scales): their
+    tensors are read by the graph too, and dynamo's guards on them are dropped."""
+    if isinstance(value, torch.Tensor):
+        return _tensor_sig(value)
+    if _plain(value):
+        return repr(value)
+    if (
+        isinstance(value, (tuple, list))
+        and value
+        and all(isinstance(v, torch.Tensor) for v in value)
+    ):
+        return [_tensor_sig(v) for v in value]
+    cls = type(value)
+    name = cls.__module__ + "." + cls.__qualname__
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+        return ["function", f"{value.__module__}.{value.__qualname__}"]
+    if depth > 0 and cls.__module__.startswith("pagemill.") and hasattr(value, "__dict__"):
+        return [name, [[k, _value_sig(v, depth - 1)] for k, v in sorted(vars(value).items())]]
+    return cls.__qualname__
+
+
 def model_signature(model: torch.nn.Module) -> list[Any]:
     """What of `model` a compiled graph depends on: per module its type, plain attributes
     (formats, flags, sizes) and tensors' metadata (parameters, buffers and plain tensor
-    attributes such as KV caches and packed weights); never the tensors' values."""
+    attributes such as KV caches and packed weights, and those of pagemill objects it
+    holds, such as LoRA slots); never the tensors' values."""
     sig: list[Any] = []
     for name, module in model.named_modules():
         attrs: list[Any] = []
@@ -182,30 +232,42 @@ def model_signature(model: torch.nn.Module) -> list[Any]:
                     attrs.append([key, pname, None if p is None else _tensor_sig(p)])
             elif key == "_modules" or key.startswith("__"):
                 continue
-            elif isinstance(value, torch.Tensor):
-                attrs.append([key, _tensor_sig(value)])
-            elif _plain(value):
-                attrs.append([key, repr(value)])
-            elif (
-                isinstance(value, (tuple, list))
-                and value
-                and all(isinstance(v, torch.Tensor) for v in value)
-            ):
-                attrs.append([key, [_tensor_sig(v) for v in value]])
             else:
-                attrs.append([key, type(value).__qualname__])
+                attrs.append([key, _value_sig(value, _OBJECT_DEPTH)])
         sig.append([name, type(module).__module__ + "." + type(module).__qualname__, attrs])
     return sig
 
 
+def class_switches(model: torch.nn.Module) -> list[Any]:
+    """The plain class attributes of pagemill's module classes in `model` (and their
+    pagemill bases): class-wide switches such as `Linear.compiled_branch`,
+    `Linear.opaque_packed` or `FusedMoE.pack_gguf_experts`, which no instance holds."""
+    seen: dict[str, list[Any]] = {}
+    for module in model.modules():
+        for cls in type(module).__mro__:
+            name = cls.__module__ + "." + cls.__qualname__
+            if not cls.__module__.startswith("pagemill.") or name in seen:
+                continue
+            seen[name] = [
+                [k, repr(v)]
+                for k, v in sorted(vars(cls).items())
+                if not k.startswith("__") and _plain(v)
+            ]
+    return sorted(seen.items())
+
+
 # The runtime's sources the forward's graph is traced from (the kernels package: all of it).
 _GRAPH_SOURCES = (
-    "models",
-    "layers",
-    "quantization",
+    "model_executor/models",
+    "model_executor/layers",
+    "model_executor/quantization",
     "distributed",
-    "attention_metadata.py",
-    "compilation.py",
+    "lora/layers.py",
+    "worker/attention_metadata.py",
+    "worker/compilation.py",
+    "worker/kv_cache.py",
+    "model_config.py",
+    "moe_config.py",
 )
 
 
@@ -220,6 +282,8 @@ def _source_digest() -> str:
     for root in map(Path, pagemill.runtime.__path__):
         for name in _GRAPH_SOURCES:
             top = root / name
+            if not top.exists():  # a source moved: the key must not silently lose it
+                raise FileNotFoundError(f"compile cache: graph source {top} is missing")
             found = [top] if top.is_file() else sorted(top.rglob("*.py"))
             paths += [(f"runtime/{p.relative_to(root)}", p) for p in found]
     h = hashlib.sha256()
@@ -245,12 +309,10 @@ def compile_cache_key(
     model: torch.nn.Module, settings: dict[str, Any]
 ) -> tuple[str, dict[str, Any]]:
     """The key of a compiled forward (hex digest) and what it was computed from."""
-    from pagemill.runtime.model_executor.layers.linear import Linear
-
     parts = {
         "format": _CACHE_FORMAT,
         # Class-wide switches (not in any module's own attributes) that change the graph.
-        "linear": [Linear.compiled_branch, Linear.opaque_packed],
+        "classes": class_switches(model),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "cpu": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
@@ -337,3 +399,36 @@ class CompileCache:
 
     def discard(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def compile_cached(
+    name: str, settings: dict[str, Any], sources: list[Path], build: Callable[[], float]
+) -> tuple[float, bool]:
+    """Run `build` (compiles graphs other than the model's, e.g. the sampler's row kernels,
+    and returns seconds) inside a compile cache session of its own, keyed by `name`,
+    `settings`, the `sources` it traces, torch, Python, the CPU and the thread count, so a
+    warm start loads those graphs instead of tracing them again. Returns (seconds, loaded).
+    With the cache off it just runs `build`."""
+    if not compile_cache_enabled():
+        return build(), False
+    h = hashlib.sha256()
+    for path in sorted(sources):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    parts = {
+        "format": _CACHE_FORMAT,
+        "name": name,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpu": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
+        "threads": torch.get_num_threads(),
+        "source": h.hexdigest()[:16],
+        "settings": {k: repr(v) for k, v in sorted(settings.items())},
+    }
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    cache = CompileCache(CompileCache.root(), key, parts)
+    with cache.session():
+        seconds = build()
+        if not cache.loaded:
+            cache.save()
+    return seconds, cache.loaded

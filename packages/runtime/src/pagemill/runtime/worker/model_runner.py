@@ -247,13 +247,19 @@ class ModelRunner:
             "kv_cache_groups": self.kv_cache_groups,
             "kv_cache_dtype": self.kv_cache_dtype,
             "packed_row_limits": packed_row_limits(self.model),
+            "tensor_parallel_size": 1 if self.tp is None else self.tp.world_size,
+            "graph_token_counts": self.graph_token_counts(),
         }
+
+    def graph_token_counts(self) -> list[int]:
+        """The step sizes compiled at start-up: one per graph (see `compile`)."""
+        counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
+        longest = min(self.max_num_batched_tokens, self.max_model_len)
+        return sorted(n for n in counts if n <= longest)
 
     def _warm_up_graphs(self) -> None:
         self.compiled = True
-        counts = {1, 2} | {limit + 1 for limit in packed_row_limits(self.model)}
-        longest = min(self.max_num_batched_tokens, self.max_model_len)
-        todo = sorted(n for n in counts if n <= longest)
+        todo = self.graph_token_counts()
         start = time.perf_counter()
         logger.info(
             "compile: %d graphs, for steps of %s tokens (the first traces the model)",
