@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagemill.kernels import add_lora, lora_segments
+from pagemill.kernels import add_lora, lora_segments, lora_token_runs
 
 
 class LoRAStepMapping:
@@ -23,6 +23,9 @@ class LoRAStepMapping:
         self.max_loras = max_loras
         self.sorted_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.seg_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+        # Where each slot's run starts in token order, if every run is contiguous (the CPU
+        # path then works on x's and y's rows in place); unused by the GPU kernels.
+        self.token_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
 
     def set(self, token_slots: torch.Tensor) -> None:
         """[T] slot per token (-1: the base model), on the host."""
@@ -34,6 +37,8 @@ class LoRAStepMapping:
             )
         self.sorted_ids[:n].copy_(sorted_ids, non_blocking=True)
         self.seg_starts.copy_(seg, non_blocking=True)
+        if self.token_starts.device.type == "cpu":
+            self.token_starts.copy_(lora_token_runs(token_slots, self.max_loras))
 
 
 class LoRALayer:
@@ -92,6 +97,7 @@ class LoRALayer:
                 m.seg_starts,
                 self.slice_starts,
                 max(self.slice_sizes),
+                m.token_starts,
             )
         else:
             add_lora(
@@ -103,5 +109,6 @@ class LoRALayer:
                 m.seg_starts,
                 self.slice_starts,
                 max(self.slice_sizes),
+                m.token_starts,
             )
         return y
