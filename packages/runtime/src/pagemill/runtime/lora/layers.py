@@ -26,6 +26,7 @@ class LoRAStepMapping:
         # Where each slot's run starts in token order, if every run is contiguous (the CPU
         # path then works on x's and y's rows in place); unused by the GPU kernels.
         self.token_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+        self.in_place_runs = True  # False: always the gather path (benchmarks/lora.py A/B)
 
     def set(self, token_slots: torch.Tensor) -> None:
         """[T] slot per token (-1: the base model), on the host."""
@@ -38,7 +39,10 @@ class LoRAStepMapping:
         self.sorted_ids[:n].copy_(sorted_ids, non_blocking=True)
         self.seg_starts.copy_(seg, non_blocking=True)
         if self.token_starts.device.type == "cpu":
-            self.token_starts.copy_(lora_token_runs(token_slots, self.max_loras))
+            if self.in_place_runs:
+                self.token_starts.copy_(lora_token_runs(token_slots, self.max_loras))
+            else:
+                self.token_starts.zero_()
 
 
 class LoRALayer:
