@@ -108,6 +108,21 @@ def test_contiguous_runs_are_added_in_place(runs, k, slices, r, dtype) -> None:
     torch.testing.assert_close(y.double(), gathered.double(), rtol=tol, atol=tol)
 
 
+def test_contiguous_runs_with_fp32_stacks_under_a_bf16_model() -> None:
+    """The runtime's CPU layout: bf16 activations, fp32 adapter stacks."""
+    token_slots = torch.tensor([1] * 5 + [-1] * 3 + [0] * 7 + [2] * 2 + [-1])
+    y, x, a, b, _, starts = _case(token_slots.numel(), 64, (64, 32), 16, 3, seed=5)
+    y, x = y.bfloat16(), x.bfloat16()
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, 3)
+    before = y.clone()
+    add_lora_torch(
+        y, x, a, b, sorted_ids, seg, torch.tensor(starts), lora_token_runs(token_slots, 3)
+    )
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[token_slots < 0], before[token_slots < 0])
+
+
 def test_base_only_step_changes_nothing() -> None:
     y, x, a, b, _, starts = _case(9, 16, (24,), 4, 2)
     before = y.clone()

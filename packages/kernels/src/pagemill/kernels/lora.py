@@ -138,18 +138,22 @@ def add_lora_torch(
     if token_starts is not None:
         firsts = token_starts.tolist()
         if firsts[-1]:
-            same = x.dtype == lora_a.dtype == y.dtype
-            for slot in range(lora_a.shape[0]):
-                count = bounds[slot + 1] - bounds[slot]
-                if count == 0:
-                    continue
-                lo = firsts[slot]
-                xs, ys = x[lo : lo + count], y[lo : lo + count]
-                if same:
-                    ys.addmm_(torch.mm(xs, lora_a[slot].t()), lora_b[slot].t())
-                else:
-                    h = torch.mm(xs.to(lora_a.dtype), lora_a[slot].t())
-                    ys.add_(torch.mm(h, lora_b[slot].t()).to(y.dtype))
+            runs = [
+                (firsts[s], firsts[s] + bounds[s + 1] - bounds[s], s)
+                for s in range(lora_a.shape[0])
+                if bounds[s + 1] > bounds[s]
+            ]
+            if x.dtype == lora_a.dtype == y.dtype:
+                for lo, hi, slot in runs:
+                    y[lo:hi].addmm_(torch.mm(x[lo:hi], lora_a[slot].t()), lora_b[slot].t())
+                return
+            # One cast of the rows the runs span (base rows between them ride along), and
+            # each delta added into y's rows with the cast back folded into the add.
+            first = min(lo for lo, _, _ in runs)
+            xs = x[first : max(hi for _, hi, _ in runs)].to(lora_a.dtype)
+            for lo, hi, slot in runs:
+                h = torch.mm(xs[lo - first : hi - first], lora_a[slot].t())
+                y[lo:hi].add_(torch.mm(h, lora_b[slot].t()))
             return
     ids = sorted_ids[:n].to(torch.int64)
     xs = x.index_select(0, ids).to(lora_a.dtype)
