@@ -160,9 +160,19 @@ def run(args: argparse.Namespace) -> dict:
         base = _time_steps(engine, base_loras, args, f"base{r}")
         lora = _time_steps(engine, mixed, args, f"lora{r}")
         rounds.append({"base": base, "lora": lora})
+        if args.compare_gather:  # the same steps with every layer on the gather path
+            manager.mapping.in_place_runs = False
+            rounds[-1]["lora_gather"] = _time_steps(engine, mixed, args, f"gather{r}")
+            manager.mapping.in_place_runs = True
         print(
             f"round {r}: 64 base {base['forward_ms']:.1f} ms forward / {base['step_ms']:.1f} "
             f"ms step; 4x16 LoRA {lora['forward_ms']:.1f} / {lora['step_ms']:.1f} ms"
+            + (
+                f"; gather path {rounds[-1]['lora_gather']['forward_ms']:.1f} / "
+                f"{rounds[-1]['lora_gather']['step_ms']:.1f} ms"
+                if args.compare_gather
+                else ""
+            )
         )
     report: dict[str, Any] = {
         "model": args.model,
@@ -180,6 +190,9 @@ def run(args: argparse.Namespace) -> dict:
     for key in ("forward_ms", "step_ms"):
         ratios = [x["lora"][key] / x["base"][key] for x in rounds]
         report[f"lora_over_base_{key}"] = statistics.median(ratios)
+        if args.compare_gather:
+            ratios = [x["lora_gather"][key] / x["base"][key] for x in rounds]
+            report[f"gather_over_base_{key}"] = statistics.median(ratios)
     if args.no_lora_engine:
         del engine, core, manager
         plain = _engine(args, lora=False)
@@ -201,6 +214,12 @@ def print_report(report: dict) -> None:
         f"{report['lora_over_base_forward_ms']:.2f}x, "
         f"whole step {report['lora_over_base_step_ms']:.2f}x"
     )
+    if "gather_over_base_step_ms" in report:
+        print(
+            "the same with every layer on the gather path: forward "
+            f"{report['gather_over_base_forward_ms']:.2f}x, "
+            f"whole step {report['gather_over_base_step_ms']:.2f}x"
+        )
     if "no_lora_engine_base" in report:
         print(f"64 base on an engine without LoRA: {report['no_lora_engine_base']}")
 
@@ -221,6 +240,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="no compiled step")
     ap.add_argument("--no-lora-engine", action="store_true")
+    ap.add_argument(
+        "--compare-gather",
+        action="store_true",
+        help="also time the LoRA steps with the in-place runs off (the gather path)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     report = run(args)

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagemill.kernels import add_lora, add_lora_torch, add_lora_triton, lora_segments
+from pagemill.kernels import (
+    add_lora,
+    add_lora_torch,
+    add_lora_triton,
+    lora_segments,
+    lora_token_runs,
+)
 
 
 def _reference(y, x, a, b, slots, starts):
@@ -69,6 +75,54 @@ def test_torch_path_matches_per_token_reference(t, k, slices, r, slots) -> None:
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_token_runs_find_each_slots_first_token_and_whether_runs_are_contiguous() -> None:
+    # base tokens may sit between runs; a slot whose tokens are split is not one run
+    assert lora_token_runs(torch.tensor([1, 1, -1, 0, 0, 0, -1]), 3).tolist() == [3, 0, 0, 1]
+    assert lora_token_runs(torch.tensor([1, 0, 1]), 2)[-1].item() == 0
+    assert lora_token_runs(torch.tensor([-1, -1]), 2).tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("runs", "k", "slices", "r", "dtype"),
+    [
+        ([(1, 16), (-1, 3), (0, 5), (2, 1)], 64, (64, 16, 16), 16, torch.float32),
+        ([(0, 7), (1, 9)], 48, (40, 40), 8, torch.float32),
+        ([(2, 4), (-1, 2), (0, 6)], 32, (48,), 16, torch.bfloat16),
+    ],
+)
+def test_contiguous_runs_are_added_in_place(runs, k, slices, r, dtype) -> None:
+    """The in-place path (each slot's tokens one run in token order) against the reference,
+    and against the gather path on the same operands."""
+    token_slots = torch.cat([torch.full((n,), s) for s, n in runs])
+    t = token_slots.numel()
+    y, x, a, b, _, starts = _case(t, k, slices, r, 3, dtype=dtype, seed=t)
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, 3)
+    firsts = lora_token_runs(token_slots, 3)
+    assert firsts[-1].item() == 1
+    gathered = y.clone()
+    add_lora_torch(gathered, x, a, b, sorted_ids, seg, torch.tensor(starts))
+    add_lora_torch(y, x, a, b, sorted_ids, seg, torch.tensor(starts), firsts)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(y.double(), gathered.double(), rtol=tol, atol=tol)
+
+
+def test_contiguous_runs_with_fp32_stacks_under_a_bf16_model() -> None:
+    """The runtime's CPU layout: bf16 activations, fp32 adapter stacks."""
+    token_slots = torch.tensor([1] * 5 + [-1] * 3 + [0] * 7 + [2] * 2 + [-1])
+    y, x, a, b, _, starts = _case(token_slots.numel(), 64, (64, 32), 16, 3, seed=5)
+    y, x = y.bfloat16(), x.bfloat16()
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, 3)
+    before = y.clone()
+    add_lora_torch(
+        y, x, a, b, sorted_ids, seg, torch.tensor(starts), lora_token_runs(token_slots, 3)
+    )
+    torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[token_slots < 0], before[token_slots < 0])
+
+
 def test_base_only_step_changes_nothing() -> None:
     y, x, a, b, _, starts = _case(9, 16, (24,), 4, 2)
     before = y.clone()
@@ -109,10 +163,11 @@ def test_custom_op_updates_y_in_a_compiled_graph() -> None:
     want = _reference(y, x, a, b, slots, starts)
     sorted_ids, seg = lora_segments(slots, 3)
     st = torch.tensor(starts)
+    firsts = lora_token_runs(slots, 3)
 
     def f(y, x):
         y = y * 1.0
-        torch.ops.pagemill.add_lora(y, x, a, b, sorted_ids, seg, st)
+        torch.ops.pagemill.add_lora(y, x, a, b, sorted_ids, seg, st, 0, firsts)
         return y
 
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(y, x)

@@ -26,7 +26,13 @@ from pagemill.kernels.int4_gemm import (
     pack_int4_groups,
 )
 from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_torch, write_kv_cache_triton
-from pagemill.kernels.lora import add_lora, add_lora_torch, add_lora_triton, lora_segments
+from pagemill.kernels.lora import (
+    add_lora,
+    add_lora_torch,
+    add_lora_triton,
+    lora_segments,
+    lora_token_runs,
+)
 from pagemill.kernels.moe import (
     fused_moe,
     fused_moe_int4_cpu,
@@ -65,6 +71,7 @@ __all__ = [
     "int4_group_gemm_torch",
     "int4_group_gemm_triton",
     "lora_segments",
+    "lora_token_runs",
     "moe_align_block_size",
     "pack_int4_groups",
     "paged_attention",

@@ -12,9 +12,11 @@ slot comes from the model runner once per step, as `lora_segments`: the step's t
 indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_starts``
 [L + 1]); base-model tokens (slot -1) sort past the last run and are never touched.
 
-* `add_lora_torch`: the CPU path — the adapter tokens gathered once in slot order, then
-  per slot that has tokens one shrink and one expand GEMM on its contiguous rows, and one
-  scatter back; cost follows the tokens that use an adapter, never the number of slots.
+* `add_lora_torch`: the CPU path — per slot that has tokens one shrink and one expand
+  GEMM on its contiguous rows: in place in x and y when each slot's tokens are already one
+  run in token order (`lora_token_runs`), else on the adapter tokens gathered once in slot
+  order and scattered back; cost follows the tokens that use an adapter, never the number
+  of slots.
 * `add_lora_triton`: the GPU path (`pagemill.kernels._triton.lora`) — a shrink launch
   (x @ Aᵀ into an fp32 [S, T, R] buffer) and an expand launch (buffer @ Bᵀ added to y),
   each over (token block, slice, slot) programs; programs past a slot's run exit at once.
@@ -53,6 +55,33 @@ def lora_segments(token_slots: torch.Tensor, max_loras: int) -> tuple[torch.Tens
     return order.to(torch.int32), seg.to(torch.int32)
 
 
+def lora_token_runs(token_slots: torch.Tensor, max_loras: int) -> torch.Tensor:
+    """[T] slot per token -> int32 [max_loras + 1]: entry s is the first token of slot s,
+    and the last entry is 1 when every slot's tokens are one contiguous run in token order
+    (requests of one adapter scheduled side by side, as a batch of decodes usually is).
+    Then the CPU path reads and writes each slot's rows in place, with no gather or scatter
+    (`add_lora_torch`). No host sync."""
+    slots = token_slots.to(torch.int64)
+    t = slots.numel()
+    out = torch.zeros(max_loras + 1, dtype=torch.int64, device=slots.device)
+    if t == 0:
+        out[max_loras] = 1
+        return out.to(torch.int32)
+    pos = torch.arange(t, device=slots.device)
+    keyed = torch.where(slots < 0, max_loras, slots)
+    first = torch.full((max_loras + 1,), t, dtype=torch.int64, device=slots.device)
+    first.scatter_reduce_(0, keyed, pos, reduce="amin")
+    last = torch.full((max_loras + 1,), -1, dtype=torch.int64, device=slots.device)
+    last.scatter_reduce_(0, keyed, pos, reduce="amax")
+    counts = torch.zeros(max_loras + 1, dtype=torch.int64, device=slots.device)
+    counts.scatter_add_(0, keyed, torch.ones_like(keyed))
+    used = counts[:max_loras] > 0
+    span = last[:max_loras] - first[:max_loras] + 1
+    out[:max_loras] = torch.where(used, first[:max_loras], 0)
+    out[max_loras] = torch.all(~used | (span == counts[:max_loras])).to(torch.int64)
+    return out.to(torch.int32)
+
+
 def _check(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -89,18 +118,43 @@ def add_lora_torch(
     sorted_ids: torch.Tensor,
     seg_starts: torch.Tensor,
     slice_starts: torch.Tensor,
+    token_starts: torch.Tensor | None = None,
 ) -> None:
     """``y[t] += (x[t] @ A[slot(t)]ᵀ) @ B[slot(t)]ᵀ``, in place; base tokens unchanged.
 
-    The GEMMs run in the stacks' dtype: x's rows are cast to it (a runtime on CPU keeps
-    fp32 stacks under a bf16 model: such small bf16 GEMMs cost several times their fp32
-    twins there). A token has one slot, so the rows are distinct: the delta lands with a
-    gather, an add and an `index_copy_` (a 16-bit `index_add_` is a slow scatter on CPU)."""
+    When ``token_starts`` (`lora_token_runs`) says every slot's tokens are one run in token
+    order, each slot's rows of x and y are read and written where they lie: a shrink GEMM
+    and an expand GEMM accumulated into y's rows (``addmm_``), nothing gathered, scattered
+    or allocated beyond the small rank-wide product. Otherwise the adapter tokens are
+    gathered once in slot order and the delta lands with a gather, an add and an
+    `index_copy_` (a token has one slot, so the rows are distinct; a 16-bit `index_add_`
+    is a slow scatter on CPU). The GEMMs run in the stacks' dtype (x's rows cast to it
+    when they differ)."""
     _check(y, x, lora_a, lora_b, slice_starts)
     bounds = seg_starts.tolist()
     n = bounds[-1]
     if n == 0:
         return
+    if token_starts is not None:
+        firsts = token_starts.tolist()
+        if firsts[-1]:
+            runs = [
+                (firsts[s], firsts[s] + bounds[s + 1] - bounds[s], s)
+                for s in range(lora_a.shape[0])
+                if bounds[s + 1] > bounds[s]
+            ]
+            if x.dtype == lora_a.dtype == y.dtype:
+                for lo, hi, slot in runs:
+                    y[lo:hi].addmm_(torch.mm(x[lo:hi], lora_a[slot].t()), lora_b[slot].t())
+                return
+            # One cast of the rows the runs span (base rows between them ride along), and
+            # each delta added into y's rows with the cast back folded into the add.
+            first = min(lo for lo, _, _ in runs)
+            xs = x[first : max(hi for _, hi, _ in runs)].to(lora_a.dtype)
+            for lo, hi, slot in runs:
+                h = torch.mm(xs[lo - first : hi - first], lora_a[slot].t())
+                y[lo:hi].add_(torch.mm(h, lora_b[slot].t()))
+            return
     ids = sorted_ids[:n].to(torch.int64)
     xs = x.index_select(0, ids).to(lora_a.dtype)
     delta = torch.empty(n, y.shape[1], dtype=lora_a.dtype, device=x.device)
@@ -194,16 +248,18 @@ def add_lora(
     seg_starts: torch.Tensor,
     slice_starts: torch.Tensor,
     max_slice: int = 0,
+    token_starts: torch.Tensor | None = None,
 ) -> None:
     """Add each token's adapter delta to y in place (Triton on CUDA, torch elsewhere);
     ``max_slice`` (the widest slice, 0: read from ``slice_starts``) spares the GPU path a
-    host read."""
+    host read; ``token_starts`` (`lora_token_runs`, CPU path only) lets contiguous runs
+    skip the gather and scatter."""
     if use_triton(x):
         add_lora_triton(
             y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice or None
         )
     else:
-        add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts)
+        add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, token_starts)
 
 
 @torch.library.custom_op("pagemill::add_lora", mutates_args=("y",))
@@ -216,9 +272,10 @@ def _add_lora_op(
     seg_starts: torch.Tensor,
     slice_starts: torch.Tensor,
     max_slice: int = 0,
+    token_starts: torch.Tensor | None = None,
 ) -> None:
     """`add_lora` as one opaque call in a compiled graph."""
-    add_lora(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice)
+    add_lora(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice, token_starts)
 
 
 @_add_lora_op.register_fake
@@ -231,5 +288,6 @@ def _(
     seg_starts: torch.Tensor,
     slice_starts: torch.Tensor,
     max_slice: int = 0,
+    token_starts: torch.Tensor | None = None,
 ) -> None:
     return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagemill.kernels import add_lora, lora_segments
+from pagemill.kernels import add_lora, lora_segments, lora_token_runs
 
 
 class LoRAStepMapping:
@@ -23,6 +23,10 @@ class LoRAStepMapping:
         self.max_loras = max_loras
         self.sorted_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.seg_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+        # Where each slot's run starts in token order, if every run is contiguous (the CPU
+        # path then works on x's and y's rows in place); unused by the GPU kernels.
+        self.token_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+        self.in_place_runs = True  # False: always the gather path (benchmarks/lora.py A/B)
 
     def set(self, token_slots: torch.Tensor) -> None:
         """[T] slot per token (-1: the base model), on the host."""
@@ -34,6 +38,11 @@ class LoRAStepMapping:
             )
         self.sorted_ids[:n].copy_(sorted_ids, non_blocking=True)
         self.seg_starts.copy_(seg, non_blocking=True)
+        if self.token_starts.device.type == "cpu":
+            if self.in_place_runs:
+                self.token_starts.copy_(lora_token_runs(token_slots, self.max_loras))
+            else:
+                self.token_starts.zero_()
 
 
 class LoRALayer:
@@ -92,6 +101,7 @@ class LoRALayer:
                 m.seg_starts,
                 self.slice_starts,
                 max(self.slice_sizes),
+                m.token_starts,
             )
         else:
             add_lora(
@@ -103,5 +113,6 @@ class LoRALayer:
                 m.seg_starts,
                 self.slice_starts,
                 max(self.slice_sizes),
+                m.token_starts,
             )
         return y
