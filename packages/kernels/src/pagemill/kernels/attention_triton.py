@@ -151,6 +151,13 @@ def _default_splits(device: torch.device, programs: int, capacity: int) -> int:
     return split_count(_SM_COUNT[index], programs, capacity)
 
 
+def _quantized_block_n(plan: TritonPlan, kv_dtype: torch.dtype) -> int:
+    """Keys per tile over an 8-bit cache (see the launch in `run_triton`)."""
+    if kv_dtype == torch.int8 and plan.d_pad <= 64:
+        return max(16, plan.block_n // 4)
+    return max(16, plan.block_n // 2)
+
+
 def run_triton(
     plan: TritonPlan,
     q: torch.Tensor,
@@ -221,8 +228,9 @@ def run_triton(
         BLOCK_M=plan.block_m,
         # The byte decode of an fp8 cache adds registers per key: half the keys per tile
         # (still a divisor of split_len), and 8 warps from head size 128 up, keep ptxas
-        # from spilling on sm_80 and sm_90 (the AOT test, full grid).
-        BLOCK_N=max(16, plan.block_n // 2) if fp8 else plan.block_n,
+        # from spilling on sm_80 and sm_90 (the AOT test, full grid). int8's decode costs
+        # a little more: at head size 64 under bf16 it takes a quarter of the keys.
+        BLOCK_N=_quantized_block_n(plan, k_cache.dtype) if fp8 else plan.block_n,
         HEAD_DIM=plan.head_dim,
         D_PAD=plan.d_pad,
         DOT_FP32=plan.dot_fp32,
