@@ -212,6 +212,8 @@ class EagleProposer:
         self.aux_layers = aux_layers
         target_runner.hidden_states_hook = self._on_target_step
         # Decode graphs would skip the hook: the target's steps all run through it.
+        if target_runner.graphs is not None:
+            logger.warning("EAGLE: CUDA graphs are off (a replay would skip the head's input)")
         target_runner.graphs = None
         # The hooked layers in the order they run (ids may repeat or come in any order).
         self._hooked = sorted(set(aux_layers))
@@ -220,6 +222,8 @@ class EagleProposer:
             for i in self._hooked:
                 model.layers[i].register_forward_pre_hook(self._on_layer_input)
             # Pre-hooks fire in eager code only.
+            if target_runner._forward != model.forward:
+                logger.warning("EAGLE-3: the target runs eagerly (its layer inputs are read)")
             target_runner._forward = model.forward
 
     # ---------------------------------------------------------------- loading
