@@ -85,3 +85,37 @@ def test_greedy_is_argmax_bit_for_bit() -> None:
     md = _metadata([SamplingParams(temperature=0.0)] * 32)
     out = Sampler()(logits, md).sampled_token_ids
     assert out == logits.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"top_p": 2.757720689665547e-115},  # 0.0 once stored as fp32 (found by schemathesis)
+        {"min_p": 1.0},
+        {"top_p": 1e-30, "min_p": 1.0},
+    ],
+)
+def test_a_filter_that_keeps_only_the_best_token_ends(kwargs) -> None:
+    """Both filters always keep a row's best token; a draw that can only end there must
+    end (it once looped forever and wedged the engine)."""
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 500, generator=g)
+    x[2, 7] = x[2, 9] = x[2].max() + 1.0  # a tie at the top: the smaller id ranks first
+    x_bf16 = x.to(torch.bfloat16)  # the model's dtype: the peak and z may differ by an ulp
+    params = [SamplingParams(temperature=0.9, **kwargs)] * x.shape[0]
+    result: dict[str, list[int]] = {}
+
+    def draw() -> None:
+        sampler = Sampler(seed=1)
+        result["fp32"] = sampler._draw_nucleus(x, None, _metadata(params)).tolist()
+        result["bf16"] = sampler(x_bf16, _metadata(params)).sampled_token_ids
+
+    thread = threading.Thread(target=draw, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the draw did not end"
+    best = x.argmax(dim=-1).tolist()
+    assert result["fp32"] == best and best[2] == 7
+    assert result["bf16"] == x_bf16.argmax(dim=-1).tolist()

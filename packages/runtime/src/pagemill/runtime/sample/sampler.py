@@ -324,6 +324,16 @@ class Sampler:
                 )
             else:
                 sums = above[rejected]
+            # Nothing ranked above a rejected s: s is its row's best token, which both
+            # filters keep whatever their values (a top_p that is 0.0 in fp32, a min_p of
+            # 1.0 an ulp off the peak). Without this such a row would draw forever.
+            best = sums.sum(dim=-1) == 0
+            if bool(best.any()):
+                tokens[active[rejected][best]] = s[rejected][best]
+                rejected[rejected.clone()] = ~best
+                sums = sums[~best]
+                if not bool(rejected.any()):
+                    break
             active = active[rejected]
             thr_z[active], thr_id[active] = zs[rejected], s[rejected]
             act_rows = active if rows is None else rows[active]
