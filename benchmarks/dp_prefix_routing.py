@@ -336,7 +336,8 @@ def start_server(
         str(args.seed),
         *shlex.split(args.server_args),
     ]
-    print(f"# {policy}: {shlex.join(cmd)}  (log: {log_path})", file=sys.stderr, flush=True)
+    shown = shlex.join(["pagemill", *cmd[3:]])
+    print(f"# {policy}: {shown}  (log: {log_path})", file=sys.stderr, flush=True)
     with log_path.open("wb") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
