@@ -7,15 +7,30 @@ system prompt with the earlier ones. Users arrive in a random order and take the
 in order, interleaved with the others. `--prefixes 1` is the single-prefix workload (every
 request shares one prompt: routing must then spread the load, there is nothing to keep).
 
-Two ways to run it:
+Three ways to run it:
 
 - against a running server (`--url`): each turn a streamed /v1/completions call, sent
   `--concurrency` at a time; TTFT is the first token's arrival, the prefix hit rate and
   the prefill tokens computed come from the server's own counters
-  (pagemill:prefix_cache_hits / _queries before and after the run), per engine too.
+  (pagemill:prefix_cache_hits / _queries before and after the run), per engine too, and
+  the requests each core finished (vllm:request_success).
 
       pagemill serve MODEL -dp 2 --data-parallel-routing prefix --kv-cache-memory 12MiB &
       python benchmarks/dp_prefix_routing.py --url http://127.0.0.1:8000
+
+- `--launch MODEL` (`default`: the default model): the same, every policy of
+  `--policies` on a fresh server of its own (empty caches, same workload and seed),
+  `pagemill serve MODEL -dp CORES --engine-threads N` plus `--server-args`, whose default
+  sizes each core's pool at 100 blocks of 16 (float32 KV of the default model): the six
+  400-token prompts take 150 blocks, more than one pool and less than two. Each core's
+  pool is read from the server's log, and a run whose prompts fit in one pool (or not in
+  all) is refused unless `--any-pool`. Prints a JSON line per policy and a table. The
+  server logs each routing decision (the core, every core's load and matched blocks as
+  the router saw them); `routing` in the JSON sets those against the tokens each request
+  found cached (e.g. prompts the router counted on a core that had evicted them), and
+  `<log dir>/<policy>.requests.jsonl` holds them per request.
+
+      python benchmarks/dp_prefix_routing.py --launch default
 
 - `--simulate`: no model, no server: the real router (`DPRouter`) in front of N real
   schedulers and block pools, one step of each per tick, each core's KV events fed back to
