@@ -308,6 +308,7 @@ def routing_report(
     out = {
         "routed_lines": 0,
         "first_on_core": 0,  # the prefix's first request on its core: a miss is expected
+        "evicted": 0,  # the prefix had been sent to this core before, and was not there
         "believed_cached_but_missed": 0,  # router matched the prefix, the core had lost it
         "cached_elsewhere_sent_cold": 0,  # another core held the prefix, this one did not
     }
@@ -321,8 +322,10 @@ def routing_report(
         hit_prefix = (r["cached_tokens"] or 0) >= prefix_blocks * block_size
         if (core, r["prefix"]) not in seen:
             out["first_on_core"] += 1
-        elif matched and matched[core] >= prefix_blocks and not hit_prefix:
-            out["believed_cached_but_missed"] += 1
+        elif not hit_prefix:
+            out["evicted"] += 1
+            if matched and matched[core] >= prefix_blocks:
+                out["believed_cached_but_missed"] += 1
         if matched and matched[core] < prefix_blocks <= max(matched):
             out["cached_elsewhere_sent_cold"] += 1
         seen.add((core, r["prefix"]))

@@ -133,6 +133,7 @@ def test_the_routing_log_meets_what_the_cores_reported(
     assert report == {
         "routed_lines": 3,
         "first_on_core": 2,
+        "evicted": 1,
         "believed_cached_but_missed": 1,
         "cached_elsewhere_sent_cold": 0,
     }
