@@ -61,3 +61,82 @@ def test_the_workload_is_chats_on_shared_documents(bench: ModuleType) -> None:
         assert all(b[: len(a)] == a and len(b) > len(a) for a, b in itertools.pairwise(prompts))
     systems = {tuple(t.prompt[:40]) for t in workload}
     assert len(systems) == 3
+
+
+class _Core:
+    """An engine-core client stand-in: takes requests, answers nothing until shut down."""
+
+    def __init__(self, config: object, **_: object) -> None:
+        import queue
+
+        from pagemill.runtime.engine.protocol import EngineCoreReady
+
+        self.info = EngineCoreReady(1024, 100, 16, "float32", "cpu", 0)
+        self.q: queue.SimpleQueue[BaseException] = queue.SimpleQueue()
+        self.dead_error = None
+        self.on_event = None
+
+    def add_request(self, request: object) -> None:
+        pass
+
+    def get_output(self, timeout: float | None = None) -> None:
+        raise self.q.get()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        from pagemill.runtime.engine.core_client import EngineDeadError
+
+        self.q.put(EngineDeadError("shut down"))
+
+
+def test_the_routing_log_meets_what_the_cores_reported(
+    bench: ModuleType, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--launch`'s evidence: the client's routing lines parse, and are set against each
+    request's cached tokens (a prefix the router counted on that core, reported missed,
+    is the router's belief gone wrong: eviction, or an index out of date)."""
+    import json
+    import logging
+
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine.dp_client import DPClient
+    from pagemill.runtime.engine.protocol import EngineCoreRequest
+    from pagemill.runtime.sampling_params import SamplingParams
+
+    doc = list(range(100, 132))  # two blocks of 16
+    prompts = {"a": [*doc, 1], "b": [*doc, 2], "c": list(range(200, 233))}
+    client = DPClient(
+        EngineConfig(data_parallel_size=2, data_parallel_routing="prefix"),
+        engine_threads=2,
+        client_factory=_Core,  # type: ignore[arg-type]
+    )
+    try:
+        with caplog.at_level(logging.DEBUG, logger="pagemill.runtime.engine.dp_client"):
+            for rid, prompt in prompts.items():
+                client.add_request(
+                    EngineCoreRequest(f"cmpl-{rid}-0", prompt, SamplingParams(), 4, None, [], 0.0)
+                )
+    finally:
+        client.shutdown()
+    log = tmp_path / "server.log"
+    log.write_text("".join(r.getMessage() + "\n" for r in caplog.records))
+    requests = tmp_path / "requests.jsonl"
+    cached = {"a": 0, "b": 0, "c": 0}  # b shares a's document and core, but missed it
+    group = {"a": 0, "b": 0, "c": 1}
+    requests.write_text(
+        "".join(
+            json.dumps({"id": f"cmpl-{rid}", "cached_tokens": cached[rid], "prefix": group[rid]})
+            + "\n"
+            for rid in prompts
+        )
+    )
+    report = bench.routing_report(log, requests, prefix_len=32, block_size=16)
+    assert report == {
+        "routed_lines": 3,
+        "first_on_core": 2,
+        "evicted": 1,
+        "believed_cached_but_missed": 1,
+        "cached_elsewhere_sent_cold": 0,
+    }
+    rows = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert rows[0]["core"] == rows[1]["core"] != rows[2]["core"]
+    assert rows[1]["matched"][rows[1]["core"]] == 2

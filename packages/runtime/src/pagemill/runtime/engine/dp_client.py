@@ -205,8 +205,16 @@ class DPClient(EngineCoreClient):
         with self._lock:
             if self._dead_error is not None:
                 raise EngineDeadError(f"the engine stopped after an error: {self._dead_error!r}")
+            inflight = list(self.router.inflight)
             k = self.router.route(request.request_id, request.prompt_token_ids, request.cache_salt)
-        logger.debug("request %s -> engine core %d", request.request_id, k)
+            matched = list(self.router.last_matched)
+        logger.debug(
+            "request %s -> engine core %d (in flight %s, matched blocks %s)",
+            request.request_id,
+            k,
+            inflight,
+            matched,
+        )
         try:
             self.clients[k].add_request(request)
         except BaseException:

@@ -61,6 +61,8 @@ class DPRouter:
         self.routed = [0] * num_cores
         self._assigned: dict[str, tuple[int, list[BlockHash]]] = {}
         self._next = 0
+        # Each engine's matched blocks at the last `prefix` pick (for the routing log).
+        self.last_matched: list[int] = []
 
     def add_engine(self) -> int:
         """One more engine (a Ray Serve replica that came up); returns its index."""
@@ -189,10 +191,13 @@ class DPRouter:
             return least
         floor = self.inflight[least]
         best, best_score = least, 0.0
+        self.last_matched = [
+            self.matched_blocks(k, hashes) if self.alive[k] else 0 for k in range(self.num_cores)
+        ]
         for k in live:
             if self.inflight[k] > floor + PREFIX_LOAD_MARGIN:
                 continue
-            matched = self.matched_blocks(k, hashes)
+            matched = self.last_matched[k]
             if not matched:
                 continue
             score = matched - PREFIX_LOAD_PENALTY * (self.inflight[k] - floor)
