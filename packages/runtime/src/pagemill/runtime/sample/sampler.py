@@ -123,19 +123,21 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(sampled_token_ids=[], logprob_token_ids=None, logprobs=None)
         raw = logits
+        kernels = self._kernels
         if logits.dtype != torch.float32 and (
-            _needs_fp32(metadata) or not self._kernels.serves(logits.dtype)
+            _needs_fp32(metadata, kernels.argmax_reads(logits)) or not kernels.serves(logits)
         ):
-            # Converted once into a reused buffer: on CPU, argmax, topk and division are
-            # several times slower on bf16 than on fp32 (the conversion is exact). Compiled
-            # row kernels read their dtype as it is, so batches only they serve skip it.
+            # Converted once into a reused buffer: on CPU, torch's argmax, topk and division
+            # are several times slower on bf16 than on fp32 (the conversion is exact). The
+            # native and compiled row kernels read their dtype as it is, so batches only
+            # they serve skip it.
             raw = self._scratch.get("raw", num_rows, vocab, logits.device).copy_(logits)
         # A converted copy is the sampler's own: bans and penalties may go into it unless
         # the logprobs still need the raw values.
         x = self._apply_min_tokens_and_penalties(
             raw, metadata, in_place=raw is not logits and metadata.max_num_logprobs is None
         )
-        tokens = x.argmax(dim=-1) if metadata.all_greedy else self._sample(x, metadata)
+        tokens = kernels.argmax(x) if metadata.all_greedy else self._sample(x, metadata)
         sampled = tokens.tolist()
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
@@ -188,7 +190,7 @@ class Sampler:
             with_k = None
         # An argmax over every row reads the logits once and copies nothing; picking the
         # greedy rows out first would copy them. Random rows' results are overwritten.
-        tokens = x.argmax(dim=-1) if random is not None else None
+        tokens = self._kernels.argmax(x) if random is not None else None
         groups: list[tuple[torch.Tensor | None, bool]]
         if with_k is None:
             groups = [(random, False)]
@@ -300,7 +302,7 @@ class Sampler:
             a_gens = gens if active.numel() == count else _generators_of(gens, active)
             u = self._uniforms(active.numel(), a_gens, device)
             t_a, peak_a = temperature[active], peak[active]
-            s = _pick_in_blocks(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
+            s = kernels.pick(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
             if limit is None and min_p is None:
                 tokens[active] = s
                 break
@@ -384,52 +386,12 @@ def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows]
 
 
-def _needs_fp32(md: SamplingMetadata) -> bool:
-    """Whether low-precision logits are converted before sampling: greedy rows (argmax),
-    top-k rows (topk) and logprobs are faster on fp32; the row kernels read any dtype."""
-    return not md.all_random or md.top_k is not None or md.max_num_logprobs is not None
-
-
-def _pick_in_blocks(
-    x: torch.Tensor,
-    rows: torch.Tensor | None,
-    sums: torch.Tensor,
-    u: torch.Tensor,
-    temperature: torch.Tensor,
-    peak: torch.Tensor,
-    thr_z: torch.Tensor,
-    thr_id: torch.Tensor,
-) -> torch.Tensor:
-    """[n] token ids: per row, the first candidate whose running weight exceeds u x the
-    row's candidate mass, from the row kernels' `sums` ([n, blocks]) and the chosen
-    block's own weights, recomputed here as `row_kernels.block_sums` computes them.
-
-    Sums are float64 from the blocks on. Rounding may put the target past the last block
-    (or column) with any weight: it then takes that last one; a weight of 0 is never
-    chosen.
-    """
-    n, nb = sums.shape
-    vocab = x.shape[1]
-    cum = sums.double().cumsum(dim=-1)
-    target = (u * cum[:, -1]).unsqueeze(1)
-    b = torch.searchsorted(cum, target, right=True)
-    idx = torch.arange(nb, device=x.device)
-    b = torch.minimum(b, torch.where(sums > 0, idx, 0).amax(dim=-1, keepdim=True))
-    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
-    cols = b * BLOCK + torch.arange(BLOCK, device=x.device)
-    valid = cols < vocab
-    cols = cols.clamp_max(vocab - 1)
-    row_ids = torch.arange(n, device=x.device) if rows is None else rows
-    z = x[row_ids.unsqueeze(1), cols].float() / temperature.unsqueeze(1)
-    w = torch.exp(z - peak.unsqueeze(1))
-    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
-    keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
-    w = torch.where(keep, w, 0.0)
-    icum = w.double().cumsum(dim=-1)
-    j = torch.searchsorted(icum, target - before, right=True)
-    inner = torch.arange(BLOCK, device=x.device)
-    j = torch.minimum(j, torch.where(w > 0, inner, 0).amax(dim=-1, keepdim=True))
-    return (b * BLOCK + j).squeeze(1)
+def _needs_fp32(md: SamplingMetadata, native_argmax: bool) -> bool:
+    """Whether low-precision logits are converted before sampling: greedy rows (torch's
+    argmax, unless the native one reads them), top-k rows (topk) and logprobs are faster on
+    fp32; the row kernels read any dtype."""
+    greedy_rows = not md.all_random and not native_argmax
+    return greedy_rows or md.top_k is not None or md.max_num_logprobs is not None
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
