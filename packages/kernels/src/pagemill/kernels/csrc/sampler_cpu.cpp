@@ -62,6 +62,23 @@ inline float weight_exp(float x) {
 
 constexpr int64_t kChunk = 64;
 
+// The first column in [0, vocab) that `match` accepts, else -1: chunks are tested with a
+// vectorised any, then the matching chunk is scanned.
+template <typename L, typename Match>
+int64_t first_match(const void* row, int64_t vocab, Match match) {
+    for (int64_t i0 = 0; i0 < vocab; i0 += kChunk) {
+        const int64_t i1 = i0 + kChunk < vocab ? i0 + kChunk : vocab;
+        int hit = 0;
+#pragma omp simd reduction(| : hit)
+        for (int64_t i = i0; i < i1; ++i) hit |= match(L::load(row, i)) ? 1 : 0;
+        if (hit) {
+            for (int64_t i = i0; i < i1; ++i)
+                if (match(L::load(row, i))) return i;
+        }
+    }
+    return -1;
+}
+
 template <typename L>
 int64_t row_argmax(const void* row, int64_t vocab) {
     float m = -INFINITY;
@@ -70,25 +87,12 @@ int64_t row_argmax(const void* row, int64_t vocab) {
     for (int64_t i = 0; i < vocab; ++i) {
         const float v = L::load(row, i);
         m = v > m ? v : m;
-        nan |= v != v;
+        nan |= v != v ? 1 : 0;
     }
     // torch's argmax: the first NaN if there is one, else the first maximum.
-    for (int64_t i0 = 0; i0 < vocab; i0 += kChunk) {
-        const int64_t i1 = i0 + kChunk < vocab ? i0 + kChunk : vocab;
-        int hit = 0;
-#pragma omp simd reduction(| : hit)
-        for (int64_t i = i0; i < i1; ++i) {
-            const float v = L::load(row, i);
-            hit |= nan ? v != v : v == m;
-        }
-        if (hit) {
-            for (int64_t i = i0; i < i1; ++i) {
-                const float v = L::load(row, i);
-                if (nan ? v != v : v == m) return i;
-            }
-        }
-    }
-    return 0;  // a row of -inf: its max is -inf, found above; unreachable
+    const int64_t i = nan ? first_match<L>(row, vocab, [](float v) { return v != v; })
+                          : first_match<L>(row, vocab, [m](float v) { return v == m; });
+    return i < 0 ? 0 : i;
 }
 
 template <typename L>
@@ -118,15 +122,33 @@ float block_weight(const void* row, int64_t c0, int64_t c1, float t, float peak,
     return s;
 }
 
+// Whether no column of [c0, c1) can rank above threshold z `tz`: its largest logit
+// divided by t (monotonic, so the largest z) is below it. One compare per column instead
+// of a division and an exp: a top-p test's threshold is a likely token, above which
+// almost every block of the row has nothing.
+template <typename L>
+bool block_below(const void* row, int64_t c0, int64_t c1, float t, float tz) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = c0; i < c1; ++i) {
+        const float v = L::load(row, i);
+        m = v > m ? v : m;
+    }
+    return m / t < tz;
+}
+
 template <typename L>
 void row_block_sums(const void* row, int64_t vocab, float t, float peak, const float* tz,
                     const int64_t* ti, float* sums, int64_t nb, int64_t block) {
     for (int64_t b = 0; b < nb; ++b) {
         const int64_t c0 = b * block;
         const int64_t c1 = c0 + block < vocab ? c0 + block : vocab;
-        sums[b] = c0 >= vocab ? 0.0f
-                  : tz ? block_weight<L, true>(row, c0, c1, t, peak, *tz, *ti)
-                       : block_weight<L, false>(row, c0, c1, t, peak, 0.0f, 0);
+        if (c0 >= vocab || (tz && block_below<L>(row, c0, c1, t, *tz)))
+            sums[b] = 0.0f;
+        else if (tz)
+            sums[b] = block_weight<L, true>(row, c0, c1, t, peak, *tz, *ti);
+        else
+            sums[b] = block_weight<L, false>(row, c0, c1, t, peak, 0.0f, 0);
     }
 }
 
