@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ def load() -> ctypes.CDLL | None:
             os.replace(out, target)  # atomic: concurrent builders never see half a file
     lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    row_args = [i32, ptr, i64, ptr, i64, i64]  # dtype, x, stride, rows, n, vocab
+    row_args: list[type[Any]] = [i32, ptr, i64, ptr, i64, i64]  # dtype, x, stride, rows, n, vocab
     lib.pagemill_sampler_argmax.restype = i32
     lib.pagemill_sampler_argmax.argtypes = [*row_args, ptr, i32]
     lib.pagemill_sampler_block_sums.restype = i32
@@ -76,9 +77,7 @@ def load() -> ctypes.CDLL | None:
 
 def supports(x: torch.Tensor) -> bool:
     """Whether the native passes read these logits: CPU, fp32 or bf16, unit column stride."""
-    return (
-        x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
-    )
+    return x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -33,7 +33,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pagemill.runtime.sample.row_kernels import BLOCK, RowKernels
+from pagemill.runtime.sample.row_kernels import RowKernels
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 
 __all__ = [
