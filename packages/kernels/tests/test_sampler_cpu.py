@@ -122,3 +122,19 @@ def test_pick_is_the_inverse_cdf(lib, dtype: torch.dtype) -> None:
     assert bool((w[torch.arange(rows), got] > 0).all())  # never a token of weight 0
     assert got[0] == (w[0] > 0).nonzero()[0, 0]
     assert got[1] == last[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 7, 50, 999])
+def test_topk_is_a_stable_sort_head(lib, dtype: torch.dtype, k: int) -> None:
+    """The first k of a stable descending sort of z = x / t (equal z: smaller id first)."""
+    x = _logits(12, 999, dtype, seed=k)
+    x[2, 100:140] = x[2, 3]  # many ties, some at the cut
+    x[3, 500:] = float("-inf")
+    t = torch.linspace(0.2, 2.0, 12)
+    rows = torch.tensor([11, 2, 3, 0, 5])
+    values, ids = sampler_cpu.topk(lib, x, rows, t[rows], k)
+    z = x[rows].float() / t[rows].unsqueeze(1)
+    ref_values, ref_ids = z.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, ref_ids[:, :k])
+    assert torch.equal(values, ref_values[:, :k])

@@ -72,6 +72,8 @@ def load() -> ctypes.CDLL | None:
     lib.pagemill_sampler_pick.argtypes = [
         *row_args, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32
     ]  # fmt: skip
+    lib.pagemill_sampler_topk.restype = i32
+    lib.pagemill_sampler_topk.argtypes = [*row_args, ptr, i64, ptr, ptr, i32]
     return lib
 
 
@@ -205,3 +207,30 @@ def pick(
         )
     )
     return out
+
+
+def topk(
+    lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, k] fp32, ids [n, k] int64): the k best of z = x[rows] / temperature, in
+    a sort's order (larger z first, equal z by smaller id), without a [n, vocab] result."""
+    rows, n = _rows_of(x, rows)
+    temperature = temperature.to(torch.float32).contiguous()
+    values = torch.empty(n, k)
+    ids = torch.empty(n, k, dtype=torch.int64)
+    _check(
+        lib.pagemill_sampler_topk(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            _ptr(rows),
+            n,
+            x.shape[1],
+            temperature.data_ptr(),
+            k,
+            values.data_ptr(),
+            ids.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
+    return values, ids

@@ -13,9 +13,12 @@
 // `block_sums` summed them. Rows are independent: a row's results never depend on the
 // other rows of the call, nor on the thread count.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -192,6 +195,57 @@ int64_t row_pick(const void* row, int64_t vocab, float t, float peak, const floa
     return c0 + chosen;
 }
 
+// Ranking of the sampler: larger z first, equal z by smaller token id (a sort's order).
+struct Ranked {
+    float z;
+    int64_t id;
+};
+inline bool ranks_above(const Ranked& a, const Ranked& b) {
+    return a.z > b.z || (a.z == b.z && a.id < b.id);
+}
+
+// The k best of z = x / t in ranking order, by one pass with a heap of the k best so far
+// (its top the worst of them). A chunk whose largest logit, divided, is below the worst
+// is skipped with one vectorised max: after the first few thousand columns almost all are.
+// NaN logits are never selected.
+template <typename L>
+void row_topk(const void* row, int64_t vocab, float t, int64_t k, std::vector<Ranked>& heap,
+              float* values, int64_t* ids) {
+    heap.clear();
+    auto worse = [](const Ranked& a, const Ranked& b) { return ranks_above(a, b); };
+    for (int64_t i0 = 0; i0 < vocab; i0 += kChunk) {
+        const int64_t i1 = i0 + kChunk < vocab ? i0 + kChunk : vocab;
+        if (static_cast<int64_t>(heap.size()) == k) {
+            float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+            for (int64_t i = i0; i < i1; ++i) {
+                const float v = L::load(row, i);
+                m = v > m ? v : m;
+            }
+            // Later ids lose ties: only a strictly larger z can enter.
+            if (!(m / t > heap.front().z)) continue;
+        }
+        for (int64_t i = i0; i < i1; ++i) {
+            const float z = L::load(row, i) / t;
+            if (z != z) continue;
+            if (static_cast<int64_t>(heap.size()) < k) {
+                heap.push_back({z, i});
+                std::push_heap(heap.begin(), heap.end(), worse);
+            } else if (z > heap.front().z) {
+                std::pop_heap(heap.begin(), heap.end(), worse);
+                heap.back() = {z, i};
+                std::push_heap(heap.begin(), heap.end(), worse);
+            }
+        }
+    }
+    std::sort(heap.begin(), heap.end(), ranks_above);
+    for (int64_t j = 0; j < k; ++j) {
+        const bool have = j < static_cast<int64_t>(heap.size());
+        values[j] = have ? heap[j].z : -INFINITY;
+        ids[j] = have ? heap[j].id : 0;
+    }
+}
+
 inline const void* row_ptr(const void* x, int dtype, int64_t stride, const int64_t* rows,
                            int64_t r) {
     const int64_t idx = rows ? rows[r] : r;
@@ -264,6 +318,28 @@ int pagemill_sampler_pick(int dtype, const void* x, int64_t stride, const int64_
                                                  sums + r * nb, nb, block, u[r], cum);
         }
         delete[] cum;
+    }
+    return 0;
+}
+
+// values[r, :k], ids[r, :k]: the k best tokens of z = x / temperature[r] in ranking order
+// (larger z first, equal z by smaller id); 0 < k <= vocab.
+int pagemill_sampler_topk(int dtype, const void* x, int64_t stride, const int64_t* rows,
+                          int64_t n, int64_t vocab, const float* temperature, int64_t k,
+                          float* values, int64_t* ids, int num_threads) {
+    if ((dtype != 0 && dtype != 1) || k <= 0 || k > vocab) return -1;
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        std::vector<Ranked> heap;
+        heap.reserve(k);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) {
+            const void* row = row_ptr(x, dtype, stride, rows, r);
+            if (dtype == 0)
+                row_topk<F32>(row, vocab, temperature[r], k, heap, values + r * k, ids + r * k);
+            else
+                row_topk<BF16>(row, vocab, temperature[r], k, heap, values + r * k, ids + r * k);
+        }
     }
     return 0;
 }

@@ -195,8 +195,18 @@ class RowKernels:
         kernels), so converting them to fp32 first would only add a pass."""
         return x.dtype in self._dtypes or self._native(x) is not None
 
-    def argmax_reads(self, x: torch.Tensor) -> bool:
-        """Whether `argmax` reads logits like `x` natively (in their own dtype, fast)."""
+    def topk(
+        self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) [n, k]: the k best z = x[rows] / temperature of each row, in a
+        sort's order; only where `native_reads(x)` (torch's topk serves the rest)."""
+        lib = self._native(x)
+        assert lib is not None, "topk needs the native kernels (see native_reads)"
+        return sampler_cpu.topk(lib, x, rows, temperature, k)
+
+    def native_reads(self, x: torch.Tensor) -> bool:
+        """Whether the native kernels read logits like `x` (in their own dtype): `argmax`
+        is then fast on any of them, and `topk` available."""
         return self._native(x) is not None
 
     def argmax(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

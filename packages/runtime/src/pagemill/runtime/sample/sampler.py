@@ -125,7 +125,7 @@ class Sampler:
         raw = logits
         kernels = self._kernels
         if logits.dtype != torch.float32 and (
-            _needs_fp32(metadata, kernels.argmax_reads(logits)) or not kernels.serves(logits)
+            _needs_fp32(metadata, kernels.native_reads(logits)) or not kernels.serves(logits)
         ):
             # Converted once into a reused buffer: on CPU, torch's argmax, topk and division
             # are several times slower on bf16 than on fp32 (the conversion is exact). The
@@ -228,13 +228,24 @@ class Sampler:
         vocab = x.shape[1]
         count = x.shape[0] if rows is None else rows.numel()
         gens = _generators_of(md.generators, rows)
+        top_k = _required(pick(md.top_k), "top_k")
+        # Every row here has a top-k, so the head is the k best whatever top-p and min-p
+        # do after it (see `_filter_head`): selected natively from the logits, no scaled
+        # copy of the rows and no topk over it.
+        width = md.max_top_k if 0 < md.max_top_k < vocab else int(top_k.max())
+        if width <= vocab // 4 and self._kernels.native_reads(x):
+            t_rows = _required(pick(md.temperature), "temperature")
+            best = self._kernels.topk(x, rows, t_rows, width)
+            head, _ = _filter_head(
+                x, top_k, pick(md.top_p), pick(md.min_p), md.max_top_k, None, presorted=best
+            )
+            return self._race_head(head, gens, vocab)
         z = self._scratch.get("scaled", count, vocab, x.device)
         temperature = md.temperature.unsqueeze(1)
         if rows is None:
             torch.div(x, temperature, out=z)
         else:
             torch.div(_take_rows(x, rows), temperature.index_select(0, rows), out=z)
-        top_k = _required(pick(md.top_k), "top_k")
         return self._race_filtered(z, top_k, pick(md.top_p), pick(md.min_p), md.max_top_k, gens)
 
     def _race_filtered(
@@ -386,12 +397,12 @@ def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows]
 
 
-def _needs_fp32(md: SamplingMetadata, native_argmax: bool) -> bool:
-    """Whether low-precision logits are converted before sampling: greedy rows (torch's
-    argmax, unless the native one reads them), top-k rows (topk) and logprobs are faster on
-    fp32; the row kernels read any dtype."""
-    greedy_rows = not md.all_random and not native_argmax
-    return greedy_rows or md.top_k is not None or md.max_num_logprobs is not None
+def _needs_fp32(md: SamplingMetadata, native: bool) -> bool:
+    """Whether low-precision logits are converted before sampling: greedy rows and top-k
+    rows (torch's argmax and topk, unless the native kernels read the logits) and logprobs
+    are faster on fp32; the row kernels read any dtype."""
+    torch_ops = not native and (not md.all_random or md.top_k is not None)
+    return torch_ops or md.max_num_logprobs is not None
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -640,6 +651,7 @@ def _filter_head(
     max_top_k: int,
     scratch: torch.Tensor | None,
     width_cap: int | None = None,
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_Head, torch.Tensor | None]:
     """What top-k, then top-p, then min-p keep of each row of `z` (logits / temperature).
 
@@ -664,6 +676,9 @@ def _filter_head(
     head are done: a top-p row whose head holds top_p of the mass, a min-p row whose last
     head token is below min_p. The rows left over are returned as a mask (None when there
     are none) for a second, uncapped head of their own.
+
+    `presorted` (values, ids): the head of rows that all have a top-k, already selected
+    (the `width` best z of each row, best first); `z` is then only read for its shape.
     """
     vocab = z.shape[1]
     use_k: torch.Tensor | None = None
@@ -704,7 +719,10 @@ def _filter_head(
         width = max_top_k
     else:
         width = 1 if use_k is None or k is None else int(torch.where(use_k, k, 1).max())
-    if width <= vocab // 4:
+    if presorted is not None:
+        values, order = presorted
+        width = values.shape[1]
+    elif width <= vocab // 4:
         values, order = z.topk(width, dim=-1)
     else:
         width = vocab
