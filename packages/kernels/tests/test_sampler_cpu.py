@@ -125,10 +125,11 @@ def test_pick_is_the_inverse_cdf(lib, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [1, 7, 50, 999])
-def test_topk_is_a_stable_sort_head(lib, dtype: torch.dtype, k: int) -> None:
-    """The first k of a stable descending sort of z = x / t (equal z: smaller id first)."""
-    x = _logits(12, 999, dtype, seed=k)
+@pytest.mark.parametrize(("k", "vocab"), [(1, 999), (7, 999), (50, 999), (999, 999), (50, 5000)])
+def test_topk_is_a_stable_sort_head(lib, dtype: torch.dtype, k: int, vocab: int) -> None:
+    """The first k of a stable descending sort of z = x / t (equal z: smaller id first),
+    with k below and above the kernel's count of 64-column chunks."""
+    x = _logits(12, vocab, dtype, seed=k)
     x[2, 100:140] = x[2, 3]  # many ties, some at the cut
     x[3, 500:] = float("-inf")
     t = torch.linspace(0.2, 2.0, 12)

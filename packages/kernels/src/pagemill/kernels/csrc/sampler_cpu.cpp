@@ -204,45 +204,58 @@ inline bool ranks_above(const Ranked& a, const Ranked& b) {
     return a.z > b.z || (a.z == b.z && a.id < b.id);
 }
 
-// The k best of z = x / t in ranking order, by one pass with a heap of the k best so far
-// (its top the worst of them). A chunk whose largest logit, divided, is below the worst
-// is skipped with one vectorised max: after the first few thousand columns almost all are.
-// NaN logits are never selected.
+// The k best of z = x / t in ranking order. A first pass takes each chunk's largest z (a
+// vectorised max, then one division: it is monotonic); the k-th largest of those, theta,
+// bounds the k-th best z from below (k chunks each hold a z >= theta). A second pass
+// collects the z >= theta of the chunks that reach theta (about k chunks), and a partial
+// sort of those few orders the head. NaN logits are never selected.
+struct TopkScratch {
+    std::vector<float> chunk_z;
+    std::vector<float> order;
+    std::vector<Ranked> cands;
+};
+
 template <typename L>
-void row_topk(const void* row, int64_t vocab, float t, int64_t k, std::vector<Ranked>& heap,
+void row_topk(const void* row, int64_t vocab, float t, int64_t k, TopkScratch& sc,
               float* values, int64_t* ids) {
-    heap.clear();
-    auto worse = [](const Ranked& a, const Ranked& b) { return ranks_above(a, b); };
-    for (int64_t i0 = 0; i0 < vocab; i0 += kChunk) {
+    const int64_t nc = (vocab + kChunk - 1) / kChunk;
+    sc.chunk_z.resize(nc);
+    for (int64_t c = 0; c < nc; ++c) {
+        const int64_t i0 = c * kChunk;
         const int64_t i1 = i0 + kChunk < vocab ? i0 + kChunk : vocab;
-        if (static_cast<int64_t>(heap.size()) == k) {
-            float m = -INFINITY;
+        float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-            for (int64_t i = i0; i < i1; ++i) {
-                const float v = L::load(row, i);
-                m = v > m ? v : m;
-            }
-            // Later ids lose ties: only a strictly larger z can enter.
-            if (!(m / t > heap.front().z)) continue;
-        }
         for (int64_t i = i0; i < i1; ++i) {
-            const float z = L::load(row, i) / t;
-            if (z != z) continue;
-            if (static_cast<int64_t>(heap.size()) < k) {
-                heap.push_back({z, i});
-                std::push_heap(heap.begin(), heap.end(), worse);
-            } else if (z > heap.front().z) {
-                std::pop_heap(heap.begin(), heap.end(), worse);
-                heap.back() = {z, i};
-                std::push_heap(heap.begin(), heap.end(), worse);
-            }
+            const float v = L::load(row, i);
+            m = v > m ? v : m;
         }
+        sc.chunk_z[c] = m / t;
     }
-    std::sort(heap.begin(), heap.end(), ranks_above);
+    float theta = -INFINITY;
+    if (k <= nc) {
+        sc.order.assign(sc.chunk_z.begin(), sc.chunk_z.end());
+        std::nth_element(sc.order.begin(), sc.order.begin() + (k - 1), sc.order.end(),
+                         [](float a, float b) { return a > b; });
+        theta = sc.order[k - 1];
+    }
+    sc.cands.clear();
+    float zs[kChunk];
+    for (int64_t c = 0; c < nc; ++c) {
+        if (!(sc.chunk_z[c] >= theta)) continue;
+        const int64_t i0 = c * kChunk;
+        const int64_t i1 = i0 + kChunk < vocab ? i0 + kChunk : vocab;
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i) zs[i - i0] = L::load(row, i) / t;
+        for (int64_t i = i0; i < i1; ++i)
+            if (zs[i - i0] >= theta) sc.cands.push_back({zs[i - i0], i});
+    }
+    const int64_t have = static_cast<int64_t>(sc.cands.size()) < k
+                             ? static_cast<int64_t>(sc.cands.size())
+                             : k;
+    std::partial_sort(sc.cands.begin(), sc.cands.begin() + have, sc.cands.end(), ranks_above);
     for (int64_t j = 0; j < k; ++j) {
-        const bool have = j < static_cast<int64_t>(heap.size());
-        values[j] = have ? heap[j].z : -INFINITY;
-        ids[j] = have ? heap[j].id : 0;
+        values[j] = j < have ? sc.cands[j].z : -INFINITY;
+        ids[j] = j < have ? sc.cands[j].id : 0;
     }
 }
 
@@ -330,15 +343,14 @@ int pagemill_sampler_topk(int dtype, const void* x, int64_t stride, const int64_
     if ((dtype != 0 && dtype != 1) || k <= 0 || k > vocab) return -1;
 #pragma omp parallel num_threads(num_threads) if (n > 1)
     {
-        std::vector<Ranked> heap;
-        heap.reserve(k);
+        TopkScratch scratch;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             const void* row = row_ptr(x, dtype, stride, rows, r);
             if (dtype == 0)
-                row_topk<F32>(row, vocab, temperature[r], k, heap, values + r * k, ids + r * k);
+                row_topk<F32>(row, vocab, temperature[r], k, scratch, values + r * k, ids + r * k);
             else
-                row_topk<BF16>(row, vocab, temperature[r], k, heap, values + r * k, ids + r * k);
+                row_topk<BF16>(row, vocab, temperature[r], k, scratch, values + r * k, ids + r * k);
         }
     }
     return 0;
