@@ -182,6 +182,7 @@ class RowKernels:
         self._dtypes: frozenset[torch.dtype] = frozenset()
         self._scratch: torch.Tensor | None = None
         self._want_native = native
+        self._native_built = False
 
     def _native(self, x: torch.Tensor) -> ctypes.CDLL | None:
         """The native library when it serves `x` (built at the first CPU call: seconds,
@@ -230,12 +231,22 @@ class RowKernels:
 
     @property
     def compiled(self) -> bool:
-        return bool(self._compiled)
+        """Whether compiled code serves: the native CPU library or inductor's graphs."""
+        return bool(self._compiled) or self._native_built
 
     def compile(self, vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> float:
         """Compile both kernels and run them on throwaway rows of each logits dtype in
-        `dtypes`; returns seconds. A failure is logged and leaves the eager kernels."""
+        `dtypes`; returns seconds. A failure is logged and leaves the eager kernels.
+
+        On CPU the native library serves those dtypes before any graph would: it is built
+        (or loaded from the cache folder) instead, so a start traces nothing for the
+        sampler and the first step does not build it."""
         start = time.perf_counter()
+        native_dtypes = (torch.float32, torch.bfloat16)
+        if self._want_native and device.type == "cpu" and all(d in native_dtypes for d in dtypes):
+            self._native_built = sampler_cpu.load() is not None
+            if self._native_built:
+                return time.perf_counter() - start
         fns = {name: _compiled(name) for name in ("scaled_max", "block_sums")}
         try:
             # In inference mode, as the sampler runs: dynamo guards on grad mode and on
