@@ -18,9 +18,10 @@ seeded row's token depends only on its own logits and generator, never on which 
 share the batch.
 
 Rows without top-k (plain temperature, top-p, min-p) are drawn from their whole row by the
-row kernels (`row_kernels`: fused, compiled at start-up by `Sampler.compile`), top-p by
-rejection rounds instead of a sort (`Sampler._draw_nucleus`). Top-k rows draw among their
-k best tokens, found with `topk` (`_filter_head`, `_race_head`).
+row kernels (`row_kernels`: native C++ on CPU, else compiled at start-up by
+`Sampler.compile` or eager torch), top-p by rejection rounds instead of a sort
+(`Sampler._draw_nucleus`). Top-k rows draw among their k best tokens (`_filter_head`,
+`_race_head`), selected by the native kernels where they read the logits, else by `topk`.
 """
 
 from __future__ import annotations
