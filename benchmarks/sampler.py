@@ -9,15 +9,22 @@ timed over `--iters` rounds after a warm-up; within a round every sampler varian
 case once, in turn, so a shared machine's load falls on all of them alike. The ratio is
 against greedy at the same batch size, measured by the same variant in the same rounds.
 
-Variants: `new` (this tree's sampler, eager kernels), `new+compile` (its row kernels
-compiled, as the engine runs them when the model is compiled) and, with `--baseline REV`,
-`old`: `sampler.py` of commit REV loaded beside it (git must be able to read REV).
+Variants: `new` (this tree's sampler: native CPU row kernels where a compiler builds them),
+with `--torch-kernels` also `new/torch` and `new/torch+c` (its torch row kernels, eager and
+compiled, as where no compiler is found) and, with `--baseline REV`, `old` and `old+compile`:
+`sampler.py` and `row_kernels.py` of commit REV loaded beside it (git must read REV).
+
+On a busy box, prefer `--threads 1 --clock thread` (per-thread CPU time, medians):
+
+    python benchmarks/sampler.py --baseline 413bfc6 --batch-sizes 1,16,64,128,256 \
+        --iters 15 --threads 1 --clock thread
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pagemill.runtime.sample.row_kernels import RowKernels
 from pagemill.runtime.sample.sampler import Sampler
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
@@ -46,6 +54,7 @@ CASES: dict[str, dict[str, Any]] = {
     ),
 }
 SAMPLER_PATH = "packages/runtime/src/pagemill/runtime/sample/sampler.py"
+ROW_KERNELS_PATH = "packages/runtime/src/pagemill/runtime/sample/row_kernels.py"
 
 
 def logits_like_a_model(rows: int, vocab: int, seed: int = 0, flat: bool = False) -> torch.Tensor:
@@ -59,20 +68,36 @@ def logits_like_a_model(rows: int, vocab: int, seed: int = 0, flat: bool = False
     return x[:, torch.randperm(vocab, generator=g)].to(torch.bfloat16)
 
 
-def load_baseline(rev: str) -> type:
-    """The `Sampler` class of `sampler.py` at commit `rev`, imported under another name."""
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{SAMPLER_PATH}"], cwd=root, check=True, capture_output=True
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "baseline_sampler.py"
+def _load_module(name: str, source: bytes) -> Any:
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location("baseline_sampler", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_sampler"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module.Sampler  # type: ignore[no-any-return]
+    return module
+
+
+def load_baseline(rev: str) -> type:
+    """The `Sampler` class of `sampler.py` at commit `rev` (with that commit's own
+    `row_kernels.py` where it has one), imported under other names."""
+    root = Path(__file__).resolve().parent.parent
+
+    def show(path: str) -> bytes | None:
+        done = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True)
+        return done.stdout if done.returncode == 0 else None
+
+    source = show(SAMPLER_PATH)
+    assert source is not None, f"{SAMPLER_PATH} is not in {rev}"
+    kernels = show(ROW_KERNELS_PATH)
+    if kernels is not None:
+        _load_module("baseline_row_kernels", kernels)
+        source = source.replace(
+            b"from pagemill.runtime.sample.row_kernels import",
+            b"from baseline_row_kernels import",
+        )
+    return _load_module("baseline_sampler", source).Sampler  # type: ignore[no-any-return]
 
 
 def metadata(kw: dict[str, Any], rows: int, vocab: int) -> SamplingMetadata:
@@ -85,19 +110,22 @@ def metadata(kw: dict[str, Any], rows: int, vocab: int) -> SamplingMetadata:
 
 
 def time_case(
-    samplers: dict[str, Any], logits: torch.Tensor, md: SamplingMetadata, iters: int
+    samplers: dict[str, Any], logits: torch.Tensor, md: SamplingMetadata, args: Any
 ) -> dict[str, float]:
-    """Best time of each sampler on this case, interleaved round by round."""
+    """Each sampler's time on this case (median or best over rounds), interleaved round by
+    round so that the box's load falls on every variant alike."""
     for s in samplers.values():
         for _ in range(2):
             s(logits, md)
-    best = {name: float("inf") for name in samplers}
-    for _ in range(iters):
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    times: dict[str, list[float]] = {name: [] for name in samplers}
+    for _ in range(args.iters):
         for name, s in samplers.items():
-            t = time.perf_counter()
+            t = clock()
             s(logits, md)
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+            times[name].append(clock() - t)
+    pick = statistics.median if args.stat == "median" else min
+    return {name: pick(ts) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -107,23 +135,47 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--flat", action="store_true", help="flat rows (see logits_like_a_model)")
-    ap.add_argument("--baseline", default=None, help="a commit whose sampler.py runs as `old`")
-    ap.add_argument("--no-compile", action="store_true", help="skip the `new+compile` variant")
+    ap.add_argument("--baseline", default=None, help="a commit whose sampler runs as `old`")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled variants")
+    ap.add_argument(
+        "--torch-kernels", action="store_true", help="also this tree's torch row kernels"
+    )
+    ap.add_argument("--stat", choices=("median", "best"), default="median")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "thread"),
+        default="wall",
+        help="thread: this thread's CPU time (meaningful with --threads 1 on a busy box)",
+    )
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+
+    def compiled(s: Any) -> Any:
+        seconds = s.compile(args.vocab, "cpu", (torch.float32,))  # as the engine
+        print(f"compiled the row kernels in {seconds:.1f} s", file=sys.stderr)
+        return s
+
     samplers: dict[str, Any] = {}
     if args.baseline:
-        samplers["old"] = load_baseline(args.baseline)(seed=0)
-    samplers["new"] = Sampler(seed=0)
-    if not args.no_compile:
-        compiled = Sampler(seed=0)
-        seconds = compiled.compile(args.vocab, "cpu", (torch.float32,))  # as the engine
-        print(f"compiled the row kernels in {seconds:.1f} s", file=sys.stderr)
-        samplers["new+compile"] = compiled
+        old = load_baseline(args.baseline)
+        samplers["old"] = old(seed=0)
+        if not args.no_compile:
+            samplers["old+compile"] = compiled(old(seed=0))
+    samplers["new"] = Sampler(seed=0)  # native CPU kernels where they build
+    if args.torch_kernels:
+        for name, compile_it in (("new/torch", False), ("new/torch+c", True)):
+            if compile_it and args.no_compile:
+                continue
+            s = Sampler(seed=0)
+            s._kernels = RowKernels(native=False)
+            samplers[name] = compiled(s) if compile_it else s
+    cases = CASES if args.cases is None else {c: CASES[c] for c in args.cases.split(",")}
     print(
         f"vocab {args.vocab}, {'flat' if args.flat else 'peaked'} bf16 rows, "
-        f"{torch.get_num_threads()} threads, best of {args.iters} interleaved rounds; "
+        f"{torch.get_num_threads()} threads, {args.stat} of {args.iters} "
+        f"interleaved rounds ({args.clock} clock); "
         f"ms (x greedy of the same variant)"
     )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -134,8 +186,8 @@ def main() -> None:
         with torch.inference_mode():  # as the engine's logits are
             logits = logits_like_a_model(b, args.vocab, flat=args.flat)
         base: dict[str, float] = {}
-        for case, kw in CASES.items():
-            best = time_case(samplers, logits, metadata(kw, b, args.vocab), args.iters)
+        for case, kw in cases.items():
+            best = time_case(samplers, logits, metadata(kw, b, args.vocab), args)
             for name, s in best.items():
                 base.setdefault(name, s)
                 cell = f"{s * 1e3:8.2f} ({s / base[name]:5.2f}x)"

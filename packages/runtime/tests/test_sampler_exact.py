@@ -190,14 +190,23 @@ def test_seeded_rows_draw_the_same_tokens_in_any_batch(dtype: torch.dtype) -> No
     assert len(set(runs[0][0::2])) > 1 and len(set(runs[0][1::2])) > 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_kernels_draw_like_native_ones(dtype: torch.dtype) -> None:
+    """The eager torch row kernels (where no compiler builds the native ones, and off CPU)
+    and the native CPU ones: the same tokens for the same seeds, batch-independent."""
+    eager = _seeded_runs(dtype, RowKernels(native=False))
+    assert all(r == eager[0] for r in eager)
+    assert eager == _seeded_runs(dtype, None)
+
+
 @pytest.mark.slow
 def test_compiled_kernels_draw_like_eager_ones() -> None:
     """Compiled (inductor) and eager kernels: the same tokens for the same seeds, and seeded
     rows still independent of their batch (the compiled graphs serve any row count)."""
-    kernels = RowKernels()
+    kernels = RowKernels(native=False)  # the native kernels would serve before the graphs
     kernels.compile(1000, torch.device("cpu"), (torch.float32, torch.bfloat16))
     assert kernels.compiled
     for dtype in (torch.float32, torch.bfloat16):
         compiled = _seeded_runs(dtype, kernels)
         assert all(r == compiled[0] for r in compiled)
-        assert compiled == _seeded_runs(dtype, None)
+        assert compiled == _seeded_runs(dtype, RowKernels(native=False))

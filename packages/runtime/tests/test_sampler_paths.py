@@ -180,3 +180,26 @@ def test_works_inside_and_outside_inference_mode() -> None:
     with torch.inference_mode():
         assert sampler(logits.clone(), md).sampled_token_ids == outside
     assert sampler(logits, md).sampled_token_ids == outside
+
+
+def test_bf16_rows_read_in_place_draw_like_their_fp32_values() -> None:
+    """Without logprobs, bf16 logits are not converted (the native CPU passes read them):
+    greedy, top-k, top-p, min-p and plain rows still draw what their fp32 values draw."""
+    vocab = 3000
+    g = torch.Generator().manual_seed(8)
+    low = (torch.randn(10, vocab, generator=g) * 3).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=20, seed=1),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.8, seed=2),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.2, min_p=0.05, seed=4),
+        SamplingParams(temperature=0.8, seed=5),
+    ] * 2
+    params = params[:10]
+    for _ in range(3):
+        got = Sampler()(low, _metadata(params, [[1]] * 10)).sampled_token_ids
+        want = Sampler()(low.float(), _metadata(params, [[1]] * 10)).sampled_token_ids
+        assert got == want
+        assert got[0] == int(low[0].float().argmax())
+        low = low.roll(7, dims=1)

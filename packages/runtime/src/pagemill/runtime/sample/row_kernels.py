@@ -16,16 +16,26 @@ weight by as much).
 
 Rows are taken from `x` through `rows` (an index tensor), so a round over a few rows of a
 large batch gathers inside the fused loop instead of copying them first.
+
+On CPU the native passes (`pagemill.kernels.sampler_cpu`, C++ built at first use) serve
+fp32 and bf16 logits first, compiled or not: one read of each row in its own dtype, no
+temporaries, and the same code at every batch size (so a seeded row's weights do not
+depend on whether its batch was large enough for the compiled graphs). torch.compile serves
+the rest (other devices, or where no compiler can build the native code); eager torch
+serves what neither does.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from pagemill.kernels import sampler_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +100,48 @@ def block_sums_eager(
     return full.sum(dim=-1)
 
 
+def pick_in_blocks(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    sums: torch.Tensor,
+    u: torch.Tensor,
+    temperature: torch.Tensor,
+    peak: torch.Tensor,
+    thr_z: torch.Tensor,
+    thr_id: torch.Tensor,
+) -> torch.Tensor:
+    """[n] token ids: per row, the first candidate whose running weight exceeds u x the
+    row's candidate mass, from the row kernels' `sums` ([n, blocks]) and the chosen
+    block's own weights, recomputed here as `block_sums` computes them.
+
+    Sums are float64 from the blocks on. Rounding may put the target past the last block
+    (or column) with any weight: it then takes that last one; a weight of 0 is never
+    chosen.
+    """
+    n, nb = sums.shape
+    vocab = x.shape[1]
+    cum = sums.double().cumsum(dim=-1)
+    target = (u * cum[:, -1]).unsqueeze(1)
+    b = torch.searchsorted(cum, target, right=True)
+    idx = torch.arange(nb, device=x.device)
+    b = torch.minimum(b, torch.where(sums > 0, idx, 0).amax(dim=-1, keepdim=True))
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
+    cols = b * BLOCK + torch.arange(BLOCK, device=x.device)
+    valid = cols < vocab
+    cols = cols.clamp_max(vocab - 1)
+    row_ids = torch.arange(n, device=x.device) if rows is None else rows
+    z = x[row_ids.unsqueeze(1), cols].float() / temperature.unsqueeze(1)
+    w = torch.exp(z - peak.unsqueeze(1))
+    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
+    keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
+    w = torch.where(keep, w, 0.0)
+    icum = w.double().cumsum(dim=-1)
+    j = torch.searchsorted(icum, target - before, right=True)
+    inner = torch.arange(BLOCK, device=x.device)
+    j = torch.minimum(j, torch.where(w > 0, inner, 0).amax(dim=-1, keepdim=True))
+    return (b * BLOCK + j).squeeze(1)
+
+
 # The kernels over some rows of `x`, as compiled: the gather fuses into the loop. Each is
 # its own code object, which dynamo caches graphs by.
 def _scaled_max_of_rows(
@@ -125,14 +177,45 @@ class RowKernels:
     padded to two, and a batch of one row runs eagerly.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
         self._compiled: dict[str, Callable[..., torch.Tensor]] = {}
         self._dtypes: frozenset[torch.dtype] = frozenset()
         self._scratch: torch.Tensor | None = None
+        self._want_native = native
+        self._native_built = False
 
-    def serves(self, dtype: torch.dtype) -> bool:
-        """Whether logits of `dtype` run compiled kernels."""
-        return dtype in self._dtypes
+    def _native(self, x: torch.Tensor) -> ctypes.CDLL | None:
+        """The native library when it serves `x` (built at the first CPU call: seconds,
+        once per machine; later starts load it from the cache folder)."""
+        if not self._want_native or not sampler_cpu.supports(x):
+            return None
+        return sampler_cpu.load()
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether logits like `x` run in one pass in their own dtype (native or compiled
+        kernels), so converting them to fp32 first would only add a pass."""
+        return x.dtype in self._dtypes or self._native(x) is not None
+
+    def topk(
+        self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) [n, k]: the k best z = x[rows] / temperature of each row, in a
+        sort's order; only where `native_reads(x)` (torch's topk serves the rest)."""
+        lib = self._native(x)
+        assert lib is not None, "topk needs the native kernels (see native_reads)"
+        return sampler_cpu.topk(lib, x, rows, temperature, k)
+
+    def native_reads(self, x: torch.Tensor) -> bool:
+        """Whether the native kernels read logits like `x` (in their own dtype): `argmax`
+        is then fast on any of them, and `topk` available."""
+        return self._native(x) is not None
+
+    def argmax(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[n] int64: the argmax of rows `rows` of `x` (all when None)."""
+        lib = self._native(x)
+        if lib is not None:
+            return sampler_cpu.argmax(lib, x, rows)
+        return (x if rows is None else x[rows]).argmax(dim=-1)
 
     def _use_compiled(self, x: torch.Tensor) -> bool:
         # Logits of a dtype that was not compiled would be traced in the middle of a step.
@@ -148,12 +231,22 @@ class RowKernels:
 
     @property
     def compiled(self) -> bool:
-        return bool(self._compiled)
+        """Whether compiled code serves: the native CPU library or inductor's graphs."""
+        return bool(self._compiled) or self._native_built
 
     def compile(self, vocab: int, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> float:
         """Compile both kernels and run them on throwaway rows of each logits dtype in
-        `dtypes`; returns seconds. A failure is logged and leaves the eager kernels."""
+        `dtypes`; returns seconds. A failure is logged and leaves the eager kernels.
+
+        On CPU the native library serves those dtypes before any graph would: it is built
+        (or loaded from the cache folder) instead, so a start traces nothing for the
+        sampler and the first step does not build it."""
         start = time.perf_counter()
+        native_dtypes = (torch.float32, torch.bfloat16)
+        if self._want_native and device.type == "cpu" and all(d in native_dtypes for d in dtypes):
+            self._native_built = sampler_cpu.load() is not None
+            if self._native_built:
+                return time.perf_counter() - start
         fns = {name: _compiled(name) for name in ("scaled_max", "block_sums")}
         try:
             # In inference mode, as the sampler runs: dynamo guards on grad mode and on
@@ -204,6 +297,9 @@ class RowKernels:
     def scaled_max(
         self, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor
     ) -> torch.Tensor:
+        lib = self._native(x)
+        if lib is not None:
+            return sampler_cpu.block_sums(lib, x, rows, temperature, None, None, None, BLOCK)[0]
         if self._use_compiled(x):
             return self._call("scaled_max", x, rows, temperature)
         xr = x if rows is None else x[rows]
@@ -220,6 +316,9 @@ class RowKernels:
         thr_z: torch.Tensor,
         thr_id: torch.Tensor,
     ) -> torch.Tensor:
+        lib = self._native(x)
+        if lib is not None:
+            return sampler_cpu.block_sums(lib, x, rows, temperature, peak, thr_z, thr_id, BLOCK)[1]
         if self._use_compiled(x):
             return self._call("block_sums", x, rows, temperature, peak, thr_z, thr_id)
         xr = x if rows is None else x[rows]
@@ -232,6 +331,9 @@ class RowKernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(`scaled_max`, `block_sums` of every token): a first round's two reductions.
         Eagerly in one buffer, so the logits are converted and divided once."""
+        lib = self._native(x)
+        if lib is not None:
+            return sampler_cpu.block_sums(lib, x, rows, temperature, None, None, None, BLOCK)
         n = x.shape[0] if rows is None else rows.numel()
         vocab = x.shape[1]
         thr_z = torch.full((n,), float("-inf"), device=x.device)
@@ -249,3 +351,21 @@ class RowKernels:
         peak = w.copy_(xr).div_(temperature.unsqueeze(1)).amax(dim=-1)
         w.sub_(peak.unsqueeze(1)).exp_()
         return peak, buf.view(n, -1, BLOCK).sum(dim=-1)
+
+    def pick(
+        self,
+        x: torch.Tensor,
+        rows: torch.Tensor | None,
+        sums: torch.Tensor,
+        u: torch.Tensor,
+        temperature: torch.Tensor,
+        peak: torch.Tensor,
+        thr_z: torch.Tensor,
+        thr_id: torch.Tensor,
+    ) -> torch.Tensor:
+        """[n] tokens drawn by uniforms `u` from the candidates whose block sums are `sums`
+        (see `pick_in_blocks`)."""
+        lib = self._native(x)
+        if lib is not None:
+            return sampler_cpu.pick(lib, x, rows, sums, u, temperature, peak, thr_z, thr_id, BLOCK)
+        return pick_in_blocks(x, rows, sums, u, temperature, peak, thr_z, thr_id)

@@ -18,9 +18,10 @@ seeded row's token depends only on its own logits and generator, never on which 
 share the batch.
 
 Rows without top-k (plain temperature, top-p, min-p) are drawn from their whole row by the
-row kernels (`row_kernels`: fused, compiled at start-up by `Sampler.compile`), top-p by
-rejection rounds instead of a sort (`Sampler._draw_nucleus`). Top-k rows draw among their
-k best tokens, found with `topk` (`_filter_head`, `_race_head`).
+row kernels (`row_kernels`: native C++ on CPU, else compiled at start-up by
+`Sampler.compile` or eager torch), top-p by rejection rounds instead of a sort
+(`Sampler._draw_nucleus`). Top-k rows draw among their k best tokens (`_filter_head`,
+`_race_head`), selected by the native kernels where they read the logits, else by `topk`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pagemill.runtime.sample.row_kernels import BLOCK, RowKernels
+from pagemill.runtime.sample.row_kernels import RowKernels
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
 
 __all__ = [
@@ -123,19 +124,21 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(sampled_token_ids=[], logprob_token_ids=None, logprobs=None)
         raw = logits
+        kernels = self._kernels
         if logits.dtype != torch.float32 and (
-            _needs_fp32(metadata) or not self._kernels.serves(logits.dtype)
+            _needs_fp32(metadata, kernels.native_reads(logits)) or not kernels.serves(logits)
         ):
-            # Converted once into a reused buffer: on CPU, argmax, topk and division are
-            # several times slower on bf16 than on fp32 (the conversion is exact). Compiled
-            # row kernels read their dtype as it is, so batches only they serve skip it.
+            # Converted once into a reused buffer: on CPU, torch's argmax, topk and division
+            # are several times slower on bf16 than on fp32 (the conversion is exact). The
+            # native and compiled row kernels read their dtype as it is, so batches only
+            # they serve skip it.
             raw = self._scratch.get("raw", num_rows, vocab, logits.device).copy_(logits)
         # A converted copy is the sampler's own: bans and penalties may go into it unless
         # the logprobs still need the raw values.
         x = self._apply_min_tokens_and_penalties(
             raw, metadata, in_place=raw is not logits and metadata.max_num_logprobs is None
         )
-        tokens = x.argmax(dim=-1) if metadata.all_greedy else self._sample(x, metadata)
+        tokens = kernels.argmax(x) if metadata.all_greedy else self._sample(x, metadata)
         sampled = tokens.tolist()
         if metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=None, logprobs=None)
@@ -188,7 +191,7 @@ class Sampler:
             with_k = None
         # An argmax over every row reads the logits once and copies nothing; picking the
         # greedy rows out first would copy them. Random rows' results are overwritten.
-        tokens = x.argmax(dim=-1) if random is not None else None
+        tokens = self._kernels.argmax(x) if random is not None else None
         groups: list[tuple[torch.Tensor | None, bool]]
         if with_k is None:
             groups = [(random, False)]
@@ -226,13 +229,24 @@ class Sampler:
         vocab = x.shape[1]
         count = x.shape[0] if rows is None else rows.numel()
         gens = _generators_of(md.generators, rows)
+        top_k = _required(pick(md.top_k), "top_k")
+        # Every row here has a top-k, so the head is the k best whatever top-p and min-p
+        # do after it (see `_filter_head`): selected natively from the logits, no scaled
+        # copy of the rows and no topk over it.
+        width = md.max_top_k if 0 < md.max_top_k < vocab else int(top_k.max())
+        if width <= vocab // 4 and self._kernels.native_reads(x):
+            t_rows = _required(pick(md.temperature), "temperature")
+            best = self._kernels.topk(x, rows, t_rows, width)
+            head, _ = _filter_head(
+                x, top_k, pick(md.top_p), pick(md.min_p), md.max_top_k, None, presorted=best
+            )
+            return self._race_head(head, gens, vocab)
         z = self._scratch.get("scaled", count, vocab, x.device)
         temperature = md.temperature.unsqueeze(1)
         if rows is None:
             torch.div(x, temperature, out=z)
         else:
             torch.div(_take_rows(x, rows), temperature.index_select(0, rows), out=z)
-        top_k = _required(pick(md.top_k), "top_k")
         return self._race_filtered(z, top_k, pick(md.top_p), pick(md.min_p), md.max_top_k, gens)
 
     def _race_filtered(
@@ -300,7 +314,7 @@ class Sampler:
             a_gens = gens if active.numel() == count else _generators_of(gens, active)
             u = self._uniforms(active.numel(), a_gens, device)
             t_a, peak_a = temperature[active], peak[active]
-            s = _pick_in_blocks(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
+            s = kernels.pick(x, act_rows, sums, u, t_a, peak_a, thr_z[active], thr_id[active])
             if limit is None and min_p is None:
                 tokens[active] = s
                 break
@@ -384,52 +398,12 @@ def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t[rows]
 
 
-def _needs_fp32(md: SamplingMetadata) -> bool:
-    """Whether low-precision logits are converted before sampling: greedy rows (argmax),
-    top-k rows (topk) and logprobs are faster on fp32; the row kernels read any dtype."""
-    return not md.all_random or md.top_k is not None or md.max_num_logprobs is not None
-
-
-def _pick_in_blocks(
-    x: torch.Tensor,
-    rows: torch.Tensor | None,
-    sums: torch.Tensor,
-    u: torch.Tensor,
-    temperature: torch.Tensor,
-    peak: torch.Tensor,
-    thr_z: torch.Tensor,
-    thr_id: torch.Tensor,
-) -> torch.Tensor:
-    """[n] token ids: per row, the first candidate whose running weight exceeds u x the
-    row's candidate mass, from the row kernels' `sums` ([n, blocks]) and the chosen
-    block's own weights, recomputed here as `row_kernels.block_sums` computes them.
-
-    Sums are float64 from the blocks on. Rounding may put the target past the last block
-    (or column) with any weight: it then takes that last one; a weight of 0 is never
-    chosen.
-    """
-    n, nb = sums.shape
-    vocab = x.shape[1]
-    cum = sums.double().cumsum(dim=-1)
-    target = (u * cum[:, -1]).unsqueeze(1)
-    b = torch.searchsorted(cum, target, right=True)
-    idx = torch.arange(nb, device=x.device)
-    b = torch.minimum(b, torch.where(sums > 0, idx, 0).amax(dim=-1, keepdim=True))
-    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)), 0.0)
-    cols = b * BLOCK + torch.arange(BLOCK, device=x.device)
-    valid = cols < vocab
-    cols = cols.clamp_max(vocab - 1)
-    row_ids = torch.arange(n, device=x.device) if rows is None else rows
-    z = x[row_ids.unsqueeze(1), cols].float() / temperature.unsqueeze(1)
-    w = torch.exp(z - peak.unsqueeze(1))
-    tz, ti = thr_z.unsqueeze(1), thr_id.unsqueeze(1)
-    keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
-    w = torch.where(keep, w, 0.0)
-    icum = w.double().cumsum(dim=-1)
-    j = torch.searchsorted(icum, target - before, right=True)
-    inner = torch.arange(BLOCK, device=x.device)
-    j = torch.minimum(j, torch.where(w > 0, inner, 0).amax(dim=-1, keepdim=True))
-    return (b * BLOCK + j).squeeze(1)
+def _needs_fp32(md: SamplingMetadata, native: bool) -> bool:
+    """Whether low-precision logits are converted before sampling: greedy rows and top-k
+    rows (torch's argmax and topk, unless the native kernels read the logits) and logprobs
+    are faster on fp32; the row kernels read any dtype."""
+    torch_ops = not native and (not md.all_random or md.top_k is not None)
+    return torch_ops or md.max_num_logprobs is not None
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -678,6 +652,7 @@ def _filter_head(
     max_top_k: int,
     scratch: torch.Tensor | None,
     width_cap: int | None = None,
+    presorted: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_Head, torch.Tensor | None]:
     """What top-k, then top-p, then min-p keep of each row of `z` (logits / temperature).
 
@@ -702,6 +677,9 @@ def _filter_head(
     head are done: a top-p row whose head holds top_p of the mass, a min-p row whose last
     head token is below min_p. The rows left over are returned as a mask (None when there
     are none) for a second, uncapped head of their own.
+
+    `presorted` (values, ids): the head of rows that all have a top-k, already selected
+    (the `width` best z of each row, best first); `z` is then only read for its shape.
     """
     vocab = z.shape[1]
     use_k: torch.Tensor | None = None
@@ -742,7 +720,10 @@ def _filter_head(
         width = max_top_k
     else:
         width = 1 if use_k is None or k is None else int(torch.where(use_k, k, 1).max())
-    if width <= vocab // 4:
+    if presorted is not None:
+        values, order = presorted
+        width = values.shape[1]
+    elif width <= vocab // 4:
         values, order = z.topk(width, dim=-1)
     else:
         width = vocab

@@ -1,0 +1,236 @@
+"""Native CPU passes of the sampler (argmax, block sums, inverse-CDF pick), built at first use.
+
+`csrc/sampler_cpu.cpp` is plain C++ built like the decode attention kernel (see
+`cpu_native`): once per machine into the cache folder, called through ctypes. It reads the
+logits in their own dtype (fp32 or bf16) and reduces each row while it is in cache, where
+torch makes a pass and an fp32 temporary per elementwise op. Without a compiler, or if the
+build fails, `load()` returns None and the sampler's torch kernels run (one warning);
+``PAGEMILL_NATIVE_CPU_KERNELS=0`` turns it off as it does the attention kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagemill.kernels.cpu_native import _cache_dir, _compiler, _cpu_signature
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "sampler_cpu.cpp"
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built library, or None when it cannot be built here (see the log)."""
+    if os.environ.get(_ENV, "1") == "0":
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found: the sampler uses its torch kernels")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + cxx.encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"sampler_cpu-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+            cmd += [str(_SOURCE), "-o", str(out)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                logger.warning(
+                    "building the sampler's CPU kernels failed (%s); using torch",
+                    detail.strip()[-500:],
+                )
+                return None
+            os.replace(out, target)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(str(target))
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    row_args: list[type[Any]] = [i32, ptr, i64, ptr, i64, i64]  # dtype, x, stride, rows, n, vocab
+    lib.pagemill_sampler_argmax.restype = i32
+    lib.pagemill_sampler_argmax.argtypes = [*row_args, ptr, i32]
+    lib.pagemill_sampler_block_sums.restype = i32
+    lib.pagemill_sampler_block_sums.argtypes = [
+        *row_args, ptr, ptr, i32, ptr, ptr, ptr, i64, i64, i32
+    ]  # fmt: skip
+    lib.pagemill_sampler_pick.restype = i32
+    lib.pagemill_sampler_pick.argtypes = [
+        *row_args, ptr, ptr, ptr, ptr, ptr, i64, i64, ptr, ptr, i32
+    ]  # fmt: skip
+    lib.pagemill_sampler_topk.restype = i32
+    lib.pagemill_sampler_topk.argtypes = [*row_args, ptr, i64, ptr, ptr, i32]
+    return lib
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the native passes read these logits: CPU, fp32 or bf16, unit column stride."""
+    return x.device.type == "cpu" and x.dtype in _DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"sampler CPU kernel failed with status {status}")
+
+
+def _rows_of(x: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    if rows is None:
+        return None, x.shape[0]
+    rows = rows.to(torch.int64).contiguous()
+    return rows, rows.numel()
+
+
+def argmax(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[n] int64: torch.argmax(x[rows], dim=-1) (all rows when None), first maximum first."""
+    rows, n = _rows_of(x, rows)
+    out = torch.empty(n, dtype=torch.int64)
+    _check(
+        lib.pagemill_sampler_argmax(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            _ptr(rows),
+            n,
+            x.shape[1],
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
+    return out
+
+
+def block_sums(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    temperature: torch.Tensor,
+    peak: torch.Tensor | None,
+    thr_z: torch.Tensor | None,
+    thr_id: torch.Tensor | None,
+    block: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(peak [n] fp32, sums [n, ceil(vocab / block)] fp32) over rows `rows` of `x`: the
+    largest z = x / temperature per row (computed when `peak` is None) and, per block of
+    token ids, the sum of exp(z - peak) over the candidates (every token without a
+    threshold, else those ranked above (thr_z, thr_id))."""
+    rows, n = _rows_of(x, rows)
+    vocab = x.shape[1]
+    nb = -(-vocab // block)
+    temperature = temperature.to(torch.float32).contiguous()
+    compute = peak is None
+    peak = torch.empty(n) if peak is None else peak.to(torch.float32).contiguous().clone()
+    if thr_z is not None:
+        thr_z = thr_z.to(torch.float32).contiguous()
+        thr_id = torch.as_tensor(thr_id).to(torch.int64).contiguous()
+    sums = torch.empty(n, nb)
+    _check(
+        lib.pagemill_sampler_block_sums(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            _ptr(rows),
+            n,
+            vocab,
+            temperature.data_ptr(),
+            peak.data_ptr(),
+            int(compute),
+            _ptr(thr_z),
+            _ptr(thr_id),
+            sums.data_ptr(),
+            nb,
+            block,
+            torch.get_num_threads(),
+        )
+    )
+    return peak, sums
+
+
+def pick(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    sums: torch.Tensor,
+    u: torch.Tensor,
+    temperature: torch.Tensor,
+    peak: torch.Tensor,
+    thr_z: torch.Tensor | None,
+    thr_id: torch.Tensor | None,
+    block: int,
+) -> torch.Tensor:
+    """[n] int64: per row, the token that uniform `u` (float64) draws by inverse CDF from
+    the candidates whose block sums are `sums` (same thresholds as `block_sums`)."""
+    rows, n = _rows_of(x, rows)
+    sums = sums.to(torch.float32).contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    peak = peak.to(torch.float32).contiguous()
+    u = u.to(torch.float64).contiguous()
+    if thr_z is not None:
+        thr_z = thr_z.to(torch.float32).contiguous()
+        thr_id = torch.as_tensor(thr_id).to(torch.int64).contiguous()
+    out = torch.empty(n, dtype=torch.int64)
+    _check(
+        lib.pagemill_sampler_pick(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            _ptr(rows),
+            n,
+            x.shape[1],
+            temperature.data_ptr(),
+            peak.data_ptr(),
+            _ptr(thr_z),
+            _ptr(thr_id),
+            sums.data_ptr(),
+            sums.shape[1],
+            block,
+            u.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
+    return out
+
+
+def topk(
+    lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor | None, temperature: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [n, k] fp32, ids [n, k] int64): the k best of z = x[rows] / temperature, in
+    a sort's order (larger z first, equal z by smaller id), without a [n, vocab] result."""
+    rows, n = _rows_of(x, rows)
+    temperature = temperature.to(torch.float32).contiguous()
+    values = torch.empty(n, k)
+    ids = torch.empty(n, k, dtype=torch.int64)
+    _check(
+        lib.pagemill_sampler_topk(
+            _DTYPE_CODES[x.dtype],
+            x.data_ptr(),
+            x.stride(0),
+            _ptr(rows),
+            n,
+            x.shape[1],
+            temperature.data_ptr(),
+            k,
+            values.data_ptr(),
+            ids.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
+    return values, ids
