@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the cache folder for warm starts (default: the cold start's fresh one)",
     )
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per start")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per start")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 

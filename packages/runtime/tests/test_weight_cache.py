@@ -7,8 +7,11 @@ the warm model must equal the cold one tensor for tensor and generate the same t
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,55 @@ def test_switch(monkeypatch, q4_gguf, tmp_path) -> None:
     monkeypatch.setenv(WEIGHT_CACHE_ENV, "off")
     with pytest.raises(ValueError, match=WEIGHT_CACHE_ENV):
         weight_cache_enabled()
+
+
+_START = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+from pagemill.runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", max_num_seqs=4, max_model_len=128,
+          kv_cache_memory_bytes=16 * 16 * 512)
+runner = llm.llm_engine.engine_core.model_runner
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+outs = llm.generate([[5, 6, 7, 8, 9], [10, 11], [3] * 20], params, use_tqdm=False)
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                  "compiled": runner.compiled, "loaded": runner.compile_cache_loaded}))
+"""
+
+
+def _process_start(path: Path, cache: Path, weight_cache: str) -> tuple[dict, str]:
+    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache), **{COMPILE_CACHE_ENV: "1"})
+    env[WEIGHT_CACHE_ENV] = weight_cache
+    env.pop("PAGEMILL_ENFORCE_EAGER", None)
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _START, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.slow  # three compiled starts in subprocesses, one cold
+def test_warm_start_of_both_caches_matches_cold(q4_gguf, tmp_path) -> None:
+    """The whole warm start (compiled graphs and packed weights from the caches) generates
+    what the cold one did, and so does a start that packs the file again under the cached
+    graph: the restored weights are the ones the graph was compiled for."""
+    from pagemill.runtime.worker.compilation import compile_unavailable_reason
+
+    reason = compile_unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
+    cache = tmp_path / "proc-cache"
+    cold, cold_log = _process_start(q4_gguf, cache, "1")
+    assert cold["compiled"] and not cold["loaded"]
+    assert "loaded from the weight cache" not in cold_log
+    warm, warm_log = _process_start(q4_gguf, cache, "1")
+    assert warm["loaded"] and "loaded from the weight cache" in warm_log
+    assert warm["tokens"] == cold["tokens"]
+    packed, packed_log = _process_start(q4_gguf, cache, "0")
+    assert packed["loaded"] and "loaded from the weight cache" not in packed_log
+    assert packed["tokens"] == cold["tokens"]
