@@ -154,7 +154,7 @@ def _process_start(path: Path, cache: Path, weight_cache: str) -> tuple[dict, st
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,  # a cold compile on a loaded 2-core box
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
