@@ -13,7 +13,7 @@ there.
     python benchmarks/start_time.py --cache-dir ~/.cache/pagemill --cold 0   # warm only
     python benchmarks/start_time.py -- --max-num-seqs 64  # flags after -- go to serve
 
-Figures are printed (and written to --json); nothing is asserted.
+Figures are printed (and written to --json, with every log line's time); nothing is asserted.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def one_start(cache_dir: Path, serve_args: list[str], timeout: float) -> dict[st
     if wall is None:
         tail = "\n".join(line for _, line in lines[-20:])
         raise RuntimeError(f"the server did not become healthy (rc {proc.returncode}):\n{tail}")
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "phases": phases}
+    log = [[round(t, 2), line] for t, line in lines]  # every line, when it came (--json)
+    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "phases": phases, "log": log}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,13 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         cache = tmp / f"cold-{i}"
         r = {"kind": "cold", **one_start(cache, serve_args, args.timeout)}
         result["starts"].append(r)
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
     if cache is None:
         ap.error("--cold 0 needs --cache-dir (warm starts need a filled cache)")
     for _ in range(args.warm):
         r = {"kind": "warm", **one_start(cache, serve_args, args.timeout)}
         result["starts"].append(r)
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
     result["loadavg_end"] = os.getloadavg()
     print(
         f"cache folder: {cache}; load average {result['loadavg_start']} -> {result['loadavg_end']}"
