@@ -115,6 +115,18 @@ def test_a_changed_file_is_another_entry(q4_gguf, tmp_path) -> None:
     assert len(_entries(tmp_path)) == 2
 
 
+def test_old_entries_of_a_file_are_evicted(q4_gguf, tmp_path, monkeypatch) -> None:
+    from pagemill.runtime.model_executor import weight_cache
+
+    monkeypatch.setattr(weight_cache, "_KEEP_PER_FILE", 1)
+    _start(q4_gguf)
+    (first,) = _entries(tmp_path)
+    monkeypatch.setattr(weight_cache, "_FORMAT", weight_cache._FORMAT + 1)  # a new key
+    _start(q4_gguf)
+    (second,) = _entries(tmp_path)
+    assert second != first
+
+
 def test_switch(monkeypatch, q4_gguf, tmp_path) -> None:
     monkeypatch.setenv(WEIGHT_CACHE_ENV, "0")
     assert not weight_cache_enabled()

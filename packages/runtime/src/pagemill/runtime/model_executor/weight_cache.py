@@ -15,7 +15,9 @@ attributes, each storage once, so tied weights stay tied), and the plain attribu
 child modules that loading changed (a packed layer's format and group size, a dense head
 dropped). A restored model must have the signature the loaded one had, or the entry is
 discarded and the file loaded again; so is an entry that fails to read. Nothing here is
-fatal: at worst the start packs as it would without the cache.
+fatal: at worst the start packs as it would without the cache. Each entry is as large as
+the served weights (dense copies included), so only the few entries of a file used last
+are kept.
 
 `PAGEMILL_WEIGHT_CACHE=0` turns it off (unset: it follows `PAGEMILL_COMPILE_CACHE`).
 """
@@ -44,6 +46,8 @@ WEIGHT_CACHE_ENV = "PAGEMILL_WEIGHT_CACHE"
 _FORMAT = 1
 _TENSORS = "model.safetensors"
 _META = "state.json"
+# Entries kept per GGUF file (other dtypes, plans, versions of the loading code).
+_KEEP_PER_FILE = 3
 # The sources whose code decides the loaded tensors' values and layout.
 _LOAD_SOURCES = (
     "model_executor/layers",
@@ -264,6 +268,23 @@ class WeightCache:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         logger.info("weight cache: saved the packed weights to %s", self.folder)
+        self._evict_stale()
+
+    def _evict_stale(self) -> None:
+        """Keep the `_KEEP_PER_FILE` entries of this file used last: every change to the
+        loading code keys a new entry, and each is the size of the served weights."""
+        entries = []
+        for meta_file in self.folder.parent.glob(f"*/{_META}"):
+            try:
+                parts = json.loads(meta_file.read_text()).get("parts", {})
+                if parts.get("files") == self.parts["files"]:
+                    entries.append((meta_file.stat().st_mtime, meta_file.parent))
+            except (OSError, ValueError):
+                continue
+        for _, folder in sorted(entries, reverse=True)[_KEEP_PER_FILE:]:
+            if folder != self.folder:
+                logger.info("weight cache: removing %s (not used lately)", folder)
+                shutil.rmtree(folder, ignore_errors=True)
 
     # ---- restore -------------------------------------------------------------------------
 
@@ -290,6 +311,8 @@ class WeightCache:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.discarded = True
             return None
+        with contextlib.suppress(OSError):  # used now: the last to be evicted
+            os.utime(self.folder / _META)
         extra: dict[str, Any] = meta.get("extra", {})
         return extra
 
