@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
-from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint
+from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint, shards_by_name
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
@@ -41,6 +42,7 @@ from pagemill.runtime.model_executor.quantization.hf_config import (
     get_quantization_config,
     quantized_weights,
 )
+from pagemill.runtime.model_executor.weight_cache import WeightCache, weight_cache_enabled
 from pagemill.runtime.model_executor.weights import iterate_weights, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -153,15 +155,31 @@ def load_model(
         source = "dummy"
     elif gguf is not None:
         checkpoint = open_gguf_checkpoint(gguf, index_file=path / GGUF_INDEX_FILE)
-        weights = checkpoint.weights(
-            model._targets().keys(),
-            model_config,
-            # Q6_K/Q2_K rows are requantized only where they will be served packed.
-            requantize=plan.linear.method == "native",
-            dense_dtype=dtype,
+        requantize = plan.linear.method == "native"  # Q6_K/Q2_K: only where served packed
+        cache = (
+            WeightCache(model, shards_by_name(gguf), {"requantize": requantize})
+            if layout is None and device.type == "cpu" and weight_cache_enabled()
+            else None
         )
-        model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
-        errors = checkpoint.requant_errors
+        restored = None if cache is None else cache.restore(model)
+        if cache is not None and restored is not None:
+            errors = {k: RequantError(**v) for k, v in restored["requant_errors"].items()}
+            logger.info("packed weights loaded from the weight cache (%s)", cache.folder)
+        else:
+            if cache is not None and cache.discarded:  # half filled: build it again
+                with torch.device(device):
+                    model = cls(model_config, dtype, max_position)
+                plan.apply(model)
+                model.pooling_only = pooling_only
+            weights = checkpoint.weights(
+                model._targets().keys(), model_config, requantize=requantize, dense_dtype=dtype
+            )
+            model.load_weights(
+                weights if layout is None else shard_checkpoint(weights, layout, dtype)
+            )
+            errors = checkpoint.requant_errors
+            if cache is not None:
+                cache.save(model, {"requant_errors": {k: asdict(v) for k, v in errors.items()}})
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))
         source = f"{gguf.name}: {types}"
     else:
