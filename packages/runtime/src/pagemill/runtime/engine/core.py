@@ -161,7 +161,9 @@ class EngineCore:
         self._kv_events = KVEventsHook.create(config, self.kv_cache_manager)
         self.sampler = Sampler(seed=config.seed)
         runner = self.model_runner
-        if self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
+        if self.device.type == "cpu" and self._sampler_native():
+            pass  # nothing to trace; built (or loaded) now, so the first step does not wait
+        elif self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
             # For fp32 logits only (one graph per kernel): rows with penalties, bans or a
             # grammar are converted to fp32 anyway, and converting the rest costs less
             # than compiling a second set of graphs at every start.
@@ -180,6 +182,17 @@ class EngineCore:
         self.spec = SpecDecoding.create(
             config, RejectionSampler(self.sampler, config.seed), self, model_path
         )
+
+    def _sampler_native(self) -> bool:
+        """Whether the sampler's native CPU passes serve here (then no graph is traced for
+        it, eager or compiled)."""
+        from pagemill.kernels import sampler_cpu
+
+        if sampler_cpu.load() is None:  # switched off, or no compiler (logged)
+            return False
+        seconds = self.sampler.compile(self.model_runner.vocab_size, self.device, (torch.float32,))
+        logger.info("sampler: native CPU passes ready in %.1f s", seconds)
+        return True
 
     def _start_workers(
         self,
