@@ -267,10 +267,13 @@ class AsyncEngine(ModelFacts):
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         if engine_threads is not None and engine_threads < 1:
             raise ValueError(f"engine_threads must be None or >= 1, got {engine_threads}")
-        try:
-            assets = ModelAssets.load(config)  # the front end's tokenizer; a download happens here
-        except Exception as exc:  # as a core that cannot start: RuntimeError saying why
-            raise RuntimeError(f"the engine could not start: {exc}") from exc
+        # The front end's tokenizer loads while the core process starts (it is seconds of
+        # single-threaded Python on either side, so a start need not pay them one after the
+        # other). A download happens here: the core waits on the hub's file locks if it
+        # asks for the same files meanwhile.
+        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-assets")
+        assets_future = loading.submit(ModelAssets.load, config)
+        loading.shutdown(wait=False)
         watchers = factory = None
         if dashboard is not None:
             from pagemill.server.dashboard.tap import SnapshotTap
@@ -289,6 +292,10 @@ class AsyncEngine(ModelFacts):
             observer_factory=factory,
         )
         try:
+            try:
+                assets = assets_future.result()
+            except Exception as exc:  # as a core that cannot start: RuntimeError saying why
+                raise RuntimeError(f"the engine could not start: {exc}") from exc
             front = cls(
                 max_pending=max_pending,
                 observer=observer,
