@@ -82,6 +82,13 @@ def test_env_turns_it_off_and_refuses_typos(monkeypatch: pytest.MonkeyPatch) -> 
         P.prepack_dense_weights(model)
 
 
+def test_no_twins_past_the_memory_share() -> None:
+    model = _layers()
+    assert P.prepack_dense_weights(model, memory_bytes=4 * (64 * 96 + 96 * 48) * 2 - 1) == 0
+    assert not any(layer.prepacked for layer in model)
+    assert P.prepack_dense_weights(model, memory_bytes=4 * (64 * 96 + 96 * 48) * 2) > 0
+
+
 def test_fp32_weights_are_left_alone() -> None:
     layer = Linear(16, 16, False, torch.float32)
     layer.finalize()

@@ -97,31 +97,51 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def prepack_dense_weights(model: nn.Module) -> int:
-    """Prepack the dense bf16 weight (or dense copy) of every `Linear` of `model`, the LM
-    head's included; returns the bytes the twins take (0 when off or not applicable)."""
+def prepack_dense_weights(model: nn.Module, memory_bytes: int | None = None) -> int:
+    """Prepack the dense bf16 weight (or dense copy) of every `Linear` of `model`, and a
+    dense LM head outside one; returns the bytes the twins take (0 when off, not
+    applicable, or when they would take more than the share of the machine's memory that
+    `--cpu-dense-weights auto` allows dense copies: a model that barely fits is not
+    doubled)."""
     from pagemill.runtime.model_executor.layers.linear import Linear
+    from pagemill.runtime.model_executor.quantization.plan import (
+        DENSE_COPY_RAM_SHARE,
+        machine_memory_bytes,
+    )
 
     if not prepack_enabled():
         return 0
-    total = 0
-    for module in model.modules():
-        if not isinstance(module, Linear) or module.weight is None:
-            continue
-        if not can_prepack(module.weight):
-            continue
-        prepack(module.weight)
-        module.prepacked = True
-        total += module.weight.numel() * module.weight.element_size()
-    # A dense LM head outside any `Linear` (`compute_logits` of a model without logits_proj).
+    weights: dict[int, torch.Tensor] = {}
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, Linear) and m.weight is not None and can_prepack(m.weight)
+    ]
+    for m in layers:
+        assert m.weight is not None
+        weights[id(m.weight)] = m.weight
     head = getattr(model, "lm_head_weight", None)
     if (
         getattr(model, "logits_proj", None) is None
         and isinstance(head, torch.Tensor)
         and can_prepack(head)
     ):
-        prepack(head)
-        total += head.numel() * head.element_size()
-    if total:
-        logger.info("dense bf16 weights prepacked for oneDNN: %.0f MiB", total / (1 << 20))
+        weights[id(head)] = head  # `compute_logits` of a model without logits_proj
+    total = sum(w.numel() * w.element_size() for w in weights.values())
+    if not total:
+        return 0
+    memory = machine_memory_bytes() if memory_bytes is None else memory_bytes
+    if total > DENSE_COPY_RAM_SHARE * memory:
+        logger.info(
+            "dense bf16 weights not prepacked: %.0f MiB exceeds %.0f%% of %.1f GB RAM",
+            total / (1 << 20),
+            100 * DENSE_COPY_RAM_SHARE,
+            memory / 1e9,
+        )
+        return 0
+    for w in weights.values():
+        prepack(w)
+    for m in layers:
+        m.prepacked = True
+    logger.info("dense bf16 weights prepacked for oneDNN: %.0f MiB", total / (1 << 20))
     return total
