@@ -20,6 +20,7 @@ of the paired ratios B / A.
 
     python benchmarks/step_ab.py --variant no-mark-static --batch-sizes 16,64,128
     python benchmarks/step_ab.py --variant kv-static --threads 1 --pairs 30
+    python benchmarks/step_ab.py --variant no-prepack --enforce-eager --threads 1
 
 Figures are printed (and written to --json); nothing is asserted.
 """
@@ -95,6 +96,7 @@ def make_engine(args: argparse.Namespace, name: str | None, root: Path) -> Any:
             max_num_seqs=max(int(s) for s in args.batch_sizes.split(",")),
             kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
             seed=args.seed,
+            enforce_eager=args.enforce_eager,
         )
     runner = llm.llm_engine.engine_core.model_runner
     for k, v in runner.kv_cache.caches:  # pre-fault the pool (see step_profile.py)
@@ -144,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=0.5, help="per engine")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="both engines eager (quick; for variants that are not about the graph)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     # Both engines must leave packed layers for their dense copies at the same row counts,
