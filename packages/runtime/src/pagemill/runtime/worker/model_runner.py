@@ -29,6 +29,7 @@ from pagemill.kernels import plan_attention
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
+from pagemill.runtime.model_executor.layers.prepacked import prepack_dense_weights
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
@@ -180,6 +181,9 @@ class ModelRunner:
         # Set by an EAGLE proposer: sees each eager/compiled single-device step's batch and
         # final hidden states (the proposer turns CUDA graphs off).
         self.hidden_states_hook: Callable[[SchedulerOutput, torch.Tensor], None] | None = None
+        # Before the pool is sized (the twins take memory) and before any graph is keyed.
+        if device.type == "cpu":
+            prepack_dense_weights(model)
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.

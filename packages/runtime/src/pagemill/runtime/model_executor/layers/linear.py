@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagemill.kernels import pack_int4_groups  # also registers pagemill::int4_group_gemm
+from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import (
     INT4_GROUP_SIZES,
     INT4_N_MULTIPLE,
@@ -117,6 +118,8 @@ class Linear(nn.Module):
         # Adapter slots (`pagemill.runtime.lora`), set once by the LoRA manager: every
         # token then adds its own adapter's delta after the layer's own matmul.
         self.lora: LoRALayer | None = None
+        # The dense weight has a oneDNN-prepacked twin (see `prepacked`).
+        self.prepacked = False
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -299,8 +302,7 @@ class Linear(nn.Module):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "dense":
-            assert self.weight is not None  # a dense layer keeps its weight
-            return F.linear(x, self.weight, self.bias)
+            return self._dense(x)
         if self.format == "triton_int4":
             return self._triton_int4(x)
         if self.weight is None:
@@ -313,7 +315,13 @@ class Linear(nn.Module):
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         assert self.weight is not None  # the dense path is taken only with a dense copy
-        return F.linear(x, self.weight, self.bias)
+        if not self.prepacked:
+            return F.linear(x, self.weight, self.bias)
+        if not torch.compiler.is_compiling():
+            return prepacked_linear(x, self.weight, self.bias)
+        if self.opaque_packed:  # a graph without `freezing`: its weights are inputs
+            return torch.ops.pagemill.prepacked_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)  # `freezing` prepacks constants itself
 
     def _triton_int4(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.pagemill.int4_group_gemm(

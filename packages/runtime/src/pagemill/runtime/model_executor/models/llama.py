@@ -35,6 +35,7 @@ from pagemill.runtime.distributed.parallel_layers import (
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear
+from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
 from pagemill.runtime.model_executor.quantization.scheme import WeightScheme
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
@@ -380,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab], called on the sampled rows only."""
         if self.logits_proj is not None:
             return self.logits_proj(hidden)
-        return F.linear(hidden, self.lm_head_weight)
+        return prepacked_linear(hidden, self.lm_head_weight, None)
 
     # ---- weights -------------------------------------------------------------------------
 
