@@ -5,8 +5,8 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `no-mark-static`: `compile_forward` without `_mark_static_attributes` (the model's
   tensor attributes, KV caches and packed weights, get symbolic sizes under `dynamic=True`);
 - `kv-static`: only the KV caches are marked static (the packed weights are not);
-- `no-prepack`: dense bf16 weights without their oneDNN-prepacked twins
-  (`PAGEMILL_PREPACK_DENSE=0`, see `model_executor.layers.prepacked`).
+- `prepack`: dense bf16 weights with their oneDNN-prepacked twins
+  (`PAGEMILL_PREPACK_DENSE=1`, off by default, see `model_executor.layers.prepacked`).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -20,7 +20,7 @@ of the paired ratios B / A.
 
     python benchmarks/step_ab.py --variant no-mark-static --batch-sizes 16,64,128
     python benchmarks/step_ab.py --variant kv-static --threads 1 --pairs 30
-    python benchmarks/step_ab.py --variant no-prepack --enforce-eager --threads 1
+    python benchmarks/step_ab.py --variant prepack --enforce-eager --threads 1
 
 Figures are printed (and written to --json); nothing is asserted.
 """
@@ -47,7 +47,7 @@ from throughput import DenseLinears, linear_shapes, resolve_model_dir
 
 from pagemill.runtime.model_executor.quantization.crossover import PACKED_LIMITS_ENV
 
-VARIANTS = ("no-mark-static", "kv-static", "no-prepack")
+VARIANTS = ("no-mark-static", "kv-static", "prepack")
 
 
 def _mark_kv_static(model: torch.nn.Module) -> None:
@@ -65,8 +65,8 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     from pagemill.runtime.worker import compilation
 
     saved_env = os.environ.get(PREPACK_ENV)
-    if name == "no-prepack":
-        os.environ[PREPACK_ENV] = "0"
+    if name == "prepack":
+        os.environ[PREPACK_ENV] = "1"
     saved_root = compilation.CompileCache.root
     saved_mark = compilation._mark_static_attributes
     compilation.CompileCache.root = staticmethod(lambda: cache_root)  # type: ignore[method-assign]

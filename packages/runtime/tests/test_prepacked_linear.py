@@ -15,6 +15,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _prepack_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(P.PREPACK_ENV, "1")  # off by default (see the module)
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(P.PREPACK_ENV)
+    assert P.prepack_dense_weights(_layers()) == 0
+
+
 def _layers(seed: int = 0) -> torch.nn.Sequential:
     g = torch.Generator().manual_seed(seed)
     layers = [Linear(64, 96, True, torch.bfloat16), Linear(96, 48, False, torch.bfloat16)]

@@ -10,8 +10,11 @@ head and eager steps run outside any graph. So each dense bf16 weight gets a pre
 computes through it (`mkldnn._linear_pointwise`, the op `freezing` emits). A compiled graph
 calls it through an opaque custom op that looks the twin up on the weight it is handed.
 
-The twin costs as much memory as the dense weight again; `PAGEMILL_PREPACK_DENSE=0` turns
-it off. A weight written in place afterwards (its version counter moved) is not served by
+The twin costs as much memory as the dense weight again, and it is off by default:
+`PAGEMILL_PREPACK_DENSE=1` turns it on. It waits for a quiet-machine A/B of the compiled
+step (`benchmarks/step_ab.py --variant no-prepack`): the compile cache's unfrozen graph
+measured within a few percent of the frozen (prepacked) one, and the opaque op adds a
+Python call per layer, so the gain is not yet shown to be worth the memory. A weight written in place afterwards (its version counter moved) is not served by
 its stale twin: the layer falls back to `F.linear`.
 """
 
@@ -31,11 +34,11 @@ _ATTR = "_pagemill_mkldnn"
 
 
 def prepack_enabled() -> bool:
-    """On unless `PAGEMILL_PREPACK_DENSE=0`; a value other than 0 or 1 is refused."""
-    value = os.environ.get(PREPACK_ENV, "1").strip()
+    """On when `PAGEMILL_PREPACK_DENSE=1`; a value other than 0 or 1 is refused."""
+    value = os.environ.get(PREPACK_ENV, "0").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"{PREPACK_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    return value == "1"
 
 
 def _version(t: torch.Tensor) -> int:
