@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv_q4_cpu.cpp"
 QK = 32  # inputs per block
+ROWS = 16  # output rows per tile
+QS_BYTES = ROWS * QK // 2
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Set to 0 to never build or use the native kernel (the callers' other paths run).
 _ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
@@ -92,9 +94,12 @@ def pack_q4_blocks(
     q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Int4 groups (w = (q - 8) * scale + zero, q uint8 [N, K] in 0..15, scales/zeros fp32
-    [N, K / group_size]) as the kernel's blocks: uint8 [N, K / 32, 20] (fp16 d, fp16 m,
-    16 bytes of nibbles) when fp16 reproduces every weight exactly, else [N, K / 32, 24]
-    (fp32 d and m). w = d * q + m with d = scale, m = zero - 8 * scale.
+    [N, K / group_size]) as the kernel's tiles: uint8 [ceil(N / 16), K / 32, B].
+
+    w = d * q + m with d = scale, m = zero - 8 * scale. Each (tile of 16 output rows, block
+    of 32 inputs) holds the 16 rows' d, then their m, then 256 bytes of nibbles (see the
+    kernel source for their order); B = 320 with fp16 d and m when fp16 reproduces every
+    weight exactly (GGUF Q4_0/Q4_1 always do), else 384 with fp32. Rows past N are zero.
     """
     n, k = q.shape
     if k % QK or group_size % QK:
@@ -105,32 +110,46 @@ def pack_q4_blocks(
     m = z - 8.0 * d
     d16, m16 = d.half(), m.half()
     # fp16 is exact when it gives back the scale and, through the zero point's own formula,
-    # the zero: GGUF Q4_0/Q4_1 (fp16 d and min) always do.
+    # the zero.
     exact16 = bool(
         torch.equal(d16.float(), d)
         and torch.equal(m16.float() + 8.0 * d16.float(), z)
         and torch.isfinite(m16).all()
     )
-    dm = torch.stack([d16, m16] if exact16 else [d, m], dim=-1)  # [N, nb, 2]
-    nib = q.to(torch.uint8).view(n, k // QK, 2, QK // 2)
-    qs = nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)
-    return torch.cat([dm.view(torch.uint8).view(n, k // QK, -1), qs], dim=-1).contiguous()
+    nb, tiles = k // QK, -(-n // ROWS)
+    pad = tiles * ROWS - n
+    dm = torch.stack([d16, m16] if exact16 else [d, m])  # [2, N, nb]
+    qp = q.to(torch.uint8)
+    if pad:
+        dm = torch.cat([dm, dm.new_zeros(2, pad, nb)], dim=1)
+        qp = torch.cat([qp, qp.new_zeros(pad, k)])
+    # [2, tiles, 16, nb] -> [tiles, nb, 2, 16]
+    dm = dm.view(2, tiles, ROWS, nb).permute(1, 3, 0, 2).contiguous()
+    # nibbles: q[r, 4j + t] low, q[r, 16 + 4j + t] high, stored at byte (j, r, t)
+    qv = qp.view(tiles, ROWS, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # tiles nb half j r t
+    qs = (qv[:, :, 0] | (qv[:, :, 1] << 4)).reshape(tiles, nb, QS_BYTES)
+    return torch.cat([dm.view(torch.uint8).view(tiles, nb, -1), qs], dim=-1).contiguous()
 
 
-def unpack_q4_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q uint8 [N, K], d fp32 [N, K / 32], m fp32 [N, K / 32]) of `pack_q4_blocks`' blocks."""
-    n, nb, width = blocks.shape
-    sb = (width - QK // 2) // 2
-    dm = blocks[:, :, : 2 * sb].contiguous().view(torch.float16 if sb == 2 else torch.float32)
-    qs = blocks[:, :, 2 * sb :]
-    q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, nb * QK)
-    return q, dm[..., 0].float(), dm[..., 1].float()
+def unpack_q4_blocks(
+    blocks: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K], d fp32 [N, K / 32], m fp32 [N, K / 32]) of `pack_q4_blocks`' tiles."""
+    tiles, nb, width = blocks.shape
+    sb = (width - QS_BYTES) // (2 * ROWS)
+    dm = blocks[:, :, : width - QS_BYTES].contiguous()
+    dm = dm.view(torch.float16 if sb == 2 else torch.float32).float()  # [tiles, nb, 32]
+    dm = dm.view(tiles, nb, 2, ROWS).permute(2, 0, 3, 1).reshape(2, tiles * ROWS, nb)
+    qs = blocks[:, :, width - QS_BYTES :].reshape(tiles, nb, 4, ROWS, 4)
+    halves = torch.stack([qs & 15, qs >> 4], dim=2)  # tiles nb half j r t
+    q = halves.permute(0, 4, 1, 2, 3, 5).reshape(tiles * ROWS, nb * QK)
+    return q[:n], dm[0, :n], dm[1, :n]
 
 
-def dequantize_q4_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [N, K] the blocks hold."""
-    q, d, m = unpack_q4_blocks(blocks)
-    n, nb = d.shape
+def dequantize_q4_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 weight [N, K] the tiles hold."""
+    q, d, m = unpack_q4_blocks(blocks, n)
+    nb = d.shape[1]
     w = q.view(n, nb, QK).float() * d[..., None] + m[..., None]
     return w.reshape(n, nb * QK)
 
@@ -150,58 +169,63 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def gemv_q4_torch(
-    x: torch.Tensor, blocks: torch.Tensor, quantize: bool = True
+    x: torch.Tensor, blocks: torch.Tensor, n: int, quantize: bool = True
 ) -> torch.Tensor:
     """Plain-torch `gemv_q4`: x [M, K] · W[N, K]ᵀ in x's dtype, with x rounded to int8 per
     block as the kernel does (`quantize`), or in fp32 against the exact weights."""
     if not quantize:
-        return (x.float() @ dequantize_q4_blocks(blocks).T).to(x.dtype)
-    q, d, m = unpack_q4_blocks(blocks)
-    n, nb = d.shape
+        return (x.float() @ dequantize_q4_blocks(blocks, n).T).to(x.dtype)
+    q, d, m = unpack_q4_blocks(blocks, n)
+    nb = d.shape[1]
     xq, dx, sx = quantize_activations(x)
     dots = torch.einsum("mbj,nbj->mnb", xq.view(-1, nb, QK), q.view(n, nb, QK).float())
     y = (dots * d[None] * dx[:, None]).sum(-1) + sx @ m.T
     return y.to(x.dtype)
 
 
-def supports(x: torch.Tensor, blocks: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
     return (
         x.device.type == "cpu"
         and x.dim() == 2
         and x.dtype in _DTYPE_CODES
         and blocks.dtype == torch.uint8
         and blocks.dim() == 3
-        and blocks.shape[2] in (20, 24)
+        and blocks.shape[2] in (QS_BYTES + 4 * ROWS, QS_BYTES + 8 * ROWS)
         and x.shape[1] == blocks.shape[1] * QK
+        and 0 <= n <= blocks.shape[0] * ROWS
     )
 
 
 def gemv_q4(
-    x: torch.Tensor, blocks: torch.Tensor, lib: ctypes.CDLL | None = None, threads: int = 0
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
 ) -> torch.Tensor:
-    """x [M, K] (fp32 or bf16, rows contiguous) · W[N, K]ᵀ -> [M, N] in x's dtype, on the
+    """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype, on the
     native kernel (`lib`: a `load()` result; default the host's best). `threads` 0: torch's
     intra-op thread count."""
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the int4 CPU GEMV kernel is not built on this machine")
-    if not supports(x, blocks):
+    if not supports(x, blocks, n):
         raise ValueError(
-            f"gemv_q4 takes CPU fp32/bf16 x [M, 32 * nb] and uint8 blocks [N, nb, 20|24]; "
+            f"gemv_q4 takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
+            f"{QS_BYTES + 4 * ROWS}|{QS_BYTES + 8 * ROWS}] for N = {n}; "
             f"got x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} {blocks.dtype}"
         )
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = blocks.contiguous()
     m_rows, k = x.shape
-    n = blocks.shape[0]
     y = torch.empty(m_rows, n, dtype=x.dtype)
     status = lib.pagemill_gemv_q4(
         _DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         blocks.data_ptr(),
-        (blocks.shape[2] - QK // 2) // 2,
+        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
         y.data_ptr(),
         n,
         m_rows,
@@ -217,15 +241,15 @@ def gemv_q4(
 # ---- the op a compiled graph calls ---------------------------------------------------------------
 
 _LIB = torch.library.Library("pagemill", "FRAGMENT")
-_LIB.define("gemv_q4(Tensor x, Tensor blocks) -> Tensor")
+_LIB.define("gemv_q4(Tensor x, Tensor blocks, int n) -> Tensor")
 
 
-def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    return gemv_q4(x, blocks)
+def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    return gemv_q4(x, blocks, n)
 
 
-def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], blocks.shape[0])
+def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
 
 
 _LIB.impl("gemv_q4", _gemv_q4_op, "CPU")

@@ -1,14 +1,14 @@
 // y[M, N] = x[M, K] · W[N, K]ᵀ over 4-bit weight blocks, with the activations quantized to
 // int8 per block of 32 and the dot products done in integers (the way llama.cpp runs Q4_1
 // against Q8_1): a few rows of x (decode steps) are bound by reading W, and an int4 block
-// whose scale and min sit next to its 16 bytes of nibbles is read once, in one stream, per
-// output row.
+// block is read once, in one stream, with its scales next to it.
 //
-// Weight block (one per 32 inputs of one output row), `S` = uint16_t (fp16) or float:
-//     S d; S m; uint8_t qs[16];     w[j] = d * q[j] + m
-// with q[j] = qs[j] & 15 and q[j + 16] = qs[j] >> 4 (j < 16). fp16 holds GGUF's Q4_0/Q4_1
-// scales exactly; rows whose scales fp16 cannot hold (Q4_K's d * sc, requantized rows) use
-// fp32 blocks.
+// Weights come in tiles of 16 output rows; per tile and block of 32 inputs (`S` = uint16_t
+// for fp16, or float):
+//     S d[16]; S m[16]; uint8_t qs[256];     w[r][j] = d[r] * q[r][j] + m[r]
+// with the nibbles ordered so that one 4-byte lane holds 4 consecutive inputs of one row
+// (see `tile_rows`). fp16 holds GGUF's Q4_0/Q4_1 scales exactly; rows whose scales fp16
+// cannot hold (Q4_K's d * sc, requantized rows) use fp32.
 //
 // Activation block: xq[j] = round(x[j] / dx) in -127..127 with dx = max|x| / 127, plus the
 // block's exact float sum sx, so that
@@ -22,7 +22,8 @@
 //
 // Built at run time by pagemill.kernels.gemv_q4_cpu (host compiler, -O3 -march=native
 // -fopenmp, no torch headers) and called through ctypes. Output rows are split over
-// OpenMP threads; up to four rows of x share each weight block while it is in registers.
+// OpenMP threads by tiles; up to four rows of x share each weight block while it is in
+// registers.
 
 #include <algorithm>
 #include <cmath>
@@ -51,14 +52,8 @@ namespace {
 constexpr int QK = 32;
 constexpr int MAX_TILE = 4;
 
-template <typename S>
-struct Block {
-    S d;
-    S m;
-    uint8_t qs[QK / 2];
-};
-static_assert(sizeof(Block<uint16_t>) == 20, "fp16 block layout");
-static_assert(sizeof(Block<float>) == 24, "fp32 block layout");
+constexpr int ROWS = 16;                // output rows interleaved in one tile
+constexpr int64_t QS_BYTES = ROWS * QK / 2;  // nibbles of one block of a tile
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -132,97 +127,172 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
     }
 }
 
-#if PAGEMILL_GEMV_ISA >= 1
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-inline __m256i dot_u8s8(__m256i w, __m256i x) {
-#if PAGEMILL_GEMV_ISA == 3
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-#elif PAGEMILL_GEMV_ISA == 2
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
-// Rows x[0..T) of the tile against one output row's `nb` blocks.
+// One tile of 16 output rows against rows x[0..T) of the tile of activations.
+// For each block: 16 d's then 16 m's (S each), then 256 bytes of nibbles laid out so that a
+// 4-byte lane holds 4 consecutive inputs of one output row: byte (j, r, t), j < 4, r < 16,
+// t < 4, holds q[r][4j + t] in its low nibble and q[r][16 + 4j + t] in its high nibble.
+// A u8 x s8 dot of such a vector against 4 inputs of x broadcast to every lane then gives
+// each row's partial sum in its own lane: no horizontal sums, and the 16 rows' scales
+// apply as one vector.
 template <typename S, int T>
-void row_tile(const Block<S>* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
-              const float* dx, const float* sx, int64_t s_stride, float* out) {
-    float mins[T];
-    for (int t = 0; t < T; ++t) mins[t] = 0.0f;
-#if PAGEMILL_GEMV_ISA >= 1
-    __m256 acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0f);
+void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+               const float* dx, const float* sx, int64_t s_stride, float* out /* [T][16] */) {
+    constexpr int64_t SB = 2 * ROWS * sizeof(S);
+    constexpr int64_t BLOCK = SB + QS_BYTES;
+#if PAGEMILL_GEMV_ISA == 3
+    __m512 acc[T], mins[T];
+    for (int t = 0; t < T; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; ++b) {
-        const float d = scale_value(w[b].d);
-        const float m = scale_value(w[b].m);
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[b].qs));
-        const __m128i lo = _mm_and_si128(raw, low4);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-        const __m256i wv = _mm256_set_m128i(hi, lo);
-        for (int t = 0; t < T; ++t) {
-            const __m256i xv = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(xq + t * xq_stride + b * QK));
-            const __m256 p = _mm256_cvtepi32_ps(dot_u8s8(wv, xv));
-            acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * dx[t * s_stride + b]), acc[t]);
-            mins[t] += m * sx[t * s_stride + b];
+        const uint8_t* blk = w + b * BLOCK;
+        __m512 d, m;
+        if constexpr (sizeof(S) == 2) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        } else {
+            d = _mm512_loadu_ps(blk);
+            m = _mm512_loadu_ps(blk + 64);
         }
-    }
-    for (int t = 0; t < T; ++t) out[t] = hsum(acc[t]) + mins[t];
-#else
-    float acc[T];
-    for (int t = 0; t < T; ++t) acc[t] = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) {
-        const float d = scale_value(w[b].d);
-        const float m = scale_value(w[b].m);
+        __m512i wv[8];
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+            wv[j] = _mm512_and_si512(raw, low4);
+            wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
         for (int t = 0; t < T; ++t) {
             const int8_t* xb = xq + t * xq_stride + b * QK;
-            int32_t dot = 0;
-            for (int j = 0; j < QK / 2; ++j) {
-                dot += static_cast<int32_t>(w[b].qs[j] & 15) * xb[j];
-                dot += static_cast<int32_t>(w[b].qs[j] >> 4) * xb[j + QK / 2];
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i += 2) {
+                int32_t x0, x1;
+                std::memcpy(&x0, xb + 4 * i, 4);
+                std::memcpy(&x1, xb + 4 * i + 4, 4);
+                s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
+                s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
             }
-            acc[t] += d * dx[t * s_stride + b] * static_cast<float>(dot);
-            mins[t] += m * sx[t * s_stride + b];
+            const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+                                     acc[t]);
+            mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), mins[t]);
         }
     }
-    for (int t = 0; t < T; ++t) out[t] = acc[t] + mins[t];
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, _mm512_add_ps(acc[t], mins[t]));
+#elif PAGEMILL_GEMV_ISA >= 1
+    // Two halves of 8 rows in 256-bit vectors.
+    __m256 acc[T][2], mins[T][2];
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h) acc[t][h] = mins[t][h] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        for (int h = 0; h < 2; ++h) {
+            __m256 d, m;
+            if constexpr (sizeof(S) == 2) {
+                d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+                m = _mm256_cvtph_ps(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+            } else {
+                d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+                m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+            }
+            __m256i wv[8];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i raw =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + SB + 64 * j + 32 * h));
+                wv[j] = _mm256_and_si256(raw, low4);
+                wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+            for (int t = 0; t < T; ++t) {
+                const int8_t* xb = xq + t * xq_stride + b * QK;
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i += 2) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xb + 4 * i, 4);
+                    std::memcpy(&x1, xb + 4 * i + 4, 4);
+#if PAGEMILL_GEMV_ISA == 2
+                    s0 = _mm256_dpbusd_avx_epi32(s0, wv[i], _mm256_set1_epi32(x0));
+                    s1 = _mm256_dpbusd_avx_epi32(s1, wv[i + 1], _mm256_set1_epi32(x1));
+#else
+                    const __m256i one = _mm256_set1_epi16(1);
+                    s0 = _mm256_add_epi32(
+                        s0, _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(wv[i], _mm256_set1_epi32(x0)), one));
+                    s1 = _mm256_add_epi32(
+                        s1, _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(wv[i + 1], _mm256_set1_epi32(x1)), one));
+#endif
+                }
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                acc[t][h] = _mm256_fmadd_ps(
+                    p, _mm256_mul_ps(d, _mm256_set1_ps(dx[t * s_stride + b])), acc[t][h]);
+                mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[t * s_stride + b]), mins[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h)
+            _mm256_storeu_ps(out + t * ROWS + 8 * h, _mm256_add_ps(acc[t][h], mins[t][h]));
+#else
+    float acc[T][ROWS], mins[T][ROWS];
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) acc[t][r] = mins[t][r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        S ds[ROWS], ms[ROWS];
+        std::memcpy(ds, blk, sizeof ds);
+        std::memcpy(ms, blk + ROWS * sizeof(S), sizeof ms);
+        const uint8_t* qs = blk + SB;
+        for (int t = 0; t < T; ++t) {
+            const int8_t* xb = xq + t * xq_stride + b * QK;
+            for (int r = 0; r < ROWS; ++r) {
+                int32_t dot = 0;
+                for (int j = 0; j < 4; ++j) {
+                    for (int u = 0; u < 4; ++u) {
+                        const uint8_t byte = qs[(j * ROWS + r) * 4 + u];
+                        dot += static_cast<int32_t>(byte & 15) * xb[4 * j + u];
+                        dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * j + u];
+                    }
+                }
+                acc[t][r] += scale_value(ds[r]) * dx[t * s_stride + b] * static_cast<float>(dot);
+                mins[t][r] += scale_value(ms[r]) * sx[t * s_stride + b];
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) out[t * ROWS + r] = acc[t][r] + mins[t][r];
 #endif
 }
 
 template <typename S>
-void gemv(const Block<S>* w, const int8_t* xq, const float* dx, const float* sx, void* y,
+void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, void* y,
           int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
     const int64_t nb = k / QK;
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(sizeof(S)) + QS_BYTES);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t r = 0; r < n; ++r) {
-        const Block<S>* wr = w + r * nb;
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint8_t* wt = w + tile * tile_bytes;
+        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
         for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
-            float out[MAX_TILE];
-            const int64_t tile = std::min<int64_t>(MAX_TILE, m_rows - m0);
+            float out[MAX_TILE * ROWS];
+            const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
             const int8_t* xt = xq + m0 * k;
             const float* dt = dx + m0 * nb;
             const float* st = sx + m0 * nb;
-            switch (tile) {
-                case 4: row_tile<S, 4>(wr, nb, xt, k, dt, st, nb, out); break;
-                case 3: row_tile<S, 3>(wr, nb, xt, k, dt, st, nb, out); break;
-                case 2: row_tile<S, 2>(wr, nb, xt, k, dt, st, nb, out); break;
-                default: row_tile<S, 1>(wr, nb, xt, k, dt, st, nb, out); break;
+            switch (tm) {
+                case 4: tile_rows<S, 4>(wt, nb, xt, k, dt, st, nb, out); break;
+                case 3: tile_rows<S, 3>(wt, nb, xt, k, dt, st, nb, out); break;
+                case 2: tile_rows<S, 2>(wt, nb, xt, k, dt, st, nb, out); break;
+                default: tile_rows<S, 1>(wt, nb, xt, k, dt, st, nb, out); break;
             }
-            for (int64_t t = 0; t < tile; ++t) {
-                const int64_t i = (m0 + t) * y_stride + r;
-                if (dtype == 1) {
-                    static_cast<uint16_t*>(y)[i] = float_to_bf16(out[t]);
-                } else {
-                    static_cast<float*>(y)[i] = out[t];
+            for (int64_t t = 0; t < tm; ++t) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
+                    const float v = out[t * ROWS + r];
+                    if (dtype == 1) {
+                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
+                    } else {
+                        static_cast<float*>(y)[i] = v;
+                    }
                 }
             }
         }
@@ -264,10 +334,10 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
                      xqp + r * k, dx + r * nb, sx + r * nb);
     }
     if (scale_bytes == 2) {
-        gemv(static_cast<const Block<uint16_t>*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
+        gemv<uint16_t>(static_cast<const uint8_t*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
              y_stride, threads);
     } else {
-        gemv(static_cast<const Block<float>*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
+        gemv<float>(static_cast<const uint8_t*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
              y_stride, threads);
     }
     return 0;
