@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -98,9 +99,7 @@ def main() -> None:
 
         return run
 
-    print(
-        f"{'rows':>4} {'path':>14} {'sweep ms':>9} {'x new':>6} {'GB/s':>6} {'% of read bw':>12}"
-    )
+    print(f"{'rows':>4} {'path':>14} {'sweep ms':>9} {'x new':>6} {'GB/s':>6} {'% of read bw':>12}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         runs = {kind: sweep(kind, x) for kind in bytes_per}
@@ -127,11 +126,11 @@ def main() -> None:
         w = next(w for nm, w in layers if nm == name)
         x1 = torch.randn(1, k, dtype=torch.bfloat16)
         fns = {
-            "new": lambda: gemv_q4_cpu.gemv_q4(x1, w["blocks"], w["n"], lib),
-            "torch int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x1, w["packed"], G, w["sz"]
+            "new": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib),
+            "torch int4": partial(
+                torch.ops.aten._weight_int4pack_mm_for_cpu, x1, w["packed"], G, w["sz"]
             ),
-            "dense": lambda: F.linear(x1, w["dense"]),
+            "dense": partial(F.linear, x1, w["dense"]),
         }
         ts: dict[str, list[float]] = {kk: [] for kk in fns}
         for _ in range(args.rounds * 10):

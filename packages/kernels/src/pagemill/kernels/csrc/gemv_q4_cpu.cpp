@@ -1,7 +1,7 @@
 // y[M, N] = x[M, K] · W[N, K]ᵀ over 4-bit weight blocks, with the activations quantized to
 // int8 per block of 32 and the dot products done in integers (the way llama.cpp runs Q4_1
-// against Q8_1): a few rows of x (decode steps) are bound by reading W, and an int4 block
-// block is read once, in one stream, with its scales next to it.
+// against Q8_1). A few rows of x (decode steps) are bound by reading W: each weight block
+// is read once, in one stream, with its scales next to it.
 //
 // Weights come in tiles of 16 output rows; per tile and block of 32 inputs (`S` = uint16_t
 // for fp16, or float):
