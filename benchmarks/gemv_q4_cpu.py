@@ -132,15 +132,15 @@ def main() -> None:
             ),
             "dense": partial(F.linear, x1, w["dense"]),
         }
-        ts: dict[str, list[float]] = {kk: [] for kk in fns}
+        per_call: dict[str, list[float]] = {kk: [] for kk in fns}
         for _ in range(args.rounds * 10):
             for kk, fn in fns.items():
                 t0 = clock()
                 fn()
-                ts[kk].append(clock() - t0)
+                per_call[kk].append(clock() - t0)
         print(
             f"  {name:>8} "
-            + "  ".join(f"{kk} {statistics.median(v) * 1e6:7.1f}" for kk, v in ts.items())
+            + "  ".join(f"{kk} {statistics.median(v) * 1e6:7.1f}" for kk, v in per_call.items())
         )
 
 
