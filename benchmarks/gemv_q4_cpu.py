@@ -76,6 +76,7 @@ def main() -> None:
     isa = gemv_q4_cpu.ISA_NAMES[lib.pagemill_gemv_q4_isa()]
     layers = [(name, _weights(*shape)) for _ in range(LAYERS) for name, shape in SHAPES.items()]
     bytes_per = {
+        "new q4 x int8x2": sum(w["blocks"].numel() for _, w in layers),
         "new q4 x int8": sum(w["blocks"].numel() for _, w in layers),
         "torch int4": sum(w["packed"].numel() + w["sz"].numel() * 2 for _, w in layers),
         "dense bf16": sum(w["dense"].numel() * 2 for _, w in layers),
@@ -90,8 +91,9 @@ def main() -> None:
         def run() -> None:
             for name, w in layers:
                 xi = x[SHAPES[name][0]]
-                if kind == "new q4 x int8":
-                    gemv_q4_cpu.gemv_q4(xi, w["blocks"], w["n"], lib)
+                if kind.startswith("new"):
+                    planes = 2 if kind.endswith("x2") else 1
+                    gemv_q4_cpu.gemv_q4(xi, w["blocks"], w["n"], lib, planes=planes)
                 elif kind == "torch int4":
                     torch.ops.aten._weight_int4pack_mm_for_cpu(xi, w["packed"], G, w["sz"])
                 else:
@@ -99,7 +101,7 @@ def main() -> None:
 
         return run
 
-    print(f"{'rows':>4} {'path':>14} {'sweep ms':>9} {'x new':>6} {'GB/s':>6} {'% of read bw':>12}")
+    print(f"{'rows':>4} {'path':>16} {'sweep ms':>9} {'x new':>6} {'GB/s':>6} {'% of read bw':>12}")
     for rows in [int(r) for r in args.rows.split(",")]:
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         runs = {kind: sweep(kind, x) for kind in bytes_per}
@@ -111,13 +113,13 @@ def main() -> None:
                 t0 = clock()
                 fn()
                 times[kind].append(clock() - t0)
-        new = times["new q4 x int8"]
+        new = times["new q4 x int8x2"]
         for kind, ts in times.items():
             med = statistics.median(ts)
             ratio = statistics.median(t / b for t, b in zip(ts, new, strict=True))
             gbs = bytes_per[kind] / med / 1e9
             print(
-                f"{rows:4d} {kind:>14} {med * 1e3:9.2f} {ratio:6.2f} {gbs:6.1f} "
+                f"{rows:4d} {kind:>16} {med * 1e3:9.2f} {ratio:6.2f} {gbs:6.1f} "
                 f"{100 * gbs * 1e9 / bw:11.0f}%"
             )
 
@@ -126,7 +128,8 @@ def main() -> None:
         w = next(w for nm, w in layers if nm == name)
         x1 = torch.randn(1, k, dtype=torch.bfloat16)
         fns = {
-            "new": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib),
+            "new x2": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib),
+            "new x1": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib, planes=1),
             "torch int4": partial(
                 torch.ops.aten._weight_int4pack_mm_for_cpu, x1, w["packed"], G, w["sz"]
             ),

@@ -1,6 +1,7 @@
-"""The default model's int4 linears three ways in one process, interleaved: `gemv_q4` (int8
-activations, the default), PyTorch's int4 kernel (bf16 activations and scales), and the
-dense dequantized twin in fp32 (the exact weights, nothing rounded but the output).
+"""The default model's int4 linears four ways in one process, interleaved: `gemv_q4` with two
+int8 activation planes (the default) and with one (llama.cpp's rounding), PyTorch's int4
+kernel (bf16 activations and scales), and the dense dequantized twin in fp32 (the exact
+weights, nothing rounded but the output).
 
     uv run python benchmarks/gemv_q4_step.py [--threads 1] [--rounds 10] [--tokens 32]
 
@@ -30,8 +31,8 @@ from pagemill.runtime import DEFAULT_MODEL, LLM, SamplingParams
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.quantization.formats import pack_int4
 
-MODES = ("gemv_q4", "torch int4", "exact twin")
-MODE = {"now": "gemv_q4"}
+MODES = ("gemv_q4 x2", "gemv_q4 x1", "torch int4", "exact twin")
+MODE = {"now": "gemv_q4 x2"}
 PROMPTS = [
     "What is the capital of France?",
     "Name three colors.",
@@ -54,7 +55,8 @@ PROMPTS = [
 
 def _dispatch(layer: Linear, alt: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
     mode = MODE["now"]
-    if mode == "gemv_q4":
+    if mode.startswith("gemv_q4"):
+        layer.int8_act = 2 if mode.endswith("x2") else 1
         return Linear._gemv_q4(layer, x)
     if mode == "torch int4":
         xk = x.reshape(-1, layer.in_features).to(torch.bfloat16).contiguous()
@@ -157,8 +159,10 @@ def main() -> None:
             times[mode].append((run(args.tokens) - run(4)) / (args.tokens - 4))
     print(f"\neager decode, one request, ms per token ({clock.__name__}):")
     for mode in MODES:
-        ratio = statistics.median(t / b for t, b in zip(times[mode], times["gemv_q4"], strict=True))
-        print(f"{mode:>12} {statistics.median(times[mode]) * 1e3:8.2f}  x gemv_q4 {ratio:5.2f}")
+        ratio = statistics.median(
+            t / b for t, b in zip(times[mode], times["gemv_q4 x2"], strict=True)
+        )
+        print(f"{mode:>12} {statistics.median(times[mode]) * 1e3:8.2f}  x gemv_q4 x2 {ratio:5.2f}")
 
     logits = {}
     # Last: the teacher-forced runner binds its own KV cache into the model.

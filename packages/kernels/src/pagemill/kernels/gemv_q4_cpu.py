@@ -51,7 +51,9 @@ def load(isa: int | None = None) -> ctypes.CDLL | None:
     if cxx is None:
         logger.warning("no C++ compiler found: int4 linears use PyTorch's int4 kernel")
         return None
+    # No fp contraction: the activation remainder must round as `quantize_activations` does.
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    flags.append("-ffp-contract=off")
     if isa is not None:
         flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
     source = _SOURCE.read_bytes()
@@ -77,7 +79,7 @@ def load(isa: int | None = None) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.pagemill_gemv_q4.restype = i32
-    lib.pagemill_gemv_q4.argtypes = [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32]
+    lib.pagemill_gemv_q4.argtypes = [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32]
     lib.pagemill_gemv_q4_isa.restype = i32
     lib.pagemill_gemv_q4_isa.argtypes = []
     return lib
@@ -157,27 +159,34 @@ def dequantize_q4_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
 # ---- compute -----------------------------------------------------------------------------------
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(xq [M, K] as fp32 integers in -127..127, dx [M, K / 32], sx [M, K / 32]): x rounded
-    to int8 per block of 32 with dx = max|x| / 127, and each block's exact sum."""
+def quantize_activations(
+    x: torch.Tensor, planes: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xq [M, K], dx [M, K / 32], sx [M, K / 32]): x ≈ xq * dx per block of 32, dx =
+    max|x| / 127, sx each block's exact sum. One plane: xq = q1, integers in -127..127. Two
+    planes: the remainder x - q1 * dx rounded again in steps of dx / 254 (q2, in -127..127),
+    xq = q1 + q2 / 254 (the kernel sums q1 and q2 dots in integers, then combines them)."""
     m_rows, k = x.shape
     xb = x.float().view(m_rows, k // QK, QK)
     dx = xb.abs().amax(dim=-1) / 127.0
-    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
-    xq = torch.round(xb * inv[..., None])
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))[..., None]
+    xq = torch.round(xb * inv)
+    if planes == 2:
+        rest = xb - xq * dx[..., None]
+        xq = xq + torch.round(rest * (inv * 254.0)).clamp_(-127, 127) / 254.0
     return xq.view(m_rows, k), dx, xb.sum(dim=-1)
 
 
 def gemv_q4_torch(
-    x: torch.Tensor, blocks: torch.Tensor, n: int, quantize: bool = True
+    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2, quantize: bool = True
 ) -> torch.Tensor:
     """Plain-torch `gemv_q4`: x [M, K] · W[N, K]ᵀ in x's dtype, with x rounded to int8 per
-    block as the kernel does (`quantize`), or in fp32 against the exact weights."""
+    block as the kernel does (`quantize`, `planes`), or in fp32 against the exact weights."""
     if not quantize:
         return (x.float() @ dequantize_q4_blocks(blocks, n).T).to(x.dtype)
     q, d, m = unpack_q4_blocks(blocks, n)
     nb = d.shape[1]
-    xq, dx, sx = quantize_activations(x)
+    xq, dx, sx = quantize_activations(x, planes)
     dots = torch.einsum("mbj,nbj->mnb", xq.view(-1, nb, QK), q.view(n, nb, QK).float())
     y = (dots * d[None] * dx[:, None]).sum(-1) + sx @ m.T
     return y.to(x.dtype)
@@ -202,10 +211,16 @@ def gemv_q4(
     n: int,
     lib: ctypes.CDLL | None = None,
     threads: int = 0,
+    planes: int = 2,
 ) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype, on the
     native kernel (`lib`: a `load()` result; default the host's best). `threads` 0: torch's
-    intra-op thread count."""
+    intra-op thread count. `planes` 1: x rounded to int8 per block of 32 (llama.cpp's Q8
+    rounding, error up to max|x| / 254 per element); 2 (default): plus a second int8 plane
+    for the remainder (error up to max|x| / 64516), twice the integer work for the same
+    weight bytes."""
+    if planes not in (1, 2):
+        raise ValueError(f"gemv_q4 takes 1 or 2 activation planes, not {planes}")
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the int4 CPU GEMV kernel is not built on this machine")
@@ -232,6 +247,7 @@ def gemv_q4(
         n,
         k,
         threads or torch.get_num_threads(),
+        planes,
     )
     if status:
         raise RuntimeError(f"gemv_q4_cpu refused its arguments (status {status})")
@@ -241,14 +257,14 @@ def gemv_q4(
 # ---- the op a compiled graph calls ---------------------------------------------------------------
 
 _LIB = torch.library.Library("pagemill", "FRAGMENT")
-_LIB.define("gemv_q4(Tensor x, Tensor blocks, int n) -> Tensor")
+_LIB.define("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
 
 
-def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    return gemv_q4(x, blocks, n)
+def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return gemv_q4(x, blocks, n, planes=planes)
 
 
-def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
     return x.new_empty(x.shape[0], n)
 
 

@@ -103,7 +103,8 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
-// One row of x quantized: xq [K] int8, dx and sx [K / 32].
+// One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx and sx [K / 32].
+template <int P>
 void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, float* sx) {
     float buf[QK];
     for (int64_t b = 0; b < k / QK; ++b) {
@@ -119,8 +120,16 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
         }
         const float d = amax / 127.0f;
         const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* xb = xq + b * P * QK;
         for (int j = 0; j < QK; ++j) {
-            xq[b * QK + j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));
+            const float q1 = std::nearbyint(buf[j] * inv);
+            xb[j] = static_cast<int8_t>(q1);
+            if constexpr (P == 2) {
+                // The remainder, |r| <= d / 2, in steps of d / 254.
+                const float rest = buf[j] - q1 * d;
+                const float q2 = std::nearbyint(rest * (inv * 254.0f));
+                xb[QK + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q2)));
+            }
         }
         dx[b] = d;
         sx[b] = sum;
@@ -134,7 +143,7 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
 // A u8 x s8 dot of such a vector against 4 inputs of x broadcast to every lane then gives
 // each row's partial sum in its own lane: no horizontal sums, and the 16 rows' scales
 // apply as one vector.
-template <typename S, int T>
+template <typename S, int T, int P>
 void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
                const float* dx, const float* sx, int64_t s_stride, float* out /* [T][16] */) {
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
@@ -160,16 +169,20 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
             wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
         for (int t = 0; t < T; ++t) {
-            const int8_t* xb = xq + t * xq_stride + b * QK;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i += 2) {
-                int32_t x0, x1;
-                std::memcpy(&x0, xb + 4 * i, 4);
-                std::memcpy(&x1, xb + 4 * i + 4, 4);
-                s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
-                s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+            const int8_t* xb = xq + t * xq_stride + b * P * QK;
+            __m512 p;
+            for (int plane = 0; plane < P; ++plane) {
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i += 2) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xb + plane * QK + 4 * i, 4);
+                    std::memcpy(&x1, xb + plane * QK + 4 * i + 4, 4);
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+                }
+                const __m512 ps = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                p = plane == 0 ? ps : _mm512_fmadd_ps(ps, _mm512_set1_ps(1.0f / 254.0f), p);
             }
-            const __m512 p = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
             acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
                                      acc[t]);
             mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), mins[t]);
@@ -202,7 +215,10 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                 wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
             }
             for (int t = 0; t < T; ++t) {
-                const int8_t* xb = xq + t * xq_stride + b * QK;
+                const int8_t* xb0 = xq + t * xq_stride + b * P * QK;
+                __m256 p;
+                for (int plane = 0; plane < P; ++plane) {
+                const int8_t* xb = xb0 + plane * QK;
                 __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
                 for (int i = 0; i < 8; i += 2) {
                     int32_t x0, x1;
@@ -221,7 +237,9 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                                 _mm256_maddubs_epi16(wv[i + 1], _mm256_set1_epi32(x1)), one));
 #endif
                 }
-                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                const __m256 ps = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                p = plane == 0 ? ps : _mm256_fmadd_ps(ps, _mm256_set1_ps(1.0f / 254.0f), p);
+                }
                 acc[t][h] = _mm256_fmadd_ps(
                     p, _mm256_mul_ps(d, _mm256_set1_ps(dx[t * s_stride + b])), acc[t][h]);
                 mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[t * s_stride + b]), mins[t][h]);
@@ -242,17 +260,22 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
         std::memcpy(ms, blk + ROWS * sizeof(S), sizeof ms);
         const uint8_t* qs = blk + SB;
         for (int t = 0; t < T; ++t) {
-            const int8_t* xb = xq + t * xq_stride + b * QK;
             for (int r = 0; r < ROWS; ++r) {
-                int32_t dot = 0;
-                for (int j = 0; j < 4; ++j) {
-                    for (int u = 0; u < 4; ++u) {
-                        const uint8_t byte = qs[(j * ROWS + r) * 4 + u];
-                        dot += static_cast<int32_t>(byte & 15) * xb[4 * j + u];
-                        dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * j + u];
+                float p = 0.0f;
+                for (int plane = 0; plane < P; ++plane) {
+                    const int8_t* xb = xq + t * xq_stride + b * P * QK + plane * QK;
+                    int32_t dot = 0;
+                    for (int j = 0; j < 4; ++j) {
+                        for (int u = 0; u < 4; ++u) {
+                            const uint8_t byte = qs[(j * ROWS + r) * 4 + u];
+                            dot += static_cast<int32_t>(byte & 15) * xb[4 * j + u];
+                            dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * j + u];
+                        }
                     }
+                    p = plane == 0 ? static_cast<float>(dot)
+                                   : std::fma(static_cast<float>(dot), 1.0f / 254.0f, p);
                 }
-                acc[t][r] += scale_value(ds[r]) * dx[t * s_stride + b] * static_cast<float>(dot);
+                acc[t][r] += scale_value(ds[r]) * dx[t * s_stride + b] * p;
                 mins[t][r] += scale_value(ms[r]) * sx[t * s_stride + b];
             }
         }
@@ -262,7 +285,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
 }
 
-template <typename S>
+template <typename S, int P>
 void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, void* y,
           int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
     const int64_t nb = k / QK;
@@ -275,14 +298,14 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, 
         for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
             float out[MAX_TILE * ROWS];
             const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
-            const int8_t* xt = xq + m0 * k;
+            const int8_t* xt = xq + m0 * P * k;
             const float* dt = dx + m0 * nb;
             const float* st = sx + m0 * nb;
             switch (tm) {
-                case 4: tile_rows<S, 4>(wt, nb, xt, k, dt, st, nb, out); break;
-                case 3: tile_rows<S, 3>(wt, nb, xt, k, dt, st, nb, out); break;
-                case 2: tile_rows<S, 2>(wt, nb, xt, k, dt, st, nb, out); break;
-                default: tile_rows<S, 1>(wt, nb, xt, k, dt, st, nb, out); break;
+                case 4: tile_rows<S, 4, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                case 3: tile_rows<S, 3, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                case 2: tile_rows<S, 2, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                default: tile_rows<S, 1, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
             }
             for (int64_t t = 0; t < tm; ++t) {
                 for (int64_t r = 0; r < rows; ++r) {
@@ -307,13 +330,15 @@ extern "C" {
 int pagemill_gemv_q4_isa() { return PAGEMILL_GEMV_ISA; }
 
 // dtype: 0 fp32, 1 bf16 (x and y). scale_bytes: 2 (fp16 blocks) or 4 (fp32 blocks).
+// planes: 1 (x rounded to int8 per block) or 2 (plus its remainder in a second int8 plane).
 // x [m_rows, k] with row stride x_stride (elements), y [m_rows, n] with row stride y_stride.
 // Returns 0, or a nonzero status for arguments it refuses.
 int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, int scale_bytes,
                      void* y, int64_t y_stride, int64_t m_rows, int64_t n, int64_t k,
-                     int threads) {
+                     int threads, int planes) {
     if ((dtype != 0 && dtype != 1) || (scale_bytes != 2 && scale_bytes != 4)) return 1;
     if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (planes != 1 && planes != 2) return 3;
     if (m_rows == 0 || n == 0) return 0;
     threads = std::max(1, threads);
     const int64_t nb = k / QK;
@@ -321,7 +346,7 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     // Per calling thread, reused: one decode step calls this ~120 times with few rows.
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> ds;
-    xq.resize(static_cast<size_t>(m_rows * k));
+    xq.resize(static_cast<size_t>(planes * m_rows * k));
     ds.resize(static_cast<size_t>(2 * m_rows * nb));
     // Raw pointers: inside the parallel regions a thread_local name is each thread's own.
     int8_t* xqp = xq.data();
@@ -330,15 +355,22 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     const int qthreads = m_rows >= 16 ? threads : 1;
 #pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
     for (int64_t r = 0; r < m_rows; ++r) {
-        quantize_row(static_cast<const char*>(x) + r * x_stride * elt, dtype, k,
-                     xqp + r * k, dx + r * nb, sx + r * nb);
+        const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
+        if (planes == 2) {
+            quantize_row<2>(xr, dtype, k, xqp + 2 * r * k, dx + r * nb, sx + r * nb);
+        } else {
+            quantize_row<1>(xr, dtype, k, xqp + r * k, dx + r * nb, sx + r * nb);
+        }
     }
-    if (scale_bytes == 2) {
-        gemv<uint16_t>(static_cast<const uint8_t*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
-             y_stride, threads);
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    if (scale_bytes == 2 && planes == 2) {
+        gemv<uint16_t, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    } else if (scale_bytes == 2) {
+        gemv<uint16_t, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    } else if (planes == 2) {
+        gemv<float, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
     } else {
-        gemv<float>(static_cast<const uint8_t*>(w), xqp, dx, sx, y, dtype, m_rows, n, k,
-             y_stride, threads);
+        gemv<float, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
     }
     return 0;
 }

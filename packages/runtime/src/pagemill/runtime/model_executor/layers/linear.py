@@ -15,8 +15,10 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
   bf16): `qweight` uint8 tiles of `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales,
   no `scales_and_zeros`), `torch.ops.pagemill.gemv_q4`, which rounds each input row to
   int8 per block of 32 and multiplies in integer SIMD, as llama.cpp does: a decode step
-  streams its weights faster than through PyTorch's int4 kernel, at the price of that
-  rounding (set PAGEMILL_CPU_INT8_ACTIVATIONS=0 for PyTorch's kernel). Layers asking for
+  streams its weights faster than through PyTorch's int4 kernel. By default the rounding's
+  remainder goes through a second int8 plane (error ~max|x| / 64516 per block instead of
+  llama.cpp's / 254, which flips visibly more greedy tokens on SmolLM2);
+  PAGEMILL_CPU_INT8_ACTIVATIONS=1 keeps one plane, 0 PyTorch's kernel. Layers asking for
   fp32 kernels (`WeightScheme.kernel_dtype`, kept for exactness checks) keep PyTorch's;
 - triton_int4 (CUDA): int4-group rows kept as they came, packed for the kernels' Triton
   dequant-GEMM (`pagemill.kernels.pack_int4_groups`): `qweight` int32 [in / 8, out],
@@ -97,9 +99,10 @@ class Linear(nn.Module):
     # compile cache, which compiles without `freezing`: unfrozen, inductor lowers them
     # through `quantized::int4mm_packed_weight_cpu` instead (see `compilation`'s status).
     opaque_packed = False
-    # Whether one-plane int4 layers in bf16 on the CPU run `gemv_q4` (int8 activations) when
-    # its kernel builds here; read when a layer is finalized.
-    int8_activations = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "1") != "0"
+    # Activation planes of `gemv_q4` for one-plane int4 layers in bf16 on the CPU (when its
+    # kernel builds here): 2 (default) int8 plus its remainder, 1 int8 alone, 0 (or False):
+    # PyTorch's int4 kernel. Read when a layer is finalized.
+    int8_activations = int(os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2"))
 
     # Buffers (None until `finalize` packs the weight).
     qweight: torch.Tensor | None
@@ -117,7 +120,7 @@ class Linear(nn.Module):
         self.scheme: WeightScheme = DENSE
         self.format = "dense"  # "dense" | "int8" | "int4" | "triton_int4"
         self.int4_planes = 1
-        self.int8_act = False  # int4 served by gemv_q4 (see `int8_activations`)
+        self.int8_act = 0  # int4 served by gemv_q4 with this many planes (`int8_activations`)
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -209,7 +212,8 @@ class Linear(nn.Module):
             scale_dtype = kdt
             if self._takes_int8_activations(planes, kdt, weight.device):
                 self._set_packed("int4", qweight=gemv_q4_cpu.pack_q4_blocks(q, s, z, g))
-                self.int8_act, scale_dtype = True, torch.float32  # its scales are exact
+                self.int8_act = 2 if self.int8_activations >= 2 else 1
+                scale_dtype = torch.float32  # its scales are exact
             else:
                 packed, scales_and_zeros = pack_int4(q, s, z, kdt)
                 self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
@@ -319,7 +323,7 @@ class Linear(nn.Module):
         if self.format in ("int4", "triton_int4"):
             s += f", group_size={self.group_size}"
         if self.int8_act:
-            s += ", int8 activations"
+            s += f", int8 activations x{self.int8_act}"
         if self.has_dense_fallback:
             s += f", dense above {self.packed_max_tokens} rows"
         return s
@@ -385,10 +389,10 @@ class Linear(nn.Module):
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
-            y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features)
+            y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features, self.int8_act)
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
-            y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features)
+            y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
