@@ -82,9 +82,10 @@ def gguf_dequantized(name: str, raw: np.ndarray, rows: int, k: int) -> torch.Ten
 
 
 def _served_weight(layer: Linear) -> torch.Tensor:
-    """The [out, in] weight the layer's packed kernel computes with: its output on I."""
-    assert layer.scales_and_zeros is not None
-    eye = torch.eye(layer.in_features, dtype=layer.scales_and_zeros.dtype)
+    """The [out, in] weight the layer's packed kernel computes with: its output on I (a
+    unit row reaches `gemv_q4`'s int8 activations exactly, up to its scale's rounding)."""
+    dtype = layer.dtype if layer.scales_and_zeros is None else layer.scales_and_zeros.dtype
+    eye = torch.eye(layer.in_features, dtype=dtype)
     with torch.no_grad():
         return layer(eye).T.float()
 

@@ -19,6 +19,7 @@ from pagemill.kernels.attention import (
     paged_attention_triton,
     plan_attention,
 )
+from pagemill.kernels.gemv_q4_cpu import gemv_q4, gemv_q4_torch, pack_q4_blocks
 from pagemill.kernels.int4_gemm import (
     int4_group_gemm,
     int4_group_gemm_torch,
@@ -67,6 +68,8 @@ __all__ = [
     "fused_moe_torch",
     "fused_moe_triton",
     "gelu_tanh_and_mul",
+    "gemv_q4",
+    "gemv_q4_torch",
     "int4_group_gemm",
     "int4_group_gemm_torch",
     "int4_group_gemm_triton",
@@ -74,6 +77,7 @@ __all__ = [
     "lora_token_runs",
     "moe_align_block_size",
     "pack_int4_groups",
+    "pack_q4_blocks",
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",

@@ -11,6 +11,15 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
 - int4: `qweight` packed by `aten._convert_weight_to_int4pack_for_cpu` and
   `scales_and_zeros` [planes * in / g, out, 2], `aten._weight_int4pack_mm_for_cpu`
   (two planes carry an int8 value exactly: see `quantization.formats`);
+- int4 with int8 activations (`int8_activations`, the CPU default for one-plane int4 in
+  bf16): `qweight` uint8 tiles of `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales,
+  no `scales_and_zeros`), `torch.ops.pagemill.gemv_q4`, which rounds each input row to
+  int8 per block of 32 and multiplies in integer SIMD, as llama.cpp does: a decode step
+  streams its weights faster than through PyTorch's int4 kernel. By default the rounding's
+  remainder goes through a second int8 plane (error ~max|x| / 64516 per block instead of
+  llama.cpp's / 254, which flips visibly more greedy tokens on SmolLM2);
+  PAGEMILL_CPU_INT8_ACTIVATIONS=1 keeps one plane, 0 PyTorch's kernel. Layers asking for
+  fp32 kernels (`WeightScheme.kernel_dtype`, kept for exactness checks) keep PyTorch's;
 - triton_int4 (CUDA): int4-group rows kept as they came, packed for the kernels' Triton
   dequant-GEMM (`pagemill.kernels.pack_int4_groups`): `qweight` int32 [in / 8, out],
   `scales` / `zeros` fp32 [in / g, out] (fp32 keeps a checkpoint's fp16 scales exact under
@@ -30,6 +39,7 @@ how a compiled graph makes it.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import TYPE_CHECKING
 
@@ -37,7 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagemill.kernels import pack_int4_groups  # also registers pagemill::int4_group_gemm
+from pagemill.kernels import (
+    gemv_q4_cpu,  # also registers pagemill::gemv_q4
+    pack_int4_groups,  # also registers pagemill::int4_group_gemm
+)
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import (
     INT4_GROUP_SIZES,
@@ -87,6 +100,10 @@ class Linear(nn.Module):
     # compile cache, which compiles without `freezing`: unfrozen, inductor lowers them
     # through `quantized::int4mm_packed_weight_cpu` instead (see `compilation`'s status).
     opaque_packed = False
+    # Activation planes of `gemv_q4` for one-plane int4 layers in bf16 on the CPU (when its
+    # kernel builds here): 2 (default) int8 plus its remainder, 1 int8 alone, 0 (or False):
+    # PyTorch's int4 kernel. Read when a layer is finalized.
+    int8_activations = int(os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2"))
 
     # Buffers (None until `finalize` packs the weight).
     qweight: torch.Tensor | None
@@ -104,6 +121,7 @@ class Linear(nn.Module):
         self.scheme: WeightScheme = DENSE
         self.format = "dense"  # "dense" | "int8" | "int4" | "triton_int4"
         self.int4_planes = 1
+        self.int8_act = 0  # int4 served by gemv_q4 with this many planes (`int8_activations`)
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -193,15 +211,33 @@ class Linear(nn.Module):
             else:
                 rows = quantize_int4_groups(weight, self.scheme.group_size, kdt)
                 q, s, z, g, planes = rows.q, rows.scales, rows.zeros, rows.group_size, 1
-            packed, scales_and_zeros = pack_int4(q, s, z, kdt)
-            self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
             self.group_size, self.int4_planes = g, planes
+            scale_dtype = kdt
+            if self._takes_int8_activations(planes, kdt, weight.device):
+                self._set_packed("int4", qweight=gemv_q4_cpu.pack_q4_blocks(q, s, z, g))
+                self.int8_act = 2 if self.int8_activations >= 2 else 1
+                scale_dtype = torch.float32  # its scales are exact
+            else:
+                packed, scales_and_zeros = pack_int4(q, s, z, kdt)
+                self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
             if self.scheme.dense_fallback:
-                weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, kdt))
+                weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, scale_dtype))
         if not self.scheme.dense_fallback:
             self.weight = None
         limit = self.scheme.packed_max_tokens
         self.packed_max_tokens = PACKED_MAX_TOKENS[self.weight_format] if limit is None else limit
+
+    def _takes_int8_activations(
+        self, planes: int, kernel_dtype: torch.dtype, device: torch.device
+    ) -> bool:
+        return (
+            self.int8_activations
+            and planes == 1
+            and kernel_dtype == torch.bfloat16
+            and device.type == "cpu"
+            and self.in_features % gemv_q4_cpu.QK == 0
+            and gemv_q4_cpu.available()
+        )
 
     def _pack_triton_int4(self, pieces: list[Int4Groups]) -> None:
         q = torch.cat([p.q for p in pieces])
@@ -289,6 +325,8 @@ class Linear(nn.Module):
         )
         if self.format in ("int4", "triton_int4"):
             s += f", group_size={self.group_size}"
+        if self.int8_act:
+            s += f", int8 activations x{self.int8_act}"
         if self.has_dense_fallback:
             s += f", dense above {self.packed_max_tokens} rows"
         return s
@@ -330,6 +368,8 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_act:
+            return self._gemv_q4(x)
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
         opaque = self.opaque_packed and torch.compiler.is_compiling()
         if self.format == "int8":
@@ -348,6 +388,20 @@ class Linear(nn.Module):
                 else torch.ops.aten._weight_int4pack_mm_for_cpu
             )
             y = mm4(xk.contiguous(), self.qweight, self.group_size, self.scales_and_zeros)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _gemv_q4(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel takes fp32 and bf16 as they are (it rounds to int8 either way).
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
+        xk = xk.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features, self.int8_act)
+        else:  # eager: skip the dispatcher
+            assert self.qweight is not None
+            y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
+        y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias

@@ -1,0 +1,378 @@
+// y[M, N] = x[M, K] · W[N, K]ᵀ over 4-bit weight blocks, with the activations quantized to
+// int8 per block of 32 and the dot products done in integers (the way llama.cpp runs Q4_1
+// against Q8_1). A few rows of x (decode steps) are bound by reading W: each weight block
+// is read once, in one stream, with its scales next to it.
+//
+// Weights come in tiles of 16 output rows; per tile and block of 32 inputs (`S` = uint16_t
+// for fp16, or float):
+//     S d[16]; S m[16]; uint8_t qs[256];     w[r][j] = d[r] * q[r][j] + m[r]
+// with the nibbles ordered so that one 4-byte lane holds 4 consecutive inputs of one row
+// (see `tile_rows`). fp16 holds GGUF's Q4_0/Q4_1 scales exactly; rows whose scales fp16
+// cannot hold (Q4_K's d * sc, requantized rows) use fp32.
+//
+// Activation block: xq[j] = round(x[j] / dx) in -127..127 with dx = max|x| / 127, plus the
+// block's exact float sum sx, so that
+//     sum_j x[j] w[j] ≈ d * dx * sum_j q[j] xq[j] + m * sx.
+// Only the d term sees the int8 rounding; the min term is exact.
+//
+// Three builds of the same arithmetic (integer sums are exact in each, so they differ only
+// in float summation order): AVX512-VNNI / AVX-VNNI (`vpdpbusd`: u8 × s8 → i32), AVX2
+// (`vpmaddubsw` + `vpmaddwd`; 15 * 127 * 2 fits int16, nothing saturates), plain C++.
+// PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
+//
+// Built at run time by pagemill.kernels.gemv_q4_cpu (host compiler, -O3 -march=native
+// -fopenmp, no torch headers) and called through ctypes. Output rows are split over
+// OpenMP threads by tiles; up to four rows of x share each weight block while it is in
+// registers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#ifndef PAGEMILL_GEMV_ISA
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEMILL_GEMV_ISA 3
+#elif defined(__AVXVNNI__)
+#define PAGEMILL_GEMV_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEMILL_GEMV_ISA 1
+#else
+#define PAGEMILL_GEMV_ISA 0
+#endif
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int MAX_TILE = 4;
+
+constexpr int ROWS = 16;                // output rows interleaved in one tile
+constexpr int64_t QS_BYTES = ROWS * QK / 2;  // nibbles of one block of a tile
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                --exp;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+inline float scale_value(uint16_t s) { return half_to_float(s); }
+inline float scale_value(float s) { return s; }
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx and sx [K / 32].
+template <int P>
+void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, float* sx) {
+    float buf[QK];
+    for (int64_t b = 0; b < k / QK; ++b) {
+        for (int j = 0; j < QK; ++j) {
+            const int64_t i = b * QK + j;
+            buf[j] = dtype == 1 ? bf16_to_float(static_cast<const uint16_t*>(x)[i])
+                                : static_cast<const float*>(x)[i];
+        }
+        float amax = 0.0f, sum = 0.0f;
+        for (int j = 0; j < QK; ++j) {
+            amax = std::max(amax, std::fabs(buf[j]));
+            sum += buf[j];
+        }
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* xb = xq + b * P * QK;
+        for (int j = 0; j < QK; ++j) {
+            const float q1 = std::nearbyint(buf[j] * inv);
+            xb[j] = static_cast<int8_t>(q1);
+            if constexpr (P == 2) {
+                // The remainder, |r| <= d / 2, in steps of d / 254.
+                const float rest = buf[j] - q1 * d;
+                const float q2 = std::nearbyint(rest * (inv * 254.0f));
+                xb[QK + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q2)));
+            }
+        }
+        dx[b] = d;
+        sx[b] = sum;
+    }
+}
+
+// One tile of 16 output rows against rows x[0..T) of the tile of activations.
+// For each block: 16 d's then 16 m's (S each), then 256 bytes of nibbles laid out so that a
+// 4-byte lane holds 4 consecutive inputs of one output row: byte (j, r, t), j < 4, r < 16,
+// t < 4, holds q[r][4j + t] in its low nibble and q[r][16 + 4j + t] in its high nibble.
+// A u8 x s8 dot of such a vector against 4 inputs of x broadcast to every lane then gives
+// each row's partial sum in its own lane: no horizontal sums, and the 16 rows' scales
+// apply as one vector.
+template <typename S, int T, int P>
+void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+               const float* dx, const float* sx, int64_t s_stride, float* out /* [T][16] */) {
+    constexpr int64_t SB = 2 * ROWS * sizeof(S);
+    constexpr int64_t BLOCK = SB + QS_BYTES;
+#if PAGEMILL_GEMV_ISA == 3
+    __m512 acc[T], mins[T];
+    for (int t = 0; t < T; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        __m512 d, m;
+        if constexpr (sizeof(S) == 2) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        } else {
+            d = _mm512_loadu_ps(blk);
+            m = _mm512_loadu_ps(blk + 64);
+        }
+        __m512i wv[8];
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+            wv[j] = _mm512_and_si512(raw, low4);
+            wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+        for (int t = 0; t < T; ++t) {
+            const int8_t* xb = xq + t * xq_stride + b * P * QK;
+            __m512 p;
+            for (int plane = 0; plane < P; ++plane) {
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i += 2) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xb + plane * QK + 4 * i, 4);
+                    std::memcpy(&x1, xb + plane * QK + 4 * i + 4, 4);
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+                }
+                const __m512 ps = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                p = plane == 0 ? ps : _mm512_fmadd_ps(ps, _mm512_set1_ps(1.0f / 254.0f), p);
+            }
+            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+                                     acc[t]);
+            mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), mins[t]);
+        }
+    }
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, _mm512_add_ps(acc[t], mins[t]));
+#elif PAGEMILL_GEMV_ISA >= 1
+    // Two halves of 8 rows in 256-bit vectors.
+    __m256 acc[T][2], mins[T][2];
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h) acc[t][h] = mins[t][h] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        for (int h = 0; h < 2; ++h) {
+            __m256 d, m;
+            if constexpr (sizeof(S) == 2) {
+                d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+                m = _mm256_cvtph_ps(
+                    _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+            } else {
+                d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * h);
+                m = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 64) + 8 * h);
+            }
+            __m256i wv[8];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i raw =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + SB + 64 * j + 32 * h));
+                wv[j] = _mm256_and_si256(raw, low4);
+                wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+            for (int t = 0; t < T; ++t) {
+                const int8_t* xb0 = xq + t * xq_stride + b * P * QK;
+                __m256 p;
+                for (int plane = 0; plane < P; ++plane) {
+                const int8_t* xb = xb0 + plane * QK;
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i += 2) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xb + 4 * i, 4);
+                    std::memcpy(&x1, xb + 4 * i + 4, 4);
+#if PAGEMILL_GEMV_ISA == 2
+                    s0 = _mm256_dpbusd_avx_epi32(s0, wv[i], _mm256_set1_epi32(x0));
+                    s1 = _mm256_dpbusd_avx_epi32(s1, wv[i + 1], _mm256_set1_epi32(x1));
+#else
+                    const __m256i one = _mm256_set1_epi16(1);
+                    s0 = _mm256_add_epi32(
+                        s0, _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(wv[i], _mm256_set1_epi32(x0)), one));
+                    s1 = _mm256_add_epi32(
+                        s1, _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(wv[i + 1], _mm256_set1_epi32(x1)), one));
+#endif
+                }
+                const __m256 ps = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                p = plane == 0 ? ps : _mm256_fmadd_ps(ps, _mm256_set1_ps(1.0f / 254.0f), p);
+                }
+                acc[t][h] = _mm256_fmadd_ps(
+                    p, _mm256_mul_ps(d, _mm256_set1_ps(dx[t * s_stride + b])), acc[t][h]);
+                mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[t * s_stride + b]), mins[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h)
+            _mm256_storeu_ps(out + t * ROWS + 8 * h, _mm256_add_ps(acc[t][h], mins[t][h]));
+#else
+    float acc[T][ROWS], mins[T][ROWS];
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) acc[t][r] = mins[t][r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        S ds[ROWS], ms[ROWS];
+        std::memcpy(ds, blk, sizeof ds);
+        std::memcpy(ms, blk + ROWS * sizeof(S), sizeof ms);
+        const uint8_t* qs = blk + SB;
+        for (int t = 0; t < T; ++t) {
+            for (int r = 0; r < ROWS; ++r) {
+                float p = 0.0f;
+                for (int plane = 0; plane < P; ++plane) {
+                    const int8_t* xb = xq + t * xq_stride + b * P * QK + plane * QK;
+                    int32_t dot = 0;
+                    for (int j = 0; j < 4; ++j) {
+                        for (int u = 0; u < 4; ++u) {
+                            const uint8_t byte = qs[(j * ROWS + r) * 4 + u];
+                            dot += static_cast<int32_t>(byte & 15) * xb[4 * j + u];
+                            dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * j + u];
+                        }
+                    }
+                    p = plane == 0 ? static_cast<float>(dot)
+                                   : std::fma(static_cast<float>(dot), 1.0f / 254.0f, p);
+                }
+                acc[t][r] += scale_value(ds[r]) * dx[t * s_stride + b] * p;
+                mins[t][r] += scale_value(ms[r]) * sx[t * s_stride + b];
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) out[t * ROWS + r] = acc[t][r] + mins[t][r];
+#endif
+}
+
+template <typename S, int P>
+void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, void* y,
+          int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(sizeof(S)) + QS_BYTES);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint8_t* wt = w + tile * tile_bytes;
+        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+        for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
+            float out[MAX_TILE * ROWS];
+            const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
+            const int8_t* xt = xq + m0 * P * k;
+            const float* dt = dx + m0 * nb;
+            const float* st = sx + m0 * nb;
+            switch (tm) {
+                case 4: tile_rows<S, 4, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                case 3: tile_rows<S, 3, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                case 2: tile_rows<S, 2, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+                default: tile_rows<S, 1, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
+            }
+            for (int64_t t = 0; t < tm; ++t) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
+                    const float v = out[t * ROWS + r];
+                    if (dtype == 1) {
+                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
+                    } else {
+                        static_cast<float*>(y)[i] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which arithmetic this build runs (PAGEMILL_GEMV_ISA's values).
+int pagemill_gemv_q4_isa() { return PAGEMILL_GEMV_ISA; }
+
+// dtype: 0 fp32, 1 bf16 (x and y). scale_bytes: 2 (fp16 blocks) or 4 (fp32 blocks).
+// planes: 1 (x rounded to int8 per block) or 2 (plus its remainder in a second int8 plane).
+// x [m_rows, k] with row stride x_stride (elements), y [m_rows, n] with row stride y_stride.
+// Returns 0, or a nonzero status for arguments it refuses.
+int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, int scale_bytes,
+                     void* y, int64_t y_stride, int64_t m_rows, int64_t n, int64_t k,
+                     int threads, int planes) {
+    if ((dtype != 0 && dtype != 1) || (scale_bytes != 2 && scale_bytes != 4)) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (planes != 1 && planes != 2) return 3;
+    if (m_rows == 0 || n == 0) return 0;
+    threads = std::max(1, threads);
+    const int64_t nb = k / QK;
+    const size_t elt = dtype == 1 ? 2 : 4;
+    // Per calling thread, reused: one decode step calls this ~120 times with few rows.
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> ds;
+    xq.resize(static_cast<size_t>(planes * m_rows * k));
+    ds.resize(static_cast<size_t>(2 * m_rows * nb));
+    // Raw pointers: inside the parallel regions a thread_local name is each thread's own.
+    int8_t* xqp = xq.data();
+    float* dx = ds.data();
+    float* sx = ds.data() + m_rows * nb;
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_rows; ++r) {
+        const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
+        if (planes == 2) {
+            quantize_row<2>(xr, dtype, k, xqp + 2 * r * k, dx + r * nb, sx + r * nb);
+        } else {
+            quantize_row<1>(xr, dtype, k, xqp + r * k, dx + r * nb, sx + r * nb);
+        }
+    }
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    if (scale_bytes == 2 && planes == 2) {
+        gemv<uint16_t, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    } else if (scale_bytes == 2) {
+        gemv<uint16_t, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    } else if (planes == 2) {
+        gemv<float, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    } else {
+        gemv<float, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    }
+    return 0;
+}
+
+}  // extern "C"

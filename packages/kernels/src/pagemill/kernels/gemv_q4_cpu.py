@@ -1,0 +1,272 @@
+"""4-bit weights times int8-quantized activations on the CPU, built on the host at first use.
+
+A decode step of a small model reads every weight once and computes little with it: its
+time is the time to stream the weights. `csrc/gemv_q4_cpu.cpp` streams blocks of 32 int4
+values with their scale and min interleaved (`pack_q4_blocks`), quantizes each row of x to
+int8 per block of 32 once per call, and does the dot products in integer SIMD (VNNI,
+AVX2 or plain C++), the way llama.cpp runs Q4_1 against Q8_1. The int8 rounding of the
+activations is the one approximation (the weights' own values are exact: fp16 or fp32
+scales as the checkpoint had them); `gemv_q4_torch` computes the same arithmetic in plain
+torch, with or without that rounding.
+
+Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
+`load()` is None without a compiler). `torch.ops.pagemill.gemv_q4` wraps it for compiled
+graphs (one opaque call per linear layer); eager callers call `gemv_q4` directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagemill.kernels.cpu_native import _cache_dir, _compiler, _cpu_signature
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "gemv_q4_cpu.cpp"
+QK = 32  # inputs per block
+ROWS = 16  # output rows per tile
+QS_BYTES = ROWS * QK // 2
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Set to 0 to never build or use the native kernel (the callers' other paths run).
+_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
+ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
+
+
+@functools.cache
+def load(isa: int | None = None) -> ctypes.CDLL | None:
+    """The kernel library built for this CPU (`isa` forces a path: see `ISA_NAMES`; None
+    picks the best the host has), or None when it cannot be built here (see the log)."""
+    if os.environ.get(_ENV, "1") == "0":
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found: int4 linears use PyTorch's int4 kernel")
+        return None
+    # No fp contraction: the activation remainder must round as `quantize_activations` does.
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    flags.append("-ffp-contract=off")
+    if isa is not None:
+        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        source + cxx.encode() + _cpu_signature().encode() + " ".join(flags).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"gemv_q4_cpu-{key}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [cxx, *flags, str(_SOURCE), "-o", str(out)]
+            try:
+                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+                detail = getattr(e, "stderr", "") or str(e)
+                logger.warning(
+                    "building the int4 CPU GEMV kernel failed (%s); using PyTorch's int4 kernel",
+                    detail.strip()[-500:],
+                )
+                return None
+            os.replace(out, target)  # atomic: concurrent builders never see half a file
+    lib = ctypes.CDLL(str(target))
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.pagemill_gemv_q4.restype = i32
+    lib.pagemill_gemv_q4.argtypes = [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagemill_gemv_q4_isa.restype = i32
+    lib.pagemill_gemv_q4_isa.argtypes = []
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+# ---- the block layout ------------------------------------------------------------------------
+
+
+def pack_q4_blocks(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Int4 groups (w = (q - 8) * scale + zero, q uint8 [N, K] in 0..15, scales/zeros fp32
+    [N, K / group_size]) as the kernel's tiles: uint8 [ceil(N / 16), K / 32, B].
+
+    w = d * q + m with d = scale, m = zero - 8 * scale. Each (tile of 16 output rows, block
+    of 32 inputs) holds the 16 rows' d, then their m, then 256 bytes of nibbles (see the
+    kernel source for their order); B = 320 with fp16 d and m when fp16 reproduces every
+    weight exactly (GGUF Q4_0/Q4_1 always do), else 384 with fp32. Rows past N are zero.
+    """
+    n, k = q.shape
+    if k % QK or group_size % QK:
+        raise ValueError(f"in_features {k} / group size {group_size} is not a multiple of {QK}")
+    rep = group_size // QK
+    d = scales.float().repeat_interleave(rep, dim=1)
+    z = zeros.float().repeat_interleave(rep, dim=1)
+    m = z - 8.0 * d
+    d16, m16 = d.half(), m.half()
+    # fp16 is exact when it gives back the scale and, through the zero point's own formula,
+    # the zero.
+    exact16 = bool(
+        torch.equal(d16.float(), d)
+        and torch.equal(m16.float() + 8.0 * d16.float(), z)
+        and torch.isfinite(m16).all()
+    )
+    nb, tiles = k // QK, -(-n // ROWS)
+    pad = tiles * ROWS - n
+    dm = torch.stack([d16, m16] if exact16 else [d, m])  # [2, N, nb]
+    qp = q.to(torch.uint8)
+    if pad:
+        dm = torch.cat([dm, dm.new_zeros(2, pad, nb)], dim=1)
+        qp = torch.cat([qp, qp.new_zeros(pad, k)])
+    # [2, tiles, 16, nb] -> [tiles, nb, 2, 16]
+    dm = dm.view(2, tiles, ROWS, nb).permute(1, 3, 0, 2).contiguous()
+    # nibbles: q[r, 4j + t] low, q[r, 16 + 4j + t] high, stored at byte (j, r, t)
+    qv = qp.view(tiles, ROWS, nb, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)  # tiles nb half j r t
+    qs = (qv[:, :, 0] | (qv[:, :, 1] << 4)).reshape(tiles, nb, QS_BYTES)
+    return torch.cat([dm.view(torch.uint8).view(tiles, nb, -1), qs], dim=-1).contiguous()
+
+
+def unpack_q4_blocks(
+    blocks: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 [N, K], d fp32 [N, K / 32], m fp32 [N, K / 32]) of `pack_q4_blocks`' tiles."""
+    tiles, nb, width = blocks.shape
+    sb = (width - QS_BYTES) // (2 * ROWS)
+    dm = blocks[:, :, : width - QS_BYTES].contiguous()
+    dm = dm.view(torch.float16 if sb == 2 else torch.float32).float()  # [tiles, nb, 32]
+    dm = dm.view(tiles, nb, 2, ROWS).permute(2, 0, 3, 1).reshape(2, tiles * ROWS, nb)
+    qs = blocks[:, :, width - QS_BYTES :].reshape(tiles, nb, 4, ROWS, 4)
+    halves = torch.stack([qs & 15, qs >> 4], dim=2)  # tiles nb half j r t
+    q = halves.permute(0, 4, 1, 2, 3, 5).reshape(tiles * ROWS, nb * QK)
+    return q[:n], dm[0, :n], dm[1, :n]
+
+
+def dequantize_q4_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 weight [N, K] the tiles hold."""
+    q, d, m = unpack_q4_blocks(blocks, n)
+    nb = d.shape[1]
+    w = q.view(n, nb, QK).float() * d[..., None] + m[..., None]
+    return w.reshape(n, nb * QK)
+
+
+# ---- compute -----------------------------------------------------------------------------------
+
+
+def quantize_activations(
+    x: torch.Tensor, planes: int = 2
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xq [M, K], dx [M, K / 32], sx [M, K / 32]): x ≈ xq * dx per block of 32, dx =
+    max|x| / 127, sx each block's exact sum. One plane: xq = q1, integers in -127..127. Two
+    planes: the remainder x - q1 * dx rounded again in steps of dx / 254 (q2, in -127..127),
+    xq = q1 + q2 / 254 (the kernel sums q1 and q2 dots in integers, then combines them)."""
+    m_rows, k = x.shape
+    xb = x.float().view(m_rows, k // QK, QK)
+    dx = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))[..., None]
+    xq = torch.round(xb * inv)
+    if planes == 2:
+        rest = xb - xq * dx[..., None]
+        xq = xq + torch.round(rest * (inv * 254.0)).clamp_(-127, 127) / 254.0
+    return xq.view(m_rows, k), dx, xb.sum(dim=-1)
+
+
+def gemv_q4_torch(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2, quantize: bool = True
+) -> torch.Tensor:
+    """Plain-torch `gemv_q4`: x [M, K] · W[N, K]ᵀ in x's dtype, with x rounded to int8 per
+    block as the kernel does (`quantize`, `planes`), or in fp32 against the exact weights."""
+    if not quantize:
+        return (x.float() @ dequantize_q4_blocks(blocks, n).T).to(x.dtype)
+    q, d, m = unpack_q4_blocks(blocks, n)
+    nb = d.shape[1]
+    xq, dx, sx = quantize_activations(x, planes)
+    dots = torch.einsum("mbj,nbj->mnb", xq.view(-1, nb, QK), q.view(n, nb, QK).float())
+    y = (dots * d[None] * dx[:, None]).sum(-1) + sx @ m.T
+    return y.to(x.dtype)
+
+
+def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in _DTYPE_CODES
+        and blocks.dtype == torch.uint8
+        and blocks.dim() == 3
+        and blocks.shape[2] in (QS_BYTES + 4 * ROWS, QS_BYTES + 8 * ROWS)
+        and x.shape[1] == blocks.shape[1] * QK
+        and 0 <= n <= blocks.shape[0] * ROWS
+    )
+
+
+def gemv_q4(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    planes: int = 2,
+) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype, on the
+    native kernel (`lib`: a `load()` result; default the host's best). `threads` 0: torch's
+    intra-op thread count. `planes` 1: x rounded to int8 per block of 32 (llama.cpp's Q8
+    rounding, error up to max|x| / 254 per element); 2 (default): plus a second int8 plane
+    for the remainder (error up to max|x| / 64516), twice the integer work for the same
+    weight bytes."""
+    if planes not in (1, 2):
+        raise ValueError(f"gemv_q4 takes 1 or 2 activation planes, not {planes}")
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("the int4 CPU GEMV kernel is not built on this machine")
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"gemv_q4 takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
+            f"{QS_BYTES + 4 * ROWS}|{QS_BYTES + 8 * ROWS}] for N = {n}; "
+            f"got x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    y = torch.empty(m_rows, n, dtype=x.dtype)
+    status = lib.pagemill_gemv_q4(
+        _DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
+        y.data_ptr(),
+        n,
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+        planes,
+    )
+    if status:
+        raise RuntimeError(f"gemv_q4_cpu refused its arguments (status {status})")
+    return y
+
+
+# ---- the op a compiled graph calls ---------------------------------------------------------------
+
+_LIB = torch.library.Library("pagemill", "FRAGMENT")
+_LIB.define("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
+
+
+def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return gemv_q4(x, blocks, n, planes=planes)
+
+
+def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+_LIB.impl("gemv_q4", _gemv_q4_op, "CPU")
+torch.library.register_fake("pagemill::gemv_q4", _gemv_q4_fake, lib=_LIB)

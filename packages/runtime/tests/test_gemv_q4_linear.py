@@ -1,0 +1,114 @@
+"""Int4 linears served by the int8-activation kernel (`gemv_q4`), against the `gguf`
+package's own dequantization of the same Q4_1 bytes, and the switch back to PyTorch's."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagemill.kernels import gemv_q4_cpu
+from pagemill.runtime.model_executor.layers import Linear
+from pagemill.runtime.model_executor.quantization import WeightScheme
+from pagemill.runtime.model_executor.quantization.gguf_blocks import decode_q4_1
+
+pytestmark = pytest.mark.skipif(not gemv_q4_cpu.available(), reason="no C++ compiler")
+
+
+def _q4_1(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """(raw Q4_1 bytes, gguf's fp32 dequantization of them)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    dense = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).astype(np.float32)
+    return raw, torch.from_numpy(dense.reshape(n, k))
+
+
+def _layer(raw: np.ndarray, n: int, k: int, dtype=torch.bfloat16, **scheme) -> Linear:
+    layer = Linear(k, n, True, dtype)
+    layer.scheme = WeightScheme("native", **scheme)
+    with torch.no_grad():
+        layer.bias.copy_(torch.linspace(-1, 1, n))
+    layer.load_rows(0, decode_q4_1(raw, n, k))
+    return layer
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What int8 activations may cost: every x is off by at most half its block's step, so
+    |x·wᵀ - xq·wᵀ| <= sum_j |w_j| * dx_j / 2 (the kernel's min term is exact: tighter)."""
+    _, dx, _ = gemv_q4_cpu.quantize_activations(x)
+    return 0.5 * dx.repeat_interleave(32, 1) @ w.abs().T
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_q4_1_layer_against_gguf_dequantization(dtype) -> None:
+    n, k = 96, 320
+    raw, w = _q4_1(n, k)
+    layer = _layer(raw, n, k, dtype)
+    assert layer.int8_act and layer.scales_and_zeros is None and layer.weight is None
+    assert "int8 activations" in repr(layer) and layer.weight_format == "int4"
+    # GGUF's fp16 d and m fit the 20-bytes-per-32 tiles exactly: the weights are gguf's.
+    assert layer.qweight is not None and layer.qweight.shape[-1] == 320
+    assert torch.equal(gemv_q4_cpu.dequantize_q4_blocks(layer.qweight, n), w)
+    x = torch.randn(3, k, dtype=dtype)
+    with torch.no_grad():
+        got = layer(x).float()
+    exact = x.float() @ w.T + layer.bias.float()
+    slack = 0.02 if dtype == torch.bfloat16 else 1e-4  # bf16 output rounding
+    assert ((got - exact).abs() <= _bound(x.float(), w) + slack * exact.abs() + 1e-4).all()
+
+
+def test_switch_off_keeps_pytorch_int4(monkeypatch) -> None:
+    n, k = 48, 128
+    raw, w = _q4_1(n, k, seed=1)
+    monkeypatch.setattr(Linear, "int8_activations", False)
+    layer = _layer(raw, n, k)
+    assert not layer.int8_act and layer.scales_and_zeros is not None
+    monkeypatch.setattr(Linear, "int8_activations", True)
+    assert _layer(raw, n, k).int8_act
+    # fp32 kernels are the exact check: never rounded activations.
+    exact = _layer(raw, n, k, torch.float32, kernel_dtype=torch.float32)
+    assert not exact.int8_act
+    x = torch.randn(2, k)
+    with torch.no_grad():
+        torch.testing.assert_close(exact(x), x @ w.T + exact.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_pytorch_int4_serves(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_q4_cpu, "available", lambda: False)
+    raw, _ = _q4_1(32, 64)
+    layer = _layer(raw, 32, 64)
+    assert not layer.int8_act and layer.scales_and_zeros is not None
+
+
+def test_dense_copy_holds_the_exact_weights() -> None:
+    """With a dense fallback, both sides serve gguf's weights (scales unrounded)."""
+    n, k = 64, 192
+    raw, w = _q4_1(n, k, seed=2)
+    layer = _layer(raw, n, k, dense_fallback=True, packed_max_tokens=4)
+    assert layer.int8_act and layer.has_dense_fallback
+    torch.testing.assert_close(layer.weight.float(), w, rtol=4e-3, atol=1e-6)  # bf16 of w
+    x = torch.randn(8, k, dtype=torch.bfloat16)
+    with torch.no_grad():
+        packed = torch.cat([layer(x[:4]), layer(x[4:])]).float()
+        dense = layer(x).float()
+    torch.testing.assert_close(packed, dense, rtol=3e-2, atol=3e-2)
+
+
+def test_q4_k_like_scales_use_fp32_tiles() -> None:
+    """Scales fp16 cannot hold (Q4_K's d * sc) keep fp32 in the tiles: still exact."""
+    from pagemill.runtime.model_executor.quantization.formats import Int4Groups
+
+    n, k = 32, 64
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = torch.rand(n, 2, generator=gen) * 0.01 * (1 + 2**-18)
+    z = torch.randn(n, 2, generator=gen) * 0.01
+    layer = Linear(k, n, False, torch.bfloat16)
+    layer.scheme = WeightScheme("native")
+    layer.load_rows(0, Int4Groups(q, d, z, 32, "Q4_K"))
+    assert layer.int8_act and layer.qweight is not None and layer.qweight.shape[-1] == 384
+    w = Int4Groups(q, d, z, 32).dequantize(torch.float32)
+    torch.testing.assert_close(
+        gemv_q4_cpu.dequantize_q4_blocks(layer.qweight, n), w, rtol=1e-6, atol=1e-8
+    )
