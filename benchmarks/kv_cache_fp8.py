@@ -4,9 +4,15 @@ step's time.
 
     python benchmarks/kv_cache_fp8.py [--model M] [--kv fp8,fp8+calc,int8] [--prompts 32]
         [--tokens 32]
+    python benchmarks/kv_cache_fp8.py --kv fp8+calc,fp8+calc+head,int8,int8+head \
+        --decode-batch 0 --scale-stats
 
 ``--kv`` lists the caches to compare with the compute-dtype one: a ``--kv-cache-dtype``
-value, ``+calc`` adding ``--calculate-kv-scales`` (int8 always calculates its scales).
+value, ``+calc`` adding ``--calculate-kv-scales`` (int8 always calculates its scales),
+``+head`` adding ``--kv-scales-per-head`` (one K and one V scale per KV head).
+``--scale-stats`` also reports, per calculated engine, how far apart its layers' heads are
+(the largest head amax over the smallest, per layer) and how many of the K/V values a
+later prompt writes exceed the range its scales give (they saturate).
 Every engine runs in one process on the same weights (default: the default model); the
 prompts are chat-templated questions so the continuations are the model's usual text.
 Agreement counts generated tokens equal at the same position (after a first divergence the
@@ -120,6 +126,49 @@ def compare(ref: LLM, q: LLM, ps: list[list[int]], tokens: int) -> dict:
     }
 
 
+class SaturationSpy:
+    """Counts, per engine, the K/V values written after the scales were set that lie beyond
+    what the scales can store (``|x| > scale * max code``: saturated), and summarises how far
+    apart the KV heads' ranges are in each layer."""
+
+    def __init__(self, llm: LLM) -> None:
+        import pagemill.runtime.model_executor.models.llama as llama
+
+        runner = llm.llm_engine.engine_core.model_runner
+        self.scales = runner.kv_cache.scales
+        self.layer_of = {kc.data_ptr(): i for i, (kc, _) in enumerate(runner.kv_cache.caches)}
+        self.limit = float(
+            127 if runner.kv_cache.dtype == torch.int8 else torch.finfo(runner.kv_cache.dtype).max
+        )
+        self.total = self.saturated = 0
+        self.head_amax: dict[int, torch.Tensor] = {}
+        real = llama.write_kv_cache
+
+        def write(k, v, kc, vc, slots, ks=None, vs=None):  # type: ignore[no-untyped-def]
+            i = self.layer_of.get(kc.data_ptr())
+            # A layer's first write is the calibration prefill (its amax set the scales).
+            if i is not None and ks is not None and i in self.head_amax:
+                for x, s in ((k, ks), (v, vs)):
+                    s = s[:, None] if s.dim() == 1 else s
+                    self.saturated += int((x.float().abs() > s * self.limit).sum())
+                    self.total += x.numel()
+            if i is not None and i not in self.head_amax:
+                self.head_amax[i] = k.detach().float().abs().amax(dim=(0, 2))
+            real(k, v, kc, vc, slots, ks, vs)
+
+        llama.write_kv_cache = write
+        self._restore = lambda: setattr(llama, "write_kv_cache", real)
+
+    def report(self) -> dict:
+        self._restore()
+        spread = [float(a.max() / a.min().clamp_min(1e-12)) for a in self.head_amax.values()]
+        return {
+            "saturated_fraction_after_calibration": self.saturated / max(self.total, 1),
+            "k_head_amax_spread_median": statistics.median(spread) if spread else None,
+            "k_head_amax_spread_max": max(spread) if spread else None,
+        }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -130,6 +179,7 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--scale-stats", action="store_true")
     args = ap.parse_args()
     common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
     ref = LLM(args.model, **common)
@@ -144,10 +194,24 @@ def main() -> None:
     }
     engines = {"auto": ref}
     for spec in args.kv.split(","):
-        kv, _, flag = spec.partition("+")
-        calc = flag == "calc" or kv == "int8"
-        q = LLM(args.model, kv_cache_dtype=kv, calculate_kv_scales=calc, **common)
-        res["kv"][spec] = {"calculate_kv_scales": calc, **compare(ref, q, ps, args.tokens)}
+        kv, *flags = spec.split("+")
+        calc = "calc" in flags or kv == "int8"
+        head = "head" in flags
+        q = LLM(
+            args.model,
+            kv_cache_dtype=kv,
+            calculate_kv_scales=calc,
+            kv_scales_per_head=head,
+            **common,
+        )
+        spy = SaturationSpy(q) if args.scale_stats and calc else None
+        res["kv"][spec] = {
+            "calculate_kv_scales": calc,
+            "kv_scales_per_head": head,
+            **compare(ref, q, ps, args.tokens),
+        }
+        if spy is not None:
+            res["kv"][spec].update(spy.report())
         print(json.dumps({spec: res["kv"][spec]}, indent=1), flush=True)
         if args.decode_batch:
             engines[spec] = q
