@@ -51,9 +51,10 @@ def quant_max(dtype: torch.dtype) -> float:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``x / scale`` saturated to ``dtype``'s range and cast (round to nearest, ties even)."""
-    y = x.float()
-    if scale is not None:
-        y = y / _broadcastable(scale, x)
+    if scale is None:
+        y = x.to(torch.float32, copy=True)  # clamp_ below must not touch an fp32 caller's x
+    else:
+        y = x.float() / _broadcastable(scale, x)
     limit = quant_max(dtype)
     y = y.clamp_(-limit, limit)
     if dtype == torch.int8:
