@@ -4,9 +4,16 @@ step's time.
 
     python benchmarks/kv_cache_fp8.py [--model M] [--kv fp8,fp8+calc,int8] [--prompts 32]
         [--tokens 32]
+    python benchmarks/kv_cache_fp8.py --kv fp8+calc,fp8+calc+head,int8,int8+head \
+        --decode-batch 0 --scale-stats
 
 ``--kv`` lists the caches to compare with the compute-dtype one: a ``--kv-cache-dtype``
-value, ``+calc`` adding ``--calculate-kv-scales`` (int8 always calculates its scales).
+value, ``+calc`` adding ``--calculate-kv-scales`` (int8 always calculates its scales),
+``+head`` adding ``--kv-scales-per-head`` (one K and one V scale per KV head).
+``--scale-stats`` also reports, per calculated engine, how far apart its layers' heads are
+(the largest head amax over the smallest, per layer) and how many of the K/V values a
+later prompt writes exceed the range its scales give (they saturate); ``--quant-error``
+the round-trip error of each scheme on the K/V the 16-bit engine writes (see `quant_error`).
 Every engine runs in one process on the same weights (default: the default model); the
 prompts are chat-templated questions so the continuations are the model's usual text.
 Agreement counts generated tokens equal at the same position (after a first divergence the
@@ -91,21 +98,27 @@ def decode_step_ms(llm: LLM, batch: int, ctx: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def compare(ref: LLM, q: LLM, ps: list[list[int]], tokens: int) -> dict:
-    """Greedy agreement and prefill logprob error of engine ``q`` against ``ref``."""
+def run(llm: LLM, ps: list[list[int]], tokens: int) -> tuple[list, list]:
+    """Greedy continuations, and the top-20 logprobs at each prompt's last position (the
+    first generated token's distribution), each in one batched call."""
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    a = [o.outputs[0].token_ids for o in ref.generate(ps, params, use_tqdm=False)]
-    b = [o.outputs[0].token_ids for o in q.generate(ps, params, use_tqdm=False)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    lp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
+    first = [o.outputs[0].logprobs[0] for o in llm.generate(ps, lp, use_tqdm=False)]
+    return outs, first
+
+
+def compare(ref_run: tuple[list, list], q: LLM, ps: list[list[int]], tokens: int) -> dict:
+    """Greedy agreement and prefill logprob error of engine ``q`` against the reference
+    engine's `run` (computed once for every engine compared)."""
+    a, ref_first = ref_run
+    b, q_first = run(q, ps, tokens)
     same_pos = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     prefix = [
         next((i for i, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra)) for ra, rb in zip(a, b)
     ]
-    # Logprobs at the last prompt position (the first generated token's distribution).
-    lp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=20)
     errs, top1 = [], 0
-    for p in ps:
-        ra = ref.generate([p], lp, use_tqdm=False)[0].outputs[0].logprobs[0]
-        rb = q.generate([p], lp, use_tqdm=False)[0].outputs[0].logprobs[0]
+    for ra, rb in zip(ref_first, q_first):
         shared = set(ra) & set(rb)
         errs.append(max(abs(ra[t].logprob - rb[t].logprob) for t in shared))
         top1 += max(ra, key=lambda t: ra[t].logprob) == max(rb, key=lambda t: rb[t].logprob)
@@ -120,6 +133,114 @@ def compare(ref: LLM, q: LLM, ps: list[list[int]], tokens: int) -> dict:
     }
 
 
+class SaturationSpy:
+    """Counts, per engine, the K/V values written after the scales were set that lie beyond
+    what the scales can store (``|x| > scale * max code``: saturated), and summarises how far
+    apart the KV heads' ranges are in each layer."""
+
+    def __init__(self, llm: LLM) -> None:
+        import pagemill.runtime.model_executor.models.llama as llama
+
+        runner = llm.llm_engine.engine_core.model_runner
+        self.scales = runner.kv_cache.scales
+        self.layer_of = {kc.data_ptr(): i for i, (kc, _) in enumerate(runner.kv_cache.caches)}
+        self.limit = float(
+            127 if runner.kv_cache.dtype == torch.int8 else torch.finfo(runner.kv_cache.dtype).max
+        )
+        self.total = self.saturated = 0
+        self.head_amax: dict[int, torch.Tensor] = {}
+        real = llama.write_kv_cache
+
+        def write(k, v, kc, vc, slots, ks=None, vs=None):  # type: ignore[no-untyped-def]
+            i = self.layer_of.get(kc.data_ptr())
+            # A layer's first write is the calibration prefill (its amax set the scales).
+            if i is not None and ks is not None and i in self.head_amax:
+                for x, s in ((k, ks), (v, vs)):
+                    s = s[:, None] if s.dim() == 1 else s
+                    self.saturated += int((x.float().abs() > s * self.limit).sum())
+                    self.total += x.numel()
+            if i is not None and i not in self.head_amax:
+                self.head_amax[i] = k.detach().float().abs().amax(dim=(0, 2))
+            real(k, v, kc, vc, slots, ks, vs)
+
+        llama.write_kv_cache = write
+        self._restore = lambda: setattr(llama, "write_kv_cache", real)
+
+    def report(self) -> dict:
+        self._restore()
+        spread = [float(a.max() / a.min().clamp_min(1e-12)) for a in self.head_amax.values()]
+        return {
+            "saturated_fraction_after_calibration": self.saturated / max(self.total, 1),
+            "k_head_amax_spread_median": statistics.median(spread) if spread else None,
+            "k_head_amax_spread_max": max(spread) if spread else None,
+        }
+
+
+def quant_error(llm: LLM, ps: list[list[int]]) -> dict:
+    """Why a scheme loses accuracy, on the K/V this model writes for ``ps`` (one batched
+    prefill of a 16-bit-cache engine): per scheme, the relative RMS error of the round trip
+    (quantize then dequantize, with scales from these same values, so no saturation) and
+    the fraction of values that become 0; per layer, how far apart the heads' amax are and
+    how far each head's amax is above its RMS (outliers inside a head, which per-head
+    scales cannot help)."""
+    import pagemill.runtime.model_executor.models.llama as llama
+    from pagemill.kernels.kv_quant import dequantize, quantize
+
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = llama.write_kv_cache
+
+    def spy(k, v, *a, **kw):  # type: ignore[no-untyped-def]
+        got.append((k.detach().float().clone(), v.detach().float().clone()))
+        real(k, v, *a, **kw)
+
+    llama.write_kv_cache = spy
+    try:
+        llm.generate(ps, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    finally:
+        llama.write_kv_cache = real
+    schemes = {
+        "fp8 scale 1.0": (torch.float8_e4m3fn, None, None),
+        "fp8 calc per tensor": (torch.float8_e4m3fn, (200.0, 100.0), False),
+        "fp8 calc per head": (torch.float8_e4m3fn, (200.0, 100.0), True),
+        "int8 per tensor": (torch.int8, (127.0, 127.0), False),
+        "int8 per head": (torch.int8, (127.0, 127.0), True),
+    }
+    out: dict = {}
+    torch.set_grad_enabled(False)
+    got = [(k.clone(), v.clone()) for k, v in got]  # out of inference mode: plain tensors
+    for name, (dtype, consts, per_head) in schemes.items():
+        errs = {"k": [], "v": []}
+        zeros = {"k": [], "v": []}
+        for k, v in got:
+            for which, x, c in (
+                ("k", k, consts[0] if consts else 1.0),
+                ("v", v, consts[1] if consts else 1.0),
+            ):
+                if consts is None:
+                    scale = None
+                elif per_head:
+                    scale = x.abs().amax(dim=(0, 2)) / c
+                else:
+                    scale = x.abs().amax() / c
+                back = dequantize(quantize(x, scale, dtype), scale, torch.float32)
+                errs[which].append(float((back - x).norm() / x.norm()))
+                zeros[which].append(float(((back == 0) & (x != 0)).float().mean()))
+        out[name] = {f"{w}_rel_rms_err_mean": statistics.mean(errs[w]) for w in ("k", "v")} | {
+            f"{w}_zeroed_mean": statistics.mean(zeros[w]) for w in ("k", "v")
+        }
+    spread, crest = {"k": [], "v": []}, {"k": [], "v": []}
+    for k, v in got:
+        for w, x in (("k", k), ("v", v)):
+            amax = x.abs().amax(dim=(0, 2))
+            rms = x.pow(2).mean(dim=(0, 2)).sqrt()
+            spread[w].append(float(amax.max() / amax.min()))
+            crest[w].append(float((amax / rms).median()))
+    out["layers"] = {
+        f"{w}_head_amax_max_over_min_median": statistics.median(spread[w]) for w in ("k", "v")
+    } | {f"{w}_head_amax_over_rms_median": statistics.median(crest[w]) for w in ("k", "v")}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -130,6 +251,8 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-ctx", type=int, default=512)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--scale-stats", action="store_true")
+    ap.add_argument("--quant-error", action="store_true")
     args = ap.parse_args()
     common = dict(enforce_eager=True, kv_cache_memory_bytes=int(args.budget), max_model_len=2048)
     ref = LLM(args.model, **common)
@@ -143,11 +266,29 @@ def main() -> None:
         "kv": {},
     }
     engines = {"auto": ref}
-    for spec in args.kv.split(","):
-        kv, _, flag = spec.partition("+")
-        calc = flag == "calc" or kv == "int8"
-        q = LLM(args.model, kv_cache_dtype=kv, calculate_kv_scales=calc, **common)
-        res["kv"][spec] = {"calculate_kv_scales": calc, **compare(ref, q, ps, args.tokens)}
+    if args.quant_error:
+        res["quant_error"] = quant_error(ref, ps)
+        print(json.dumps({"quant_error": res["quant_error"]}, indent=1), flush=True)
+    ref_run = run(ref, ps, args.tokens)
+    for spec in filter(None, args.kv.split(",")):
+        kv, *flags = spec.split("+")
+        calc = "calc" in flags or kv == "int8"
+        head = "head" in flags
+        q = LLM(
+            args.model,
+            kv_cache_dtype=kv,
+            calculate_kv_scales=calc,
+            kv_scales_per_head=head,
+            **common,
+        )
+        spy = SaturationSpy(q) if args.scale_stats and calc else None
+        res["kv"][spec] = {
+            "calculate_kv_scales": calc,
+            "kv_scales_per_head": head,
+            **compare(ref_run, q, ps, args.tokens),
+        }
+        if spy is not None:
+            res["kv"][spec].update(spy.report())
         print(json.dumps({spec: res["kv"][spec]}, indent=1), flush=True)
         if args.decode_batch:
             engines[spec] = q

@@ -115,11 +115,12 @@ def _attention(
     window: int = 0,
     kv: str = "",
     sinks: bool = False,
+    per_head: bool = False,
 ) -> None:
     """Launch attention for one batch shape through the planner and the launcher (a
     sliding ``window`` is a runtime argument, a ``softcap`` a compiled variant, an fp8
     cache ``kv`` = "e4m3"/"e5m2" another, an int8 cache ``kv`` = "int8" another, attention
-    ``sinks`` another)."""
+    ``sinks`` another; ``per_head`` K/V scales are a runtime stride, the same kernel)."""
     from pagemill.kernels.attention_triton import plan_triton, run_triton, split_count
 
     heads = kv_heads * group
@@ -164,8 +165,8 @@ def _attention(
         torch.empty_like(q),
         window=window,
         softcap=softcap,
-        k_scale=torch.ones(()) if kv else None,
-        v_scale=torch.ones(()) if kv else None,
+        k_scale=(torch.ones(kv_heads) if per_head else torch.ones(())) if kv else None,
+        v_scale=(torch.ones(kv_heads) if per_head else torch.ones(())) if kv else None,
         sinks=torch.zeros(heads) if sinks else None,
     )
 
@@ -197,6 +198,9 @@ def _small_ops(
         cache8 = torch.zeros(4, BLOCK_SIZE, kv_heads, head_dim, dtype=fp8)
         one = torch.ones(())
         write_kv_cache_triton(k, k, cache8, cache8, torch.zeros(t, dtype=torch.int64), one, one)
+        # --kv-scales-per-head / per-head checkpoint scales: a runtime stride, same kernel.
+        heads = torch.ones(kv_heads)
+        write_kv_cache_triton(k, k, cache8, cache8, torch.zeros(t, dtype=torch.int64), heads, heads)
 
 
 def _int4_gemm(dtype: torch.dtype, rows: int, hidden: int, inter: int) -> None:
@@ -290,6 +294,9 @@ def record_launches(grid: str) -> list[Launch]:
             dict(main, mode="decode", kv="int8"),
             dict(main, mode="decode-split", kv="int8"),
             dict(main, mode="prefill", kv="int8"),
+            # One K/V scale per KV head (a runtime stride: must not add a compiled variant).
+            dict(main, mode="decode-split", kv="e4m3", per_head=True),
+            dict(main, mode="prefill", kv="int8", per_head=True),
             # gpt-oss (head_dim 64, GQA 8): attention sinks, alternating 128-key windows.
             dict(dtype="bf16", head_dim=64, group=8, mode="prefill", sinks=True, window=128),
             dict(dtype="bf16", head_dim=64, group=8, mode="decode", sinks=True),
@@ -365,6 +372,7 @@ def record_launches(grid: str) -> list[Launch]:
                     "window",
                     "kv",
                     "sinks",
+                    "per_head",
                 )
                 if k in case
             },

@@ -154,7 +154,19 @@ def test_native_fp8_cache_matches_dense(lib, fp8, dtype, head_dim):
     q, kc, vc, tables, lens = _batch(6, [3, 16, 45, 90], 9, 3, head_dim, 16, torch.float32)
     kc, vc, q = kc.to(fp8), vc.to(fp8), q.to(dtype)
     out = torch.full_like(q, float("nan"))
-    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2, k_scale=0.5, v_scale=2.0)
+    cpu_native.paged_decode(
+        lib,
+        q,
+        kc,
+        vc,
+        out,
+        tables,
+        lens,
+        None,
+        0.2,
+        k_scale=torch.tensor(0.5),
+        v_scale=torch.tensor(2.0),
+    )
     ref = _dense(q, kc, vc, tables, lens, 0.2, ks=0.5, vs=2.0)
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[dtype]

@@ -248,3 +248,38 @@ def test_int8_kv_cache(dtype):
             v_scale=torch.tensor(vss).cuda(),
         )
         assert rel_err(got.cpu().float(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.int8])
+def test_per_head_kv_scales(kv):
+    """One K/V scale per KV head (--kv-scales-per-head, attn_head checkpoints): the compiled
+    write is byte-equal to the torch write, and attention (decode with context splits,
+    prefill) matches the torch path on the same bytes and scales."""
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(53, 8, 128, generator=g).to(torch.bfloat16) * 3
+    slots = torch.randperm(16 * 16, generator=g)[:53]
+    slots[::7] = -1
+    # Powers of two, far apart per head: exact division, and a mixed-up head shows.
+    ks = 2.0 ** torch.arange(-6, 2, dtype=torch.float32)
+    vs = ks.flip(0).contiguous()
+    kc = torch.zeros(16, 16, 8, 128, dtype=kv)
+    vc = torch.zeros_like(kc)
+    kc_gpu, vc_gpu = kc.cuda(), vc.cuda()
+    K.write_kv_cache(k.cuda(), k.cuda(), kc_gpu, vc_gpu, slots.cuda(), ks.cuda(), vs.cuda())
+    K.write_kv_cache_torch(k, k, kc, vc, slots, ks, vs)
+    assert torch.equal(kc_gpu.cpu().view(torch.uint8), kc.view(torch.uint8))
+    assert torch.equal(vc_gpu.cpu().view(torch.uint8), vc.view(torch.uint8))
+    for q_lens, ctx in (([1] * 6, [4000, 17, 900, 2048, 1, 333]), ([300, 1, 64], [700, 50, 64])):
+        cpu, gpu = batch(q_lens, ctx, 32, 8, 128, torch.bfloat16)
+        q, kc, vc, *meta = cpu
+        if kv == torch.int8:
+            kc8 = torch.randint(-127, 128, kc.shape, generator=g, dtype=torch.int8)
+            vc8 = torch.randint(-127, 128, vc.shape, generator=g, dtype=torch.int8)
+        else:
+            kc8, vc8 = (kc * 4).to(kv), vc.to(kv)
+        ref = K.paged_attention_torch(q, kc8, vc8, *meta, 0.09, k_scale=ks, v_scale=vs)
+        qg, _, _, *meta_g = gpu
+        got = K.paged_attention(
+            qg, kc8.cuda(), vc8.cuda(), *meta_g, 0.09, k_scale=ks.cuda(), v_scale=vs.cuda()
+        )
+        assert rel_err(got.cpu(), ref) < 2e-2

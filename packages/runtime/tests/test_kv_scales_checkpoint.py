@@ -2,7 +2,7 @@
 v_scale): an fp8 cache gets exactly the written scales, and the engine then computes what a
 float-cache engine computes when K/V are first rounded through torch's float8 cast with
 those scales. A float cache, or calculated scales, leave them unused with a log line; a
-scale that is not one value per layer is refused by name."""
+scale that is neither one value per layer nor one per KV head is refused by name."""
 
 from __future__ import annotations
 
@@ -131,10 +131,11 @@ def test_unused_with_auto_cache_or_calculated_scales(tiny_llama, tmp_path: Path,
     assert calc.llm_engine.engine_core.model_runner.kv_cache.scales_pending
 
 
-def test_per_head_scale_refused_by_name(tiny_llama, tmp_path: Path) -> None:
+def test_per_query_head_scale_refused_by_name(tiny_llama, tmp_path: Path) -> None:
+    """One scale per query head (4) is not one per KV head (2; see test_kv_scales_per_head)."""
     src, _ = tiny_llama
-    folder = _with_scales(src, tmp_path / "m", _scale_tensors("llm-compressor", (2,)))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_scale has shape \(2,\)"):
+    folder = _with_scales(src, tmp_path / "m", _scale_tensors("llm-compressor", (4,)))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_scale has shape \(4,\)"):
         LLM(str(folder), kv_cache_dtype="fp8", **COMMON)
     # A float cache never reads them: the same checkpoint serves with --kv-cache-dtype auto.
     LLM(str(folder), **COMMON)

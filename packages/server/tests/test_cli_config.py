@@ -107,7 +107,10 @@ def _flag_value(name: str) -> tuple[list[str], Any]:
     return [flag, value], value
 
 
-_COMPANIONS = {"calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
+_COMPANIONS = {
+    "calculate_kv_scales": {"kv_cache_dtype": "fp8"},
+    "kv_scales_per_head": {"kv_cache_dtype": "fp8"},
+}
 
 
 @pytest.mark.parametrize("name", sorted(KWARG_ROUTES))

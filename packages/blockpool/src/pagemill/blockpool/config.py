@@ -53,6 +53,11 @@ class CacheConfig:
     prefill's largest magnitudes (vLLM's rule) instead of the checkpoint's k_scale/v_scale
     or 1.0."""
 
+    kv_scales_per_head: bool = False
+    """With an fp8 or int8 KV cache: one K and one V scale per KV head instead of per layer
+    (calculated per head with calculate_kv_scales; a checkpoint whose scales are per head,
+    llm-compressor's attn_head strategy, selects this by itself)."""
+
     def __post_init__(self) -> None:
         size = self.block_size
         if isinstance(size, bool) or not isinstance(size, int):
@@ -99,6 +104,16 @@ class CacheConfig:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError(
                 "CacheConfig.calculate_kv_scales needs an fp8 or int8 kv_cache_dtype (the auto "
+                "cache stores K/V unscaled in the compute dtype)"
+            )
+        if not isinstance(self.kv_scales_per_head, bool):
+            raise TypeError(
+                "CacheConfig.kv_scales_per_head must be a bool, got "
+                f"{type(self.kv_scales_per_head).__name__}"
+            )
+        if self.kv_scales_per_head and self.kv_cache_dtype == "auto":
+            raise ValueError(
+                "CacheConfig.kv_scales_per_head needs an fp8 or int8 kv_cache_dtype (the auto "
                 "cache stores K/V unscaled in the compute dtype)"
             )
         if self.kv_cache_dtype == "int8" and not self.calculate_kv_scales:

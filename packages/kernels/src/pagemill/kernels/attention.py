@@ -121,12 +121,13 @@ def paged_attention(
     keys at ``p - window < pos <= p`` (transformers' convention: ``window`` keys including
     its own). ``softcap`` > 0 caps the scaled scores as ``softcap * tanh(s / softcap)``
     before the softmax (Gemma 2). Both are per layer, so they are arguments of the call,
-    not of the per-step plan, which every layer shares. A float8 cache is read as
-    ``float(x) * k_scale`` / ``* v_scale`` (0-dim fp32 tensors, None: 1.0; see
-    `pagemill.kernels.kv_quant`). ``sinks`` [num_heads] (gpt-oss's attention sinks, None:
-    none) are one learned logit per head that joins each query's softmax denominator and
-    attends to no value: ``softmax([s_1..s_n, sink])`` with the sink's column dropped, so a
-    head can put weight nowhere. Like the window, they are the layer's.
+    not of the per-step plan, which every layer shares. An 8-bit cache is read as
+    ``float(x) * k_scale`` / ``* v_scale`` (fp32, 0-dim: one per layer, or [num_kv_heads]:
+    one per KV head; None: 1.0; see `pagemill.kernels.kv_quant`). ``sinks`` [num_heads]
+    (gpt-oss's attention sinks, None: none) are one learned logit per head that joins each
+    query's softmax denominator and attends to no value: ``softmax([s_1..s_n, sink])`` with
+    the sink's column dropped, so a head can put weight nowhere. Like the window, they are
+    the layer's.
     """
     _check_window(window, softcap)
     if plan is None:
@@ -179,8 +180,8 @@ def paged_attention_torch(
     """
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
-    check_scale("k_scale", k_scale)
-    check_scale("v_scale", v_scale)
+    check_scale("k_scale", k_scale, k_cache.shape[2])
+    check_scale("v_scale", v_scale, k_cache.shape[2])
     sinks = _check_sinks(sinks, q)
     if plan is None:
         plan = _plan(
@@ -240,8 +241,8 @@ def paged_attention_triton(
     """
     _check_tensors(q, k_cache, v_cache, out)
     _check_window(window, softcap)
-    check_scale("k_scale", k_scale)
-    check_scale("v_scale", v_scale)
+    check_scale("k_scale", k_scale, k_cache.shape[2])
+    check_scale("v_scale", v_scale, k_cache.shape[2])
     sinks = _check_sinks(sinks, q)
     if plan is None:
         plan = _plan(

@@ -14,7 +14,9 @@ prefill gathers only the blocks its window reaches.
 
 An fp8 cache is widened to q's dtype as it is gathered (exact: every fp8 value is a bf16
 and an fp16 value); its per-tensor scales fold into the softmax scale (K) and the output
-(V), so no scaled copy of K or V is ever made.
+(V), so no scaled copy of K or V is ever made. Per-KV-head scales fold the same way, one
+level down: each query head's rows of q take its KV head's K scale (q is the smallest
+operand of a step), each output head its V scale.
 """
 
 from __future__ import annotations
@@ -274,10 +276,20 @@ def run_torch(
     one extra logit per head in each softmax's denominator (see `paged_attention`).
     """
     plain = window <= 0 and softcap <= 0 and sinks is None
-    ks = vs = 1.0
-    if is_quantized_kv(k_cache.dtype):
-        ks = 1.0 if k_scale is None else float(k_scale)
-        vs = 1.0 if v_scale is None else float(v_scale)
+    ks = 1.0
+    vs: float | torch.Tensor = 1.0
+    q_native = q
+    quantized = is_quantized_kv(k_cache.dtype)
+    if quantized:
+        if k_scale is not None and k_scale.dim() == 1:
+            # One K scale per KV head: onto q's rows of that head's group (see the docstring).
+            q = q * _per_query_head(k_scale, q.shape[1]).to(q.dtype)
+        elif k_scale is not None:
+            ks = float(k_scale)
+        if v_scale is not None and v_scale.dim() == 1:
+            vs = _per_query_head(v_scale, q.shape[1])  # [H, 1]: times each head's rows
+        elif v_scale is not None:
+            vs = float(v_scale)
     native_scale = scale
     scale = scale * ks
     if plan.native is not None:
@@ -290,7 +302,7 @@ def run_torch(
             )
         cpu_native.paged_decode(
             lib,
-            q,
+            q_native,
             k_cache,
             v_cache,
             out,
@@ -300,8 +312,8 @@ def run_torch(
             native_scale,
             window,
             softcap,
-            ks,
-            vs,
+            k_scale if quantized else None,
+            v_scale if quantized else None,
             sinks,
         )
     if plan.decode:
@@ -316,8 +328,8 @@ def run_torch(
                 o = _decode_small(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
             else:
                 o = _decode_gemm(qc, k_cache, v_cache, chunk, scale, kbuf, vbuf)
-            if vs != 1.0:
-                o = o * vs
+            if not _is_one(vs):
+                o = (o * vs).to(o.dtype)  # a per-head vs is fp32
             if chunk.rows is None:
                 out.copy_(o)
             else:
@@ -327,7 +339,7 @@ def run_torch(
         for seg in plan.prefill:
             if not plain:
                 _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap, sinks)
-                if vs != 1.0:
+                if not _is_one(vs):
                     out[seg.start : seg.stop].mul_(vs)
                 continue
             k = _blocks(k_cache, seg.block_ids, q.dtype).view(-1, num_kv_heads, head_dim)
@@ -342,10 +354,21 @@ def run_torch(
                 o = F.scaled_dot_product_attention(
                     qs, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=True
                 )
-            if vs != 1.0:
-                o = o * vs
-            out[seg.start : seg.stop] = o.transpose(0, 1)
+            o = o.transpose(0, 1)
+            if not _is_one(vs):
+                o = (o * vs).to(o.dtype)  # a per-head vs is fp32
+            out[seg.start : seg.stop] = o
     return out
+
+
+def _is_one(vs: float | torch.Tensor) -> bool:
+    return not isinstance(vs, torch.Tensor) and vs == 1.0
+
+
+def _per_query_head(scale: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """A per-KV-head scale [KV] as one value per query head [H, 1] (GQA: each KV head's
+    scale repeated over its group), in fp32."""
+    return scale.repeat_interleave(num_heads // scale.shape[0])[:, None]
 
 
 def _blocks(cache: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

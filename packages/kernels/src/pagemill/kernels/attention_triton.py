@@ -158,6 +158,23 @@ def _quantized_block_n(plan: TritonPlan, kv_dtype: torch.dtype) -> int:
     return max(16, plan.block_n // 2)
 
 
+def _kv_scales(
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    num_kv_heads: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """K and V scales with their shared stride over KV heads (0: one per layer, 1: one per
+    head; a per-layer scale beside a per-head one is repeated, a rare mix)."""
+    if k_scale is None or v_scale is None:
+        one = torch.ones((), dtype=torch.float32, device=device)
+        k_scale = one if k_scale is None else k_scale
+        v_scale = one if v_scale is None else v_scale
+    if k_scale.dim() == v_scale.dim():
+        return k_scale, v_scale, int(k_scale.dim())
+    return k_scale.expand(num_kv_heads).contiguous(), v_scale.expand(num_kv_heads).contiguous(), 1
+
+
 def run_triton(
     plan: TritonPlan,
     q: torch.Tensor,
@@ -185,10 +202,9 @@ def run_triton(
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last (head_dim) axis")
     fp8 = is_quantized_kv(k_cache.dtype)  # fp8 or int8 codes, read as bytes
-    if fp8 and (k_scale is None or v_scale is None):
-        one = torch.ones((), dtype=torch.float32, device=q.device)
-        k_scale = one if k_scale is None else k_scale
-        v_scale = one if v_scale is None else v_scale
+    scale_stride = 0
+    if fp8:
+        k_scale, v_scale, scale_stride = _kv_scales(k_scale, v_scale, k_cache.shape[2], q.device)
     split = plan.num_splits > 1
     part_acc = plan.part_acc if split else out  # unused without splits
     part_ml = plan.part_ml if split else out
@@ -205,6 +221,7 @@ def run_triton(
         float(scale) * math.log2(math.e),
         k_scale if fp8 else out,  # unused without fp8
         v_scale if fp8 else out,
+        scale_stride,
         float(softcap) if softcap > 0 else 1.0,
         out if sinks is None else sinks,  # unused without sinks
         int(window),

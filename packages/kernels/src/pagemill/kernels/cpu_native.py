@@ -131,8 +131,9 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_float,
         i32,
         ptr,
-        ctypes.c_float,
-        ctypes.c_float,
+        ptr,
+        ptr,
+        i64,
         ptr,
     ]
     return lib
@@ -164,8 +165,8 @@ def paged_decode(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
 ) -> None:
     """Attention of one query token per request into `out` (at `rows`, else row = request).
@@ -173,7 +174,8 @@ def paged_decode(
     `window` > 0 attends to each request's last `window` positions only (the walk starts
     at the window's first block, so a windowed layer reads only its window); `softcap` > 0
     caps the scaled scores as ``softcap * tanh(s / softcap)``. An fp8 cache is read as
-    bytes through its format's value table, times ``k_scale``/``v_scale``. ``sinks``
+    bytes through its format's value table, times ``k_scale``/``v_scale`` (CPU fp32, 0-dim:
+    the layer's one scale, or contiguous [num_kv_heads]: one per KV head; None: 1.0). ``sinks``
     (contiguous fp32 [num_heads], None: none) start each head's softmax with the sink's
     logit in its max and a 1 in its sum (see `paged_attention`).
 
@@ -183,6 +185,7 @@ def paged_decode(
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     lut = decode_table(k_cache.dtype) if is_quantized_kv(k_cache.dtype) else None
+    k_scale, v_scale, scale_stride = _scales(k_scale, v_scale, num_kv_heads)
     status = lib.pagemill_paged_decode(
         _DTYPE_CODES[q.dtype],
         q.data_ptr(),
@@ -207,9 +210,33 @@ def paged_decode(
         float(softcap),
         torch.get_num_threads(),
         None if lut is None else lut.data_ptr(),
-        float(k_scale),
-        float(v_scale),
+        k_scale.data_ptr(),
+        v_scale.data_ptr(),
+        scale_stride,
         None if sinks is None else sinks.data_ptr(),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")
+
+
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+def _scales(
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The K and V scales as the kernel reads them, with their shared stride over KV heads
+    (0: one per layer, read in place, no copy; 1: one per head). Mixed granularities (rare:
+    a checkpoint with per-head K and per-tensor V) repeat the per-layer one."""
+    k = _ONE if k_scale is None else k_scale
+    v = _ONE if v_scale is None else v_scale
+    for name, s in (("k_scale", k), ("v_scale", v)):
+        if s.device.type != "cpu" or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be a CPU fp32 tensor, got {s.dtype} on {s.device}")
+        if s.dim() != 0 and (s.shape != (num_kv_heads,) or not s.is_contiguous()):
+            raise ValueError(
+                f"{name} must be 0-dim or contiguous [{num_kv_heads}], got {tuple(s.shape)}"
+            )
+    if k.dim() == v.dim():
+        return k, v, int(k.dim())
+    return k.expand(num_kv_heads).contiguous(), v.expand(num_kv_heads).contiguous(), 1

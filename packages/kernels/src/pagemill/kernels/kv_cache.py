@@ -5,8 +5,8 @@ a slot of -1 marks a token whose K/V must not be stored (e.g. a padded row), so 
 skips it rather than clobbering block 0.
 
 A float8 or int8 cache (``--kv-cache-dtype fp8`` / ``int8``) stores ``saturate(x / scale)``
-(int8: rounded) with the layer's ``k_scale``/``v_scale`` (see `pagemill.kernels.kv_quant`);
-other caches take x as it is.
+(int8: rounded) with the layer's ``k_scale``/``v_scale``, one per layer (0-dim) or one per KV
+head (``[num_kv_heads]``; see `pagemill.kernels.kv_quant`); other caches take x as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
-from pagemill.kernels.kv_quant import check_scale, is_quantized_kv, quant_max, quantize
+from pagemill.kernels.kv_quant import (
+    check_scale,
+    is_per_head,
+    is_quantized_kv,
+    quant_max,
+    quantize,
+)
 
 _kernels = lazy_kernels("kv_cache")
 
@@ -28,13 +34,13 @@ def _check_args(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    check_scale("k_scale", k_scale)
-    check_scale("v_scale", v_scale)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             "k and v must both be [num_tokens, num_kv_heads, head_dim]; "
             f"got {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    check_scale("k_scale", k_scale, k.shape[1])
+    check_scale("v_scale", v_scale, k.shape[1])
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
@@ -116,6 +122,9 @@ def write_kv_cache_triton(
         slot_mapping.contiguous(),
         (k_scale if k_scale is not None else one) if fp8 else k,
         (v_scale if v_scale is not None else one) if fp8 else v,
+        # 0: one scale per layer, 1: one per KV head (the kernel reads scale[h * stride]).
+        int(fp8 and is_per_head(k_scale)),
+        int(fp8 and is_per_head(v_scale)),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -147,7 +156,8 @@ def write_kv_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k/v at their slots; ``k_scale``/``v_scale`` (0-dim fp32) quantize for an fp8
-    or int8 cache (None: 1.0) and are ignored by a cache in a float compute dtype."""
+    """Store k/v at their slots; ``k_scale``/``v_scale`` (fp32, 0-dim or [num_kv_heads])
+    quantize for an fp8 or int8 cache (None: 1.0) and are ignored by a cache in a float
+    compute dtype."""
     impl = write_kv_cache_triton if use_triton(k) else write_kv_cache_torch
     impl(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)

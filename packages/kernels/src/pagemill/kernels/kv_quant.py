@@ -12,8 +12,11 @@ do on its own (it has no inf), so an outlier costs precision, never a poisoned r
 input gives the negated code. Every int8 value is exact in bf16/fp16, so the torch paths
 widen the codes exactly and fold the scales in, as they do for fp8.
 
-Scales are 0-dim fp32 tensors so a product with a bf16/fp16 tensor keeps that dtype and
-a compiled graph or CUDA graph reads the current value rather than a baked constant.
+Scales are fp32 tensors, read by the kernels on every call, so a compiled graph or CUDA
+graph reads the current value rather than a baked constant: 0-dim (one per layer, the
+default) or ``[num_kv_heads]`` (one per KV head: llm-compressor's ``strategy: "attn_head"``,
+or ``kv_scales_per_head``), which divides and multiplies each head's rows by its own scale.
+A few heads with outlier K/V then no longer spend every other head's resolution.
 """
 
 from __future__ import annotations
@@ -48,9 +51,10 @@ def quant_max(dtype: torch.dtype) -> float:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """``x / scale`` saturated to ``dtype``'s range and cast (round to nearest, ties even)."""
-    y = x.float()
-    if scale is not None:
-        y = y / scale
+    if scale is None:
+        y = x.to(torch.float32, copy=True)  # clamp_ below must not touch an fp32 caller's x
+    else:
+        y = x.float() / _broadcastable(scale, x)
     limit = quant_max(dtype)
     y = y.clamp_(-limit, limit)
     if dtype == torch.int8:
@@ -64,17 +68,39 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) 
     """8-bit ``x`` back to ``dtype`` as ``float32(x) * scale``."""
     y = x.float()
     if scale is not None:
-        y = y * scale
+        y = y * _broadcastable(scale, x)
     return y.to(dtype)
 
 
-def check_scale(name: str, scale: torch.Tensor | None) -> None:
+def _broadcastable(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A per-head scale [H] against ``x [..., H, D]``: one value per row of each head."""
+    return scale[:, None] if scale.dim() == 1 else scale
+
+
+def is_per_head(scale: torch.Tensor | None) -> bool:
+    """Whether ``scale`` holds one value per KV head (else one per layer, or none)."""
+    return scale is not None and scale.dim() == 1
+
+
+def check_scale(name: str, scale: torch.Tensor | None, num_kv_heads: int | None = None) -> None:
+    """A scale is fp32, 0-dim (per layer) or ``[num_kv_heads]`` contiguous (per KV head);
+    anything else would be read as something it is not, so it is refused here."""
     if scale is None:
         return
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
-        raise ValueError(f"{name} must be a one-element fp32 tensor, got {scale!r}")
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{name} must be an fp32 tensor, got {scale!r}")
     if scale.dtype != torch.float32:
         raise ValueError(f"{name} must be float32, got {scale.dtype}")
+    if scale.dim() == 0:
+        return
+    if scale.dim() != 1 or (num_kv_heads is not None and scale.shape[0] != num_kv_heads):
+        want = "[]" if num_kv_heads is None else f"[] or [num_kv_heads={num_kv_heads}]"
+        raise ValueError(
+            f"{name} must be one scale per layer or per KV head ({want}), "
+            f"got shape {tuple(scale.shape)}"
+        )
+    if not scale.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
 
 _LUTS: dict[torch.dtype, torch.Tensor] = {}

@@ -128,8 +128,8 @@ if COMPILE_READY:
                     scale,
                     window,
                     softcap,
-                    1.0 if not fp8 or k_scale is None else float(k_scale),
-                    1.0 if not fp8 or v_scale is None else float(v_scale),
+                    k_scale if fp8 else None,
+                    v_scale if fp8 else None,
                     sinks,
                 )
                 return out

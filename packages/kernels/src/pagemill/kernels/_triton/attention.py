@@ -8,9 +8,11 @@ number of context splits is the grid's third axis, not a compile-time constant, 
 same reason; only whether the context is split (``SPLIT``) is. A layer's sliding
 ``window`` (0: none) is a runtime integer too — one compiled kernel serves windowed and
 global layers alike — while soft-capping is a compile-time switch (``SOFTCAP``), since it
-adds work to every score. Attention sinks (``SINKS``, gpt-oss: one logit per query head)
-seed the online softmax as a key with a zero value would — running max the sink, sum 1 —
-in the first context split only, so the merge counts the sink once.
+adds work to every score. The stride of an 8-bit cache's scales over KV heads (0: one per
+layer, 1: one per head) is a runtime integer for the same reason. Attention sinks
+(``SINKS``, gpt-oss: one logit per query head) seed the online softmax as a key with a
+zero value would — running max the sink, sum 1 — in the first context split only, so the
+merge counts the sink once.
 """
 
 import triton
@@ -39,7 +41,7 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window", "scale_stride"])
 def paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -53,6 +55,7 @@ def paged_attention_kernel(
     scale_log2,
     k_scale_ptr,
     v_scale_ptr,
+    scale_stride,
     softcap,
     sinks_ptr,
     window,
@@ -116,8 +119,9 @@ def paged_attention_kernel(
         qv = qv.to(tl.float32)
 
     if FP8:
-        # fp8 K/V: the per-tensor K scale folds into the score scale, V's into the output.
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        # 8-bit K/V: this KV head's K scale folds into the score scale, its V scale into the
+        # output (scale_stride 0: the layer's one scale, 1: one per KV head).
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kvh * scale_stride)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if SINKS:
@@ -183,7 +187,7 @@ def paged_attention_kernel(
         m_i = m_new
 
     if FP8:
-        acc = acc * tl.load(v_scale_ptr)
+        acc = acc * tl.load(v_scale_ptr + kvh * scale_stride)
     if SPLIT:
         # Partial state per (token, head, split): unnormalised acc, running max (log2 units), sum.
         num_splits = tl.num_programs(2)

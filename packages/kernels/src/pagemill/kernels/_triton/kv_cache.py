@@ -6,7 +6,7 @@ import triton.language as tl
 from pagemill.kernels._triton.fp8 import kv_encode
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_scale_stride", "v_scale_stride"])
 def write_kv_cache_kernel(
     k_ptr,
     v_ptr,
@@ -15,6 +15,8 @@ def write_kv_cache_kernel(
     slot_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    k_scale_stride,
+    v_scale_stride,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -52,8 +54,12 @@ def write_kv_cache_kernel(
     if FP8:
         # Quantize: x / scale saturated to the format's range (no inf/NaN from outliers),
         # stored as bytes (the caches arrive as uint8 views; FP8 covers int8 codes too).
-        kq = tl.clamp(kv.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
-        vq = tl.clamp(vv.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        # A scale stride of 0 reads the layer's one scale for every head, 1 each head's own.
+        h_ok = h < NUM_KV_HEADS
+        ks = tl.load(k_scale_ptr + h * k_scale_stride, mask=h_ok, other=1.0)
+        vs = tl.load(v_scale_ptr + h * v_scale_stride, mask=h_ok, other=1.0)
+        kq = tl.clamp(kv.to(tl.float32) / ks[:, None], -FP8_MAX, FP8_MAX)
+        vq = tl.clamp(vv.to(tl.float32) / vs[:, None], -FP8_MAX, FP8_MAX)
         tl.store(kdst, kv_encode(kq, E4M3, INT8), mask=mask)
         tl.store(vdst, kv_encode(vq, E4M3, INT8), mask=mask)
     else:

@@ -10,7 +10,9 @@
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 // An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
-// values; its per-tensor scales fold into the query (k_scale) and the output (v_scale).
+// values; its scales fold into the query (k_scale) and the output (v_scale) of each
+// (request, KV head) pair: KV head h reads k_scales[h * scale_stride] (stride 0: the layer's
+// one scale, 1: one per KV head).
 // Attention sinks (sinks non-null: one fp32 logit per query head, gpt-oss) start each
 // head's online softmax as if the sink were a first key with a zero value: max = sink,
 // sum = 1, so the sink is in the denominator and nowhere else.
@@ -376,8 +378,8 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 const int64_t* rows, int64_t num_seqs, int num_heads, int num_kv_heads,
                 int head_dim, int block_size, int64_t q_stride_t, int64_t q_stride_h,
                 int64_t o_stride_t, int64_t o_stride_h, float scale, int window, float softcap,
-                int num_threads, const float* lut, float k_scale, float v_scale,
-                const float* sinks) {
+                int num_threads, const float* lut, const float* k_scales,
+                const float* v_scales, int64_t scale_stride, const float* sinks) {
     using T = typename Elem<DT>::T;
     using KT = typename KVLoad<DT, FP8>::T;
     const int group = num_heads / num_kv_heads;
@@ -394,7 +396,8 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                     static_cast<const T*>(q), k_cache, v_cache, static_cast<T*>(out),
                     block_tables + seq * table_stride, seq_lens[seq], row, row, kvh, group,
                     block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                    scale, window, softcap, lut, k_scale, v_scale, sinks);
+                    scale, window, softcap, lut, k_scales[kvh * scale_stride],
+                    v_scales[kvh * scale_stride], sinks);
                 continue;
             }
         }
@@ -404,7 +407,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   block_tables + seq * table_stride, seq_lens[seq], row, row,
                                   kvh, group, head_dim, block_size, num_kv_heads, q_stride_t,
                                   q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
-                                  k_scale, v_scale, sinks);
+                                  k_scales[kvh * scale_stride], v_scales[kvh * scale_stride], sinks);
     }
 }
 
@@ -412,14 +415,14 @@ template <int DT, bool FP8>
 int dispatch_dim(const void* q, const void* k, const void* v, void* out, const int32_t* bt,
                  int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h,
                  int kvh, int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh,
-                 float scale, int win, float cap, int nt, const float* lut, float ks, float vs,
+                 float scale, int win, float cap, int nt, const float* lut, const float* ks, const float* vs, int64_t sst,
                  const float* sk) {
     switch (d) {
-        case 64: decode_all<DT, FP8, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk); break;
-        case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk); break;
+        case 64: decode_all<DT, FP8, 64>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk); break;
+        case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk); break;
         default:
             if (d > kMaxBlock) return 2;
-            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sk);
+            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
     }
     return 0;
 }
@@ -434,16 +437,17 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      int head_dim, int block_size, int64_t q_stride_t,
                                      int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                                      float scale, int window, float softcap,
-                                     int num_threads, const float* kv_lut, float k_scale,
-                                     float v_scale, const float* sinks) {
+                                     int num_threads, const float* kv_lut, const float* k_scale,
+                                     const float* v_scale, int64_t scale_stride,
+                                     const float* sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size > kMaxBlock) return 1;
     switch (dtype) {
-        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
-                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
-        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
-                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
-        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks)
-                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, sinks);
+        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
+                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
+        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
+                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
+        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
+                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
         default: return 3;
     }
 }

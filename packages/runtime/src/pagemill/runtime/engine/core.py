@@ -37,7 +37,10 @@ from pagemill.runtime.engine.protocol import (
 )
 from pagemill.runtime.lora.manager import LoRAManager
 from pagemill.runtime.model_config import ModelConfig
-from pagemill.runtime.model_executor.kv_scales import apply_checkpoint_kv_scales
+from pagemill.runtime.model_executor.kv_scales import (
+    apply_checkpoint_kv_scales,
+    configure_kv_scale_granularity,
+)
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
@@ -323,6 +326,12 @@ class EngineCore:
             num_blocks = self.num_blocks
             self._collective(lambda: tp.broadcast_object(InitKVCache(num_blocks)))
         self.model_runner.init_kv_cache(self.num_blocks)
+        configure_kv_scale_granularity(  # per-layer or per-head scales: before compiling
+            self.model_runner.kv_cache,
+            model_path if config.load_format != "dummy" else None,
+            cache,
+            model_config.num_key_value_heads,
+        )
         self._maybe_compile()
         if self.model_runner.use_cuda_graphs:
             seconds = self.model_runner.capture_cuda_graphs()
@@ -336,7 +345,13 @@ class EngineCore:
             )
         kv_cache = self.model_runner.kv_cache
         if config.load_format != "dummy":  # fp8 checkpoints' k_scale / v_scale
-            apply_checkpoint_kv_scales(kv_cache, model_path, cache, model_config.num_hidden_layers)
+            apply_checkpoint_kv_scales(
+                kv_cache,
+                model_path,
+                cache,
+                model_config.num_hidden_layers,
+                model_config.num_key_value_heads,
+            )
         if cache.calculate_kv_scales and kv_cache is not None:
             # After warm-up and capture, so the scales come from the first real prefill.
             kv_cache.calculate_scales_on_next_forward()

@@ -13,9 +13,13 @@ AutoFP8 carry one K and one V scale per attention layer, under names that differ
     model.layers.N.self_attn.kv_scale                   legacy: one scale for both K and V
 
 Only their names are scanned (the safetensors headers), and only the matching tensors are
-read, so this costs nothing for a checkpoint without them. Scales are per tensor: a scale
-with more than one element (per-head or per-channel) is refused by name rather than read
-as something it is not.
+read, so this costs nothing for a checkpoint without them. A scale is per tensor (one
+element) or per KV head (``num_kv_heads`` elements: ``[num_kv_heads]``, or with unit axes
+after it as llm-compressor's ``strategy: "attn_head"`` may store them, as vLLM accepts);
+any other shape (per channel, per query head) is refused by name rather than read as
+something it is not. One per-head scale in the checkpoint makes the whole cache per head
+(`configure_kv_scale_granularity`, before the model is compiled or captured); a per-tensor
+scale beside it then fills every head of its layer.
 """
 
 from __future__ import annotations
@@ -54,13 +58,21 @@ SCALE_NAMES: dict[str, str] = {
 }
 
 
+# A layer's scale: one value, or one per KV head.
+Scale = float | list[float]
+
+
 @dataclass
 class CheckpointKVScales:
     """Per-layer scales found in a checkpoint (None: that layer has none)."""
 
-    k: list[float | None]
-    v: list[float | None]
+    k: list[Scale | None]
+    v: list[Scale | None]
     names: list[str] = field(default_factory=list)
+
+    @property
+    def per_head(self) -> bool:
+        return any(isinstance(s, list) for s in (*self.k, *self.v))
 
     @property
     def num_layers_with_scales(self) -> int:
@@ -86,15 +98,52 @@ def _which(name: str) -> tuple[int, str] | None:
     return None if m is None or which is None else (int(m.group(1)), which)
 
 
-def read_kv_scales(folder: str | Path, num_layers: int) -> CheckpointKVScales | None:
-    """The checkpoint's K/V cache scales, or None when it has none (or no safetensors)."""
+def _per_head(name: str, shape: tuple[int, ...], num_kv_heads: int | None) -> bool:
+    """Whether a scale of ``shape`` is per KV head (else per tensor); refuses other shapes."""
+    if math.prod(shape) == 1:
+        return False
+    if (
+        num_kv_heads is not None
+        and len(shape) >= 1
+        and shape[0] == num_kv_heads
+        and math.prod(shape[1:]) == 1
+    ):
+        return True
+    heads = "" if num_kv_heads is None else f" or [num_kv_heads={num_kv_heads}]"
+    raise ValueError(
+        f"checkpoint tensor {name} has shape {shape}: KV cache scales are served per tensor "
+        f"(one value per layer){heads}; per-channel or other scales are not supported"
+    )
+
+
+def checkpoint_has_per_head_kv_scales(folder: str | Path, num_kv_heads: int) -> bool:
+    """Whether any K/V cache scale of the checkpoint is per KV head (headers only)."""
+    try:
+        files = safetensors_files(folder)
+    except (FileNotFoundError, ValueError):
+        return False
+    found = False
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open objects are not iterable
+                if _which(name) is not None:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    found = _per_head(name, shape, num_kv_heads) or found
+    return found
+
+
+def read_kv_scales(
+    folder: str | Path, num_layers: int, num_kv_heads: int | None = None
+) -> CheckpointKVScales | None:
+    """The checkpoint's K/V cache scales, or None when it has none (or no safetensors).
+    With ``num_kv_heads``, a scale of that many elements is read as one per KV head."""
     try:
         files = safetensors_files(folder)
     except (FileNotFoundError, ValueError):
         return None
-    k: list[float | None] = [None] * num_layers
-    v: list[float | None] = [None] * num_layers
-    legacy: list[float | None] = [None] * num_layers
+    k: list[Scale | None] = [None] * num_layers
+    v: list[Scale | None] = [None] * num_layers
+    legacy: list[Scale | None] = [None] * num_layers
     names: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -109,18 +158,14 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> CheckpointKVScales | 
                         f"but the model has {num_layers} layers"
                     )
                 shape = tuple(f.get_slice(name).get_shape())
-                if math.prod(shape) != 1:
+                values = [float(x) for x in f.get_tensor(name).float().reshape(-1).tolist()]
+                bad = [x for x in values if not math.isfinite(x) or x <= 0]
+                if bad:
                     raise ValueError(
-                        f"checkpoint tensor {name} has shape {shape}: KV cache scales are "
-                        "served per tensor (one value per layer); per-head or per-channel "
-                        "scales are not supported"
-                    )
-                value = float(f.get_tensor(name).float().reshape(()))
-                if not math.isfinite(value) or value <= 0:
-                    raise ValueError(
-                        f"checkpoint tensor {name} holds {value}: a KV cache scale must be "
+                        f"checkpoint tensor {name} holds {bad[0]}: a KV cache scale must be "
                         "a positive finite number"
                     )
+                value: Scale = values if _per_head(name, shape, num_kv_heads) else values[0]
                 names.append(name)
                 target = {"k": k, "v": v, "kv": legacy}[which]
                 target[layer] = value
@@ -134,8 +179,34 @@ def read_kv_scales(folder: str | Path, num_layers: int) -> CheckpointKVScales | 
     return CheckpointKVScales(k, v, names)
 
 
+def configure_kv_scale_granularity(
+    kv_cache: KVCache | None, folder: str | Path | None, cache: CacheConfig, num_kv_heads: int
+) -> bool:
+    """Make ``kv_cache``'s scales per KV head where asked (``kv_scales_per_head``) or where
+    the checkpoint's scales, which this cache will use, are per head; True if so. Called
+    before the model is compiled or its CUDA graphs captured: they read these tensors."""
+    if kv_cache is None or cache.kv_cache_dtype == "auto":
+        return False
+    per_head = cache.kv_scales_per_head
+    if not per_head and folder is not None and _uses_checkpoint_scales(cache):
+        per_head = checkpoint_has_per_head_kv_scales(folder, num_kv_heads)
+        if per_head:
+            logger.info("the checkpoint's KV cache scales are per KV head: the cache's too")
+    if per_head:
+        kv_cache.use_per_head_scales(num_kv_heads)
+    return per_head
+
+
+def _uses_checkpoint_scales(cache: CacheConfig) -> bool:
+    return cache.kv_cache_dtype.startswith("fp8") and not cache.calculate_kv_scales
+
+
 def apply_checkpoint_kv_scales(
-    kv_cache: KVCache | None, folder: str | Path, cache: CacheConfig, num_layers: int
+    kv_cache: KVCache | None,
+    folder: str | Path,
+    cache: CacheConfig,
+    num_layers: int,
+    num_kv_heads: int | None = None,
 ) -> CheckpointKVScales | None:
     """Load the checkpoint's scales into ``kv_cache`` (a `worker.kv_cache.KVCache`) where
     they apply: an fp8 cache without ``calculate_kv_scales``. Elsewhere they are left
@@ -163,7 +234,7 @@ def apply_checkpoint_kv_scales(
     if not cache.kv_cache_dtype.startswith("fp8"):
         logger.info("checkpoint has %s; not used by a %s cache", found, cache.kv_cache_dtype)
         return None
-    scales = read_kv_scales(folder, num_layers)
+    scales = read_kv_scales(folder, num_layers, num_kv_heads)
     if kv_cache is None or scales is None:
         return None
     kv_cache.load_scales(scales.k, scales.v)

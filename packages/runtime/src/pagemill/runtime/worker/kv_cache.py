@@ -83,9 +83,10 @@ def bytes_per_token(
 
 
 class LayerKVScales:
-    """One layer's K and V scales (0-dim fp32, read by the kernels on every call; updated in
-    place so compiled graphs and CUDA graphs see new values). ``pending``: set them from
-    the next forward's K/V amax (``--calculate-kv-scales``)."""
+    """One layer's K and V scales (fp32, read by the kernels on every call; updated in place
+    so compiled graphs and CUDA graphs see new values): 0-dim, or [num_kv_heads] after
+    `per_head` (which must come before the model is compiled or captured). ``pending``: set
+    them from the next forward's K/V amax (``--calculate-kv-scales``)."""
 
     def __init__(self, device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         self.k_scale = torch.ones((), dtype=torch.float32, device=device)
@@ -98,17 +99,26 @@ class LayerKVScales:
             else (K_SCALE_CONSTANT, V_SCALE_CONSTANT)
         )
 
+    def per_head(self, num_kv_heads: int) -> None:
+        """One scale per KV head from now on (each head keeps the layer's current value)."""
+        self.k_scale = self.k_scale.expand(num_kv_heads).contiguous()
+        self.v_scale = self.v_scale.expand(num_kv_heads).contiguous()
+
     def calculate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scales from this forward's K and V ([tokens, kv_heads, head_dim]): amax over the
+        whole tensor, or over each head's rows when the scales are per head."""
         for scale, x, const in (
             (self.k_scale, k, self.constants[0]),
             (self.v_scale, v, self.constants[1]),
         ):
-            amax = (
-                x.detach().abs().amax().float()
-                if x.numel()
-                else x.new_zeros((), dtype=torch.float32)
-            )
-            # An all-zero tensor says nothing about the range: keep 1.0 then.
+            x = x.detach()
+            if not x.numel():
+                amax = torch.zeros(scale.shape, dtype=torch.float32, device=scale.device)
+            elif scale.dim() == 1:
+                amax = x.abs().amax(dim=(0, 2)).float()
+            else:
+                amax = x.abs().amax().float()
+            # An all-zero tensor (or head) says nothing about the range: keep 1.0 then.
             scale.copy_(torch.where(amax > 0, amax / const, torch.ones_like(amax)))
         self.pending = False
 
@@ -360,13 +370,33 @@ class KVCache:
         for s in self.scales:
             s.pending = True
 
-    def load_scales(self, k_scales: list[float | None], v_scales: list[float | None]) -> None:
-        """Per-layer scales from a checkpoint (None: keep 1.0)."""
-        for s, k, v in zip(self.scales, k_scales, v_scales):
-            if k is not None:
-                s.k_scale.fill_(float(k))
-            if v is not None:
-                s.v_scale.fill_(float(v))
+    def use_per_head_scales(self, num_kv_heads: int) -> None:
+        """One K and one V scale per KV head in every layer (before compiling or capturing:
+        the graphs read the scale tensors they were made with)."""
+        for s in self.scales:
+            s.per_head(num_kv_heads)
+
+    def load_scales(
+        self,
+        k_scales: list[float | list[float] | None],
+        v_scales: list[float | list[float] | None],
+    ) -> None:
+        """Per-layer scales from a checkpoint: one value, or one per KV head (None: keep
+        1.0). One value fills every head of a per-head layer; per-head values need
+        `use_per_head_scales` first."""
+        for i, (s, k, v) in enumerate(zip(self.scales, k_scales, v_scales)):
+            for scale, value in ((s.k_scale, k), (s.v_scale, v)):
+                if value is None:
+                    continue
+                if isinstance(value, list):
+                    if scale.shape != (len(value),):
+                        raise ValueError(
+                            f"layer {i}: {len(value)} per-head KV cache scales for scales "
+                            f"of shape {tuple(scale.shape)}"
+                        )
+                    scale.copy_(torch.tensor(value, dtype=torch.float32))
+                else:
+                    scale.fill_(float(value))
 
 
 def _as_torch(array: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
