@@ -149,7 +149,9 @@ def test_op_in_a_compiled_graph() -> None:
 
 
 def test_no_compiler_means_no_kernel(monkeypatch) -> None:
-    monkeypatch.setattr(g, "_compiler", lambda: None)
+    from pagemill.kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
     assert g.load.__wrapped__() is None
     monkeypatch.setenv("PAGEMILL_NATIVE_CPU_KERNELS", "0")
     assert g.load.__wrapped__() is None

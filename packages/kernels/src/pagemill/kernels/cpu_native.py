@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -65,45 +66,57 @@ def _cpu_signature() -> str:
     return f"{platform.machine()}|{flags}"
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The built kernel library, or None when it cannot be built here (see the log)."""
+_BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def build_library(
+    source: Path, what: str, fallback: str, extra_flags: Sequence[str] = ()
+) -> ctypes.CDLL | None:
+    """`source` built for this CPU and loaded; None (logged, naming `what` and the
+    `fallback` that serves instead) when `PAGEMILL_NATIVE_CPU_KERNELS=0`, without a
+    compiler, or when the build fails.
+
+    Built once per machine into the cache folder, keyed by the source, the compiler, the
+    CPU's features (what `-march=native` depends on) and the flags; a build goes to a
+    temporary file first and is renamed into place, so concurrent builders never load
+    half a library."""
     if os.environ.get(_ENV, "1") == "0":
         return None
     cxx = _compiler()
     if cxx is None:
-        logger.warning("no C++ compiler found: CPU decode attention uses the torch path")
+        logger.warning("no C++ compiler found for %s: %s", what, fallback)
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + cxx.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_cpu-{key}.so"
+    flags = [*_BASE_FLAGS, *extra_flags]
+    key = hashlib.sha256(
+        source.read_bytes() + cxx.encode() + _cpu_signature().encode() + " ".join(flags).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [
-                cxx,
-                "-O3",
-                "-march=native",
-                "-fopenmp",
-                "-shared",
-                "-fPIC",
-                "-std=c++17",
-                str(_SOURCE),
-                "-o",
-                str(out),
-            ]
             try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+                subprocess.run(
+                    [cxx, *flags, str(source), "-o", str(out)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
                 detail = getattr(e, "stderr", "") or str(e)
-                logger.warning(
-                    "building the CPU decode kernel failed (%s); using the torch path",
-                    detail.strip()[-500:],
-                )
+                logger.warning("building %s failed (%s); %s", what, detail.strip()[-500:], fallback)
                 return None
-            os.replace(out, target)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(str(target))
+            os.replace(out, target)
+    return ctypes.CDLL(str(target))
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel library, or None when it cannot be built here (see the log)."""
+    lib = build_library(_SOURCE, "the CPU decode kernel", "using the torch path")
+    if lib is None:
+        return None
     fn = lib.pagemill_paged_decode
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

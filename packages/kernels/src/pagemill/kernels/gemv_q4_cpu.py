@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pagemill.kernels.cpu_native import _cache_dir, _compiler, _cpu_signature
+from pagemill.kernels.cpu_native import build_library
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +33,6 @@ ROWS = 16  # output rows per tile
 QS_BYTES = ROWS * QK // 2
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Set to 0 to never build or use the native kernel (the callers' other paths run).
-_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
 ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
 
 
@@ -45,38 +40,12 @@ ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
 def load(isa: int | None = None) -> ctypes.CDLL | None:
     """The kernel library built for this CPU (`isa` forces a path: see `ISA_NAMES`; None
     picks the best the host has), or None when it cannot be built here (see the log)."""
-    if os.environ.get(_ENV, "1") == "0":
-        return None
-    cxx = _compiler()
-    if cxx is None:
-        logger.warning("no C++ compiler found: int4 linears use PyTorch's int4 kernel")
-        return None
-    # No fp contraction: the activation remainder must round as `quantize_activations` does.
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    flags.append("-ffp-contract=off")
+    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
     if isa is not None:
         flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + cxx.encode() + _cpu_signature().encode() + " ".join(flags).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"gemv_q4_cpu-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [cxx, *flags, str(_SOURCE), "-o", str(out)]
-            try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                logger.warning(
-                    "building the int4 CPU GEMV kernel failed (%s); using PyTorch's int4 kernel",
-                    detail.strip()[-500:],
-                )
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(str(target))
+    lib = build_library(_SOURCE, "the int4 CPU GEMV kernel", "using PyTorch's int4 kernel", flags)
+    if lib is None:
+        return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.pagemill_gemv_q4.restype = i32
     lib.pagemill_gemv_q4.argtypes = [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32]

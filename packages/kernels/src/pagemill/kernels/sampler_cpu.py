@@ -12,54 +12,26 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagemill.kernels.cpu_native import _cache_dir, _compiler, _cpu_signature
+from pagemill.kernels.cpu_native import build_library
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "sampler_cpu.cpp"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None when it cannot be built here (see the log)."""
-    if os.environ.get(_ENV, "1") == "0":
+    lib = build_library(_SOURCE, "the sampler's CPU kernels", "the sampler uses torch")
+    if lib is None:
         return None
-    cxx = _compiler()
-    if cxx is None:
-        logger.warning("no C++ compiler found: the sampler uses its torch kernels")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + cxx.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"sampler_cpu-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-            cmd += [str(_SOURCE), "-o", str(out)]
-            try:
-                subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                logger.warning(
-                    "building the sampler's CPU kernels failed (%s); using torch",
-                    detail.strip()[-500:],
-                )
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     row_args: list[type[Any]] = [i32, ptr, i64, ptr, i64, i64]  # dtype, x, stride, rows, n, vocab
     lib.pagemill_sampler_argmax.restype = i32
