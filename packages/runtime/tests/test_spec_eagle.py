@@ -294,8 +294,8 @@ def test_refusals_name_the_problem(target, build_tiny_model, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_compiled_target_feeds_the_head(method, target, hf_greedy, random_prompts, tmp_path):
-    """The target's compiled forward hands over its hidden states too (EAGLE-1); EAGLE-3
-    switches the target to its eager forward, where the layer pre-hooks fire."""
+    """The target's compiled forward hands over its hidden states, and for EAGLE-3 the
+    inputs of the head's target layers as a second output: the target stays compiled."""
     from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 
     reason = compile_unavailable_reason(torch.device("cpu"))
@@ -306,7 +306,10 @@ def test_compiled_target_feeds_the_head(method, target, hf_greedy, random_prompt
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
         llm = _llm(folder, method, build(model, tmp_path / "head"))
-    assert llm.llm_engine.engine_core.model_runner.compiled
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.compiled and runner._forward != runner.model.forward
+    aux = runner.model.aux_hidden_state_layers
+    assert aux == ((0, 1, 1) if method == "eagle3" else ())
     prompts = random_prompts([9, 30], model.config.vocab_size, seed=8)
     _greedy_equal(llm, model, prompts, 16, hf_greedy)
     stats = llm.llm_engine.get_stats()

@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch import nn
 
 from pagemill.blockpool import HybridKVCacheManager, KVCacheManager
 from pagemill.runtime.model_config import ModelConfig
@@ -100,7 +99,6 @@ class _Capture:
 
     rows: list[tuple[Request, int, int, int]]
     features: torch.Tensor
-    aux: list[torch.Tensor] = field(default_factory=list)
 
 
 def aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
@@ -239,27 +237,21 @@ class EagleProposer:
         self.states: dict[str, _HeadState] = {}
         self._finished: list[str] = []
         self._capture: _Capture | None = None
-        self._aux: list[torch.Tensor] = []
         self.aux_layers = aux_layers
         # This call's head block tables (sent whole at a request's first forward of the
         # call) and the next free scratch block.
         self._tables: dict[str, list[int]] = {}
         self._next_scratch = num_blocks
+        self.target_runner = target_runner
+        # Every target step hands its hidden states over, eager, compiled or replayed from
+        # a CUDA graph; EAGLE-3's layer inputs come out of the target's forward
+        # (`prepare_target` set its `aux_hidden_state_layers` before it was compiled).
         target_runner.hidden_states_hook = self._on_target_step
-        # Decode graphs would skip the hook: the target's steps all run through it.
-        if target_runner.graphs is not None:
-            logger.warning("EAGLE: CUDA graphs are off (a replay would skip the head's input)")
-        target_runner.graphs = None
-        # The hooked layers in the order they run (ids may repeat or come in any order).
-        self._hooked = sorted(set(aux_layers))
-        if aux_layers:
-            model = target_runner.model
-            for i in self._hooked:
-                model.layers[i].register_forward_pre_hook(self._on_layer_input)
-            # Pre-hooks fire in eager code only.
-            if target_runner._forward != model.forward:
-                logger.warning("EAGLE-3: the target runs eagerly (its layer inputs are read)")
-            target_runner._forward = model.forward
+        if aux_layers and tuple(target_runner.model.aux_hidden_state_layers) != aux_layers:
+            raise RuntimeError(
+                f"EAGLE-3 needs the target's forward to return layers {list(aux_layers)}; "
+                "call spec_decode.engine.prepare_target before compiling the target"
+            )
 
     # ---------------------------------------------------------------- loading
 
@@ -350,23 +342,17 @@ class EagleProposer:
 
     # ---------------------------------------------------------------- target hooks
 
-    def _on_layer_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x, residual = args[1], args[2]
-        self._aux.append(x if residual is None else x + residual)
-
     def _on_target_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
         rows: list[tuple[Request, int, int, int]] = []
         row = 0
         for s in out.scheduled:
             rows.append((s.request, s.start_pos, s.num_tokens, row))
             row += s.num_tokens
+        features = hidden
         if self.aux_layers:
-            # This step's inputs of the hooked layers are the last ones collected.
-            by_layer = dict(zip(self._hooked, self._aux[-len(self._hooked) :]))
-            features = torch.cat([by_layer[i] for i in self.aux_layers], dim=-1)
-        else:
-            features = hidden
-        self._aux = []
+            aux = self.target_runner.aux_hidden_states
+            assert aux is not None, "the target's forward returned no auxiliary states"
+            features = aux
         self._capture = _Capture(rows, features)
 
     # ---------------------------------------------------------------- per step

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.sample.rejection_sampler import RejectionSampler
     from pagemill.runtime.sample.structured_output.manager import StructuredOutputManager
-    from pagemill.runtime.worker.model_runner import ModelRunnerOutput
+    from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
     from pagemill.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,29 @@ def draft_pool_sizes(
         per_seq = scratch_blocks_per_request(spec.num_speculative_tokens, block)
         fixed += config.scheduler.max_num_seqs * per_seq * block * per_token
     return per_token, fixed
+
+
+def prepare_target(config: EngineConfig, runner: ModelRunner, target: ModelConfig) -> None:
+    """Before the target is compiled or its CUDA graphs captured: verify steps of k + 1
+    tokens per request get graphs of their own (with a draft model or an EAGLE head), and an
+    EAGLE-3 head's target layers become outputs of the target's forward, so compiled and
+    replayed steps hand them over too. (A target EAGLE cannot serve is left alone: loading
+    the head refuses it.)"""
+    if config.speculative_config is None or runner.tp is not None:
+        return
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.model is not None:  # a model's drafts are k long (n-gram's vary): graph them
+        runner.verify_query_len = spec.num_speculative_tokens + 1
+    if spec.method != "eagle3" or spec.model is None:
+        return
+    from pagemill.runtime.model_executor.loader import resolve_model_path
+    from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+    from pagemill.runtime.spec_decode.eagle import aux_layer_ids
+    from pagemill.runtime.spec_decode.eagle_checkpoint import read_head_config
+
+    if type(runner.model) is LlamaForCausalLM:
+        raw = read_head_config(resolve_model_path(spec.model, None))
+        runner.model.set_aux_hidden_state_layers(aux_layer_ids(raw, target.num_hidden_layers))
 
 
 class SpecDecoding:
