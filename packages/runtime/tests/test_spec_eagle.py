@@ -483,3 +483,32 @@ def test_checkpoint_refusals(target, tmp_path) -> None:
     torch.save({**state, "extra": argparse.Namespace(x=1)}, pickled / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"does not load as plain tensors \(torch.load with"):
         _llm(folder, "eagle", str(pickled))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and compiled (not interpreted) Triton",
+)
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_verify_steps_replay_cuda_graphs(method, target, hf_greedy, random_prompts, tmp_path):
+    """On a GPU with graphs on, the verify steps (k + 1 tokens per request) replay their
+    own graphs, whose hidden states (and EAGLE-3's layer inputs) feed the head: the same
+    greedy tokens as transformers, and the mirror head's drafts still mostly accepted."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV
+
+    folder, model = target
+    build = eagle1_mirror if method == "eagle" else eagle3_mirror
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = _llm(folder, method, build(model, tmp_path / "head"), device="cuda",
+                   enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=128)  # fmt: skip
+    graphs = llm.llm_engine.engine_core.model_runner.graphs
+    assert graphs is not None and graphs.verify_buckets == [1, 2, 4, 8]
+    prompts = random_prompts([9, 30, 5, 41, 12], model.config.vocab_size, seed=8)
+    _greedy_equal(llm, model, prompts, 24, hf_greedy)
+    assert graphs.verify_replays > 0
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens

@@ -2,11 +2,13 @@
 (vLLM's `method: "eagle"` / `"eagle3"`).
 
 After each target step the target model runner hands over the hidden states of every token
-it forwarded (`ModelRunner.hidden_states_hook`): the final ones for EAGLE-1, the inputs of
-three layers for EAGLE-3 (collected by forward pre-hooks, which is why the target then runs
-eagerly). The head pairs the target's feature at position p with token p+1, so only the
-positions whose inputs the target kept are fed: for a verified step, the accepted drafts
-and the token before them; the rejected ones are fed again once the target recomputes them.
+it forwarded (`ModelRunner.hidden_states_hook`), from an eager or compiled forward or a
+CUDA graph replay: the final ones for EAGLE-1, the inputs of three layers for EAGLE-3 (a
+second output of the target's forward, `LlamaForCausalLM.aux_hidden_state_layers`, set by
+`engine.prepare_target` before the target is compiled or captured). The head pairs the
+target's feature at position p with token p+1, so only the positions whose inputs the
+target kept are fed: for a verified step, the accepted drafts and the token before them;
+the rejected ones are fed again once the target recomputes them.
 
 The head has its own `ModelRunner` and paged KV pool, but no block manager: its pool has
 as many blocks as the target's, of the same size, and is indexed by the target's block ids
@@ -30,8 +32,8 @@ Limits, said plainly: a cached block's head KV was written from the request that
 it, so its last position (which pairs the feature there with the *next* token, outside the
 block's hash) may belong to another continuation; a request that finishes in the step that
 computed some positions leaves those positions unwritten (the head is fed only live
-requests). Both cost acceptance, not correctness. The head runs eagerly and so do the
-target's CUDA graphs' steps (graphs off); single device only.
+requests). Both cost acceptance, not correctness. The head itself runs eagerly; single
+device only.
 """
 
 from __future__ import annotations

@@ -24,8 +24,16 @@ forward (embedding through LM head) once and replays it with one launch. What it
 
 Only steps where every request has exactly one query token and the batch fits the largest
 bucket use a graph (`DecodeGraphs.serves`); prefill, mixed steps and larger batches run
-eagerly. Graphs bake in the KV cache's addresses, so they are captured after the real pool
-is allocated; their memory is measured beforehand by a trial capture against a one-block
+eagerly. Under speculative decoding with a draft model or an EAGLE head (k drafts per
+request) the verify steps, k + 1 tokens for every request, get graphs of their own for the
+buckets whose b x (k + 1) tokens fit the step's budget: the same layout with `query_len`
+tokens per row (`DecodeLayout`), planned once as a prefill-shaped launch (no context
+splits). Each graph keeps the hidden states (and an EAGLE-3 target's auxiliary layer
+inputs, a second output of its forward) as static outputs, read by the EAGLE head after the
+step (`DecodeGraphs.last_hidden`).
+
+Graphs bake in the KV cache's addresses, so they are captured after the real pool is
+allocated; their memory is measured beforehand by a trial capture against a one-block
 scratch cache and taken out of the pool's budget (`measure_graph_memory`).
 """
 
@@ -183,6 +191,7 @@ class DecodeGraphs:
         # By (bucket, tokens per request).
         self.graphs: dict[tuple[int, int], _BucketGraph] = {}
         self.replays = 0  # steps served by a graph (read by benchmarks)
+        self.verify_replays = 0  # of which verify steps
         # The last replay's hidden states and auxiliary layers' inputs, its n rows: views
         # of the bucket's static outputs, valid until that bucket replays again.
         self.last_hidden: torch.Tensor | None = None
@@ -274,6 +283,7 @@ class DecodeGraphs:
         g.inputs.load(input_ids, positions, slots, seq_lens, block_tables)
         g.graph.replay()
         self.replays += 1
+        self.verify_replays += q > 1
         self.last_hidden = g.hidden[:t]
         self.last_aux = None if g.aux is None else g.aux[:t]
         return g.logits[:t]
