@@ -112,9 +112,95 @@ def test_bucket_step_matches_the_eager_decode(tiny_llama, random_prompts) -> Non
             batch.seq_lens,
             batch.block_tables,
         )
-        padded = inputs.step(runner.model.forward, runner.model.compute_logits)
-        eager = runner.model.compute_logits(runner.model(step.input_ids, step.positions, step.attn))
+        padded, hidden, no_aux = inputs.step(runner.model.forward, runner.model.compute_logits)
+        eager_hidden = runner.model(step.input_ids, step.positions, step.attn)
+        eager = runner.model.compute_logits(eager_hidden)
+        # EAGLE-3's features: the forward's second output, recorded with the logits.
+        runner.model.set_aux_hidden_state_layers((1, 0))
+        _, _, aux = inputs.step(runner.model.forward, runner.model.compute_logits)
+        _, eager_aux = runner.model(step.input_ids, step.positions, step.attn)
     assert padded.shape == (4, model.config.vocab_size)
     torch.testing.assert_close(padded[:3], eager, rtol=1e-4, atol=1e-4)
     assert torch.equal(padded[:3].argmax(-1), eager.argmax(-1))
     assert torch.isfinite(padded[3]).all()
+    torch.testing.assert_close(hidden[:3], eager_hidden, rtol=1e-4, atol=1e-4)
+    assert no_aux is None and aux is not None and aux.shape == (4, 2 * model.config.hidden_size)
+    torch.testing.assert_close(aux[:3], eager_aux, rtol=1e-4, atol=1e-4)
+
+
+def test_aux_hidden_states_are_transformers_layer_inputs(tiny_llama, random_prompts) -> None:
+    """The forward's auxiliary output is the input of each asked layer (id 0: the
+    embedding), as transformers' `output_hidden_states` reports it, in the asked order."""
+    folder, model = tiny_llama
+    prompts = random_prompts([5, 11], model.config.vocab_size, seed=3)
+    prefill, _ = _steps(prompts, [1, 2])
+    runner = _runner(folder)
+    runner.model.set_aux_hidden_state_layers((1, 0, 1))
+    with torch.inference_mode():
+        step = runner.prepare(prefill)
+        assert step is not None
+        hidden, aux = runner.model(step.input_ids, step.positions, step.attn)
+    row = 0
+    for p in prompts:
+        with torch.no_grad():
+            ref = model(torch.tensor([p]), output_hidden_states=True).hidden_states
+        want = torch.cat([ref[1][0], ref[0][0], ref[1][0]], dim=-1)
+        torch.testing.assert_close(aux[row : row + len(p)], want, rtol=1e-4, atol=1e-4)
+        row += len(p)
+    assert hidden.shape == (row, model.config.hidden_size)
+
+
+@pytest.mark.skipif(
+    not (interpreting() and triton_available()),
+    reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by the root "
+    "conftest when there is no GPU)",
+)
+def test_verify_bucket_step_matches_the_eager_step(tiny_llama, random_prompts) -> None:
+    """A verify step's shape (every request 3 tokens: its last one and two drafts) padded
+    to a bucket of 4 rows gives the eager step's logits at every real token, and the padded
+    row's tokens see no key (finite output, nothing written)."""
+    folder, model = tiny_llama
+    prompts = random_prompts([5, 14, 3], model.config.vocab_size, seed=9)
+    prefill, _ = _steps(prompts, [0, 0, 0])
+    verify = []
+    for s, extra in zip(prefill.scheduled, ([4, 8, 1], [9, 9, 2], [2, 7, 30])):
+        verify.append(
+            ScheduledRequest(s.request_id, extra, s.num_tokens, 3, [], True, False, s.request)
+        )
+    runner = _runner(folder)
+    assert runner.kv_cache is not None
+    with torch.inference_mode():
+        runner.execute_model(prefill)
+        step = runner.prepare(SchedulerOutput(verify, 9))
+        assert step is not None and step.batch is not None
+        batch = step.batch
+        inputs = BucketInputs.create(
+            4,
+            runner.max_blocks_per_seq,
+            runner.device,
+            tuple(runner.kv_cache.caches[0][0].shape),
+            runner.model_config.num_attention_heads,
+            runner.dtype,
+            backend="triton",
+            query_len=3,
+        )
+        before = runner.kv_cache.caches[0][0].clone()
+        inputs.load(
+            batch.input_ids.numpy(),
+            batch.positions,
+            batch.slots,
+            batch.seq_lens,
+            batch.block_tables,
+        )
+        padded, hidden, _ = inputs.step(runner.model.forward, runner.model.compute_logits)
+        written = runner.kv_cache.caches[0][0].clone()
+        eager_hidden = runner.model(step.input_ids, step.positions, step.attn)
+        eager = runner.model.compute_logits(eager_hidden)
+    assert padded.shape == (12, model.config.vocab_size)
+    torch.testing.assert_close(padded[:9], eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(padded[:9].argmax(-1), eager.argmax(-1))
+    assert torch.isfinite(padded[9:]).all()
+    torch.testing.assert_close(hidden[:9], eager_hidden, rtol=1e-4, atol=1e-4)
+    # Only the real tokens' slots were written (the eager pass rewrote the same values).
+    changed = (written != before).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert set(changed) <= {int(b) for b in batch.block_tables.flatten()}

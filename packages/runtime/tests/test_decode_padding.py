@@ -19,6 +19,7 @@ from pagemill.runtime.worker.decode_padding import (
     bucket_for,
     graph_buckets,
     pad_decode,
+    verify_buckets,
 )
 
 
@@ -149,3 +150,24 @@ def test_padded_rows_leave_real_rows_and_the_cache_alone() -> None:
     )
     torch.testing.assert_close(out[:n], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+
+
+def test_verify_layout_pads_rows_of_several_tokens() -> None:
+    """Two requests of three tokens each in a bucket of four: every token's id, position
+    and slot in order, query_start_loc rising by three, padded rows writing nowhere."""
+    ids = np.array([5, 6, 7, 8, 9, 10])
+    positions = np.array([3, 4, 5, 9, 10, 11])
+    slots = np.array([3, 4, 5, 41, 42, 43])
+    seq_lens = np.array([6, 12])
+    tables = np.array([[0], [2]], dtype=np.int32)
+    layout = DecodeLayout(4, 2, query_len=3)
+    got = _unpack(pad_decode(ids, positions, slots, seq_lens, tables, layout), layout)
+    np.testing.assert_array_equal(got[0], [5, 6, 7, 8, 9, 10, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(got[1][:6], positions)
+    np.testing.assert_array_equal(got[2], [3, 4, 5, 41, 42, 43] + [-1] * 6)
+    np.testing.assert_array_equal(got[3], [0, 3, 6, 9, 12])
+    np.testing.assert_array_equal(got[4], [6, 12, 0, 0])
+    np.testing.assert_array_equal(got[5][:, :1], [[0], [2], [0], [0]])
+    with pytest.raises(ValueError, match="2 rows of 3 token"):
+        pad_decode(ids[:5], positions[:5], slots[:5], seq_lens, tables, layout)
+    assert verify_buckets(8, 4, 16) == [1, 2, 4]

@@ -239,9 +239,14 @@ def test_head_pool_shares_the_kv_budget(target, tmp_path) -> None:
     assert plain.llm_engine.num_blocks == budget // (16 * 1024)
     n = llm.llm_engine.num_blocks
     assert n == budget // (16 * 2048)
-    head_runner = llm.llm_engine.engine_core.spec.decoder.proposer.runner
+    proposer = llm.llm_engine.engine_core.spec.decoder.proposer
     target_pool = llm.llm_engine.engine_core.model_runner.kv_cache
-    assert head_runner.kv_cache.nbytes + target_pool.nbytes <= budget
+    # The head's pool: the target's block ids, then one scratch block per sequence for the
+    # drafts past the end of a table (k = 3), on top of an explicit budget.
+    max_num_seqs = llm.llm_engine.engine_core.scheduler.config.max_num_seqs
+    assert proposer.runner.kv_cache.num_blocks == n + max_num_seqs
+    head_bytes = proposer.runner.kv_cache.nbytes * n // (n + max_num_seqs)
+    assert head_bytes + target_pool.nbytes <= budget
 
 
 def test_seeded_sampling_with_eagle3_repeats(target, random_prompts, tmp_path) -> None:
@@ -273,6 +278,10 @@ def test_refusals_name_the_problem(target, build_tiny_model, tmp_path) -> None:
     build_tiny_model(qwen3, "qwen3", num_key_value_heads=HEADS)
     with pytest.raises(ValueError, match=r"needs a Llama-family target.*Qwen3ForCausalLM"):
         _llm(qwen3, "eagle", e1)
+    mistral = tmp_path / "mistral"
+    build_tiny_model(mistral, "mistral", num_key_value_heads=HEADS, sliding_window=8)
+    with pytest.raises(ValueError, match=r"sliding-window target \(MistralForCausalLM"):
+        _llm(mistral, "eagle", e1)
     bad = json.loads((Path(e3) / "config.json").read_text())
     bad.pop("eagle_aux_hidden_state_layer_ids")  # vLLM's default (2, 1, -1) for 2 layers
     (Path(e3) / "config.json").write_text(json.dumps(bad))
@@ -285,8 +294,8 @@ def test_refusals_name_the_problem(target, build_tiny_model, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_compiled_target_feeds_the_head(method, target, hf_greedy, random_prompts, tmp_path):
-    """The target's compiled forward hands over its hidden states too (EAGLE-1); EAGLE-3
-    switches the target to its eager forward, where the layer pre-hooks fire."""
+    """The target's compiled forward hands over its hidden states, and for EAGLE-3 the
+    inputs of the head's target layers as a second output: the target stays compiled."""
     from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 
     reason = compile_unavailable_reason(torch.device("cpu"))
@@ -297,8 +306,209 @@ def test_compiled_target_feeds_the_head(method, target, hf_greedy, random_prompt
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
         llm = _llm(folder, method, build(model, tmp_path / "head"))
-    assert llm.llm_engine.engine_core.model_runner.compiled
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.compiled and runner._forward != runner.model.forward
+    aux = runner.model.aux_hidden_state_layers
+    assert aux == ((0, 1, 1) if method == "eagle3" else ())
     prompts = random_prompts([9, 30], model.config.vocab_size, seed=8)
     _greedy_equal(llm, model, prompts, 16, hf_greedy)
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens
+
+
+def _drafts_and_stats(llm, prompt, max_tokens, expected) -> tuple[list, int, int, int]:
+    """One greedy request: the drafts proposed after each step, and the accepted, drafted
+    and prefix-hit token counts it added."""
+    proposer = llm.llm_engine.engine_core.spec.decoder.proposer
+    seen: list[dict[str, list[int]]] = []
+    propose = proposer.propose_requests
+
+    def record(*args):
+        drafts = propose(*args)
+        if drafts:
+            seen.append(drafts)
+        return drafts
+
+    before = llm.llm_engine.get_stats()
+    proposer.propose_requests = record
+    try:
+        params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        del proposer.propose_requests
+    assert out.outputs[0].token_ids == expected
+    after = llm.llm_engine.get_stats()
+    return (
+        [list(d.values()) for d in seen],
+        after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
+        after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+        after.prefix_cache_hits - before.prefix_cache_hits,
+    )
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_prefix_hit_reads_the_heads_kv_of_the_cached_blocks(
+    method, target, hf_greedy, random_prompts, tmp_path
+) -> None:
+    """The head's KV lives in the target's blocks, so a request whose prompt is mostly a
+    prefix-cache hit sees the head KV written when those blocks were computed: the same
+    prompt again gets the same drafts at every step. The random heads read the target's
+    features (a mirror head ignores them), so a head cache written without them (zeros
+    where the target skipped the cached prefix) drafts differently."""
+    folder, model = target
+    build = eagle1_random if method == "eagle" else eagle3_random
+    llm = _llm(folder, method, build(model, tmp_path / "head"), enable_prefix_caching=True)
+    [prompt] = random_prompts([90], model.config.vocab_size, seed=12)
+    expected = hf_greedy(model, prompt, 16)
+    first, _, drafted, _ = _drafts_and_stats(llm, prompt, 16, expected)
+    again, _, _, hits = _drafts_and_stats(llm, prompt, 16, expected)
+    assert drafted > 0 and hits >= 80  # five of the prompt's six blocks
+    assert again == first
+
+
+def test_prefix_hit_keeps_the_mirror_heads_acceptance(
+    target, hf_greedy, random_prompts, tmp_path
+) -> None:
+    folder, model = target
+    llm = _llm(folder, "eagle", eagle1_mirror(model, tmp_path / "head"), enable_prefix_caching=True)
+    [prompt] = random_prompts([90], model.config.vocab_size, seed=12)
+    expected = hf_greedy(model, prompt, 24)
+    _, accepted, drafted, _ = _drafts_and_stats(llm, prompt, 24, expected)
+    assert drafted > 0 and accepted > 0.5 * drafted
+    _, again, _, hits = _drafts_and_stats(llm, prompt, 24, expected)
+    assert hits >= 80
+    assert again >= accepted - 1
+
+
+def _speculators(src: str, folder: Path, method: str) -> str:
+    """The head at `src` in the speculators library's format: config nested under
+    `transformer_layer_config` / `speculators_config`, EAGLE-1's `fusion_fc` and
+    `transformer` names, EAGLE-3's `layers.0`."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(src) / "config.json").read_text())
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+             "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+             "tie_word_embeddings")}  # fmt: skip
+    layer.update(model_type="llama", num_hidden_layers=config["num_hidden_layers"])
+    out = {
+        "architectures": [f"{'Eagle3' if method == 'eagle3' else 'Eagle'}Speculator"],
+        "speculators_model_type": method,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": method,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": "target", "architectures": ["LlamaForCausalLM"]},
+        },
+    }
+    if method == "eagle3":
+        eagle = config.get("eagle_config") or {}
+        aux = config.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
+            "eagle_aux_hidden_state_layer_ids"
+        )
+        out.update(
+            draft_vocab_size=config["draft_vocab_size"],
+            target_hidden_size=config.get("target_hidden_size", H),
+            norm_before_residual=config.get("norm_before_residual", False),
+            eagle_aux_hidden_state_layer_ids=aux,
+        )
+        tensors = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    else:
+        out["fusion_bias"] = "fc.bias" in tensors
+        renamed = {}
+        for k, v in tensors.items():
+            k = k.replace("fc.", "fusion_fc.", 1) if k.startswith("fc.") else k
+            renamed[k.replace("layers.0.", "transformer.", 1)] = v
+        tensors = renamed
+    return _save(folder, out, tensors)
+
+
+def _pytorch_bin(src: str, folder: Path) -> str:
+    """The head at `src` as the EAGLE repos ship it: config.json and pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text((Path(src) / "config.json").read_text())
+    torch.save(load_file(str(Path(src) / "model.safetensors")), folder / "pytorch_model.bin")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    "method,fmt", [("eagle", "speculators"), ("eagle3", "speculators"), ("eagle3", "bin")]
+)
+def test_checkpoint_formats_load_the_same_head(
+    method, fmt, target, hf_greedy, random_prompts, tmp_path
+) -> None:
+    """A head saved in the speculators format or as pytorch_model.bin drafts exactly what
+    the same head in vLLM's layout drafts (EAGLE-1 as a one-layer random head: the
+    speculators format has one decoder layer)."""
+    folder, model = target
+    if method == "eagle":
+        base = eagle1_random(model, tmp_path / "base")
+    else:
+        base = eagle3_mirror(model, tmp_path / "base")
+    other = (
+        _speculators(base, tmp_path / "other", method)
+        if fmt == "speculators"
+        else _pytorch_bin(base, tmp_path / "other")
+    )
+    [prompt] = random_prompts([20], model.config.vocab_size, seed=6)
+    expected = hf_greedy(model, prompt, 12)
+    drafts = []
+    for head in (base, other):
+        llm = _llm(folder, method, head)
+        seen, _, drafted, _ = _drafts_and_stats(llm, prompt, 12, expected)
+        assert drafted > 0
+        drafts.append(seen)
+    assert drafts[0] == drafts[1]
+
+
+def test_checkpoint_refusals(target, tmp_path) -> None:
+    import argparse
+
+    folder, model = target
+    base = eagle1_random(model, tmp_path / "base")
+    hass = _speculators(base, tmp_path / "hass", "eagle")
+    config = json.loads((Path(hass) / "config.json").read_text())
+    (Path(hass) / "config.json").write_text(json.dumps({**config, "layernorms": True}))
+    with pytest.raises(ValueError, match="HASS heads"):
+        _llm(folder, "eagle", hass)
+    (Path(hass) / "config.json").write_text(json.dumps({**config, "speculators_model_type": "mlp"}))
+    with pytest.raises(ValueError, match="speculators_model_type 'mlp' is not an EAGLE head"):
+        _llm(folder, "eagle", hass)
+    pickled = Path(_pytorch_bin(base, tmp_path / "pickled"))
+    state = torch.load(pickled / "pytorch_model.bin")
+    torch.save({**state, "extra": argparse.Namespace(x=1)}, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"does not load as plain tensors \(torch.load with"):
+        _llm(folder, "eagle", str(pickled))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available()
+    or __import__("os").environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device and compiled (not interpreted) Triton",
+)
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_verify_steps_replay_cuda_graphs(method, target, hf_greedy, random_prompts, tmp_path):
+    """On a GPU with graphs on, the verify steps (k + 1 tokens per request) replay their
+    own graphs, whose hidden states (and EAGLE-3's layer inputs) feed the head: the same
+    greedy tokens as transformers, and the mirror head's drafts still mostly accepted."""
+    from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV
+
+    folder, model = target
+    build = eagle1_mirror if method == "eagle" else eagle3_mirror
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+        llm = _llm(folder, method, build(model, tmp_path / "head"), device="cuda",
+                   enforce_eager=False, max_num_seqs=8, max_num_batched_tokens=64,
+                   max_model_len=128)  # fmt: skip
+    graphs = llm.llm_engine.engine_core.model_runner.graphs
+    assert graphs is not None and graphs.verify_buckets == [1, 2, 4, 8]
+    prompts = random_prompts([9, 30, 5, 41, 12], model.config.vocab_size, seed=8)
+    _greedy_equal(llm, model, prompts, 24, hf_greedy)
+    assert graphs.verify_replays > 0
     stats = llm.llm_engine.get_stats()
     assert stats.spec_num_accepted_tokens > 0.5 * stats.spec_num_draft_tokens

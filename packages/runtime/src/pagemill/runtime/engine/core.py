@@ -48,7 +48,7 @@ from pagemill.runtime.sample.structured_output import (
     StructuredOutputManager,
     grammar_failure_message,
 )
-from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes
+from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes, prepare_target
 from pagemill.runtime.worker.compilation import (
     ENFORCE_EAGER_ENV,
     compile_cached,
@@ -311,6 +311,7 @@ class EngineCore:
         # Per rank: every rank holds the same blocks, each with its own KV heads. A draft
         # model's or EAGLE head's pool (as many blocks) shares the budget.
         draft_per_token, draft_weights = draft_pool_sizes(config, self.dtype, model_config)
+        prepare_target(config, self.model_runner, model_config)  # before compile and capture
         self.num_blocks = size_kv_pool(
             self.model_runner,
             local_config,

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagemill.blockpool import KVCacheManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from pagemill.runtime.spec_decode.proposer import ProposerSetup
     from pagemill.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -76,42 +75,35 @@ class DraftModelProposer:
 
     @classmethod
     def load(
-        cls,
-        path: str,
-        k: int,
-        *,
-        target_path: Path,
-        target_config: ModelConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        num_blocks: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        load_format: str,
-        seed: int,
+        cls, setup: ProposerSetup, *, target_path: Path, load_format: str, seed: int
     ) -> DraftModelProposer:
         from pagemill.runtime.model_executor.loader import load_model, resolve_model_path
         from pagemill.runtime.worker.model_runner import ModelRunner
 
-        folder = resolve_model_path(path, None)
+        folder = resolve_model_path(setup.model, None)
         config = ModelConfig.from_pretrained(folder)
-        check_same_vocabulary(target_path, target_config, folder, config)
+        check_same_vocabulary(target_path, setup.target_config, folder, config)
+        max_model_len = setup.max_model_len
         if config.max_model_len_limit < max_model_len:
             raise ValueError(
                 f"speculative_config.model: the draft's context ({config.max_model_len_limit}) "
                 f"is shorter than max_model_len={max_model_len}"
             )
-        model = load_model(folder, config, dtype, device, max_model_len, load_format, seed)
-        # Drafting forwards up to k tokens per request beyond the target's own budget.
-        budget = max_num_batched_tokens + max_num_seqs * k
+        s = setup
+        model = load_model(folder, config, s.dtype, s.device, max_model_len, load_format, seed)
         runner = ModelRunner(
-            model, config, device, dtype, block_size, max_num_seqs, budget, max_model_len
+            model,
+            config,
+            s.device,
+            s.dtype,
+            s.block_size,
+            s.max_num_seqs,
+            s.runner_budget,
+            max_model_len,
         )
-        runner.init_kv_cache(num_blocks)
-        logger.info("draft model %s: %d KV blocks of its own", folder, num_blocks)
-        return cls(runner, num_blocks, k, max_model_len)
+        runner.init_kv_cache(s.num_blocks)
+        logger.info("draft model %s: %d KV blocks of its own", folder, s.num_blocks)
+        return cls(runner, s.num_blocks, s.num_speculative_tokens, max_model_len)
 
     # ---------------------------------------------------------------- per step
 

@@ -2,47 +2,64 @@
 (vLLM's `method: "eagle"` / `"eagle3"`).
 
 After each target step the target model runner hands over the hidden states of every token
-it forwarded (`ModelRunner.hidden_states_hook`): the final ones for EAGLE-1, the inputs of
-three layers for EAGLE-3 (collected by forward pre-hooks, which is why the target then runs
-eagerly). The head pairs the target's feature at position p with token p+1, so only the
-positions whose inputs the target kept are fed: for a verified step, the accepted drafts
-and the token before them; the rejected ones are fed again once the target recomputes them.
+it forwarded (`ModelRunner.hidden_states_hook`), from an eager or compiled forward or a
+CUDA graph replay: the final ones for EAGLE-1, the inputs of three layers for EAGLE-3 (a
+second output of the target's forward, `LlamaForCausalLM.aux_hidden_state_layers`, set by
+`engine.prepare_target` before the target is compiled or captured). The head pairs the
+target's feature at position p with token p+1, so only the positions whose inputs the
+target kept are fed: for a verified step, the accepted drafts and the token before them;
+the rejected ones are fed again once the target recomputes them.
 
-The head has its own `ModelRunner`, paged KV pool and block manager (as many blocks as the
-target's pool, each one head-layer deep; `size_kv_pool` counts them into the budget). Each
-step it first writes its cache from the new target features (one batched forward, split by
-its token budget), which yields the first draft at each speculating request's last
-position; then it drafts the rest autoregressively, one batched forward per position,
-reading its own output hidden state where the target's is not known yet. Drafts are argmax
-picks, so the rejection sampler sees one-hot draft distributions and sampling stays exact.
+The head has its own `ModelRunner` and paged KV pool, but no block manager: its pool has
+as many blocks as the target's, of the same size, and is indexed by the target's block ids
+through the target's own block table (vLLM keeps the head's KV layers in the target's
+block table the same way). A prefix-cache hit is therefore a hit for the head's KV too,
+written when those blocks were first computed; blocks the target frees, evicts, trims
+(rejected drafts) or loses to preemption are simply overwritten when next computed. Only
+the draft positions past the end of the target's table (it allocates their slots when it
+verifies them) go to a few scratch blocks after the target's (`size_kv_pool` counts the
+pool and `draft_pool_sizes` the scratch). A target whose table is not one plain table
+(KV cache groups, sliding windows) is refused.
 
-Limits, said plainly: positions whose target features the head never saw (a prefix-cache
-hit: the target skipped them) are written with a zero feature, which costs acceptance, not
-correctness; the head runs eagerly and so do the target's CUDA graphs' steps (graphs off);
-single device only.
+Each step the head first writes its cache from the new target features (one batched
+forward, split by its token budget), which yields the first draft at each speculating
+request's last position; then it drafts the rest autoregressively, one batched forward per
+position, reading its own output hidden state where the target's is not known yet. Drafts
+are argmax picks, so the rejection sampler sees one-hot draft distributions and sampling
+stays exact.
+
+Limits, said plainly: a cached block's head KV was written from the request that computed
+it, so its last position (which pairs the feature there with the *next* token, outside the
+block's hash) may belong to another continuation; a request that finishes in the step that
+computed some positions leaves those positions unwritten (the head is fed only live
+requests). Both cost acceptance, not correctness. The head itself runs eagerly; single
+device only.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
-from pagemill.blockpool import KVCacheManager
+from pagemill.blockpool import HybridKVCacheManager, KVCacheManager
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
 from pagemill.runtime.model_executor.models.llama_eagle import EagleHeadBase
 from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.spec_decode.eagle_checkpoint import (
+    head_config,
+    head_tensor_names,
+    iterate_head_weights,
+    read_head_config,
+)
 from pagemill.scheduler import Request, ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
+    from pagemill.runtime.spec_decode.proposer import ProposerSetup
     from pagemill.runtime.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -59,9 +76,8 @@ LLAMA_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 @dataclass
 class _HeadState:
-    shadow: Request  # the head cache's view of the request (block allocation, progress)
+    shadow: Request  # the head runner's view of the request (its sampling record)
     fed: int = 0  # head KV positions written from target features (valid, not drafts)
-    new: bool = True  # its block table has not reached the head's runner yet
     last: torch.Tensor | None = None  # the target feature at position fed - 1
 
 
@@ -85,21 +101,6 @@ class _Capture:
 
     rows: list[tuple[Request, int, int, int]]
     features: torch.Tensor
-    aux: list[torch.Tensor] = field(default_factory=list)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return cast(dict[str, Any], json.loads((path / "config.json").read_text()))
-
-
-def tensor_names(folder: Path) -> set[str]:
-    from pagemill.runtime.model_executor.weights import safetensors_files
-
-    names: set[str] = set()
-    for f in safetensors_files(folder):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            names.update(sf.keys())
-    return {n[len("model.") :] if n.startswith("model.") else n for n in names}
 
 
 def aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
@@ -147,6 +148,12 @@ def check_head(
             f"speculative_config.method={method!r} needs a Llama-family target "
             f"({', '.join(LLAMA_TARGETS)}); the model is {target.architecture}"
         )
+    if any(target.layer_window(i) for i in range(target.num_hidden_layers)):
+        raise ValueError(
+            f"speculative_config.method={method!r}: the head keeps its KV in the target's "
+            f"block table, which a sliding-window target ({target.architecture}, "
+            f"sliding_window={target.sliding_window}) gives back behind the window"
+        )
     if raw.get("add_para_norm"):
         raise ValueError("speculative_config.model: HASS heads (add_para_norm) are not supported")
     if head.vocab_size != target.vocab_size:
@@ -186,13 +193,34 @@ def check_head(
         )
 
 
+def scratch_blocks_per_request(k: int, block_size: int) -> int:
+    """Head blocks one drafting request may need past the end of the target's table.
+
+    The k - 1 autoregressive draft positions (the first draft comes from the feed) start
+    at the request's first uncomputed position; the target allocates their slots only when
+    it verifies them, so the part of them past its table lands in scratch blocks."""
+    return -(-(k - 1) // block_size)
+
+
 class EagleProposer:
+    """Drafts from an EAGLE head whose KV pool is indexed by the target's block ids.
+
+    The head reads and writes its cache through the target's own block table (the pools
+    have as many blocks, of the same size), so what the target's block pool decides holds
+    for the head's cache too: a prefix-cache hit is a hit for the head's KV (written when
+    those blocks were first computed), freed and evicted blocks are simply overwritten
+    later, and the head needs no block manager of its own. Only the draft positions past
+    the end of the target's table (it has not allocated them yet) go to a few scratch
+    blocks after the target's, handed out afresh at every call.
+    """
+
     def __init__(
         self,
         method: str,
         head: EagleHeadBase,
         runner: ModelRunner,
         target_runner: ModelRunner,
+        target_kv: KVCacheManager,
         num_blocks: int,
         k: int,
         max_model_len: int,
@@ -203,28 +231,29 @@ class EagleProposer:
         self.runner = runner
         self.k = k
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_blocks, runner.block_size, enable_caching=False)
+        self.target_kv = target_kv
+        self.num_blocks = num_blocks
+        self.scratch_per_request = scratch_blocks_per_request(k, runner.block_size)
+        self.num_scratch = runner.max_num_seqs * self.scratch_per_request
         self.budget = runner.max_num_batched_tokens
         self.states: dict[str, _HeadState] = {}
         self._finished: list[str] = []
         self._capture: _Capture | None = None
-        self._aux: list[torch.Tensor] = []
         self.aux_layers = aux_layers
+        # This call's head block tables (sent whole at a request's first forward of the
+        # call) and the next free scratch block.
+        self._tables: dict[str, list[int]] = {}
+        self._next_scratch = num_blocks
+        self.target_runner = target_runner
+        # Every target step hands its hidden states over, eager, compiled or replayed from
+        # a CUDA graph; EAGLE-3's layer inputs come out of the target's forward
+        # (`prepare_target` set its `aux_hidden_state_layers` before it was compiled).
         target_runner.hidden_states_hook = self._on_target_step
-        # Decode graphs would skip the hook: the target's steps all run through it.
-        if target_runner.graphs is not None:
-            logger.warning("EAGLE: CUDA graphs are off (a replay would skip the head's input)")
-        target_runner.graphs = None
-        # The hooked layers in the order they run (ids may repeat or come in any order).
-        self._hooked = sorted(set(aux_layers))
-        if aux_layers:
-            model = target_runner.model
-            for i in self._hooked:
-                model.layers[i].register_forward_pre_hook(self._on_layer_input)
-            # Pre-hooks fire in eager code only.
-            if target_runner._forward != model.forward:
-                logger.warning("EAGLE-3: the target runs eagerly (its layer inputs are read)")
-            target_runner._forward = model.forward
+        if aux_layers and tuple(target_runner.model.aux_hidden_state_layers) != aux_layers:
+            raise RuntimeError(
+                f"EAGLE-3 needs the target's forward to return layers {list(aux_layers)}; "
+                "call spec_decode.engine.prepare_target before compiling the target"
+            )
 
     # ---------------------------------------------------------------- loading
 
@@ -232,30 +261,28 @@ class EagleProposer:
     def load(
         cls,
         method: str,
-        path: str,
-        k: int,
+        setup: ProposerSetup,
         *,
         target_runner: ModelRunner,
-        target_config: ModelConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        block_size: int,
-        num_blocks: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
+        target_kv: KVCacheManager | HybridKVCacheManager,
     ) -> EagleProposer:
         from pagemill.runtime.model_executor.loader import resolve_model_path
         from pagemill.runtime.model_executor.models.llama_eagle import EagleLlamaForCausalLM
         from pagemill.runtime.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-        from pagemill.runtime.model_executor.weights import iterate_weights
         from pagemill.runtime.worker.model_runner import ModelRunner
 
-        folder = resolve_model_path(path, None)
-        raw = _read_json(folder)
+        folder = resolve_model_path(setup.model, None)
+        raw = read_head_config(folder)
         config = head_config(folder)
-        names = tensor_names(folder)
+        names = head_tensor_names(folder)
+        target_config = setup.target_config
         check_head(method, raw, config, target_config, names)
+        if not isinstance(target_kv, KVCacheManager) or target_runner.kv_cache_groups:
+            raise ValueError(
+                f"speculative_config.method={method!r}: the head shares the target's one "
+                "block table; a target with KV cache groups has several"
+            )
+        dtype, max_model_len = setup.dtype, setup.max_model_len
         target = target_runner.model
         if type(target) is not LlamaForCausalLM:
             raise ValueError(
@@ -264,7 +291,7 @@ class EagleProposer:
             )
         aux: tuple[int, ...] = ()
         head: EagleHeadBase
-        with torch.device(device):
+        with torch.device(setup.device):
             if method == "eagle":
                 head = EagleLlamaForCausalLM(
                     config,
@@ -287,35 +314,35 @@ class EagleProposer:
                     norm_before_residual=bool(raw.get("norm_before_residual", False)),
                 )
                 head.has_d2t = "d2t" in names
-        head.load_weights(iterate_weights(folder))
+        head.load_weights(iterate_head_weights(folder))
         head.eval()
-        budget = max_num_batched_tokens + max_num_seqs * k
         runner = ModelRunner(
             cast(LlamaForCausalLM, head),
             config,
-            device,
+            setup.device,
             dtype,
-            block_size,
-            max_num_seqs,
-            budget,
+            setup.block_size,
+            setup.max_num_seqs,
+            setup.runner_budget,
             max_model_len,
         )
-        runner.init_kv_cache(num_blocks)
+        k, num_blocks = setup.num_speculative_tokens, setup.num_blocks
+        scratch = setup.max_num_seqs * scratch_blocks_per_request(k, setup.block_size)
+        runner.init_kv_cache(num_blocks + scratch)
         logger.info(
-            "%s head %s: %d layer(s), %d KV blocks of its own%s",
+            "%s head %s: %d layer(s), its KV in the target's %d blocks (+%d scratch)%s",
             method,
             folder,
             config.num_hidden_layers,
             num_blocks,
+            scratch,
             f", target layers {list(aux)}" if aux else "",
         )
-        return cls(method, head, runner, target_runner, num_blocks, k, max_model_len, aux)
+        return cls(
+            method, head, runner, target_runner, target_kv, num_blocks, k, max_model_len, aux
+        )
 
     # ---------------------------------------------------------------- target hooks
-
-    def _on_layer_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        x, residual = args[1], args[2]
-        self._aux.append(x if residual is None else x + residual)
 
     def _on_target_step(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
         rows: list[tuple[Request, int, int, int]] = []
@@ -323,13 +350,11 @@ class EagleProposer:
         for s in out.scheduled:
             rows.append((s.request, s.start_pos, s.num_tokens, row))
             row += s.num_tokens
+        features = hidden
         if self.aux_layers:
-            # This step's inputs of the hooked layers are the last ones collected.
-            by_layer = dict(zip(self._hooked, self._aux[-len(self._hooked) :]))
-            features = torch.cat([by_layer[i] for i in self.aux_layers], dim=-1)
-        else:
-            features = hidden
-        self._aux = []
+            aux = self.target_runner.aux_hidden_states
+            assert aux is not None, "the target's forward returned no auxiliary states"
+            features = aux
         self._capture = _Capture(rows, features)
 
     # ---------------------------------------------------------------- per step
@@ -340,6 +365,8 @@ class EagleProposer:
     ) -> dict[str, list[int]]:
         for rid in [r for r in self.states if r not in live]:
             self._drop(rid)
+        self._tables = {}
+        self._next_scratch = self.num_blocks
         capture, self._capture = self._capture, None
         want = {
             r.request_id: min(room, self.max_model_len - r.num_tokens)
@@ -366,7 +393,6 @@ class EagleProposer:
         the last step forwarded, and the last position again for a speculating request
         whose last step brought nothing new (so that it yields a draft)."""
         feeds: dict[str, _Feed] = {}
-        size = self.head.feature_size
         if capture is not None:
             for req, start, n, row in capture.rows:
                 rid = req.request_id
@@ -380,14 +406,11 @@ class EagleProposer:
                 if state is None:
                     shadow = Request(rid, [tokens[0]], sampling_params=_GREEDY)
                     state = self.states[rid] = _HeadState(shadow)
-                lo = min(state.fed, start)
-                parts = []
-                if lo < start:  # never seen by the target this time: a zero feature
-                    parts.append(capture.features.new_zeros(start - lo, size))
-                parts.append(capture.features[row : row + end - start])
-                feats = torch.cat(parts) if len(parts) > 1 else parts[0]
+                # Positions before `start` the target did not compute this time (a prefix
+                # hit) are in blocks whose head KV was written when they were computed.
+                feats = capture.features[row : row + end - start]
                 sample = rid in want and end == req.num_tokens - 1
-                feeds[rid] = _Feed(state, lo, list(tokens[lo + 1 : end + 1]), feats, sample)
+                feeds[rid] = _Feed(state, start, list(tokens[start + 1 : end + 1]), feats, sample)
         for req in requests:
             rid = req.request_id
             if rid not in want or rid in feeds:
@@ -416,7 +439,7 @@ class EagleProposer:
                 step = self._schedule(
                     f.state, start, f.token_ids[f.done : f.done + n], f.sample and last
                 )
-                if step is None:  # the head's pool is full: this request waits
+                if step is None:  # cannot happen: a feed writes positions the target computed
                     f.done = len(f.token_ids)
                     continue
                 batch.append((f, step, n))
@@ -482,39 +505,39 @@ class EagleProposer:
     def _schedule(
         self, state: _HeadState, start: int, token_ids: list[int], sample: bool
     ) -> ScheduledRequest | None:
-        shadow = state.shadow
-        shadow.num_computed_tokens = start
-        need = start + len(token_ids) + 1
-        if len(shadow.all_token_ids) < need:  # only its length is read (no prefix caching)
-            shadow.all_token_ids.extend([0] * (need - len(shadow.all_token_ids)))
-        blocks = self.kv.allocate_slots(shadow, len(token_ids))
-        if blocks is None:
+        """The head's step for positions [start, start + len(token_ids)); None when its
+        table cannot reach them (no blocks left in the scratch)."""
+        rid = state.shadow.request_id
+        table = self._tables.get(rid)
+        is_new = table is None
+        old = 0 if table is None else len(table)
+        table = self._extend_table(rid, [] if table is None else table, start + len(token_ids))
+        if table is None:
             return None
-        new_ids = (
-            self.kv.get_block_ids(shadow.request_id) if state.new else [b.block_id for b in blocks]
+        self._tables[rid] = table
+        new_ids = list(table) if is_new else table[old:]
+        return ScheduledRequest(
+            rid, token_ids, start, len(token_ids), new_ids, sample, is_new, state.shadow
         )
-        step = ScheduledRequest(
-            shadow.request_id, token_ids, start, len(token_ids), new_ids, sample, state.new, shadow
-        )
-        state.new = False
-        shadow.num_computed_tokens = start + len(token_ids)
-        return step
+
+    def _extend_table(self, rid: str, table: list[int], num_tokens: int) -> list[int] | None:
+        """`table` grown to cover `num_tokens` positions: the target's blocks as far as its
+        table goes (positions it computed, or its own blocks for positions it will), then
+        scratch blocks."""
+        need = -(-num_tokens // self.runner.block_size)
+        if len(table) >= need:
+            return table
+        target = self.target_kv.get_block_ids(rid) if self.target_kv.has_request(rid) else []
+        table = table + target[len(table) : need]
+        missing = need - len(table)
+        if missing:
+            end = self.num_blocks + self.num_scratch
+            if self._next_scratch + missing > end:
+                return None
+            table += range(self._next_scratch, self._next_scratch + missing)
+            self._next_scratch += missing
+        return table
 
     def _drop(self, rid: str) -> None:
         del self.states[rid]
-        if self.kv.has_request(rid):
-            self.kv.free(rid)
         self._finished.append(rid)
-
-
-def head_config(folder: Path) -> ModelConfig:
-    """The head's config (a Llama layer's shape) whatever architecture name it carries."""
-    return ModelConfig.from_pretrained(folder)
-
-
-def head_kv_bytes_per_token(path: str, dtype_bytes: int) -> int:
-    """KV bytes per token of the head's own pool (for the pool's budget)."""
-    from pagemill.runtime.model_executor.loader import resolve_model_path
-
-    c = ModelConfig.from_dict(_read_json(resolve_model_path(path, None)), require_supported=False)
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype_bytes

@@ -12,7 +12,7 @@ import torch
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.spec_decode.config import SpeculativeConfig
 from pagemill.runtime.spec_decode.metrics import SpecDecodingStats
-from pagemill.runtime.spec_decode.proposer import Proposer, SpecDecoder
+from pagemill.runtime.spec_decode.proposer import Proposer, ProposerSetup, SpecDecoder
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.sample.rejection_sampler import RejectionSampler
     from pagemill.runtime.sample.structured_output.manager import StructuredOutputManager
-    from pagemill.runtime.worker.model_runner import ModelRunnerOutput
+    from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
     from pagemill.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -43,15 +43,51 @@ def draft_pool_sizes(
     from pagemill.runtime.model_executor.weights import safetensors_files
 
     folder = resolve_model_path(spec.model, None)
-    raw = json.loads((folder / "config.json").read_text())
-    draft = ModelConfig.from_dict(raw, require_supported=False)
-    if spec.method in ("eagle", "eagle3"):
-        from pagemill.runtime.spec_decode.eagle import check_head, head_config, tensor_names
+    eagle = spec.method in ("eagle", "eagle3")
+    if eagle:
+        from pagemill.runtime.spec_decode import eagle_checkpoint as ckpt
+        from pagemill.runtime.spec_decode.eagle import check_head
 
-        check_head(spec.method, raw, head_config(folder), target, tensor_names(folder))
+        draft = ckpt.head_config(folder)
+        names = ckpt.head_tensor_names(folder)
+        check_head(spec.method, ckpt.read_head_config(folder), draft, target, names)
+        fixed = ckpt.head_weight_bytes(folder)
+    else:
+        raw = json.loads((folder / "config.json").read_text())
+        draft = ModelConfig.from_dict(raw, require_supported=False)
+        fixed = sum(f.stat().st_size for f in safetensors_files(folder))
     size = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim * size
-    return per_token, sum(f.stat().st_size for f in safetensors_files(folder))
+    if eagle:  # the head's scratch blocks (`EagleProposer`)
+        from pagemill.runtime.spec_decode.eagle import scratch_blocks_per_request
+
+        block = config.cache.block_size
+        per_seq = scratch_blocks_per_request(spec.num_speculative_tokens, block)
+        fixed += config.scheduler.max_num_seqs * per_seq * block * per_token
+    return per_token, fixed
+
+
+def prepare_target(config: EngineConfig, runner: ModelRunner, target: ModelConfig) -> None:
+    """Before the target is compiled or its CUDA graphs captured: verify steps of k + 1
+    tokens per request get graphs of their own (with a draft model or an EAGLE head), and an
+    EAGLE-3 head's target layers become outputs of the target's forward, so compiled and
+    replayed steps hand them over too. (A target EAGLE cannot serve is left alone: loading
+    the head refuses it.)"""
+    if config.speculative_config is None or runner.tp is not None:
+        return
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.model is not None:  # a model's drafts are k long (n-gram's vary): graph them
+        runner.verify_query_len = spec.num_speculative_tokens + 1
+    if spec.method != "eagle3" or spec.model is None:
+        return
+    from pagemill.runtime.model_executor.loader import resolve_model_path
+    from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+    from pagemill.runtime.spec_decode.eagle import aux_layer_ids
+    from pagemill.runtime.spec_decode.eagle_checkpoint import read_head_config
+
+    if type(runner.model) is LlamaForCausalLM:
+        raw = read_head_config(resolve_model_path(spec.model, None))
+        runner.model.set_aux_hidden_state_layers(aux_layer_ids(raw, target.num_hidden_layers))
 
 
 class SpecDecoding:
@@ -80,55 +116,41 @@ class SpecDecoding:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
         proposer: Proposer | None = None
-        if spec.method == "draft_model":
-            assert core is not None and model_path is not None and spec.model is not None
-            if core.tp is not None:
-                raise ValueError(
-                    "speculative_config.model: a draft model is single-device for now; "
-                    "use tensor_parallel_size=1 or method 'ngram'"
-                )
-            from pagemill.runtime.spec_decode.draft_model import DraftModelProposer
-
-            sched = core.scheduler.config
-            proposer = DraftModelProposer.load(
-                spec.model,
-                spec.num_speculative_tokens,
-                target_path=model_path,
-                target_config=core.model_config,
-                device=core.device,
-                dtype=core.dtype,
-                block_size=config.cache.block_size,
-                num_blocks=core.num_blocks,
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                max_model_len=core.max_model_len,
-                load_format=config.load_format,
-                seed=config.seed,
-            )
-        elif spec.method in ("eagle", "eagle3"):
-            assert core is not None and spec.model is not None
+        if spec.model is not None:
+            assert core is not None and model_path is not None
             if core.tp is not None:
                 raise ValueError(
                     f"speculative_config.method={spec.method!r} is single-device for now; "
-                    "use tensor_parallel_size=1"
+                    "use tensor_parallel_size=1 or method 'ngram'"
                 )
-            from pagemill.runtime.spec_decode.eagle import EagleProposer
-
             sched = core.scheduler.config
-            proposer = EagleProposer.load(
-                spec.method,
+            setup = ProposerSetup(
                 spec.model,
                 spec.num_speculative_tokens,
-                target_runner=core.model_runner,
-                target_config=core.model_config,
-                device=core.device,
-                dtype=core.dtype,
-                block_size=config.cache.block_size,
-                num_blocks=core.num_blocks,
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                max_model_len=core.max_model_len,
+                core.model_config,
+                core.device,
+                core.dtype,
+                config.cache.block_size,
+                core.num_blocks,
+                sched.max_num_seqs,
+                sched.max_num_batched_tokens,
+                core.max_model_len,
             )
+            if spec.method == "draft_model":
+                from pagemill.runtime.spec_decode.draft_model import DraftModelProposer
+
+                proposer = DraftModelProposer.load(
+                    setup, target_path=model_path, load_format=config.load_format, seed=config.seed
+                )
+            else:
+                from pagemill.runtime.spec_decode.eagle import EagleProposer
+
+                proposer = EagleProposer.load(
+                    spec.method,
+                    setup,
+                    target_runner=core.model_runner,
+                    target_kv=core.kv_cache_manager,
+                )
         logger.info(
             "speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens
         )

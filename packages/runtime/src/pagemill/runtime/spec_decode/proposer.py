@@ -11,12 +11,18 @@ Pooling requests never sample, so they never speculate.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.runtime.spec_decode.config import SpeculativeConfig
 from pagemill.runtime.spec_decode.ngram_proposer import NgramProposer
 from pagemill.scheduler import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagemill.runtime.model_config import ModelConfig
 
 
 class Proposer(Protocol):
@@ -26,6 +32,29 @@ class Proposer(Protocol):
         """Up to rooms[i] drafts for each request; `live` holds every unfinished id (a
         proposer with per-request state drops the others')."""
         ...
+
+
+@dataclass(frozen=True)
+class ProposerSetup:
+    """What a proposer with a model of its own (a draft model, an EAGLE head) is built
+    from: its checkpoint, and the target engine's device and limits its runner mirrors."""
+
+    model: str  # speculative_config.model
+    num_speculative_tokens: int
+    target_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int  # the target pool's: a draft's or head's pool has as many
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    @property
+    def runner_budget(self) -> int:
+        """Tokens per forward of the proposer's runner: the target's budget and up to k
+        drafts of every request."""
+        return self.max_num_batched_tokens + self.max_num_seqs * self.num_speculative_tokens
 
 
 class NgramRequests:

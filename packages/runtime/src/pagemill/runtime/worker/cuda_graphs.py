@@ -24,8 +24,16 @@ forward (embedding through LM head) once and replays it with one launch. What it
 
 Only steps where every request has exactly one query token and the batch fits the largest
 bucket use a graph (`DecodeGraphs.serves`); prefill, mixed steps and larger batches run
-eagerly. Graphs bake in the KV cache's addresses, so they are captured after the real pool
-is allocated; their memory is measured beforehand by a trial capture against a one-block
+eagerly. Under speculative decoding with a draft model or an EAGLE head (k drafts per
+request) the verify steps, k + 1 tokens for every request, get graphs of their own for the
+buckets whose b x (k + 1) tokens fit the step's budget: the same layout with `query_len`
+tokens per row (`DecodeLayout`), planned once as a prefill-shaped launch (no context
+splits). Each graph keeps the hidden states (and an EAGLE-3 target's auxiliary layer
+inputs, a second output of its forward) as static outputs, read by the EAGLE head after the
+step (`DecodeGraphs.last_hidden`).
+
+Graphs bake in the KV cache's addresses, so they are captured after the real pool is
+allocated; their memory is measured beforehand by a trial capture against a one-block
 scratch cache and taken out of the pool's budget (`measure_graph_memory`).
 """
 
@@ -42,6 +50,7 @@ import torch
 
 from pagemill.kernels import AttentionPlan, plan_attention
 from pagemill.kernels.attention import Backend
+from pagemill.runtime.model_executor.models.llama import ForwardOutput
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
 from pagemill.runtime.worker.decode_padding import DecodeLayout, bucket_for, pad_decode
 
@@ -50,8 +59,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# hidden = forward(input_ids, positions, meta); logits = compute_logits(hidden)
-Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# hidden = forward(input_ids, positions, meta); logits = compute_logits(hidden). With
+# auxiliary layers (EAGLE-3) the forward returns (hidden, their inputs).
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], ForwardOutput]
 Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -88,14 +98,16 @@ class BucketInputs:
         num_heads: int,
         dtype: torch.dtype,
         backend: Backend | None = None,
+        query_len: int = 1,
     ) -> BucketInputs:
         """Buffers with every row padded (no KV read or written) and the bucket's plan."""
-        layout = DecodeLayout(bucket, table_width)
+        layout = DecodeLayout(bucket, table_width, query_len)
         host = torch.empty(layout.numel, dtype=torch.int32, pin_memory=device.type == "cuda")
         empty = np.empty(0, dtype=np.int64)
         pad_decode(
             empty, empty, empty, empty, np.empty((0, 0), dtype=np.int32), layout, out=host.numpy()
         )
+        q = np.full(bucket, query_len, dtype=np.int64)
         buf = host.to(device)
         o = layout.offsets()
         ids, pos, slots, qsl, lens = (buf[o[i] : o[i + 1]] for i in range(5))
@@ -108,8 +120,8 @@ class BucketInputs:
             k_cache_shape=k_cache_shape,
             num_heads=num_heads,
             dtype=dtype,
-            query_lens=np.ones(bucket, dtype=np.int64),
-            context_lens=np.ones(bucket, dtype=np.int64),
+            query_lens=q,
+            context_lens=q,
             backend=backend,
         )
         if plan.backend != "triton":
@@ -126,39 +138,64 @@ class BucketInputs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
     ) -> None:
-        """Pad a decode step of n <= bucket rows into the buffers (one host-to-device copy)."""
+        """Pad a step of n <= bucket rows into the buffers (one host-to-device copy)."""
         pad_decode(
             input_ids, positions, slots, seq_lens, block_tables, self.layout, out=self.host.numpy()
         )
         # On CUDA the runner synchronises after every step, so the pinned twin is free again.
         self.device_buffer.copy_(self.host, non_blocking=True)
 
-    def step(self, forward: Forward, compute_logits: Logits) -> torch.Tensor:
-        """The bucket's forward over the buffers: what a graph records, logits [bucket, vocab]."""
+    def step(
+        self, forward: Forward, compute_logits: Logits
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The bucket's forward over the buffers, what a graph records: per token the
+        logits [tokens, vocab], the hidden states [tokens, hidden] and the auxiliary layers'
+        inputs (None without them); the latter two are what an EAGLE head reads."""
         meta = AttentionMetadata(slot_mapping=self.slots.to(torch.int64), plan=self.plan)
-        return compute_logits(
-            forward(self.input_ids.to(torch.int64), self.positions.to(torch.int64), meta)
-        )
+        out = forward(self.input_ids.to(torch.int64), self.positions.to(torch.int64), meta)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        return compute_logits(hidden), hidden, aux
 
 
 @dataclass(slots=True)
 class _BucketGraph:
     inputs: BucketInputs
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [bucket, vocab], the graph's static output
+    # The graph's static outputs, rewritten by every replay.
+    logits: torch.Tensor  # [tokens, vocab]
+    hidden: torch.Tensor  # [tokens, hidden]
+    aux: torch.Tensor | None  # [tokens, n x hidden] with auxiliary layers
 
 
 class DecodeGraphs:
     """The captured decode graphs of one model and one KV cache."""
 
-    def __init__(self, buckets: list[int], table_width: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        buckets: list[int],
+        table_width: int,
+        device: torch.device,
+        verify_query_len: int = 0,
+        verify_buckets: list[int] | None = None,
+    ) -> None:
+        """Decode graphs for `buckets`; with `verify_query_len` (k + 1 under speculative
+        decoding) also graphs of verify steps, every request `verify_query_len` tokens, for
+        `verify_buckets`."""
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.buckets = sorted(buckets)
         self.table_width = table_width
         self.device = device
-        self.graphs: dict[int, _BucketGraph] = {}
+        self.verify_query_len = verify_query_len if verify_buckets else 0
+        self.verify_buckets = sorted(verify_buckets or []) if self.verify_query_len > 1 else []
+        # By (bucket, tokens per request).
+        self.graphs: dict[tuple[int, int], _BucketGraph] = {}
         self.replays = 0  # steps served by a graph (read by benchmarks)
+        self.verify_replays = 0  # of which verify steps
+        # The last replay's hidden states and auxiliary layers' inputs, its n rows: views
+        # of the bucket's static outputs, valid until that bucket replays again.
+        self.last_hidden: torch.Tensor | None = None
+        self.last_aux: torch.Tensor | None = None
 
     @property
     def max_bucket(self) -> int:
@@ -177,11 +214,14 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         k_shape = cache_shape(kv_caches[0][0])
-        for bucket in sorted(self.buckets, reverse=True):
+        shapes = [(b, 1) for b in self.buckets]
+        shapes += [(b, self.verify_query_len) for b in self.verify_buckets]
+        # Most tokens first: every smaller graph's intermediates fit the largest one's pool.
+        for bucket, q in sorted(shapes, key=lambda s: (s[0] * s[1], s[1]), reverse=True):
             inputs = BucketInputs.create(
-                bucket, self.table_width, self.device, k_shape, num_heads, dtype
+                bucket, self.table_width, self.device, k_shape, num_heads, dtype, query_len=q
             )
-            self.graphs[bucket] = self._record(inputs, forward, compute_logits, pool)
+            self.graphs[bucket, q] = self._record(inputs, forward, compute_logits, pool)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
@@ -196,15 +236,31 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = inputs.step(forward, compute_logits)
-        return _BucketGraph(inputs, graph, logits)
+            logits, hidden, aux = inputs.step(forward, compute_logits)
+        return _BucketGraph(inputs, graph, logits, hidden, aux)
 
-    def serves(self, num_tokens: int, num_seqs: int, table_width: int) -> bool:
-        """A pure-decode step (one token per request) that fits the largest bucket."""
+    def serves(
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        table_width: int,
+        query_lens: np.ndarray | None = None,
+    ) -> bool:
+        """A pure-decode step (one token per request) that fits the largest bucket, or a
+        verify step whose every request (`query_lens`) has `verify_query_len` tokens and
+        that fits the largest verify bucket."""
+        if num_seqs <= 0 or table_width > self.table_width:
+            return False
+        if num_tokens == num_seqs:
+            return num_seqs <= self.max_bucket
+        q = self.verify_query_len
         return (
-            num_tokens == num_seqs
-            and 0 < num_seqs <= self.max_bucket
-            and table_width <= self.table_width
+            q > 1
+            and query_lens is not None
+            and num_tokens == num_seqs * q
+            and bool(self.verify_buckets)
+            and num_seqs <= self.verify_buckets[-1]
+            and bool((query_lens == q).all())
         )
 
     def replay(
@@ -215,17 +271,22 @@ class DecodeGraphs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
     ) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n rows: a view of the bucket's static
-        output, valid until the next replay of that bucket."""
-        n = int(input_ids.shape[0])
-        bucket = bucket_for(n, self.buckets)
-        if bucket is None:
-            raise ValueError(f"no graph holds {n} rows (largest bucket {self.max_bucket})")
-        g = self.graphs[bucket]
+        """Logits [tokens, vocab] of a step `serves` accepts (n rows of one token, or of
+        `verify_query_len`): a view of the bucket's static output, valid until the next
+        replay of that bucket."""
+        n, t = int(seq_lens.shape[0]), int(input_ids.shape[0])
+        q = 1 if t == n else self.verify_query_len
+        bucket = bucket_for(n, self.buckets if q == 1 else self.verify_buckets)
+        if bucket is None or t != n * q:
+            raise ValueError(f"no graph holds {n} rows of {t // max(n, 1)} token(s)")
+        g = self.graphs[bucket, q]
         g.inputs.load(input_ids, positions, slots, seq_lens, block_tables)
         g.graph.replay()
         self.replays += 1
-        return g.logits[:n]
+        self.verify_replays += q > 1
+        self.last_hidden = g.hidden[:t]
+        self.last_aux = None if g.aux is None else g.aux[:t]
+        return g.logits[:t]
 
 
 def measure_graph_memory(capture: Callable[[], DecodeGraphs], device: torch.device) -> int:

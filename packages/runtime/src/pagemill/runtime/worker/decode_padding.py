@@ -50,18 +50,31 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
     return None
 
 
+def verify_buckets(max_num_seqs: int, query_len: int, max_num_batched_tokens: int) -> list[int]:
+    """Batch sizes that get a graph for verify steps of `query_len` tokens per request (the
+    last token and k drafts): the decode buckets whose steps fit the token budget."""
+    return [b for b in graph_buckets(max_num_seqs) if b * query_len <= max_num_batched_tokens]
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeLayout:
-    """Where each input of a padded decode step of `bucket` rows lies in one int32 array:
-    input ids, positions, KV slots, query_start_loc, seq_lens, block tables (row-major)."""
+    """Where each input of a padded step of `bucket` rows of `query_len` tokens each lies in
+    one int32 array: input ids, positions, KV slots, query_start_loc, seq_lens, block
+    tables (row-major). A decode step has one token per row; a speculative verify step
+    (every request verifying k drafts) has k + 1."""
 
     bucket: int
     table_width: int
+    query_len: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.bucket * self.query_len
 
     @property
     def sizes(self) -> tuple[int, int, int, int, int, int]:
-        b = self.bucket
-        return (b, b, b, b + 1, b, b * self.table_width)
+        b, t = self.bucket, self.num_tokens
+        return (t, t, t, b + 1, b, b * self.table_width)
 
     @property
     def numel(self) -> int:
@@ -84,19 +97,21 @@ def pad_decode(
     layout: DecodeLayout,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """A decode step of n <= bucket rows (one token each) padded to the layout's bucket.
+    """A step of n <= bucket rows (`layout.query_len` tokens each) padded to the bucket.
 
     Returns the packed int32 array (`out` when given, reused across steps). The real rows
-    come first, unchanged; the padding is described in the module docstring.
+    come first, unchanged; the padding is described in the module docstring (a padded row
+    of a verify step has `query_len` tokens and context 0: its queries see no key).
     """
-    n = int(input_ids.shape[0])
-    b, width = layout.bucket, layout.table_width
+    n = int(seq_lens.shape[0])
+    b, width, q = layout.bucket, layout.table_width, layout.query_len
+    t = n * q
     if n > b:
         raise ValueError(f"{n} rows do not fit the bucket of {b}")
-    if not (
-        positions.shape[0] == slots.shape[0] == seq_lens.shape[0] == block_tables.shape[0] == n
-    ):
-        raise ValueError("a decode step has one position, slot, length and table row per token")
+    if block_tables.shape[0] != n:
+        raise ValueError("a padded step has one length and table row per request")
+    if not (input_ids.shape[0] == positions.shape[0] == slots.shape[0] == t):
+        raise ValueError(f"a step of {n} rows of {q} token(s) has {t} ids, positions and slots")
     if block_tables.shape[1] > width:
         raise ValueError(
             f"block tables of {block_tables.shape[1]} blocks exceed the graph's {width}"
@@ -106,13 +121,13 @@ def pad_decode(
     o = layout.offsets()
     ids, pos, slot, qsl, lens = (out[o[i] : o[i + 1]] for i in range(5))
     tables = out[o[5] : o[6]].reshape(b, width)
-    ids[:n] = input_ids
-    ids[n:] = 0
-    pos[:n] = positions
-    pos[n:] = 0
-    slot[:n] = slots
-    slot[n:] = -1
-    qsl[:] = np.arange(b + 1, dtype=np.int32)
+    ids[:t] = input_ids
+    ids[t:] = 0
+    pos[:t] = positions
+    pos[t:] = 0
+    slot[:t] = slots
+    slot[t:] = -1
+    qsl[:] = np.arange(b + 1, dtype=np.int32) * q
     lens[:n] = seq_lens
     lens[n:] = 0
     tables[:] = 0

@@ -30,7 +30,7 @@ from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
 from pagemill.runtime.model_executor.layers.prepacked import prepack_dense_weights
-from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
+from pagemill.runtime.model_executor.models.llama import ForwardOutput, LlamaForCausalLM
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
@@ -41,7 +41,7 @@ from pagemill.runtime.worker.compilation import (
     compile_forward,
 )
 from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, cache_shape, measure_graph_memory
-from pagemill.runtime.worker.decode_padding import graph_buckets
+from pagemill.runtime.worker.decode_padding import graph_buckets, verify_buckets
 from pagemill.runtime.worker.input_batch import CachedRequestState, InputBatch
 from pagemill.runtime.worker.kv_cache import KVCache, shared_window
 from pagemill.runtime.worker.pooler import PromptOutputs, PromptWork, wants_prompt_outputs
@@ -163,7 +163,7 @@ class ModelRunner:
         # Seconds spent in the model's forward (and LM head) by the last step; the rest of a
         # step is host overhead (scheduling, planning, sampling, detokenizing).
         self.last_forward_s = 0.0
-        self._forward: Callable[..., torch.Tensor] = model.forward
+        self._forward: Callable[..., ForwardOutput] = model.forward
         self.compiled = False
         # The compile cache of the last `compile()` (None when off) and whether it loaded.
         self.compile_cache: CompileCache | None = None
@@ -172,6 +172,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Set by the engine before the pool is sized: capture graphs once the pool exists.
         self.use_cuda_graphs = False
+        # Set by speculative decoding before then: k + 1, whose verify steps get graphs too.
+        self.verify_query_len = 0
         # Pooling and prompt logprobs across chunks; the current step's share of them.
         self.prompt_outputs = PromptOutputs()
         self._prompt_work: PromptWork | None = None
@@ -184,6 +186,8 @@ class ModelRunner:
         # Before the pool is sized (the twins take memory) and before any graph is keyed.
         if device.type == "cpu":
             prepack_dense_weights(model)
+        # The last step's inputs of the model's `aux_hidden_state_layers` (EAGLE-3), if any.
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def compile(self) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -328,8 +332,13 @@ class ModelRunner:
     # ---- CUDA graphs ---------------------------------------------------------------------
 
     def _build_graphs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> DecodeGraphs:
+        q = self.verify_query_len
         graphs = DecodeGraphs(
-            graph_buckets(self.max_num_seqs), self.max_blocks_per_seq, self.device
+            graph_buckets(self.max_num_seqs),
+            self.max_blocks_per_seq,
+            self.device,
+            q,
+            verify_buckets(self.max_num_seqs, q, self.max_num_batched_tokens) if q > 1 else None,
         )
         graphs.capture(
             self._forward,
@@ -715,9 +724,16 @@ class ModelRunner:
         if graphs is not None and self._prompt_work is None:
             batch = prepared[0]
             if graphs.serves(
-                batch.input_ids.numel(), len(batch.seq_lens), batch.block_tables.shape[1]
+                batch.input_ids.numel(),
+                len(batch.seq_lens),
+                batch.block_tables.shape[1],
+                batch.query_lens,
             ):
-                return self._replay(graphs, *prepared)
+                result = self._replay(graphs, *prepared)
+                if self.hidden_states_hook is not None and graphs.last_hidden is not None:
+                    self.aux_hidden_states = graphs.last_aux
+                    self.hidden_states_hook(out, graphs.last_hidden)
+                return result
         step = self._step_inputs(*prepared)
         if self.tp is not None:
             return self._execute_parallel(step)
@@ -769,7 +785,7 @@ class ModelRunner:
         req_ids: list[str],
         metadata: SamplingMetadata | None,
     ) -> ModelRunnerOutput:
-        """A pure-decode step through its bucket's CUDA graph (the eager step's logits)."""
+        """A decode or verify step through its bucket's CUDA graph (the eager step's logits)."""
         start = time.perf_counter()
         logits = graphs.replay(
             batch.input_ids.numpy(),
@@ -778,11 +794,11 @@ class ModelRunner:
             batch.seq_lens,
             batch.block_tables,
         )
-        if batch.sample_indices is not None:  # one-token prefill chunks that do not sample
+        if batch.sample_indices is not None:  # chunks that do not sample; verified drafts
             logits = logits.index_select(0, batch.sample_indices.to(self.device))
         torch.cuda.synchronize(self.device)
         self.last_forward_s = time.perf_counter() - start
-        return ModelRunnerOutput(req_ids, logits, metadata)
+        return ModelRunnerOutput(req_ids, logits, metadata, spec=self._spec_step)
 
     # ---- tensor parallelism ------------------------------------------------------------------
 
@@ -793,6 +809,8 @@ class ModelRunner:
         if self.kv_cache is not None and self.kv_cache.scales_pending:
             forward = self.model.forward  # --calculate-kv-scales: this step runs eagerly
         hidden = forward(step.input_ids, step.positions, step.attn)
+        if isinstance(hidden, tuple):
+            hidden, self.aux_hidden_states = hidden
         assert step.batch is not None
         if not step.batch.num_samples:
             return hidden, None

@@ -13,7 +13,7 @@ returns hidden states; logits are computed separately and only for the rows that
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
@@ -42,6 +42,10 @@ from pagemill.runtime.worker.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from pagemill.runtime.worker.kv_cache import LayerKVScales
+
+
+# A forward's output: the final hidden states, and the auxiliary layers' inputs when asked.
+ForwardOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -286,11 +290,15 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         max_position: int,
         tp: TensorParallelGroup | None = None,
+        aux_hidden_state_layers: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.tp = tp
+        # Layers whose inputs the forward also returns (EAGLE-3's features): a plain
+        # attribute read when tracing, so compiled graphs and CUDA graphs include them.
+        self.aux_hidden_state_layers: tuple[int, ...] = tuple(aux_hidden_state_layers)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
             self.layer_cls(config, dtype, i, tp=tp) for i in range(config.num_hidden_layers)
@@ -362,19 +370,31 @@ class LlamaForCausalLM(nn.Module):
             input_ids, self.embed_tokens, self.tp.rank * self.config.vocab_size, self.tp
         )
 
+    def set_aux_hidden_state_layers(self, layers: Sequence[int]) -> None:
+        """Return these layers' inputs too (vLLM's name); before the forward is compiled."""
+        self.aux_hidden_state_layers = tuple(layers)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    ) -> ForwardOutput:
+        """input_ids, positions [T] -> final hidden states [T, hidden]; with
+        `aux_hidden_state_layers`, also those layers' inputs (id 0: the embedding),
+        concatenated in their order [T, n x hidden]."""
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
+        aux_ids = self.aux_hidden_state_layers
+        taken: dict[int, torch.Tensor] = {}
         # By index, not `for layer in self.layers`: iterating a ModuleList makes dynamo
         # guard on its dict's key order, a guard that cannot be rebuilt when a compiled
         # graph is loaded from the compile cache (`compilation`).
         layers = self.layers
         for i in range(len(layers)):
+            if i in aux_ids:
+                taken[i] = x if residual is None else x + residual
             x, residual = layers[i](positions, x, residual, self.cos_sin, meta)
         x, _ = self.norm(x, residual)
+        if aux_ids:
+            return x, torch.cat([taken[i] for i in aux_ids], dim=-1)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
