@@ -85,6 +85,14 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def _int8_activation_planes() -> int:
+    """`PAGEMILL_CPU_INT8_ACTIVATIONS` (0, 1 or 2; default 2); anything else is refused."""
+    value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2").strip()
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"PAGEMILL_CPU_INT8_ACTIVATIONS must be 0, 1 or 2, got {value!r}")
+    return int(value)
+
+
 class Linear(nn.Module):
     """y = x Wᵀ (+ b), W [out_features, in_features]."""
 
@@ -103,7 +111,7 @@ class Linear(nn.Module):
     # Activation planes of `gemv_q4` for one-plane int4 layers in bf16 on the CPU (when its
     # kernel builds here): 2 (default) int8 plus its remainder, 1 int8 alone, 0 (or False):
     # PyTorch's int4 kernel. Read when a layer is finalized.
-    int8_activations = int(os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2"))
+    int8_activations = _int8_activation_planes()
 
     # Buffers (None until `finalize` packs the weight).
     qweight: torch.Tensor | None
@@ -231,7 +239,7 @@ class Linear(nn.Module):
         self, planes: int, kernel_dtype: torch.dtype, device: torch.device
     ) -> bool:
         return (
-            self.int8_activations
+            self.int8_activations > 0
             and planes == 1
             and kernel_dtype == torch.bfloat16
             and device.type == "cpu"
