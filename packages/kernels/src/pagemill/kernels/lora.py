@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from pagemill.kernels import lora_cpu
 from pagemill.kernels._dispatch import (
     cdiv,
     check_triton_device,
@@ -258,28 +259,30 @@ def add_lora(
         add_lora_triton(
             y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice or None
         )
-    else:
-        add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, token_starts)
+        return
+    lib = lora_cpu.load() if x.device.type == "cpu" else None
+    if lib is not None and lora_cpu.supports(
+        y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts
+    ):
+        num_slices, rank = _check(y, x, lora_a, lora_b, slice_starts)
+        lora_cpu.add_lora_native(
+            lib, y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, num_slices, rank
+        )
+        return
+    add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, token_starts)
 
 
-@torch.library.custom_op("pagemill::add_lora", mutates_args=("y",))
-def _add_lora_op(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    seg_starts: torch.Tensor,
-    slice_starts: torch.Tensor,
-    max_slice: int = 0,
-    token_starts: torch.Tensor | None = None,
-) -> None:
-    """`add_lora` as one opaque call in a compiled graph."""
-    add_lora(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice, token_starts)
+# A plain library op rather than `torch.library.custom_op`: a compiled step calls it once per
+# adapted projection, and custom_op's Python wrapper costs several times the dispatch.
+_LIB = torch.library.Library("pagemill", "FRAGMENT")
+_LIB.define(
+    "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_ids, "
+    "Tensor seg_starts, Tensor slice_starts, int max_slice=0, Tensor? token_starts=None) -> ()"
+)
+_LIB.impl("add_lora", add_lora, "CompositeExplicitAutograd")
 
 
-@_add_lora_op.register_fake
-def _(
+def _add_lora_fake(
     y: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -291,3 +294,6 @@ def _(
     token_starts: torch.Tensor | None = None,
 ) -> None:
     return None
+
+
+torch.library.register_fake("pagemill::add_lora", _add_lora_fake, lib=_LIB)

@@ -71,7 +71,13 @@ class LoRALayer:
         self.starts = starts
         s = len(slice_sizes)
         self.lora_a = torch.zeros(max_loras, s * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out, s * max_rank, dtype=dtype, device=device)
+        if device.type == "cpu":
+            # B stored transposed: the native CPU kernel (`pagemill.kernels.lora_cpu`) reads
+            # its rows along the output; the [L, out, S*R] view keeps the op's contract.
+            b_t = torch.zeros(max_loras, s * max_rank, out, dtype=dtype, device=device)
+            self.lora_b = b_t.transpose(1, 2)
+        else:
+            self.lora_b = torch.zeros(max_loras, out, s * max_rank, dtype=dtype, device=device)
         self.slice_starts = torch.tensor(starts, dtype=torch.int32, device=device)
 
     @torch.no_grad()
