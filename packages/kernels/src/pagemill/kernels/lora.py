@@ -260,7 +260,7 @@ def add_lora(
             y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice or None
         )
         return
-    lib = lora_cpu.load() if x.device.type == "cpu" else None
+    lib = lora_cpu.load() if lora_cpu.use_native and x.device.type == "cpu" else None
     if lib is not None and lora_cpu.supports(
         y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts
     ):

@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
+# False: `add_lora` keeps the torch path even where the kernel is built (an A/B switch for
+# benchmarks/lora.py; read at every call, so a compiled graph follows it).
+use_native = True
 
 
 @functools.cache
