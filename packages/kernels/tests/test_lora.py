@@ -10,8 +10,8 @@ from pagemill.kernels import (
     add_lora,
     add_lora_torch,
     add_lora_triton,
-    lora_segments,
     lora_cpu,
+    lora_segments,
     lora_token_runs,
 )
 
