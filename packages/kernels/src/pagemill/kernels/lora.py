@@ -12,7 +12,10 @@ slot comes from the model runner once per step, as `lora_segments`: the step's t
 indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_starts``
 [L + 1]); base-model tokens (slot -1) sort past the last run and are never touched.
 
-* `add_lora_torch`: the CPU path — per slot that has tokens one shrink and one expand
+* `pagemill.kernels.lora_cpu`: the CPU path where it was built — one native call per
+  projection, tokens read in place through ``sorted_ids``, B's non-zero blocks only; it
+  takes fp32 stacks with B stored transposed (the runtime's CPU layout).
+* `add_lora_torch`: the CPU path otherwise — per slot that has tokens one shrink and one expand
   GEMM on its contiguous rows: in place in x and y when each slot's tokens are already one
   run in token order (`lora_token_runs`), else on the adapter tokens gathered once in slot
   order and scattered back; cost follows the tokens that use an adapter, never the number
@@ -20,8 +23,8 @@ indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_
 * `add_lora_triton`: the GPU path (`pagemill.kernels._triton.lora`) — a shrink launch
   (x @ Aᵀ into an fp32 [S, T, R] buffer) and an expand launch (buffer @ Bᵀ added to y),
   each over (token block, slice, slot) programs; programs past a slot's run exit at once.
-* `add_lora`: dispatch by device; ``torch.ops.pagemill.add_lora`` is the same as an opaque
-  custom op that updates ``y`` in place, for compiled graphs (the per-slot loop depends on
+* `add_lora`: dispatch by device and layout; ``torch.ops.pagemill.add_lora`` is the same as
+  an opaque op that updates ``y`` in place, for compiled graphs (the per-slot loop depends on
   the step's mapping, which a graph cannot specialise on).
 """
 

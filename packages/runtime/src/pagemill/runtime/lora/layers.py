@@ -23,8 +23,9 @@ class LoRAStepMapping:
         self.max_loras = max_loras
         self.sorted_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.seg_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
-        # Where each slot's run starts in token order, if every run is contiguous (the CPU
-        # path then works on x's and y's rows in place); unused by the GPU kernels.
+        # Where each slot's run starts in token order, if every run is contiguous (the torch
+        # CPU path then works on x's and y's rows in place); unused by the native CPU kernel
+        # (it reads rows through sorted_ids) and the GPU kernels.
         self.token_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
         self.in_place_runs = True  # False: always the gather path (benchmarks/lora.py A/B)
 
