@@ -17,10 +17,10 @@ forward time of a step (the model runner's ``last_forward_s``) and of the whole
 ``engine.step()``, and their LoRA / base ratios (the issue's target: <= 1.3x at rank 16).
 ``--compare-torch`` also times the LoRA steps on the torch path (per slot a shrink and an
 expand GEMM, the native CPU kernel switched off), in the same rounds; ``--compare-gather``
-adds that path with its in-place runs off. ``--no-lora-engine`` also times the 64 base
-requests on an engine without LoRA (the cost the slots and the mapping add when no adapter
-is used). Load time: reading and checking an adapter from its folder (first use), and
-copying it into a device slot (on eviction).
+adds that path with its in-place runs off (and implies ``--compare-torch``).
+``--no-lora-engine`` also times the 64 base requests on an engine without LoRA (the cost
+the slots and the mapping add when no adapter is used). Load time: reading and checking
+an adapter from its folder (first use), and copying it into a device slot (on eviction).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> dict:
         base = _time_steps(engine, base_loras, args, f"base{r}")
         lora = _time_steps(engine, mixed, args, f"lora{r}")
         rounds.append({"base": base, "lora": lora})
-        if args.compare_torch:  # the same steps on the torch path (native CPU kernel off)
+        if args.compare_torch or args.compare_gather:  # the torch path (native kernel off)
             lora_cpu.use_native = False
             rounds[-1]["lora_torch"] = _time_steps(engine, mixed, args, f"torch{r}")
             if args.compare_gather:  # and with every layer on its gather path
@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument(
         "--compare-gather",
         action="store_true",
-        help="with --compare-torch: also the torch path with the in-place runs off",
+        help="also the torch path with its in-place runs off (implies --compare-torch)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
