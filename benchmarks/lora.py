@@ -4,6 +4,7 @@ load.
 
     python benchmarks/lora.py                          # SmolLM2-135M (its GGUF), compiled
     python benchmarks/lora.py --eager --rounds 3 --json out.json
+    python benchmarks/lora.py --rounds 5 --steps 6 --compare-torch   # native vs torch path
     python benchmarks/lora.py --model /path/to/hf-folder --device cuda --dtype bfloat16
 
 Adapters are random rank-``--rank`` PEFT folders (adapter_config.json +
@@ -14,6 +15,9 @@ tokens, decoding) and times ``--steps`` decode steps of each, after a warm-up; r
 alternate so that a shared, loaded machine weighs on both alike. Reported: the median
 forward time of a step (the model runner's ``last_forward_s``) and of the whole
 ``engine.step()``, and their LoRA / base ratios (the issue's target: <= 1.3x at rank 16).
+``--compare-torch`` also times the LoRA steps on the torch path (per slot a shrink and an
+expand GEMM, the native CPU kernel switched off), in the same rounds; ``--compare-gather``
+adds that path with its in-place runs off (and implies ``--compare-torch``).
 ``--no-lora-engine`` also times the 64 base requests on an engine without LoRA (the cost
 the slots and the mapping add when no adapter is used). Load time: reading and checking
 an adapter from its folder (first use), and copying it into a device slot (on eviction).
@@ -128,6 +132,7 @@ def _time_steps(engine: Any, loras: list[Any], args: argparse.Namespace, tag: st
 
 
 def run(args: argparse.Namespace) -> dict:
+    from pagemill.kernels import lora_cpu
     from pagemill.runtime.lora import LoRARequest
 
     t0 = time.perf_counter()
@@ -160,18 +165,24 @@ def run(args: argparse.Namespace) -> dict:
         base = _time_steps(engine, base_loras, args, f"base{r}")
         lora = _time_steps(engine, mixed, args, f"lora{r}")
         rounds.append({"base": base, "lora": lora})
-        if args.compare_gather:  # the same steps with every layer on the gather path
-            manager.mapping.in_place_runs = False
-            rounds[-1]["lora_gather"] = _time_steps(engine, mixed, args, f"gather{r}")
-            manager.mapping.in_place_runs = True
+        if args.compare_torch or args.compare_gather:  # the torch path (native kernel off)
+            lora_cpu.use_native = False
+            rounds[-1]["lora_torch"] = _time_steps(engine, mixed, args, f"torch{r}")
+            if args.compare_gather:  # and with every layer on its gather path
+                manager.mapping.in_place_runs = False
+                rounds[-1]["lora_gather"] = _time_steps(engine, mixed, args, f"gather{r}")
+                manager.mapping.in_place_runs = True
+            lora_cpu.use_native = True
         print(
             f"round {r}: 64 base {base['forward_ms']:.1f} ms forward / {base['step_ms']:.1f} "
             f"ms step; 4x16 LoRA {lora['forward_ms']:.1f} / {lora['step_ms']:.1f} ms"
             + (
-                f"; gather path {rounds[-1]['lora_gather']['forward_ms']:.1f} / "
-                f"{rounds[-1]['lora_gather']['step_ms']:.1f} ms"
-                if args.compare_gather
-                else ""
+                "".join(
+                    f"; {name} path {rounds[-1]['lora_' + name]['forward_ms']:.1f} / "
+                    f"{rounds[-1]['lora_' + name]['step_ms']:.1f} ms"
+                    for name in ("torch", "gather")
+                    if "lora_" + name in rounds[-1]
+                )
             )
         )
     report: dict[str, Any] = {
@@ -190,9 +201,10 @@ def run(args: argparse.Namespace) -> dict:
     for key in ("forward_ms", "step_ms"):
         ratios = [x["lora"][key] / x["base"][key] for x in rounds]
         report[f"lora_over_base_{key}"] = statistics.median(ratios)
-        if args.compare_gather:
-            ratios = [x["lora_gather"][key] / x["base"][key] for x in rounds]
-            report[f"gather_over_base_{key}"] = statistics.median(ratios)
+        for name in ("torch", "gather"):
+            if "lora_" + name in rounds[0]:
+                ratios = [x["lora_" + name][key] / x["base"][key] for x in rounds]
+                report[f"{name}_over_base_{key}"] = statistics.median(ratios)
     if args.no_lora_engine:
         del engine, core, manager
         plain = _engine(args, lora=False)
@@ -214,12 +226,13 @@ def print_report(report: dict) -> None:
         f"{report['lora_over_base_forward_ms']:.2f}x, "
         f"whole step {report['lora_over_base_step_ms']:.2f}x"
     )
-    if "gather_over_base_step_ms" in report:
-        print(
-            "the same with every layer on the gather path: forward "
-            f"{report['gather_over_base_forward_ms']:.2f}x, "
-            f"whole step {report['gather_over_base_step_ms']:.2f}x"
-        )
+    for name, what in (("torch", "torch path (in-place runs)"), ("gather", "gather path")):
+        if f"{name}_over_base_step_ms" in report:
+            print(
+                f"the same on the {what}: forward "
+                f"{report[f'{name}_over_base_forward_ms']:.2f}x, "
+                f"whole step {report[f'{name}_over_base_step_ms']:.2f}x"
+            )
     if "no_lora_engine_base" in report:
         print(f"64 base on an engine without LoRA: {report['no_lora_engine_base']}")
 
@@ -241,9 +254,14 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no compiled step")
     ap.add_argument("--no-lora-engine", action="store_true")
     ap.add_argument(
+        "--compare-torch",
+        action="store_true",
+        help="also time the LoRA steps on the torch path (the native CPU kernel off)",
+    )
+    ap.add_argument(
         "--compare-gather",
         action="store_true",
-        help="also time the LoRA steps with the in-place runs off (the gather path)",
+        help="also the torch path with its in-place runs off (implies --compare-torch)",
     )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -10,6 +10,7 @@ from pagemill.kernels import (
     add_lora,
     add_lora_torch,
     add_lora_triton,
+    lora_cpu,
     lora_segments,
     lora_token_runs,
 )
@@ -168,6 +169,94 @@ def test_custom_op_updates_y_in_a_compiled_graph() -> None:
     def f(y, x):
         y = y * 1.0
         torch.ops.pagemill.add_lora(y, x, a, b, sorted_ids, seg, st, 0, firsts)
+        return y
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(y, x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# ---- the native CPU kernel (kernels/csrc/lora_cpu.cpp) ------------------------------------
+
+
+@pytest.fixture
+def native():
+    lib = lora_cpu.load()
+    if lib is None:
+        pytest.skip("the native CPU LoRA kernel could not be built here")
+    return lib
+
+
+def _transposed(b):
+    """The runtime's CPU layout of B: a [L, out, S*R] view of a contiguous [L, S*R, out]."""
+    return b.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("t", "k", "slices", "r", "slots", "x_dtype", "y_dtype", "base_share"),
+    [
+        (1, 32, (48,), 8, 2, torch.float32, torch.float32, 0.0),
+        (37, 64, (64, 16, 16), 16, 3, torch.float32, torch.float32, 0.3),
+        (130, 48, (40, 72), 4, 4, torch.bfloat16, torch.bfloat16, 0.3),
+        (29, 35, (7, 33), 3, 2, torch.bfloat16, torch.float32, 0.5),  # odd K, rank, widths
+        (70, 100, (96,), 5, 3, torch.float32, torch.bfloat16, 0.1),
+        (6, 16, (16,), 2, 4, torch.float32, torch.float32, 1.0),  # base tokens only
+    ],
+)
+def test_native_kernel_matches_per_token_reference(
+    native, t, k, slices, r, slots, x_dtype, y_dtype, base_share
+) -> None:
+    """Slots interleaved in token order (no runs), several tasks per slot and a last partial
+    one, vector tails in K and in each slice; base rows left bit for bit."""
+    y, x, a, b, token_slots, starts = _case(t, k, slices, r, slots, seed=t, base_share=base_share)
+    y, x = y.to(y_dtype), x.to(x_dtype)
+    want = _reference(y, x, a, b, token_slots, starts)
+    sorted_ids, seg = lora_segments(token_slots, slots)
+    st = torch.tensor(starts, dtype=torch.int32)
+    bt = _transposed(b)
+    assert lora_cpu.supports(y, x, a, bt, sorted_ids, seg, st)
+    before = y.clone()
+    lora_cpu.add_lora_native(native, y, x, a, bt, sorted_ids, seg, st, len(slices), r)
+    tol = 2e-2 if torch.bfloat16 in (x_dtype, y_dtype) else 1e-5
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    assert torch.equal(y[token_slots < 0], before[token_slots < 0])
+
+
+def test_add_lora_runs_the_native_kernel_on_the_runtime_layout(native, monkeypatch) -> None:
+    y, x, a, b, slots, starts = _case(40, 64, (64, 32), 8, 3, seed=3)
+    y, x = y.bfloat16(), x.bfloat16()
+    want = _reference(y, x, a, b, slots, starts)
+    sorted_ids, seg = lora_segments(slots, 3)
+    st = torch.tensor(starts, dtype=torch.int32)
+    calls = []
+    real = lora_cpu.add_lora_native
+    monkeypatch.setattr(lora_cpu, "add_lora_native", lambda *args: calls.append(1) or real(*args))
+    add_lora(y, x, a, _transposed(b), sorted_ids, seg, st)
+    assert calls == [1]
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_native_kernel_refuses_a_mapping_outside_x_and_writes_nothing(native) -> None:
+    y, x, a, b, slots, starts = _case(8, 32, (24,), 4, 2, base_share=0.0)
+    sorted_ids, seg = lora_segments(slots, 2)
+    sorted_ids[0] = 8  # one row past the end
+    before = y.clone()
+    with pytest.raises(RuntimeError, match="refused"):
+        lora_cpu.add_lora_native(
+            native, y, x, a, _transposed(b), sorted_ids, seg, torch.tensor(starts).int(), 1, 4
+        )
+    assert torch.equal(y, before)
+
+
+def test_native_kernel_in_a_compiled_graph(native) -> None:
+    y, x, a, b, slots, starts = _case(19, 32, (24, 8), 4, 3)
+    want = _reference(y, x, a, b, slots, starts)
+    sorted_ids, seg = lora_segments(slots, 3)
+    st = torch.tensor(starts, dtype=torch.int32)
+    bt = _transposed(b)
+
+    def f(y, x):
+        y = y * 1.0
+        torch.ops.pagemill.add_lora(y, x, a, bt, sorted_ids, seg, st, 0, None)
         return y
 
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(y, x)

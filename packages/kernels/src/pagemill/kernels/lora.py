@@ -12,7 +12,10 @@ slot comes from the model runner once per step, as `lora_segments`: the step's t
 indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_starts``
 [L + 1]); base-model tokens (slot -1) sort past the last run and are never touched.
 
-* `add_lora_torch`: the CPU path — per slot that has tokens one shrink and one expand
+* `pagemill.kernels.lora_cpu`: the CPU path where it was built — one native call per
+  projection, tokens read in place through ``sorted_ids``, B's non-zero blocks only; it
+  takes fp32 stacks with B stored transposed (the runtime's CPU layout).
+* `add_lora_torch`: the CPU path otherwise — per slot that has tokens one shrink and one expand
   GEMM on its contiguous rows: in place in x and y when each slot's tokens are already one
   run in token order (`lora_token_runs`), else on the adapter tokens gathered once in slot
   order and scattered back; cost follows the tokens that use an adapter, never the number
@@ -20,8 +23,8 @@ indices sorted by slot (``sorted_ids``) and where each slot's run starts (``seg_
 * `add_lora_triton`: the GPU path (`pagemill.kernels._triton.lora`) — a shrink launch
   (x @ Aᵀ into an fp32 [S, T, R] buffer) and an expand launch (buffer @ Bᵀ added to y),
   each over (token block, slice, slot) programs; programs past a slot's run exit at once.
-* `add_lora`: dispatch by device; ``torch.ops.pagemill.add_lora`` is the same as an opaque
-  custom op that updates ``y`` in place, for compiled graphs (the per-slot loop depends on
+* `add_lora`: dispatch by device and layout; ``torch.ops.pagemill.add_lora`` is the same as
+  an opaque op that updates ``y`` in place, for compiled graphs (the per-slot loop depends on
   the step's mapping, which a graph cannot specialise on).
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from pagemill.kernels import lora_cpu
 from pagemill.kernels._dispatch import (
     cdiv,
     check_triton_device,
@@ -258,28 +262,30 @@ def add_lora(
         add_lora_triton(
             y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice or None
         )
-    else:
-        add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, token_starts)
+        return
+    lib = lora_cpu.load() if lora_cpu.use_native and x.device.type == "cpu" else None
+    if lib is not None and lora_cpu.supports(
+        y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts
+    ):
+        num_slices, rank = _check(y, x, lora_a, lora_b, slice_starts)
+        lora_cpu.add_lora_native(
+            lib, y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, num_slices, rank
+        )
+        return
+    add_lora_torch(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, token_starts)
 
 
-@torch.library.custom_op("pagemill::add_lora", mutates_args=("y",))
-def _add_lora_op(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    seg_starts: torch.Tensor,
-    slice_starts: torch.Tensor,
-    max_slice: int = 0,
-    token_starts: torch.Tensor | None = None,
-) -> None:
-    """`add_lora` as one opaque call in a compiled graph."""
-    add_lora(y, x, lora_a, lora_b, sorted_ids, seg_starts, slice_starts, max_slice, token_starts)
+# A plain library op rather than `torch.library.custom_op`: a compiled step calls it once per
+# adapted projection, and custom_op's Python wrapper costs several times the dispatch.
+_LIB = torch.library.Library("pagemill", "FRAGMENT")
+_LIB.define(
+    "add_lora(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor sorted_ids, "
+    "Tensor seg_starts, Tensor slice_starts, int max_slice=0, Tensor? token_starts=None) -> ()"
+)
+_LIB.impl("add_lora", add_lora, "CompositeExplicitAutograd")
 
 
-@_add_lora_op.register_fake
-def _(
+def _add_lora_fake(
     y: torch.Tensor,
     x: torch.Tensor,
     lora_a: torch.Tensor,
@@ -291,3 +297,6 @@ def _(
     token_starts: torch.Tensor | None = None,
 ) -> None:
     return None
+
+
+torch.library.register_fake("pagemill::add_lora", _add_lora_fake, lib=_LIB)

@@ -23,8 +23,9 @@ class LoRAStepMapping:
         self.max_loras = max_loras
         self.sorted_ids = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
         self.seg_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
-        # Where each slot's run starts in token order, if every run is contiguous (the CPU
-        # path then works on x's and y's rows in place); unused by the GPU kernels.
+        # Where each slot's run starts in token order, if every run is contiguous (the torch
+        # CPU path then works on x's and y's rows in place); unused by the native CPU kernel
+        # (it reads rows through sorted_ids) and the GPU kernels.
         self.token_starts = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
         self.in_place_runs = True  # False: always the gather path (benchmarks/lora.py A/B)
 
@@ -71,7 +72,13 @@ class LoRALayer:
         self.starts = starts
         s = len(slice_sizes)
         self.lora_a = torch.zeros(max_loras, s * max_rank, in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(max_loras, out, s * max_rank, dtype=dtype, device=device)
+        if device.type == "cpu":
+            # B stored transposed: the native CPU kernel (`pagemill.kernels.lora_cpu`) reads
+            # its rows along the output; the [L, out, S*R] view keeps the op's contract.
+            b_t = torch.zeros(max_loras, s * max_rank, out, dtype=dtype, device=device)
+            self.lora_b = b_t.transpose(1, 2)
+        else:
+            self.lora_b = torch.zeros(max_loras, out, s * max_rank, dtype=dtype, device=device)
         self.slice_starts = torch.tensor(starts, dtype=torch.int32, device=device)
 
     @torch.no_grad()
