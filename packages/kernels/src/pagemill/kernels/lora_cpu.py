@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pagemill.kernels.cpu_native import _cache_dir, _compiler, _cpu_signature
+from pagemill.kernels.cpu_native import build_library
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "lora_cpu.cpp"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
 # False: `add_lora` keeps the torch path even where the kernel is built (an A/B switch for
 # benchmarks/lora.py; read at every call, so a compiled graph follows it).
 use_native = True
@@ -41,37 +36,9 @@ use_native = True
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None when it cannot be built here (see the log)."""
-    if os.environ.get(_ENV, "1") == "0":
+    lib = build_library(_SOURCE, "the CPU LoRA kernel", "using the torch path")
+    if lib is None:
         return None
-    cxx = _compiler()
-    if cxx is None:
-        logger.warning("no C++ compiler found: CPU LoRA uses the torch path")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + cxx.encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"lora_cpu-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-            try:
-                subprocess.run(
-                    [*cmd, str(_SOURCE), "-o", str(out)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                logger.warning(
-                    "building the CPU LoRA kernel failed (%s); using the torch path",
-                    detail.strip()[-500:],
-                )
-                return None
-            os.replace(out, target)  # atomic: concurrent builders never see half a file
-    lib = ctypes.CDLL(str(target))
     fn = lib.pagemill_add_lora
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
