@@ -12,10 +12,11 @@ calls it through an opaque custom op that looks the twin up on the weight it is 
 
 The twin costs as much memory as the dense weight again, and it is off by default:
 `PAGEMILL_PREPACK_DENSE=1` turns it on. It waits for a quiet-machine A/B of the compiled
-step (`benchmarks/step_ab.py --variant no-prepack`): the compile cache's unfrozen graph
+step (`benchmarks/step_ab.py --variant prepack`): the compile cache's unfrozen graph
 measured within a few percent of the frozen (prepacked) one, and the opaque op adds a
-Python call per layer, so the gain is not yet shown to be worth the memory. A weight written in place afterwards (its version counter moved) is not served by
-its stale twin: the layer falls back to `F.linear`.
+Python call per layer, so the gain is not yet shown to be worth the memory. A weight
+written in place afterwards (its version counter moved) is not served by its stale twin:
+the layer falls back to `F.linear`.
 """
 
 from __future__ import annotations
