@@ -90,6 +90,8 @@ def _source_digest() -> str:
     for root in map(Path, pagemill.runtime.__path__):
         for name in _LOAD_SOURCES:
             top = root / name
+            if not top.exists():  # a moved file must not silently drop out of the key
+                raise FileNotFoundError(f"weight cache key: {top} is missing")
             found = [top] if top.is_file() else sorted(top.rglob("*.py"))
             paths += [(f"runtime/{p.relative_to(root)}", p) for p in found]
     for rel, path in sorted(paths):
