@@ -115,6 +115,21 @@ def test_a_changed_file_is_another_entry(q4_gguf, tmp_path) -> None:
     assert len(_entries(tmp_path)) == 2
 
 
+def test_an_entry_laid_out_for_the_native_gemv_needs_it(q4_gguf, tmp_path, monkeypatch) -> None:
+    """int4 rows packed for `gemv_q4` are served only where that kernel is: a start with it
+    switched off (or unbuildable) must pack for PyTorch's kernel, not restore the tiles."""
+    from pagemill.kernels import gemv_q4_cpu
+
+    if not gemv_q4_cpu.available():
+        pytest.skip("the native int4 GEMV is not built here")
+    cold, _ = _start(q4_gguf)
+    assert any(getattr(m, "int8_act", 0) for m in cold.modules())
+    monkeypatch.setattr(gemv_q4_cpu, "available", lambda: False)
+    again, _ = _start(q4_gguf)
+    assert not any(getattr(m, "int8_act", 0) for m in again.modules())
+    assert len(_entries(tmp_path)) == 2
+
+
 def test_old_entries_of_a_file_are_evicted(q4_gguf, tmp_path, monkeypatch) -> None:
     from pagemill.runtime.model_executor import weight_cache
 
