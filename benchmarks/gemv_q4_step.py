@@ -1,5 +1,6 @@
 """The default model's int4 linears four ways in one process, interleaved: `gemv_q4` with two
-int8 activation planes (the default) and with one (llama.cpp's rounding), PyTorch's int4
+int8 activation planes (`PAGEMILL_CPU_INT8_ACTIVATIONS=2`) and with one (llama.cpp's
+rounding), PyTorch's int4
 kernel (bf16 activations and scales), and the dense dequantized twin in fp32 (the exact
 weights, nothing rounded but the output).
 
@@ -121,6 +122,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    Linear.int8_activations = 2  # opt-in in the engine: lay the int4 layers out for gemv_q4
     llm = LLM(
         DEFAULT_MODEL,
         dtype="bfloat16",

@@ -16,6 +16,21 @@ from pagemill.runtime.model_executor.quantization.gguf_blocks import decode_q4_1
 pytestmark = pytest.mark.skipif(not gemv_q4_cpu.available(), reason="no C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def _int8_activations_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Linear, "int8_activations", 2)  # opt-in (see `Linear`)
+
+
+def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagemill.runtime.model_executor.layers import linear
+
+    monkeypatch.delenv("PAGEMILL_CPU_INT8_ACTIVATIONS", raising=False)
+    assert linear._int8_activation_planes() == 0
+    monkeypatch.setenv("PAGEMILL_CPU_INT8_ACTIVATIONS", "3")
+    with pytest.raises(ValueError, match="PAGEMILL_CPU_INT8_ACTIVATIONS"):
+        linear._int8_activation_planes()
+
+
 def _q4_1(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
     """(raw Q4_1 bytes, gguf's fp32 dequantization of them)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05

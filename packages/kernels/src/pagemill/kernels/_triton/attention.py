@@ -41,7 +41,7 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window", "scale_stride"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -55,7 +55,10 @@ def paged_attention_kernel(
     scale_log2,
     k_scale_ptr,
     v_scale_ptr,
-    scale_stride,
+    # 0: the layer's one scale, 1: one per KV head. A compile-time constant, so a per-layer
+    # cache compiles as it did before per-head scales (no index arithmetic kept live: some
+    # tight 8-bit configurations spilled with it).
+    scale_stride: tl.constexpr,
     softcap,
     sinks_ptr,
     window,
