@@ -24,12 +24,16 @@ succeeds for all or changes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pagemill.blockpool.block_pool import BlockPool, KVCacheBlock
 from pagemill.blockpool.hashing import BlockHasher, get_hash_fn
 from pagemill.blockpool.kv_cache_groups import KVCacheGroupSpec
-from pagemill.blockpool.kv_cache_manager import CacheRequest, PrefixCacheStats
+from pagemill.blockpool.kv_cache_manager import (
+    CacheRequest,
+    PrefixCacheCounter,
+    PrefixCacheStats,
+)
 
 
 @dataclass(slots=True)
@@ -104,8 +108,7 @@ class HybridKVCacheManager:
         # Per request and group: leading entries registered in the index / null (given back).
         self._num_cached_blocks: dict[str, list[int]] = {}
         self._num_null_blocks: dict[str, list[int]] = {}
-        self._stats = PrefixCacheStats()
-        self._reported = PrefixCacheStats()
+        self._prefix_stats = PrefixCacheCounter()
 
     # ------------------------------------------------------------------ capacity
 
@@ -300,10 +303,7 @@ class HybridKVCacheManager:
             self._num_cached_blocks[rid] = [0] * ngroups
             nulls = self._num_null_blocks[rid] = [0] * ngroups
             if num_computed == 0 and self.enable_caching:
-                stats = self._stats
-                stats.requests += 1
-                stats.queries += len(request.all_token_ids)
-                stats.hits += num_new_computed_tokens
+                self._prefix_stats.admit(len(request.all_token_ids), num_new_computed_tokens)
         assert nulls is not None
         cached_counts = self._num_cached_blocks[rid]
         # Every group's hits are taken before any group's new blocks: a hit of one group
@@ -493,14 +493,10 @@ class HybridKVCacheManager:
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return replace(self._stats)
+        return self._prefix_stats.totals
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        now, before = self._stats, self._reported
-        self._reported = replace(now)
-        return PrefixCacheStats(
-            now.requests - before.requests, now.queries - before.queries, now.hits - before.hits
-        )
+        return self._prefix_stats.since_last_report()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

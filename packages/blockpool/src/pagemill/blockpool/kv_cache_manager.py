@@ -72,6 +72,37 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class PrefixCacheCounter:
+    """Running totals of `PrefixCacheStats`, and the difference since the last report.
+
+    Both managers (one group and hybrid) count the same way; the interval view exists because
+    a logger that reports per interval must not reset the totals a metrics endpoint reads.
+    """
+
+    def __init__(self) -> None:
+        self._totals = PrefixCacheStats()
+        self._reported = PrefixCacheStats()
+
+    def admit(self, queries: int, hits: int) -> None:
+        """One request admitted for the first time with `queries` tokens, `hits` of them cached."""
+        self._totals.requests += 1
+        self._totals.queries += queries
+        self._totals.hits += hits
+
+    @property
+    def totals(self) -> PrefixCacheStats:
+        """Totals since creation (a copy: the caller may keep it)."""
+        return replace(self._totals)
+
+    def since_last_report(self) -> PrefixCacheStats:
+        """Stats since the previous call (for per-interval logging); totals are unaffected."""
+        now, before = self._totals, self._reported
+        self._reported = replace(now)
+        return PrefixCacheStats(
+            now.requests - before.requests, now.queries - before.queries, now.hits - before.hits
+        )
+
+
 class KVCacheManager:
     """Grants KV blocks to requests, shares prefix-cache hits, and releases blocks in LRU order."""
 
@@ -126,9 +157,7 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         # Number of leading entries of each table that are the null block (given back).
         self._num_null_blocks: dict[str, int] = {}
-        self._stats = PrefixCacheStats()
-        # Totals at the previous make_prefix_cache_stats(), which reports the difference.
-        self._reported = PrefixCacheStats()
+        self._prefix_stats = PrefixCacheCounter()
 
     # ------------------------------------------------------------------ lookup
 
@@ -262,10 +291,7 @@ class KVCacheManager:
             self._num_cached_blocks[rid] = 0
             self._num_null_blocks[rid] = 0
             if num_computed == 0 and self.enable_caching:
-                stats = self._stats
-                stats.requests += 1
-                stats.queries += len(request.all_token_ids)
-                stats.hits += num_new_computed_tokens
+                self._prefix_stats.admit(len(request.all_token_ids), num_new_computed_tokens)
         if released:
             self._release(request, table, num_null, num_null + len(released))
         if hit_blocks:
@@ -455,15 +481,11 @@ class KVCacheManager:
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Totals since the manager was created (a copy: the caller may keep it)."""
-        return replace(self._stats)
+        return self._prefix_stats.totals
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:
         """Stats since the previous call (for per-interval logging); totals are unaffected."""
-        now, before = self._stats, self._reported
-        self._reported = replace(now)
-        return PrefixCacheStats(
-            now.requests - before.requests, now.queries - before.queries, now.hits - before.hits
-        )
+        return self._prefix_stats.since_last_report()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
