@@ -50,7 +50,17 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int MAX_TILE = 4;
+// Rows of x that share each unpacked weight block while it is in registers: AVX-512 has
+// the registers for 8 rows' accumulators beside a block's 8 weight vectors.
+constexpr int MAX_TILE = 8;
+template <int P>
+constexpr int tile_rows_max() {
+#if PAGEMILL_GEMV_ISA == 3
+    return P == 1 ? 8 : 4;
+#else
+    return 4;
+#endif
+}
 
 constexpr int ROWS = 16;                // output rows interleaved in one tile
 constexpr int64_t QS_BYTES = ROWS * QK / 2;  // nibbles of one block of a tile
@@ -106,6 +116,47 @@ inline uint16_t float_to_bf16(float f) {
 // One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx and sx [K / 32].
 template <int P>
 void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, float* sx) {
+#if PAGEMILL_GEMV_ISA == 3
+    // The same rounding in two 16-lane halves per block (only sx's summation order differs
+    // from the plain loop below); a large batch quantizes as many rows as it multiplies.
+    for (int64_t b = 0; b < k / QK; ++b) {
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+            const int64_t i = b * QK + 16 * h;
+            if (dtype == 1) {
+                const __m256i raw = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[h] = _mm512_loadu_ps(static_cast<const float*>(x) + i);
+            }
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
+                                                              _mm512_abs_ps(v[1])));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* xb = xq + b * P * QK;
+        for (int h = 0; h < 2; ++h) {
+            const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+            if constexpr (P == 2) {
+                const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(q1, _mm512_set1_ps(d)));
+                __m512 q2 = _mm512_roundscale_ps(
+                    _mm512_mul_ps(rest, _mm512_set1_ps(inv * 254.0f)),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q2 = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), q2));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + QK + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q2)));
+            }
+        }
+        // The AVX-512 tiles sum both planes as q1 * 254 + q2 in one integer.
+        dx[b] = P == 2 ? d / 254.0f : d;
+        sx[b] = sum;
+    }
+#else
     float buf[QK];
     for (int64_t b = 0; b < k / QK; ++b) {
         for (int j = 0; j < QK; ++j) {
@@ -134,6 +185,7 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
         dx[b] = d;
         sx[b] = sum;
     }
+#endif
 }
 
 // One tile of 16 output rows against rows x[0..T) of the tile of activations.
@@ -149,8 +201,10 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
     constexpr int64_t BLOCK = SB + QS_BYTES;
 #if PAGEMILL_GEMV_ISA == 3
-    __m512 acc[T], mins[T];
-    for (int t = 0; t < T; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+    // A block's 8 weight vectors stay in registers while the T rows of x pass over them;
+    // one float accumulator per row (the d and m terms share it).
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
@@ -170,7 +224,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
         }
         for (int t = 0; t < T; ++t) {
             const int8_t* xb = xq + t * xq_stride + b * P * QK;
-            __m512 p;
+            __m512i q;
             for (int plane = 0; plane < P; ++plane) {
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                 for (int i = 0; i < 8; i += 2) {
@@ -180,15 +234,21 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                     s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
                     s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
                 }
-                const __m512 ps = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                p = plane == 0 ? ps : _mm512_fmadd_ps(ps, _mm512_set1_ps(1.0f / 254.0f), p);
+                const __m512i sp = _mm512_add_epi32(s0, s1);
+                // q1 * 254 + q2 stays below 2^24: exact in the float it becomes.
+                q = plane == 0 ? sp
+                               : _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(q, 8),
+                                                                   _mm512_slli_epi32(q, 1)),
+                                                  sp);
             }
-            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+            // dx is already divided by 254 for two planes (quantize_row).
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
                                      acc[t]);
-            mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), mins[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), acc[t]);
         }
     }
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, _mm512_add_ps(acc[t], mins[t]));
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
 #elif PAGEMILL_GEMV_ISA >= 1
     // Two halves of 8 rows in 256-bit vectors.
     __m256 acc[T][2], mins[T][2];
@@ -285,6 +345,16 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
 }
 
+// tile_rows for tm (1..MAX_TILE) rows of x.
+template <typename S, int P, int T = tile_rows_max<P>()>
+void row_block(int64_t tm, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+               const float* dx, const float* sx, int64_t s_stride, float* out) {
+    if constexpr (T > 1) {
+        if (tm < T) return row_block<S, P, T - 1>(tm, w, nb, xq, xq_stride, dx, sx, s_stride, out);
+    }
+    tile_rows<S, T, P>(w, nb, xq, xq_stride, dx, sx, s_stride, out);
+}
+
 template <typename S, int P>
 void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, void* y,
           int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
@@ -295,18 +365,13 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, 
     for (int64_t tile = 0; tile < tiles; ++tile) {
         const uint8_t* wt = w + tile * tile_bytes;
         const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
-        for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
+        for (int64_t m0 = 0; m0 < m_rows; m0 += tile_rows_max<P>()) {
             float out[MAX_TILE * ROWS];
-            const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
+            const int64_t tm = std::min<int64_t>(tile_rows_max<P>(), m_rows - m0);
             const int8_t* xt = xq + m0 * P * k;
             const float* dt = dx + m0 * nb;
             const float* st = sx + m0 * nb;
-            switch (tm) {
-                case 4: tile_rows<S, 4, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                case 3: tile_rows<S, 3, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                case 2: tile_rows<S, 2, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                default: tile_rows<S, 1, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-            }
+            row_block<S, P>(tm, wt, nb, xt, P * k, dt, st, nb, out);
             for (int64_t t = 0; t < tm; ++t) {
                 for (int64_t r = 0; r < rows; ++r) {
                     const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
