@@ -70,6 +70,19 @@ constexpr int64_t rec_bytes() { return P * QK + 2 * static_cast<int64_t>(sizeof(
 template <int P>
 constexpr int64_t block_stride() { return tile_rows_max<P>() * rec_bytes<P>(); }
 
+#if PAGEMILL_GEMV_ISA == 3
+// acc + w (16 x 4 u8) · x[0..4) (s8) broadcast to every lane, the broadcast folded into the
+// instruction's memory operand (compilers emit a separate broadcast for the intrinsic): the
+// tiles' loop is bound by how many instructions it issues, not by the dot units.
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+    typedef int32_t int32_any __attribute__((may_alias, aligned(1)));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+            : "+v"(acc)
+            : "v"(w), "m"(*reinterpret_cast<const int32_any*>(x)));
+    return acc;
+}
+#endif
+
 inline float load_float(const uint8_t* p) {
     float f;
     std::memcpy(&f, p, sizeof f);
@@ -246,11 +259,8 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
             for (int plane = 0; plane < P; ++plane) {
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                 for (int i = 0; i < 8; i += 2) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xb + plane * QK + 4 * i, 4);
-                    std::memcpy(&x1, xb + plane * QK + 4 * i + 4, 4);
-                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+                    s0 = dpbusd_broadcast(s0, wv[i], xb + plane * QK + 4 * i);
+                    s1 = dpbusd_broadcast(s1, wv[i + 1], xb + plane * QK + 4 * i + 4);
                 }
                 const __m512i sp = _mm512_add_epi32(s0, s1);
                 // q1 * 254 + q2 stays below 2^24: exact in the float it becomes.
