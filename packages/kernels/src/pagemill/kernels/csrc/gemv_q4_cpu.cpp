@@ -22,8 +22,12 @@
 //
 // Built at run time by pagemill.kernels.gemv_q4_cpu (host compiler, -O3 -march=native
 // -fopenmp, no torch headers) and called through ctypes. Output rows are split over
-// OpenMP threads by tiles; up to four rows of x share each weight block while it is in
-// registers.
+// OpenMP threads by tiles. The same code serves a decode step (a few rows: bound by
+// reading W) and a large batch (bound by the dot products): each row of x is quantized once
+// per call into records grouped by blocks of rows (`rec_bytes`), and each weight block,
+// unpacked from its nibbles once, meets a block of rows while it is in registers (8 rows
+// with one plane on AVX-512, else 4); a tile's weights stay in L1 while every row block
+// passes (tiles are the outer loop).
 
 #include <algorithm>
 #include <cmath>
