@@ -1,7 +1,11 @@
-"""Batch-1 linears of SmolLM2-135M on the CPU: the int4 x int8-activation GEMV against
-PyTorch's int4 kernel and a dense bf16 GEMM, measured interleaved in one process.
+"""The linears of SmolLM2-135M on the CPU: the int4 x int8-activation kernel (`gemv_q4`,
+one or two activation planes) against PyTorch's int4 kernel and a dense bf16 GEMM (the
+dense copy a packed layer keeps for large batches), measured interleaved in one process.
 
     uv run python benchmarks/gemv_q4_cpu.py [--rows 1,2,4,8,16] [--rounds 30] [--threads N]
+    # large batches, against the dense copy:
+    uv run python benchmarks/gemv_q4_cpu.py --rows 16,32,64,128,256 --rounds 9 --threads 1 \
+        --no-warm-table
 
 With --threads 1 each path is timed by this thread's CPU time (`time.thread_time`), which
 other processes on a shared box do not inflate; otherwise by wall clock.
@@ -9,9 +13,11 @@ other processes on a shared box do not inflate; otherwise by wall clock.
 All 30 layers' projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576)
 get their own random Q4_1-like weights, so one sweep streams ~70 MB the way a decode
 step does (no layer stays in cache). Each round runs one sweep per path, in turn; the
-table gives each path's median sweep ms, the paired ratio to the new kernel, and the bytes
-per second it read against this process's large-tensor read bandwidth (`x.sum()` over
-512 MiB, best of a few). A second table times one projection repeated (cache-warm).
+table gives each path's median sweep ms, the paired ratios (per round) to the new kernel
+with two planes and to dense bf16, and the bytes per second it read against this process's
+large-tensor read bandwidth (`x.sum()` over 512 MiB, best of a few; meaningful only where
+few rows make a sweep bound by reading the weights). A second table times one projection
+repeated (cache-warm, one row; `--no-warm-table` skips it).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-warm-table", action="store_true", help="skip the one-row table")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -101,7 +108,10 @@ def main() -> None:
 
         return run
 
-    print(f"{'rows':>4} {'path':>16} {'sweep ms':>9} {'x new':>6} {'GB/s':>6} {'% of read bw':>12}")
+    print(
+        f"{'rows':>4} {'path':>16} {'sweep ms':>9} {'x new':>6} {'x dense':>7} {'GB/s':>6} "
+        f"{'% of read bw':>12}"
+    )
     for rows in [int(r) for r in args.rows.split(",")]:
         x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
         runs = {kind: sweep(kind, x) for kind in bytes_per}
@@ -113,15 +123,19 @@ def main() -> None:
                 t0 = clock()
                 fn()
                 times[kind].append(clock() - t0)
-        new = times["new q4 x int8x2"]
+        new, dense = times["new q4 x int8x2"], times["dense bf16"]
         for kind, ts in times.items():
             med = statistics.median(ts)
             ratio = statistics.median(t / b for t, b in zip(ts, new, strict=True))
+            to_dense = statistics.median(t / b for t, b in zip(ts, dense, strict=True))
             gbs = bytes_per[kind] / med / 1e9
             print(
-                f"{rows:4d} {kind:>16} {med * 1e3:9.2f} {ratio:6.2f} {gbs:6.1f} "
+                f"{rows:4d} {kind:>16} {med * 1e3:9.2f} {ratio:6.2f} {to_dense:7.2f} {gbs:6.1f} "
                 f"{100 * gbs * 1e9 / bw:11.0f}%"
             )
+
+    if args.no_warm_table:
+        return
 
     print("\none projection repeated (cache-warm), rows 1, median us per call:")
     for name, (k, _) in SHAPES.items():

@@ -81,8 +81,27 @@ def test_matches_the_torch_arithmetic(isa, planes, dtype, m, n, k) -> None:
         torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("m", [1, 4, 9])
+@pytest.mark.parametrize("m", [6, 8, 13, 16, 31, 64, 127, 300])
+def test_batches_match_the_torch_arithmetic(isa, planes, m) -> None:
+    """Large batches: every row-block size the kernel splits m into (8 or 4 rows, and the
+    remainder), each row the same arithmetic as a batch of one."""
+    lib = g.load(isa)
+    assert lib is not None
+    n, k = 50, 160  # a partial last tile
+    q, s, z = _rows(n, k, seed=m)
+    blocks = g.pack_q4_blocks(q, s, z, 32)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    got = g.gemv_q4(x, blocks, n, lib, planes=planes)
+    torch.testing.assert_close(got, g.gemv_q4_torch(x, blocks, n, planes))
+    # A row's result does not depend on its neighbours or on where the row blocks fall.
+    for r in (0, m // 2, m - 1):
+        assert torch.equal(got[r : r + 1], g.gemv_q4(x[r : r + 1], blocks, n, lib, planes=planes))
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("m", [1, 4, 9, 37, 256])
 def test_int8_rounding_stays_within_its_bound(m, planes) -> None:
     """Against x · Wᵀ in fp32 with the exact weights: each x is off by at most half its
     block's step (dx / 2 with one plane, dx / 508 with two), and the min term is exact, so
@@ -108,9 +127,11 @@ def test_thread_counts_give_the_same_bits() -> None:
     """Each output row is one thread's work start to end: any split gives the same bits."""
     q, s, z = _rows(200, 320, seed=5)
     blocks = g.pack_q4_blocks(q, s, z, 32)
-    x = torch.randn(6, 320, dtype=torch.bfloat16)
-    outs = [g.gemv_q4(x, blocks, 200, threads=t) for t in (1, 2, 3, 7)]
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    for m in (6, 37, 300):  # 16 rows and more quantize in parallel too
+        x = torch.randn(m, 320, dtype=torch.bfloat16)
+        for planes in (1, 2):
+            outs = [g.gemv_q4(x, blocks, 200, threads=t, planes=planes) for t in (1, 2, 3, 7)]
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
 def test_strided_rows_and_refusals() -> None:

@@ -55,8 +55,9 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 0.5 * dx.repeat_interleave(32, 1) @ w.abs().T
 
 
+@pytest.mark.parametrize("rows", [3, 300])  # a decode step, a large batch (a GEMM)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_q4_1_layer_against_gguf_dequantization(dtype) -> None:
+def test_q4_1_layer_against_gguf_dequantization(dtype, rows) -> None:
     n, k = 96, 320
     raw, w = _q4_1(n, k)
     layer = _layer(raw, n, k, dtype)
@@ -65,7 +66,7 @@ def test_q4_1_layer_against_gguf_dequantization(dtype) -> None:
     # GGUF's fp16 d and m fit the 20-bytes-per-32 tiles exactly: the weights are gguf's.
     assert layer.qweight is not None and layer.qweight.shape[-1] == 320
     assert torch.equal(gemv_q4_cpu.dequantize_q4_blocks(layer.qweight, n), w)
-    x = torch.randn(3, k, dtype=dtype)
+    x = torch.randn(rows, k, dtype=dtype)
     with torch.no_grad():
         got = layer(x).float()
     exact = x.float() @ w.T + layer.bias.float()

@@ -126,6 +126,32 @@ def test_a_format_decides_on_its_summed_step_time(tiny_llama, tmp_path, monkeypa
     assert limits is not None and limits["int8"] == 2
 
 
+def test_int8_activation_layers_are_timed_at_large_batches(
+    tiny_llama, tmp_path, monkeypatch
+) -> None:
+    """A packed path of integer dot products (`gemv_q4`) may beat the dense copy at any
+    batch: its kinds are timed past ROW_COUNTS too, and keep packed as far as it wins."""
+    folder, _ = tiny_llama
+    model = _hybrid(folder)
+    head = model.logits_proj
+    for m in _packed(model):
+        if m is not head:
+            m.int8_act = 1  # as `Linear` sets it for int4 rows served by gemv_q4
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    calls: list[tuple[int, int]] = []
+    path = tmp_path / "l.json"
+    timer = _fake_timer(lambda m: 99 if m is head else 128, calls)
+    limits = measure_packed_limits(model, path, timer, rows=(1, 2), large_rows=(64, 128, 256))
+    assert limits == {"lm_head": 2, "int8": 64}
+    body = {layer_kind(m) for m in _packed(model) if m is not head}
+    assert all(kind.endswith(":int8x1") for kind in body)  # not another path's timings
+    assert sorted(calls) == sorted(
+        [(head.out_features, n) for n in (1, 2)]
+        + [(int(k.split(":")[1].split("x")[0]), n) for k in body for n in (1, 2, 64, 128, 256)]
+    )
+    assert json.loads(path.read_text())[min(body)]["rows"] == [1, 2, 64, 128, 256]
+
+
 def test_a_busy_machine_keeps_the_table(tiny_llama, tmp_path, monkeypatch) -> None:
     folder, _ = tiny_llama
     model = _hybrid(folder)

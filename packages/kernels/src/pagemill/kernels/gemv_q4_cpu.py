@@ -1,10 +1,15 @@
 """4-bit weights times int8-quantized activations on the CPU, built on the host at first use.
 
 A decode step of a small model reads every weight once and computes little with it: its
-time is the time to stream the weights. `csrc/gemv_q4_cpu.cpp` streams blocks of 32 int4
-values with their scale and min interleaved (`pack_q4_blocks`), quantizes each row of x to
-int8 per block of 32 once per call, and does the dot products in integer SIMD (VNNI,
-AVX2 or plain C++), the way llama.cpp runs Q4_1 against Q8_1. The int8 rounding of the
+time is the time to stream the weights. A large batch is bound by the dot products
+instead, where one `vpdpbusd` does 64 multiply-adds against a bf16 GEMM's 32: with one
+activation plane the same kernel can beat the dense bf16 copy at any batch (two planes
+double the integer work: about even with it), which is why the runtime times it against
+that copy per machine (`quantization/crossover.py`) rather than switching at a fixed size.
+`csrc/gemv_q4_cpu.cpp` streams blocks of 32 int4 values with their scale and min
+interleaved (`pack_q4_blocks`), quantizes each row of x to int8 per block of 32 once per
+call, and does the dot products in integer SIMD (VNNI, AVX2 or plain C++), the way
+llama.cpp runs Q4_1 against Q8_1. The int8 rounding of the
 activations is the one approximation (the weights' own values are exact: fp16 or fp32
 scales as the checkpoint had them); `gemv_q4_torch` computes the same arithmetic in plain
 torch, with or without that rounding.

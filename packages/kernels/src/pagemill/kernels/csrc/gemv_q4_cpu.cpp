@@ -22,8 +22,12 @@
 //
 // Built at run time by pagemill.kernels.gemv_q4_cpu (host compiler, -O3 -march=native
 // -fopenmp, no torch headers) and called through ctypes. Output rows are split over
-// OpenMP threads by tiles; up to four rows of x share each weight block while it is in
-// registers.
+// OpenMP threads by tiles. The same code serves a decode step (a few rows: bound by
+// reading W) and a large batch (bound by the dot products): each row of x is quantized once
+// per call into records grouped by blocks of rows (`rec_bytes`), and each weight block,
+// unpacked from its nibbles once, meets a block of rows while it is in registers (8 rows
+// with one plane on AVX-512, else 4); a tile's weights stay in L1 while every row block
+// passes (tiles are the outer loop).
 
 #include <algorithm>
 #include <cmath>
@@ -50,7 +54,44 @@
 namespace {
 
 constexpr int QK = 32;
-constexpr int MAX_TILE = 4;
+// Rows of x that share each unpacked weight block while it is in registers: AVX-512 has
+// the registers for 8 rows' accumulators beside a block's 8 weight vectors.
+constexpr int MAX_TILE = 8;
+template <int P>
+constexpr int tile_rows_max() {
+#if PAGEMILL_GEMV_ISA == 3
+    return P == 1 ? 8 : 4;
+#else
+    return 4;
+#endif
+}
+
+// Quantized activations, per (block of tile_rows_max rows of x, block of 32 inputs, row):
+// P * 32 int8 values, then dx and sx (floats). A row block's records for one input block
+// are adjacent, so a tile reaches all its rows from one pointer and constant offsets.
+template <int P>
+constexpr int64_t rec_bytes() { return P * QK + 2 * static_cast<int64_t>(sizeof(float)); }
+template <int P>
+constexpr int64_t block_stride() { return tile_rows_max<P>() * rec_bytes<P>(); }
+
+#if PAGEMILL_GEMV_ISA == 3
+// acc + w (16 x 4 u8) · x[0..4) (s8) broadcast to every lane, the broadcast folded into the
+// instruction's memory operand (compilers emit a separate broadcast for the intrinsic): the
+// tiles' loop is bound by how many instructions it issues, not by the dot units.
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) {
+    typedef int32_t int32_any __attribute__((may_alias, aligned(1)));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+            : "+v"(acc)
+            : "v"(w), "m"(*reinterpret_cast<const int32_any*>(x)));
+    return acc;
+}
+#endif
+
+inline float load_float(const uint8_t* p) {
+    float f;
+    std::memcpy(&f, p, sizeof f);
+    return f;
+}
 
 constexpr int ROWS = 16;                // output rows interleaved in one tile
 constexpr int64_t QS_BYTES = ROWS * QK / 2;  // nibbles of one block of a tile
@@ -103,9 +144,52 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
-// One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx and sx [K / 32].
+// One row of x quantized into its records (`rec`: block 0's; see rec_bytes).
 template <int P>
-void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, float* sx) {
+void quantize_row(const void* x, int dtype, int64_t k, uint8_t* rec) {
+#if PAGEMILL_GEMV_ISA == 3
+    // The same rounding in two 16-lane halves per block (only sx's summation order differs
+    // from the plain loop below); a large batch quantizes as many rows as it multiplies.
+    for (int64_t b = 0; b < k / QK; ++b) {
+        __m512 v[2];
+        for (int h = 0; h < 2; ++h) {
+            const int64_t i = b * QK + 16 * h;
+            if (dtype == 1) {
+                const __m256i raw = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            } else {
+                v[h] = _mm512_loadu_ps(static_cast<const float*>(x) + i);
+            }
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
+                                                              _mm512_abs_ps(v[1])));
+        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        uint8_t* rb = rec + b * block_stride<P>();
+        int8_t* xb = reinterpret_cast<int8_t*>(rb);
+        for (int h = 0; h < 2; ++h) {
+            const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+            if constexpr (P == 2) {
+                const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(q1, _mm512_set1_ps(d)));
+                __m512 q2 = _mm512_roundscale_ps(
+                    _mm512_mul_ps(rest, _mm512_set1_ps(inv * 254.0f)),
+                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q2 = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), q2));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + QK + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q2)));
+            }
+        }
+        // The AVX-512 tiles sum both planes as q1 * 254 + q2 in one integer.
+        const float dx = P == 2 ? d / 254.0f : d;
+        std::memcpy(rb + P * QK, &dx, sizeof dx);
+        std::memcpy(rb + P * QK + sizeof dx, &sum, sizeof sum);
+    }
+#else
     float buf[QK];
     for (int64_t b = 0; b < k / QK; ++b) {
         for (int j = 0; j < QK; ++j) {
@@ -120,7 +204,8 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
         }
         const float d = amax / 127.0f;
         const float inv = d > 0.0f ? 1.0f / d : 0.0f;
-        int8_t* xb = xq + b * P * QK;
+        uint8_t* rb = rec + b * block_stride<P>();
+        int8_t* xb = reinterpret_cast<int8_t*>(rb);
         for (int j = 0; j < QK; ++j) {
             const float q1 = std::nearbyint(buf[j] * inv);
             xb[j] = static_cast<int8_t>(q1);
@@ -131,9 +216,10 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
                 xb[QK + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q2)));
             }
         }
-        dx[b] = d;
-        sx[b] = sum;
+        std::memcpy(rb + P * QK, &d, sizeof d);
+        std::memcpy(rb + P * QK + sizeof d, &sum, sizeof sum);
     }
+#endif
 }
 
 // One tile of 16 output rows against rows x[0..T) of the tile of activations.
@@ -144,13 +230,15 @@ void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, fl
 // each row's partial sum in its own lane: no horizontal sums, and the 16 rows' scales
 // apply as one vector.
 template <typename S, int T, int P>
-void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
-               const float* dx, const float* sx, int64_t s_stride, float* out /* [T][16] */) {
+void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T][16] */) {
+    constexpr int64_t REC = rec_bytes<P>();
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
     constexpr int64_t BLOCK = SB + QS_BYTES;
 #if PAGEMILL_GEMV_ISA == 3
-    __m512 acc[T], mins[T];
-    for (int t = 0; t < T; ++t) acc[t] = mins[t] = _mm512_setzero_ps();
+    // A block's 8 weight vectors stay in registers while the T rows of x pass over them;
+    // one float accumulator per row (the d and m terms share it).
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
@@ -169,26 +257,30 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
             wv[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
         for (int t = 0; t < T; ++t) {
-            const int8_t* xb = xq + t * xq_stride + b * P * QK;
-            __m512 p;
+            const uint8_t* rt = xr + b * block_stride<P>() + t * REC;
+            const int8_t* xb = reinterpret_cast<const int8_t*>(rt);
+            __m512i q;
             for (int plane = 0; plane < P; ++plane) {
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
                 for (int i = 0; i < 8; i += 2) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xb + plane * QK + 4 * i, 4);
-                    std::memcpy(&x1, xb + plane * QK + 4 * i + 4, 4);
-                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+                    s0 = dpbusd_broadcast(s0, wv[i], xb + plane * QK + 4 * i);
+                    s1 = dpbusd_broadcast(s1, wv[i + 1], xb + plane * QK + 4 * i + 4);
                 }
-                const __m512 ps = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                p = plane == 0 ? ps : _mm512_fmadd_ps(ps, _mm512_set1_ps(1.0f / 254.0f), p);
+                const __m512i sp = _mm512_add_epi32(s0, s1);
+                // q1 * 254 + q2 stays below 2^24: exact in the float it becomes.
+                q = plane == 0 ? sp
+                               : _mm512_add_epi32(_mm512_sub_epi32(_mm512_slli_epi32(q, 8),
+                                                                   _mm512_slli_epi32(q, 1)),
+                                                  sp);
             }
-            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+            // dx is already divided by 254 for two planes (quantize_row).
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(load_float(rt + P * QK))),
                                      acc[t]);
-            mins[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * s_stride + b]), mins[t]);
+            acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(load_float(rt + P * QK + 4)), acc[t]);
         }
     }
-    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, _mm512_add_ps(acc[t], mins[t]));
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
 #elif PAGEMILL_GEMV_ISA >= 1
     // Two halves of 8 rows in 256-bit vectors.
     __m256 acc[T][2], mins[T][2];
@@ -215,7 +307,8 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                 wv[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
             }
             for (int t = 0; t < T; ++t) {
-                const int8_t* xb0 = xq + t * xq_stride + b * P * QK;
+                const uint8_t* rt = xr + b * block_stride<P>() + t * REC;
+                const int8_t* xb0 = reinterpret_cast<const int8_t*>(rt);
                 __m256 p;
                 for (int plane = 0; plane < P; ++plane) {
                 const int8_t* xb = xb0 + plane * QK;
@@ -241,8 +334,8 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                 p = plane == 0 ? ps : _mm256_fmadd_ps(ps, _mm256_set1_ps(1.0f / 254.0f), p);
                 }
                 acc[t][h] = _mm256_fmadd_ps(
-                    p, _mm256_mul_ps(d, _mm256_set1_ps(dx[t * s_stride + b])), acc[t][h]);
-                mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[t * s_stride + b]), mins[t][h]);
+                    p, _mm256_mul_ps(d, _mm256_set1_ps(load_float(rt + P * QK))), acc[t][h]);
+                mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(load_float(rt + P * QK + 4)), mins[t][h]);
             }
         }
     }
@@ -260,10 +353,11 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
         std::memcpy(ms, blk + ROWS * sizeof(S), sizeof ms);
         const uint8_t* qs = blk + SB;
         for (int t = 0; t < T; ++t) {
+            const uint8_t* rt = xr + b * block_stride<P>() + t * REC;
             for (int r = 0; r < ROWS; ++r) {
                 float p = 0.0f;
                 for (int plane = 0; plane < P; ++plane) {
-                    const int8_t* xb = xq + t * xq_stride + b * P * QK + plane * QK;
+                    const int8_t* xb = reinterpret_cast<const int8_t*>(rt) + plane * QK;
                     int32_t dot = 0;
                     for (int j = 0; j < 4; ++j) {
                         for (int u = 0; u < 4; ++u) {
@@ -275,8 +369,8 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
                     p = plane == 0 ? static_cast<float>(dot)
                                    : std::fma(static_cast<float>(dot), 1.0f / 254.0f, p);
                 }
-                acc[t][r] += scale_value(ds[r]) * dx[t * s_stride + b] * p;
-                mins[t][r] += scale_value(ms[r]) * sx[t * s_stride + b];
+                acc[t][r] += scale_value(ds[r]) * load_float(rt + P * QK) * p;
+                mins[t][r] += scale_value(ms[r]) * load_float(rt + P * QK + 4);
             }
         }
     }
@@ -285,40 +379,87 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
 }
 
+// y[i .. i + rows) = v[0 .. rows), rounded to bf16 (dtype 1) as float_to_bf16 does.
+inline void store_outputs(const float* v, void* y, int64_t i, int64_t rows, int dtype) {
+#if PAGEMILL_GEMV_ISA == 3
+    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1u);
+    const __m512 f = _mm512_loadu_ps(v);
+    if (dtype == 1) {
+        // Round to nearest even in the integers; NaNs stay NaN (quiet).
+        const __m512i bits = _mm512_castps_si512(f);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, keep, _mm512_cvtepi32_epi16(r));
+    } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + i, keep, f);
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+        if (dtype == 1) {
+            static_cast<uint16_t*>(y)[i + r] = float_to_bf16(v[r]);
+        } else {
+            static_cast<float*>(y)[i + r] = v[r];
+        }
+    }
+#endif
+}
+
+// tile_rows for tm (1..MAX_TILE) rows of x.
+template <typename S, int P, int T = tile_rows_max<P>()>
+void row_block(int64_t tm, const uint8_t* w, int64_t nb, const uint8_t* xr, float* out) {
+    if constexpr (T > 1) {
+        if (tm < T) return row_block<S, P, T - 1>(tm, w, nb, xr, out);
+    }
+    tile_rows<S, T, P>(w, nb, xr, out);
+}
+
 template <typename S, int P>
-void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const float* sx, void* y,
-          int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
+void gemv(const uint8_t* w, const uint8_t* recs, void* y, int dtype, int64_t m_rows, int64_t n,
+          int64_t k, int64_t y_stride, int threads) {
+    constexpr int TM = tile_rows_max<P>();
     const int64_t nb = k / QK;
     const int64_t tiles = (n + ROWS - 1) / ROWS;
     const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(sizeof(S)) + QS_BYTES);
+    // Tiles outermost: a tile's weights (a few KB) stay in L1 while every row block passes.
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t tile = 0; tile < tiles; ++tile) {
         const uint8_t* wt = w + tile * tile_bytes;
         const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
-        for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
+        for (int64_t m0 = 0; m0 < m_rows; m0 += TM) {
             float out[MAX_TILE * ROWS];
-            const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
-            const int8_t* xt = xq + m0 * P * k;
-            const float* dt = dx + m0 * nb;
-            const float* st = sx + m0 * nb;
-            switch (tm) {
-                case 4: tile_rows<S, 4, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                case 3: tile_rows<S, 3, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                case 2: tile_rows<S, 2, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-                default: tile_rows<S, 1, P>(wt, nb, xt, P * k, dt, st, nb, out); break;
-            }
-            for (int64_t t = 0; t < tm; ++t) {
-                for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
-                    const float v = out[t * ROWS + r];
-                    if (dtype == 1) {
-                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
-                    } else {
-                        static_cast<float*>(y)[i] = v;
-                    }
-                }
-            }
+            const int64_t tm = std::min<int64_t>(TM, m_rows - m0);
+            row_block<S, P>(tm, wt, nb, recs + (m0 / TM) * nb * block_stride<P>(), out);
+            for (int64_t t = 0; t < tm; ++t)
+                store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
         }
+    }
+}
+
+template <int P>
+void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
+                           int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
+                           int64_t n, int64_t k, int threads) {
+    constexpr int TM = tile_rows_max<P>();
+    const int64_t nb = k / QK;
+    const size_t elt = dtype == 1 ? 2 : 4;
+    // Per calling thread, reused: one decode step calls this ~120 times with few rows.
+    thread_local std::vector<uint8_t> buffer;
+    buffer.resize(static_cast<size_t>((m_rows + TM - 1) / TM * nb * block_stride<P>()));
+    // A raw pointer: inside the parallel regions a thread_local name is each thread's own.
+    uint8_t* recs = buffer.data();
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_rows; ++r) {
+        quantize_row<P>(static_cast<const char*>(x) + r * x_stride * elt, dtype, k,
+                        recs + (r / TM) * nb * block_stride<P>() + (r % TM) * rec_bytes<P>());
+    }
+    if (scale_bytes == 2) {
+        gemv<uint16_t, P>(w, recs, y, dtype, m_rows, n, k, y_stride, threads);
+    } else {
+        gemv<float, P>(w, recs, y, dtype, m_rows, n, k, y_stride, threads);
     }
 }
 
@@ -341,36 +482,13 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     if (planes != 1 && planes != 2) return 3;
     if (m_rows == 0 || n == 0) return 0;
     threads = std::max(1, threads);
-    const int64_t nb = k / QK;
-    const size_t elt = dtype == 1 ? 2 : 4;
-    // Per calling thread, reused: one decode step calls this ~120 times with few rows.
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> ds;
-    xq.resize(static_cast<size_t>(planes * m_rows * k));
-    ds.resize(static_cast<size_t>(2 * m_rows * nb));
-    // Raw pointers: inside the parallel regions a thread_local name is each thread's own.
-    int8_t* xqp = xq.data();
-    float* dx = ds.data();
-    float* sx = ds.data() + m_rows * nb;
-    const int qthreads = m_rows >= 16 ? threads : 1;
-#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
-    for (int64_t r = 0; r < m_rows; ++r) {
-        const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
-        if (planes == 2) {
-            quantize_row<2>(xr, dtype, k, xqp + 2 * r * k, dx + r * nb, sx + r * nb);
-        } else {
-            quantize_row<1>(xr, dtype, k, xqp + r * k, dx + r * nb, sx + r * nb);
-        }
-    }
     const uint8_t* wb = static_cast<const uint8_t*>(w);
-    if (scale_bytes == 2 && planes == 2) {
-        gemv<uint16_t, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
-    } else if (scale_bytes == 2) {
-        gemv<uint16_t, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
-    } else if (planes == 2) {
-        gemv<float, 2>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+    if (planes == 2) {
+        quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n, k,
+                                 threads);
     } else {
-        gemv<float, 1>(wb, xqp, dx, sx, y, dtype, m_rows, n, k, y_stride, threads);
+        quantize_and_multiply<1>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n, k,
+                                 threads);
     }
     return 0;
 }

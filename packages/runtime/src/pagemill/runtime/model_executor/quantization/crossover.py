@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 PACKED_LIMITS_ENV = "PAGEMILL_PACKED_LIMITS"
 PACKED_LIMITS_MODES = ("measure", "table")
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)
+# Also measured for layers whose packed path is a GEMM that can beat the dense copy at any
+# batch (`gemv_q4` with int8 activations: integer dot products), so a machine where it
+# does keeps it for large batches too; PyTorch's int4 and int8 kernels lose long before.
+LARGE_ROW_COUNTS = (64, 128, 256)
 # Alternating runs per row count, and the dense bytes of a layer kind's sample (past the
 # last-level cache of most CPUs).
 REPS = 3
@@ -70,11 +74,18 @@ def packed_limits_mode() -> str:
 
 def layer_kind(layer: Linear) -> str:
     """What the crossover depends on, besides the machine."""
-    return (
+    kind = (
         f"{layer.weight_format}:{layer.out_features}x{layer.in_features}"
         f":g{layer.group_size}:{str(layer.kernel_dtype).removeprefix('torch.')}"
         f"/{str(layer.dtype).removeprefix('torch.')}"
     )
+    return kind + (f":int8x{layer.int8_act}" if layer.int8_act else "")
+
+
+def row_counts(layer: Linear, rows: Sequence[int], large: Sequence[int]) -> list[int]:
+    """The row counts to time `layer`'s kind at: `rows`, and `large` too where the packed
+    path is `gemv_q4` (see `LARGE_ROW_COUNTS`)."""
+    return [*rows, *(n for n in large if n > max(rows))] if layer.int8_act else list(rows)
 
 
 def machine_key() -> str:
@@ -180,6 +191,7 @@ def measure_packed_limits(
     timer: Timer | None = None,
     rows: Sequence[int] = ROW_COUNTS,
     budget_s: float = BUDGET_S,
+    large_rows: Sequence[int] = LARGE_ROW_COUNTS,
 ) -> dict[str, int] | None:
     """Set `packed_max_tokens` of every packed layer with a dense copy whose scheme leaves it
     to measurement, from `path` (default: `limits_file()`) or by measuring the layer kinds
@@ -206,7 +218,8 @@ def measure_packed_limits(
         return None
     path = limits_file() if path is None else path
     known = _read(path)
-    todo = [k for k in kinds if k not in known or known[k]["rows"] != list(rows)]
+    kind_rows = {k: row_counts(members[0], rows, large_rows) for k, members in kinds.items()}
+    todo = [k for k in kinds if k not in known or known[k]["rows"] != kind_rows[k]]
     fresh: dict[str, Any] = {}
     if todo:
         start = time.perf_counter()
@@ -214,9 +227,9 @@ def measure_packed_limits(
             if time.perf_counter() - start > budget_s:
                 break
             sample = sample_layers(kinds[kind])
-            times = [timer(sample, n) for n in rows]
+            times = [timer(sample, n) for n in kind_rows[kind]]
             fresh[kind] = {
-                "rows": list(rows),
+                "rows": kind_rows[kind],
                 "packed_ms": [t[0] * 1e3 for t in times],
                 "dense_ms": [t[1] * 1e3 for t in times],
             }
@@ -230,7 +243,7 @@ def measure_packed_limits(
                 budget_s,
                 path,
             )
-            fresh = {kind: {"rows": list(rows), "busy": True} for kind in todo}
+            fresh = {kind: {"rows": kind_rows[kind], "busy": True} for kind in todo}
         else:
             logger.info(
                 "packed vs dense: measured %d layer kinds in %.1f s (kept in %s)",
@@ -250,14 +263,18 @@ def measure_packed_limits(
     for group, members in sorted(groups.items()):
         if any(known[k].get("busy") for k in members):
             continue  # keeps the table's limit
-        # The group's step time at each row count: per-layer times times the layer counts.
+        # The group's step time at each row count all its kinds were timed at: per-layer
+        # times times the layer counts.
+        shared = min((known[k]["rows"] for k in members), key=len)
         packed = [
-            sum(known[k]["packed_ms"][i] * len(kinds[k]) for k in members) for i in range(len(rows))
+            sum(known[k]["packed_ms"][i] * len(kinds[k]) for k in members)
+            for i in range(len(shared))
         ]
         dense = [
-            sum(known[k]["dense_ms"][i] * len(kinds[k]) for k in members) for i in range(len(rows))
+            sum(known[k]["dense_ms"][i] * len(kinds[k]) for k in members)
+            for i in range(len(shared))
         ]
-        limits[group] = crossover(rows, packed, dense)
+        limits[group] = crossover(shared, packed, dense)
         for k in members:
             for layer in kinds[k]:
                 layer.packed_max_tokens = limits[group]
