@@ -34,8 +34,13 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagemill.kernels import sampler_cpu
 from pagemill.runtime.sample.row_kernels import RowKernels
-from pagemill.runtime.sample.sampling_metadata import SamplingMetadata, make_generator
+from pagemill.runtime.sample.sampling_metadata import (
+    SamplingMetadata,
+    TokenHistory,
+    make_generator,
+)
 
 __all__ = [
     "Sampler",
@@ -161,10 +166,18 @@ class Sampler:
         bias, bitmask, allowed = md.logit_bias, md.token_bitmask, md.allowed_token_ids
         if md.no_penalties and not rows and bias is None and bitmask is None and allowed is None:
             return logits
+        native = (bias is not None or not md.no_penalties) and self._kernels.native_reads(logits)
         x = logits
-        if not in_place:
+        if native:
+            # One native pass: the copy (converted from bf16) with bias and penalties
+            # applied while each row is in cache. They go before the bans below, which
+            # only write -inf, which no bias or penalty moves: the torch order's result.
+            if not (in_place and logits.dtype == torch.float32):
+                x = self._scratch.get("rules", num_rows, vocab, logits.device)
+            _penalize_native(logits, x, md)
+        elif not in_place:
             x = self._scratch.get("rules", num_rows, vocab, logits.device).copy_(logits)
-        if bias is not None:
+        if bias is not None and not native:
             x.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
         if allowed is not None:
             # The allowed entries are saved, their rows masked whole, the entries put back:
@@ -175,7 +188,8 @@ class Sampler:
         if rows:
             device = logits.device
             x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
-        apply_penalties(x, md)
+        if not native:
+            apply_penalties(x, md)
         if bitmask is not None:
             apply_token_bitmask(x, bitmask)
         return x
@@ -588,6 +602,67 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
             out_rows, outputs, [len(o) for o in outputs], vocab, logits.device
         )
         logits[rows, cols] = logits[rows, cols] - (freq[rows] * counts + pres[rows])
+
+
+def _penalize_native(logits: torch.Tensor, out: torch.Tensor, md: SamplingMetadata) -> None:
+    """`out` = `logits` with logit_bias and the penalties applied, by the native pass
+    (`logits` may be `out`): `apply_penalties`' semantics, bit for bit (see the C++)."""
+    lib = sampler_cpu.load()
+    assert lib is not None, "only called where the native kernels read the logits"
+    num_rows = logits.shape[0]
+    keep: list[TokenHistory] = []
+    table = None if md.no_penalties else _history_table(md, keep)
+    bias = md.logit_bias
+    sparse = None
+    if bias is not None:
+        sparse = (bias.offsets(num_rows), bias.token_ids.cpu(), bias.values.cpu())
+    sampler_cpu.penalize(
+        lib,
+        logits,
+        out,
+        md.repetition_penalties,
+        md.frequency_penalties,
+        md.presence_penalties,
+        table,
+        sparse,
+    )
+    del keep  # the histories' arrays stay alive until the pass has read them
+
+
+def _history_table(md: SamplingMetadata, keep: list[TokenHistory]) -> torch.Tensor:
+    """[rows, 4] int64: per penalised row the address and length of its distinct prompt
+    ids (rows with a repetition penalty) and of its output ids, from its `TokenHistory`:
+    the metadata's own, brought up to date by appending new tokens, else a new one (kept
+    in the metadata for the next step when the row had none)."""
+    num_rows = md.num_rows
+    histories = md.token_histories
+    if histories is None or len(histories) != num_rows:
+        histories = md.token_histories = [None] * num_rows
+    rep = (md.repetition_penalties != 1.0).tolist()
+    out_rows = ((md.frequency_penalties != 0.0) | (md.presence_penalties != 0.0)).tolist()
+    prompts = md.prompt_token_ids
+    outputs = md.output_token_ids
+    table = np.zeros((num_rows, 4), dtype=np.int64)
+    for row in range(num_rows):
+        use_rep = rep[row]
+        if not (use_rep or out_rows[row]):
+            continue
+        prompt = _required_list(prompts)[row] if use_rep else None
+        output = outputs[row]
+        h = histories[row]
+        if h is None or not h.matches(prompt, output):
+            fresh = TokenHistory(prompt, output)
+            if h is None:
+                histories[row] = fresh
+            h = fresh
+        keep.append(h)
+        n = h.sync()
+        if use_rep:
+            table[row, 0] = h.prompt_ptr
+            table[row, 1] = h.prompt_ids.size
+        table[row, 2] = h.output_ptr
+        table[row, 3] = n
+    return torch.from_numpy(table)
 
 
 def _required_list(seqs: list[Sequence[int]] | None) -> list[Sequence[int]]:
