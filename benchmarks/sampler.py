@@ -144,6 +144,52 @@ def time_case(
     return {name: pick(ts) for name, ts in times.items()}
 
 
+def _counts_torch_path(md: SamplingMetadata, vocab: int) -> None:
+    """What the torch path's `apply_penalties` computes on the host for every row."""
+    from itertools import chain
+
+    from pagemill.runtime.sample import sampler as mod
+
+    prompts = md.prompt_token_ids
+    assert prompts is not None
+    rows = list(range(md.num_rows))
+    outs = md.output_token_ids
+    seqs = [chain(prompts[r], outs[r]) for r in rows]
+    lengths = [len(prompts[r]) + len(outs[r]) for r in rows]
+    mod._occurrences(rows, seqs, lengths, vocab, torch.device("cpu"))
+    mod._occurrences(rows, outs, [len(o) for o in outs], vocab, torch.device("cpu"))
+
+
+def _histories_native_path(md: SamplingMetadata, vocab: int) -> None:
+    from pagemill.runtime.sample import sampler as mod
+
+    mod._history_table(md, [])
+
+
+def host_cost(sizes: list[int], vocab: int, history: tuple[int, int], args: Any) -> None:
+    """The host's share of penalties per step: collecting every penalised row's seen ids
+    and counts from its token lists (the torch path, `_occurrences`, every step) against
+    bringing the rows' `TokenHistory`s up to date (the native path), one token appended
+    to each row per round, interleaved."""
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    print(f"host work of penalties per step, histories of {history[0]} + {history[1]}+ tokens")
+    print(f"{'rows':>6}{'torch path ms':>16}{'histories ms':>16}")
+    for b in sizes:
+        md = metadata(CASES["T=0.8 penalties"], b, vocab, history)
+        _histories_native_path(md, vocab)  # made once per request, at its first step
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        g = torch.Generator().manual_seed(1)
+        for _ in range(args.iters):
+            for out, t in zip(md.output_token_ids, torch.randint(vocab, (b,), generator=g)):
+                out.append(int(t))  # type: ignore[attr-defined]
+            for name, fn in (("old", _counts_torch_path), ("new", _histories_native_path)):
+                t0 = clock()
+                fn(md, vocab)
+                times[name].append(clock() - t0)
+        old_ms, new_ms = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
+        print(f"{b:>6}{old_ms:>16.3f}{new_ms:>16.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,16,64,128,256")
@@ -169,11 +215,18 @@ def main() -> None:
         default="64,32",
         help="prompt,generated tokens per row at the start (penalties read them all)",
     )
+    ap.add_argument(
+        "--host", action="store_true", help="only the host work of penalties (see host_cost)"
+    )
     args = ap.parse_args()
     history = tuple(int(n) for n in args.history.split(","))
     assert len(history) == 2, "--history takes PROMPT,GENERATED"
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.host:
+        sizes = [int(s) for s in args.batch_sizes.split(",")]
+        host_cost(sizes, args.vocab, history, args)  # type: ignore[arg-type]
+        return
 
     def compiled(s: Any) -> Any:
         seconds = s.compile(args.vocab, "cpu", (torch.float32,))  # as the engine
