@@ -613,9 +613,7 @@ def _penalize_native(logits: torch.Tensor, out: torch.Tensor, md: SamplingMetada
     keep: list[TokenHistory] = []
     table = None if md.no_penalties else _history_table(md, keep)
     bias = md.logit_bias
-    sparse = None
-    if bias is not None:
-        sparse = (bias.offsets(num_rows), bias.token_ids.cpu(), bias.values.cpu())
+    sparse = None if bias is None else bias.by_row(num_rows)
     sampler_cpu.penalize(
         lib,
         logits,

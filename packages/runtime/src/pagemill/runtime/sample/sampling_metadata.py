@@ -89,11 +89,15 @@ class LogitBias:
     values: torch.Tensor
     """[N] fp32."""
 
-    def offsets(self, num_rows: int) -> torch.Tensor:
-        """[num_rows + 1] int64: row r's entries are offsets[r] .. offsets[r + 1] (the
-        triples are in row order, as `from_rows` makes them)."""
-        counts = torch.bincount(self.rows.cpu(), minlength=num_rows)
-        return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    def by_row(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(offsets [num_rows + 1], token ids, values) on the host, row r's biases at
+        offsets[r] .. offsets[r + 1] (what the native pass reads)."""
+        rows, ids, values = self.rows.cpu(), self.token_ids.cpu(), self.values.cpu()
+        if rows.numel() > 1 and not bool((rows[1:] >= rows[:-1]).all()):
+            order = rows.argsort(stable=True)
+            rows, ids, values = rows[order], ids[order], values[order]
+        counts = torch.bincount(rows, minlength=num_rows)
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), ids, values
 
     @classmethod
     def from_rows(
