@@ -640,7 +640,7 @@ def _history_table(md: SamplingMetadata, keep: list[TokenHistory]) -> torch.Tens
     out_rows = ((md.frequency_penalties != 0.0) | (md.presence_penalties != 0.0)).tolist()
     prompts = md.prompt_token_ids
     outputs = md.output_token_ids
-    table = np.zeros((num_rows, 4), dtype=np.int64)
+    table = [0] * (4 * num_rows)  # a list: item by item, ~10x cheaper than an array
     for row in range(num_rows):
         use_rep = rep[row]
         if not (use_rep or out_rows[row]):
@@ -655,12 +655,13 @@ def _history_table(md: SamplingMetadata, keep: list[TokenHistory]) -> torch.Tens
             h = fresh
         keep.append(h)
         n = h.sync()
+        i = 4 * row
         if use_rep:
-            table[row, 0] = h.prompt_ptr
-            table[row, 1] = h.prompt_ids.size
-        table[row, 2] = h.output_ptr
-        table[row, 3] = n
-    return torch.from_numpy(table)
+            table[i] = h.prompt_ptr
+            table[i + 1] = h.prompt_ids.size
+        table[i + 2] = h.output_ptr
+        table[i + 3] = n
+    return torch.tensor(table, dtype=torch.int64).view(num_rows, 4)
 
 
 def _required_list(seqs: list[Sequence[int]] | None) -> list[Sequence[int]]:
