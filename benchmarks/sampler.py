@@ -144,50 +144,75 @@ def time_case(
     return {name: pick(ts) for name, ts in times.items()}
 
 
-def _counts_torch_path(md: SamplingMetadata, vocab: int) -> None:
-    """What the torch path's `apply_penalties` computes on the host for every row."""
+def _counts_from_lists(md: SamplingMetadata, vocab: int) -> None:
+    """How penalties found each row's ids before token histories (up to 65262f7): every
+    row's whole token lists read and counted, every step."""
     from itertools import chain
 
-    from pagemill.runtime.sample import sampler as mod
+    import numpy as np
 
     prompts = md.prompt_token_ids
     assert prompts is not None
     rows = list(range(md.num_rows))
     outs = md.output_token_ids
-    seqs = [chain(prompts[r], outs[r]) for r in rows]
-    lengths = [len(prompts[r]) + len(outs[r]) for r in rows]
-    mod._occurrences(rows, seqs, lengths, vocab, torch.device("cpu"))
-    mod._occurrences(rows, outs, [len(o) for o in outs], vocab, torch.device("cpu"))
+    for seqs, lengths in (
+        (
+            [chain(prompts[r], outs[r]) for r in rows],
+            [len(prompts[r]) + len(outs[r]) for r in rows],
+        ),
+        (outs, [len(o) for o in outs]),
+    ):
+        ids = torch.from_numpy(np.fromiter(chain.from_iterable(seqs), np.int64, sum(lengths)))
+        row_of = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths))
+        ok = (ids >= 0) & (ids < vocab)
+        torch.unique(row_of[ok] * vocab + ids[ok], return_counts=True)
+
+
+def _counts_from_histories(md: SamplingMetadata, vocab: int) -> None:
+    """The torch path's counting now: from the synced histories."""
+    from pagemill.runtime.sample import sampler as mod
+
+    histories, _, _ = mod._synced_histories(md)
+    rows = list(range(md.num_rows))
+    seen = [mod._seen_ids(histories[r]) for r in rows]
+    mod._occurrences(rows, seen, vocab, torch.device("cpu"))
+    outs = [mod._history(histories, r).output_ids for r in rows]
+    mod._occurrences(rows, outs, vocab, torch.device("cpu"))
 
 
 def _histories_native_path(md: SamplingMetadata, vocab: int) -> None:
+    """The native path's host work: the synced histories' addresses."""
     from pagemill.runtime.sample import sampler as mod
 
     mod._history_table(md, [])
 
 
 def host_cost(sizes: list[int], vocab: int, history: tuple[int, int], args: Any) -> None:
-    """The host's share of penalties per step: collecting every penalised row's seen ids
-    and counts from its token lists (the torch path, `_occurrences`, every step) against
-    bringing the rows' `TokenHistory`s up to date (the native path), one token appended
-    to each row per round, interleaved."""
+    """The host's share of penalties per step, one token appended to each row per round,
+    interleaved: counting every row's ids from its whole token lists (before token
+    histories), the torch path's counting from the synced histories, and the native
+    path's (bringing the histories up to date; the counting is in the native pass)."""
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     print(f"host work of penalties per step, histories of {history[0]} + {history[1]}+ tokens")
-    print(f"{'rows':>6}{'torch path ms':>16}{'histories ms':>16}")
+    fns = {
+        "token lists": _counts_from_lists,
+        "torch path": _counts_from_histories,
+        "native path": _histories_native_path,
+    }
+    print(f"{'rows':>6}" + "".join(f"{name + ' ms':>16}" for name in fns))
     for b in sizes:
         md = metadata(CASES["T=0.8 penalties"], b, vocab, history)
         _histories_native_path(md, vocab)  # made once per request, at its first step
-        times: dict[str, list[float]] = {"old": [], "new": []}
+        times: dict[str, list[float]] = {name: [] for name in fns}
         g = torch.Generator().manual_seed(1)
         for _ in range(args.iters):
             for out, t in zip(md.output_token_ids, torch.randint(vocab, (b,), generator=g)):
                 out.append(int(t))  # type: ignore[attr-defined]
-            for name, fn in (("old", _counts_torch_path), ("new", _histories_native_path)):
+            for name, fn in fns.items():
                 t0 = clock()
                 fn(md, vocab)
                 times[name].append(clock() - t0)
-        old_ms, new_ms = (statistics.median(times[k]) * 1e3 for k in ("old", "new"))
-        print(f"{b:>6}{old_ms:>16.3f}{new_ms:>16.3f}")
+        print(f"{b:>6}" + "".join(f"{statistics.median(times[n]) * 1e3:>16.3f}" for n in fns))
 
 
 def main() -> None:

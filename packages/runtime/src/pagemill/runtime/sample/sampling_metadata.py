@@ -56,6 +56,15 @@ class TokenHistory:
         self.output_ptr = self._buf.ctypes.data
         self._n = 0
 
+    @property
+    def output_ids(self) -> np.ndarray:
+        """The output as of the last `sync`."""
+        return self._buf[: self._n]
+
+    @property
+    def num_output(self) -> int:
+        return self._n
+
     def matches(self, prompt: Sequence[int] | None, output: Sequence[int]) -> bool:
         return output is self.output and (prompt is None or prompt is self.prompt)
 
