@@ -7,8 +7,13 @@ Order of operations (HF's and vLLM's): logit_bias, allowed_token_ids, min_tokens
 bad-words bans and penalties on the raw logits, then the grammar's token bitmask (structured
 output), then temperature, then top-k, top-p and min-p, then the draw. Everything runs in
 fp32 and is vectorised over the batch; Python loops only over seeded rows (each draws from
-its own generator), min_tokens rows, bad-words rows and penalised rows (their token lists
-live on the host).
+its own generator), min_tokens rows, bad-words rows and penalised rows (each appends its
+new tokens to its `TokenHistory`, the arrays penalties read).
+
+On CPU, logit_bias and the penalties are one native pass (`_penalize_native`) that writes
+the fp32 copy the rest reads, touching only the ids each row has seen or biased, with the
+torch path's arithmetic op for op (`apply_penalties` serves elsewhere). The bans that follow
+only write -inf, which no bias or penalty moves, so running them after is the same result.
 
 Random rows are drawn by inverse CDF in token-id order: one float64 uniform per row (a
 seeded row's from its own generator), the first token whose running sum of unnormalised
@@ -169,8 +174,9 @@ class Sampler:
         x = logits
         if native:
             # One native pass: the copy (converted from bf16) with bias and penalties
-            # applied while each row is in cache. They go before the bans below, which
-            # only write -inf, which no bias or penalty moves: the torch order's result.
+            # applied while each row is in cache. Before the bans below, unlike the torch
+            # order: a ban writes -inf, which no bias or penalty moves, and the allowed
+            # ids keep their (penalised) values either way, so the result is the same.
             if not (in_place and logits.dtype == torch.float32):
                 x = self._scratch.get("rules", num_rows, vocab, logits.device)
             _penalize_native(logits, x, md)
