@@ -52,6 +52,13 @@ CASES: dict[str, dict[str, Any]] = {
         frequency_penalty=0.3,
         repetition_penalty=1.1,
     ),
+    "T=0.8 penalties": dict(
+        temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1
+    ),
+    "greedy+penalties": dict(
+        temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1
+    ),
+    "T=0.8 logit_bias": dict(temperature=0.8, logit_bias={i * 97: 1.5 for i in range(20)}),
 }
 SAMPLER_PATH = "packages/runtime/src/pagemill/runtime/sample/sampler.py"
 ROW_KERNELS_PATH = "packages/runtime/src/pagemill/runtime/sample/row_kernels.py"
@@ -100,12 +107,15 @@ def load_baseline(rev: str) -> type:
     return _load_module("baseline_sampler", source).Sampler  # type: ignore[no-any-return]
 
 
-def metadata(kw: dict[str, Any], rows: int, vocab: int) -> SamplingMetadata:
+def metadata(
+    kw: dict[str, Any], rows: int, vocab: int, history: tuple[int, int] = (64, 32)
+) -> SamplingMetadata:
+    """`rows` rows of `kw`, each with `history` (prompt, generated) random tokens for the
+    penalties (the generated lists grow by a token a round, see `time_case`)."""
     params = [SamplingParams(**kw)] * rows
     g = torch.Generator().manual_seed(rows)
-    # 64 prompt and 32 generated tokens per row, for the penalties
-    prompts = [torch.randint(vocab, (64,), generator=g).tolist() for _ in params]
-    outputs = [torch.randint(vocab, (32,), generator=g).tolist() for _ in params]
+    prompts = [torch.randint(vocab, (history[0],), generator=g).tolist() for _ in params]
+    outputs = [torch.randint(vocab, (history[1],), generator=g).tolist() for _ in params]
     return SamplingMetadata.from_params(params, output_token_ids=outputs, prompt_token_ids=prompts)
 
 
@@ -113,19 +123,96 @@ def time_case(
     samplers: dict[str, Any], logits: torch.Tensor, md: SamplingMetadata, args: Any
 ) -> dict[str, float]:
     """Each sampler's time on this case (median or best over rounds), interleaved round by
-    round so that the box's load falls on every variant alike."""
+    round so that the box's load falls on every variant alike. Each round first appends a
+    token to every row's output, as a decode step does (the same metadata serves every
+    round, as the runner's serves every step of an unchanged batch)."""
     for s in samplers.values():
         for _ in range(2):
             s(logits, md)
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     times: dict[str, list[float]] = {name: [] for name in samplers}
+    g = torch.Generator().manual_seed(1)
+    vocab = logits.shape[1]
     for _ in range(args.iters):
+        for out, t in zip(md.output_token_ids, torch.randint(vocab, (md.num_rows,), generator=g)):
+            out.append(int(t))  # type: ignore[attr-defined]
         for name, s in samplers.items():
             t = clock()
             s(logits, md)
             times[name].append(clock() - t)
     pick = statistics.median if args.stat == "median" else min
     return {name: pick(ts) for name, ts in times.items()}
+
+
+def _counts_from_lists(md: SamplingMetadata, vocab: int) -> None:
+    """How penalties found each row's ids before token histories (up to 65262f7): every
+    row's whole token lists read and counted, every step."""
+    from itertools import chain
+
+    import numpy as np
+
+    prompts = md.prompt_token_ids
+    assert prompts is not None
+    rows = list(range(md.num_rows))
+    outs = md.output_token_ids
+    for seqs, lengths in (
+        (
+            [chain(prompts[r], outs[r]) for r in rows],
+            [len(prompts[r]) + len(outs[r]) for r in rows],
+        ),
+        (outs, [len(o) for o in outs]),
+    ):
+        ids = torch.from_numpy(np.fromiter(chain.from_iterable(seqs), np.int64, sum(lengths)))
+        row_of = torch.from_numpy(np.repeat(np.asarray(rows, dtype=np.int64), lengths))
+        ok = (ids >= 0) & (ids < vocab)
+        torch.unique(row_of[ok] * vocab + ids[ok], return_counts=True)
+
+
+def _counts_from_histories(md: SamplingMetadata, vocab: int) -> None:
+    """The torch path's counting now: from the synced histories."""
+    from pagemill.runtime.sample import sampler as mod
+
+    histories, _, _ = mod._synced_histories(md)
+    rows = list(range(md.num_rows))
+    seen = [mod._seen_ids(histories[r]) for r in rows]
+    mod._occurrences(rows, seen, vocab, torch.device("cpu"))
+    outs = [mod._history(histories, r).output_ids for r in rows]
+    mod._occurrences(rows, outs, vocab, torch.device("cpu"))
+
+
+def _histories_native_path(md: SamplingMetadata, vocab: int) -> None:
+    """The native path's host work: the synced histories' addresses."""
+    from pagemill.runtime.sample import sampler as mod
+
+    mod._history_table(md, [])
+
+
+def host_cost(sizes: list[int], vocab: int, history: tuple[int, int], args: Any) -> None:
+    """The host's share of penalties per step, one token appended to each row per round,
+    interleaved: counting every row's ids from its whole token lists (before token
+    histories), the torch path's counting from the synced histories, and the native
+    path's (bringing the histories up to date; the counting is in the native pass)."""
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    print(f"host work of penalties per step, histories of {history[0]} + {history[1]}+ tokens")
+    fns = {
+        "token lists": _counts_from_lists,
+        "torch path": _counts_from_histories,
+        "native path": _histories_native_path,
+    }
+    print(f"{'rows':>6}" + "".join(f"{name + ' ms':>16}" for name in fns))
+    for b in sizes:
+        md = metadata(CASES["T=0.8 penalties"], b, vocab, history)
+        _histories_native_path(md, vocab)  # made once per request, at its first step
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        g = torch.Generator().manual_seed(1)
+        for _ in range(args.iters):
+            for out, t in zip(md.output_token_ids, torch.randint(vocab, (b,), generator=g)):
+                out.append(int(t))  # type: ignore[attr-defined]
+            for name, fn in fns.items():
+                t0 = clock()
+                fn(md, vocab)
+                times[name].append(clock() - t0)
+        print(f"{b:>6}" + "".join(f"{statistics.median(times[n]) * 1e3:>16.3f}" for n in fns))
 
 
 def main() -> None:
@@ -148,9 +235,23 @@ def main() -> None:
         help="thread: this thread's CPU time (meaningful with --threads 1 on a busy box)",
     )
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument(
+        "--history",
+        default="64,32",
+        help="prompt,generated tokens per row at the start (penalties read them all)",
+    )
+    ap.add_argument(
+        "--host", action="store_true", help="only the host work of penalties (see host_cost)"
+    )
     args = ap.parse_args()
+    history = tuple(int(n) for n in args.history.split(","))
+    assert len(history) == 2, "--history takes PROMPT,GENERATED"
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.host:
+        sizes = [int(s) for s in args.batch_sizes.split(",")]
+        host_cost(sizes, args.vocab, history, args)  # type: ignore[arg-type]
+        return
 
     def compiled(s: Any) -> Any:
         seconds = s.compile(args.vocab, "cpu", (torch.float32,))  # as the engine
@@ -175,7 +276,8 @@ def main() -> None:
     print(
         f"vocab {args.vocab}, {'flat' if args.flat else 'peaked'} bf16 rows, "
         f"{torch.get_num_threads()} threads, {args.stat} of {args.iters} "
-        f"interleaved rounds ({args.clock} clock); "
+        f"interleaved rounds ({args.clock} clock), histories of {history[0]} prompt + "
+        f"{history[1]}+ generated tokens; "
         f"ms (x greedy of the same variant)"
     )
     sizes = [int(s) for s in args.batch_sizes.split(",")]
@@ -187,7 +289,8 @@ def main() -> None:
             logits = logits_like_a_model(b, args.vocab, flat=args.flat)
         base: dict[str, float] = {}
         for case, kw in cases.items():
-            best = time_case(samplers, logits, metadata(kw, b, args.vocab), args)
+            md = metadata(kw, b, args.vocab, history)  # type: ignore[arg-type]
+            best = time_case(samplers, logits, md, args)
             for name, s in best.items():
                 base.setdefault(name, s)
                 cell = f"{s * 1e3:8.2f} ({s / base[name]:5.2f}x)"

@@ -139,3 +139,48 @@ def test_topk_is_a_stable_sort_head(lib, dtype: torch.dtype, k: int, vocab: int)
     ref_values, ref_ids = z.sort(dim=-1, descending=True, stable=True)
     assert torch.equal(ids, ref_ids[:, :k])
     assert torch.equal(values, ref_values[:, :k])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_penalize_is_a_float64_reference(lib, dtype: torch.dtype) -> None:
+    """Bias, then repetition (prompt + output ids), then frequency x count + presence
+    (output ids), at the seen ids only; ids outside the vocabulary ignored; fp32 in place
+    or converted from bf16 into another tensor."""
+    import numpy as np
+
+    rows, vocab = 6, 700
+    x = _logits(rows, vocab, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    rep = torch.tensor([1.0, 1.4, 0.7, 1.0, 2.0, 1.0])
+    freq = torch.tensor([0.0, 0.5, -0.3, 1.0, 0.0, 0.0])
+    pres = torch.tensor([0.0, 0.25, 0.0, -1.5, 0.0, 0.0])
+    prompts = [np.unique(torch.randint(vocab + 5, (40,), generator=g).numpy()) for _ in range(rows)]
+    outputs = [torch.randint(30, (int(n),), generator=g).numpy() for n in (0, 9, 25, 3, 12, 4)]
+    outputs[2] = np.append(outputs[2], [vocab + 1, -1])
+    bias = {0: {3: 1.5, 699: -2.0}, 2: {10: 0.25}, 5: {11: -7.0}}
+    table = torch.tensor(
+        [[p.ctypes.data, p.size, o.ctypes.data, o.size] for p, o in zip(prompts, outputs)]
+    )
+    offsets = torch.tensor([0, 2, 2, 3, 3, 3, 4])
+    ids = torch.tensor([3, 699, 10, 11])
+    values = torch.tensor([1.5, -2.0, 0.25, -7.0])
+    ref = x.double().clone()
+    for r in range(rows):
+        for t, b in bias.get(r, {}).items():
+            ref[r, t] += b
+        out = [int(t) for t in outputs[r] if 0 <= t < vocab]
+        if rep[r] != 1:
+            for t in {int(t) for t in prompts[r] if t < vocab} | set(out):
+                v = ref[r, t]
+                ref[r, t] = v / rep[r].item() if v > 0 else v * rep[r].item()
+        if freq[r] != 0 or pres[r] != 0:
+            for t in set(out):
+                ref[r, t] -= freq[r].item() * out.count(t) + pres[r].item()
+    dst = x.clone() if dtype == torch.float32 else torch.empty(rows, vocab)
+    sampler_cpu.penalize(lib, dst if dtype == torch.float32 else x, dst, rep, freq, pres, table,
+                         (offsets, ids, values))  # fmt: skip
+    torch.testing.assert_close(dst.double(), ref, rtol=2e-6, atol=1e-5)
+    assert int((dst != x.float()).sum()) > 50
+    with pytest.raises(ValueError, match="logit_bias"):
+        sampler_cpu.penalize(lib, x, torch.empty(rows, vocab), rep, freq, pres, None,
+                             (offsets, torch.tensor([3, vocab, 10, 11]), values))  # fmt: skip

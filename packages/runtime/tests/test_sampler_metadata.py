@@ -261,6 +261,10 @@ def _assert_same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> None:
             if x is not None:
                 for name in ("rows", "token_ids", "values"):
                     assert torch.equal(getattr(x, name), getattr(y, name))
+        elif f.name == "token_histories":
+            # Caches of the rows' tokens (the runner's persist across rebuilds): only
+            # whether the metadata has penalised rows must agree.
+            assert (x is None) == (y is None) and (x is None or len(x) == len(y))
         elif f.name in ("prompt_token_ids", "output_token_ids"):
             assert (x is None) == (y is None), f.name
             if x is not None:

@@ -1,4 +1,5 @@
-"""Native CPU passes of the sampler (argmax, block sums, inverse-CDF pick), built at first use.
+"""Native CPU passes of the sampler (penalties, argmax, block sums, inverse-CDF pick, top-k),
+built at first use.
 
 `csrc/sampler_cpu.cpp` is plain C++ built like the decode attention kernel (see
 `cpu_native`): once per machine into the cache folder, called through ctypes. It reads the
@@ -46,6 +47,11 @@ def load() -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.pagemill_sampler_topk.restype = i32
     lib.pagemill_sampler_topk.argtypes = [*row_args, ptr, i64, ptr, ptr, i32]
+    lib.pagemill_sampler_penalize.restype = i32
+    lib.pagemill_sampler_penalize.argtypes = [
+        i32, ptr, i64, ptr, i64, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+        i32,
+    ]  # fmt: skip
     return lib
 
 
@@ -206,3 +212,68 @@ def topk(
         )
     )
     return values, ids
+
+
+def penalize(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    histories: torch.Tensor | None,
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """`out` (fp32, [n, vocab], unit column stride) = `x` (fp32 or bf16) with logit_bias
+    added, then repetition, frequency and presence penalties applied at the ids each row
+    has seen, in the torch path's order and arithmetic; `out` may be `x` itself (fp32).
+
+    `histories` [n, 4] int64 per row: the address and length of its distinct prompt ids
+    (int64; read only where repetition != 1) and of its output ids (int64), both kept
+    alive by the caller; None when no row has a penalty. `bias` (offsets [n + 1], ids,
+    values fp32): row r's biases are entries offsets[r] .. offsets[r + 1]; ids outside
+    the vocabulary raise ValueError before anything is written."""
+    n, vocab = x.shape
+    if out.shape != x.shape or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError("penalize writes fp32 rows shaped like its input")
+    in_place = out.data_ptr() == x.data_ptr()
+    if in_place and x.dtype != torch.float32:
+        raise ValueError("penalize converts bf16 logits into another tensor, not in place")
+    rep = repetition.to(torch.float32).contiguous()
+    freq = frequency.to(torch.float32).contiguous()
+    pres = presence.to(torch.float32).contiguous()
+    if histories is None:
+        histories = torch.zeros(n, 4, dtype=torch.int64)
+    h = histories.to(torch.int64).contiguous()
+    if h.shape != (n, 4):
+        raise ValueError(f"penalize needs [{n}, 4] histories, got {tuple(h.shape)}")
+    cols = h.t().contiguous()  # prompt address, prompt length, output address, output length
+    offsets = ids = values = None
+    if bias is not None:
+        offsets = bias[0].to(torch.int64).contiguous()
+        ids = bias[1].to(torch.int64).contiguous()
+        values = bias[2].to(torch.float32).contiguous()
+    status = lib.pagemill_sampler_penalize(
+        _DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        out.stride(0),
+        int(not in_place),
+        n,
+        vocab,
+        rep.data_ptr(),
+        freq.data_ptr(),
+        pres.data_ptr(),
+        cols[0].data_ptr(),
+        cols[1].data_ptr(),
+        cols[2].data_ptr(),
+        cols[3].data_ptr(),
+        _ptr(offsets),
+        _ptr(ids),
+        _ptr(values),
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise ValueError(f"a logit_bias token id is outside the vocabulary of {vocab}")
+    _check(status)

@@ -259,6 +259,62 @@ void row_topk(const void* row, int64_t vocab, float t, int64_t k, TopkScratch& s
     }
 }
 
+// Scratch of one thread for `pagemill_sampler_penalize`: per token id, its count in the
+// row's output and whether the row has seen it (prompt or output); `touched` lists the ids
+// set, so that a row resets only those.
+struct PenaltyScratch {
+    std::vector<int32_t> count;
+    std::vector<uint8_t> seen;
+    std::vector<int64_t> touched;
+};
+
+inline void mark_seen(PenaltyScratch& sc, int64_t id) {
+    if (!sc.seen[id]) {
+        sc.seen[id] = 1;
+        sc.touched.push_back(id);
+    }
+}
+
+// Repetition, frequency and presence penalties of one fp32 row, at the ids it has seen
+// only, with the torch path's arithmetic: a repetition penalty divides a positive logit
+// and multiplies any other, then freq * count + presence is subtracted (product, sum and
+// difference each rounded to fp32, as torch's three ops round them: `volatile` keeps
+// -march=native from contracting the product and the sum into one fused multiply-add).
+// Ids outside [0, vocab) have no logit and are skipped, as the torch path drops them.
+void penalize_row(float* row, int64_t vocab, float rep, float freq, float pres,
+                  const int64_t* prompt, int64_t prompt_len, const int64_t* output,
+                  int64_t output_len, PenaltyScratch& sc) {
+    const bool use_rep = rep != 1.0f;
+    const bool use_out = freq != 0.0f || pres != 0.0f;
+    if (!use_rep && !use_out) return;
+    if (use_rep) {
+        for (int64_t i = 0; i < prompt_len; ++i) {
+            const int64_t id = prompt[i];
+            if (id >= 0 && id < vocab) mark_seen(sc, id);
+        }
+    }
+    for (int64_t i = 0; i < output_len; ++i) {
+        const int64_t id = output[i];
+        if (id < 0 || id >= vocab) continue;
+        mark_seen(sc, id);
+        ++sc.count[id];
+    }
+    for (const int64_t id : sc.touched) {
+        float v = row[id];
+        if (use_rep) v = v > 0.0f ? v / rep : v * rep;
+        const int32_t c = sc.count[id];
+        if (use_out && c > 0) {
+            volatile float scaled = freq * static_cast<float>(c);
+            const float total = scaled + pres;
+            v = v - total;
+        }
+        row[id] = v;
+        sc.count[id] = 0;
+        sc.seen[id] = 0;
+    }
+    sc.touched.clear();
+}
+
 inline const void* row_ptr(const void* x, int dtype, int64_t stride, const int64_t* rows,
                            int64_t r) {
     const int64_t idx = rows ? rows[r] : r;
@@ -351,6 +407,58 @@ int pagemill_sampler_topk(int dtype, const void* x, int64_t stride, const int64_
                 row_topk<F32>(row, vocab, temperature[r], k, scratch, values + r * k, ids + r * k);
             else
                 row_topk<BF16>(row, vocab, temperature[r], k, scratch, values + r * k, ids + r * k);
+        }
+    }
+    return 0;
+}
+
+// The rules that change a few logits of a row, fused with the fp32 copy the sampler
+// samples from: dst row r = src row r (fp32 or bf16, converted; skipped when `copy` is 0
+// and dst is src), then logit_bias (bias_ids / bias_values [bias_off[r], bias_off[r+1])
+// added), then the penalties of `penalize_row` from the row's distinct prompt ids and
+// output ids (int64 arrays at the addresses prompt_ptr[r] / output_ptr[r], of
+// prompt_len[r] / output_len[r] entries; length 0 for none). The torch path's order:
+// bias first, so penalties see biased logits. Returns 0; -1 for an unknown dtype (or bf16
+// in place); -2 for
+// a bias id outside [0, vocab), with no row changed (checked before anything is written).
+int pagemill_sampler_penalize(int dtype, const void* src, int64_t src_stride, float* dst,
+                              int64_t dst_stride, int copy, int64_t n, int64_t vocab,
+                              const float* repetition, const float* frequency,
+                              const float* presence, const int64_t* prompt_ptr,
+                              const int64_t* prompt_len, const int64_t* output_ptr,
+                              const int64_t* output_len, const int64_t* bias_off,
+                              const int64_t* bias_ids, const float* bias_values,
+                              int num_threads) {
+    if ((dtype != 0 && dtype != 1) || (!copy && dtype != 0)) return -1;
+    if (bias_off) {
+        for (int64_t i = 0; i < bias_off[n]; ++i)
+            if (bias_ids[i] < 0 || bias_ids[i] >= vocab) return -2;
+    }
+#pragma omp parallel num_threads(num_threads) if (n > 1)
+    {
+        PenaltyScratch sc;
+        sc.count.assign(vocab, 0);
+        sc.seen.assign(vocab, 0);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) {
+            float* out = dst + r * dst_stride;
+            if (copy) {
+                if (dtype == 0) {
+                    std::memcpy(out, static_cast<const float*>(src) + r * src_stride,
+                                vocab * sizeof(float));
+                } else {
+                    const void* in = static_cast<const uint16_t*>(src) + r * src_stride;
+#pragma omp simd
+                    for (int64_t i = 0; i < vocab; ++i) out[i] = BF16::load(in, i);
+                }
+            }
+            if (bias_off) {
+                for (int64_t i = bias_off[r]; i < bias_off[r + 1]; ++i)
+                    out[bias_ids[i]] += bias_values[i];
+            }
+            penalize_row(out, vocab, repetition[r], frequency[r], presence[r],
+                         reinterpret_cast<const int64_t*>(prompt_ptr[r]), prompt_len[r],
+                         reinterpret_cast<const int64_t*>(output_ptr[r]), output_len[r], sc);
         }
     }
     return 0;

@@ -30,6 +30,63 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return gen
 
 
+class TokenHistory:
+    """One request's tokens as the native penalty pass reads them: its distinct prompt ids
+    and its output ids, in int64 arrays at fixed addresses.
+
+    Penalties need every token a row has seen at every step. Converting the token lists
+    whole each step is Python work per token (most of the penalties' cost at large
+    batches); this record is made once per request and `sync` appends only what the
+    output gained since the last step. It is bound to the sequence objects it was made
+    from: a row whose output is another sequence (a verified draft's history) gets a
+    history of its own (`matches`).
+    """
+
+    __slots__ = ("_buf", "_n", "output", "output_ptr", "prompt", "prompt_ids", "prompt_ptr")
+
+    def __init__(self, prompt: Sequence[int] | None, output: Sequence[int]) -> None:
+        self.prompt = prompt
+        self.output = output
+        ids = np.zeros(0, dtype=np.int64)
+        if prompt is not None and len(prompt):
+            ids = np.unique(np.fromiter(prompt, np.int64, len(prompt)))
+        self.prompt_ids = ids
+        self.prompt_ptr = ids.ctypes.data if ids.size else 0
+        self._buf = np.zeros(max(16, 2 * len(output)), dtype=np.int64)
+        self.output_ptr = self._buf.ctypes.data
+        self._n = 0
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        """The output as of the last `sync`."""
+        return self._buf[: self._n]
+
+    @property
+    def num_output(self) -> int:
+        return self._n
+
+    def matches(self, prompt: Sequence[int] | None, output: Sequence[int]) -> bool:
+        return output is self.output and (prompt is None or prompt is self.prompt)
+
+    def sync(self) -> int:
+        """Append the output's new tokens; returns the output's length."""
+        out = self.output
+        m = len(out)
+        n = self._n
+        if m == n:
+            return m
+        if m < n:  # never happens to a request's output; rebuilt rather than wrong
+            n = 0
+        if m > self._buf.size:
+            buf = np.zeros(2 * m, dtype=np.int64)
+            buf[:n] = self._buf[:n]
+            self._buf = buf
+            self.output_ptr = buf.ctypes.data
+        self._buf[n:m] = out[n:m]
+        self._n = m
+        return m
+
+
 @dataclass(frozen=True, slots=True)
 class LogitBias:
     """Sparse (row, token id, bias) triples, one per biased token of each row."""
@@ -40,6 +97,16 @@ class LogitBias:
     """[N] int64."""
     values: torch.Tensor
     """[N] fp32."""
+
+    def by_row(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(offsets [num_rows + 1], token ids, values) on the host, row r's biases at
+        offsets[r] .. offsets[r + 1] (what the native pass reads)."""
+        rows, ids, values = self.rows.cpu(), self.token_ids.cpu(), self.values.cpu()
+        if rows.numel() > 1 and not bool((rows[1:] >= rows[:-1]).all()):
+            order = rows.argsort(stable=True)
+            rows, ids, values = rows[order], ids[order], values[order]
+        counts = torch.bincount(rows, minlength=num_rows)
+        return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), ids, values
 
     @classmethod
     def from_rows(
@@ -220,6 +287,10 @@ class SamplingMetadata:
     bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
     """Row -> its bad words' token sequences, for rows with bad_words (checked against the
     row's output each step: the prefix is on the host, in `output_token_ids`)."""
+    token_histories: list[TokenHistory | None] | None = None
+    """Per row, its request's `TokenHistory` for the native penalty pass (made by the
+    sampler at first use where the builder had none: then kept here, so sampling with
+    the same metadata again appends only new tokens); None when no row has a penalty."""
 
     @property
     def num_rows(self) -> int:
@@ -237,6 +308,7 @@ class SamplingMetadata:
         banned_until_min: Sequence[frozenset[int]] | None = None,
         token_bitmask: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        token_histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplingMetadata:
         """The metadata of R rows: `columns` (R rows, as `SamplingColumns.set_row` wrote
         them from `params[i]`) plus what is not a number.
@@ -246,7 +318,9 @@ class SamplingMetadata:
         metadata again continues its stream). `banned_until_min[row]` adds ids (EOS, unless
         the request ignores it) to the row's own `stop_token_ids` as what cannot be sampled
         before `min_tokens`. `prompt_token_ids` are required when a row has a repetition
-        penalty (and dropped otherwise).
+        penalty (and dropped otherwise). `token_histories[row]`, kept by the caller across
+        steps, spares the penalties reading the row's whole history each step (it must
+        have been made from the very sequences passed as the row's prompt and output).
         """
         num_rows = len(params)
         for name, rows in (
@@ -254,6 +328,7 @@ class SamplingMetadata:
             ("output_token_ids", output_token_ids),
             ("prompt_token_ids", prompt_token_ids),
             ("banned_until_min", banned_until_min),
+            ("token_histories", token_histories),
         ):
             if rows is not None and len(rows) != num_rows:
                 raise ValueError(f"{name} has {len(rows)} rows for {num_rows} params")
@@ -284,6 +359,7 @@ class SamplingMetadata:
                 extra = banned_until_min[row] if banned_until_min is not None else frozenset()
                 min_tokens[row] = (p.min_tokens, frozenset(p.stop_token_ids) | extra)
         num_logprobs = int(columns.num_logprobs.max(initial=-1))
+        no_penalties = not (use_rep or columns.presence.any() or columns.frequency.any())
         return cls(
             temperature=tensor(columns.temperature),
             greedy=None if all_greedy or all_random else tensor(greedy),
@@ -294,7 +370,7 @@ class SamplingMetadata:
             min_p=tensor(columns.min_p) if bool((columns.min_p[random] > 0.0).any()) else None,
             max_top_k=int(top_k_random.max(initial=0)),
             generators=gens,
-            no_penalties=not (use_rep or columns.presence.any() or columns.frequency.any()),
+            no_penalties=no_penalties,
             presence_penalties=tensor(columns.presence),
             frequency_penalties=tensor(columns.frequency),
             repetition_penalties=tensor(columns.repetition),
@@ -310,6 +386,7 @@ class SamplingMetadata:
             if any_allowed
             else None,
             bad_words_token_ids=bad_words,
+            token_histories=None if no_penalties else list(token_histories or [None] * num_rows),
         )
 
     @classmethod

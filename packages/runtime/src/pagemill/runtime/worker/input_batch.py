@@ -28,12 +28,17 @@ request, the flattened batch and the sampling rows are plain prefixes of these a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagemill.runtime.sample.sampling_metadata import SamplingColumns, SamplingMetadata
+from pagemill.runtime.sample.sampling_metadata import (
+    SamplingColumns,
+    SamplingMetadata,
+    TokenHistory,
+)
 from pagemill.runtime.sampling_params import SamplingParams
 from pagemill.scheduler import Request
 
@@ -51,6 +56,12 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Ids that cannot be sampled before min_tokens: the stop ids, and EOS unless ignored.
     banned_until_min: frozenset[int]
+    # With a penalty: the views the metadata gets every time (the history is bound to
+    # them) and the request's token history, which survives every rebuild of the batch's
+    # metadata, so a step appends one token to it instead of re-reading the whole history.
+    prompt_view: Sequence[int] | None = None
+    output_view: Sequence[int] | None = None
+    history: TokenHistory | None = None
 
     @classmethod
     def create(cls, request: Request, device: torch.device) -> CachedRequestState:
@@ -64,7 +75,17 @@ class CachedRequestState:
         banned = set(request.stop_token_ids)
         if request.eos_token_id is not None and not request.ignore_eos:
             banned.add(request.eos_token_id)
-        return cls(request, params, gen, frozenset(banned))
+        state = cls(request, params, gen, frozenset(banned))
+        if (
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty != 0.0
+            or params.presence_penalty != 0.0
+        ):
+            state.prompt_view = request.prompt_token_ids
+            state.output_view = request.output_token_ids
+            prompt = state.prompt_view if params.repetition_penalty != 1.0 else None
+            state.history = TokenHistory(prompt, state.output_view)
+        return state
 
 
 class InputBatch:
@@ -200,9 +221,20 @@ class InputBatch:
         return SamplingMetadata.build(
             self.sampling_columns.take(sel),
             [s.params for s in states],
-            output_token_ids=[s.request.output_token_ids for s in states],
-            prompt_token_ids=[s.request.prompt_token_ids for s in states],
+            output_token_ids=[_output_of(s) for s in states],
+            prompt_token_ids=[_prompt_of(s) for s in states],
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             banned_until_min=[s.banned_until_min for s in states],
             device=self.device,
+            token_histories=[s.history for s in states],
         )
+
+
+def _output_of(state: CachedRequestState) -> Sequence[int]:
+    view = state.output_view
+    return state.request.output_token_ids if view is None else view
+
+
+def _prompt_of(state: CachedRequestState) -> Sequence[int]:
+    view = state.prompt_view
+    return state.request.prompt_token_ids if view is None else view
