@@ -306,7 +306,8 @@ class AsyncEngine(ModelFacts):
         if config.data_parallel_size > 1:
             from pagemill.runtime.engine.dp_client import DPClient
 
-            client = DPClient(
+            assets_future = _load_assets_in_background(config)
+            client = DPClient(  # returns once every core is ready
                 config,
                 engine_threads=engine_threads,
                 start_timeout=start_timeout,
@@ -320,13 +321,7 @@ class AsyncEngine(ModelFacts):
                 observer_factory=factory,
                 wait=False,
             )
-        # The front end's tokenizer loads while the core process starts (it is seconds of
-        # single-threaded Python on either side, so a start need not pay them one after the
-        # other). A download happens here: the core waits on the hub's file locks if it
-        # asks for the same files meanwhile.
-        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-assets")
-        assets_future = loading.submit(_load_assets, config)
-        loading.shutdown(wait=False)
+            assets_future = _load_assets_in_background(config)
         return EngineLaunch(cls, config, client, assets_future, watchers)
 
     # ------------------------------------------------------------ model facts
@@ -655,6 +650,17 @@ class AsyncEngine(ModelFacts):
         self.client.shutdown(timeout)
         self._output_thread.join(timeout)
         self.input_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_assets_in_background(config: EngineConfig) -> concurrent.futures.Future[ModelAssets]:
+    """The front end's tokenizer loads while the core process starts (it is seconds of
+    single-threaded Python on either side, so a start need not pay them one after the
+    other). A download happens here: the core waits on the hub's file locks if it asks for
+    the same files meanwhile."""
+    loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-assets")
+    future = loading.submit(_load_assets, config)
+    loading.shutdown(wait=False)
+    return future
 
 
 def _load_assets(config: EngineConfig) -> ModelAssets:
