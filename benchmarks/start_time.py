@@ -12,6 +12,9 @@ there.
     python benchmarks/start_time.py --warm 5 --json out.json
     python benchmarks/start_time.py --cache-dir ~/.cache/pagemill --cold 0   # warm only
     python benchmarks/start_time.py -- --max-num-seqs 64  # flags after -- go to serve
+    # A/B: warm starts of another checkout (git worktree add /tmp/base main) and of this
+    # one, alternated in one run, with per-phase medians and paired ratios:
+    python benchmarks/start_time.py --cold 0 --warm 5 --cache-dir DIR --baseline /tmp/base
 
 Figures are printed (and written to --json, with every log line's time); nothing is asserted.
 """
@@ -35,6 +38,8 @@ from typing import Any
 
 # (phase, pattern of the first log line that ends it)
 PHASES = [
+    ("api process", re.compile(r"pagemill: loading ")),
+    ("core torch", re.compile(r"torch threads")),
     ("model folder", re.compile(r"loading \S+ \(")),
     ("weights", re.compile(r"loaded \S+ \(")),
     ("kv pool", re.compile(r"KV|kv cache|blocks", re.IGNORECASE)),
@@ -57,9 +62,54 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def one_start(cache_dir: Path, serve_args: list[str], timeout: float) -> dict[str, Any]:
+def _tree_cpu(root: int) -> float | None:
+    """CPU seconds (user + system) used so far by `root` and every live process under it
+    (Linux /proc; None elsewhere): what a start cost up to now, whatever the load."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        parent[int(name)] = int(fields[1])
+        cpu[int(name)] = (int(fields[11]) + int(fields[12])) / tick
+    if root not in cpu:
+        return None
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += [child for child, ppid in parent.items() if ppid == pid]
+    return total
+
+
+def _source_env(src_root: Path | None) -> dict[str, str]:
+    """The environment that runs another checkout's packages (its packages/*/src first on
+    the path: pagemill is a namespace package, its parts found in path order)."""
+    if src_root is None:
+        return {}
+    paths = sorted(str(p) for p in (src_root / "packages").glob("*/src"))
+    if not paths:
+        raise SystemExit(f"--baseline {src_root}: no packages/*/src there")
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))}
+
+
+def one_start(
+    cache_dir: Path, serve_args: list[str], timeout: float, src_root: Path | None = None
+) -> dict[str, Any]:
     port = _free_port()
-    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache_dir))
+    env = dict(os.environ, PAGEMILL_CACHE_DIR=str(cache_dir), **_source_env(src_root))
     cmd = [sys.executable, "-m", "pagemill.server.cli", "serve", "--port", str(port)]
     cmd += serve_args
     lines: list[tuple[float, str]] = []
@@ -76,10 +126,11 @@ def one_start(cache_dir: Path, serve_args: list[str], timeout: float) -> dict[st
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    wall = None
+    wall = cpu_healthy = None
     while time.perf_counter() - t0 < timeout and proc.poll() is None:
         if _healthy(port):
             wall = time.perf_counter() - t0
+            cpu_healthy = _tree_cpu(proc.pid)
             break
         time.sleep(0.05)
     proc.terminate()
@@ -103,7 +154,43 @@ def one_start(cache_dir: Path, serve_args: list[str], timeout: float) -> dict[st
         tail = "\n".join(line for _, line in lines[-20:])
         raise RuntimeError(f"the server did not become healthy (rc {proc.returncode}):\n{tail}")
     log = [[round(t, 2), line] for t, line in lines]  # every line, when it came (--json)
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "phases": phases, "log": log}
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        # The server's and its children's CPU seconds when /health first answered.
+        "cpu_healthy_s": None if cpu_healthy is None else round(cpu_healthy, 2),
+        "phases": phases,
+        "log": log,
+    }
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def _print_ab(starts: list[dict[str, Any]]) -> None:
+    """Per phase: the baseline's and this tree's medians, and the median of the ratios of
+    the starts of the same round (new / baseline), which the load shifts less."""
+    base = [r for r in starts if r["kind"] == "baseline"]
+    new = [r for r in starts if r["kind"] == "warm"]
+
+    def value(r: dict[str, Any], name: str) -> float | None:
+        return r[name] if name in r else r["phases"].get(name)
+
+    names = ["wall_s", "cpu_healthy_s"] + [name for name, _ in PHASES]
+    print(f"{'':16} {'baseline':>9} {'this':>9} {'paired ratio':>13}")
+    for name in names:
+        pairs = [(value(b, name), value(n, name)) for b, n in zip(base, new)]
+        pairs = [(b, n) for b, n in pairs if b is not None and n is not None]
+        if not pairs:
+            continue
+        ratios = [n / b for b, n in pairs if b > 0]
+        print(
+            f"{name:16} {_median([b for b, _ in pairs]):9.2f} {_median([n for _, n in pairs]):9.2f}"
+            f" {(_median(ratios) if ratios else float('nan')):13.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the cache folder for warm starts (default: the cold start's fresh one)",
     )
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per start")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="CHECKOUT",
+        help="also start another checkout's server (its packages/*/src, this venv), "
+        "alternating with this one for each warm start; prints paired ratios",
+    )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -144,15 +239,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
     if cache is None:
         ap.error("--cold 0 needs --cache-dir (warm starts need a filled cache)")
-    for _ in range(args.warm):
-        r = {"kind": "warm", **one_start(cache, serve_args, args.timeout)}
-        result["starts"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
+    for i in range(args.warm):
+        # With a baseline, each round starts both, in alternating order.
+        sides = [("warm", None)]
+        if args.baseline is not None:
+            sides = [("warm", None), ("baseline", args.baseline)][:: 1 if i % 2 else -1]
+        for kind, src in sides:
+            r = {"kind": kind, **one_start(cache, serve_args, args.timeout, src)}
+            result["starts"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
     result["loadavg_end"] = os.getloadavg()
     print(
         f"cache folder: {cache}; load average {result['loadavg_start']} -> {result['loadavg_end']}"
     )
-    for kind in ("cold", "warm"):
+    for kind in ("cold", "baseline", "warm"):
         rows = [r for r in result["starts"] if r["kind"] == kind]
         if rows:
             walls = sorted(r["wall_s"] for r in rows)
@@ -162,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"(min {walls[0]:.1f}), CPU median {cpus[len(cpus) // 2]:.1f} s "
                 f"(min {cpus[0]:.1f})"
             )
+    if args.baseline is not None:
+        _print_ab(result["starts"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

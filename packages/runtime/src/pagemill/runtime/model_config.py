@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,14 +217,23 @@ def _architecture(raw: dict[str, Any], *, require_supported: bool) -> str:
     return str(archs[0]) if archs else str(raw.get("model_type") or "unknown")
 
 
-def _with_hf_defaults(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+def _with_hf_defaults(raw: dict[str, Any], path: Path, text: str = "") -> dict[str, Any]:
     """Fill the keys a checkpoint leaves to its transformers config class's defaults.
 
     Reading through the config class (rather than trusting the JSON alone) gives the same
     defaults, legacy-key upgrades and rope normalisation that transformers itself applies,
     which is what greedy equality with transformers depends on. Imported here, not at the
-    top, so that parsing a dict never needs transformers.
+    top, so that parsing a dict never needs transformers. The result is kept in the cache
+    folder, keyed by config.json's text (`text`) and transformers' version: importing the
+    config classes is seconds of an engine process's start, which then needs no
+    transformers at all.
     """
+    cache = _hf_defaults_file(text) if text else None
+    if cache is not None and cache.is_file():
+        try:
+            return _from_json(cache.read_text())
+        except (OSError, ValueError, AttributeError):  # a broken entry is written again
+            pass
     try:
         from transformers import AutoConfig
 
@@ -233,7 +243,57 @@ def _with_hf_defaults(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         return raw
     merged = hf.to_dict()
     merged.setdefault("architectures", raw.get("architectures"))
+    if cache is not None:
+        _save_hf_defaults(cache, merged)
     return merged
+
+
+# Bump when what `_with_hf_defaults` keeps changes.
+_HF_DEFAULTS_VERSION = 1
+
+
+def _hf_defaults_file(text: str) -> Path | None:
+    """Where the filled config of this config.json text is kept; None without transformers
+    or with PAGEMILL_HF_CONFIG_CACHE=0."""
+    import hashlib
+    import importlib.metadata
+
+    if os.environ.get("PAGEMILL_HF_CONFIG_CACHE", "1").strip().lower() in ("0", "false", "no"):
+        return None
+    try:
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    from pagemill.runtime.model_executor.default_model import cache_dir
+
+    key = hashlib.sha256(f"{_HF_DEFAULTS_VERSION}\0{version}\0{text}".encode()).hexdigest()
+    return cache_dir() / "hf-configs" / f"{key[:32]}.json"
+
+
+def _from_json(text: str) -> dict[str, Any]:
+    """A kept config as `to_dict()` gave it: JSON makes id2label's int keys strings, and
+    transformers' own config classes turn them back the same way."""
+    merged: dict[str, Any] = json.loads(text)
+    if isinstance(merged.get("id2label"), dict):
+        merged["id2label"] = {int(k): v for k, v in merged["id2label"].items()}
+    return merged
+
+
+def _save_hf_defaults(cache: Path, merged: dict[str, Any]) -> None:
+    """Kept only when it reads back as exactly the same dict (no tuples, say), so a cached
+    read never differs from transformers' own; a folder that cannot be written to only
+    costs the next start the transformers import."""
+    try:
+        text = json.dumps(merged)
+        if _from_json(text) != merged:
+            logger.debug("not keeping the filled config: JSON does not give it back")
+            return
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(cache)
+    except (OSError, TypeError, ValueError) as e:
+        logger.debug("could not keep the filled config in %s: %s", cache, e)
 
 
 @dataclass
@@ -361,11 +421,12 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+        text = config_file.read_text()
         try:
-            raw = json.loads(config_file.read_text())
+            raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_file} is not valid JSON: {e}") from e
-        raw = _with_hf_defaults(raw, path)
+        raw = _with_hf_defaults(raw, path, text)
         gen_file = path / "generation_config.json"
         gen = None
         if gen_file.is_file():

@@ -48,7 +48,6 @@ from pagemill.runtime.engine.core_client import (
     ThreadedClient,
 )
 from pagemill.runtime.engine.front_end import ModelFacts
-from pagemill.runtime.engine.llm_engine import EngineStats, make_processors
 from pagemill.runtime.engine.output_processor import IterationStats
 from pagemill.runtime.engine.protocol import (
     EngineCoreOutputs,
@@ -63,6 +62,7 @@ if TYPE_CHECKING:
     from pagemill.runtime.config import EngineConfig
     from pagemill.runtime.engine.core import EngineCore
     from pagemill.runtime.engine.input_processor import InputProcessor
+    from pagemill.runtime.engine.llm_engine import EngineStats
     from pagemill.runtime.engine.model_assets import ModelAssets
     from pagemill.runtime.engine.output_processor import OutputProcessor
     from pagemill.runtime.outputs import EmbeddingRequestOutput, RequestOutput
@@ -81,6 +81,7 @@ T = TypeVar("T")
 __all__ = [
     "AsyncEngine",
     "EngineDeadError",
+    "EngineLaunch",
     "QueueFullError",
     "ServerShuttingDownError",
     "StepObserver",
@@ -198,6 +199,10 @@ class AsyncEngine(ModelFacts):
         elif client is None or assets is None:
             raise TypeError("AsyncEngine needs an LLMEngine, or a client and its model assets")
         else:
+            # Imported here: what `AsyncEngine.start` needs must not import the engine (and
+            # torch) before the core process is started.
+            from pagemill.runtime.engine.llm_engine import make_processors
+
             self.input_processor, self.output_processor = make_processors(
                 assets, client.info, config
             )
@@ -255,11 +260,35 @@ class AsyncEngine(ModelFacts):
         intra-op threads there (None: on CPU one per usable core, see
         `core_client.default_engine_threads`). `submit`/`call` then take picklable
         functions. `dashboard` lets the core take pictures for the dashboard page.
+        `AsyncEngine.start` is the same in two halves.
         """
+        launch = cls.start(
+            config,
+            engine_threads=engine_threads,
+            start_timeout=start_timeout,
+            dashboard=dashboard,
+            **engine_kwargs,
+        )
+        return launch.result(max_pending=max_pending, observer=observer)
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig | None = None,
+        *,
+        engine_threads: int | None = None,
+        start_timeout: float | None = None,
+        dashboard: DashboardSettings | None = None,
+        **engine_kwargs: Any,
+    ) -> EngineLaunch:
+        """Start the core process (and the front end's tokenizer load) and return at once;
+        `.result()` waits for both and returns the front end, as `launch` does. The
+        caller's own start-up (the server's imports, its app) runs meanwhile, beside the
+        core's: so that it does, this module imports nothing heavy before the process is
+        started."""
         import multiprocessing
 
         from pagemill.runtime.config import EngineConfig
-        from pagemill.runtime.engine.model_assets import ModelAssets
 
         if config is None:
             config = EngineConfig.from_kwargs(**engine_kwargs)  # bad options fail here
@@ -267,47 +296,33 @@ class AsyncEngine(ModelFacts):
             raise TypeError("pass either an EngineConfig or keyword arguments, not both")
         if engine_threads is not None and engine_threads < 1:
             raise ValueError(f"engine_threads must be None or >= 1, got {engine_threads}")
-        # The front end's tokenizer loads while the core process starts (it is seconds of
-        # single-threaded Python on either side, so a start need not pay them one after the
-        # other). A download happens here: the core waits on the hub's file locks if it
-        # asks for the same files meanwhile.
-        loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-assets")
-        assets_future = loading.submit(ModelAssets.load, config)
-        loading.shutdown(wait=False)
         watchers = factory = None
         if dashboard is not None:
             from pagemill.server.dashboard.tap import SnapshotTap
 
             watchers = multiprocessing.get_context("spawn").RawValue("i", 0)
             factory = functools.partial(SnapshotTap, dashboard, watchers)
-        make_client: Any = MPClient
+        client: Any
         if config.data_parallel_size > 1:
             from pagemill.runtime.engine.dp_client import DPClient
 
-            make_client = DPClient
-        client = make_client(
-            config,
-            engine_threads=engine_threads,
-            start_timeout=start_timeout,
-            observer_factory=factory,
-        )
-        try:
-            try:
-                assets = assets_future.result()
-            except Exception as exc:  # as a core that cannot start: RuntimeError saying why
-                raise RuntimeError(f"the engine could not start: {exc}") from exc
-            front = cls(
-                max_pending=max_pending,
-                observer=observer,
-                client=client,
-                assets=assets,
-                config=config,
+            assets_future = _load_assets_in_background(config)
+            client = DPClient(  # returns once every core is ready
+                config,
+                engine_threads=engine_threads,
+                start_timeout=start_timeout,
+                observer_factory=factory,
             )
-        except BaseException:
-            client.shutdown()
-            raise
-        front.dashboard_watchers = watchers
-        return front
+        else:
+            client = MPClient(
+                config,
+                engine_threads=engine_threads,
+                start_timeout=start_timeout,
+                observer_factory=factory,
+                wait=False,
+            )
+            assets_future = _load_assets_in_background(config)
+        return EngineLaunch(cls, config, client, assets_future, watchers)
 
     # ------------------------------------------------------------ model facts
 
@@ -325,6 +340,8 @@ class AsyncEngine(ModelFacts):
             return self.output_processor.prompt_of(request_id)
 
     def get_stats(self) -> EngineStats:
+        from pagemill.runtime.engine.llm_engine import EngineStats
+
         return EngineStats.combine(self._core_stats, self.output_processor)
 
     # ------------------------------------------------------------ state
@@ -633,3 +650,70 @@ class AsyncEngine(ModelFacts):
         self.client.shutdown(timeout)
         self._output_thread.join(timeout)
         self.input_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_assets_in_background(config: EngineConfig) -> concurrent.futures.Future[ModelAssets]:
+    """The front end's tokenizer loads while the core process starts (it is seconds of
+    single-threaded Python on either side, so a start need not pay them one after the
+    other). A download happens here: the core waits on the hub's file locks if it asks for
+    the same files meanwhile."""
+    loading = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-assets")
+    future = loading.submit(_load_assets, config)
+    loading.shutdown(wait=False)
+    return future
+
+
+def _load_assets(config: EngineConfig) -> ModelAssets:
+    # Imported on the loading thread: the module brings torch (seconds) with it.
+    from pagemill.runtime.engine.model_assets import ModelAssets
+
+    return ModelAssets.load(config)
+
+
+class EngineLaunch:
+    """A core process being started and the front end's assets loading (`AsyncEngine.start`)."""
+
+    def __init__(
+        self,
+        engine_cls: type[AsyncEngine],
+        config: EngineConfig,
+        client: EngineCoreClient,
+        assets: concurrent.futures.Future[ModelAssets],
+        watchers: WatcherCount | None,
+    ) -> None:
+        self.engine_cls = engine_cls
+        self.config = config
+        self.client = client
+        self.assets = assets
+        self.watchers = watchers
+
+    def result(
+        self, *, max_pending: int | None = None, observer: StepObserver | None = None
+    ) -> AsyncEngine:
+        """The front end once the core is ready; RuntimeError saying why if it could not
+        start (its process is stopped then)."""
+        client = self.client
+        try:
+            wait_ready = getattr(client, "wait_ready", None)
+            if wait_ready is not None:
+                wait_ready()
+            try:
+                assets = self.assets.result()
+            except Exception as exc:  # as a core that cannot start: RuntimeError saying why
+                raise RuntimeError(f"the engine could not start: {exc}") from exc
+            front = self.engine_cls(
+                max_pending=max_pending,
+                observer=observer,
+                client=client,
+                assets=assets,
+                config=self.config,
+            )
+        except BaseException:
+            client.shutdown()
+            raise
+        front.dashboard_watchers = self.watchers
+        return front
+
+    def cancel(self) -> None:
+        """Stop the core (the caller will not serve after all)."""
+        self.client.shutdown()

@@ -253,29 +253,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray or args.num_replicas is not None or args.max_replicas is not None:
         return _serve_on_ray(args, config)
     check_model(config)
-    from pagemill.server.entrypoints.openai.serving_lora import parse_lora_modules
+    lora_modules: list[tuple[str, str]] = []
+    if args.lora_modules:
+        from pagemill.server.entrypoints.openai.serving_lora import parse_lora_modules
 
-    try:
-        lora_modules = parse_lora_modules(args.lora_modules or [])
-    except ValueError as exc:
-        print(f"pagemill: {exc}", file=sys.stderr)
-        return 2
+        try:
+            lora_modules = parse_lora_modules(args.lora_modules)
+        except ValueError as exc:
+            print(f"pagemill: {exc}", file=sys.stderr)
+            return 2
     if lora_modules and not config.enable_lora:
         print("pagemill: --lora-modules needs --enable-lora", file=sys.stderr)
         return 2
-
-    from pagemill.server.async_engine import AsyncEngine
-    from pagemill.server.entrypoints.connection_limits import ConnectionLimits
-    from pagemill.server.entrypoints.openai.api_server import build_app
-    from pagemill.server.entrypoints.shutdown import serve
-    from pagemill.server.entrypoints.watchdog import Watchdog
-    from pagemill.server.metrics import EngineMetrics
-
-    names = args.served_model_name or [config.model]
-    name = names[0]  # what responses and metrics report; every name is accepted
-    log = logging.getLogger("pagemill")
-    log.info("loading %s", config.model)
-    metrics = EngineMetrics(name)
     api_key = resolve_api_key(args.api_key)
     if args.metrics_require_api_key and api_key is None:
         print(
@@ -283,27 +272,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    hub = settings = None
+
+    from pagemill.server.async_engine import AsyncEngine
+
+    names = args.served_model_name or [config.model]
+    name = names[0]  # what responses and metrics report; every name is accepted
+    log = logging.getLogger("pagemill")
+    log.info("loading %s", config.model)
+    settings = None
     if dashboard_enabled(args.dashboard, args.host, api_key):
-        from pagemill.server.dashboard import DashboardHub, DashboardSettings
+        from pagemill.server.dashboard.tap import DashboardSettings
 
         settings = DashboardSettings(args.dashboard_interval, args.dashboard_show_prompts)
-        hub = DashboardHub(settings, model_name=name)
-    elif args.dashboard is None:
-        log.info(
-            "no dashboard: %s is not a loopback address and there is no API key "
-            "(--dashboard serves it anyway)",
-            args.host,
-        )
+    launch = None
     if args.engine_process:
-        # The engine core in its own process: no GIL shared with the HTTP side.
-        client = AsyncEngine.launch(
-            config,
-            max_pending=args.max_queue_len,
-            observer=metrics,
-            engine_threads=args.engine_threads,
-            dashboard=settings,
-        )
+        # The engine core in its own process (no GIL shared with the HTTP side), started
+        # before this process imports the server and the engine's front end: the two
+        # starts then run side by side.
+        launch = AsyncEngine.start(config, engine_threads=args.engine_threads, dashboard=settings)
+    try:
+        from pagemill.server.entrypoints.connection_limits import ConnectionLimits
+        from pagemill.server.entrypoints.openai.api_server import build_app
+        from pagemill.server.entrypoints.shutdown import serve
+        from pagemill.server.entrypoints.watchdog import Watchdog
+        from pagemill.server.metrics import EngineMetrics
+
+        metrics = EngineMetrics(name)
+        hub = None
+        if settings is not None:
+            from pagemill.server.dashboard import DashboardHub
+
+            hub = DashboardHub(settings, model_name=name)
+        elif args.dashboard is None:
+            log.info(
+                "no dashboard: %s is not a loopback address and there is no API key "
+                "(--dashboard serves it anyway)",
+                args.host,
+            )
+    except BaseException:
+        if launch is not None:
+            launch.cancel()
+        raise
+    if launch is not None:
+        client = launch.result(max_pending=args.max_queue_len, observer=metrics)
     else:
         from pagemill.runtime.engine.core_client import default_engine_threads
 

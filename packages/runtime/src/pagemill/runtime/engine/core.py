@@ -44,10 +44,7 @@ from pagemill.runtime.model_executor.kv_scales import (
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
-from pagemill.runtime.sample.structured_output import (
-    StructuredOutputManager,
-    grammar_failure_message,
-)
+from pagemill.runtime.sample.structured_output import grammar_failure_message
 from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes, prepare_target
 from pagemill.runtime.worker.compilation import (
     ENFORCE_EAGER_ENV,
@@ -60,6 +57,7 @@ from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler,
 
 if TYPE_CHECKING:
     from pagemill.runtime.distributed.launcher import TensorParallelWorkers
+    from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -415,13 +413,14 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
         """Build a core from its config alone (what a core process receives): the model
-        folder, its config and, for grammars only, its tokenizer."""
+        folder and its config. The tokenizer serves grammars only, so it loads (with
+        xgrammar) when the grammars' `prestart()` is called once the core is up, or at the
+        first grammar: a start does not wait for it."""
         from pagemill.runtime.engine.model_assets import ModelAssets
 
-        assets = ModelAssets.load(config)
-        return cls(
-            config, assets.path, assets.model_config, assets.structured_output_manager(config)
-        )
+        assets = ModelAssets.load(config, tokenizer=False)
+        grammars = assets.structured_output_manager(config, deferred=True)
+        return cls(config, assets.path, assets.model_config, grammars)
 
     def ready_message(self) -> EngineCoreReady:
         """What the front end learns once the core is built."""

@@ -611,6 +611,9 @@ def run_engine_core(
     observer = observer_factory() if observer_factory is not None else None
     loop = EngineCoreLoop(core, recv, sender.send, heartbeat, observer)
     sender.send(core.ready_message())
+    if core.structured_output is not None:
+        # The tokenizer and xgrammar, for grammars: loaded now that the start is done.
+        core.structured_output.prestart()
     try:
         loop.run()
     except BaseException as exc:
@@ -622,7 +625,12 @@ def run_engine_core(
 
 class MPClient(_LoopClient):
     """The engine core in a spawned process; returns once it reported ready and raises
-    RuntimeError (saying why) if it could not be built."""
+    RuntimeError (saying why) if it could not be built.
+
+    With `wait=False` it returns as soon as the process is started, and `wait_ready()`
+    then finishes the start: the caller does its own start-up work (imports, the
+    tokenizer) while the core's runs on another core. Nothing else may be called first.
+    """
 
     def __init__(
         self,
@@ -631,6 +639,7 @@ class MPClient(_LoopClient):
         engine_threads: int | None = None,
         start_timeout: float | None = None,
         observer_factory: Callable[[], CoreObserver] | None = None,
+        wait: bool = True,
     ) -> None:
         super().__init__()
         if engine_threads is not None and engine_threads < 1:
@@ -664,9 +673,20 @@ class MPClient(_LoopClient):
         out_write.close()
         self._commands_conn = cmd_write
         self._outputs_conn = out_read
+        self._start_timeout = start_timeout
+        self._started = False
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> EngineCoreReady:
+        """Wait until the core reported ready (at once if it has); raises RuntimeError
+        saying why if it could not be built, having stopped its process."""
+        if self._started:
+            return self.info
         try:
-            self.info = self._wait_ready(start_timeout)
+            self.info = self._wait_ready(self._start_timeout)
         except BaseException:
+            self._closed = True
             self._kill()
             raise
         # Commands are encoded and written on a thread of their own, so neither the event
@@ -676,6 +696,8 @@ class MPClient(_LoopClient):
             target=self._read_loop, name="pagemill-engine-reader", daemon=True
         )
         self._reader.start()
+        self._started = True
+        return self.info
 
     def _wait_ready(self, timeout: float | None) -> EngineCoreReady:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -804,6 +826,10 @@ class MPClient(_LoopClient):
         if self._closed:
             return
         self._closed = True
+        if not self._started:  # still starting (wait=False): nothing to say goodbye to
+            self._kill()
+            self._die(None)
+            return
         self._write(Shutdown())
         self._writer.close(timeout)
         self.process.join(timeout)

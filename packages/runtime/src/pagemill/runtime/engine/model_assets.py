@@ -45,31 +45,52 @@ class ModelAssets:
     generation_defaults: dict[str, Any]
 
     @classmethod
-    def load(cls, config: EngineConfig) -> ModelAssets:
+    def load(cls, config: EngineConfig, *, tokenizer: bool = True) -> ModelAssets:
         """Resolve the model (a Hub id is downloaded here, once), check the folder, read its
-        config, tokenizer (with `--chat-template` applied) and generation defaults."""
+        config, tokenizer (with `--chat-template` applied) and generation defaults.
+
+        `tokenizer=False` (an engine core process, which needs it only for grammars) leaves
+        it unloaded: see `structured_output_manager(deferred=True)`."""
         path = resolve_model_path(config.model, config.revision)
         check_model_folder(path, config.load_format)
         model_config = ModelConfig.from_pretrained(path)
-        tokenizer = load_tokenizer(
-            resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path)
-        )
-        apply_chat_template_override(tokenizer, config.chat_template)
+        loaded = None
+        if tokenizer:
+            loaded = _load_tokenizer(config, path)
+            apply_chat_template_override(loaded, config.chat_template)
         defaults = load_generation_defaults(
             config.generation_config, path, config.override_generation_config
         )
-        return cls(path, model_config, tokenizer, defaults)
+        return cls(path, model_config, loaded, defaults)
 
     @property
     def eos_token_ids(self) -> list[int]:
         return eos_ids(self.tokenizer, self.model_config.eos_token_ids)
 
-    def structured_output_manager(self, config: EngineConfig) -> StructuredOutputManager | None:
-        """The core's grammar state; None for a model without a tokenizer."""
-        if self.tokenizer is None:
-            return None
+    def structured_output_manager(
+        self, config: EngineConfig, *, deferred: bool = False
+    ) -> StructuredOutputManager | None:
+        """The core's grammar state; None for a model without a tokenizer.
+
+        `deferred`: the tokenizer (and xgrammar) load at the manager's `prestart()` or its
+        first grammar, not now; a model without a tokenizer then refuses each grammar."""
         from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
+        if deferred:
+            model_eos = self.model_config.eos_token_ids
+
+            def load() -> tuple[Any, list[int]]:
+                tokenizer = _load_tokenizer(config, self.path)
+                return tokenizer, eos_ids(tokenizer, model_eos)
+
+            return StructuredOutputManager.deferred(
+                load,
+                self.model_config.vocab_size,
+                config.scheduler.max_num_seqs,
+                config.structured_outputs,
+            )
+        if self.tokenizer is None:
+            return None
         return StructuredOutputManager(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -77,3 +98,7 @@ class ModelAssets:
             config.scheduler.max_num_seqs,
             config.structured_outputs,
         )
+
+
+def _load_tokenizer(config: EngineConfig, path: Path) -> Any | None:
+    return load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path))

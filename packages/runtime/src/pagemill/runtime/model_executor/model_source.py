@@ -37,8 +37,6 @@ from pagemill.runtime.model_executor.default_model import (
 from pagemill.runtime.model_executor.default_model import (
     gguf_for_folder as _default_gguf_for_folder,
 )
-from pagemill.runtime.model_executor.gguf_model import gguf_file_for_folder, prepare_gguf_folder
-from pagemill.runtime.model_executor.gguf_split import SHARD_NAME, gguf_in_folder
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +88,20 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSource:
     """The local files of `model` (see the module docstring for the order)."""
     if is_default_model_name(model):
         return ModelSource(model, "default", ensure_default_model())
+    # The GGUF modules are imported where needed: they need torch, which the CLI's check
+    # of a name does not wait for.
     path = Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
+        from pagemill.runtime.model_executor.gguf_split import gguf_in_folder
+
         # A folder of one GGUF model (a split one's shards, typically) is that model.
         found = gguf_in_folder(path)
         if found is not None:
             path = found
     if path.is_dir():
         return ModelSource(model, "folder", path)
+    from pagemill.runtime.model_executor.gguf_model import gguf_file_for_folder, prepare_gguf_folder
+
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(
@@ -198,6 +202,8 @@ def resolve_tokenizer(name: str) -> str:
 def download_gguf_from_hub(repo_id: str, quant: str, revision: str | None = None) -> Path:
     """The one `.gguf` file of quantization `quant` in Hub repository `repo_id` (the first
     shard, when that quantization is one split file)."""
+    from pagemill.runtime.model_executor.gguf_split import SHARD_NAME
+
     folder = _snapshot(repo_id, revision, [f"*{quant}*.gguf", f"*{quant.lower()}*.gguf"])
     files = sorted(
         p for p in folder.rglob("*.gguf") if quant.lower() in p.name.lower() and p.is_file()
@@ -231,6 +237,8 @@ def _check_architecture(config_file: Path) -> None:
 def gguf_for_folder(folder: str | Path) -> Path | None:
     """The GGUF file a resolved folder's weights come from (the default model's, or a
     `.gguf` model's), or None when its weights are its safetensors."""
+    from pagemill.runtime.model_executor.gguf_model import gguf_file_for_folder
+
     return _default_gguf_for_folder(folder) or gguf_file_for_folder(folder)
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING, Any
 
 from pagemill.runtime.sample.structured_output.params import GrammarKey
 from pagemill.runtime.sample.structured_output.worker import compile_key
+
+if TYPE_CHECKING:  # imported where first used: it costs an engine's start seconds
+    import xgrammar as xgr
 
 
 class GrammarCompiler:
@@ -41,6 +42,8 @@ class GrammarCompiler:
 
     @property
     def tokenizer_info(self) -> xgr.TokenizerInfo:
+        import xgrammar as xgr
+
         with self._lock:
             if self._info is None:
                 self._info = xgr.TokenizerInfo.from_huggingface(
@@ -51,6 +54,8 @@ class GrammarCompiler:
             return self._info
 
     def _get(self) -> xgr.GrammarCompiler:
+        import xgrammar as xgr
+
         info = self.tokenizer_info
         with self._lock:
             if self._compiler is None:

@@ -19,12 +19,11 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from pagemill.runtime.sample.structured_output.compiler import GrammarCompiler
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
@@ -35,9 +34,15 @@ from pagemill.runtime.sample.structured_output.worker import (
     GrammarCompileError,
 )
 
+if TYPE_CHECKING:  # imported where first needed: the import costs an engine's start seconds
+    import xgrammar as xgr
+
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 512
+
+# What a deferred manager calls, once, for the tokenizer and the stop ids its grammars end on.
+TokenizerLoader = Callable[[], tuple[Any, Sequence[int]]]
 
 
 @dataclass(slots=True)
@@ -76,7 +81,13 @@ class _Entry:
 
 
 class StructuredOutputManager:
-    """Compiled-grammar cache and matchers, driven from the engine thread only."""
+    """Compiled-grammar cache and matchers, driven from the engine thread only.
+
+    Give it the tokenizer and the stop ids, or (`StructuredOutputManager.deferred`) a
+    function that loads them: an engine core process then starts without the tokenizer
+    or xgrammar, and loads them when `prestart()` is called after its start or when the
+    first grammar needs them, whichever comes first.
+    """
 
     def __init__(
         self,
@@ -87,39 +98,103 @@ class StructuredOutputManager:
         config: StructuredOutputsConfig | None = None,
         *,
         prestart: bool = True,
+        load_tokenizer: TokenizerLoader | None = None,
     ) -> None:
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
         self.config = config = config or StructuredOutputsConfig()
         self.cache_limit_bytes = config.structured_outputs_cache_bytes
-        self.compiler = GrammarCompiler(
-            tokenizer, vocab_size, stop_token_ids, cache_limit_bytes=self.cache_limit_bytes
-        )
-        # Started now, in the background (the first start of the forkserver imports
-        # xgrammar and torch: seconds), so the first grammar does not wait for it.
+        self._compiler: GrammarCompiler | None = None
+        self._load_tokenizer = load_tokenizer
+        if load_tokenizer is None:
+            self._compiler = GrammarCompiler(
+                tokenizer, vocab_size, stop_token_ids, cache_limit_bytes=self.cache_limit_bytes
+            )
         self._workers: CompileWorkers | None = None
         self._workers_lock = threading.Lock()
-        if prestart:
-            threading.Thread(
-                target=self._start_workers, name="pagemill-grammar-start", daemon=True
-            ).start()
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
-        self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
+        # Allocated with the workers (by xgrammar): a row is only read once a grammar is in.
+        self._bitmask: torch.Tensor | None = None
         self._draft_bitmask: torch.Tensor | None = None
         self.num_compiles = 0
         self._cache_bytes = 0
+        if prestart:
+            self.prestart()
+
+    @classmethod
+    def deferred(
+        cls,
+        load_tokenizer: TokenizerLoader,
+        vocab_size: int,
+        max_num_seqs: int,
+        config: StructuredOutputsConfig | None = None,
+    ) -> StructuredOutputManager:
+        """A manager that loads the tokenizer (and xgrammar) only at `prestart()` or at
+        its first grammar; `load_tokenizer` returns (tokenizer or None, stop ids)."""
+        return cls(
+            None,
+            vocab_size,
+            (),
+            max_num_seqs,
+            config,
+            prestart=False,
+            load_tokenizer=load_tokenizer,
+        )
+
+    def prestart(self) -> None:
+        """Start the compile workers in the background (the tokenizer's table, and the
+        first start of the workers' zygote imports xgrammar and torch: seconds), so the
+        first grammar does not wait for them."""
+        threading.Thread(
+            target=self._start_workers_quietly, name="pagemill-grammar-start", daemon=True
+        ).start()
+
+    def _start_workers_quietly(self) -> None:
+        try:
+            self._start_workers()
+        except Exception as exc:  # said again to the first request that needs a grammar
+            logger.warning("structured output is not available: %s", exc)
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The tokenizer's side of compiling (a deferred manager loads the tokenizer now)."""
+        if self._compiler is None:
+            with self._workers_lock:
+                self._make_compiler()
+        assert self._compiler is not None
+        return self._compiler
+
+    def _make_compiler(self) -> None:
+        """Under `_workers_lock`: the tokenizer loads once; a model without one refuses
+        every grammar."""
+        if self._compiler is not None:
+            return
+        load = self._load_tokenizer
+        tokenizer, stop_token_ids = (None, ()) if load is None else load()
+        if tokenizer is None:
+            self._load_tokenizer = None  # loaded once: the answer does not change
+            raise ValueError("structured output needs a tokenizer, and this model has none")
+        self._compiler = GrammarCompiler(
+            tokenizer, self.vocab_size, stop_token_ids, cache_limit_bytes=self.cache_limit_bytes
+        )
 
     def _start_workers(self) -> CompileWorkers:
         with self._workers_lock:
             if self._workers is None:
+                import xgrammar as xgr
+
+                self._make_compiler()
+                assert self._compiler is not None
                 workers = CompileWorkers(
-                    self.compiler.tokenizer_info,
+                    self._compiler.tokenizer_info,
                     num_workers=self.config.structured_outputs_compile_workers,
                     timeout=self.config.structured_outputs_compile_timeout,
                     cache_limit_bytes=self.cache_limit_bytes // 4,
                 )
                 # The workers stop with the manager (or at exit, or with the process).
                 weakref.finalize(self, workers.shutdown)
+                self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
                 self._workers = workers
             return self._workers
 
@@ -184,6 +259,8 @@ class StructuredOutputManager:
         """Give a request whose grammar is ready its own matcher."""
         state = self._requests[request_id]
         if state.matcher is None:
+            import xgrammar as xgr
+
             state.matcher = xgr.GrammarMatcher(state.future.result())
             self._evict()  # its size is known now
 
@@ -241,7 +318,7 @@ class StructuredOutputManager:
         its mask. None for a tensor with no constrained row.
         """
         requests = self._requests
-        if not requests:
+        if not requests or self._bitmask is None:  # no bitmask yet: no grammar is in either
             return None, None
         rows = [(i, requests[r]) for i, r in enumerate(req_ids) if r in requests]
         if not rows:
@@ -282,6 +359,8 @@ class StructuredOutputManager:
 
     def _draft_rows(self, n: int) -> torch.Tensor:
         """n all-ones rows (unconstrained draft rows stay so) in a buffer kept across steps."""
+        import xgrammar as xgr
+
         buf = self._draft_bitmask
         if buf is None or buf.shape[0] < n:
             buf = self._draft_bitmask = xgr.allocate_token_bitmask(
