@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{'batch':>5} {'ctx':>5} | {'1 thread CPU us/layer':^27} | "
         f"{f'{args.threads} threads wall us/layer':^27} | new GB/s (1t, {args.threads}t)"
     )
-    print(f"{'':>11}| {'old':>8} {'new':>8} {'old/new':>8} | {'old':>8} {'new':>8} {'old/new':>8} |")
+    print(
+        f"{'':>11}| {'old':>8} {'new':>8} {'old/new':>8} | {'old':>8} {'new':>8} {'old/new':>8} |"
+    )
     for ctx in (int(x) for x in args.contexts.split(",")):
         for n in (int(x) for x in args.batch_sizes.split(",")):
             layers, out, nbytes = make_case(

@@ -1,12 +1,13 @@
 // Paged decode attention on CPU: one query token per request, K/V read in place from the
-// paged cache through the block table (no gathered copy), online softmax in fp32.
+// paged cache through the block table (no gathered copy), softmax in fp32.
 //
 // Built at run time by pagemill.kernels.cpu_native with the host's compiler (-O3
 // -march=native -fopenmp) and called through ctypes with raw pointers, so it needs no
 // torch headers (seconds to compile, not a minute). Work is split over (request, KV head)
 // pairs; each pair reads its K/V once for all the query heads that share the KV head
-// (GQA), one block (or, on the AVX-512 path, one tile of up to 16 tokens) at a time: scores
-// for the block, then a rescale of the running max and sum, then the weighted V rows. A sliding window (window > 0: the last `window`
+// (GQA). The portable path walks one block at a time with an online softmax; the AVX-512
+// path (below) takes chunks of up to a few thousand tokens in three passes: all scores,
+// then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 // An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
@@ -200,18 +201,24 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
 
 
 #if defined(__AVX512F__)
-// The AVX-512 path, for head dims that are a multiple of 32 (64 and 128 are instantiated).
-// Per (request, KV head) pair it walks the context in tiles of up to 16 tokens (never
-// across a block). Scores: each query head of the group dots the tile's K rows straight
-// from the cache (bf16 with AVX512-BF16: `vdpbf16ps` on the raw rows, exact products summed
-// in fp32, the softmax scale applied to the fp32 score; fp32: FMAs; fp16/fp8: the tile is
-// widened to fp32 once into a stack scratch so the group shares one conversion), one FMA
-// chain per token and a single transpose-and-add of the 16 partial vectors. Then a
-// vectorised exp and the online-softmax rescale per head. Values: the query heads are taken
-// in register blocks (accumulators held in registers for the whole tile), and each V row is
-// loaded and widened once per block of heads; bf16 rows widen with one shift (even
-// elements) and one mask (odd elements), so the accumulators hold each 32-wide chunk as
-// its even then its odd half, put back in order once at the end. Nothing is allocated.
+// The AVX-512 path, for head dims 64 and 128. Per (request, KV head) pair the context is
+// taken in chunks of whole blocks (up to kChunkTokens tokens), each in three passes, so no
+// step waits on a reduction or an exp per tile:
+//  1. scores: every query head of the group dots the K rows of a tile of 16 tokens straight
+//     from the cache (bf16 with AVX512-BF16: `vdpbf16ps` on the raw rows, exact products
+//     summed in fp32, the softmax scale applied to the fp32 score; fp32: FMAs; fp16/fp8:
+//     the tile widened to fp32 once into a stack scratch, so the group shares one
+//     conversion), one FMA chain per token and one transpose-and-add of the 16 partial
+//     vectors; the scores go to a per-thread buffer, and a running maximum per head;
+//  2. weights: exp(score - max) over the chunk, vectorised, and their sums; the state of
+//     earlier chunks (or a sink's logit) rescaled to the new maximum;
+//  3. values: the query heads in register blocks (accumulators held in registers for the
+//     whole chunk), each V row loaded and widened once per block of heads; bf16 rows widen
+//     with one shift (even elements) and one mask (odd elements), so the accumulators hold
+//     each 32-wide chunk as its even then its odd half, put back in order at the end.
+// The next block's rows are prefetched in passes 1 and 3 (blocks lie anywhere in the pool,
+// so the hardware prefetchers cannot follow). Nothing is allocated per call once each
+// thread's score buffer has grown to its largest chunk.
 namespace fast {
 
 template <int DT, bool FP8> struct Row;
