@@ -607,3 +607,28 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
         default: return 3;
     }
 }
+
+// The KV write (vLLM's reshape_and_cache) for a cache in the compute dtype: token i's K and
+// V rows (num_kv_heads * head_dim elements, contiguous; `row_bytes` in all) go to slot
+// slots[i] of the caches; a slot of -1 is skipped. One call for K and V, and no host-side
+// checks that need the slots read back: a slot outside the cache refuses the whole write
+// (status 1) before anything is copied.
+extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_cache,
+                                          void* v_cache, const int64_t* slots,
+                                          int64_t num_tokens, int64_t k_stride,
+                                          int64_t v_stride, int64_t row_bytes,
+                                          int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] < -1 || slots[i] >= num_slots) return 1;
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    char* kc = static_cast<char*>(k_cache);
+    char* vc = static_cast<char*>(v_cache);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        std::memcpy(kc + s * row_bytes, ks + i * k_stride, static_cast<size_t>(row_bytes));
+        std::memcpy(vc + s * row_bytes, vs + i * v_stride, static_cast<size_t>(row_bytes));
+    }
+    return 0;
+}
