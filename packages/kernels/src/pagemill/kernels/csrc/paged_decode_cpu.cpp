@@ -333,6 +333,21 @@ inline int acc_dim(int c, int i) {
     return 16 * c + i;
 }
 
+// Blocks asked for ahead of the one being read (more did not help where measured: the
+// prefetches themselves cost, and one block's work covers most of a block's latency).
+constexpr int kAhead = 1;
+
+// The first kAhead K blocks of a pair, asked for while the pair before it runs.
+inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx, int kvh,
+                          int block_size, int num_kv_heads, int64_t row_bytes, int window) {
+    const int64_t slot_bytes = num_kv_heads * row_bytes, block_bytes = block_size * slot_bytes;
+    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    const int num_blocks = (ctx + block_size - 1) / block_size;
+    for (int b = start / block_size; b < std::min(num_blocks, start / block_size + kAhead); ++b)
+        prefetch_rows(static_cast<const char*>(k_cache) + kvh * row_bytes, table[b], block_bytes,
+                      slot_bytes, std::min(block_size, ctx - b * block_size), row_bytes);
+}
+
 // Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
 constexpr int kChunkTokens = 2048;
 
@@ -395,10 +410,15 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         __m512 vmax[kMaxGroup];
         for (int g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
         for (int b = b0; b < b1; ++b) {
-            if (b + 1 < b1)
-                prefetch_rows(kbase, table[b + 1], block_bytes, slot_bytes, tokens_of(b + 1), D * esize);
-            else if (b0 < b1)  // the values' first block, for pass 3
-                prefetch_rows(vbase, table[b0], block_bytes, slot_bytes, tokens_of(b0), D * esize);
+            // The chunk's K blocks then its V blocks, as one stream asked for kAhead blocks
+            // ahead (the first kAhead of the pair's K before the pair started).
+            {
+                const int i = b - b0 + kAhead, nb = b1 - b0;
+                if (i < nb)
+                    prefetch_rows(kbase, table[b0 + i], block_bytes, slot_bytes, tokens_of(b0 + i), D * esize);
+                else if (i < 2 * nb)
+                    prefetch_rows(vbase, table[b0 + i - nb], block_bytes, slot_bytes, tokens_of(b0 + i - nb), D * esize);
+            }
             const char* kb = kbase + static_cast<int64_t>(table[b]) * block_bytes;
             const int n = tokens_of(b);
             for (int t0 = b == b0 ? p0 - b * block_size : 0; t0 < n; t0 += kTile) {
@@ -486,8 +506,8 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                 }
             }
             for (int b = b0; b < b1; ++b) {
-                if (b + 1 < b1)
-                    prefetch_rows(vbase, table[b + 1], block_bytes, slot_bytes, tokens_of(b + 1), D * esize);
+                if (g0 == 0 && b + kAhead < b1)
+                    prefetch_rows(vbase, table[b + kAhead], block_bytes, slot_bytes, tokens_of(b + kAhead), D * esize);
                 const char* vb = vbase + static_cast<int64_t>(table[b]) * block_bytes;
                 const int n = tokens_of(b);
                 const int tb = b == b0 ? p0 - b * block_size : 0;
@@ -531,6 +551,16 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
     auto one = [&](int64_t p) {
+#if defined(__AVX512F__)
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
+            if (p + 1 < pairs) {
+                const int64_t s1 = (p + 1) / num_kv_heads;
+                fast::prefetch_pair(k_cache, block_tables + s1 * table_stride, seq_lens[s1],
+                                    static_cast<int>((p + 1) % num_kv_heads), block_size,
+                                    num_kv_heads, HEAD_DIM * sizeof(KT), window);
+            }
+        }
+#endif
         const int64_t seq = p / num_kv_heads;
         const int kvh = static_cast<int>(p % num_kv_heads);
         const int64_t row = rows ? rows[seq] : seq;
