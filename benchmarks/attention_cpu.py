@@ -16,6 +16,9 @@ Each case is SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, bf16, bl
 16) by default: --batch-sizes requests of --contexts tokens each, their blocks shuffled
 over the pool as after a while of serving. Several layers' caches are cycled through (up to
 --pool-mb of K/V in all) so a call does not find the previous call's K/V in the cache.
+--huge-pages asks the kernel for transparent huge pages on the caches before they are first
+written (`madvise(MADV_HUGEPAGE)`, what a KV cache allocated that way would get where THP
+is in "madvise" mode): blocks scattered over 4 KB pages cost a TLB miss each.
 """
 
 from __future__ import annotations
@@ -61,6 +64,22 @@ def load_baseline(rev: str) -> ctypes.CDLL:
     return lib
 
 
+_MADV_HUGEPAGE = 14
+
+
+def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    """An uninitialised cache tensor, advised to huge pages before anything touches it."""
+    t = torch.empty(shape, dtype=dtype)
+    if huge:
+        libc = ctypes.CDLL(None)
+        page = 2 << 20
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.nbytes) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t
+
+
 def make_case(
     n: int,
     ctx: int,
@@ -71,6 +90,7 @@ def make_case(
     dtype: torch.dtype,
     pool_mb: float,
     seed: int,
+    huge: bool = False,
 ) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, float]:
     """Layers of (q, k_cache, v_cache, tables, lens), and the K/V bytes one layer reads."""
     g = torch.Generator().manual_seed(seed)
@@ -79,8 +99,11 @@ def make_case(
     layers = max(1, min(30, int(pool_mb * 2**20 // max(1, layer_bytes))))
     out = []
     for _ in range(layers):
-        kc = torch.randn(n * nblk, block_size, kv_heads, head_dim, generator=g).to(dtype)
-        vc = torch.randn(kc.shape, generator=g).to(dtype)
+        shape = (n * nblk, block_size, kv_heads, head_dim)
+        kc = cache_tensor(shape, dtype, huge)
+        vc = cache_tensor(shape, dtype, huge)
+        kc.copy_(torch.randn(shape, generator=g))
+        vc.copy_(torch.randn(shape, generator=g))
         tables = torch.randperm(n * nblk, generator=g).to(torch.int32).view(n, nblk)
         q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
         lens = torch.full((n,), ctx, dtype=torch.int32)
@@ -148,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     ap.add_argument("--pool-mb", type=float, default=256.0)
+    ap.add_argument("--huge-pages", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
@@ -164,7 +188,16 @@ def main(argv: list[str] | None = None) -> None:
     for ctx in (int(x) for x in args.contexts.split(",")):
         for n in (int(x) for x in args.batch_sizes.split(",")):
             layers, out, nbytes = make_case(
-                n, ctx, heads, kv_heads, head_dim, args.block_size, dtype, args.pool_mb, 0
+                n,
+                ctx,
+                heads,
+                kv_heads,
+                head_dim,
+                args.block_size,
+                dtype,
+                args.pool_mb,
+                0,
+                args.huge_pages,
             )
             diff = check_same(libs, layers)
             row: dict[str, object] = {"batch": n, "context": ctx, "max_abs_diff": diff}
