@@ -65,6 +65,8 @@ def load_baseline(rev: str) -> ctypes.CDLL:
 
 
 _MADV_HUGEPAGE = 14
+# One layer's decode inputs: q, k_cache, v_cache, block tables, context lengths.
+Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
@@ -91,13 +93,13 @@ def make_case(
     pool_mb: float,
     seed: int,
     huge: bool = False,
-) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor, float]:
+) -> tuple[list[Layer], torch.Tensor, float]:
     """Layers of (q, k_cache, v_cache, tables, lens), and the K/V bytes one layer reads."""
     g = torch.Generator().manual_seed(seed)
     nblk = -(-ctx // block_size)
     layer_bytes = 2 * n * ctx * kv_heads * head_dim * dtype.itemsize
     layers = max(1, min(30, int(pool_mb * 2**20 // max(1, layer_bytes))))
-    out = []
+    out: list[Layer] = []
     for _ in range(layers):
         shape = (n * nblk, block_size, kv_heads, head_dim)
         kc = cache_tensor(shape, dtype, huge)
@@ -119,7 +121,7 @@ def timed(fn: Callable[[], None], clock: Callable[[], float]) -> float:
 
 def run_case(
     libs: dict[str, ctypes.CDLL],
-    layers: list[tuple[torch.Tensor, ...]],
+    layers: list[Layer],
     out: torch.Tensor,
     rounds: int,
     threads: int,
@@ -147,7 +149,7 @@ def run_case(
     return times
 
 
-def check_same(libs: dict[str, ctypes.CDLL], layers: list[tuple[torch.Tensor, ...]]) -> float:
+def check_same(libs: dict[str, ctypes.CDLL], layers: list[Layer]) -> float:
     """Largest |old - new| on the first layer (both fp32-accumulated: small)."""
     q, kc, vc, tables, lens = layers[0]
     got = []
@@ -175,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
-    libs = {"old": load_baseline(args.baseline_rev), "new": cpu_native.load()}
+    current = cpu_native.load()
+    if current is None:
+        raise SystemExit("the native CPU kernel cannot be built here")
+    libs = {"old": load_baseline(args.baseline_rev), "new": current}
     dtype = _DTYPES[args.dtype]
     rows = []
     print(
