@@ -170,3 +170,19 @@ def test_native_fp8_cache_matches_dense(lib, fp8, dtype, head_dim):
     ref = _dense(q, kc, vc, tables, lens, 0.2, ks=0.5, vs=2.0)
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 40])
+@pytest.mark.parametrize(("window", "with_sinks"), [(0, False), (3000, True)])
+def test_native_long_contexts_match_dense(lib, dtype, block_size, window, with_sinks):
+    """Contexts past the vectorised path's score chunk (a couple of thousand tokens) merge
+    their chunks' softmax states; a window may start inside any chunk."""
+    ctx = [2047, 2048, 2049, 4500, 5001]
+    q, kc, vc, tables, lens = _batch(8, ctx, 9, 3, 64, block_size, dtype)
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(9)) if with_sinks else None
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.125, window, sinks=sinks)
+    ref = _dense(q, kc, vc, tables, lens, 0.125, window, sinks=sinks)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]

@@ -75,3 +75,39 @@ def test_bad_input_is_refused():
         write_kv_cache_torch(k, v, kc, vc, torch.full_like(slots, 10_000))
     with pytest.raises(ValueError, match="cache holds"):
         write_kv_cache_torch(k[:, :2], v[:, :2], kc, vc, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_cpu_write_matches_loop(dtype):
+    """The native write (one call for K and V) against the per-token loop, with skipped
+    slots and K/V rows that are views into a wider projection output (a token stride
+    that is not the row's size)."""
+    from pagemill.kernels.kv_cache import write_kv_cache_cpu_native
+
+    k, v, kc, vc, slots = make(5, 37, dtype)
+    wide = torch.randn(37, 3 * k.shape[1] * k.shape[2]).to(dtype)
+    n = k.shape[1] * k.shape[2]
+    wide[:, n : 2 * n] = k.reshape(37, -1)
+    wide[:, 2 * n :] = v.reshape(37, -1)
+    ks, vs = wide[:, n : 2 * n].view(37, *k.shape[1:]), wide[:, 2 * n :].view(37, *v.shape[1:])
+    ref_k, ref_v = loop_reference(k, v, kc, vc, slots)
+    assert write_kv_cache_cpu_native(ks, vs, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_native_cpu_write_refuses_what_it_cannot_serve():
+    from pagemill.kernels.kv_cache import write_kv_cache_cpu_native
+
+    k, v, kc, vc, slots = make(6, 8, torch.float32)
+    before = kc.clone()
+    bad = slots.clone().long()
+    bad[-1] = kc.shape[0] * kc.shape[1]
+    with pytest.raises(ValueError, match="outside"):
+        write_kv_cache_cpu_native(k, v, kc, vc, bad)
+    assert torch.equal(kc, before)  # refused before anything was copied
+    # Not its case (a cache in another dtype, rows not contiguous): declined, nothing written.
+    assert not write_kv_cache_cpu_native(k, v, kc.to(torch.bfloat16), vc.to(torch.bfloat16), slots)
+    assert not write_kv_cache_cpu_native(
+        k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, slots
+    )
+    assert torch.equal(kc, before)

@@ -241,6 +241,8 @@ def _scales(
     """The K and V scales as the kernel reads them, with their shared stride over KV heads
     (0: one per layer, read in place, no copy; 1: one per head). Mixed granularities (rare:
     a checkpoint with per-head K and per-tensor V) repeat the per-layer one."""
+    if k_scale is None and v_scale is None:  # every layer of a cache in the compute dtype
+        return _ONE, _ONE, 0
     k = _ONE if k_scale is None else k_scale
     v = _ONE if v_scale is None else v_scale
     for name, s in (("k_scale", k), ("v_scale", v)):

@@ -4,6 +4,11 @@ The runtime computes ``slot = block_table[p // B] * B + p % B`` for every token 
 a slot of -1 marks a token whose K/V must not be stored (e.g. a padded row), so the op
 skips it rather than clobbering block 0.
 
+On CPU a cache in the compute dtype is written by the native kernel library's
+``pagemill_reshape_and_cache`` (`csrc/paged_decode_cpu.cpp`): one call copies K and V and
+checks the slots as it goes, where the torch path takes two ``index_copy_`` calls and
+reads the slots back to check them.
+
 A float8 or int8 cache (``--kv-cache-dtype fp8`` / ``int8``) stores ``saturate(x / scale)``
 (int8: rounded) with the layer's ``k_scale``/``v_scale``, one per layer (0-dim) or one per KV
 head (``[num_kv_heads]``; see `pagemill.kernels.kv_quant`); other caches take x as it is.
@@ -11,8 +16,13 @@ head (``[num_kv_heads]``; see `pagemill.kernels.kv_quant`); other caches take x 
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from typing import Any
+
 import torch
 
+from pagemill.kernels import cpu_native
 from pagemill.kernels._dispatch import check_triton_device, lazy_kernels, next_pow2, use_triton
 from pagemill.kernels.kv_quant import (
     check_scale,
@@ -59,6 +69,74 @@ def _check_args(
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
 
 
+@functools.cache
+def _native_write() -> Any:
+    lib = cpu_native.load()
+    if lib is None:
+        return None
+    fn = lib.pagemill_reshape_and_cache
+    fn.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    return fn
+
+
+def write_kv_cache_cpu_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """The native CPU write of ``k``/``v`` [T, KV heads, D] at their slots (-1: skipped);
+    False, having written nothing, where it does not serve these tensors (not CPU, a cache
+    not in k's dtype or not contiguous, rows not contiguous, no native library): the
+    caller then takes the torch path. A slot outside the cache is a ValueError."""
+    if not (
+        k.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.dim() == 3
+        and k.shape == v.shape
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and tuple(k.shape[1:]) == tuple(k_cache.shape[2:])
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+        and slot_mapping.device.type == "cpu"
+    ):
+        return False
+    fn = _native_write()
+    if fn is None:
+        return False
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return True
+    esize = k.element_size()
+    status = fn(
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        num_tokens,
+        k.stride(0) * esize,
+        v.stride(0) * esize,
+        k.shape[1] * k.shape[2] * esize,
+        k_cache.shape[0] * k_cache.shape[1],
+    )
+    if status:
+        raise ValueError(
+            f"a slot of {slots.tolist()} is outside the cache "
+            f"({k_cache.shape[0] * k_cache.shape[1]} slots)"
+        )
+    return True
+
+
 def write_kv_cache_torch(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -69,6 +147,8 @@ def write_kv_cache_torch(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if write_kv_cache_cpu_native(k, v, k_cache, v_cache, slot_mapping):
+        return
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
     keep = slots >= 0
     if not bool(keep.all()):

@@ -23,7 +23,7 @@ from pagemill.kernels import cpu_native
 from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
 from pagemill.kernels.attention_cpu import TorchPlan
-from pagemill.kernels.kv_cache import write_kv_cache
+from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_cpu_native
 from pagemill.kernels.kv_quant import is_quantized_kv
 
 COMPILE_READY = register_opaque(AttentionPlan)
@@ -61,6 +61,8 @@ def _write_kv_cache(
     # Compiled graphs are driven by the model runner, which derives every slot from block
     # tables it owns: valid by construction. So this path skips the checks of
     # `write_kv_cache` (-1 slots, bounds), which cost two host syncs in each layer.
+    if write_kv_cache_cpu_native(k, v, k_cache, v_cache, slot_mapping):
+        return  # one native call, its slot check costs no host sync
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, k_cache.shape[2], k_cache.shape[3]).index_copy_(0, slot_mapping, k)
     v_cache.view(num_slots, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slot_mapping, v)

@@ -1,12 +1,13 @@
 // Paged decode attention on CPU: one query token per request, K/V read in place from the
-// paged cache through the block table (no gathered copy), online softmax in fp32.
+// paged cache through the block table (no gathered copy), softmax in fp32.
 //
 // Built at run time by pagemill.kernels.cpu_native with the host's compiler (-O3
 // -march=native -fopenmp) and called through ctypes with raw pointers, so it needs no
 // torch headers (seconds to compile, not a minute). Work is split over (request, KV head)
 // pairs; each pair reads its K/V once for all the query heads that share the KV head
-// (GQA), one block (or, on the AVX-512 path, one tile of up to 16 tokens) at a time: scores
-// for the block, then a rescale of the running max and sum, then the weighted V rows. A sliding window (window > 0: the last `window`
+// (GQA). The portable path walks one block at a time with an online softmax; the AVX-512
+// path (below) takes chunks of up to a few thousand tokens in three passes: all scores,
+// then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 // An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
@@ -200,13 +201,24 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
 
 
 #if defined(__AVX512F__)
-// The AVX-512 path, for head dims that are a multiple of 16 (64 and 128 are instantiated).
-// Per (request, KV head) pair it walks the context in tiles of up to 16 tokens: the tile's
-// K and V rows are widened to fp32 once into a per-thread scratch (so bf16/fp16/fp8 cost
-// one conversion however many query heads share them), then each query head of the group
-// takes its 16 scores with one FMA chain per token and a single transpose-and-add of the
-// 16 partial vectors (no horizontal sum per token), a vectorised exp, and NV accumulator
-// registers for the weighted V rows. Nothing is allocated per call.
+// The AVX-512 path, for head dims 64 and 128. Per (request, KV head) pair the context is
+// taken in chunks of whole blocks (up to kChunkTokens tokens), each in three passes, so no
+// step waits on a reduction or an exp per tile:
+//  1. scores: every query head of the group dots the K rows of a tile of 16 tokens straight
+//     from the cache (bf16 with AVX512-BF16: `vdpbf16ps` on the raw rows, exact products
+//     summed in fp32, the softmax scale applied to the fp32 score; fp32: FMAs; fp16/fp8:
+//     the tile widened to fp32 once into a stack scratch, so the group shares one
+//     conversion), one FMA chain per token and one transpose-and-add of the 16 partial
+//     vectors; the scores go to a per-thread buffer, and a running maximum per head;
+//  2. weights: exp(score - max) over the chunk, vectorised, and their sums; the state of
+//     earlier chunks (or a sink's logit) rescaled to the new maximum;
+//  3. values: the query heads in register blocks (accumulators held in registers for the
+//     whole chunk), each V row loaded and widened once per block of heads; bf16 rows widen
+//     with one shift (even elements) and one mask (odd elements), so the accumulators hold
+//     each 32-wide chunk as its even then its odd half, put back in order at the end.
+// The next block's rows are prefetched in passes 1 and 3 (blocks lie anywhere in the pool,
+// so the hardware prefetchers cannot follow). Nothing is allocated per call once each
+// thread's score buffer has grown to its largest chunk.
 namespace fast {
 
 template <int DT, bool FP8> struct Row;
@@ -271,6 +283,80 @@ inline __m512 transpose_sum(const __m512* v) {
 
 constexpr int kTile = 16;
 constexpr int kMaxGroup = 16;  // larger GQA groups take the generic path
+// What the score loop reads for the rows past a partial tile (a fp32 row of the largest D).
+alignas(64) constexpr char kZeros[512] = {};
+
+// bf16 K dotted in place with vdpbf16ps (needs AVX512-BF16); other dtypes as fp32.
+template <int DT, bool FP8>
+constexpr bool kDirectBf16 =
+#if defined(__AVX512BF16__)
+    DT == 1 && !FP8;
+#else
+    false;
+#endif
+// K rows the FMAs read in place (fp32 cache, or bf16 through vdpbf16ps); others are widened
+// into the tile scratch first.
+template <int DT, bool FP8>
+constexpr bool kKInPlace = (DT == 0 && !FP8) || kDirectBf16<DT, FP8>;
+// bf16 V rows widened in place by shift/mask (the accumulators' even/odd order).
+template <int DT, bool FP8>
+constexpr bool kVEvenOdd = DT == 1 && !FP8;
+
+// A V row's 16*NV elements as fp32, in the accumulators' order.
+template <int DT, bool FP8, int NV>
+inline void load_v(const char* row, const float* lut, __m512* v) {
+    if constexpr (kVEvenOdd<DT, FP8>) {
+        const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int c = 0; c < NV / 2; ++c) {
+            const __m512i w = _mm512_loadu_si512(row + 64 * c);
+            v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+        }
+    } else {
+        constexpr int64_t esize = FP8 ? 1 : (DT == 0 ? 4 : 2);
+        for (int c = 0; c < NV; ++c) v[c] = Row<DT, FP8>::load(row + 16 * c * esize, lut);
+    }
+}
+
+// Rows of one KV head in a block, K or V, asked for ahead of use (towards L1).
+inline void prefetch_rows(const char* base, int32_t block, int64_t block_bytes, int64_t slot_bytes,
+                          int tokens, int64_t row_bytes) {
+    const char* p = base + static_cast<int64_t>(block) * block_bytes;
+    for (int t = 0; t < tokens; ++t)
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * slot_bytes + o, _MM_HINT_T0);
+}
+
+// The dimension of accumulator lane i of vector c.
+template <int DT, bool FP8>
+inline int acc_dim(int c, int i) {
+    if constexpr (kVEvenOdd<DT, FP8>) return 32 * (c / 2) + 2 * i + (c & 1);
+    return 16 * c + i;
+}
+
+// Blocks asked for ahead of the one being read (more did not help where measured: the
+// prefetches themselves cost, and one block's work covers most of a block's latency).
+constexpr int kAhead = 1;
+
+// The first kAhead K blocks of a pair, asked for while the pair before it runs.
+inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx, int kvh,
+                          int block_size, int num_kv_heads, int64_t row_bytes, int window) {
+    const int64_t slot_bytes = num_kv_heads * row_bytes, block_bytes = block_size * slot_bytes;
+    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    const int num_blocks = (ctx + block_size - 1) / block_size;
+    for (int b = start / block_size; b < std::min(num_blocks, start / block_size + kAhead); ++b)
+        prefetch_rows(static_cast<const char*>(k_cache) + kvh * row_bytes, table[b], block_bytes,
+                      slot_bytes, std::min(block_size, ctx - b * block_size), row_bytes);
+}
+
+// Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
+constexpr int kChunkTokens = 2048;
+
+// One thread's score buffer, grown (rarely) to the largest chunk it has met, never shrunk.
+inline float* score_buffer(size_t floats) {
+    thread_local std::vector<float> buf;
+    if (buf.size() < floats) buf.resize(floats);
+    return buf.data();
+}
 
 template <int DT, bool FP8, int NV>
 void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void* v_cache,
@@ -282,14 +368,24 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     using E = Elem<DT>;
     constexpr int D = NV * 16;
     constexpr int64_t esize = FP8 ? 1 : sizeof(typename Elem<DT>::T);
-    // On the stack (at most 32 KB): a thread_local scratch costs a TLS lookup per use here.
+    constexpr bool bf16dot = kDirectBf16<DT, FP8>;
+    constexpr bool kin = kKInPlace<DT, FP8>;
+    // Heads per register block of the V pass: NV accumulators each, at most 16 registers.
+    constexpr int HB = NV >= 16 ? 1 : 16 / NV;
     alignas(64) float qf[kMaxGroup][D], acc[kMaxGroup][D];
-    alignas(64) float kt[kTile][D], vt[kTile][D];
+    alignas(64) float kt[kin ? 1 : kTile][D];
+    alignas(64) uint16_t qb[bf16dot ? kMaxGroup : 1][D];
     float m[kMaxGroup], l[kMaxGroup];
-    alignas(64) float p[kTile];
+    // The softmax scale multiplies the fp32 scores on the bf16 path (q stays exact bf16),
+    // and q on the others (as the generic path does).
+    const float qscale = scale * k_scale;
     for (int g = 0; g < group; ++g) {
         const auto* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
-        for (int d = 0; d < D; ++d) qf[g][d] = E::load(qp, d) * scale * k_scale;
+        if constexpr (bf16dot) {
+            std::memcpy(qb[g], qp, D * sizeof(uint16_t));
+        } else {
+            for (int d = 0; d < D; ++d) qf[g][d] = E::load(qp, d) * qscale;
+        }
         for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
         m[g] = sinks ? sinks[kvh * group + g] : -INFINITY;
         l[g] = sinks ? 1.f : 0.f;
@@ -298,77 +394,147 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     const int64_t block_bytes = static_cast<int64_t>(block_size) * slot_bytes;
     const char* kbase = static_cast<const char*>(k_cache) + kvh * D * esize;
     const char* vbase = static_cast<const char*>(v_cache) + kvh * D * esize;
-    const int num_blocks = (ctx + block_size - 1) / block_size;
     const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    const int num_blocks = (ctx + block_size - 1) / block_size;
+    const int chunk_blocks = std::max(1, kChunkTokens / block_size);
+    const int64_t stride = static_cast<int64_t>(chunk_blocks) * block_size + kTile;  // per head
+    float* sbuf = score_buffer(static_cast<size_t>(group) * stride);
     const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
-    for (int b = start / block_size; b < num_blocks; ++b) {
-        const int n = (b == num_blocks - 1) ? ctx - b * block_size : block_size;
-        const char* kb = kbase + static_cast<int64_t>(table[b]) * block_bytes;
-        const char* vb = vbase + static_cast<int64_t>(table[b]) * block_bytes;
-        if (b + 1 < num_blocks) {
-            // The next block is elsewhere in memory (the table's order, not the address
-            // order): ask for its rows now so they arrive while this block computes.
-            const int64_t nb = static_cast<int64_t>(table[b + 1]) * block_bytes;
-            const int nt = std::min(block_size, ctx - (b + 1) * block_size);
-            for (int t = 0; t < nt; ++t)
-                for (int64_t o = 0; o < D * esize; o += 64) {
-                    _mm_prefetch(kbase + nb + t * slot_bytes + o, _MM_HINT_T0);
-                    _mm_prefetch(vbase + nb + t * slot_bytes + o, _MM_HINT_T0);
-                }
-        }
-        for (int t0 = (b == start / block_size) ? start - b * block_size : 0; t0 < n; t0 += kTile) {
-            const int cnt = std::min(kTile, n - t0);
-            for (int j = 0; j < cnt; ++j) {
-                const char* kr = kb + (t0 + j) * slot_bytes;
-                const char* vr = vb + (t0 + j) * slot_bytes;
-                for (int c = 0; c < NV; ++c) {
-                    _mm512_store_ps(&kt[j][16 * c], Row<DT, FP8>::load(kr + 16 * c * esize, lut));
-                    _mm512_store_ps(&vt[j][16 * c], Row<DT, FP8>::load(vr + 16 * c * esize, lut));
-                }
+    const __m512 vqscale = _mm512_set1_ps(qscale);
+    const auto tokens_of = [&](int b) { return std::min(block_size, ctx - b * block_size); };
+    for (int b0 = start / block_size; b0 < num_blocks; b0 += chunk_blocks) {
+        const int b1 = std::min(num_blocks, b0 + chunk_blocks);
+        const int p0 = std::max(start, b0 * block_size);  // first position of the chunk
+        const int len = std::min(ctx, b1 * block_size) - p0;
+        // Pass 1: every score of the chunk, and a running max per head (vector-wide).
+        __m512 vmax[kMaxGroup];
+        for (int g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
+        for (int b = b0; b < b1; ++b) {
+            // The chunk's K blocks then its V blocks, as one stream asked for kAhead blocks
+            // ahead (the first kAhead of the pair's K before the pair started).
+            {
+                const int i = b - b0 + kAhead, nb = b1 - b0;
+                if (i < nb)
+                    prefetch_rows(kbase, table[b0 + i], block_bytes, slot_bytes, tokens_of(b0 + i), D * esize);
+                else if (i < 2 * nb)
+                    prefetch_rows(vbase, table[b0 + i - nb], block_bytes, slot_bytes, tokens_of(b0 + i - nb), D * esize);
             }
-            const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
-            for (int g = 0; g < group; ++g) {
-                __m512 qv[NV], part[kTile];
-                for (int c = 0; c < NV; ++c) qv[c] = _mm512_load_ps(&qf[g][16 * c]);
-                for (int j = 0; j < kTile; ++j) {
-                    __m512 a = _mm512_setzero_ps();
-                    if (j < cnt)
+            const char* kb = kbase + static_cast<int64_t>(table[b]) * block_bytes;
+            const int n = tokens_of(b);
+            for (int t0 = b == b0 ? p0 - b * block_size : 0; t0 < n; t0 += kTile) {
+                const int cnt = std::min(kTile, n - t0);
+                const char* kr0 = kb + t0 * slot_bytes;
+                if constexpr (!kin) {
+                    for (int j = 0; j < cnt; ++j)
                         for (int c = 0; c < NV; ++c)
-                            a = _mm512_fmadd_ps(qv[c], _mm512_load_ps(&kt[j][16 * c]), a);
-                    part[j] = a;
+                            _mm512_store_ps(&kt[j][16 * c],
+                                            Row<DT, FP8>::load(kr0 + j * slot_bytes + 16 * c * esize, lut));
                 }
-                __m512 s = transpose_sum(part);
-                if (softcap > 0.f) {
-                    _mm512_store_ps(p, s);
-                    for (int j = 0; j < cnt; ++j) p[j] = softcap * std::tanh(p[j] * inv_cap);
-                    s = _mm512_load_ps(p);
+                const char* krow[kTile];
+                for (int j = 0; j < kTile; ++j)
+                    krow[j] = j >= cnt ? kZeros
+                              : kin    ? kr0 + j * slot_bytes
+                                       : reinterpret_cast<const char*>(kt[j]);
+                const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
+                const int64_t at = b * block_size + t0 - p0;
+                for (int g = 0; g < group; ++g) {
+                    // No branch per token (rows past the tile read zeros): the 16 partial
+                    // sums stay in registers, the loops unroll.
+                    __m512 part[kTile];
+                    if constexpr (bf16dot) {
+                        __m512bh qv[NV / 2];
+                        for (int c = 0; c < NV / 2; ++c)
+                            qv[c] = (__m512bh)_mm512_load_si512(&qb[g][32 * c]);
+                        for (int j = 0; j < kTile; ++j) {
+                            __m512 a = _mm512_setzero_ps();
+                            for (int c = 0; c < NV / 2; ++c)
+                                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krow[j] + 64 * c),
+                                                     qv[c]);
+                            part[j] = a;
+                        }
+                    } else {
+                        __m512 qv[NV];
+                        for (int c = 0; c < NV; ++c) qv[c] = _mm512_load_ps(&qf[g][16 * c]);
+                        for (int j = 0; j < kTile; ++j) {
+                            __m512 a = _mm512_setzero_ps();
+                            for (int c = 0; c < NV; ++c)
+                                a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(krow[j] + 64 * c), a);
+                            part[j] = a;
+                        }
+                    }
+                    __m512 s = transpose_sum(part);
+                    if constexpr (bf16dot) s = _mm512_mul_ps(s, vqscale);
+                    float* sg = sbuf + g * stride + at;
+                    if (softcap > 0.f) {
+                        alignas(64) float tmp[kTile];
+                        _mm512_store_ps(tmp, s);
+                        for (int j = 0; j < cnt; ++j) tmp[j] = softcap * std::tanh(tmp[j] * inv_cap);
+                        s = _mm512_load_ps(tmp);
+                    }
+                    _mm512_mask_storeu_ps(sg, valid, s);
+                    vmax[g] = _mm512_mask_max_ps(vmax[g], valid, vmax[g], s);
                 }
-                s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s);
-                const float top = std::max(m[g], _mm512_reduce_max_ps(s));
-                const float alpha = std::exp(m[g] - top);
-                const __m512 e = _mm512_maskz_mov_ps(valid, exp_neg(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-                l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
-                m[g] = top;
-                _mm512_store_ps(p, e);
-                __m512 av[NV];
-                const __m512 al = _mm512_set1_ps(alpha);
-                for (int c = 0; c < NV; ++c) av[c] = _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), al);
-                for (int j = 0; j < cnt; ++j) {
-                    const __m512 pj = _mm512_set1_ps(p[j]);
-                    for (int c = 0; c < NV; ++c)
-                        av[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(&vt[j][16 * c]), av[c]);
-                }
-                for (int c = 0; c < NV; ++c) _mm512_store_ps(&acc[g][16 * c], av[c]);
             }
+        }
+        // Pass 2: the chunk's weights exp(s - max), their sums, the old state rescaled.
+        float alpha[kMaxGroup];
+        for (int g = 0; g < group; ++g) {
+            const float top = std::max(m[g], _mm512_reduce_max_ps(vmax[g]));
+            alpha[g] = std::exp(m[g] - top);  // 0 on the first chunk without sinks
+            const __m512 vt = _mm512_set1_ps(top);
+            float* sg = sbuf + g * stride;
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < len; i += 16) {
+                const __mmask16 k = len - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                                  : static_cast<__mmask16>((1u << (len - i)) - 1u);
+                const __m512 e = _mm512_maskz_mov_ps(k, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + i), vt)));
+                _mm512_mask_storeu_ps(sg + i, k, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
+            m[g] = top;
+        }
+        // Pass 3: the weighted values, a register block of heads at a time over the chunk.
+        for (int g0 = 0; g0 < group; g0 += HB) {
+            const int hb = std::min(HB, group - g0);
+            __m512 av[HB][NV];
+            for (int h = 0; h < HB; ++h) {
+                if (h < hb) {
+                    const __m512 al = _mm512_set1_ps(alpha[g0 + h]);
+                    for (int c = 0; c < NV; ++c)
+                        av[h][c] = _mm512_mul_ps(_mm512_load_ps(&acc[g0 + h][16 * c]), al);
+                }
+            }
+            for (int b = b0; b < b1; ++b) {
+                if (g0 == 0 && b + kAhead < b1)
+                    prefetch_rows(vbase, table[b + kAhead], block_bytes, slot_bytes, tokens_of(b + kAhead), D * esize);
+                const char* vb = vbase + static_cast<int64_t>(table[b]) * block_bytes;
+                const int n = tokens_of(b);
+                const int tb = b == b0 ? p0 - b * block_size : 0;
+                const float* pw = sbuf + g0 * stride + (b * block_size - p0);
+                for (int t = tb; t < n; ++t) {
+                    __m512 vv[NV];
+                    load_v<DT, FP8, NV>(vb + t * slot_bytes, lut, vv);
+                    for (int h = 0; h < HB; ++h) {
+                        if (h < hb) {
+                            const __m512 pj = _mm512_set1_ps(pw[h * stride + t]);
+                            for (int c = 0; c < NV; ++c) av[h][c] = _mm512_fmadd_ps(pj, vv[c], av[h][c]);
+                        }
+                    }
+                }
+            }
+            for (int h = 0; h < HB; ++h)
+                if (h < hb)
+                    for (int c = 0; c < NV; ++c) _mm512_store_ps(&acc[g0 + h][16 * c], av[h][c]);
         }
     }
     for (int g = 0; g < group; ++g) {
         auto* op = out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h;
         const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
-        for (int d = 0; d < D; ++d) E::store(op, d, acc[g][d] * inv);
+        for (int c = 0; c < NV; ++c)
+            for (int i = 0; i < 16; ++i) E::store(op, acc_dim<DT, FP8>(c, i), acc[g][16 * c + i] * inv);
     }
 }
-
 }  // namespace fast
 #endif
 
@@ -384,13 +550,22 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     using KT = typename KVLoad<DT, FP8>::T;
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
-#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 4)
-    for (int64_t p = 0; p < pairs; ++p) {
+    auto one = [&](int64_t p) {
+#if defined(__AVX512F__)
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
+            if (p + 1 < pairs) {
+                const int64_t s1 = (p + 1) / num_kv_heads;
+                fast::prefetch_pair(k_cache, block_tables + s1 * table_stride, seq_lens[s1],
+                                    static_cast<int>((p + 1) % num_kv_heads), block_size,
+                                    num_kv_heads, HEAD_DIM * sizeof(KT), window);
+            }
+        }
+#endif
         const int64_t seq = p / num_kv_heads;
         const int kvh = static_cast<int>(p % num_kv_heads);
         const int64_t row = rows ? rows[seq] : seq;
 #if defined(__AVX512F__)
-        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 16 == 0) {
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
             if (group <= fast::kMaxGroup) {
                 fast::decode_pair<DT, FP8, HEAD_DIM / 16>(
                     static_cast<const T*>(q), k_cache, v_cache, static_cast<T*>(out),
@@ -398,7 +573,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                     block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     scale, window, softcap, lut, k_scales[kvh * scale_stride],
                     v_scales[kvh * scale_stride], sinks);
-                continue;
+                return;
             }
         }
 #endif
@@ -408,7 +583,18 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   kvh, group, head_dim, block_size, num_kv_heads, q_stride_t,
                                   q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
                                   k_scales[kvh * scale_stride], v_scales[kvh * scale_stride], sinks);
+    };
+    // Pairs are request-major, so neighbouring pairs read the same blocks. Chunks of about
+    // an eighth of a thread's share balance uneven contexts at little scheduling cost; one
+    // thread (or one pair) runs without entering a parallel region at all.
+    const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), pairs));
+    if (threads <= 1) {
+        for (int64_t p = 0; p < pairs; ++p) one(p);
+        return;
     }
+    const int64_t grain = std::max<int64_t>(1, pairs / (8 * threads));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, grain)
+    for (int64_t p = 0; p < pairs; ++p) one(p);
 }
 
 template <int DT, bool FP8>
@@ -450,4 +636,29 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                         : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
         default: return 3;
     }
+}
+
+// The KV write (vLLM's reshape_and_cache) for a cache in the compute dtype: token i's K and
+// V rows (num_kv_heads * head_dim elements, contiguous; `row_bytes` in all) go to slot
+// slots[i] of the caches; a slot of -1 is skipped. One call for K and V, and no host-side
+// checks that need the slots read back: a slot outside the cache refuses the whole write
+// (status 1) before anything is copied.
+extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_cache,
+                                          void* v_cache, const int64_t* slots,
+                                          int64_t num_tokens, int64_t k_stride,
+                                          int64_t v_stride, int64_t row_bytes,
+                                          int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] < -1 || slots[i] >= num_slots) return 1;
+    const char* ks = static_cast<const char*>(k);
+    const char* vs = static_cast<const char*>(v);
+    char* kc = static_cast<char*>(k_cache);
+    char* vc = static_cast<char*>(v_cache);
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        std::memcpy(kc + s * row_bytes, ks + i * k_stride, static_cast<size_t>(row_bytes));
+        std::memcpy(vc + s * row_bytes, vs + i * v_stride, static_cast<size_t>(row_bytes));
+    }
+    return 0;
 }

@@ -1,0 +1,232 @@
+"""The native CPU decode kernel against an earlier version of itself, in the same process.
+
+    python benchmarks/attention_cpu.py
+    python benchmarks/attention_cpu.py --batch-sizes 16,128 --contexts 64 --rounds 30
+    python benchmarks/attention_cpu.py --baseline-rev HEAD~3 --json out.json
+
+`csrc/paged_decode_cpu.cpp` as it is now and as it was at --baseline-rev (read with
+`git show`, built into the kernel cache like the current one) run the same decode batches,
+alternated call by call for --rounds rounds, so a load that comes and goes on a shared
+machine hits both alike. Per case: the median time per layer of each, the median of the
+per-round ratios old / new, and the K/V bytes per second of the new one. Timed twice: the
+calling thread's CPU time with one thread (`time.thread_time`, immune to other processes
+taking the core), and wall time with --threads threads.
+
+Each case is SmolLM2-135M's attention (9 query heads, 3 KV heads of 64, bf16, block size
+16) by default: --batch-sizes requests of --contexts tokens each, their blocks shuffled
+over the pool as after a while of serving. Several layers' caches are cycled through (up to
+--pool-mb of K/V in all) so a call does not find the previous call's K/V in the cache.
+--huge-pages asks the kernel for transparent huge pages on the caches before they are first
+written (`madvise(MADV_HUGEPAGE)`, what a KV cache allocated that way would get where THP
+is in "madvise" mode): blocks scattered over 4 KB pages cost a TLB miss each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pagemill.kernels import cpu_native
+
+# The kernel before the GQA-blocked rewrite (bf16 dot products, register-blocked values).
+DEFAULT_BASELINE = "65262f7"
+_REL_SOURCE = "packages/kernels/src/pagemill/kernels/csrc/paged_decode_cpu.cpp"
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_baseline(rev: str) -> ctypes.CDLL:
+    """The kernel's source at ``rev``, built and loaded with the current one's signature."""
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{_REL_SOURCE}"], cwd=root, check=True, capture_output=True
+    ).stdout
+    current = cpu_native.load()
+    if current is None:
+        raise SystemExit("the native CPU kernel cannot be built here")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "paged_decode_cpu_baseline.cpp"
+        src.write_bytes(text)
+        lib = cpu_native.build_library(src, f"the decode kernel at {rev}", "no baseline")
+    if lib is None:
+        raise SystemExit(f"the kernel at {rev} did not build")
+    fn = lib.pagemill_paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = current.pagemill_paged_decode.argtypes
+    return lib
+
+
+_MADV_HUGEPAGE = 14
+# One layer's decode inputs: q, k_cache, v_cache, block tables, context lengths.
+Layer = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def cache_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge: bool) -> torch.Tensor:
+    """An uninitialised cache tensor, advised to huge pages before anything touches it."""
+    t = torch.empty(shape, dtype=dtype)
+    if huge:
+        libc = ctypes.CDLL(None)
+        page = 2 << 20
+        start = -(-t.data_ptr() // page) * page
+        end = (t.data_ptr() + t.nbytes) // page * page
+        if end > start:
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    return t
+
+
+def make_case(
+    n: int,
+    ctx: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    pool_mb: float,
+    seed: int,
+    huge: bool = False,
+) -> tuple[list[Layer], torch.Tensor, float]:
+    """Layers of (q, k_cache, v_cache, tables, lens), and the K/V bytes one layer reads."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = -(-ctx // block_size)
+    layer_bytes = 2 * n * ctx * kv_heads * head_dim * dtype.itemsize
+    layers = max(1, min(30, int(pool_mb * 2**20 // max(1, layer_bytes))))
+    out: list[Layer] = []
+    for _ in range(layers):
+        shape = (n * nblk, block_size, kv_heads, head_dim)
+        kc = cache_tensor(shape, dtype, huge)
+        vc = cache_tensor(shape, dtype, huge)
+        kc.copy_(torch.randn(shape, generator=g))
+        vc.copy_(torch.randn(shape, generator=g))
+        tables = torch.randperm(n * nblk, generator=g).to(torch.int32).view(n, nblk)
+        q = torch.randn(n, heads, head_dim, generator=g).to(dtype)
+        lens = torch.full((n,), ctx, dtype=torch.int32)
+        out.append((q, kc, vc, tables.contiguous(), lens))
+    return out, torch.empty_like(out[0][0]), float(layer_bytes)
+
+
+def timed(fn: Callable[[], None], clock: Callable[[], float]) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
+
+
+def run_case(
+    libs: dict[str, ctypes.CDLL],
+    layers: list[Layer],
+    out: torch.Tensor,
+    rounds: int,
+    threads: int,
+    clock: Callable[[], float],
+) -> dict[str, list[float]]:
+    """Per round and kernel: seconds per layer (one call per layer, all layers in turn)."""
+    torch.set_num_threads(threads)
+    scale = layers[0][0].shape[-1] ** -0.5
+
+    def call(lib: ctypes.CDLL) -> Callable[[], None]:
+        def go() -> None:
+            for q, kc, vc, tables, lens in layers:
+                cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, scale)
+
+        return go
+
+    fns = {name: call(lib) for name, lib in libs.items()}
+    for fn in fns.values():  # warm-up: caches built, pages touched
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    names = list(libs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(timed(fns[name], clock) / len(layers))
+    return times
+
+
+def check_same(libs: dict[str, ctypes.CDLL], layers: list[Layer]) -> float:
+    """Largest |old - new| on the first layer (both fp32-accumulated: small)."""
+    q, kc, vc, tables, lens = layers[0]
+    got = []
+    for lib in libs.values():
+        o = torch.empty_like(q)
+        cpu_native.paged_decode(lib, q, kc, vc, o, tables, lens, None, q.shape[-1] ** -0.5)
+        got.append(o.float())
+    return float((got[0] - got[1]).abs().max())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--baseline-rev", default=DEFAULT_BASELINE)
+    ap.add_argument("--batch-sizes", default="1,16,64,128,256")
+    ap.add_argument("--contexts", default="64,512,2048")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2, help="threads of the wall-time run")
+    ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    ap.add_argument("--pool-mb", type=float, default=256.0)
+    ap.add_argument("--huge-pages", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    current = cpu_native.load()
+    if current is None:
+        raise SystemExit("the native CPU kernel cannot be built here")
+    libs = {"old": load_baseline(args.baseline_rev), "new": current}
+    dtype = _DTYPES[args.dtype]
+    rows = []
+    print(
+        f"{'batch':>5} {'ctx':>5} | {'1 thread CPU us/layer':^27} | "
+        f"{f'{args.threads} threads wall us/layer':^27} | new GB/s (1t, {args.threads}t)"
+    )
+    print(
+        f"{'':>11}| {'old':>8} {'new':>8} {'old/new':>8} | {'old':>8} {'new':>8} {'old/new':>8} |"
+    )
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        for n in (int(x) for x in args.batch_sizes.split(",")):
+            layers, out, nbytes = make_case(
+                n,
+                ctx,
+                heads,
+                kv_heads,
+                head_dim,
+                args.block_size,
+                dtype,
+                args.pool_mb,
+                0,
+                args.huge_pages,
+            )
+            diff = check_same(libs, layers)
+            row: dict[str, object] = {"batch": n, "context": ctx, "max_abs_diff": diff}
+            line = f"{n:>5} {ctx:>5} |"
+            for label, threads, clock in (
+                ("cpu_1t", 1, time.thread_time),
+                (f"wall_{args.threads}t", args.threads, time.perf_counter),
+            ):
+                t = run_case(libs, layers, out, args.rounds, threads, clock)
+                old, new = statistics.median(t["old"]), statistics.median(t["new"])
+                ratio = statistics.median(a / b for a, b in zip(t["old"], t["new"], strict=True))
+                row[label] = {"old_us": old * 1e6, "new_us": new * 1e6, "ratio": ratio}
+                row[f"{label}_new_gbps"] = nbytes / new / 1e9
+                line += f" {old * 1e6:>8.0f} {new * 1e6:>8.0f} {ratio:>7.2f}x |"
+            line += (
+                f" {row['cpu_1t_new_gbps']:.1f}, {row[f'wall_{args.threads}t_new_gbps']:.1f}"
+                f"   (max |old-new| {diff:.1e})"
+            )
+            print(line, flush=True)
+            rows.append(row)
+            del layers
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
