@@ -416,7 +416,7 @@ class Linear(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
-            return self._gemv_int8(x)
+            return self._gemv_q8(x) if self.format == "q8_0" else self._gemv_q4(x)
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
         opaque = self.opaque_packed and torch.compiler.is_compiling()
         if self.format == "int8":
@@ -439,18 +439,28 @@ class Linear(nn.Module):
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def _gemv_int8(self, x: torch.Tensor) -> torch.Tensor:
-        # The kernels take fp32 and bf16 as they are (they round to int8 either way).
+    def _gemv_q4(self, x: torch.Tensor) -> torch.Tensor:
+        # The kernel takes fp32 and bf16 as they are (it rounds to int8 either way).
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        q8 = self.format == "q8_0"
         if torch.compiler.is_compiling():
-            op = torch.ops.pagemill.gemv_q8 if q8 else torch.ops.pagemill.gemv_q4
-            y = op(xk, self.qweight, self.out_features, self.int8_act)
-        else:  # eager (the LM head): skip the dispatcher
+            y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features, self.int8_act)
+        else:  # eager: skip the dispatcher
             assert self.qweight is not None
-            fn = gemv_q8_cpu.gemv_q8 if q8 else gemv_q4_cpu.gemv_q4
-            y = fn(xk, self.qweight, self.out_features, planes=self.int8_act)
+            y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
+        y = y.view(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
+        xk = xk.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.pagemill.gemv_q8(xk, self.qweight, self.out_features, self.int8_act)
+        else:  # eager (the LM head runs outside the compiled forward): skip the dispatcher
+            assert self.qweight is not None
+            y = gemv_q8_cpu.gemv_q8(xk, self.qweight, self.out_features, planes=self.int8_act)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
