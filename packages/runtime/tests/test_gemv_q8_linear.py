@@ -113,3 +113,22 @@ def test_dense_copy_above_the_limit() -> None:
         packed = torch.cat([layer(x[:4]), layer(x[4:])]).float()
         dense = layer(x).float()
     torch.testing.assert_close(packed, dense, rtol=3e-2, atol=3e-2)
+
+
+def test_crossover_times_the_native_kernel(monkeypatch) -> None:
+    """The packed/dense crossover measures what a Q8_0 head serves with: `gemv_q8`."""
+    from pagemill.runtime.model_executor.quantization.crossover import layer_kind, time_layers
+
+    raw, _ = _q8_0(64, 128, seed=5)
+    layer = _layer(raw, 64, 128, dense_fallback=True)
+    calls: list[int] = []
+    real = gemv_q8_cpu.gemv_q8
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_q8_cpu, "gemv_q8", counted)
+    packed_s, dense_s = time_layers([layer], 2)
+    assert packed_s > 0 and dense_s > 0 and calls and set(calls) == {2}
+    assert layer_kind(layer).startswith("q8_0:64x128:g32")
