@@ -227,11 +227,12 @@ class Linear(nn.Module):
         elif pieces and self._takes_q8_blocks(list(pieces.values()), kdt, weight.device):
             q8 = torch.cat([p.q for p in pieces.values() if isinstance(p, Int8Blocks)])
             d8 = torch.cat([p.scales for p in pieces.values() if isinstance(p, Int8Blocks)])
-            self._set_packed("q8_0", qweight=gemv_q8_cpu.pack_q8_blocks(q8, d8))
+            tiles = gemv_q8_cpu.pack_q8_blocks(q8, d8)
+            self._set_packed("q8_0", qweight=tiles)
             self.group_size = gemv_q8_cpu.QK
             self.int8_act = 2 if self.int8_activations >= 2 else 1
             if self.scheme.dense_fallback:
-                weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(self.qweight, self.out_features))
+                weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
             if pieces:
                 q, s, z, g, planes = int4_planes(list(pieces.values()))
