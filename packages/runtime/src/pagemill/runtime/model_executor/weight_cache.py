@@ -182,7 +182,7 @@ class WeightCache:
     """One key's entry; `restore` fills a built model from it, `save` writes it."""
 
     def __init__(self, model: nn.Module, gguf_files: list[Path], settings: dict[str, Any]):
-        from pagemill.kernels import gemv_q4_cpu
+        from pagemill.kernels import gemv_q4_cpu, gemv_q8_cpu
         from pagemill.runtime.model_executor.default_model import cache_dir
         from pagemill.runtime.worker.compilation import _cpu_flags, class_switches
 
@@ -199,6 +199,7 @@ class WeightCache:
             # Whether int4 layers were laid out for the native GEMV: it may be switched off
             # (PAGEMILL_NATIVE_CPU_KERNELS=0) or fail to build, and then they must not be.
             "gemv_q4": gemv_q4_cpu.available(),
+            "gemv_q8": gemv_q8_cpu.available(),
         }
         self.key = hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()
         self.folder = cache_dir() / "weights" / self.key[:32]

@@ -20,6 +20,10 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
   llama.cpp's / 254, which flips visibly more greedy tokens on SmolLM2);
   PAGEMILL_CPU_INT8_ACTIVATIONS=1 keeps one plane, 0 PyTorch's kernel. Layers asking for
   fp32 kernels (`WeightScheme.kernel_dtype`, kept for exactness checks) keep PyTorch's;
+- q8_0 (under the same switch: GGUF Q8_0 rows, e.g. SmolLM2's LM head): `qweight` uint8
+  tiles of `pagemill.kernels.gemv_q8_cpu` (int8 values with their exact fp16 scales, the
+  file's bytes per weight), `torch.ops.pagemill.gemv_q8`, int8 activations as for int4;
+  without the switch Q8_0 rows are served as two int4 planes (int4x2);
 - triton_int4 (CUDA): int4-group rows kept as they came, packed for the kernels' Triton
   dequant-GEMM (`pagemill.kernels.pack_int4_groups`): `qweight` int32 [in / 8, out],
   `scales` / `zeros` fp32 [in / g, out] (fp32 keeps a checkpoint's fp16 scales exact under
@@ -49,6 +53,7 @@ from torch import nn
 
 from pagemill.kernels import (
     gemv_q4_cpu,  # also registers pagemill::gemv_q4
+    gemv_q8_cpu,  # also registers pagemill::gemv_q8
     pack_int4_groups,  # also registers pagemill::int4_group_gemm
 )
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
@@ -132,9 +137,10 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = _param(out_features, in_features, dtype=dtype)
         self.bias = _param(out_features, dtype=dtype) if bias else None
         self.scheme: WeightScheme = DENSE
-        self.format = "dense"  # "dense" | "int8" | "int4" | "triton_int4"
+        self.format = "dense"  # "dense" | "int8" | "int4" | "q8_0" | "triton_int4"
         self.int4_planes = 1
-        self.int8_act = 0  # int4 served by gemv_q4 with this many planes (`int8_activations`)
+        # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
+        self.int8_act = 0
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -218,6 +224,15 @@ class Linear(nn.Module):
             self._set_packed("int8", qweight=q, scales=scales)
             if self.scheme.dense_fallback:
                 weight.copy_((q.float() * scales.float()[:, None]).to(self.dtype))
+        elif pieces and self._takes_q8_blocks(list(pieces.values()), kdt, weight.device):
+            q8 = torch.cat([p.q for p in pieces.values() if isinstance(p, Int8Blocks)])
+            d8 = torch.cat([p.scales for p in pieces.values() if isinstance(p, Int8Blocks)])
+            tiles = gemv_q8_cpu.pack_q8_blocks(q8, d8)
+            self._set_packed("q8_0", qweight=tiles)
+            self.group_size = gemv_q8_cpu.QK
+            self.int8_act = 2 if self.int8_activations >= 2 else 1
+            if self.scheme.dense_fallback:
+                weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
             if pieces:
                 q, s, z, g, planes = int4_planes(list(pieces.values()))
@@ -238,7 +253,9 @@ class Linear(nn.Module):
         if not self.scheme.dense_fallback:
             self.weight = None
         limit = self.scheme.packed_max_tokens
-        self.packed_max_tokens = PACKED_MAX_TOKENS[self.weight_format] if limit is None else limit
+        if limit is None:  # q8_0 streams as many bytes as int4x2 and computes less
+            limit = PACKED_MAX_TOKENS.get(self.weight_format, PACKED_MAX_TOKENS["int4x2"])
+        self.packed_max_tokens = limit
 
     def _takes_int8_activations(
         self, planes: int, kernel_dtype: torch.dtype, device: torch.device
@@ -250,6 +267,24 @@ class Linear(nn.Module):
             and device.type == "cpu"
             and self.in_features % gemv_q4_cpu.QK == 0
             and gemv_q4_cpu.available()
+        )
+
+    def _takes_q8_blocks(
+        self, pieces: list[QuantizedRows], kernel_dtype: torch.dtype, device: torch.device
+    ) -> bool:
+        """Q8_0 rows (int8 blocks of 32, fp16 scales, no zero points) for `gemv_q8`."""
+        return (
+            self.int8_activations > 0
+            and kernel_dtype == torch.bfloat16
+            and device.type == "cpu"
+            and all(
+                isinstance(p, Int8Blocks)
+                and p.zeros is None
+                and p.block_size == gemv_q8_cpu.QK
+                and gemv_q8_cpu.packable(p.q, p.scales)
+                for p in pieces
+            )
+            and gemv_q8_cpu.available()
         )
 
     def _pack_triton_int4(self, pieces: list[Int4Groups]) -> None:
@@ -311,7 +346,7 @@ class Linear(nn.Module):
 
     @property
     def weight_format(self) -> str:
-        """dense, int8, int4 or int4x2 (two planes: an exact int8 block format)."""
+        """dense, int8, int4, int4x2 (two planes: an exact int8 block format) or q8_0."""
         if self.format == "int4" and self.int4_planes == 2:
             return "int4x2"
         return self.format
@@ -336,7 +371,7 @@ class Linear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, format={self.weight_format}"
         )
-        if self.format in ("int4", "triton_int4"):
+        if self.format in ("int4", "q8_0", "triton_int4"):
             s += f", group_size={self.group_size}"
         if self.int8_act:
             s += f", int8 activations x{self.int8_act}"
@@ -382,7 +417,7 @@ class Linear(nn.Module):
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_act:
-            return self._gemv_q4(x)
+            return self._gemv_q8(x) if self.format == "q8_0" else self._gemv_q4(x)
         xk = x if x.dtype == self.kernel_dtype else x.to(self.kernel_dtype)
         opaque = self.opaque_packed and torch.compiler.is_compiling()
         if self.format == "int8":
@@ -414,6 +449,19 @@ class Linear(nn.Module):
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
             y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
+        y = y.view(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
+        xk = xk.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.pagemill.gemv_q8(xk, self.qweight, self.out_features, self.int8_act)
+        else:  # eager (the LM head runs outside the compiled forward): skip the dispatcher
+            assert self.qweight is not None
+            y = gemv_q8_cpu.gemv_q8(xk, self.qweight, self.out_features, planes=self.int8_act)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)

@@ -1,0 +1,360 @@
+// y[M, N] = x[M, K] · W[N, K]ᵀ over GGUF Q8_0 weight blocks (32 int8 values and one fp16
+// scale each), with the activations quantized to int8 per block of 32 and the dot products
+// done in integers, as llama.cpp runs Q8_0 against Q8_0. Few rows of x (decode steps, an
+// LM head over the sampled rows) are bound by reading W: each weight block is read once, in
+// one stream, with its scales next to it.
+//
+// Weights come in tiles of 16 output rows; per tile and block of 32 inputs:
+//     uint16_t d[16] (fp16); int8_t qs[512];      w[r][j] = d[r] * q[r][j]
+// with byte (j, r, t), j < 8, r < 16, t < 4, holding q[r][4j + t]: one 4-byte lane holds 4
+// consecutive inputs of one output row, so a 4-wide dot of such a vector against 4 inputs
+// of x broadcast to every lane leaves each row's partial sum in its own lane (no horizontal
+// sums) and the 16 rows' scales apply as one vector.
+//
+// Signed weights times signed activations, three ways (integer sums are exact in each, so
+// builds differ only in float summation order):
+// - VNNI (`vpdpbusd` multiplies u8 by s8): the weight bytes are flipped to w + 128 (u8),
+//   and 128 times the block's integer sum of the activations is taken off again;
+// - AVX2 (`vpmaddubsw`, u8 × s8 into saturating int16): the sign trick, |w| times x with
+//   w's sign, |w| * |x| <= 128 * 127, so a pair sums to at most 32512 and never saturates;
+// - plain C++.
+// PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
+//
+// Activation block: q1 = round(x / dx) in -127..127 with dx = max|x| / 127; with two
+// planes also the remainder rounded in steps of dx / 254 (q2), so x ≈ dx * (q1 + q2 / 254).
+//
+// Built at run time by pagemill.kernels.gemv_q8_cpu (host compiler, -O3 -march=native
+// -fopenmp, no torch headers) and called through ctypes. Output rows are split over
+// OpenMP threads by tiles; up to four rows of x share each weight block while it is in
+// registers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#ifndef PAGEMILL_GEMV_ISA
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PAGEMILL_GEMV_ISA 3
+#elif defined(__AVXVNNI__)
+#define PAGEMILL_GEMV_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGEMILL_GEMV_ISA 1
+#else
+#define PAGEMILL_GEMV_ISA 0
+#endif
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int MAX_TILE = 4;
+constexpr int ROWS = 16;                       // output rows interleaved in one tile
+constexpr int64_t QS_BYTES = ROWS * QK;        // int8 values of one block of a tile
+constexpr int64_t SB = ROWS * 2;               // fp16 scales of one block of a tile
+constexpr int64_t BLOCK = SB + QS_BYTES;
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            exp = 127 - 15 + 1;
+            while (!(mant & 0x400u)) {
+                mant <<= 1;
+                --exp;
+            }
+            bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx [K / 32] and the
+// integer sum of each block's plane, isum [K / 32 * P] (the VNNI offset's correction).
+template <int P>
+void quantize_row(const void* x, int dtype, int64_t k, int8_t* xq, float* dx, int32_t* isum) {
+    float buf[QK];
+    for (int64_t b = 0; b < k / QK; ++b) {
+        for (int j = 0; j < QK; ++j) {
+            const int64_t i = b * QK + j;
+            buf[j] = dtype == 1 ? bf16_to_float(static_cast<const uint16_t*>(x)[i])
+                                : static_cast<const float*>(x)[i];
+        }
+        float amax = 0.0f;
+        for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(buf[j]));
+        const float d = amax / 127.0f;
+        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+        int8_t* xb = xq + b * P * QK;
+        int32_t s1 = 0, s2 = 0;
+        for (int j = 0; j < QK; ++j) {
+            const float q1 = std::nearbyint(buf[j] * inv);
+            xb[j] = static_cast<int8_t>(q1);
+            s1 += xb[j];
+            if constexpr (P == 2) {
+                // The remainder, |r| <= d / 2, in steps of d / 254.
+                const float rest = buf[j] - q1 * d;
+                const float q2 = std::nearbyint(rest * (inv * 254.0f));
+                xb[QK + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q2)));
+                s2 += xb[QK + j];
+            }
+        }
+        dx[b] = d;
+        isum[b * P] = s1;
+        if constexpr (P == 2) isum[b * P + 1] = s2;
+    }
+}
+
+// One tile of 16 output rows against rows x[0..T) of the tile of activations.
+template <int T, int P>
+void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+               const float* dx, const int32_t* isum, int64_t s_stride, float* out /* [T][16] */) {
+#if PAGEMILL_GEMV_ISA == 3
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        __m512i wv[8];
+        for (int j = 0; j < 8; ++j)
+            wv[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + SB + 64 * j), flip);
+        for (int t = 0; t < T; ++t) {
+            const int8_t* xb = xq + t * xq_stride + b * P * QK;
+            const int32_t* is = isum + (t * s_stride + b) * P;
+            __m512 p;
+            for (int plane = 0; plane < P; ++plane) {
+                __m512i s0 = _mm512_set1_epi32(-128 * is[plane]), s1 = _mm512_setzero_si512();
+                for (int i = 0; i < 8; i += 2) {
+                    int32_t x0, x1;
+                    std::memcpy(&x0, xb + plane * QK + 4 * i, 4);
+                    std::memcpy(&x1, xb + plane * QK + 4 * i + 4, 4);
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x0));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x1));
+                }
+                const __m512 ps = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                p = plane == 0 ? ps : _mm512_fmadd_ps(ps, _mm512_set1_ps(1.0f / 254.0f), p);
+            }
+            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+                                     acc[t]);
+        }
+    }
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
+#elif PAGEMILL_GEMV_ISA >= 1
+    // Two halves of 8 rows in 256-bit vectors.
+    __m256 acc[T][2];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+#if PAGEMILL_GEMV_ISA == 2
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#else
+    const __m256i one = _mm256_set1_epi16(1);
+#endif
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        for (int h = 0; h < 2; ++h) {
+            const __m256 d =
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+            __m256i wv[8];
+            for (int j = 0; j < 8; ++j) {
+                const __m256i raw =
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + SB + 64 * j + 32 * h));
+#if PAGEMILL_GEMV_ISA == 2
+                wv[j] = _mm256_xor_si256(raw, flip);
+#else
+                wv[j] = raw;
+#endif
+            }
+            for (int t = 0; t < T; ++t) {
+                const int8_t* xb0 = xq + t * xq_stride + b * P * QK;
+                __m256 p;
+                for (int plane = 0; plane < P; ++plane) {
+                    const int8_t* xb = xb0 + plane * QK;
+#if PAGEMILL_GEMV_ISA == 2
+                    const int32_t corr = -128 * isum[(t * s_stride + b) * P + plane];
+                    __m256i s0 = _mm256_set1_epi32(corr), s1 = _mm256_setzero_si256();
+#else
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#endif
+                    for (int i = 0; i < 8; i += 2) {
+                        int32_t x0, x1;
+                        std::memcpy(&x0, xb + 4 * i, 4);
+                        std::memcpy(&x1, xb + 4 * i + 4, 4);
+                        const __m256i xv0 = _mm256_set1_epi32(x0), xv1 = _mm256_set1_epi32(x1);
+#if PAGEMILL_GEMV_ISA == 2
+                        s0 = _mm256_dpbusd_avx_epi32(s0, wv[i], xv0);
+                        s1 = _mm256_dpbusd_avx_epi32(s1, wv[i + 1], xv1);
+#else
+                        const __m256i a0 = _mm256_sign_epi8(wv[i], wv[i]);
+                        const __m256i a1 = _mm256_sign_epi8(wv[i + 1], wv[i + 1]);
+                        s0 = _mm256_add_epi32(
+                            s0, _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv0, wv[i])), one));
+                        s1 = _mm256_add_epi32(
+                            s1,
+                            _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv1, wv[i + 1])), one));
+#endif
+                    }
+                    const __m256 ps = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+                    p = plane == 0 ? ps : _mm256_fmadd_ps(ps, _mm256_set1_ps(1.0f / 254.0f), p);
+                }
+                acc[t][h] = _mm256_fmadd_ps(
+                    p, _mm256_mul_ps(d, _mm256_set1_ps(dx[t * s_stride + b])), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + t * ROWS + 8 * h, acc[t][h]);
+#else
+    float acc[T][ROWS];
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) acc[t][r] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        uint16_t ds[ROWS];
+        std::memcpy(ds, blk, sizeof ds);
+        const int8_t* qs = reinterpret_cast<const int8_t*>(blk + SB);
+        for (int t = 0; t < T; ++t) {
+            for (int r = 0; r < ROWS; ++r) {
+                float p = 0.0f;
+                for (int plane = 0; plane < P; ++plane) {
+                    const int8_t* xb = xq + t * xq_stride + b * P * QK + plane * QK;
+                    int32_t dot = 0;
+                    for (int j = 0; j < 8; ++j)
+                        for (int u = 0; u < 4; ++u)
+                            dot += static_cast<int32_t>(qs[(j * ROWS + r) * 4 + u]) * xb[4 * j + u];
+                    p = plane == 0 ? static_cast<float>(dot)
+                                   : std::fma(static_cast<float>(dot), 1.0f / 254.0f, p);
+                }
+                acc[t][r] += half_to_float(ds[r]) * dx[t * s_stride + b] * p;
+            }
+        }
+    }
+    for (int t = 0; t < T; ++t)
+        for (int r = 0; r < ROWS; ++r) out[t * ROWS + r] = acc[t][r];
+#endif
+}
+
+template <int P>
+void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* isum, void* y,
+          int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+        const uint8_t* wt = w + tile * nb * BLOCK;
+        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+        for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_TILE) {
+            float out[MAX_TILE * ROWS];
+            const int64_t tm = std::min<int64_t>(MAX_TILE, m_rows - m0);
+            const int8_t* xt = xq + m0 * P * k;
+            const float* dt = dx + m0 * nb;
+            const int32_t* it = isum + m0 * nb * P;
+            switch (tm) {
+                case 4: tile_rows<4, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                case 3: tile_rows<3, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                case 2: tile_rows<2, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                default: tile_rows<1, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+            }
+            for (int64_t t = 0; t < tm; ++t) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
+                    const float v = out[t * ROWS + r];
+                    if (dtype == 1) {
+                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
+                    } else {
+                        static_cast<float*>(y)[i] = v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which arithmetic this build runs (PAGEMILL_GEMV_ISA's values).
+int pagemill_gemv_q8_isa() { return PAGEMILL_GEMV_ISA; }
+
+// dtype: 0 fp32, 1 bf16 (x and y). planes: 1 (x rounded to int8 per block) or 2 (plus its
+// remainder in a second int8 plane). x [m_rows, k] with row stride x_stride (elements),
+// y [m_rows, n] with row stride y_stride. Returns 0, or a nonzero status for arguments it
+// refuses.
+int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
+                     int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                     int planes) {
+    if (dtype != 0 && dtype != 1) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (planes != 1 && planes != 2) return 3;
+    if (m_rows == 0 || n == 0) return 0;
+    threads = std::max(1, threads);
+    const int64_t nb = k / QK;
+    const size_t elt = dtype == 1 ? 2 : 4;
+    // Per calling thread, reused across calls.
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> ds;
+    thread_local std::vector<int32_t> sums;
+    xq.resize(static_cast<size_t>(planes * m_rows * k));
+    ds.resize(static_cast<size_t>(m_rows * nb));
+    sums.resize(static_cast<size_t>(planes * m_rows * nb));
+    // Raw pointers: inside the parallel regions a thread_local name is each thread's own.
+    int8_t* xqp = xq.data();
+    float* dx = ds.data();
+    int32_t* isum = sums.data();
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_rows; ++r) {
+        const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
+        if (planes == 2) {
+            quantize_row<2>(xr, dtype, k, xqp + 2 * r * k, dx + r * nb, isum + 2 * r * nb);
+        } else {
+            quantize_row<1>(xr, dtype, k, xqp + r * k, dx + r * nb, isum + r * nb);
+        }
+    }
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    if (planes == 2) {
+        gemv<2>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads);
+    } else {
+        gemv<1>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads);
+    }
+    return 0;
+}
+
+}  // extern "C"

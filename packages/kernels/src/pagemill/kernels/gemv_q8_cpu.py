@@ -1,0 +1,223 @@
+"""GGUF Q8_0 weights times int8-quantized activations on the CPU, built on the host at first use.
+
+A Q8_0 LM head (SmolLM2's is 49152 x 576) is the largest single weight a small model's
+decode step streams, and it runs on the few sampled rows only: its time is the time to
+read it. `csrc/gemv_q8_cpu.cpp` streams the blocks of 32 int8 values with their fp16 scale
+next to them (`pack_q8_blocks`, the same bytes per weight as the GGUF file), quantizes each
+row of x to int8 per block of 32 once per call, and does the dot products in integer SIMD
+(VNNI, AVX2 or plain C++), the way llama.cpp runs Q8_0 against Q8_0. The activations'
+rounding is the one approximation (the weights and their fp16 scales are exact); with two
+planes (`gemv_q4_cpu.quantize_activations`) it is ~max|x| / 64516 per block.
+`gemv_q8_torch` computes the same arithmetic in plain torch.
+
+Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
+`load()` is None without a compiler). `torch.ops.pagemill.gemv_q8` wraps it for compiled
+graphs (one opaque call); eager callers call `gemv_q8` directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from pagemill.kernels.cpu_native import build_library
+from pagemill.kernels.gemv_q4_cpu import ISA_NAMES, quantize_activations
+
+__all__ = [
+    "ISA_NAMES",
+    "QK",
+    "ROWS",
+    "available",
+    "dequantize_q8_blocks",
+    "gemv_q8",
+    "gemv_q8_torch",
+    "load",
+    "pack_q8_blocks",
+    "packable",
+    "unpack_q8_blocks",
+]
+
+_SOURCE = Path(__file__).parent / "csrc" / "gemv_q8_cpu.cpp"
+QK = 32  # inputs per block
+ROWS = 16  # output rows per tile
+QS_BYTES = ROWS * QK
+BLOCK_BYTES = 2 * ROWS + QS_BYTES
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def load(isa: int | None = None) -> ctypes.CDLL | None:
+    """The kernel library built for this CPU (`isa` forces a path: see `ISA_NAMES`; None
+    picks the best the host has), or None when it cannot be built here (see the log)."""
+    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
+    if isa is not None:
+        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
+    lib = build_library(_SOURCE, "the Q8_0 CPU GEMV kernel", "serving Q8_0 rows as int4x2", flags)
+    if lib is None:
+        return None
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.pagemill_gemv_q8.restype = i32
+    lib.pagemill_gemv_q8.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagemill_gemv_q8_isa.restype = i32
+    lib.pagemill_gemv_q8_isa.argtypes = []
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+# ---- the block layout ------------------------------------------------------------------------
+
+
+def packable(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether `pack_q8_blocks` holds these rows exactly: blocks of 32 and scales fp16
+    represents (GGUF Q8_0's always are)."""
+    return (
+        q.dim() == 2
+        and q.shape[1] % QK == 0
+        and tuple(scales.shape) == (q.shape[0], q.shape[1] // QK)
+        and bool(torch.equal(scales.float().half().float(), scales.float()))
+    )
+
+
+def pack_q8_blocks(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Int8 blocks (w = q * scale, q int8 [N, K], scales [N, K / 32] that fp16 holds exactly)
+    as the kernel's tiles: uint8 [ceil(N / 16), K / 32, 544].
+
+    Each (tile of 16 output rows, block of 32 inputs) holds the 16 rows' fp16 scales, then
+    512 bytes of int8 values, byte (j, r, t) = q[r, 4j + t] (see the kernel source). Rows
+    past N are zero."""
+    if not packable(q, scales):
+        raise ValueError(
+            f"Q8 tiles take int8 [N, 32 * nb] with fp16-exact scales [N, nb]; got "
+            f"q {tuple(q.shape)}, scales {tuple(scales.shape)} (or scales fp16 cannot hold)"
+        )
+    n, k = q.shape
+    nb, tiles = k // QK, -(-n // ROWS)
+    pad = tiles * ROWS - n
+    d = scales.float().half()
+    qp = q.to(torch.int8)
+    if pad:
+        d = torch.cat([d, d.new_zeros(pad, nb)])
+        qp = torch.cat([qp, qp.new_zeros(pad, k)])
+    d = d.view(tiles, ROWS, nb).permute(0, 2, 1).contiguous()  # [tiles, nb, 16]
+    qs = qp.view(tiles, ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4)  # tiles nb j r t
+    qs = qs.reshape(tiles, nb, QS_BYTES).view(torch.uint8)
+    return torch.cat([d.view(torch.uint8), qs], dim=-1).contiguous()
+
+
+def unpack_q8_blocks(blocks: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], d fp32 [N, K / 32]) of `pack_q8_blocks`' tiles."""
+    tiles, nb, width = blocks.shape
+    if width != BLOCK_BYTES:
+        raise ValueError(f"Q8 tiles are {BLOCK_BYTES} bytes per block, got {width}")
+    d = blocks[:, :, : 2 * ROWS].contiguous().view(torch.float16).float()  # [tiles, nb, 16]
+    d = d.permute(0, 2, 1).reshape(tiles * ROWS, nb)
+    qs = blocks[:, :, 2 * ROWS :].contiguous().view(torch.int8).view(tiles, nb, 8, ROWS, 4)
+    q = qs.permute(0, 3, 1, 2, 4).reshape(tiles * ROWS, nb * QK)
+    return q[:n], d[:n]
+
+
+def dequantize_q8_blocks(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 weight [N, K] the tiles hold."""
+    q, d = unpack_q8_blocks(blocks, n)
+    nb = d.shape[1]
+    return (q.view(n, nb, QK).float() * d[..., None]).reshape(n, nb * QK)
+
+
+# ---- compute -----------------------------------------------------------------------------------
+
+
+def gemv_q8_torch(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2, quantize: bool = True
+) -> torch.Tensor:
+    """Plain-torch `gemv_q8`: x [M, K] · W[N, K]ᵀ in x's dtype, with x rounded to int8 per
+    block as the kernel does (`quantize`, `planes`), or in fp32 against the exact weights."""
+    if not quantize:
+        return (x.float() @ dequantize_q8_blocks(blocks, n).T).to(x.dtype)
+    q, d = unpack_q8_blocks(blocks, n)
+    nb = d.shape[1]
+    xq, dx, _ = quantize_activations(x, planes)
+    dots = torch.einsum("mbj,nbj->mnb", xq.view(-1, nb, QK), q.view(n, nb, QK).float())
+    return (dots * d[None] * dx[:, None]).sum(-1).to(x.dtype)
+
+
+def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dim() == 2
+        and x.dtype in _DTYPE_CODES
+        and blocks.dtype == torch.uint8
+        and blocks.dim() == 3
+        and blocks.shape[2] == BLOCK_BYTES
+        and x.shape[1] == blocks.shape[1] * QK
+        and 0 <= n <= blocks.shape[0] * ROWS
+    )
+
+
+def gemv_q8(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    planes: int = 2,
+) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype, on the native kernel
+    (`lib`: a `load()` result; default the host's best). `threads` 0: torch's intra-op
+    thread count. `planes` 1: x rounded to int8 per block of 32 (llama.cpp's rounding);
+    2 (default): plus a second int8 plane for the remainder."""
+    if planes not in (1, 2):
+        raise ValueError(f"gemv_q8 takes 1 or 2 activation planes, not {planes}")
+    lib = lib or load()
+    if lib is None:
+        raise RuntimeError("the Q8_0 CPU GEMV kernel is not built on this machine")
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"gemv_q8 takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
+            f"{BLOCK_BYTES}] for N = {n}; got x {tuple(x.shape)} {x.dtype}, "
+            f"blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    y = torch.empty(m_rows, n, dtype=x.dtype)
+    status = lib.pagemill_gemv_q8(
+        _DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        y.data_ptr(),
+        n,
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+        planes,
+    )
+    if status:
+        raise RuntimeError(f"gemv_q8_cpu refused its arguments (status {status})")
+    return y
+
+
+# ---- the op a compiled graph calls ---------------------------------------------------------------
+
+_LIB = torch.library.Library("pagemill", "FRAGMENT")
+_LIB.define("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
+
+
+def _gemv_q8_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return gemv_q8(x, blocks, n, planes=planes)
+
+
+def _gemv_q8_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+_LIB.impl("gemv_q8", _gemv_q8_op, "CPU")
+torch.library.register_fake("pagemill::gemv_q8", _gemv_q8_fake, lib=_LIB)

@@ -1,0 +1,134 @@
+"""Q8_0 linears (SmolLM2's LM head) served by the int8-activation kernel (`gemv_q8`),
+against the `gguf` package's own dequantization of the same Q8_0 bytes, and the switch back
+to two int4 planes on PyTorch's kernel."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagemill.kernels import gemv_q8_cpu
+from pagemill.runtime.model_executor.layers import Linear
+from pagemill.runtime.model_executor.quantization import WeightScheme
+from pagemill.runtime.model_executor.quantization.gguf_blocks import decode_q8_0
+
+pytestmark = pytest.mark.skipif(not gemv_q8_cpu.available(), reason="no C++ compiler")
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(autouse=True)
+def _int8_activations_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Linear, "int8_activations", 2)  # opt-in (see `Linear`)
+
+
+def _q8_0(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """(raw Q8_0 bytes, gguf's fp32 dequantization of them)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf.quants.quantize(w, Q8_0)
+    dense = gguf.quants.dequantize(raw, Q8_0).astype(np.float32)
+    return raw, torch.from_numpy(dense.reshape(n, k))
+
+
+def _layer(raw: np.ndarray, n: int, k: int, dtype=torch.bfloat16, **scheme) -> Linear:
+    layer = Linear(k, n, False, dtype)
+    layer.scheme = WeightScheme("native", **scheme)
+    # Two pieces, as a fused layer loads them: the tiles are cut across them.
+    rows = n // 2 + 3
+    layer.load_rows(0, decode_q8_0(raw[:rows], rows, k))
+    layer.load_rows(rows, decode_q8_0(raw[rows:], n - rows, k))
+    return layer
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_q8_0_layer_against_gguf_dequantization(monkeypatch, dtype, planes) -> None:
+    monkeypatch.setattr(Linear, "int8_activations", planes)
+    n, k = 96, 320
+    raw, w = _q8_0(n, k)
+    layer = _layer(raw, n, k, dtype)
+    assert layer.weight_format == "q8_0" and layer.int8_act == planes and layer.weight is None
+    assert "int8 activations" in repr(layer)
+    # GGUF's fp16 scales fit the tiles exactly: the weights are gguf's, bit for bit.
+    assert layer.qweight is not None
+    assert torch.equal(gemv_q8_cpu.dequantize_q8_blocks(layer.qweight, n), w)
+    x = torch.randn(3, k, dtype=dtype)
+    with torch.no_grad():
+        got = layer(x).float()
+    exact = x.float() @ w.T
+    # Each x is off by at most half its block's step (/ 254 more with two planes).
+    dx = x.float().view(3, k // 32, 32).abs().amax(-1) / 127
+    bound = 0.5 * dx.repeat_interleave(32, 1) @ w.abs().T / (254 if planes == 2 else 1)
+    slack = 0.01 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding
+    assert ((got - exact).abs() <= bound * 1.001 + slack * exact.abs() + 1e-5).all()
+    twin = gemv_q8_cpu.gemv_q8_torch(x, layer.qweight, n, planes).float()
+    torch.testing.assert_close(got, twin, rtol=1e-5, atol=1e-5)  # summation order only
+
+
+def test_switch_off_keeps_int4x2(monkeypatch) -> None:
+    n, k = 48, 128
+    raw, w = _q8_0(n, k, seed=1)
+    monkeypatch.setattr(Linear, "int8_activations", 0)
+    layer = _layer(raw, n, k)
+    assert layer.weight_format == "int4x2" and not layer.int8_act
+    # fp32 kernels are the exact check: never rounded activations.
+    monkeypatch.setattr(Linear, "int8_activations", 2)
+    exact = _layer(raw, n, k, torch.float32, kernel_dtype=torch.float32)
+    assert exact.weight_format == "int4x2" and not exact.int8_act
+    x = torch.randn(2, k)
+    with torch.no_grad():
+        torch.testing.assert_close(exact(x), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_int4x2_serves(monkeypatch) -> None:
+    monkeypatch.setattr(gemv_q8_cpu, "available", lambda: False)
+    raw, _ = _q8_0(32, 64)
+    assert _layer(raw, 32, 64).weight_format == "int4x2"
+
+
+def test_rows_with_zero_points_are_not_q8_0() -> None:
+    """Q5_1-like int8 blocks (with zero points) keep the int4x2 form."""
+    from pagemill.runtime.model_executor.quantization.formats import Int8Blocks
+
+    n, k = 32, 64
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, 2, generator=gen) * 0.01).half().float()
+    layer = Linear(k, n, False, torch.bfloat16)
+    layer.scheme = WeightScheme("native")
+    layer.load_rows(0, Int8Blocks(q, d, 32, "Q5_1", zeros=d * 0.5))
+    assert layer.weight_format == "int4x2"
+
+
+def test_dense_copy_above_the_limit() -> None:
+    """With a dense fallback, both sides serve gguf's weights."""
+    n, k = 64, 192
+    raw, w = _q8_0(n, k, seed=2)
+    layer = _layer(raw, n, k, dense_fallback=True, packed_max_tokens=4)
+    assert layer.int8_act and layer.has_dense_fallback and layer.packed_max_tokens == 4
+    torch.testing.assert_close(layer.weight.float(), w, rtol=4e-3, atol=1e-6)  # bf16 of w
+    x = torch.randn(8, k, dtype=torch.bfloat16)
+    with torch.no_grad():
+        packed = torch.cat([layer(x[:4]), layer(x[4:])]).float()
+        dense = layer(x).float()
+    torch.testing.assert_close(packed, dense, rtol=3e-2, atol=3e-2)
+
+
+def test_crossover_times_the_native_kernel(monkeypatch) -> None:
+    """The packed/dense crossover measures what a Q8_0 head serves with: `gemv_q8`."""
+    from pagemill.runtime.model_executor.quantization.crossover import layer_kind, time_layers
+
+    raw, _ = _q8_0(64, 128, seed=5)
+    layer = _layer(raw, 64, 128, dense_fallback=True)
+    calls: list[int] = []
+    real = gemv_q8_cpu.gemv_q8
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv_q8_cpu, "gemv_q8", counted)
+    packed_s, dense_s = time_layers([layer], 2)
+    assert packed_s > 0 and dense_s > 0 and calls and set(calls) == {2}
+    assert layer_kind(layer).startswith("q8_0:64x128:g32")
