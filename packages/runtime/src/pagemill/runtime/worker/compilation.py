@@ -40,6 +40,7 @@ prepacked outside the graph, inductor's mega-cache or AOTInductor).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -91,34 +92,49 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _keep_input_guards(guards: list[Any]) -> list[bool]:
-    """Keep the guards on the forward's inputs (shapes, dtypes) and on symbolic sizes (a
-    layer may branch on the token count, e.g. packed vs dense weights); drop the model's
-    own (parameters, modules, globals), which do not change between steps."""
-    return [
-        g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in _INPUTS for g in guards
-    ]
+def _guard_filter(inputs: tuple[str, ...]) -> Callable[[list[Any]], list[bool]]:
+    """Keep the guards on the compiled function's `inputs` (shapes, dtypes) and on symbolic
+    sizes (a layer may branch on the token count, e.g. packed vs dense weights); drop the
+    model's own (parameters, modules, globals), which do not change between steps."""
+
+    def keep(guards: list[Any]) -> list[bool]:
+        return [
+            g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in inputs
+            for g in guards
+        ]
+
+    return keep
+
+
+_keep_input_guards = _guard_filter(_INPUTS)
+
+
+def _private_function(fn: types.FunctionType, qualname: str) -> types.FunctionType:
+    """`fn` over a private copy of its code object, named `qualname`.
+
+    Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
+    and the model's own guards are dropped (`_guard_filter`): a second model in this
+    process (another engine, another weight format) would run the first one's graph —
+    its weight formats, its branches. A code object of its own gives each its own cache;
+    its own name gives it its own package in the compile cache, which finds a package by
+    the function's qualified name and first line.
+    """
+    private = types.FunctionType(
+        fn.__code__.replace(),
+        fn.__globals__,
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
+    )
+    private.__kwdefaults__ = fn.__kwdefaults__
+    private.__qualname__ = qualname
+    return private
 
 
 def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """`model.forward` bound over a private copy of its code object.
-
-    Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
-    and the model's own guards are dropped (`_keep_input_guards`): a second model in this
-    process (another engine, another weight format) would run the first one's graph —
-    its weight formats, its branches. A code object of its own gives each model its own
-    cache.
-    """
+    """`model.forward` bound over a private copy of its code (see `_private_function`)."""
     forward = type(model).forward
-    private = types.FunctionType(
-        forward.__code__.replace(),
-        forward.__globals__,
-        forward.__name__,
-        forward.__defaults__,
-        forward.__closure__,
-    )
-    private.__kwdefaults__ = forward.__kwdefaults__
-    return types.MethodType(private, model)
+    return types.MethodType(_private_function(forward, forward.__qualname__), model)
 
 
 def _set_inductor_cache_dir() -> None:
@@ -132,8 +148,10 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
     """Tell dynamo the model's own tensor attributes (KV caches, packed weights) keep their
     shapes: with `dynamic=True` it would otherwise give every size and stride of the KV
     caches a symbol, and the shape guard relating them (kept: it is SHAPE_ENV) grows with
-    the layer count, and rebuilding it was a large part of loading a cached graph. Their shapes
-    are in the compile cache's key, and they do not change between steps."""
+    the layer count, and rebuilding it was a large part of loading a cached graph. Their
+    shapes are in the compile cache's key, and they do not change between steps. (Not the
+    buffers a layer receives as arguments, the rotary table: a compiled graph loaded from
+    the compile cache guards that its inputs carry no such marking, and would never match.)"""
     for module in model.modules():
         for key, value in vars(module).items():
             if key in ("_parameters", "_buffers", "_modules"):
@@ -144,12 +162,76 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
                     torch._dynamo.mark_static(v)
 
 
-def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[..., torch.Tensor]:
-    """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
+def layer_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The model's decoder layers (`model.layers`), grouped by structure: layers whose
+    `model_signature` is the same (same classes, formats, flags, tensor shapes, sliding
+    window...) trace to the same graph, so one compiled function serves a group. Empty
+    when the model has no `layers` list."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return []
+    groups: dict[str, list[torch.nn.Module]] = {}
+    for layer in layers:
+        groups.setdefault(json.dumps(model_signature(layer)), []).append(layer)
+    return list(groups.values())
+
+
+def _compile_layers(groups: list[list[torch.nn.Module]]) -> None:
+    """Regional compilation: one compiled function per group of identical decoder layers,
+    set as each layer's `forward`. Tracing and lowering cost grows with the graph, so a
+    graph of one layer compiles about a layer-count times faster than the whole model's;
+    the model's own forward (embedding, the layer loop, the final norm) stays eager.
+
+    The layer's guards on itself are dropped like the whole model's (`_guard_filter`), so
+    every layer of a group runs the graph traced on the first: safe because the group's
+    layers agree on everything the trace reads but the tensors' values, which are inputs
+    of the graph (without `freezing`: frozen weights would be the first layer's constants,
+    so the frozen compile stays whole-model)."""
+    for i, group in enumerate(groups):
+        cls = type(group[0])
+        forward = _private_function(cls.forward, f"{cls.__qualname__}.forward_group{i}")
+        code = forward.__code__
+        inputs = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        compiled = torch.compile(
+            forward,
+            dynamic=True,
+            fullgraph=True,
+            options={"freezing": False, "guard_filter_fn": _guard_filter(inputs)},
+        )
+        for layer in group:
+            # An instance attribute: `nn.Module.__call__` runs it (hooks included).
+            layer.forward = functools.partial(compiled, layer)
+
+
+def uncompile_layers(model: torch.nn.Module) -> None:
+    """Undo `_compile_layers`: every layer back on its class's eager forward."""
+    layers = getattr(model, "layers", None)
+    for layer in layers if isinstance(layers, torch.nn.ModuleList) else ():
+        if isinstance(vars(layer).get("forward"), functools.partial):
+            del layer.forward
+
+
+def compile_forward(
+    model: torch.nn.Module, freezing: bool = True, regional: bool | None = None
+) -> Callable[..., Any]:
+    """The compiled `model.forward` (compiles lazily, on the first call of each graph).
+
+    `regional` (default: whenever not `freezing` and the model has decoder `layers`)
+    compiles each group of identical layers once (`_compile_layers`) and returns the
+    eager `model.forward` that calls them; otherwise the whole forward is one graph."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
 
     _set_inductor_cache_dir()
+    uncompile_layers(model)
     _mark_static_attributes(model)
+    if regional is None:
+        regional = not freezing
+    if regional and freezing:
+        raise ValueError("regional compilation cannot freeze weights (see _compile_layers)")
+    groups = layer_groups(model) if regional else []
+    if groups:
+        _compile_layers(groups)
+        return model.forward
     return torch.compile(
         _private_forward(model),
         dynamic=True,
@@ -230,7 +312,7 @@ def model_signature(model: torch.nn.Module) -> list[Any]:
             if key in ("_parameters", "_buffers"):
                 for pname, p in sorted(value.items()):
                     attrs.append([key, pname, None if p is None else _tensor_sig(p)])
-            elif key == "_modules" or key.startswith("__"):
+            elif key in ("_modules", "forward") or key.startswith("__"):
                 continue
             else:
                 attrs.append([key, _value_sig(value, _OBJECT_DEPTH)])
@@ -338,7 +420,8 @@ class CompileCache:
         self.key = key
         self.parts = parts
         self.loaded = False
-        self._hits = 0
+        self._before: dict[str, int] = {}
+        self._traced_before = 0
 
     @staticmethod
     def root() -> Path:
@@ -350,6 +433,12 @@ class CompileCache:
         from torch._dynamo.utils import counters
 
         return counters["dynamo_cache"]
+
+    @staticmethod
+    def _traced() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
 
     @contextlib.contextmanager
     def session(self) -> Iterator[CompileCache]:
@@ -363,20 +452,40 @@ class CompileCache:
         # line only, which every model shares.
         store.path_prefix = lambda: dynamo_dir  # type: ignore[method-assign]
         PrecompileContext.clear()
-        before = dict(self._counters())
+        self._before = dict(self._counters())
+        self._traced_before = self._traced()
         try:
             with torch._dynamo.config.patch(caching_precompile=True):
                 yield self
         finally:
             del store.path_prefix  # back to the class's own
+            self.loaded = self.fully_loaded()
             after = self._counters()
-            self.loaded = after.get("dynamo_cache_hit", 0) > before.get("dynamo_cache_hit", 0)
-            if after.get("dynamo_cache_error", 0) > before.get("dynamo_cache_error", 0):
+            if after.get("dynamo_cache_error", 0) > self._before.get("dynamo_cache_error", 0):
                 logger.warning(
                     "compile cache: the entry in %s failed to load (see above); "
                     "it was compiled again and is rewritten",
                     self.folder,
                 )
+            elif self._hit() and self._traced() > self._traced_before:
+                logger.warning(
+                    "compile cache: the entry in %s loaded, but %d graphs were traced "
+                    "again (their loaded guards did not match); it is rewritten",
+                    self.folder,
+                    self._traced() - self._traced_before,
+                )
+
+    def _hit(self) -> bool:
+        return self._counters().get("dynamo_cache_hit", 0) > self._before.get("dynamo_cache_hit", 0)
+
+    def fully_loaded(self) -> bool:
+        """Inside `session()`: whether every compiled function so far came from this folder
+        (a package each: the layer groups) and no graph was traced after all (a loaded
+        guard that never matches traces again, silently)."""
+        missed = self._counters().get("dynamo_cache_miss", 0) > self._before.get(
+            "dynamo_cache_miss", 0
+        )
+        return self._hit() and not missed and self._traced() == self._traced_before
 
     def save(self) -> None:
         """Write the packages compiled in this session (call inside `session()`)."""
@@ -429,6 +538,6 @@ def compile_cached(
     cache = CompileCache(CompileCache.root(), key, parts)
     with cache.session():
         seconds = build()
-        if not cache.loaded:
+        if not cache.fully_loaded():
             cache.save()
     return seconds, cache.loaded
