@@ -16,9 +16,21 @@ inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk
 (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
 generated code, so a later start skips code generation and C++ builds.
 
+Regional compilation (the compile cache's forward, the default): tracing, AOT autograd and
+inductor's lowering cost grows with the graph, and a decoder's layers are alike, so each
+group of identical layers (`layer_groups`: same classes, formats, flags and tensor shapes)
+is compiled once as its own function and every layer of the group runs it with its own
+weights (graph inputs); the model's forward around them (embedding, the layer loop, the
+final norm) stays eager. The layers' own guards are dropped as the whole model's are, which
+is safe because a group's layers differ only in tensor values. The frozen compile
+(`PAGEMILL_COMPILE_CACHE=0`) stays whole-model: frozen weights would be constants of the
+first layer. `benchmarks/step_ab.py --variant whole-model` is the step's A/B against the
+whole-model graph, `benchmarks/compile_time.py` the compile's.
+
 The compile cache (`CompileCache`): dynamo's trace is kept too, with torch's caching
-precompile (a dynamo package per compiled function, its graphs and the AOT-autograd/inductor
-artefacts they call), in a folder of its own per key under `<pagemill cache>/compiled/`.
+precompile (a dynamo package per compiled function, a layer group's each, with its graphs and
+the AOT-autograd/inductor artefacts they call), in a folder of its own per key under
+`<pagemill cache>/compiled/`.
 The key is everything that changes the graph: the model's structure (every module's type
 and plain attributes, every tensor's name, shape, dtype and layout: weights formats
 included), its config, dtype, the engine limits and KV pool shape, torch and Python
@@ -63,7 +75,7 @@ ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
 # 1 (or unset) uses the compile cache.
 COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
 # Bump when what a cache entry holds, or how it is keyed, changes.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 
 _INPUTS = ("input_ids", "positions", "meta")
 
@@ -109,7 +121,7 @@ def _guard_filter(inputs: tuple[str, ...]) -> Callable[[list[Any]], list[bool]]:
 _keep_input_guards = _guard_filter(_INPUTS)
 
 
-def _private_function(fn: types.FunctionType, qualname: str) -> types.FunctionType:
+def _private_function(fn: Callable[..., Any], qualname: str) -> types.FunctionType:
     """`fn` over a private copy of its code object, named `qualname`.
 
     Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
@@ -119,6 +131,7 @@ def _private_function(fn: types.FunctionType, qualname: str) -> types.FunctionTy
     its own name gives it its own package in the compile cache, which finds a package by
     the function's qualified name and first line.
     """
+    assert isinstance(fn, types.FunctionType), fn
     private = types.FunctionType(
         fn.__code__.replace(),
         fn.__globals__,
