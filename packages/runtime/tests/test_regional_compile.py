@@ -3,8 +3,8 @@
 The compile cache's forward (the default start) compiles a decoder layer, not the whole
 model, and every layer of a group runs the graph traced on the first with its own weights
 (the layers' own guards are dropped). Checked against transformers (greedy, fp32, token for
-token; the tiny model's two layers share one graph, so a graph holding the first layer's
-weights would fail it), and layers that differ get graphs of their own.
+token), and layers that differ get graphs of their own; layers of a group share one graph
+with their own weights (a graph holding the first one's would fail the unit test).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_regional_greedy_matches_hf(regional_llm, tiny_llama, hf_greedy, random_
     runner = regional_llm.llm_engine.engine_core.model_runner
     assert runner.compiled and runner.compile_cache is not None
     groups = layer_groups(runner.model)
-    assert [len(g) for g in groups] == [2]
+    assert [len(g) for g in groups] == [1, 1]  # the first layer is a group of its own
     assert all("forward" in vars(layer) for layer in runner.model.layers)
     _, model = tiny_llama
     prefix = random_prompts([32], model.config.vocab_size, seed=31)[0]
@@ -85,7 +85,8 @@ class _Stack(torch.nn.Module):
         super().__init__()
         # Weights differ everywhere; the flag splits the layers into two groups.
         self.layers = torch.nn.ModuleList(
-            _Layer(s, d) for s, d in [(1.0, True), (2.0, True), (3.0, False), (4.0, True)]
+            _Layer(s, d)
+            for s, d in [(1.0, True), (2.0, True), (3.0, False), (4.0, True), (5.0, True)]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ def test_layers_that_differ_get_their_own_graph() -> None:
     _skip_without_compiler()
     model = _Stack()
     groups = layer_groups(model)
-    assert [[list(model.layers).index(m) for m in g] for g in groups] == [[0, 1, 3], [2]]
+    assert [[list(model.layers).index(m) for m in g] for g in groups] == [[0], [1, 3, 4], [2]]
     x = torch.arange(1.0, 5.0)
     expected = model(x)
     forward = compile_forward(model, freezing=False)

@@ -178,14 +178,17 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
 def layer_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
     """The model's decoder layers (`model.layers`), grouped by structure: layers whose
     `model_signature` is the same (same classes, formats, flags, tensor shapes, sliding
-    window...) trace to the same graph, so one compiled function serves a group. Empty
-    when the model has no `layers` list."""
+    window...) trace to the same graph, so one compiled function serves a group. The first
+    layer is a group of its own: it alone gets no residual stream, a graph each way, and
+    dynamo keeps a bounded number of graphs per function (`recompile_limit`). Empty when
+    the model has no `layers` list."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         return []
     groups: dict[str, list[torch.nn.Module]] = {}
-    for layer in layers:
-        groups.setdefault(json.dumps(model_signature(layer)), []).append(layer)
+    for i, layer in enumerate(layers):
+        key = json.dumps([i == 0, model_signature(layer)])
+        groups.setdefault(key, []).append(layer)
     return list(groups.values())
 
 
