@@ -107,6 +107,20 @@ def test_layers_that_differ_get_their_own_graph() -> None:
     torch.testing.assert_close(forward(x), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="freeze"):
         compile_forward(model, freezing=True, regional=True)
-    # A whole-model compile (frozen) takes the layers back to their eager forward first.
+    # A whole-model compile takes the layers back to their eager forward first.
     compile_forward(model, freezing=True)
     assert not any("forward" in vars(layer) for layer in model.layers)
+
+
+def test_regional_switch(tiny_llama, monkeypatch) -> None:
+    from pagemill.runtime.worker.compilation import REGIONAL_ENV, compile_cache_key
+
+    _, model = tiny_llama
+    monkeypatch.setenv(REGIONAL_ENV, "1")
+    on, _ = compile_cache_key(model, {})
+    monkeypatch.setenv(REGIONAL_ENV, "0")
+    off, _ = compile_cache_key(model, {})
+    assert on != off  # the two compiles never share an entry
+    monkeypatch.setenv(REGIONAL_ENV, "no")
+    with pytest.raises(ValueError, match=REGIONAL_ENV):
+        compile_cache_key(model, {})

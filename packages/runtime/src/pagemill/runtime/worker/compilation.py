@@ -74,6 +74,9 @@ ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
 # Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache;
 # 1 (or unset) uses the compile cache.
 COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
+# Set to 0 to compile the compile cache's forward as one graph of the whole model instead of
+# one per group of identical decoder layers (regional compilation, the default).
+REGIONAL_ENV = "PAGEMILL_COMPILE_REGIONAL"
 # Bump when what a cache entry holds, or how it is keyed, changes.
 _CACHE_FORMAT = 3
 
@@ -232,7 +235,8 @@ def compile_forward(
 ) -> Callable[..., Any]:
     """The compiled `model.forward` (compiles lazily, on the first call of each graph).
 
-    `regional` (default: whenever not `freezing` and the model has decoder `layers`)
+    `regional` (default: unless `freezing` or `PAGEMILL_COMPILE_REGIONAL=0`; it needs decoder
+    `layers`)
     compiles each group of identical layers once (`_compile_layers`) and returns the
     eager `model.forward` that calls them; otherwise the whole forward is one graph."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
@@ -241,7 +245,7 @@ def compile_forward(
     uncompile_layers(model)
     _mark_static_attributes(model)
     if regional is None:
-        regional = not freezing
+        regional = not freezing and regional_enabled()
     if regional and freezing:
         raise ValueError("regional compilation cannot freeze weights (see _compile_layers)")
     groups = layer_groups(model) if regional else []
@@ -257,6 +261,14 @@ def compile_forward(
 
 
 # ---- the compile cache ---------------------------------------------------------------------
+
+
+def regional_enabled() -> bool:
+    """On unless `PAGEMILL_COMPILE_REGIONAL=0` (any value but 0 or 1 is refused)."""
+    value = os.environ.get(REGIONAL_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{REGIONAL_ENV} must be 0 or 1, got {value!r}")
+    return value != "0"
 
 
 def compile_cache_enabled() -> bool:
@@ -409,6 +421,7 @@ def compile_cache_key(
     """The key of a compiled forward (hex digest) and what it was computed from."""
     parts = {
         "format": _CACHE_FORMAT,
+        "regional": regional_enabled(),
         # Class-wide switches (not in any module's own attributes) that change the graph.
         "classes": class_switches(model),
         "torch": torch.__version__,
