@@ -1,7 +1,7 @@
 """Regional compilation: one compiled graph per group of identical decoder layers.
 
-The compile cache's forward (the default start) compiles a decoder layer, not the whole
-model, and every layer of a group runs the graph traced on the first with its own weights
+With `PAGEMILL_COMPILE_REGIONAL=1` the compile cache's forward compiles a decoder layer, not
+the whole model, and every layer of a group runs the graph traced on the first with its own weights
 (the layers' own guards are dropped). Checked against transformers (greedy, fp32, token for
 token), and layers that differ get graphs of their own; layers of a group share one graph
 with their own weights (a graph holding the first one's would fail the unit test).
@@ -16,6 +16,7 @@ from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.worker.compilation import (
     COMPILE_CACHE_ENV,
     ENFORCE_EAGER_ENV,
+    REGIONAL_ENV,
     compile_forward,
     compile_unavailable_reason,
     layer_groups,
@@ -37,6 +38,7 @@ def regional_llm(tiny_llama, tmp_path_factory) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv(ENFORCE_EAGER_ENV, raising=False)
         mp.setenv(COMPILE_CACHE_ENV, "1")
+        mp.setenv(REGIONAL_ENV, "1")
         mp.setenv("PAGEMILL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         llm = LLM(
             str(folder),
@@ -102,7 +104,7 @@ def test_layers_that_differ_get_their_own_graph() -> None:
     assert [[list(model.layers).index(m) for m in g] for g in groups] == [[0], [1, 3, 4], [2]]
     x = torch.arange(1.0, 5.0)
     expected = model(x)
-    forward = compile_forward(model, freezing=False)
+    forward = compile_forward(model, freezing=False, regional=True)
     assert all("forward" in vars(layer) for layer in model.layers)
     torch.testing.assert_close(forward(x), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="freeze"):
@@ -113,7 +115,7 @@ def test_layers_that_differ_get_their_own_graph() -> None:
 
 
 def test_regional_switch(tiny_llama, monkeypatch) -> None:
-    from pagemill.runtime.worker.compilation import REGIONAL_ENV, compile_cache_key
+    from pagemill.runtime.worker.compilation import compile_cache_key
 
     _, model = tiny_llama
     monkeypatch.setenv(REGIONAL_ENV, "1")

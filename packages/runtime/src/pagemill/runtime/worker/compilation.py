@@ -16,16 +16,19 @@ inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk
 (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
 generated code, so a later start skips code generation and C++ builds.
 
-Regional compilation (the compile cache's forward, the default): tracing, AOT autograd and
-inductor's lowering cost grows with the graph, and a decoder's layers are alike, so each
-group of identical layers (`layer_groups`: same classes, formats, flags and tensor shapes)
-is compiled once as its own function and every layer of the group runs it with its own
-weights (graph inputs); the model's forward around them (embedding, the layer loop, the
-final norm) stays eager. The layers' own guards are dropped as the whole model's are, which
-is safe because a group's layers differ only in tensor values. The frozen compile
-(`PAGEMILL_COMPILE_CACHE=0`) stays whole-model: frozen weights would be constants of the
-first layer. `benchmarks/step_ab.py --variant whole-model` is the step's A/B against the
-whole-model graph, `benchmarks/compile_time.py` the compile's.
+Regional compilation (opt-in: `PAGEMILL_COMPILE_REGIONAL=1`, with the compile cache):
+tracing, AOT autograd and inductor's lowering cost grows with the graph, and a decoder's
+layers are alike, so each group of identical layers (`layer_groups`: same classes, formats,
+flags and tensor shapes) is compiled once as its own function, and every layer of the group
+runs it with its own weights (graph inputs); the forward around them (embedding, the layer
+loop, the final norm) stays eager. The layers' own guards are dropped as the whole model's
+are: safe because a group's layers differ only in tensor values. The frozen compile
+(`PAGEMILL_COMPILE_CACHE=0`) is always whole-model: frozen weights would be constants of the
+first layer. `benchmarks/step_ab.py --variant regional` is the step's A/B against the
+whole-model graph, `benchmarks/compile_time.py` times the compile. Off by default: the
+interleaved A/B measured the regional step slower at every batch size (the eager loop, a
+compiled call per layer, nothing fused across layers); switch the default if a quiet-machine
+rerun says otherwise.
 
 The compile cache (`CompileCache`): dynamo's trace is kept too, with torch's caching
 precompile (a dynamo package per compiled function, a layer group's each, with its graphs and
@@ -74,8 +77,9 @@ ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
 # Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache;
 # 1 (or unset) uses the compile cache.
 COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
-# Set to 0 to compile the compile cache's forward as one graph of the whole model instead of
-# one per group of identical decoder layers (regional compilation, the default).
+# Set to 1 to compile the compile cache's forward as one graph per group of identical decoder
+# layers (regional compilation) instead of one graph of the whole model: a first start
+# compiles several times faster, but the step measured slower (see the module docstring).
 REGIONAL_ENV = "PAGEMILL_COMPILE_REGIONAL"
 # Bump when what a cache entry holds, or how it is keyed, changes.
 _CACHE_FORMAT = 3
@@ -235,8 +239,8 @@ def compile_forward(
 ) -> Callable[..., Any]:
     """The compiled `model.forward` (compiles lazily, on the first call of each graph).
 
-    `regional` (default: unless `freezing` or `PAGEMILL_COMPILE_REGIONAL=0`; it needs decoder
-    `layers`)
+    `regional` (default: with `PAGEMILL_COMPILE_REGIONAL=1`, unless `freezing`; it needs
+    decoder `layers`)
     compiles each group of identical layers once (`_compile_layers`) and returns the
     eager `model.forward` that calls them; otherwise the whole forward is one graph."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
@@ -264,11 +268,11 @@ def compile_forward(
 
 
 def regional_enabled() -> bool:
-    """On unless `PAGEMILL_COMPILE_REGIONAL=0` (any value but 0 or 1 is refused)."""
-    value = os.environ.get(REGIONAL_ENV, "1").strip()
+    """Off unless `PAGEMILL_COMPILE_REGIONAL=1` (any value but 0 or 1 is refused)."""
+    value = os.environ.get(REGIONAL_ENV, "0").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"{REGIONAL_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    return value == "1"
 
 
 def compile_cache_enabled() -> bool:
