@@ -12,6 +12,7 @@ on a shared machine the wall clock measures the load as much as the compile.
     python benchmarks/compile_time.py                        # default model, inductor warm
     python benchmarks/compile_time.py --inductor cold --warm
     python benchmarks/compile_time.py --profile prof.out     # cProfile (CPU clock) of it
+    python benchmarks/compile_time.py --regional 1 --warm    # one graph per layer group
 
 Figures are printed (and written to --json); nothing is asserted.
 """
@@ -46,6 +47,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=0)
     ap.add_argument("--inductor", choices=("warm", "cold"), default="warm")
+    ap.add_argument(
+        "--regional",
+        choices=("0", "1"),
+        help="PAGEMILL_COMPILE_REGIONAL for this run (default: the environment's)",
+    )
     ap.add_argument("--warm", action="store_true", help="then build again, loading the cache")
     ap.add_argument(
         "--compile-dir",
@@ -57,6 +63,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    if args.regional is not None:
+        os.environ["PAGEMILL_COMPILE_REGIONAL"] = args.regional
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     tmp = Path(tempfile.mkdtemp(prefix="pagemill-compile-time-"))
     if args.inductor == "cold":
