@@ -6,7 +6,9 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   tensor attributes, KV caches and packed weights, get symbolic sizes under `dynamic=True`);
 - `kv-static`: only the KV caches are marked static (the packed weights are not);
 - `prepack`: dense bf16 weights with their oneDNN-prepacked twins
-  (`PAGEMILL_PREPACK_DENSE=1`, off by default, see `model_executor.layers.prepacked`).
+  (`PAGEMILL_PREPACK_DENSE=1`, off by default, see `model_executor.layers.prepacked`);
+- `regional`: one graph per group of identical decoder layers (`PAGEMILL_COMPILE_REGIONAL=1`,
+  see `compilation._compile_layers`) against A forced to the whole-model graph.
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -21,6 +23,7 @@ of the paired ratios B / A.
     python benchmarks/step_ab.py --variant no-mark-static --batch-sizes 16,64,128
     python benchmarks/step_ab.py --variant kv-static --threads 1 --pairs 30
     python benchmarks/step_ab.py --variant prepack --enforce-eager --threads 1
+    python benchmarks/step_ab.py --variant regional --batch-sizes 1,16,128 --threads 1
 
 Figures are printed (and written to --json); nothing is asserted.
 """
@@ -47,7 +50,7 @@ from throughput import DenseLinears, linear_shapes, resolve_model_dir
 
 from pagemill.runtime.model_executor.quantization.crossover import PACKED_LIMITS_ENV
 
-VARIANTS = ("no-mark-static", "kv-static", "prepack")
+VARIANTS = ("no-mark-static", "kv-static", "prepack", "regional")
 
 
 def _mark_kv_static(model: torch.nn.Module) -> None:
@@ -69,16 +72,25 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         os.environ[PREPACK_ENV] = "1"
     saved_root = compilation.CompileCache.root
     saved_mark = compilation._mark_static_attributes
+    saved_regional = os.environ.get(compilation.REGIONAL_ENV)
     compilation.CompileCache.root = staticmethod(lambda: cache_root)  # type: ignore[method-assign]
     if name == "no-mark-static":
         compilation._mark_static_attributes = lambda model: None
     elif name == "kv-static":
         compilation._mark_static_attributes = _mark_kv_static
+    elif name == "regional":
+        os.environ[compilation.REGIONAL_ENV] = "1"
+    if name is None:  # A: whole-model, whatever the default
+        os.environ[compilation.REGIONAL_ENV] = "0"
     try:
         yield
     finally:
         compilation.CompileCache.root = saved_root  # type: ignore[method-assign]
         compilation._mark_static_attributes = saved_mark
+        if saved_regional is None:
+            os.environ.pop(compilation.REGIONAL_ENV, None)
+        else:
+            os.environ[compilation.REGIONAL_ENV] = saved_regional
         if saved_env is None:
             os.environ.pop(PREPACK_ENV, None)
         else:

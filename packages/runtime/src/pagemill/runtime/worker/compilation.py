@@ -16,9 +16,24 @@ inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk
 (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
 generated code, so a later start skips code generation and C++ builds.
 
+Regional compilation (opt-in: `PAGEMILL_COMPILE_REGIONAL=1`, with the compile cache):
+tracing, AOT autograd and inductor's lowering cost grows with the graph, and a decoder's
+layers are alike, so each group of identical layers (`layer_groups`: same classes, formats,
+flags and tensor shapes) is compiled once as its own function, and every layer of the group
+runs it with its own weights (graph inputs); the forward around them (embedding, the layer
+loop, the final norm) stays eager. The layers' own guards are dropped as the whole model's
+are: safe because a group's layers differ only in tensor values. The frozen compile
+(`PAGEMILL_COMPILE_CACHE=0`) is always whole-model: frozen weights would be constants of the
+first layer. `benchmarks/step_ab.py --variant regional` is the step's A/B against the
+whole-model graph, `benchmarks/compile_time.py` times the compile. Off by default: the
+interleaved A/B measured the regional step slower at every batch size (the eager loop, a
+compiled call per layer, nothing fused across layers); switch the default if a quiet-machine
+rerun says otherwise.
+
 The compile cache (`CompileCache`): dynamo's trace is kept too, with torch's caching
-precompile (a dynamo package per compiled function, its graphs and the AOT-autograd/inductor
-artefacts they call), in a folder of its own per key under `<pagemill cache>/compiled/`.
+precompile (a dynamo package per compiled function, a layer group's each, with its graphs and
+the AOT-autograd/inductor artefacts they call), in a folder of its own per key under
+`<pagemill cache>/compiled/`.
 The key is everything that changes the graph: the model's structure (every module's type
 and plain attributes, every tensor's name, shape, dtype and layout: weights formats
 included), its config, dtype, the engine limits and KV pool shape, torch and Python
@@ -40,6 +55,7 @@ prepacked outside the graph, inductor's mega-cache or AOTInductor).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -61,8 +77,12 @@ ENFORCE_EAGER_ENV = "PAGEMILL_ENFORCE_EAGER"
 # Set to 0 to compile at every start (and with inductor's `freezing`), as before the cache;
 # 1 (or unset) uses the compile cache.
 COMPILE_CACHE_ENV = "PAGEMILL_COMPILE_CACHE"
+# Set to 1 to compile the compile cache's forward as one graph per group of identical decoder
+# layers (regional compilation) instead of one graph of the whole model: a first start
+# compiles several times faster, but the step measured slower (see the module docstring).
+REGIONAL_ENV = "PAGEMILL_COMPILE_REGIONAL"
 # Bump when what a cache entry holds, or how it is keyed, changes.
-_CACHE_FORMAT = 2
+_CACHE_FORMAT = 3
 
 _INPUTS = ("input_ids", "positions", "meta")
 
@@ -91,34 +111,50 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _keep_input_guards(guards: list[Any]) -> list[bool]:
-    """Keep the guards on the forward's inputs (shapes, dtypes) and on symbolic sizes (a
-    layer may branch on the token count, e.g. packed vs dense weights); drop the model's
-    own (parameters, modules, globals), which do not change between steps."""
-    return [
-        g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in _INPUTS for g in guards
-    ]
+def _guard_filter(inputs: tuple[str, ...]) -> Callable[[list[Any]], list[bool]]:
+    """Keep the guards on the compiled function's `inputs` (shapes, dtypes) and on symbolic
+    sizes (a layer may branch on the token count, e.g. packed vs dense weights); drop the
+    model's own (parameters, modules, globals), which do not change between steps."""
+
+    def keep(guards: list[Any]) -> list[bool]:
+        return [
+            g.guard_type == "SHAPE_ENV" or g.name.split(".")[0].split("[")[0] in inputs
+            for g in guards
+        ]
+
+    return keep
+
+
+_keep_input_guards = _guard_filter(_INPUTS)
+
+
+def _private_function(fn: Callable[..., Any], qualname: str) -> types.FunctionType:
+    """`fn` over a private copy of its code object, named `qualname`.
+
+    Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
+    and the model's own guards are dropped (`_guard_filter`): a second model in this
+    process (another engine, another weight format) would run the first one's graph —
+    its weight formats, its branches. A code object of its own gives each its own cache;
+    its own name gives it its own package in the compile cache, which finds a package by
+    the function's qualified name and first line.
+    """
+    assert isinstance(fn, types.FunctionType), fn
+    private = types.FunctionType(
+        fn.__code__.replace(),
+        fn.__globals__,
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,
+    )
+    private.__kwdefaults__ = fn.__kwdefaults__
+    private.__qualname__ = qualname
+    return private
 
 
 def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """`model.forward` bound over a private copy of its code object.
-
-    Dynamo keeps compiled graphs on the code object, shared by every instance of the class,
-    and the model's own guards are dropped (`_keep_input_guards`): a second model in this
-    process (another engine, another weight format) would run the first one's graph —
-    its weight formats, its branches. A code object of its own gives each model its own
-    cache.
-    """
+    """`model.forward` bound over a private copy of its code (see `_private_function`)."""
     forward = type(model).forward
-    private = types.FunctionType(
-        forward.__code__.replace(),
-        forward.__globals__,
-        forward.__name__,
-        forward.__defaults__,
-        forward.__closure__,
-    )
-    private.__kwdefaults__ = forward.__kwdefaults__
-    return types.MethodType(private, model)
+    return types.MethodType(_private_function(forward, forward.__qualname__), model)
 
 
 def _set_inductor_cache_dir() -> None:
@@ -132,8 +168,10 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
     """Tell dynamo the model's own tensor attributes (KV caches, packed weights) keep their
     shapes: with `dynamic=True` it would otherwise give every size and stride of the KV
     caches a symbol, and the shape guard relating them (kept: it is SHAPE_ENV) grows with
-    the layer count, and rebuilding it was a large part of loading a cached graph. Their shapes
-    are in the compile cache's key, and they do not change between steps."""
+    the layer count, and rebuilding it was a large part of loading a cached graph. Their
+    shapes are in the compile cache's key, and they do not change between steps. (Not the
+    buffers a layer receives as arguments, the rotary table: a compiled graph loaded from
+    the compile cache guards that its inputs carry no such marking, and would never match.)"""
     for module in model.modules():
         for key, value in vars(module).items():
             if key in ("_parameters", "_buffers", "_modules"):
@@ -144,12 +182,80 @@ def _mark_static_attributes(model: torch.nn.Module) -> None:
                     torch._dynamo.mark_static(v)
 
 
-def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[..., torch.Tensor]:
-    """The compiled `model.forward` (compiles lazily, on the first call of each graph)."""
+def layer_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """The model's decoder layers (`model.layers`), grouped by structure: layers whose
+    `model_signature` is the same (same classes, formats, flags, tensor shapes, sliding
+    window...) trace to the same graph, so one compiled function serves a group. The first
+    layer is a group of its own: it alone gets no residual stream, a graph each way, and
+    dynamo keeps a bounded number of graphs per function (`recompile_limit`). Empty when
+    the model has no `layers` list."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        return []
+    groups: dict[str, list[torch.nn.Module]] = {}
+    for i, layer in enumerate(layers):
+        key = json.dumps([i == 0, model_signature(layer)])
+        groups.setdefault(key, []).append(layer)
+    return list(groups.values())
+
+
+def _compile_layers(groups: list[list[torch.nn.Module]]) -> None:
+    """Regional compilation: one compiled function per group of identical decoder layers,
+    set as each layer's `forward`. Tracing and lowering cost grows with the graph, so a
+    graph of one layer compiles about a layer-count times faster than the whole model's;
+    the model's own forward (embedding, the layer loop, the final norm) stays eager.
+
+    The layer's guards on itself are dropped like the whole model's (`_guard_filter`), so
+    every layer of a group runs the graph traced on the first: safe because the group's
+    layers agree on everything the trace reads but the tensors' values, which are inputs
+    of the graph (without `freezing`: frozen weights would be the first layer's constants,
+    so the frozen compile stays whole-model)."""
+    for i, group in enumerate(groups):
+        cls = type(group[0])
+        forward = _private_function(cls.forward, f"{cls.__qualname__}.forward_group{i}")
+        code = forward.__code__
+        inputs = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        compiled = torch.compile(
+            forward,
+            dynamic=True,
+            fullgraph=True,
+            options={"freezing": False, "guard_filter_fn": _guard_filter(inputs)},
+        )
+        for layer in group:
+            # An instance attribute: `nn.Module.__call__` runs it (hooks included).
+            layer.forward = functools.partial(compiled, layer)
+
+
+def uncompile_layers(model: torch.nn.Module) -> None:
+    """Undo `_compile_layers`: every layer back on its class's eager forward."""
+    layers = getattr(model, "layers", None)
+    for layer in layers if isinstance(layers, torch.nn.ModuleList) else ():
+        if isinstance(vars(layer).get("forward"), functools.partial):
+            del layer.forward
+
+
+def compile_forward(
+    model: torch.nn.Module, freezing: bool = True, regional: bool | None = None
+) -> Callable[..., Any]:
+    """The compiled `model.forward` (compiles lazily, on the first call of each graph).
+
+    `regional` (default: with `PAGEMILL_COMPILE_REGIONAL=1`, unless `freezing`; it needs
+    decoder `layers`)
+    compiles each group of identical layers once (`_compile_layers`) and returns the
+    eager `model.forward` that calls them; otherwise the whole forward is one graph."""
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
 
     _set_inductor_cache_dir()
+    uncompile_layers(model)
     _mark_static_attributes(model)
+    if regional is None:
+        regional = not freezing and regional_enabled()
+    if regional and freezing:
+        raise ValueError("regional compilation cannot freeze weights (see _compile_layers)")
+    groups = layer_groups(model) if regional else []
+    if groups:
+        _compile_layers(groups)
+        return model.forward
     return torch.compile(
         _private_forward(model),
         dynamic=True,
@@ -159,6 +265,14 @@ def compile_forward(model: torch.nn.Module, freezing: bool = True) -> Callable[.
 
 
 # ---- the compile cache ---------------------------------------------------------------------
+
+
+def regional_enabled() -> bool:
+    """Off unless `PAGEMILL_COMPILE_REGIONAL=1` (any value but 0 or 1 is refused)."""
+    value = os.environ.get(REGIONAL_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{REGIONAL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def compile_cache_enabled() -> bool:
@@ -230,7 +344,7 @@ def model_signature(model: torch.nn.Module) -> list[Any]:
             if key in ("_parameters", "_buffers"):
                 for pname, p in sorted(value.items()):
                     attrs.append([key, pname, None if p is None else _tensor_sig(p)])
-            elif key == "_modules" or key.startswith("__"):
+            elif key in ("_modules", "forward") or key.startswith("__"):
                 continue
             else:
                 attrs.append([key, _value_sig(value, _OBJECT_DEPTH)])
@@ -311,6 +425,7 @@ def compile_cache_key(
     """The key of a compiled forward (hex digest) and what it was computed from."""
     parts = {
         "format": _CACHE_FORMAT,
+        "regional": regional_enabled(),
         # Class-wide switches (not in any module's own attributes) that change the graph.
         "classes": class_switches(model),
         "torch": torch.__version__,
@@ -338,7 +453,8 @@ class CompileCache:
         self.key = key
         self.parts = parts
         self.loaded = False
-        self._hits = 0
+        self._before: dict[str, int] = {}
+        self._traced_before = 0
 
     @staticmethod
     def root() -> Path:
@@ -350,6 +466,12 @@ class CompileCache:
         from torch._dynamo.utils import counters
 
         return counters["dynamo_cache"]
+
+    @staticmethod
+    def _traced() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
 
     @contextlib.contextmanager
     def session(self) -> Iterator[CompileCache]:
@@ -363,20 +485,40 @@ class CompileCache:
         # line only, which every model shares.
         store.path_prefix = lambda: dynamo_dir  # type: ignore[method-assign]
         PrecompileContext.clear()
-        before = dict(self._counters())
+        self._before = dict(self._counters())
+        self._traced_before = self._traced()
         try:
             with torch._dynamo.config.patch(caching_precompile=True):
                 yield self
         finally:
             del store.path_prefix  # back to the class's own
+            self.loaded = self.fully_loaded()
             after = self._counters()
-            self.loaded = after.get("dynamo_cache_hit", 0) > before.get("dynamo_cache_hit", 0)
-            if after.get("dynamo_cache_error", 0) > before.get("dynamo_cache_error", 0):
+            if after.get("dynamo_cache_error", 0) > self._before.get("dynamo_cache_error", 0):
                 logger.warning(
                     "compile cache: the entry in %s failed to load (see above); "
                     "it was compiled again and is rewritten",
                     self.folder,
                 )
+            elif self._hit() and self._traced() > self._traced_before:
+                logger.warning(
+                    "compile cache: the entry in %s loaded, but %d graphs were traced "
+                    "again (their loaded guards did not match); it is rewritten",
+                    self.folder,
+                    self._traced() - self._traced_before,
+                )
+
+    def _hit(self) -> bool:
+        return self._counters().get("dynamo_cache_hit", 0) > self._before.get("dynamo_cache_hit", 0)
+
+    def fully_loaded(self) -> bool:
+        """Inside `session()`: whether every compiled function so far came from this folder
+        (a package each: the layer groups) and no graph was traced after all (a loaded
+        guard that never matches traces again, silently)."""
+        missed = self._counters().get("dynamo_cache_miss", 0) > self._before.get(
+            "dynamo_cache_miss", 0
+        )
+        return self._hit() and not missed and self._traced() == self._traced_before
 
     def save(self) -> None:
         """Write the packages compiled in this session (call inside `session()`)."""
@@ -429,6 +571,6 @@ def compile_cached(
     cache = CompileCache(CompileCache.root(), key, parts)
     with cache.session():
         seconds = build()
-        if not cache.loaded:
+        if not cache.fully_loaded():
             cache.save()
     return seconds, cache.loaded

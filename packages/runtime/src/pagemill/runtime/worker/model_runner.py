@@ -221,7 +221,7 @@ class ModelRunner:
             with cache.session():
                 self._forward = compile_forward(self.model, freezing=False)
                 self._warm_up_graphs()
-                if not cache.loaded:
+                if not cache.fully_loaded():
                     cache.save()
         except Exception:
             if not existed:
