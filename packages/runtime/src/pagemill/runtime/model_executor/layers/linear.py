@@ -91,13 +91,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def _int8_activation_planes() -> int:
-    """`PAGEMILL_CPU_INT8_ACTIVATIONS` (0, 1 or 2; default 0); anything else is refused.
+    """`PAGEMILL_CPU_INT8_ACTIVATIONS` (0, 1 or 2; default 2); anything else is refused.
 
-    Opt-in for now: its per-layer gain was measured only on a loaded machine, and on the
-    default model it changed which seeded structured-output samples ramble in whitespace
-    (2 of 16 against 0 of 16 with PyTorch's kernel), a sample too small to tell a real
-    accuracy loss from chance."""
-    value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "0").strip()
+    Two planes by default: measured against the exact fp32 twin of the default model, they
+    are as close as PyTorch's int4 kernel (which rounds the scales to bf16), and a decode
+    step at few rows streams its weights faster (`benchmarks/throughput.py`). One plane is
+    llama.cpp's rounding, 0 PyTorch's kernel."""
+    value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2").strip()
     if value not in ("0", "1", "2"):
         raise ValueError(f"PAGEMILL_CPU_INT8_ACTIVATIONS must be 0, 1 or 2, got {value!r}")
     return int(value)
