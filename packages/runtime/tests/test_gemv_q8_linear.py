@@ -20,7 +20,7 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 @pytest.fixture(autouse=True)
 def _int8_activations_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Linear, "int8_activations", 2)  # opt-in (see `Linear`)
+    monkeypatch.setattr(Linear, "int8_activations", 2)  # whatever the environment says
 
 
 def _q8_0(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:

@@ -124,7 +124,7 @@ def test_an_entry_laid_out_for_the_native_gemv_needs_it(q4_gguf, tmp_path, monke
         pytest.skip("the native int4 GEMV is not built here")
     from pagemill.runtime.model_executor.layers import Linear
 
-    monkeypatch.setattr(Linear, "int8_activations", 2)  # opt-in
+    monkeypatch.setattr(Linear, "int8_activations", 2)  # whatever the environment says
     cold, _ = _start(q4_gguf)
     assert any(getattr(m, "int8_act", 0) for m in cold.modules())
     monkeypatch.setattr(gemv_q4_cpu, "available", lambda: False)
