@@ -98,6 +98,9 @@ def test_converted_folder_is_reused_and_clean(smollm2, monkeypatch) -> None:
 
 def test_default_model_serves_its_q4_1_weights() -> None:
     """In bf16 the default model's projections are the GGUF's Q4_1 rows, packed."""
+    from pagemill.kernels import gemv_q8_cpu
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
     llm = LLM(
         DEFAULT_MODEL,
         dtype="bfloat16",
@@ -108,7 +111,10 @@ def test_default_model_serves_its_q4_1_weights() -> None:
     model = llm.llm_engine.engine_core.model_runner.model
     projections = [m for m in model.modules() if getattr(m, "source", None) == "Q4_1"]
     assert len(projections) == 4 * 30 and {m.weight_format for m in projections} == {"int4"}
-    assert model.logits_proj is not None and model.logits_proj.weight_format == "int4x2"  # Q8_0
+    # The Q8_0 head: int8 blocks for `gemv_q8` (int8 activations, the CPU default), else two
+    # int4 planes for PyTorch's kernel.
+    q8_format = "q8_0" if Linear.int8_activations and gemv_q8_cpu.available() else "int4x2"
+    assert model.logits_proj is not None and model.logits_proj.weight_format == q8_format
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     chat = llm.llm_engine.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]

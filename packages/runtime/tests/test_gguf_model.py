@@ -186,10 +186,19 @@ def test_tokenizer_and_chat_template_come_from_the_file(tiny_ggufs, tmp_path) ->
     )
 
 
+def _q8_0_format() -> str:
+    from pagemill.kernels import gemv_q8_cpu
+    from pagemill.runtime.model_executor.layers.linear import Linear
+
+    return "q8_0" if Linear.int8_activations and gemv_q8_cpu.available() else "int4x2"
+
+
 def test_q8_0_stays_packed_in_bf16(tiny_ggufs) -> None:
     llm = LLM(str(tiny_ggufs["llama-Q8_0"]), dtype="bfloat16", kv_cache_memory_bytes=1 << 20)
     model = llm.llm_engine.engine_core.model_runner.model
-    assert model.layers[0].self_attn.qkv_proj.weight_format == "int4x2"  # Q8_0 as two int4 planes
+    # Q8_0 as int8 blocks for `gemv_q8` (int8 activations, the CPU default), else two int4
+    # planes for PyTorch's kernel.
+    assert model.layers[0].self_attn.qkv_proj.weight_format == _q8_0_format()
     [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 8
 
