@@ -414,12 +414,15 @@ class EngineCore:
     def from_config(cls, config: EngineConfig) -> EngineCore:
         """Build a core from its config alone (what a core process receives): the model
         folder and its config. The tokenizer serves grammars only, so it loads (with
-        xgrammar) when the grammars' `prestart()` is called once the core is up, or at the
-        first grammar: a start does not wait for it."""
+        xgrammar and the grammar workers) in the background while the model loads
+        (`prestart`); a core process waits for that before it reports ready
+        (`wait_prestarted`), so nothing of its start is left to slow the first steps."""
         from pagemill.runtime.engine.model_assets import ModelAssets
 
         assets = ModelAssets.load(config, tokenizer=False)
         grammars = assets.structured_output_manager(config, deferred=True)
+        if grammars is not None:
+            grammars.prestart()
         return cls(config, assets.path, assets.model_config, grammars)
 
     def ready_message(self) -> EngineCoreReady:

@@ -481,6 +481,9 @@ class ThreadedClient(_LoopClient):
 # How long (in spin iterations, some tens of microseconds) the engine's idle OpenMP threads
 # spin before they sleep; see `default_engine_threads`.
 ENGINE_GOMP_SPINCOUNT = "20000"
+# How long a core process waits, before it reports ready, for the grammar side started
+# beside its model's load (normally done well before; a wedged start must not hold it).
+GRAMMAR_START_WAIT_S = 60.0
 
 
 def default_engine_threads(config: EngineConfig, own_process: bool = True) -> int | None:
@@ -610,10 +613,16 @@ def run_engine_core(
 
     observer = observer_factory() if observer_factory is not None else None
     loop = EngineCoreLoop(core, recv, sender.send, heartbeat, observer)
+    # The grammar side, started beside the model's load (`EngineCore.from_config`), is
+    # finished before ready, so that it does not take a CPU from the first requests' steps.
+    # If it hangs, the first grammar waits for it instead.
+    grammars = core.structured_output
+    if grammars is not None and not grammars.wait_prestarted(GRAMMAR_START_WAIT_S):
+        logger.warning(
+            "the grammar workers are still starting after %.0f s; serving anyway",
+            GRAMMAR_START_WAIT_S,
+        )
     sender.send(core.ready_message())
-    if core.structured_output is not None:
-        # The tokenizer and xgrammar, for grammars: loaded now that the start is done.
-        core.structured_output.prestart()
     try:
         loop.run()
     except BaseException as exc:

@@ -85,8 +85,8 @@ class StructuredOutputManager:
 
     Give it the tokenizer and the stop ids, or (`StructuredOutputManager.deferred`) a
     function that loads them: an engine core process then starts without the tokenizer
-    or xgrammar, and loads them when `prestart()` is called after its start or when the
-    first grammar needs them, whichever comes first.
+    or xgrammar, and loads them when `prestart()` is called (in the background, beside the
+    model's load) or when the first grammar needs them, whichever comes first.
     """
 
     def __init__(
@@ -112,6 +112,7 @@ class StructuredOutputManager:
             )
         self._workers: CompileWorkers | None = None
         self._workers_lock = threading.Lock()
+        self._prestart_thread: threading.Thread | None = None
         self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
         self._requests: dict[str, _Constrained] = {}
         # Allocated with the workers (by xgrammar): a row is only read once a grammar is in.
@@ -145,10 +146,25 @@ class StructuredOutputManager:
     def prestart(self) -> None:
         """Start the compile workers in the background (the tokenizer's table, and the
         first start of the workers' zygote imports xgrammar and torch: seconds), so the
-        first grammar does not wait for them."""
-        threading.Thread(
+        first grammar does not wait for them. Once only; `wait_prestarted` joins it."""
+        if self._prestart_thread is not None:
+            return
+        self._prestart_thread = threading.Thread(
             target=self._start_workers_quietly, name="pagemill-grammar-start", daemon=True
-        ).start()
+        )
+        self._prestart_thread.start()
+
+    def wait_prestarted(self, timeout: float | None = None) -> bool:
+        """Wait for `prestart()`'s work (if it was called); False if it is still running.
+
+        An engine core calls this before it reports ready: started alongside the model's
+        load, the grammar side costs the start little, while finishing after ready it would
+        take a core from the first requests' steps (seconds of them, on a small machine)."""
+        thread = self._prestart_thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def _start_workers_quietly(self) -> None:
         try:
