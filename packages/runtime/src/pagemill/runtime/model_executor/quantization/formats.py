@@ -180,9 +180,9 @@ def int4_planes(
         raise ValueError(f"cannot fuse rows with different group sizes {sorted(sizes)}")
     (g,) = sizes
     planes = 2 if any(isinstance(p, Int8Blocks) for p in pieces) else 1
-    if len(pieces) == 1 and isinstance(pieces[0], Int4Groups):  # as they are: no copy
-        p = pieces[0]
-        return p.q, p.scales, p.zeros, g, planes
+    only = pieces[0]
+    if len(pieces) == 1 and isinstance(only, Int4Groups):  # as they are: no copy
+        return only.q, only.scales, only.zeros, g, planes
     qs, ss, zs = [], [], []
     for p in pieces:
         if isinstance(p, Int4Groups):
