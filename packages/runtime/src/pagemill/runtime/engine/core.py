@@ -50,7 +50,6 @@ from pagemill.runtime.worker.compilation import (
     ENFORCE_EAGER_ENV,
     compile_cached,
     compile_unavailable_reason,
-    prestart_compiler,
 )
 from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
 from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -424,8 +423,6 @@ class EngineCore:
         grammars = assets.structured_output_manager(config, deferred=True)
         if grammars is not None:
             grammars.prestart()
-        if config.tensor_parallel_size == 1 and not config.enforce_eager:
-            prestart_compiler(torch.device(config.resolve_device()))  # beside the weights
         return cls(config, assets.path, assets.model_config, grammars)
 
     def ready_message(self) -> EngineCoreReady:

@@ -57,13 +57,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib
 import json
 import logging
 import os
 import shutil
 import sys
-import threading
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,54 +109,6 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
             "e.g. `apt-get install g++`, or set CXX)"
         )
     return None
-
-
-# What compiling, or loading from the compile cache, imports first (dynamo, AOT autograd,
-# inductor): seconds of module loading that need nothing of the model.
-_COMPILER_MODULES = (
-    "torch._dynamo",
-    "torch._dynamo.package",
-    "torch._dynamo.precompile_context",
-    "torch._functorch.aot_autograd",
-    "torch._inductor.compile_fx",
-    "torch._inductor.codecache",
-)
-_prestart_lock = threading.Lock()
-_prestart_thread: threading.Thread | None = None
-
-
-def prestart_compiler(device: torch.device) -> None:
-    """Import the compiler's modules on a background thread, so that they load beside the
-    model's weights and KV pool (whose file reads and tensor fills leave the interpreter
-    free) instead of after them; nothing when the step on `device` is not compiled here.
-    Once per process; the compiling side joins it first (`_wait_prestarted`): two threads
-    importing the same package tree at once could each wait on a module the other is
-    loading."""
-    global _prestart_thread
-    if device.type != "cpu" or os.environ.get(ENFORCE_EAGER_ENV) == "1":
-        return
-    with _prestart_lock:
-        if _prestart_thread is not None:
-            return
-        _prestart_thread = threading.Thread(
-            target=_import_compiler, name="pagemill-compiler-import", daemon=True
-        )
-        _prestart_thread.start()
-
-
-def _import_compiler() -> None:
-    for name in _COMPILER_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # the compile imports it again, and says why it fails
-            logger.debug("prestarting the compiler: importing %s failed: %s", name, exc)
-            return
-
-
-def _wait_prestarted() -> None:
-    thread = _prestart_thread
-    if thread is not None:
-        thread.join()
 
 
 def _guard_filter(inputs: tuple[str, ...]) -> Callable[[list[Any]], list[bool]]:
@@ -293,7 +243,6 @@ def compile_forward(
     decoder `layers`)
     compiles each group of identical layers once (`_compile_layers`) and returns the
     eager `model.forward` that calls them; otherwise the whole forward is one graph."""
-    _wait_prestarted()
     from pagemill.kernels import ops  # noqa: F401 - registers the custom ops
 
     _set_inductor_cache_dir()
@@ -526,7 +475,6 @@ class CompileCache:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[CompileCache]:
-        _wait_prestarted()
         from torch._dynamo import package
         from torch._dynamo.precompile_context import PrecompileContext
 
