@@ -91,41 +91,6 @@ def test_on_by_default_and_off_with_0(monkeypatch) -> None:
         compile_cache_enabled()
 
 
-_PRESTART = """
-import sys, torch
-from pagemill.runtime.worker import compilation
-assert "torch._inductor.compile_fx" not in sys.modules, "imported before the prestart"
-compilation.prestart_compiler(torch.device("cuda"))  # not compiled there: nothing starts
-assert compilation._prestart_thread is None
-compilation.prestart_compiler(torch.device("cpu"))
-thread = compilation._prestart_thread
-assert thread is not None
-compilation.prestart_compiler(torch.device("cpu"))  # once per process
-assert compilation._prestart_thread is thread
-compilation._wait_prestarted()
-assert not thread.is_alive()
-print(sorted(m for m in compilation._COMPILER_MODULES if m not in sys.modules))
-"""
-
-
-def test_compiler_prestart_imports_in_the_background() -> None:
-    env = {k: v for k, v in os.environ.items() if k != ENFORCE_EAGER_ENV}
-    proc = subprocess.run(
-        [sys.executable, "-c", _PRESTART], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1] == "[]"  # every module imported
-
-
-def test_compiler_prestart_skipped_when_eager_is_forced(monkeypatch) -> None:
-    from pagemill.runtime.worker import compilation
-
-    monkeypatch.setenv(ENFORCE_EAGER_ENV, "1")
-    monkeypatch.setattr(compilation, "_prestart_thread", None)
-    compilation.prestart_compiler(torch.device("cpu"))
-    assert compilation._prestart_thread is None
-
-
 def test_the_test_suite_keeps_out_of_the_users_cache() -> None:
     # The conftests set it as an env var, so engine processes spawned by tests inherit it.
     assert os.environ.get(COMPILE_CACHE_ENV) == "0"
