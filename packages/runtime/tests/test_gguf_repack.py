@@ -287,3 +287,25 @@ def test_gguf_model_on_gpu_runs_the_triton_int4_gemm(
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_dequantization_is_the_fused_multiply_add(scale_dtype: torch.dtype) -> None:
+    # The dense copies and the kernel's reference: fma(q - 8, scale, zero) in fp32, one
+    # rounding, whether computed in place (scales of 16 bits or fewer) or by the fma.
+    from pagemill.runtime.model_executor.quantization.formats import Int4Groups, _int4_fp32
+
+    torch.manual_seed(0)
+    n, k, g = 48, 256, 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.randn(n, k // g) * 0.01
+    zeros = torch.randn(n, k // g) * 0.1
+    s = scales.to(scale_dtype).float().repeat_interleave(g, dim=1)
+    z = zeros.to(scale_dtype).float().repeat_interleave(g, dim=1)
+    expected = torch.addcmul(z, q.float() - 8, s)
+    assert torch.equal(_int4_fp32(q, scales, zeros, g, scale_dtype), expected)
+    rows = Int4Groups(q, scales, zeros, g)
+    perm = torch.randperm(n)
+    moved = rows.index_rows(perm)
+    assert torch.equal(moved.q, q[perm]) and torch.equal(moved.scales, scales[perm])
+    assert torch.equal(moved.zeros, zeros[perm])

@@ -161,10 +161,15 @@ def load_model(
             if layout is None and device.type == "cpu" and weight_cache_enabled()
             else None
         )
+        t0 = time.monotonic()
         restored = None if cache is None else cache.restore(model)
         if cache is not None and restored is not None:
             errors = {k: RequantError(**v) for k, v in restored["requant_errors"].items()}
-            logger.info("packed weights loaded from the weight cache (%s)", cache.folder)
+            logger.info(
+                "packed weights loaded from the weight cache (%s) in %.1f s",
+                cache.folder,
+                time.monotonic() - t0,
+            )
         else:
             if cache is not None and cache.discarded:  # half filled: build it again
                 with torch.device(device):
@@ -178,6 +183,7 @@ def load_model(
                 weights if layout is None else shard_checkpoint(weights, layout, dtype)
             )
             errors = checkpoint.requant_errors
+            logger.info("read and packed %s in %.1f s", gguf.name, time.monotonic() - t0)
             if cache is not None:
                 cache.save(model, {"requant_errors": {k: asdict(v) for k, v in errors.items()}})
         types = ", ".join(f"{n} {k}" for k, n in sorted(checkpoint.tensor_types().items()))

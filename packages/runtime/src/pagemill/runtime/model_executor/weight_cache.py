@@ -32,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,7 @@ class WeightCache:
     def _save(self, model: nn.Module, extra: dict[str, Any]) -> None:
         from safetensors.torch import save_file
 
+        start = time.monotonic()
         stored: dict[tuple[Any, ...], str] = {}  # one entry per storage view: ties stay ties
         tensors: dict[str, torch.Tensor] = {}
         strides: dict[str, list[int]] = {}
@@ -274,7 +276,11 @@ class WeightCache:
                 tmp.rename(self.folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        logger.info("weight cache: saved the packed weights to %s", self.folder)
+        logger.info(
+            "weight cache: saved the packed weights to %s in %.1f s",
+            self.folder,
+            time.monotonic() - start,
+        )
         self._evict_stale()
 
     def _evict_stale(self) -> None:

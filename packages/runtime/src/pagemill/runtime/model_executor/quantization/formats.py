@@ -46,7 +46,11 @@ class Int4Groups:
 
     def index_rows(self, index: torch.Tensor) -> Int4Groups:
         return Int4Groups(
-            self.q[index], self.scales[index], self.zeros[index], self.group_size, self.source
+            self.q.index_select(0, index),
+            self.scales.index_select(0, index),
+            self.zeros.index_select(0, index),
+            self.group_size,
+            self.source,
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -70,8 +74,14 @@ class Int8Blocks:
         return (self.q.shape[0], self.q.shape[1])
 
     def index_rows(self, index: torch.Tensor) -> Int8Blocks:
-        zeros = None if self.zeros is None else self.zeros[index]
-        return Int8Blocks(self.q[index], self.scales[index], self.block_size, self.source, zeros)
+        zeros = None if self.zeros is None else self.zeros.index_select(0, index)
+        return Int8Blocks(
+            self.q.index_select(0, index),
+            self.scales.index_select(0, index),
+            self.block_size,
+            self.source,
+            zeros,
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.q.shape
@@ -92,11 +102,18 @@ def _int4_fp32(
     group_size: int,
     scale_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """fma(q - 8, scale, zero) in fp32 with the scales as `scale_dtype` holds them."""
+    """fma(q - 8, scale, zero) in fp32 with the scales as `scale_dtype` holds them.
+
+    With scales of at most 16 significant bits (bf16, fp16) the product of a 4-bit
+    integer and a scale is exact in fp32, so a multiply and then an add round once, as the
+    fma does: in place, without the broadcast fma's temporaries (the dense copies of a
+    model's packed layers are built with this at every load without a weight cache)."""
     n, k = q.shape
     s = _rounded(scales, scale_dtype).unsqueeze(-1)
     z = _rounded(zeros, scale_dtype).unsqueeze(-1)
-    centered = (q.view(n, k // group_size, group_size).to(torch.int8) - 8).float()
+    centered = q.view(n, k // group_size, group_size).float().sub_(8.0)
+    if scale_dtype in (torch.bfloat16, torch.float16):
+        return centered.mul_(s).add_(z).reshape(n, k)
     return torch.addcmul(z, centered, s).reshape(n, k)
 
 
@@ -163,6 +180,9 @@ def int4_planes(
         raise ValueError(f"cannot fuse rows with different group sizes {sorted(sizes)}")
     (g,) = sizes
     planes = 2 if any(isinstance(p, Int8Blocks) for p in pieces) else 1
+    only = pieces[0]
+    if len(pieces) == 1 and isinstance(only, Int4Groups):  # as they are: no copy
+        return only.q, only.scales, only.zeros, g, planes
     qs, ss, zs = [], [], []
     for p in pieces:
         if isinstance(p, Int4Groups):
