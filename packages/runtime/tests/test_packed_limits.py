@@ -23,6 +23,7 @@ from pagemill.runtime.model_executor.quantization import (
     plan_weights,
 )
 from pagemill.runtime.model_executor.quantization.crossover import (
+    BUSY_ATTEMPTS,
     PACKED_LIMITS_ENV,
     crossover,
     layer_kind,
@@ -163,11 +164,41 @@ def test_a_busy_machine_keeps_the_table(tiny_llama, tmp_path, monkeypatch) -> No
     assert limits == {}
     assert [m.packed_max_tokens for m in _packed(model)] == before
 
-    # Kept as the answer: a later start that measured would change the compiled graphs.
+    # Busy again at the next starts: measured again each time, until BUSY_ATTEMPTS busy
+    # starts, then the table is kept for good.
+    for attempt in range(2, BUSY_ATTEMPTS + 1):
+        busy = measure_packed_limits(
+            _hybrid(folder), path, _fake_timer(lambda m: 1, calls), budget_s=0.0
+        )
+        assert busy == {}, attempt
+        assert {v["busy_starts"] for v in json.loads(path.read_text()).values()} == {attempt}
+
     def no_timer(layers, rows):
-        raise AssertionError("measured again after a busy start")
+        raise AssertionError("measured again after BUSY_ATTEMPTS busy starts")
 
     assert measure_packed_limits(_hybrid(folder), path, no_timer) == {}
+
+
+def test_a_quiet_start_after_a_busy_one_measures(tiny_llama, tmp_path, monkeypatch) -> None:
+    folder, _ = tiny_llama
+    monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")
+    path = tmp_path / "l.json"
+    calls: list[tuple[int, int]] = []
+    assert (
+        measure_packed_limits(_hybrid(folder), path, _fake_timer(lambda m: 1, calls), budget_s=0.0)
+        == {}
+    )
+    # A file from before the count (busy, no busy_starts) counts as one busy start.
+    saved = json.loads(path.read_text())
+    for v in saved.values():
+        del v["busy_starts"]
+    path.write_text(json.dumps(saved))
+    calls.clear()
+    limits = measure_packed_limits(
+        _hybrid(folder), path, _fake_timer(lambda m: 99, calls), rows=(1, 2)
+    )
+    assert calls and limits
+    assert not any(v.get("busy") for v in json.loads(path.read_text()).values())
 
 
 def test_unreadable_file_is_measured_again(tiny_llama, tmp_path, monkeypatch) -> None:
