@@ -25,6 +25,12 @@ The CPU KV cache is zero-filled memory the OS maps lazily: the first write into 
 charges that to the KV write (`aten::index_copy_`). Batches that decode into blocks no
 request has used yet pay it; a long-running server pays it once per page. --prefault-kv
 writes every page of the cache before profiling, to show the step without that cost.
+
+On a machine with more runnable threads than cores, every OpenMP region of the step (each
+fused loop, each GEMM, the attention op, the residual copy in `addmm`) waits at its barrier
+for a thread the OS has descheduled, and that wait is charged to whichever op is running:
+the many short fused loops then take a share of the step they do not take on a quiet
+machine. Compare categories only between runs made under the same load.
 """
 
 from __future__ import annotations
@@ -96,11 +102,15 @@ def group_of(op: str) -> str:
 
 
 def _owner(ev: Any) -> str:
-    """The name an op is grouped by: its own, or that of the pagemill custom op it runs
-    inside (the KV write's `aten::index_copy_` is the KV write's, not an "other" op)."""
+    """The name an op is grouped by: its own, or that of the pagemill custom op or linear
+    it runs inside (the KV write's `aten::index_copy_` is the KV write's, and the
+    `aten::copy_` of the residual into `addmm`'s output, where inductor folds the residual
+    add into the GEMM, is that linear's: neither is an "other" op)."""
     parent = ev.cpu_parent
     while parent is not None:
-        if parent.name.startswith("pagemill::"):
+        if parent.name.startswith("pagemill::") or (
+            parent.name.startswith("aten::") and group_of(parent.name) == "linears"
+        ):
             return str(parent.name)
         parent = parent.cpu_parent
     return str(ev.name)
