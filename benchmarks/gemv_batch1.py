@@ -58,7 +58,7 @@ def make_engine(args: argparse.Namespace, planes: int, native: bool, root: Path)
 
     saved_root = compilation.CompileCache.root
     saved_planes = Linear.int8_activations
-    where = root / f"planes{planes}{'-native' if native else ''}"
+    where = root / f"planes{planes}{'-cxx' if native else ''}"
     compilation.CompileCache.root = staticmethod(lambda: where)  # type: ignore[method-assign]
     Linear.int8_activations = planes
     if args.regional:
@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # Each engine packs its own layers: a weight-cache entry written by one would give the
+    # next its choice of operators.
+    os.environ["PAGEMILL_WEIGHT_CACHE"] = "0"
     model_dir = resolve_model_dir(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     engines = {

@@ -144,8 +144,6 @@ class Linear(nn.Module):
         self.int4_planes = 1
         # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
         self.int8_act = 0
-        # ... through `torch.ops.pagemill_native` (C++ operators) when they could be built,
-        # else through the Python custom ops (`cpu_native.load_gemv_ops`)
         self.native_gemv = False
         self.group_size = 0
         self.packed_max_tokens = 0
@@ -237,7 +235,7 @@ class Linear(nn.Module):
             self._set_packed("q8_0", qweight=tiles)
             self.group_size = gemv_q8_cpu.QK
             self.int8_act = 2 if self.int8_activations >= 2 else 1
-            self.native_gemv = load_gemv_ops()
+            self.native_gemv = True
             if self.scheme.dense_fallback:
                 weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
@@ -251,7 +249,7 @@ class Linear(nn.Module):
             if self._takes_int8_activations(planes, kdt, weight.device):
                 self._set_packed("int4", qweight=gemv_q4_cpu.pack_q4_blocks(q, s, z, g))
                 self.int8_act = 2 if self.int8_activations >= 2 else 1
-                self.native_gemv = load_gemv_ops()
+                self.native_gemv = True
                 scale_dtype = torch.float32  # its scales are exact
             else:
                 packed, scales_and_zeros = pack_int4(q, s, z, kdt)
@@ -264,6 +262,21 @@ class Linear(nn.Module):
         if limit is None:  # q8_0 streams as many bytes as int4x2 and computes less
             limit = PACKED_MAX_TOKENS.get(self.weight_format, PACKED_MAX_TOKENS["int4x2"])
         self.packed_max_tokens = limit
+
+    @property
+    def native_gemv(self) -> bool:
+        """Whether `gemv_q4` / `gemv_q8` are called as C++ torch operators
+        (`torch.ops.pagemill_native`, `cpu_native.load_gemv_ops`) rather than through the
+        Python custom ops."""
+        return bool(self.__dict__.get("native_gemv", False))
+
+    @native_gemv.setter
+    def native_gemv(self, value: bool) -> None:
+        # Set True, the operators are loaded in this process (or it stays False where they
+        # cannot be). The weight cache restores plain attributes with object.__setattr__, which
+        # a property still sees: a restored layer loads them too. The value lives in __dict__
+        # under its own name, so that the cache sees it as a plain attribute.
+        self.__dict__["native_gemv"] = bool(value) and load_gemv_ops()
 
     def _takes_int8_activations(
         self, planes: int, kernel_dtype: torch.dtype, device: torch.device
