@@ -130,3 +130,39 @@ def test_q4_k_like_scales_use_fp32_tiles() -> None:
     torch.testing.assert_close(
         gemv_q4_cpu.dequantize_q4_blocks(layer.qweight, n), w, rtol=1e-6, atol=1e-8
     )
+
+
+def test_native_operators_serve_and_survive_a_restore(monkeypatch) -> None:
+    """Where the C++ operators load, the layer calls them, eager and compiled, with the same
+    bits as the Python custom op over ctypes; a layer restored attribute by attribute (as the
+    weight cache does) loads them too, and under PAGEMILL_NATIVE_GEMV_OPS=0 never uses them."""
+    from pagemill.kernels import cpu_native
+
+    if not cpu_native.load_gemv_ops():
+        pytest.skip("the operators cannot be built here")
+    n, k = 48, 96
+    raw, _ = _q4_1(n, k, seed=7)
+    layer = _layer(raw, n, k)
+    layer.finalize()
+    assert layer.int8_act and layer.native_gemv
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    with torch.no_grad():
+        native = layer(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)(x)
+        torch._dynamo.reset()
+        layer.native_gemv = False
+        python_op = layer(x)
+    assert torch.equal(native, python_op) and torch.equal(compiled, native)
+
+    restored = Linear(k, n, True, torch.bfloat16)
+    object.__setattr__(restored, "native_gemv", True)
+    assert restored.native_gemv and vars(restored)["native_gemv"] is True
+    monkeypatch.setattr(cpu_native, "_gemv_ops_loaded", False)
+    monkeypatch.setenv(cpu_native.GEMV_OPS_ENV, "0")
+    cpu_native.load_gemv_ops.cache_clear()
+    try:
+        object.__setattr__(restored, "native_gemv", True)
+        assert not restored.native_gemv
+    finally:
+        cpu_native.load_gemv_ops.cache_clear()

@@ -19,7 +19,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -69,14 +69,14 @@ def _cpu_signature() -> str:
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
-def build_library(
-    source: Path, what: str, fallback: str, extra_flags: Sequence[str] = ()
-) -> ctypes.CDLL | None:
-    """`source` built for this CPU and loaded; None (logged, naming `what` and the
-    `fallback` that serves instead) when `PAGEMILL_NATIVE_CPU_KERNELS=0`, without a
-    compiler, or when the build fails.
+def build_shared(
+    sources: Path | Sequence[Path], what: str, fallback: str, extra_flags: Sequence[str] = ()
+) -> Path | None:
+    """`sources` built for this CPU into one shared library; its path, or None (logged,
+    naming `what` and the `fallback` that serves instead) when
+    `PAGEMILL_NATIVE_CPU_KERNELS=0`, without a compiler, or when the build fails.
 
-    Built once per machine into the cache folder, keyed by the source, the compiler, the
+    Built once per machine into the cache folder, keyed by the sources, the compiler, the
     CPU's features (what `-march=native` depends on) and the flags; a build goes to a
     temporary file first and is renamed into place, so concurrent builders never load
     half a library."""
@@ -86,18 +86,23 @@ def build_library(
     if cxx is None:
         logger.warning("no C++ compiler found for %s: %s", what, fallback)
         return None
+    paths = [sources] if isinstance(sources, Path) else list(sources)
     flags = [*_BASE_FLAGS, *extra_flags]
     key = hashlib.sha256(
-        source.read_bytes() + cxx.encode() + _cpu_signature().encode() + " ".join(flags).encode()
+        b"".join(p.read_bytes() for p in paths)
+        + cxx.encode()
+        + _cpu_signature().encode()
+        + " ".join(flags).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{key}.so"
+    target = _cache_dir() / f"{paths[0].stem}-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             try:
+                # Flags after the sources: libraries (-l) resolve the objects before them.
                 subprocess.run(
-                    [cxx, *flags, str(source), "-o", str(out)],
+                    [cxx, *(str(p) for p in paths), *flags, "-o", str(out)],
                     check=True,
                     capture_output=True,
                     text=True,
@@ -108,7 +113,135 @@ def build_library(
                 logger.warning("building %s failed (%s); %s", what, detail.strip()[-500:], fallback)
                 return None
             os.replace(out, target)
-    return ctypes.CDLL(str(target))
+    return target
+
+
+def build_library(
+    source: Path, what: str, fallback: str, extra_flags: Sequence[str] = ()
+) -> ctypes.CDLL | None:
+    """`build_shared(source, ...)` loaded for ctypes; None where it gives none."""
+    target = build_shared(source, what, fallback, extra_flags)
+    return None if target is None else ctypes.CDLL(str(target))
+
+
+# ---- shared by the packed-weight GEMV kernels (`gemv_q4_cpu`, `gemv_q8_cpu`) ---------------------
+
+# The arithmetic a GEMV build runs (its `PAGEMILL_GEMV_ISA`), by the value `<symbol>_isa()` returns.
+GEMV_ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
+GEMV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def load_gemv(
+    source: Path,
+    symbol: str,
+    argtypes: Sequence[type],
+    what: str,
+    fallback: str,
+    isa: int | None = None,
+) -> ctypes.CDLL | None:
+    """A GEMV kernel library (`source`, entry point `symbol` returning a status int, and
+    `<symbol>_isa()`) built for this CPU; `isa` forces one arithmetic (`GEMV_ISA_NAMES`;
+    None: the best the host has). None where `build_library` gives none."""
+    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
+    if isa is not None:
+        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
+    lib = build_library(source, what, fallback, flags)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    fn.restype = ctypes.c_int
+    fn.argtypes = list(argtypes)
+    isa_fn = getattr(lib, f"{symbol}_isa")
+    isa_fn.restype = ctypes.c_int
+    isa_fn.argtypes = []
+    return lib
+
+
+def check_planes(op: str, planes: int) -> None:
+    if planes not in (1, 2):
+        raise ValueError(f"{op} takes 1 or 2 activation planes, not {planes}")
+
+
+def check_status(op: str, status: int) -> None:
+    if status:
+        raise RuntimeError(f"{op} refused its arguments (status {status})")
+
+
+def register_gemv_op(
+    name: str, impl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+) -> torch.library.Library:
+    """`torch.ops.pagemill.<name>(x, blocks, n, planes=2)` on `impl`: one opaque call per
+    linear layer in a compiled graph, its output [rows of x, n] in x's dtype."""
+    lib = torch.library.Library("pagemill", "FRAGMENT")
+    lib.define(f"{name}(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
+    lib.impl(name, impl, "CPU")
+
+    torch.library.register_fake(f"pagemill::{name}", _gemv_fake, lib=lib)
+    return lib
+
+
+_CSRC = Path(__file__).parent / "csrc"
+_GEMV_OPS_SOURCES = (
+    _CSRC / "gemv_ops_cpu.cpp",
+    _CSRC / "gemv_q4_cpu.cpp",
+    _CSRC / "gemv_q8_cpu.cpp",
+)
+# Set to 0 to keep the Python custom ops over ctypes (`torch.ops.pagemill.gemv_q4` / `gemv_q8`).
+GEMV_OPS_ENV = "PAGEMILL_NATIVE_GEMV_OPS"
+_gemv_ops_loaded = False
+
+
+@functools.cache
+def load_gemv_ops() -> bool:
+    """Build (once per machine and torch) and load `torch.ops.pagemill_native.gemv_q4` /
+    `gemv_q8`, the GEMV kernels as C++ torch operators; whether they are loaded.
+
+    A call through them costs what any aten op's dispatch does, where the Python custom ops
+    add a Python function and a ctypes call to each of a decode step's hundred-odd calls.
+    The build compiles against torch's headers (longer than the ctypes builds: a cost of the
+    first start on a machine); when it cannot, the Python custom ops serve (one warning)."""
+    global _gemv_ops_loaded
+    if _gemv_ops_loaded:  # a library of operators loads once per process
+        return True
+    if os.environ.get(GEMV_OPS_ENV, "1") == "0":
+        return False
+    root = Path(torch.__file__).parent
+    flags = [
+        "-ffp-contract=off",  # as the ctypes builds (`load_gemv`)
+        "-std=c++20",  # torch's headers need it (the later -std wins)
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",  # the cache key follows torch
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+    target = build_shared(
+        _GEMV_OPS_SOURCES,
+        "the GEMV kernels as torch operators",
+        "calling them through Python custom ops",
+        flags,
+    )
+    if target is None:
+        return False
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as e:
+        logger.warning("loading %s failed (%s); calling the GEMV kernels through Python", target, e)
+        return False
+    for name in ("gemv_q4", "gemv_q8"):
+        torch.library.register_fake(f"pagemill_native::{name}", _gemv_fake)
+    _gemv_ops_loaded = True
+    return True
+
+
+def _gemv_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+# ---- paged decode attention ---------------------------------------------------------------------
 
 
 @functools.cache

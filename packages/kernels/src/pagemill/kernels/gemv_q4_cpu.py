@@ -15,48 +15,49 @@ scales as the checkpoint had them); `gemv_q4_torch` computes the same arithmetic
 torch, with or without that rounding.
 
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
-`load()` is None without a compiler). `torch.ops.pagemill.gemv_q4` wraps it for compiled
-graphs (one opaque call per linear layer); eager callers call `gemv_q4` directly.
+`load()` is None without a compiler). A compiled graph holds one opaque call per linear
+layer: `torch.ops.pagemill_native.gemv_q4`, the same kernel as a C++ torch operator
+(`cpu_native.load_gemv_ops`), or where that cannot be built `torch.ops.pagemill.gemv_q4`,
+a Python custom op over `gemv_q4`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from pagemill.kernels.cpu_native import build_library
-
-logger = logging.getLogger(__name__)
+from pagemill.kernels.cpu_native import (
+    GEMV_DTYPE_CODES,
+    GEMV_ISA_NAMES,
+    check_planes,
+    check_status,
+    load_gemv,
+    register_gemv_op,
+)
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv_q4_cpu.cpp"
 QK = 32  # inputs per block
 ROWS = 16  # output rows per tile
 QS_BYTES = ROWS * QK // 2
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Set to 0 to never build or use the native kernel (the callers' other paths run).
-ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
+ISA_NAMES = GEMV_ISA_NAMES
 
 
 @functools.cache
 def load(isa: int | None = None) -> ctypes.CDLL | None:
     """The kernel library built for this CPU (`isa` forces a path: see `ISA_NAMES`; None
     picks the best the host has), or None when it cannot be built here (see the log)."""
-    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
-    if isa is not None:
-        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
-    lib = build_library(_SOURCE, "the int4 CPU GEMV kernel", "using PyTorch's int4 kernel", flags)
-    if lib is None:
-        return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.pagemill_gemv_q4.restype = i32
-    lib.pagemill_gemv_q4.argtypes = [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32]
-    lib.pagemill_gemv_q4_isa.restype = i32
-    lib.pagemill_gemv_q4_isa.argtypes = []
-    return lib
+    return load_gemv(
+        _SOURCE,
+        "pagemill_gemv_q4",
+        [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32],
+        "the int4 CPU GEMV kernel",
+        "using PyTorch's int4 kernel",
+        isa,
+    )
 
 
 def available() -> bool:
@@ -170,7 +171,7 @@ def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and x.dtype in _DTYPE_CODES
+        and x.dtype in GEMV_DTYPE_CODES
         and blocks.dtype == torch.uint8
         and blocks.dim() == 3
         and blocks.shape[2] in (QS_BYTES + 4 * ROWS, QS_BYTES + 8 * ROWS)
@@ -193,8 +194,7 @@ def gemv_q4(
     rounding, error up to max|x| / 254 per element); 2 (default): plus a second int8 plane
     for the remainder (error up to max|x| / 64516), twice the integer work for the same
     weight bytes."""
-    if planes not in (1, 2):
-        raise ValueError(f"gemv_q4 takes 1 or 2 activation planes, not {planes}")
+    check_planes("gemv_q4", planes)
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the int4 CPU GEMV kernel is not built on this machine")
@@ -210,7 +210,7 @@ def gemv_q4(
     m_rows, k = x.shape
     y = torch.empty(m_rows, n, dtype=x.dtype)
     status = lib.pagemill_gemv_q4(
-        _DTYPE_CODES[x.dtype],
+        GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         blocks.data_ptr(),
@@ -223,24 +223,15 @@ def gemv_q4(
         threads or torch.get_num_threads(),
         planes,
     )
-    if status:
-        raise RuntimeError(f"gemv_q4_cpu refused its arguments (status {status})")
+    check_status("gemv_q4_cpu", status)
     return y
 
 
 # ---- the op a compiled graph calls ---------------------------------------------------------------
-
-_LIB = torch.library.Library("pagemill", "FRAGMENT")
-_LIB.define("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
 
 
 def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
     return gemv_q4(x, blocks, n, planes=planes)
 
 
-def _gemv_q4_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
-    return x.new_empty(x.shape[0], n)
-
-
-_LIB.impl("gemv_q4", _gemv_q4_op, "CPU")
-torch.library.register_fake("pagemill::gemv_q4", _gemv_q4_fake, lib=_LIB)
+_LIB = register_gemv_op("gemv_q4", _gemv_q4_op)

@@ -11,8 +11,9 @@ planes (`gemv_q4_cpu.quantize_activations`) it is ~max|x| / 64516 per block.
 `gemv_q8_torch` computes the same arithmetic in plain torch.
 
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
-`load()` is None without a compiler). `torch.ops.pagemill.gemv_q8` wraps it for compiled
-graphs (one opaque call); eager callers call `gemv_q8` directly.
+`load()` is None without a compiler). Callers reach it as `torch.ops.pagemill_native.gemv_q8`
+(a C++ torch operator, `cpu_native.load_gemv_ops`) or else `torch.ops.pagemill.gemv_q8`
+(a Python custom op over `gemv_q8`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ from pathlib import Path
 
 import torch
 
-from pagemill.kernels.cpu_native import build_library
-from pagemill.kernels.gemv_q4_cpu import ISA_NAMES, quantize_activations
+from pagemill.kernels.cpu_native import (
+    GEMV_DTYPE_CODES,
+    check_planes,
+    check_status,
+    load_gemv,
+    register_gemv_op,
+)
+from pagemill.kernels.cpu_native import GEMV_ISA_NAMES as ISA_NAMES
+from pagemill.kernels.gemv_q4_cpu import quantize_activations
 
 __all__ = [
     "ISA_NAMES",
@@ -45,25 +53,21 @@ QK = 32  # inputs per block
 ROWS = 16  # output rows per tile
 QS_BYTES = ROWS * QK
 BLOCK_BYTES = 2 * ROWS + QS_BYTES
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
 def load(isa: int | None = None) -> ctypes.CDLL | None:
     """The kernel library built for this CPU (`isa` forces a path: see `ISA_NAMES`; None
     picks the best the host has), or None when it cannot be built here (see the log)."""
-    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
-    if isa is not None:
-        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
-    lib = build_library(_SOURCE, "the Q8_0 CPU GEMV kernel", "serving Q8_0 rows as int4x2", flags)
-    if lib is None:
-        return None
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.pagemill_gemv_q8.restype = i32
-    lib.pagemill_gemv_q8.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
-    lib.pagemill_gemv_q8_isa.restype = i32
-    lib.pagemill_gemv_q8_isa.argtypes = []
-    return lib
+    return load_gemv(
+        _SOURCE,
+        "pagemill_gemv_q8",
+        [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32],
+        "the Q8_0 CPU GEMV kernel",
+        "serving Q8_0 rows as int4x2",
+        isa,
+    )
 
 
 def available() -> bool:
@@ -150,7 +154,7 @@ def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and x.dtype in _DTYPE_CODES
+        and x.dtype in GEMV_DTYPE_CODES
         and blocks.dtype == torch.uint8
         and blocks.dim() == 3
         and blocks.shape[2] == BLOCK_BYTES
@@ -171,8 +175,7 @@ def gemv_q8(
     (`lib`: a `load()` result; default the host's best). `threads` 0: torch's intra-op
     thread count. `planes` 1: x rounded to int8 per block of 32 (llama.cpp's rounding);
     2 (default): plus a second int8 plane for the remainder."""
-    if planes not in (1, 2):
-        raise ValueError(f"gemv_q8 takes 1 or 2 activation planes, not {planes}")
+    check_planes("gemv_q8", planes)
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the Q8_0 CPU GEMV kernel is not built on this machine")
@@ -188,7 +191,7 @@ def gemv_q8(
     m_rows, k = x.shape
     y = torch.empty(m_rows, n, dtype=x.dtype)
     status = lib.pagemill_gemv_q8(
-        _DTYPE_CODES[x.dtype],
+        GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
         blocks.data_ptr(),
@@ -200,24 +203,15 @@ def gemv_q8(
         threads or torch.get_num_threads(),
         planes,
     )
-    if status:
-        raise RuntimeError(f"gemv_q8_cpu refused its arguments (status {status})")
+    check_status("gemv_q8_cpu", status)
     return y
 
 
 # ---- the op a compiled graph calls ---------------------------------------------------------------
-
-_LIB = torch.library.Library("pagemill", "FRAGMENT")
-_LIB.define("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
 
 
 def _gemv_q8_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
     return gemv_q8(x, blocks, n, planes=planes)
 
 
-def _gemv_q8_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -> torch.Tensor:
-    return x.new_empty(x.shape[0], n)
-
-
-_LIB.impl("gemv_q8", _gemv_q8_op, "CPU")
-torch.library.register_fake("pagemill::gemv_q8", _gemv_q8_fake, lib=_LIB)
+_LIB = register_gemv_op("gemv_q8", _gemv_q8_op)

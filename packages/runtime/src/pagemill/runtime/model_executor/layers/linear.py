@@ -13,7 +13,8 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
   (two planes carry an int8 value exactly: see `quantization.formats`);
 - int4 with int8 activations (`int8_activations`, the CPU default for one-plane int4 in
   bf16): `qweight` uint8 tiles of `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales,
-  no `scales_and_zeros`), `torch.ops.pagemill.gemv_q4`, which rounds each input row to
+  no `scales_and_zeros`), `torch.ops.pagemill_native.gemv_q4` (a C++ torch operator;
+  `torch.ops.pagemill.gemv_q4` over ctypes where it cannot be built), which rounds each input row to
   int8 per block of 32 and multiplies in integer SIMD, as llama.cpp does: a decode step
   streams its weights faster than through PyTorch's int4 kernel. By default the rounding's
   remainder goes through a second int8 plane (error ~max|x| / 64516 per block instead of
@@ -56,6 +57,7 @@ from pagemill.kernels import (
     gemv_q8_cpu,  # also registers pagemill::gemv_q8
     pack_int4_groups,  # also registers pagemill::int4_group_gemm
 )
+from pagemill.kernels.cpu_native import load_gemv_ops
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import (
     INT4_GROUP_SIZES,
@@ -142,6 +144,7 @@ class Linear(nn.Module):
         self.int4_planes = 1
         # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
         self.int8_act = 0
+        self.native_gemv = False
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -232,6 +235,7 @@ class Linear(nn.Module):
             self._set_packed("q8_0", qweight=tiles)
             self.group_size = gemv_q8_cpu.QK
             self.int8_act = 2 if self.int8_activations >= 2 else 1
+            self.native_gemv = True
             if self.scheme.dense_fallback:
                 weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
@@ -245,6 +249,7 @@ class Linear(nn.Module):
             if self._takes_int8_activations(planes, kdt, weight.device):
                 self._set_packed("int4", qweight=gemv_q4_cpu.pack_q4_blocks(q, s, z, g))
                 self.int8_act = 2 if self.int8_activations >= 2 else 1
+                self.native_gemv = True
                 scale_dtype = torch.float32  # its scales are exact
             else:
                 packed, scales_and_zeros = pack_int4(q, s, z, kdt)
@@ -257,6 +262,21 @@ class Linear(nn.Module):
         if limit is None:  # q8_0 streams as many bytes as int4x2 and computes less
             limit = PACKED_MAX_TOKENS.get(self.weight_format, PACKED_MAX_TOKENS["int4x2"])
         self.packed_max_tokens = limit
+
+    @property
+    def native_gemv(self) -> bool:
+        """Whether `gemv_q4` / `gemv_q8` are called as C++ torch operators
+        (`torch.ops.pagemill_native`, `cpu_native.load_gemv_ops`) rather than through the
+        Python custom ops."""
+        return bool(self.__dict__.get("native_gemv", False))
+
+    @native_gemv.setter
+    def native_gemv(self, value: bool) -> None:
+        # Set True, the operators are loaded in this process (or it stays False where they
+        # cannot be). The weight cache restores plain attributes with object.__setattr__, which
+        # a property still sees: a restored layer loads them too. The value lives in __dict__
+        # under its own name, so that the cache sees it as a plain attribute.
+        self.__dict__["native_gemv"] = bool(value) and load_gemv_ops()
 
     def _takes_int8_activations(
         self, planes: int, kernel_dtype: torch.dtype, device: torch.device
@@ -445,7 +465,11 @@ class Linear(nn.Module):
         # The kernel takes fp32 and bf16 as they are (it rounds to int8 either way).
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
+        if self.native_gemv:  # the C++ operator: no Python between the graph and the kernel
+            y = torch.ops.pagemill_native.gemv_q4(
+                xk, self.qweight, self.out_features, self.int8_act
+            )
+        elif torch.compiler.is_compiling():
             y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features, self.int8_act)
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
@@ -458,7 +482,11 @@ class Linear(nn.Module):
     def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        if torch.compiler.is_compiling():
+        if self.native_gemv:
+            y = torch.ops.pagemill_native.gemv_q8(
+                xk, self.qweight, self.out_features, self.int8_act
+            )
+        elif torch.compiler.is_compiling():
             y = torch.ops.pagemill.gemv_q8(xk, self.qweight, self.out_features, self.int8_act)
         else:  # eager (the LM head runs outside the compiled forward): skip the dispatcher
             assert self.qweight is not None

@@ -1,0 +1,92 @@
+// torch.ops.pagemill_native.gemv_q4 / gemv_q8: the packed-weight GEMV kernels of
+// gemv_q4_cpu.cpp and gemv_q8_cpu.cpp as real torch operators, so that a compiled graph
+// (and an eager caller) reaches them through the dispatcher alone. Through a Python custom
+// op every call also ran a Python function and a ctypes call; a decode step of a small model
+// makes over a hundred of them, each moving little data.
+//
+// Built by pagemill.kernels.cpu_native.load_gemv_ops together with the two kernel sources
+// (one library: the same -march=native builds the ctypes path loads), against the running
+// torch's headers and libraries. The checks mirror gemv_q4_cpu.supports / gemv_q8_cpu.supports;
+// the Python side registers the fake (meta) kernels.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+extern "C" int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w,
+                                int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
+                                int64_t n, int64_t k, int threads, int planes);
+extern "C" int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w,
+                                void* y, int64_t y_stride, int64_t m_rows, int64_t n, int64_t k,
+                                int threads, int planes);
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t ROWS = 16;
+constexpr int64_t Q4_QS_BYTES = ROWS * QK / 2;
+constexpr int64_t Q8_BLOCK_BYTES = 2 * ROWS + ROWS * QK;
+
+int dtype_code(const at::Tensor& x) {
+    return x.scalar_type() == at::kBFloat16 ? 1 : 0;
+}
+
+void check_x(const char* op, const at::Tensor& x, const at::Tensor& blocks, int64_t n,
+             int64_t planes) {
+    TORCH_CHECK(planes == 1 || planes == 2, op, " takes 1 or 2 activation planes, not ", planes);
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 &&
+                    (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                op, " takes CPU fp32/bf16 x [M, K], got ", x.sizes(), " ", x.scalar_type());
+    TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 3,
+                op, " takes uint8 tiles [tiles, K / 32, bytes], got ", blocks.sizes(), " ",
+                blocks.scalar_type());
+    TORCH_CHECK(x.size(1) == blocks.size(1) * QK && n >= 0 && n <= blocks.size(0) * ROWS, op,
+                ": x ", x.sizes(), " and tiles ", blocks.sizes(), " do not give N = ", n);
+}
+
+at::Tensor gemv_q4(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
+                   int64_t planes) {
+    check_x("gemv_q4", x_in, blocks_in, n, planes);
+    const int64_t width = blocks_in.size(2);
+    TORCH_CHECK(width == Q4_QS_BYTES + 4 * ROWS || width == Q4_QS_BYTES + 8 * ROWS,
+                "gemv_q4 tiles are 320 or 384 bytes per block, got ", width);
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const at::Tensor blocks = blocks_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const int status = pagemill_gemv_q4(
+        dtype_code(x), x.data_ptr(), x.stride(0), blocks.data_ptr(),
+        static_cast<int>((width - Q4_QS_BYTES) / (2 * ROWS)), y.data_ptr(), n, x.size(0), n,
+        x.size(1), at::get_num_threads(), static_cast<int>(planes));
+    TORCH_CHECK(status == 0, "gemv_q4_cpu refused its arguments (status ", status, ")");
+    return y;
+}
+
+at::Tensor gemv_q8(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
+                   int64_t planes) {
+    check_x("gemv_q8", x_in, blocks_in, n, planes);
+    TORCH_CHECK(blocks_in.size(2) == Q8_BLOCK_BYTES, "gemv_q8 tiles are ", Q8_BLOCK_BYTES,
+                " bytes per block, got ", blocks_in.size(2));
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const at::Tensor blocks = blocks_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const int status = pagemill_gemv_q8(dtype_code(x), x.data_ptr(), x.stride(0),
+                                        blocks.data_ptr(), y.data_ptr(), n, x.size(0), n,
+                                        x.size(1), at::get_num_threads(), static_cast<int>(planes));
+    TORCH_CHECK(status == 0, "gemv_q8_cpu refused its arguments (status ", status, ")");
+    return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagemill_native, m) {
+    m.def("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
+    m.def("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
+    m.impl("gemv_q4", &gemv_q4);
+    m.impl("gemv_q8", &gemv_q8);
+}
