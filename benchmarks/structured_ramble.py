@@ -43,7 +43,7 @@ from typing import Any
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_structured_smollm2 import PROMPTS, SCHEMAS  # noqa: E402  (the test's own cases)
+from test_structured_smollm2 import PROMPTS, SCHEMAS  # the test's own cases
 
 TEMPERATURES = (0.7, 1.0)
 MAX_TOKENS = 200
@@ -241,8 +241,8 @@ def main() -> None:
             rows += chunk
             bad = sum(1 for r in chunk if r["failure"])
             print(
-                f"[{time.perf_counter() - t0:6.0f}s] mode {m} seeds {seeds.start}-{seeds.stop - 1}: "
-                f"{bad}/{len(chunk)} rambles",
+                f"[{time.perf_counter() - t0:6.0f}s] mode {m} seeds "
+                f"{seeds.start}-{seeds.stop - 1}: {bad}/{len(chunk)} rambles",
                 flush=True,
             )
         if args.samples:
