@@ -13,8 +13,9 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
   (two planes carry an int8 value exactly: see `quantization.formats`);
 - int4 with int8 activations (`int8_activations`, opt-in for one-plane int4 in bf16 on the
   CPU: see `_int8_activation_planes`): `qweight` uint8 tiles of
-  `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales, no `scales_and_zeros`), `torch.ops.pagemill.gemv_q4`, which rounds each input row to
-  int8 per block of 32 and multiplies in integer SIMD, as llama.cpp does: a decode step
+  `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales, no `scales_and_zeros`),
+  `torch.ops.pagemill.gemv_q4`, which rounds each input row to int8 per block of 32 and
+  multiplies in integer SIMD, as llama.cpp does: a decode step
   streams its weights faster than through PyTorch's int4 kernel. With =2 the rounding's
   remainder goes through a second int8 plane (error ~max|x| / 64516 per block instead of
   llama.cpp's / 254, which flips visibly more greedy tokens on SmolLM2);
