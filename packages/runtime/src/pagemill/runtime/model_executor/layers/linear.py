@@ -11,12 +11,13 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
 - int4: `qweight` packed by `aten._convert_weight_to_int4pack_for_cpu` and
   `scales_and_zeros` [planes * in / g, out, 2], `aten._weight_int4pack_mm_for_cpu`
   (two planes carry an int8 value exactly: see `quantization.formats`);
-- int4 with int8 activations (`int8_activations`, the CPU default for one-plane int4 in
-  bf16): `qweight` uint8 tiles of `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales,
-  no `scales_and_zeros`), `torch.ops.pagemill_native.gemv_q4` (a C++ torch operator;
-  `torch.ops.pagemill.gemv_q4` over ctypes where it cannot be built), which rounds each input row to
-  int8 per block of 32 and multiplies in integer SIMD, as llama.cpp does: a decode step
-  streams its weights faster than through PyTorch's int4 kernel. By default the rounding's
+- int4 with int8 activations (`int8_activations`, opt-in for one-plane int4 in bf16 on the
+  CPU: see `_int8_activation_planes`): `qweight` uint8 tiles of
+  `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales, no `scales_and_zeros`),
+  `torch.ops.pagemill_native.gemv_q4` (a C++ torch operator; `torch.ops.pagemill.gemv_q4`
+  over ctypes where it cannot be built), which rounds each input row to int8 per block of
+  32 and multiplies in integer SIMD, as llama.cpp does: a decode step streams its weights
+  faster than through PyTorch's int4 kernel. With =2 the rounding's
   remainder goes through a second int8 plane (error ~max|x| / 64516 per block instead of
   llama.cpp's / 254, which flips visibly more greedy tokens on SmolLM2);
   PAGEMILL_CPU_INT8_ACTIVATIONS=1 keeps one plane, 0 PyTorch's kernel. Layers asking for
@@ -99,7 +100,10 @@ def _int8_activation_planes() -> int:
     PyTorch's int4 kernel, and a decode step of 1-16 rows is 1.1-1.3x faster, but with them
     one seeded structured-output sample of the default model (`event`, T=0.7) rambles in
     whitespace to its token limit in some runs (the slow `test_many_json_schemas_validate`),
-    which it has not done under PyTorch's kernel. One plane is llama.cpp's rounding."""
+    which it has not done under PyTorch's kernel. One seeded sample decides nothing either
+    way: `benchmarks/structured_ramble.py` compares the ramble rates of 0 and 2 over many
+    seeds, and 2 becomes the default once a run large enough shows it no worse. One plane
+    is llama.cpp's rounding."""
     value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "0").strip()
     if value not in ("0", "1", "2"):
         raise ValueError(f"PAGEMILL_CPU_INT8_ACTIVATIONS must be 0, 1 or 2, got {value!r}")
