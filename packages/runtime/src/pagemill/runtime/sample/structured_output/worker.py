@@ -95,6 +95,13 @@ def json_grammar(schema: str) -> str:
     ebnf = gaps.sub("json_ws", ebnf).replace(_WS_ANY, "json_ws")
     used = set(re.findall(r"\w+", _WS_CHAR_RULE.sub("", ebnf)))
     ebnf = _WS_CHAR_RULE.sub(lambda m: m.group(0) if m.group(1) in used else "", ebnf)
+    if f"{{0, {_WS_CAP}}}" in ebnf or _WS_ANY in ebnf:
+        # xgrammar printed its gaps another way (a new version): say so rather than serve
+        # a grammar whose whitespace is not what the documented limit says.
+        raise RuntimeError(
+            "structured output: xgrammar's JSON grammar no longer has the whitespace rules "
+            "pagemill rewrites (see worker.json_grammar); update the rewrite"
+        )
     return f"{ebnf}\njson_ws ::= {limits.JSON_WHITESPACE}\n"
 
 
