@@ -41,6 +41,7 @@ from pagemill.runtime.model_executor.kv_scales import (
     apply_checkpoint_kv_scales,
     configure_kv_scale_granularity,
 )
+from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
@@ -175,7 +176,9 @@ class EngineCore:
         runner = self.model_runner
         if self.device.type == "cpu" and self._sampler_native():
             pass  # nothing to trace; built (or loaded) now, so the first step does not wait
-        elif self.device.type == "cpu" and (runner.compiled or self._background_compile):
+        elif self.device.type == "cpu" and (
+            runner.compiled or self._background_compile is not None
+        ):
             # As the model: not when eager. Before a background compile starts: only one
             # thread compiles at a time.
             # For fp32 logits only (one graph per kernel): rows with penalties, bans or a
@@ -446,7 +449,12 @@ class EngineCore:
         cache (what the thread fills for the next start), and none of what the background
         warm-up does not keep apart from live requests (LoRA's step mapping, speculative
         decoding's hooks, KV scales taken from the first prefill, per-group tables), and
-        a pool that still holds a full-length request without the warm-up's blocks."""
+        a pool that still holds a full-length request without the warm-up's blocks.
+
+        While dynamo compiles, `torch.compiler.is_compiling()` is True process-wide, so the
+        serving thread's eager forward takes the layers' compiled-graph branches: the same
+        kernels through their custom ops, except `torch.cond` (the "cond" packed/dense
+        branch), which would compile on the serving thread; it compiles first instead."""
         config = self.config
         if not config.compile_in_background or os.environ.get(COMPILE_BACKGROUND_ENV) == "0":
             return False
@@ -459,6 +467,7 @@ class EngineCore:
             or config.speculative_config is not None
             or config.cache.calculate_kv_scales
             or runner.kv_cache_groups is not None
+            or Linear.compiled_branch == "cond"
             or self.num_blocks - runner.warm_up_blocks() < full
         )
 
