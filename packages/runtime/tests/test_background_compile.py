@@ -160,13 +160,15 @@ def test_blocking_when_switched_off(tiny_llama, tmp_path, monkeypatch) -> None:
 _START = """
 import json, sys
 from pagemill.runtime import LLM, SamplingParams
+from pagemill.runtime.sampling_params import RequestOutputKind
 llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=4, max_model_len=128,
           kv_cache_memory_bytes=16 * 16 * 512)
 engine = llm.llm_engine
 core = engine.engine_core
 runner = core.model_runner
 prompts = json.loads(sys.argv[2])
-params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[3]), ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
 for i, p in enumerate(prompts):
     engine.add_request(str(i), p, params)
 tokens, compiled_steps = {}, 0

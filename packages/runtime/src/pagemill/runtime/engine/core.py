@@ -421,6 +421,7 @@ class EngineCore:
                 logger.warning("running the model eagerly: %s", reason)
             return
         runner = self.model_runner
+        cache = None
         if self._compile_in_background():
             cache = runner.open_compile_cache()
             if not compile_cache_has_entry(cache):
@@ -436,7 +437,7 @@ class EngineCore:
                     COMPILE_BACKGROUND_ENV,
                 )
                 return
-        seconds = runner.compile()
+        seconds = runner.compile(cache)
         how = (
             "loaded from the compile cache"
             if self.model_runner.compile_cache_loaded

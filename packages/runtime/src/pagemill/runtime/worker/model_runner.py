@@ -224,14 +224,15 @@ class ModelRunner:
         # The last step's inputs of the model's `aux_hidden_state_layers` (EAGLE-3), if any.
         self.aux_hidden_states: torch.Tensor | None = None
 
-    def compile(self) -> float:
+    def compile(self, cache: CompileCache | None = None) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
 
         Every graph (one token; any other count; each side of a packed layer's dense
         switch, see `packed_row_limits`) is compiled on a throwaway single-request step, so
         no request ever waits for a compilation. With the compile cache on, a start whose
         key was compiled before loads the graphs instead (`compile_cache_loaded`); an entry
-        that breaks is logged, removed and compiled again.
+        that breaks is logged, removed and compiled again. `cache`: this runner's, when
+        the caller opened it already (`open_compile_cache`).
         """
         start = time.perf_counter()
         self.compile_cache = None
@@ -240,7 +241,7 @@ class ModelRunner:
             self._forward = compile_forward(self.model)
             self._warm_up_graphs()
             return time.perf_counter() - start
-        cache = self.compile_cache = self.open_compile_cache()
+        cache = self.compile_cache = cache if cache is not None else self.open_compile_cache()
         existed = compile_cache_has_entry(cache)
         logger.info(
             "compile cache: %s entry %s (%s)",
