@@ -61,7 +61,7 @@ def _kv(llm: LLM) -> list[torch.Tensor]:
     return [t.clone() for pair in runner.kv_cache.caches for t in pair]
 
 
-@pytest.mark.slow  # no real compile, but three engine phases and transformers' greedy: ~2 min loaded
+@pytest.mark.slow  # no real compile, but three engine phases and HF's greedy: ~2 min loaded
 def test_ready_and_serving_while_the_compile_runs_and_live_blocks_kept(
     tiny_llama, tmp_path, monkeypatch, hf_greedy, random_prompts
 ) -> None:
