@@ -22,5 +22,8 @@ os.environ.setdefault("PAGEMILL_PACKED_LIMITS", "table")
 # run's graphs stand in for the next's; the tests about it turn it on with a tmp folder.
 # An env var, not a monkeypatch: it must reach the engine processes the tests spawn.
 os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
+# A cold start with the cache on compiles before ready (tests that check or time the
+# compiled step); the tests about the background compile turn it on.
+os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -20,6 +20,7 @@ import torch
 # As the repository's root conftest, for a run rooted here: no compile cache in the user's
 # folder (an env var, so spawned engine processes see it too).
 os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
+os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
 
 TINY_VOCAB_CORPUS = [
     "the quick brown fox jumps over the lazy dog",

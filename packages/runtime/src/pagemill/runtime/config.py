@@ -111,6 +111,13 @@ class EngineConfig:
     enforce_eager: bool = False
     """Run the model eagerly: no torch.compile graph on CPU (no CUDA graphs on GPU)."""
 
+    compile_in_background: bool = True
+    """On CPU, when the compile cache has no entry for this model and these flags (a cold
+    start): serve at once, eagerly, while the forward compiles on a background thread, and
+    switch to the compiled forward between steps once all its graphs are ready. False (or
+    PAGEMILL_COMPILE_BACKGROUND=0) compiles before the engine is ready, as a warm start's
+    load always does (benchmarks and tests that time or check the compiled step)."""
+
     tensor_parallel_size: int = 1
     """Split the model across this many processes (Megatron-style tensor parallelism over
     torch.distributed: gloo on CPU, NCCL on CUDA); 1 runs in this process alone. The engine
@@ -227,6 +234,8 @@ class EngineConfig:
             raise bad("cpu_dense_weights", f"must be one of {CPU_DENSE_WEIGHTS}")
         if not isinstance(self.enforce_eager, bool):
             raise bad("enforce_eager", "must be a bool")
+        if not isinstance(self.compile_in_background, bool):
+            raise bad("compile_in_background", "must be a bool")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise bad("tensor_parallel_size", "must be an integer >= 1")

@@ -261,6 +261,11 @@ class EngineMetrics:
             "Bytes held by compiled grammars (structured output), "
             "bounded by --structured-outputs-cache-bytes.",
         )
+        self.compile_graphs_pending = gauge(
+            "compile_graphs_pending",
+            "Graphs of the model's forward still compiling in the background "
+            "(a cold start serves eagerly until 0).",
+        )
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens accepted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
@@ -354,6 +359,7 @@ class EngineMetrics:
             self.num_requests_waiting,
             self.kv_cache_usage,
             self.grammar_cache_bytes,
+            self.compile_graphs_pending,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.num_preemptions,
@@ -429,6 +435,7 @@ class EngineMetrics:
         self.num_requests_waiting.labels(m).set(stats.num_waiting)
         self.kv_cache_usage.labels(m).set(stats.kv_cache_usage)
         self.grammar_cache_bytes.labels(m).set(getattr(stats, "grammar_cache_bytes", 0))
+        self.compile_graphs_pending.labels(m).set(getattr(stats, "compile_graphs_pending", 0))
         # The engine reports running totals; Prometheus counters take increments.
         for key, metric in (
             ("num_preemptions", self.num_preemptions),

@@ -41,6 +41,7 @@ from pagemill.runtime.model_executor.kv_scales import (
     apply_checkpoint_kv_scales,
     configure_kv_scale_granularity,
 )
+from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.loader import load_model
 from pagemill.runtime.sample.rejection_sampler import RejectionSampler, with_draft_history
 from pagemill.runtime.sample.sampler import Sampler
@@ -48,11 +49,17 @@ from pagemill.runtime.sample.structured_output import grammar_failure_message
 from pagemill.runtime.spec_decode.engine import SpecDecoding, draft_pool_sizes, prepare_target
 from pagemill.runtime.worker.compilation import (
     ENFORCE_EAGER_ENV,
+    CompileCache,
+    compile_cache_enabled,
     compile_cached,
     compile_unavailable_reason,
 )
 from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window, size_kv_pool
-from pagemill.runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagemill.runtime.worker.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    compile_cache_has_entry,
+)
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
 
 if TYPE_CHECKING:
@@ -60,6 +67,9 @@ if TYPE_CHECKING:
     from pagemill.runtime.sample.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# Set to 0 to compile before ready even on a cold start (`EngineConfig.compile_in_background`).
+COMPILE_BACKGROUND_ENV = "PAGEMILL_COMPILE_BACKGROUND"
 
 # Per sampled request: ([sampled id, top-1 id, ...], [their logprobs]).
 LogprobsRow = tuple[list[int], list[float]]
@@ -131,6 +141,8 @@ class EngineCore:
         cache = config.cache
         self.tp: TensorParallelGroup | None = None
         self._workers: TensorParallelWorkers | None = None
+        # A cold start's compile, started once the core is built (see `_maybe_compile`).
+        self._background_compile: CompileCache | None = None
         if config.tensor_parallel_size > 1:
             # Refused before any process starts: a split the heads do not allow.
             check_tensor_parallel(model_config, config.tensor_parallel_size)
@@ -164,7 +176,11 @@ class EngineCore:
         runner = self.model_runner
         if self.device.type == "cpu" and self._sampler_native():
             pass  # nothing to trace; built (or loaded) now, so the first step does not wait
-        elif self.device.type == "cpu" and runner.compiled:  # as the model: not when eager
+        elif self.device.type == "cpu" and (
+            runner.compiled or self._background_compile is not None
+        ):
+            # As the model: not when eager. Before a background compile starts: only one
+            # thread compiles at a time.
             # For fp32 logits only (one graph per kernel): rows with penalties, bans or a
             # grammar are converted to fp32 anyway, and converting the rest costs less
             # than compiling a second set of graphs at every start.
@@ -183,6 +199,8 @@ class EngineCore:
         self.spec = SpecDecoding.create(
             config, RejectionSampler(self.sampler, config.seed), self, model_path
         )
+        if self._background_compile is not None:  # last: nothing else compiles from here
+            runner.start_background_compile(self._background_compile, self.num_blocks)
 
     def _sampler_native(self) -> bool:
         """Whether the sampler's native CPU passes serve here (then no graph is traced for
@@ -402,13 +420,64 @@ class EngineCore:
             if self.device.type == "cpu":
                 logger.warning("running the model eagerly: %s", reason)
             return
-        seconds = self.model_runner.compile()
+        runner = self.model_runner
+        cache = None
+        if self._compile_in_background():
+            cache = runner.open_compile_cache()
+            if not compile_cache_has_entry(cache):
+                # The warm-up's blocks stay out of the pool: they are written while
+                # requests hold the others.
+                self.num_blocks -= runner.warm_up_blocks()
+                self._background_compile = cache
+                logger.info(
+                    "compile cache: no entry %s (cold start): serving eagerly while the "
+                    "forward compiles in the background (--no-compile-in-background or "
+                    "%s=0 compiles first)",
+                    cache.folder,
+                    COMPILE_BACKGROUND_ENV,
+                )
+                return
+        seconds = runner.compile(cache)
         how = (
             "loaded from the compile cache"
             if self.model_runner.compile_cache_loaded
             else "compiled"
         )
         logger.info("%s the model forward in %.1f s (--enforce-eager skips this)", how, seconds)
+
+    def _compile_in_background(self) -> bool:
+        """Whether a cold start may compile beside the serving steps: on, with the compile
+        cache (what the thread fills for the next start), and none of what the background
+        warm-up does not keep apart from live requests (LoRA's step mapping, speculative
+        decoding's hooks, KV scales taken from the first prefill, per-group tables), and
+        a pool that still holds a full-length request without the warm-up's blocks.
+
+        While dynamo compiles, `torch.compiler.is_compiling()` is True process-wide, so the
+        serving thread's eager forward takes the layers' compiled-graph branches: the same
+        kernels through their custom ops, except `torch.cond` (the "cond" packed/dense
+        branch), which would compile on the serving thread; it compiles first instead."""
+        config = self.config
+        if not config.compile_in_background or os.environ.get(COMPILE_BACKGROUND_ENV) == "0":
+            return False
+        if not compile_cache_enabled():
+            return False
+        runner = self.model_runner
+        full = -(-self.max_model_len // config.cache.block_size)
+        return not (
+            config.enable_lora
+            or config.speculative_config is not None
+            or config.cache.calculate_kv_scales
+            or runner.kv_cache_groups is not None
+            or Linear.compiled_branch == "cond"
+            or self.num_blocks - runner.warm_up_blocks() < full
+        )
+
+    def wait_for_compile(self, timeout: float | None = None) -> bool:
+        """Wait until a background compile has ended; whether the compiled forward is (or
+        will be, from the next step) the one in use. True at once when nothing compiles
+        in the background (then `model_runner.compiled` says whether it is compiled)."""
+        job = self.model_runner.background
+        return True if job is None else job.wait(timeout)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -522,6 +591,9 @@ class EngineCore:
             spec_num_draft_tokens=0 if spec is None else spec.num_draft_tokens,
             spec_num_accepted_tokens=0 if spec is None else spec.num_accepted_tokens,
             spec_accepted_per_pos=[] if spec is None else list(spec.accepted_per_pos),
+            compile_graphs_pending=(
+                0 if self.model_runner.background is None else self.model_runner.background.pending
+            ),
         )
 
     # ---- the step ------------------------------------------------------------------------

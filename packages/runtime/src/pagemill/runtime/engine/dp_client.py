@@ -91,6 +91,7 @@ def combine_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
             sum(p)
             for p in itertools.zip_longest(*(s.spec_accepted_per_pos for s in stats), fillvalue=0)
         ],
+        compile_graphs_pending=sum(s.compile_graphs_pending for s in stats),
     )
 
 

@@ -53,6 +53,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    compile_graphs_pending: int = 0  # compiling in the background; steps eager until 0
 
     @classmethod
     def combine(cls, core: SchedulerStats, out: OutputProcessor) -> EngineStats:
@@ -74,6 +75,7 @@ class EngineStats:
             core.spec_num_draft_tokens,
             core.spec_num_accepted_tokens,
             tuple(core.spec_accepted_per_pos),
+            core.compile_graphs_pending,
         )
 
 

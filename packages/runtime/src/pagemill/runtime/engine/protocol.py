@@ -125,6 +125,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, gc=False):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    # Graphs still compiling in the background (the steps run eagerly until 0).
+    compile_graphs_pending: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag="outputs"):

@@ -13,8 +13,10 @@ group and each layer reads its group's (`AttentionMetadata.groups`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,6 +118,37 @@ class StepInputs:
     batch: StepBatch | None = None
 
 
+@dataclass(slots=True)
+class BackgroundCompile:
+    """A compile of the forward on a thread of its own while the engine serves eagerly
+    (`ModelRunner.start_background_compile`); the serving thread reads it between steps."""
+
+    total: int  # graphs to build
+    done: int = 0
+    # Set by the compiling thread once every graph is ready; adopted by the next step.
+    forward: Callable[..., ForwardOutput] | None = None
+    failed: bool = False
+    thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> int:
+        """Graphs not yet ready (0 once finished, or failed: then nothing more comes)."""
+        return 0 if self.failed or self.forward is not None else self.total - self.done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; whether it did (and the compile did not fail)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            if self.thread.is_alive():
+                return False
+        return not self.failed
+
+
+def compile_cache_has_entry(cache: CompileCache) -> bool:
+    """Whether `cache` holds an entry to load (a warm start) rather than nothing yet."""
+    return (cache.folder / "dynamo").is_dir()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -168,6 +201,8 @@ class ModelRunner:
         # The compile cache of the last `compile()` (None when off) and whether it loaded.
         self.compile_cache: CompileCache | None = None
         self.compile_cache_loaded = False
+        # A compile running beside the serving steps (None: none was started).
+        self.background: BackgroundCompile | None = None
         # CUDA graphs of pure-decode steps (see `cuda_graphs`); None runs every step eagerly.
         self.graphs: DecodeGraphs | None = None
         # Set by the engine before the pool is sized: capture graphs once the pool exists.
@@ -189,14 +224,15 @@ class ModelRunner:
         # The last step's inputs of the model's `aux_hidden_state_layers` (EAGLE-3), if any.
         self.aux_hidden_states: torch.Tensor | None = None
 
-    def compile(self) -> float:
+    def compile(self, cache: CompileCache | None = None) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
 
         Every graph (one token; any other count; each side of a packed layer's dense
         switch, see `packed_row_limits`) is compiled on a throwaway single-request step, so
         no request ever waits for a compilation. With the compile cache on, a start whose
         key was compiled before loads the graphs instead (`compile_cache_loaded`); an entry
-        that breaks is logged, removed and compiled again.
+        that breaks is logged, removed and compiled again. `cache`: this runner's, when
+        the caller opened it already (`open_compile_cache`).
         """
         start = time.perf_counter()
         self.compile_cache = None
@@ -205,12 +241,8 @@ class ModelRunner:
             self._forward = compile_forward(self.model)
             self._warm_up_graphs()
             return time.perf_counter() - start
-        for module in self.model.modules():  # see Linear.opaque_packed
-            if isinstance(module, Linear):
-                module.opaque_packed = True
-        key, parts = compile_cache_key(self.model, self.compile_settings())
-        cache = self.compile_cache = CompileCache(CompileCache.root(), key, parts)
-        existed = (cache.folder / "dynamo").is_dir()
+        cache = self.compile_cache = cache if cache is not None else self.open_compile_cache()
+        existed = compile_cache_has_entry(cache)
         logger.info(
             "compile cache: %s entry %s (%s)",
             "loading" if existed else "no",
@@ -240,6 +272,77 @@ class ModelRunner:
         self.compile_cache_loaded = cache.loaded
         return time.perf_counter() - start
 
+    def open_compile_cache(self) -> CompileCache:
+        """The compile cache's folder for this runner's graph (its key set from the model and
+        `compile_settings`); the packed layers are switched to their opaque ops first (see
+        `Linear.opaque_packed`), as the graph is traced with them."""
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.opaque_packed = True
+        key, parts = compile_cache_key(self.model, self.compile_settings())
+        return CompileCache(CompileCache.root(), key, parts)
+
+    def warm_up_blocks(self) -> int:
+        """KV blocks the warm-up steps write (their longest step's, one request)."""
+        return math.ceil(max(self.graph_token_counts()) / self.block_size)
+
+    def start_background_compile(self, cache: CompileCache, first_block: int) -> BackgroundCompile:
+        """Compile the forward, and fill `cache`, on a thread of its own; the serving steps
+        run eagerly meanwhile and the first step after every graph is ready switches to it
+        (`execute_model`), between steps, on the serving thread.
+
+        Only the compiling thread compiles. Its warm-up steps run on a shallow copy of this
+        runner with a persistent batch, request states and prompt outputs of its own (the
+        serving thread never sees them), and write their KV into blocks `first_block` and
+        up, which the engine keeps out of its pool: never a live block. Everything else
+        they share is read-only (weights, the pool's tensors). A compile that fails is
+        logged once and leaves the engine eager for good.
+        """
+        job = self.background = BackgroundCompile(total=len(self.graph_token_counts()))
+        self.compile_cache = cache
+        self.compile_cache_loaded = False
+        shadow = copy.copy(self)
+        shadow.input_batch = self._new_input_batch()
+        shadow.requests = {}
+        shadow.prompt_outputs = PromptOutputs()
+        shadow.hidden_states_hook = None
+        shadow.background = None
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                with cache.session():
+                    shadow._forward = compile_forward(self.model, freezing=False)
+                    shadow._warm_up_graphs(first_block, job)
+                    if not cache.fully_loaded():
+                        cache.save()
+            except Exception:
+                job.failed = True
+                logger.warning(
+                    "compile: the background compile failed; the model keeps running "
+                    "eagerly (restart to try again)",
+                    exc_info=True,
+                )
+                return
+            job.forward = shadow._forward
+            logger.info(
+                "compiled the model forward in the background in %.1f s; the next step "
+                "runs it (--enforce-eager skips this)",
+                time.perf_counter() - start,
+            )
+
+        job.thread = threading.Thread(target=run, name="pagemill-compile", daemon=True)
+        job.thread.start()
+        return job
+
+    def _adopt_compiled(self) -> None:
+        """Between steps: switch to the background compile's forward once it is ready."""
+        job = self.background
+        if job is not None and job.forward is not None and not self.compiled:
+            self._forward = job.forward
+            self.compiled = True
+            logger.info("compile: the compiled forward serves from this step on")
+
     def compile_settings(self) -> dict[str, object]:
         """The runner's settings that enter the compiled graph (for the compile cache's key)."""
         return {
@@ -265,7 +368,9 @@ class ModelRunner:
         longest = min(self.max_num_batched_tokens, self.max_model_len)
         return sorted(n for n in counts if n <= longest)
 
-    def _warm_up_graphs(self) -> None:
+    def _warm_up_graphs(self, first_block: int = 0, job: BackgroundCompile | None = None) -> None:
+        """Run each graph's throwaway step (its KV written from block `first_block` on);
+        `job` counts the graphs ready."""
         self.compiled = True
         todo = self.graph_token_counts()
         start = time.perf_counter()
@@ -276,7 +381,7 @@ class ModelRunner:
         )
         for i, num_tokens in enumerate(todo):
             t0 = time.perf_counter()
-            batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1)
+            batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1, first_block=first_block)
             saved = self.input_batch, self.requests
             self.input_batch = self._new_input_batch()
             self.requests = {}
@@ -284,13 +389,16 @@ class ModelRunner:
                 self.execute_model(batch)
             finally:
                 self.input_batch, self.requests = saved
+            if job is not None:
+                job.done = i + 1
             logger.info(
-                "compile: graph %d/%d (a %d-token step) ready in %.1f s (%.1f s so far)",
+                "compile: graph %d/%d (a %d-token step) ready in %.1f s (%.1f s so far)%s",
                 i + 1,
                 len(todo),
                 num_tokens,
                 time.perf_counter() - t0,
                 time.perf_counter() - start,
+                "" if job is None else "; serving eagerly meanwhile",
             )
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -373,10 +481,10 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def dummy_batch(
-        self, num_tokens: int | None = None, max_seqs: int | None = None
+        self, num_tokens: int | None = None, max_seqs: int | None = None, first_block: int = 0
     ) -> tuple[SchedulerOutput, int]:
         """The heaviest step the limits allow (or `num_tokens` over at most `max_seqs`
-        sequences), and the KV blocks it needs.
+        sequences), and the KV blocks it needs (it writes blocks `first_block` and up).
 
         By default `max_num_batched_tokens` tokens spread over as many sequences as may share
         a step (so the logits rows peak too), none longer than max_model_len.
@@ -390,7 +498,7 @@ class ModelRunner:
         per_seq = [
             tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)
         ]
-        sched, next_block = [], 0
+        sched, next_block = [], first_block
         greedy = SamplingParams(temperature=0.0)
         for i, n in enumerate(per_seq):
             nb = math.ceil(n / self.block_size)
@@ -400,7 +508,10 @@ class ModelRunner:
                 ScheduledRequest(record.request_id, [0] * n, 0, n, blocks, True, True, record)
             )
             next_block += nb
-        return SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens), next_block
+        return (
+            SchedulerOutput(scheduled=sched, total_num_scheduled_tokens=tokens),
+            next_block - first_block,
+        )
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:
@@ -713,6 +824,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the step's tokens; logits only at the last token of each sampling request."""
+        if self.background is not None:
+            self._adopt_compiled()
         prepared = self._prepare_batch(out)
         vocab = self.vocab_size
         if prepared is None:
