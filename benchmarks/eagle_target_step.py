@@ -30,6 +30,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+# Time compiled steps: a cold compile cache compiles before the engine is ready, not beside
+# eager steps (the engine's default on a cold start).
+os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
+
 
 def write_head(folder: Path, target: Any, aux: list[int]) -> None:
     """A random one-layer EAGLE-3 head for `target` (a pagemill ModelConfig)."""
