@@ -372,3 +372,25 @@ def test_grammar_cache_is_bounded_in_bytes(engine) -> None:
         _run(engine)
     assert 0 < manager.cache_bytes <= manager.cache_limit_bytes == 1 << 20
     assert manager.num_requests == 0
+
+
+@pytest.mark.parametrize("how", ["killed", "pipe lost"])
+def test_a_worker_lost_between_jobs_fails_no_request(tokenizer_info, how: str) -> None:
+    """A worker that died between two compiles (killed from outside) or whose pipe end was
+    lost (closed under it: `OSError(9, 'Bad file descriptor')`) is replaced and the job
+    compiles on the fresh one, instead of failing its request."""
+    workers = CompileWorkers(tokenizer_info, num_workers=1, timeout=60.0, cache_limit_bytes=8 << 20)
+    try:
+        assert workers.submit(("regex", "a+")).future.result(timeout=120) is not None
+        worker = workers._workers[0]
+        assert worker is not None and worker.pid is not None
+        if how == "killed":
+            os.kill(worker.pid, signal.SIGKILL)
+            time.sleep(0.2)
+        else:
+            os.close(worker.conn.fileno())  # the fd closed under the Connection
+        assert workers.submit(("regex", "[0-9]{3}")).future.result(timeout=60) is not None
+        fresh = workers._workers[0]
+        assert fresh is not None and fresh.pid != worker.pid
+    finally:
+        workers.shutdown()

@@ -231,6 +231,12 @@ class _Worker:
     def __init__(self, info_json: str, cache_limit_bytes: int) -> None:
         self.conn = _Zygote.fork()
         self.pid: int | None = None
+        # `kill` runs on the slot's thread and on `CompileWorkers.shutdown`'s, maybe at once:
+        # two unguarded closes of one Connection could both reach os.close, and the second
+        # would close whatever pipe took the fd number in between (another worker's: its
+        # next send fails with EBADF).
+        self._kill_lock = threading.Lock()
+        self._killed = False
         self.conn.send((info_json, cache_limit_bytes))
         if not self.conn.poll(START_TIMEOUT_S):
             self.conn.close()
@@ -254,11 +260,21 @@ class _Worker:
             return None
 
     def kill(self) -> None:
-        if self.pid is not None:
-            with contextlib.suppress(OSError):
-                os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            self.conn.close()
+        """Kill the process and close its pipe, once, whichever thread asks first."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            if self.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                self.conn.close()
+
+
+class _WorkerDied(Exception):
+    """A worker's pipe failed (the process died, or its end was lost): not the grammar's
+    fault until a fresh worker fails on it too."""
 
 
 class CompileWorkers:
@@ -326,6 +342,21 @@ class CompileWorkers:
                     continue
                 self._workers[index] = worker
             worker, outcome = self._run(worker, job)
+            if isinstance(outcome, _WorkerDied):
+                # Lost between jobs or in this one (killed from outside, its pipe gone): a
+                # fresh worker gets one more try, so a worker's death alone fails no request;
+                # a grammar that kills every worker it meets fails on the second.
+                logger.warning("grammar worker lost (%s); compiling on a fresh one", outcome)
+                try:
+                    worker = _Worker(self._info_json, self._cache_limit)
+                except Exception as exc:
+                    logger.error("grammar worker failed to start: %s", exc)
+                    worker = None
+                self._workers[index] = worker
+                if worker is not None:
+                    worker, outcome = self._run(worker, job)
+                if isinstance(outcome, _WorkerDied):
+                    outcome = RuntimeError(f"the grammar worker died: {outcome}")
             if isinstance(outcome, BaseException):
                 job.future.set_exception(outcome)
             else:
@@ -374,7 +405,7 @@ class CompileWorkers:
                     )
         except (EOFError, OSError) as exc:
             worker.kill()
-            return None, RuntimeError(f"the grammar worker died: {exc!r}")
+            return None, _WorkerDied(repr(exc))
         if status != "ok":
             return worker, GrammarCompileError(f"the grammar cannot be compiled: {payload}")
         try:
