@@ -12,9 +12,7 @@ object and 2,000 in the whole schema; string lengths, item and property counts (
 maxLength, minItems, maxItems, minProperties) at most 1,000; enums at most 1,000 values; a
 counted repetition `{m,n}` at most 1,000, and at most 8 when what it repeats can itself
 match text of any length (as in `(.*){1,20}`), in regexes, `pattern`s and EBNF alike. JSON
-output (schema or JSON object) puts between two tokens nothing, one space, or one newline
-followed by at most 20 spaces or tabs (llama.cpp's JSON grammars allow the same): room for
-pretty-printing ten levels deep, none for blank lines or runs of spaces.
+output (schema or JSON object) puts at most 32 whitespace characters between two tokens.
 
 A JSON schema may use only keywords xgrammar enforces: anything else (`not`, `if`/`then`/
 `else`, `unevaluatedProperties`, `uniqueItems`, `contains`, `dependentRequired`, an unknown
@@ -36,14 +34,10 @@ MAX_COUNT = 1_000
 MAX_ENUM = 1_000
 MAX_REPEAT = 1_000
 MAX_REPEAT_UNBOUNDED = 8
-# Spaces or tabs JSON output may put after the one newline allowed between two tokens
-# (`JSON_WHITESPACE`). Without a bound a sampled model can spend every remaining token on
-# whitespace, which JSON allows between any two tokens, and end at max_tokens with no value;
-# a bound on each gap's run alone (xgrammar's `max_whitespace_cnt`) still left it a run of
-# blank lines in every gap of an object.
-MAX_JSON_INDENT = 20
-# The EBNF rule of what may lie between two JSON tokens (see `worker.json_grammar`).
-JSON_WHITESPACE = f'"" | " " | "\\n" [ \\t]{{0,{MAX_JSON_INDENT}}}'
+# Whitespace characters JSON output may put between two tokens (room for pretty-printing
+# eight levels deep): without a cap a sampled model can spend every remaining token on
+# whitespace, which the grammar allows anywhere, and end at max_tokens with no value.
+MAX_JSON_WHITESPACE = 32
 
 LIMITS = {
     "text_bytes": MAX_TEXT_BYTES,
@@ -54,7 +48,7 @@ LIMITS = {
     "enum_values": MAX_ENUM,
     "repetition": MAX_REPEAT,
     "repetition_of_unbounded": MAX_REPEAT_UNBOUNDED,
-    "json_indent": MAX_JSON_INDENT,
+    "json_whitespace_run": MAX_JSON_WHITESPACE,
 }
 
 # Keywords whose meaning xgrammar enforces (or that carry no constraint).

@@ -22,7 +22,6 @@ import logging
 import multiprocessing.connection
 import os
 import queue
-import re
 import signal
 import socket
 import subprocess
@@ -71,40 +70,6 @@ class CompileJob:
         self.future.cancel()
 
 
-# xgrammar's printed JSON grammar under `any_whitespace` with a cap of n: every gap between
-# two tokens is a one-character rule `[ \n\t]` repeated `{0, n}`, and the "any JSON" rules
-# (values of open objects, `json_object`) use `[ \n\t]*`.
-_WS_CAP = 64  # only a marker to find those repetitions by; none survives the rewrite
-_WS_CHAR_RULE = re.compile(r"^(\w+) ::= \(\(\[ \\n\\t\]\)\)$", re.M)
-_WS_ANY = "[ \\n\\t]*"
-
-
-def json_grammar(schema: str) -> str:
-    """EBNF of `schema` (JSON text) with `limits.JSON_WHITESPACE` between its tokens.
-
-    xgrammar converts the schema; what it allows between tokens (any run of spaces, tabs
-    and newlines, up to a count per gap at best) is then replaced by one rule, as llama.cpp
-    writes its JSON grammars: one newline and an indent, never a run of blank lines."""
-    import xgrammar as xgr
-
-    ebnf = str(
-        xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=_WS_CAP)
-    )
-    names = _WS_CHAR_RULE.findall(ebnf) or ["json_ws"]  # none: a lone value (an enum)
-    gaps = re.compile(r"\b(?:" + "|".join(map(re.escape, names)) + r")\{0, " + f"{_WS_CAP}" + r"\}")
-    ebnf = gaps.sub("json_ws", ebnf).replace(_WS_ANY, "json_ws")
-    used = set(re.findall(r"\w+", _WS_CHAR_RULE.sub("", ebnf)))
-    ebnf = _WS_CHAR_RULE.sub(lambda m: m.group(0) if m.group(1) in used else "", ebnf)
-    if f"{{0, {_WS_CAP}}}" in ebnf or _WS_ANY in ebnf:
-        # xgrammar printed its gaps another way (a new version): say so rather than serve
-        # a grammar whose whitespace is not what the documented limit says.
-        raise RuntimeError(
-            "structured output: xgrammar's JSON grammar no longer has the whitespace rules "
-            "pagemill rewrites (see worker.json_grammar); update the rewrite"
-        )
-    return f"{ebnf}\njson_ws ::= {limits.JSON_WHITESPACE}\n"
-
-
 def compile_key(compiler: Any, key: GrammarKey) -> Any:
     """One `GrammarKey` through an `xgr.GrammarCompiler`."""
     kind, text = key
@@ -116,7 +81,9 @@ def compile_key(compiler: Any, key: GrammarKey) -> Any:
         schema = text if base == "json" else '{"type": "object"}'
         if compact:
             return compiler.compile_json_schema(schema, any_whitespace=False)
-        return compiler.compile_grammar(json_grammar(schema))
+        return compiler.compile_json_schema(
+            schema, any_whitespace=True, max_whitespace_cnt=limits.MAX_JSON_WHITESPACE
+        )
     if base == "regex":
         return compiler.compile_regex(text)
     if base == "grammar":
