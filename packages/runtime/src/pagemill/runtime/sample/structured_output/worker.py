@@ -289,37 +289,24 @@ class CompileWorkers:
         worker: _Worker | None = None
         while not self._closed:
             if worker is None:
-                try:
-                    worker = _Worker(self._info_json, self._cache_limit)
-                except Exception as exc:
-                    logger.error("grammar worker failed to start: %s", exc)
-                    worker = None
-                self._workers[index] = worker
+                worker = self._start_worker(index)
             job = self._jobs.get()
             if job is None or self._closed:
                 break
             if job.abandoned.is_set() or not job.future.set_running_or_notify_cancel():
                 continue
             if worker is None:  # try once more now that someone waits
-                try:
-                    worker = _Worker(self._info_json, self._cache_limit)
-                except Exception as exc:
-                    logger.error("grammar worker failed to start: %s", exc)
+                worker = self._start_worker(index)
+                if worker is None:
                     job.future.set_exception(RuntimeError("no grammar worker could be started"))
                     continue
-                self._workers[index] = worker
             worker, outcome = self._run(worker, job)
             if isinstance(outcome, _WorkerDied):
                 # Lost between jobs or in this one (killed from outside, its pipe gone): a
                 # fresh worker gets one more try, so a worker's death alone fails no request;
                 # a grammar that kills every worker it meets fails on the second.
                 logger.warning("grammar worker lost (%s); compiling on a fresh one", outcome)
-                try:
-                    worker = _Worker(self._info_json, self._cache_limit)
-                except Exception as exc:
-                    logger.error("grammar worker failed to start: %s", exc)
-                    worker = None
-                self._workers[index] = worker
+                worker = self._start_worker(index)
                 if worker is not None:
                     worker, outcome = self._run(worker, job)
                 if isinstance(outcome, _WorkerDied):
@@ -330,6 +317,16 @@ class CompileWorkers:
                 job.future.set_result(outcome)
         if worker is not None:
             worker.kill()
+
+    def _start_worker(self, index: int) -> _Worker | None:
+        """A fresh worker for slot `index` (recorded for `shutdown`), or None (logged)."""
+        try:
+            worker: _Worker | None = _Worker(self._info_json, self._cache_limit)
+        except Exception as exc:
+            logger.error("grammar worker failed to start: %s", exc)
+            worker = None
+        self._workers[index] = worker
+        return worker
 
     def _past_deadline(self, worker: _Worker, start: float, cpu_start: float | None) -> bool:
         """Whether the compile has used up its time.
