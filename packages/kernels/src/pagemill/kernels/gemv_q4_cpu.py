@@ -227,6 +227,73 @@ def gemv_q4(
     return y
 
 
+# ---- the same product on the AMX tiles ----------------------------------------------------------
+
+# pagemill_gemm_q4_amx's status where the build or the machine has no AMX-INT8.
+_NO_AMX = 4
+
+
+def _amx_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    lib = lib or load()
+    if lib is None or not hasattr(lib, "pagemill_gemm_q4_amx"):
+        return None
+    fn = lib.pagemill_gemm_q4_amx
+    fn.restype = ctypes.c_int
+    fn.argtypes = lib.pagemill_gemv_q4.argtypes
+    lib.pagemill_gemm_q4_amx_available.restype = ctypes.c_int
+    return lib
+
+
+def amx_available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemm_q4_amx` runs on the matrix units here: AMX-INT8 in the build (the
+    compiler and `-march=native`) and on the machine, and the kernel's leave to use the
+    tiles' state. Elsewhere `gemm_q4_amx` is `gemv_q4`."""
+    lib = _amx_lib(lib)
+    return lib is not None and bool(lib.pagemill_gemm_q4_amx_available())
+
+
+def gemm_q4_amx(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    planes: int = 2,
+) -> torch.Tensor:
+    """`gemv_q4` on the AMX-INT8 tiles: the same arguments and the same result to the bit,
+    for batches (16 rows of x per tile pass: fewer rows pay for 16, where the GEMV pays per
+    row). Without AMX (`amx_available`) it runs `gemv_q4`."""
+    check_planes("gemm_q4_amx", planes)
+    amx = _amx_lib(lib)
+    if amx is None:
+        return gemv_q4(x, blocks, n, lib, threads, planes)
+    if not supports(x, blocks, n):
+        return gemv_q4(x, blocks, n, lib, threads, planes)  # raises its error
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    y = torch.empty(m_rows, n, dtype=x.dtype)
+    status = amx.pagemill_gemm_q4_amx(
+        GEMV_DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
+        y.data_ptr(),
+        n,
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+        planes,
+    )
+    if status == _NO_AMX:
+        return gemv_q4(x, blocks, n, lib, threads, planes)
+    check_status("gemm_q4_amx", status)
+    return y
+
+
 # ---- the op a compiled graph calls ---------------------------------------------------------------
 
 
@@ -234,4 +301,11 @@ def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) 
     return gemv_q4(x, blocks, n, planes=planes)
 
 
+def _gemm_q4_amx_op(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2
+) -> torch.Tensor:
+    return gemm_q4_amx(x, blocks, n, planes=planes)
+
+
 _LIB = register_gemv_op("gemv_q4", _gemv_q4_op)
+_AMX_LIB = register_gemv_op("gemm_q4_amx", _gemm_q4_amx_op)
