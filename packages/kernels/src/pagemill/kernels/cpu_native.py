@@ -168,12 +168,14 @@ def check_status(op: str, status: int) -> None:
 
 
 def register_gemv_op(
-    name: str, impl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    name: str,
+    impl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
+    default_planes: int = 2,
 ) -> torch.library.Library:
-    """`torch.ops.pagemill.<name>(x, blocks, n, planes=2)` on `impl`: one opaque call per
-    linear layer in a compiled graph, its output [rows of x, n] in x's dtype."""
+    """`torch.ops.pagemill.<name>(x, blocks, n, planes=default_planes)` on `impl`: one opaque
+    call per linear layer in a compiled graph, its output [rows of x, n] in x's dtype."""
     lib = torch.library.Library("pagemill", "FRAGMENT")
-    lib.define(f"{name}(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
+    lib.define(f"{name}(Tensor x, Tensor blocks, int n, int planes={default_planes}) -> Tensor")
     lib.impl(name, impl, "CPU")
 
     torch.library.register_fake(f"pagemill::{name}", _gemv_fake, lib=lib)

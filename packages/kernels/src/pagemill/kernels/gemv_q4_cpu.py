@@ -258,17 +258,21 @@ def gemm_q4_amx(
     n: int,
     lib: ctypes.CDLL | None = None,
     threads: int = 0,
-    planes: int = 2,
+    planes: int = 0,
 ) -> torch.Tensor:
-    """`gemv_q4` on the AMX-INT8 tiles: the same arguments and the same result to the bit,
-    for batches (16 rows of x per tile pass: fewer rows pay for 16, where the GEMV pays per
-    row). Without AMX (`amx_available`) it runs `gemv_q4`."""
-    check_planes("gemm_q4_amx", planes)
+    """x [M, K] · W[N, K]ᵀ on the AMX tiles, for batches (16 or 32 rows of x per tile
+    pass: fewer rows pay for a full pass, where the GEMV pays per row).
+
+    `planes` 1 or 2: AMX-INT8 on `gemv_q4`'s int8 activations, the same result as `gemv_q4`
+    to the bit. 0 (default): AMX-BF16 on each weight block decompressed to bf16 (d * q + m
+    rounded as the dense bf16 copy is) and x rounded to bf16, fp32 sums: the dense bf16
+    product without a dense copy. Without AMX (`amx_available`) the same products run on
+    `gemv_q4` (planes 1, 2) or in torch through a dequantized copy (0: slow; check first)."""
+    if planes not in (0, 1, 2):
+        raise ValueError(f"gemm_q4_amx takes 0, 1 or 2 activation planes, not {planes}")
     amx = _amx_lib(lib)
-    if amx is None:
-        return gemv_q4(x, blocks, n, lib, threads, planes)
-    if not supports(x, blocks, n):
-        return gemv_q4(x, blocks, n, lib, threads, planes)  # raises its error
+    if amx is None or not supports(x, blocks, n) or not amx.pagemill_gemm_q4_amx_available():
+        return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = blocks.contiguous()
@@ -289,9 +293,23 @@ def gemm_q4_amx(
         planes,
     )
     if status == _NO_AMX:
-        return gemv_q4(x, blocks, n, lib, threads, planes)
+        return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
     check_status("gemm_q4_amx", status)
     return y
+
+
+def _gemm_q4_fallback(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, lib: ctypes.CDLL | None, threads: int, planes: int
+) -> torch.Tensor:
+    if planes:
+        return gemv_q4(x, blocks, n, lib, threads, planes)  # raises where x or blocks do not fit
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"gemm_q4_amx takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles for N = {n}; "
+            f"got x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    w = dequantize_q4_blocks(blocks, n).to(torch.bfloat16)
+    return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
 
 # ---- the op a compiled graph calls ---------------------------------------------------------------
@@ -302,10 +320,10 @@ def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) 
 
 
 def _gemm_q4_amx_op(
-    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2
+    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 0
 ) -> torch.Tensor:
     return gemm_q4_amx(x, blocks, n, planes=planes)
 
 
 _LIB = register_gemv_op("gemv_q4", _gemv_q4_op)
-_AMX_LIB = register_gemv_op("gemm_q4_amx", _gemm_q4_amx_op)
+_AMX_LIB = register_gemv_op("gemm_q4_amx", _gemm_q4_amx_op, default_planes=0)

@@ -498,15 +498,16 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
 // configuration per thread; without AMX in the build (compiler, -march) or on the machine
 // the entry point refuses (status 4) and callers use the GEMV.
 
-#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define PAGEMILL_HAVE_AMX 1
 
 bool amx_usable() {
     static const bool ok = [] {
         unsigned a, b, c, d;
         if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const unsigned tile = 1u << 24, int8 = 1u << 25;
-        if ((d & (tile | int8)) != (tile | int8)) return false;
+        const unsigned need = (1u << 22) | (1u << 24) | (1u << 25);  // AMX-BF16, -TILE, -INT8
+        if ((d & need) != need) return false;
         constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
         constexpr long XFEATURE_XTILEDATA = 18;
         return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
@@ -699,6 +700,192 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
         _tile_release();
     }
 }
+
+// ---- AMX-BF16: the weights decompressed to bf16 tiles, x in bf16, fp32 sums -----------------
+//
+// The int8 kernel above pays float work for every block of 32 inputs (each block has its own
+// scales, so its integer sums cannot stay in the tile); TDPBF16PS keeps the fp32 sums in the
+// tile over all of K, and the scales go into the weights instead: each weight block becomes
+// w = d * q + m in fp32, rounded to bf16 (as the dense bf16 copy of the layer is made), once
+// per call and tile of outputs, then meets every row of x. The result is the dense bf16
+// product (x rounded to bf16, fp32 sums in another order) without the dense copy in memory.
+// Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
+// (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
+
+constexpr int64_t BF_TILE = 16 * 64;  // bytes of one weight block as a B tile
+
+void configure_bf16_tiles() {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
+// inputs 2kk and 2kk + 1. A 64-byte line j of nibbles holds inputs 4j..4j+3 (low) and
+// 16+4j..16+4j+3 (high) of the 16 rows, 4 bytes per row: rows 2j, 2j+1 (low) and 8+2j,
+// 9+2j (high) of the tile are its even and odd bf16 pairs.
+template <typename S>
+void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stride) {
+    constexpr int64_t SB = 2 * ROWS * sizeof(S);
+    constexpr int64_t BLOCK = SB + QS_BYTES;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512i spread[4];  // lane l of quarter i: row 4i + l / 4
+    for (int i = 0; i < 4; ++i) {
+        alignas(64) int32_t idx[16];
+        for (int l = 0; l < 16; ++l) idx[l] = 4 * i + l / 4;
+        spread[i] = _mm512_load_si512(idx);
+    }
+    alignas(64) int32_t even_idx[16], odd_idx[16];
+    for (int l = 0; l < 16; ++l) {
+        even_idx[l] = (l < 8 ? 0 : 16) + 2 * (l % 8);
+        odd_idx[l] = even_idx[l] + 1;
+    }
+    const __m512i even = _mm512_load_si512(even_idx), odd = _mm512_load_si512(odd_idx);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        __m512 d, m;
+        if constexpr (sizeof(S) == 2) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        } else {
+            d = _mm512_loadu_ps(blk);
+            m = _mm512_loadu_ps(blk + 64);
+        }
+        __m512 dq[4], mq[4];
+        for (int i = 0; i < 4; ++i) {
+            dq[i] = _mm512_permutexvar_ps(spread[i], d);
+            mq[i] = _mm512_permutexvar_ps(spread[i], m);
+        }
+        uint8_t* out = bt + b * bt_stride;
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+            for (int h = 0; h < 2; ++h) {
+                const __m512i nib =
+                    h == 0 ? _mm512_and_si512(raw, low4)
+                           : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                __m512i half[2];
+                for (int i2 = 0; i2 < 2; ++i2) {
+                    __m512 f[2];
+                    for (int u = 0; u < 2; ++u) {
+                        const int i = 2 * i2 + u;
+                        __m128i q16;
+                        switch (i) {
+                            case 0: q16 = _mm512_extracti32x4_epi32(nib, 0); break;
+                            case 1: q16 = _mm512_extracti32x4_epi32(nib, 1); break;
+                            case 2: q16 = _mm512_extracti32x4_epi32(nib, 2); break;
+                            default: q16 = _mm512_extracti32x4_epi32(nib, 3); break;
+                        }
+                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16)),
+                                               dq[i], mq[i]);
+                    }
+                    // rows 8 * i2 .. 8 * i2 + 8, each as 2 bf16 pairs
+                    half[i2] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                }
+                const int row = 8 * h + 2 * j;
+                _mm512_store_si512(out + 64 * row, _mm512_permutex2var_epi32(half[0], even, half[1]));
+                _mm512_store_si512(out + 64 * (row + 1),
+                                   _mm512_permutex2var_epi32(half[0], odd, half[1]));
+            }
+        }
+    }
+}
+
+void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
+                       int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
+                       int64_t k, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t m_pad = (m_rows + 31) / 32 * 32;
+    // x in bf16, rows past m_rows zero.
+    thread_local std::vector<uint16_t> xbuf;
+    xbuf.resize(static_cast<size_t>(m_pad * k));
+    uint16_t* xb = xbuf.data();
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_pad; ++r) {
+        uint16_t* dst = xb + r * k;
+        if (r >= m_rows) {
+            std::memset(dst, 0, static_cast<size_t>(k) * 2);
+        } else if (dtype == 1) {
+            std::memcpy(dst, static_cast<const uint16_t*>(x) + r * x_stride,
+                        static_cast<size_t>(k) * 2);
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride;
+            for (int64_t i = 0; i < k; i += 32)
+                _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                                 _mm512_loadu_ps(src + i + 16),
+                                                 _mm512_loadu_ps(src + i))));
+        }
+    }
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t pairs = (tiles + 1) / 2;
+    const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(scale_bytes) + QS_BYTES);
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
+    const int64_t lda = k * 2;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        configure_bf16_tiles();
+        // Two tiles' B tiles, block by block: [nb][2][16 x 64 bytes].
+        thread_local std::vector<uint8_t> unpacked;
+        unpacked.resize(static_cast<size_t>(nb * 2 * BF_TILE + 64));
+        uint8_t* bt = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+        alignas(64) float out[4][16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+            for (int h = 0; h < 2; ++h) {
+                const int64_t tile = 2 * pair + h;
+                if (tile >= tiles) {
+                    for (int64_t b = 0; b < nb; ++b)
+                        std::memset(bt + (2 * b + h) * BF_TILE, 0, BF_TILE);
+                } else if (scale_bytes == 2) {
+                    unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
+                                               2 * BF_TILE);
+                } else {
+                    unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
+                                            2 * BF_TILE);
+                }
+            }
+            for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t* xa = xb + m0 * k;
+                for (int64_t b = 0; b < nb; ++b) {
+                    _tile_loadd(4, xa + b * QK, lda);
+                    _tile_loadd(5, xa + 16 * k + b * QK, lda);
+                    _tile_loadd(6, bt + 2 * b * BF_TILE, 64);
+                    _tile_loadd(7, bt + (2 * b + 1) * BF_TILE, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                _tile_stored(2, out[2], 64);
+                _tile_stored(3, out[3], 64);
+                for (int mh = 0; mh < 2; ++mh) {
+                    for (int h = 0; h < 2; ++h) {
+                        const int64_t tile = 2 * pair + h;
+                        if (tile >= tiles) continue;
+                        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                        const int64_t r0 = m0 + 16 * mh;
+                        const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                        for (int64_t t = 0; t < tm; ++t)
+                            store_outputs(out[2 * mh + h] + t * ROWS, y,
+                                          (r0 + t) * y_stride + tile * ROWS, rows, dtype);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
 #endif  // AMX
 
 }  // namespace
@@ -742,20 +929,24 @@ int pagemill_gemm_q4_amx_available() {
 }
 
 // pagemill_gemv_q4's product on the AMX tiles, for batches (each 16 rows of x is one tile
-// pass; fewer rows pay for 16). Same arguments and results to the bit; status 4 where AMX
-// is not available (see pagemill_gemm_q4_amx_available).
+// pass; fewer rows pay for 16). planes 1 or 2: AMX-INT8, the same arguments and results to
+// the bit; planes 0: AMX-BF16 on weights decompressed to bf16 (the dense bf16 product, no
+// int8 rounding). Status 4 where AMX is not available (pagemill_gemm_q4_amx_available).
 int pagemill_gemm_q4_amx(int dtype, const void* x, int64_t x_stride, const void* w,
                          int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
                          int64_t k, int threads, int planes) {
     if ((dtype != 0 && dtype != 1) || (scale_bytes != 2 && scale_bytes != 4)) return 1;
     if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
-    if (planes != 1 && planes != 2) return 3;
+    if (planes < 0 || planes > 2) return 3;
 #ifdef PAGEMILL_HAVE_AMX
     if (!amx_usable()) return 4;
     if (m_rows == 0 || n == 0) return 0;
     threads = std::max(1, threads);
     const uint8_t* wb = static_cast<const uint8_t*>(w);
-    if (planes == 2) {
+    if (planes == 0) {
+        amx_bf16_multiply(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n, k,
+                          threads);
+    } else if (planes == 2) {
         amx_quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n,
                                      k, threads);
     } else {
