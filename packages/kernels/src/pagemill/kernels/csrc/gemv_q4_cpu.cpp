@@ -725,26 +725,18 @@ void configure_bf16_tiles() {
 }
 
 // One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
-// inputs 2kk and 2kk + 1. A 64-byte line j of nibbles holds inputs 4j..4j+3 (low) and
-// 16+4j..16+4j+3 (high) of the 16 rows, 4 bytes per row: rows 2j, 2j+1 (low) and 8+2j,
-// 9+2j (high) of the tile are its even and odd bf16 pairs.
+// inputs 2kk and 2kk + 1 (one 32-bit lane per output). A 64-byte line j of nibbles has one
+// 32-bit lane per output r too, holding inputs 4j + t (low nibble of byte t) and
+// 16 + 4j + t (high): shifts pick one input for all 16 outputs at once, with the outputs'
+// scales in the same lanes, and each pair of inputs is interleaved into a B row.
 template <typename S>
 void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stride) {
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
     constexpr int64_t BLOCK = SB + QS_BYTES;
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512i spread[4];  // lane l of quarter i: row 4i + l / 4
-    for (int i = 0; i < 4; ++i) {
-        alignas(64) int32_t idx[16];
-        for (int l = 0; l < 16; ++l) idx[l] = 4 * i + l / 4;
-        spread[i] = _mm512_load_si512(idx);
-    }
-    alignas(64) int32_t even_idx[16], odd_idx[16];
-    for (int l = 0; l < 16; ++l) {
-        even_idx[l] = (l < 8 ? 0 : 16) + 2 * (l % 8);
-        odd_idx[l] = even_idx[l] + 1;
-    }
-    const __m512i even = _mm512_load_si512(even_idx), odd = _mm512_load_si512(odd_idx);
+    const __m512i low4 = _mm512_set1_epi32(0x0f);
+    alignas(64) int16_t pair_idx[32];
+    for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
+    const __m512i pairs = _mm512_load_si512(pair_idx);
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
         __m512 d, m;
@@ -755,40 +747,22 @@ void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stri
             d = _mm512_loadu_ps(blk);
             m = _mm512_loadu_ps(blk + 64);
         }
-        __m512 dq[4], mq[4];
-        for (int i = 0; i < 4; ++i) {
-            dq[i] = _mm512_permutexvar_ps(spread[i], d);
-            mq[i] = _mm512_permutexvar_ps(spread[i], m);
-        }
         uint8_t* out = bt + b * bt_stride;
         for (int j = 0; j < 4; ++j) {
             const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
-            for (int h = 0; h < 2; ++h) {
-                const __m512i nib =
-                    h == 0 ? _mm512_and_si512(raw, low4)
-                           : _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-                __m512i half[2];
-                for (int i2 = 0; i2 < 2; ++i2) {
+            for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
+                for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
                     __m512 f[2];
                     for (int u = 0; u < 2; ++u) {
-                        const int i = 2 * i2 + u;
-                        __m128i q16;
-                        switch (i) {
-                            case 0: q16 = _mm512_extracti32x4_epi32(nib, 0); break;
-                            case 1: q16 = _mm512_extracti32x4_epi32(nib, 1); break;
-                            case 2: q16 = _mm512_extracti32x4_epi32(nib, 2); break;
-                            default: q16 = _mm512_extracti32x4_epi32(nib, 3); break;
-                        }
-                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q16)),
-                                               dq[i], mq[i]);
+                        const int shift = 8 * (2 * p + u) + 4 * h;
+                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw, shift), low4);
+                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
                     }
-                    // rows 8 * i2 .. 8 * i2 + 8, each as 2 bf16 pairs
-                    half[i2] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                    const __m512i both =
+                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                    _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
+                                       _mm512_permutexvar_epi16(pairs, both));
                 }
-                const int row = 8 * h + 2 * j;
-                _mm512_store_si512(out + 64 * row, _mm512_permutex2var_epi32(half[0], even, half[1]));
-                _mm512_store_si512(out + 64 * (row + 1),
-                                   _mm512_permutex2var_epi32(half[0], odd, half[1]));
             }
         }
     }
