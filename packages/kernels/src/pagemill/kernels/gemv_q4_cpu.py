@@ -299,7 +299,12 @@ def gemm_q4_amx(
 
 
 def _gemm_q4_fallback(
-    x: torch.Tensor, blocks: torch.Tensor, n: int, lib: ctypes.CDLL | None, threads: int, planes: int
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None,
+    threads: int,
+    planes: int,
 ) -> torch.Tensor:
     if planes:
         return gemv_q4(x, blocks, n, lib, threads, planes)  # raises where x or blocks do not fit
@@ -319,9 +324,7 @@ def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) 
     return gemv_q4(x, blocks, n, planes=planes)
 
 
-def _gemm_q4_amx_op(
-    x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 0
-) -> torch.Tensor:
+def _gemm_q4_amx_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 0) -> torch.Tensor:
     return gemm_q4_amx(x, blocks, n, planes=planes)
 
 
