@@ -14,6 +14,10 @@ activations is the one approximation (the weights' own values are exact: fp16 or
 scales as the checkpoint had them); `gemv_q4_torch` computes the same arithmetic in plain
 torch, with or without that rounding.
 
+`gemm_q4_amx` multiplies the same tiles on the AMX units for batches: AMX-INT8 on the same
+int8 activations (equal to `gemv_q4` to the bit), or AMX-BF16 on weight blocks decompressed
+to bf16 on the way in (the dense bf16 product without keeping a dense copy).
+
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). A compiled graph holds one opaque call per linear
 layer: `torch.ops.pagemill_native.gemv_q4`, the same kernel as a C++ torch operator
