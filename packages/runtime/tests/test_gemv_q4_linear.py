@@ -99,11 +99,13 @@ def test_without_the_kernel_pytorch_int4_serves(monkeypatch) -> None:
     assert not layer.int8_act and layer.scales_and_zeros is not None
 
 
-def test_dense_copy_holds_the_exact_weights() -> None:
+def test_dense_copy_holds_the_exact_weights(monkeypatch) -> None:
     """With a dense fallback, both sides serve gguf's weights (scales unrounded)."""
+    monkeypatch.setattr(Linear, "amx_packed", False)  # a dense copy even where AMX could serve
     n, k = 64, 192
     raw, w = _q4_1(n, k, seed=2)
     layer = _layer(raw, n, k, dense_fallback=True, packed_max_tokens=4)
+    assert not layer.amx_large_rows
     assert layer.int8_act and layer.has_dense_fallback
     torch.testing.assert_close(layer.weight.float(), w, rtol=4e-3, atol=1e-6)  # bf16 of w
     x = torch.randn(8, k, dtype=torch.bfloat16)
@@ -111,6 +113,47 @@ def test_dense_copy_holds_the_exact_weights() -> None:
         packed = torch.cat([layer(x[:4]), layer(x[4:])]).float()
         dense = layer(x).float()
     torch.testing.assert_close(packed, dense, rtol=3e-2, atol=3e-2)
+
+
+def test_amx_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagemill.runtime.model_executor.layers import linear
+
+    monkeypatch.delenv("PAGEMILL_CPU_AMX_PACKED", raising=False)
+    assert linear._amx_packed_switch() is True
+    monkeypatch.setenv("PAGEMILL_CPU_AMX_PACKED", "0")
+    assert linear._amx_packed_switch() is False
+    monkeypatch.setenv("PAGEMILL_CPU_AMX_PACKED", "yes")
+    with pytest.raises(ValueError, match="PAGEMILL_CPU_AMX_PACKED"):
+        linear._amx_packed_switch()
+
+
+@pytest.mark.skipif(not gemv_q4_cpu.amx_available(), reason="no AMX here")
+@pytest.mark.parametrize("dense_fallback", [True, False])
+def test_amx_serves_large_batches_without_a_dense_copy(monkeypatch, dense_fallback) -> None:
+    """Where the CPU has AMX, rows above the limit run on the matrix units from the packed
+    blocks: no dense copy is kept (even where copies were asked for), and the large side
+    is the bf16 product of the same weights the copy would hold."""
+    monkeypatch.setattr(Linear, "amx_packed", True)
+    n, k = 64, 192
+    raw, w = _q4_1(n, k, seed=5)
+    layer = _layer(raw, n, k, dense_fallback=dense_fallback, packed_max_tokens=4)
+    assert layer.amx_large_rows and layer.weight is None and layer.has_dense_fallback
+    assert "AMX above 4 rows" in repr(layer)
+    x = torch.randn(40, k, dtype=torch.bfloat16)
+    calls = []
+    real = layer._amx
+    monkeypatch.setattr(layer, "_amx", lambda t: calls.append(t.shape[0]) or real(t))
+    with torch.no_grad():
+        big = layer(x).float()
+        small = layer(x[:4]).float()
+    assert calls == [40]  # the packed GEMV took the 4 rows
+    expected = x.float() @ w.to(torch.bfloat16).float().T + layer.bias.float()
+    torch.testing.assert_close(big, expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(small, big[:4], rtol=3e-2, atol=3e-2)
+    # Without the switch the same layer keeps its copy (or stays packed).
+    monkeypatch.setattr(Linear, "amx_packed", False)
+    plain = _layer(raw, n, k, dense_fallback=dense_fallback, packed_max_tokens=4)
+    assert not plain.amx_large_rows and (plain.weight is not None) == dense_fallback
 
 
 def test_q4_k_like_scales_use_fp32_tiles() -> None:

@@ -168,12 +168,14 @@ def check_status(op: str, status: int) -> None:
 
 
 def register_gemv_op(
-    name: str, impl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+    name: str,
+    impl: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor],
+    default_planes: int = 2,
 ) -> torch.library.Library:
-    """`torch.ops.pagemill.<name>(x, blocks, n, planes=2)` on `impl`: one opaque call per
-    linear layer in a compiled graph, its output [rows of x, n] in x's dtype."""
+    """`torch.ops.pagemill.<name>(x, blocks, n, planes=default_planes)` on `impl`: one opaque
+    call per linear layer in a compiled graph, its output [rows of x, n] in x's dtype."""
     lib = torch.library.Library("pagemill", "FRAGMENT")
-    lib.define(f"{name}(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor")
+    lib.define(f"{name}(Tensor x, Tensor blocks, int n, int planes={default_planes}) -> Tensor")
     lib.impl(name, impl, "CPU")
 
     torch.library.register_fake(f"pagemill::{name}", _gemv_fake, lib=lib)
@@ -194,7 +196,8 @@ _gemv_ops_loaded = False
 @functools.cache
 def load_gemv_ops() -> bool:
     """Build (once per machine and torch) and load `torch.ops.pagemill_native.gemv_q4` /
-    `gemv_q8`, the GEMV kernels as C++ torch operators; whether they are loaded.
+    `gemv_q8` / `gemm_q4_amx`, the GEMV kernels as C++ torch operators; whether they are
+    loaded.
 
     A call through them costs what any aten op's dispatch does, where the Python custom ops
     add a Python function and a ctypes call to each of a decode step's hundred-odd calls.
@@ -231,7 +234,7 @@ def load_gemv_ops() -> bool:
     except (OSError, RuntimeError) as e:
         logger.warning("loading %s failed (%s); calling the GEMV kernels through Python", target, e)
         return False
-    for name in ("gemv_q4", "gemv_q8"):
+    for name in ("gemv_q4", "gemv_q8", "gemm_q4_amx"):
         torch.library.register_fake(f"pagemill_native::{name}", _gemv_fake)
     _gemv_ops_loaded = True
     return True

@@ -14,6 +14,10 @@ activations is the one approximation (the weights' own values are exact: fp16 or
 scales as the checkpoint had them); `gemv_q4_torch` computes the same arithmetic in plain
 torch, with or without that rounding.
 
+`gemm_q4_amx` multiplies the same tiles on the AMX units for batches: AMX-INT8 on the same
+int8 activations (equal to `gemv_q4` to the bit), or AMX-BF16 on weight blocks decompressed
+to bf16 on the way in (the dense bf16 product without keeping a dense copy).
+
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). A compiled graph holds one opaque call per linear
 layer: `torch.ops.pagemill_native.gemv_q4`, the same kernel as a C++ torch operator
@@ -227,6 +231,96 @@ def gemv_q4(
     return y
 
 
+# ---- the same product on the AMX tiles ----------------------------------------------------------
+
+# pagemill_gemm_q4_amx's status where the build or the machine has no AMX-INT8.
+_NO_AMX = 4
+
+
+def _amx_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    lib = lib or load()
+    if lib is None or not hasattr(lib, "pagemill_gemm_q4_amx"):
+        return None
+    fn = lib.pagemill_gemm_q4_amx
+    fn.restype = ctypes.c_int
+    fn.argtypes = lib.pagemill_gemv_q4.argtypes
+    lib.pagemill_gemm_q4_amx_available.restype = ctypes.c_int
+    return lib
+
+
+def amx_available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemm_q4_amx` runs on the matrix units here: AMX-INT8 in the build (the
+    compiler and `-march=native`) and on the machine, and the kernel's leave to use the
+    tiles' state. Elsewhere `gemm_q4_amx` is `gemv_q4`."""
+    lib = _amx_lib(lib)
+    return lib is not None and bool(lib.pagemill_gemm_q4_amx_available())
+
+
+def gemm_q4_amx(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    planes: int = 0,
+) -> torch.Tensor:
+    """x [M, K] · W[N, K]ᵀ on the AMX tiles, for batches (16 or 32 rows of x per tile
+    pass: fewer rows pay for a full pass, where the GEMV pays per row).
+
+    `planes` 1 or 2: AMX-INT8 on `gemv_q4`'s int8 activations, the same result as `gemv_q4`
+    to the bit. 0 (default): AMX-BF16 on each weight block decompressed to bf16 (d * q + m
+    rounded as the dense bf16 copy is) and x rounded to bf16, fp32 sums: the dense bf16
+    product without a dense copy. Without AMX (`amx_available`) the same products run on
+    `gemv_q4` (planes 1, 2) or in torch through a dequantized copy (0: slow; check first)."""
+    if planes not in (0, 1, 2):
+        raise ValueError(f"gemm_q4_amx takes 0, 1 or 2 activation planes, not {planes}")
+    amx = _amx_lib(lib)
+    if amx is None or not supports(x, blocks, n) or not amx.pagemill_gemm_q4_amx_available():
+        return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    y = torch.empty(m_rows, n, dtype=x.dtype)
+    status = amx.pagemill_gemm_q4_amx(
+        GEMV_DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
+        y.data_ptr(),
+        n,
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+        planes,
+    )
+    if status == _NO_AMX:
+        return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
+    check_status("gemm_q4_amx", status)
+    return y
+
+
+def _gemm_q4_fallback(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None,
+    threads: int,
+    planes: int,
+) -> torch.Tensor:
+    if planes:
+        return gemv_q4(x, blocks, n, lib, threads, planes)  # raises where x or blocks do not fit
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"gemm_q4_amx takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles for N = {n}; "
+            f"got x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    w = dequantize_q4_blocks(blocks, n).to(torch.bfloat16)
+    return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+
+
 # ---- the op a compiled graph calls ---------------------------------------------------------------
 
 
@@ -234,4 +328,9 @@ def _gemv_q4_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) 
     return gemv_q4(x, blocks, n, planes=planes)
 
 
+def _gemm_q4_amx_op(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 0) -> torch.Tensor:
+    return gemm_q4_amx(x, blocks, n, planes=planes)
+
+
 _LIB = register_gemv_op("gemv_q4", _gemv_q4_op)
+_AMX_LIB = register_gemv_op("gemm_q4_amx", _gemm_q4_amx_op, default_planes=0)

@@ -1,4 +1,4 @@
-// torch.ops.pagemill_native.gemv_q4 / gemv_q8: the packed-weight GEMV kernels of
+// torch.ops.pagemill_native.gemv_q4 / gemv_q8 / gemm_q4_amx: the packed-weight GEMV kernels of
 // gemv_q4_cpu.cpp and gemv_q8_cpu.cpp as real torch operators, so that a compiled graph
 // (and an eager caller) reaches them through the dispatcher alone. Through a Python custom
 // op every call also ran a Python function and a ctypes call; a decode step of a small model
@@ -19,6 +19,9 @@
 extern "C" int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w,
                                 int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
                                 int64_t n, int64_t k, int threads, int planes);
+extern "C" int pagemill_gemm_q4_amx(int dtype, const void* x, int64_t x_stride, const void* w,
+                                    int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
+                                    int64_t n, int64_t k, int threads, int planes);
 extern "C" int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w,
                                 void* y, int64_t y_stride, int64_t m_rows, int64_t n, int64_t k,
                                 int threads, int planes);
@@ -64,6 +67,35 @@ at::Tensor gemv_q4(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
     return y;
 }
 
+// gemv_q4's product on the AMX tiles (planes 1, 2: the same result to the bit; 0: bf16
+// weight tiles, the dense bf16 product). Without AMX, planes 1 and 2 run gemv_q4; planes 0
+// has no native fallback (the Python op's is a dequantized copy): callers check
+// gemv_q4_cpu.amx_available() before routing to it.
+at::Tensor gemm_q4_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
+                       int64_t planes) {
+    TORCH_CHECK(planes >= 0 && planes <= 2, "gemm_q4_amx takes 0, 1 or 2 planes, not ", planes);
+    check_x("gemm_q4_amx", x_in, blocks_in, n, planes == 0 ? 1 : planes);
+    const int64_t width = blocks_in.size(2);
+    TORCH_CHECK(width == Q4_QS_BYTES + 4 * ROWS || width == Q4_QS_BYTES + 8 * ROWS,
+                "gemm_q4_amx tiles are 320 or 384 bytes per block, got ", width);
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const at::Tensor blocks = blocks_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const int scale_bytes = static_cast<int>((width - Q4_QS_BYTES) / (2 * ROWS));
+    int status = pagemill_gemm_q4_amx(dtype_code(x), x.data_ptr(), x.stride(0),
+                                      blocks.data_ptr(), scale_bytes, y.data_ptr(), n, x.size(0),
+                                      n, x.size(1), at::get_num_threads(),
+                                      static_cast<int>(planes));
+    if (status == 4 && planes > 0) {
+        status = pagemill_gemv_q4(dtype_code(x), x.data_ptr(), x.stride(0), blocks.data_ptr(),
+                                  scale_bytes, y.data_ptr(), n, x.size(0), n, x.size(1),
+                                  at::get_num_threads(), static_cast<int>(planes));
+    }
+    TORCH_CHECK(status != 4, "gemm_q4_amx: no AMX on this machine or in this build");
+    TORCH_CHECK(status == 0, "gemm_q4_amx refused its arguments (status ", status, ")");
+    return y;
+}
+
 at::Tensor gemv_q8(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
                    int64_t planes) {
     check_x("gemv_q8", x_in, blocks_in, n, planes);
@@ -84,9 +116,11 @@ at::Tensor gemv_q8(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
 TORCH_LIBRARY(pagemill_native, m) {
     m.def("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
     m.def("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
+    m.def("gemm_q4_amx(Tensor x, Tensor blocks, int n, int planes=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
     m.impl("gemv_q4", &gemv_q4);
     m.impl("gemv_q8", &gemv_q8);
+    m.impl("gemm_q4_amx", &gemm_q4_amx);
 }

@@ -38,6 +38,11 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #ifndef PAGEMILL_GEMV_ISA
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -144,50 +149,61 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
+#if PAGEMILL_GEMV_ISA == 3
+// Block b of one row of x: its P int8 planes (32 values each, at q and q + plane_stride),
+// dx and the block's sum sx. Shared by the records of `quantize_row` and the row-major planes
+// of the AMX kernel, so that both multiply the same integers.
+template <int P>
+inline void quantize_block(const void* x, int dtype, int64_t b, int8_t* q, int64_t plane_stride,
+                           float* dx_out, float* sx_out) {
+    // The same rounding as the plain loop below in two 16-lane halves (only sx's summation
+    // order differs); a large batch quantizes as many rows as it multiplies.
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+        const int64_t i = b * QK + 16 * h;
+        if (dtype == 1) {
+            const __m256i raw = _mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
+            v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        } else {
+            v[h] = _mm512_loadu_ps(static_cast<const float*>(x) + i);
+        }
+    }
+    const float amax =
+        _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int h = 0; h < 2; ++h) {
+        const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
+        if constexpr (P == 2) {
+            const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(q1, _mm512_set1_ps(d)));
+            __m512 q2 = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(inv * 254.0f)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q2 = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), q2));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(q + plane_stride + 16 * h),
+                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q2)));
+        }
+    }
+    // The AVX-512 tiles sum both planes as q1 * 254 + q2 in one integer.
+    *dx_out = P == 2 ? d / 254.0f : d;
+    *sx_out = sum;
+}
+#endif
+
 // One row of x quantized into its records (`rec`: block 0's; see rec_bytes).
 template <int P>
 void quantize_row(const void* x, int dtype, int64_t k, uint8_t* rec) {
 #if PAGEMILL_GEMV_ISA == 3
-    // The same rounding in two 16-lane halves per block (only sx's summation order differs
-    // from the plain loop below); a large batch quantizes as many rows as it multiplies.
     for (int64_t b = 0; b < k / QK; ++b) {
-        __m512 v[2];
-        for (int h = 0; h < 2; ++h) {
-            const int64_t i = b * QK + 16 * h;
-            if (dtype == 1) {
-                const __m256i raw = _mm256_loadu_si256(
-                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + i));
-                v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-            } else {
-                v[h] = _mm512_loadu_ps(static_cast<const float*>(x) + i);
-            }
-        }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
-                                                              _mm512_abs_ps(v[1])));
-        const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
-        const float d = amax / 127.0f;
-        const float inv = d > 0.0f ? 1.0f / d : 0.0f;
         uint8_t* rb = rec + b * block_stride<P>();
-        int8_t* xb = reinterpret_cast<int8_t*>(rb);
-        for (int h = 0; h < 2; ++h) {
-            const __m512 q1 = _mm512_roundscale_ps(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)),
-                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + 16 * h),
-                             _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)));
-            if constexpr (P == 2) {
-                const __m512 rest = _mm512_sub_ps(v[h], _mm512_mul_ps(q1, _mm512_set1_ps(d)));
-                __m512 q2 = _mm512_roundscale_ps(
-                    _mm512_mul_ps(rest, _mm512_set1_ps(inv * 254.0f)),
-                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                q2 = _mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), q2));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + QK + 16 * h),
-                                 _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q2)));
-            }
-        }
-        // The AVX-512 tiles sum both planes as q1 * 254 + q2 in one integer.
-        const float dx = P == 2 ? d / 254.0f : d;
+        float dx, sx;
+        quantize_block<P>(x, dtype, b, reinterpret_cast<int8_t*>(rb), QK, &dx, &sx);
         std::memcpy(rb + P * QK, &dx, sizeof dx);
-        std::memcpy(rb + P * QK + sizeof dx, &sum, sizeof sum);
+        std::memcpy(rb + P * QK + sizeof dx, &sx, sizeof sx);
     }
 #else
     float buf[QK];
@@ -463,6 +479,389 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
     }
 }
 
+
+// ---- AMX: the same product on the matrix units (TDPBSUD: s8 x u8 -> i32 tiles) ---------------
+//
+// For a block of 32 inputs, x's quantized rows are the A tile (16 rows x 32 int8, read in
+// place from row-major planes) and the weight block is the B tile: TDPBSUD wants B as K/4 rows
+// of 16 columns x 4 consecutive inputs, which is the packed nibble order already (byte
+// (j, r, t) holds q[r][4j + t] low and q[r][16 + 4j + t] high), so B's 8 rows are the 4
+// 64-byte lines of a block masked (rows 0..3) and shifted (rows 4..7). The product tile
+// C[t][r] = sum_j xq[t][j] q[r][j] (16 rows of x by the tile's 16 outputs) leaves the
+// matrix unit through memory, and each row then gets exactly the AVX-512 GEMV's float
+// steps (acc += float(q) * (d * dx), acc += m * sx, block by block): the two kernels agree
+// to the bit. A tile of outputs unpacks its B tiles once and reuses them for every 16 rows
+// of x. Two planes: a second A tile and product tile per block, summed as q1 * 254 + q2 in
+// the integers as the GEMV does.
+//
+// The tiles' state needs the kernel's permission once per process (arch_prctl) and a tile
+// configuration per thread; without AMX in the build (compiler, -march) or on the machine
+// the entry point refuses (status 4) and callers use the GEMV.
+
+#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && \
+    defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define PAGEMILL_HAVE_AMX 1
+
+bool amx_usable() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need = (1u << 22) | (1u << 24) | (1u << 25);  // AMX-BF16, -TILE, -INT8
+        if ((d & need) != need) return false;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+        constexpr long XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles 0, 1: products (int32 16 x 16); 2, 3: x (16 x 32 int8); 4, 5: weights (8 x 64 u8).
+// One plane alternates the sets {0, 2, 4} and {1, 3, 5} over consecutive blocks, so the
+// matrix unit works on one block while the vector units scale the other; two planes use
+// 0/2 and 1/3 for the planes of one block and 4 for its weights.
+void configure_tiles() {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 2; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+        cfg.rows[2 + t] = 16;
+        cfg.colsb[2 + t] = QK;
+        cfg.rows[4 + t] = QK / 4;
+        cfg.colsb[4 + t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t B_BYTES = QK / 4 * 64;  // one unpacked weight block (B tile)
+
+// Block b's products (`c`: P tiles of 16 x 16 int32) into acc[16], as tile_rows does.
+template <int P>
+inline void scale_products(const int32_t* c, const float* dm, const float* dx, const float* sx,
+                           int64_t nb, __m512* acc) {
+    const __m512 d = _mm512_load_ps(dm), m = _mm512_load_ps(dm + 16);
+    for (int t = 0; t < 16; ++t) {
+        __m512i q = _mm512_load_si512(c + 16 * t);
+        if constexpr (P == 2) {
+            q = _mm512_add_epi32(
+                _mm512_sub_epi32(_mm512_slli_epi32(q, 8), _mm512_slli_epi32(q, 1)),
+                _mm512_load_si512(c + 256 + 16 * t));
+        }
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, _mm512_set1_ps(dx[t * nb])),
+                                 acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb]), acc[t]);
+    }
+}
+
+// Rows m0 .. m0 + 16 of x (planes xq, stride k; dx/sx [rows][nb]) against one tile of outputs
+// (bq: nb unpacked B tiles, dm: nb x (16 d, 16 m) floats) into out[16][16].
+template <int P>
+void amx_rows(const int8_t* xq, int64_t plane_bytes, int64_t k, const float* dx,
+              const float* sx, const uint8_t* bq, const float* dm, int64_t nb, float* out) {
+    alignas(64) int32_t c[2][P * 256];
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+    if constexpr (P == 1) {
+        int64_t b = 0;
+        for (; b + 1 < nb; b += 2) {
+            _tile_zero(0);
+            _tile_loadd(2, xq + b * QK, k);
+            _tile_loadd(4, bq + b * B_BYTES, 64);
+            _tile_dpbsud(0, 2, 4);
+            _tile_zero(1);
+            _tile_loadd(3, xq + (b + 1) * QK, k);
+            _tile_loadd(5, bq + (b + 1) * B_BYTES, 64);
+            _tile_dpbsud(1, 3, 5);
+            _tile_stored(0, c[0], 64);
+            scale_products<1>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
+            _tile_stored(1, c[1], 64);
+            scale_products<1>(c[1], dm + (b + 1) * 32, dx + b + 1, sx + b + 1, nb, acc);
+        }
+        if (b < nb) {
+            _tile_zero(0);
+            _tile_loadd(2, xq + b * QK, k);
+            _tile_loadd(4, bq + b * B_BYTES, 64);
+            _tile_dpbsud(0, 2, 4);
+            _tile_stored(0, c[0], 64);
+            scale_products<1>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
+        }
+    } else {
+        for (int64_t b = 0; b < nb; ++b) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(4, bq + b * B_BYTES, 64);
+            _tile_loadd(2, xq + b * QK, k);
+            _tile_loadd(3, xq + plane_bytes + b * QK, k);
+            _tile_dpbsud(0, 2, 4);
+            _tile_dpbsud(1, 3, 4);
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[0] + 256, 64);
+            scale_products<P>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
+        }
+    }
+    for (int t = 0; t < 16; ++t) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
+// One tile's weight blocks as B tiles (nibbles masked / shifted) and float scales.
+template <typename S>
+void unpack_tile(const uint8_t* w, int64_t nb, uint8_t* bq, float* dm) {
+    constexpr int64_t SB = 2 * ROWS * sizeof(S);
+    constexpr int64_t BLOCK = SB + QS_BYTES;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        for (int h = 0; h < 2; ++h) {
+            __m512 v;
+            if constexpr (sizeof(S) == 2) {
+                v = _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * h)));
+            } else {
+                v = _mm512_loadu_ps(blk + 64 * h);
+            }
+            _mm512_store_ps(dm + b * 32 + 16 * h, v);
+        }
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+            _mm512_store_si512(bq + b * B_BYTES + 64 * j, _mm512_and_si512(raw, low4));
+            _mm512_store_si512(bq + b * B_BYTES + 64 * (4 + j),
+                               _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+        }
+    }
+}
+
+template <int P>
+void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
+                               int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
+                               int64_t n, int64_t k, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t m_pad = (m_rows + 15) / 16 * 16;
+    const int64_t plane_bytes = m_pad * k;
+    const size_t elt = dtype == 1 ? 2 : 4;
+    // x's planes (row-major, rows past m_rows zero), then dx and sx [m_pad][nb].
+    thread_local std::vector<uint8_t> buffer;
+    const int64_t scale_off = (P * plane_bytes + 63) / 64 * 64;
+    buffer.resize(static_cast<size_t>(scale_off + 2 * m_pad * nb * 4));
+    uint8_t* base = buffer.data();
+    int8_t* xq = reinterpret_cast<int8_t*>(base);
+    float* dx = reinterpret_cast<float*>(base + scale_off);
+    float* sx = dx + m_pad * nb;
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_pad; ++r) {
+        if (r >= m_rows) {
+            for (int p = 0; p < P; ++p) std::memset(xq + p * plane_bytes + r * k, 0, k);
+            std::fill(dx + r * nb, dx + (r + 1) * nb, 0.0f);
+            std::fill(sx + r * nb, sx + (r + 1) * nb, 0.0f);
+            continue;
+        }
+        const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
+        for (int64_t b = 0; b < nb; ++b)
+            quantize_block<P>(xr, dtype, b, xq + r * k + b * QK, plane_bytes, dx + r * nb + b,
+                              sx + r * nb + b);
+    }
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t sbytes = scale_bytes;
+    const int64_t tile_bytes = nb * (2 * ROWS * sbytes + QS_BYTES);
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        configure_tiles();
+        thread_local std::vector<uint8_t> unpacked;
+        unpacked.resize(static_cast<size_t>(nb * (B_BYTES + 32 * 4) + 64));
+        uint8_t* bq = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+        float* dm = reinterpret_cast<float*>(bq + nb * B_BYTES);
+        alignas(64) float out[16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            if (scale_bytes == 2) {
+                unpack_tile<uint16_t>(w + tile * tile_bytes, nb, bq, dm);
+            } else {
+                unpack_tile<float>(w + tile * tile_bytes, nb, bq, dm);
+            }
+            const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+            for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+                amx_rows<P>(xq + m0 * k, plane_bytes, k, dx + m0 * nb, sx + m0 * nb, bq, dm, nb,
+                            out);
+                const int64_t tm = std::min<int64_t>(16, m_rows - m0);
+                for (int64_t t = 0; t < tm; ++t)
+                    store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows,
+                                  dtype);
+            }
+        }
+        _tile_release();
+    }
+}
+
+// ---- AMX-BF16: the weights decompressed to bf16 tiles, x in bf16, fp32 sums -----------------
+//
+// The int8 kernel above pays float work for every block of 32 inputs (each block has its own
+// scales, so its integer sums cannot stay in the tile); TDPBF16PS keeps the fp32 sums in the
+// tile over all of K, and the scales go into the weights instead: each weight block becomes
+// w = d * q + m in fp32, rounded to bf16 (as the dense bf16 copy of the layer is made), once
+// per call and tile of outputs, then meets every row of x. The result is the dense bf16
+// product (x rounded to bf16, fp32 sums in another order) without the dense copy in memory.
+// Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
+// (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
+
+constexpr int64_t BF_TILE = 16 * 64;  // bytes of one weight block as a B tile
+
+void configure_bf16_tiles() {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
+// inputs 2kk and 2kk + 1 (one 32-bit lane per output). A 64-byte line j of nibbles has one
+// 32-bit lane per output r too, holding inputs 4j + t (low nibble of byte t) and
+// 16 + 4j + t (high): shifts pick one input for all 16 outputs at once, with the outputs'
+// scales in the same lanes, and each pair of inputs is interleaved into a B row.
+template <typename S>
+void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stride) {
+    constexpr int64_t SB = 2 * ROWS * sizeof(S);
+    constexpr int64_t BLOCK = SB + QS_BYTES;
+    const __m512i low4 = _mm512_set1_epi32(0x0f);
+    alignas(64) int16_t pair_idx[32];
+    for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
+    const __m512i pairs = _mm512_load_si512(pair_idx);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = w + b * BLOCK;
+        __m512 d, m;
+        if constexpr (sizeof(S) == 2) {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+        } else {
+            d = _mm512_loadu_ps(blk);
+            m = _mm512_loadu_ps(blk + 64);
+        }
+        uint8_t* out = bt + b * bt_stride;
+        for (int j = 0; j < 4; ++j) {
+            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+            for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
+                for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
+                    __m512 f[2];
+                    for (int u = 0; u < 2; ++u) {
+                        const int shift = 8 * (2 * p + u) + 4 * h;
+                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw, shift), low4);
+                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
+                    }
+                    const __m512i both =
+                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                    _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
+                                       _mm512_permutexvar_epi16(pairs, both));
+                }
+            }
+        }
+    }
+}
+
+void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
+                       int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
+                       int64_t k, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t m_pad = (m_rows + 31) / 32 * 32;
+    // x in bf16, rows past m_rows zero.
+    thread_local std::vector<uint16_t> xbuf;
+    xbuf.resize(static_cast<size_t>(m_pad * k));
+    uint16_t* xb = xbuf.data();
+    const int qthreads = m_rows >= 16 ? threads : 1;
+#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
+    for (int64_t r = 0; r < m_pad; ++r) {
+        uint16_t* dst = xb + r * k;
+        if (r >= m_rows) {
+            std::memset(dst, 0, static_cast<size_t>(k) * 2);
+        } else if (dtype == 1) {
+            std::memcpy(dst, static_cast<const uint16_t*>(x) + r * x_stride,
+                        static_cast<size_t>(k) * 2);
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride;
+            for (int64_t i = 0; i < k; i += 32)
+                _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                                 _mm512_loadu_ps(src + i + 16),
+                                                 _mm512_loadu_ps(src + i))));
+        }
+    }
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t pairs = (tiles + 1) / 2;
+    const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(scale_bytes) + QS_BYTES);
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
+    const int64_t lda = k * 2;
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        configure_bf16_tiles();
+        // Two tiles' B tiles, block by block: [nb][2][16 x 64 bytes].
+        thread_local std::vector<uint8_t> unpacked;
+        unpacked.resize(static_cast<size_t>(nb * 2 * BF_TILE + 64));
+        uint8_t* bt = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+        alignas(64) float out[4][16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t pair = 0; pair < pairs; ++pair) {
+            for (int h = 0; h < 2; ++h) {
+                const int64_t tile = 2 * pair + h;
+                if (tile >= tiles) {
+                    for (int64_t b = 0; b < nb; ++b)
+                        std::memset(bt + (2 * b + h) * BF_TILE, 0, BF_TILE);
+                } else if (scale_bytes == 2) {
+                    unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
+                                               2 * BF_TILE);
+                } else {
+                    unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
+                                            2 * BF_TILE);
+                }
+            }
+            for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint16_t* xa = xb + m0 * k;
+                for (int64_t b = 0; b < nb; ++b) {
+                    _tile_loadd(4, xa + b * QK, lda);
+                    _tile_loadd(5, xa + 16 * k + b * QK, lda);
+                    _tile_loadd(6, bt + 2 * b * BF_TILE, 64);
+                    _tile_loadd(7, bt + (2 * b + 1) * BF_TILE, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                _tile_stored(2, out[2], 64);
+                _tile_stored(3, out[3], 64);
+                for (int mh = 0; mh < 2; ++mh) {
+                    for (int h = 0; h < 2; ++h) {
+                        const int64_t tile = 2 * pair + h;
+                        if (tile >= tiles) continue;
+                        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                        const int64_t r0 = m0 + 16 * mh;
+                        const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                        for (int64_t t = 0; t < tm; ++t)
+                            store_outputs(out[2 * mh + h] + t * ROWS, y,
+                                          (r0 + t) * y_stride + tile * ROWS, rows, dtype);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#endif  // AMX
+
 }  // namespace
 
 extern "C" {
@@ -491,6 +890,48 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
                                  threads);
     }
     return 0;
+}
+
+// Whether pagemill_gemm_q4_amx runs here: AMX-INT8 in this build and on this machine, and
+// the kernel's permission for the tiles' state.
+int pagemill_gemm_q4_amx_available() {
+#ifdef PAGEMILL_HAVE_AMX
+    return amx_usable() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// pagemill_gemv_q4's product on the AMX tiles, for batches (each 16 rows of x is one tile
+// pass; fewer rows pay for 16). planes 1 or 2: AMX-INT8, the same arguments and results to
+// the bit; planes 0: AMX-BF16 on weights decompressed to bf16 (the dense bf16 product, no
+// int8 rounding). Status 4 where AMX is not available (pagemill_gemm_q4_amx_available).
+int pagemill_gemm_q4_amx(int dtype, const void* x, int64_t x_stride, const void* w,
+                         int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
+                         int64_t k, int threads, int planes) {
+    if ((dtype != 0 && dtype != 1) || (scale_bytes != 2 && scale_bytes != 4)) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (planes < 0 || planes > 2) return 3;
+#ifdef PAGEMILL_HAVE_AMX
+    if (!amx_usable()) return 4;
+    if (m_rows == 0 || n == 0) return 0;
+    threads = std::max(1, threads);
+    const uint8_t* wb = static_cast<const uint8_t*>(w);
+    if (planes == 0) {
+        amx_bf16_multiply(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n, k,
+                          threads);
+    } else if (planes == 2) {
+        amx_quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n,
+                                     k, threads);
+    } else {
+        amx_quantize_and_multiply<1>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n,
+                                     k, threads);
+    }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads;
+    return 4;
+#endif
 }
 
 }  // extern "C"

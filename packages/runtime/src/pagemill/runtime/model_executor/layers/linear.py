@@ -38,6 +38,10 @@ are only vectorized for bf16), so an fp32 model's packed layers cast on the way 
 
 A packed layer may keep `weight` too — a dense copy of the same dequantized values — and
 then runs it for steps of more than `packed_max_tokens` rows, where a dense GEMM is faster.
+An int4 layer served by `gemv_q4` on a CPU with AMX needs no dense copy for that: its large
+batches run `gemm_q4_amx`, which turns each weight block into bf16 tiles as it goes and
+multiplies on the matrix units — the dense bf16 product without the copy's memory
+(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`).
 The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
 how a compiled graph makes it.
 """
@@ -110,6 +114,17 @@ def _int8_activation_planes() -> int:
     return int(value)
 
 
+def _amx_packed_switch() -> bool:
+    """`PAGEMILL_CPU_AMX_PACKED` (1, the default, or 0); anything else is refused.
+
+    0 keeps the dense copies for large batches of `gemv_q4` layers where AMX could run them
+    from the packed blocks (to compare, or on a machine where the copy measures faster)."""
+    value = os.environ.get("PAGEMILL_CPU_AMX_PACKED", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEMILL_CPU_AMX_PACKED must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 class Linear(nn.Module):
     """y = x Wᵀ (+ b), W [out_features, in_features]."""
 
@@ -129,6 +144,10 @@ class Linear(nn.Module):
     # kernel builds here): 2 int8 plus its remainder, 1 int8 alone, 0 (the default):
     # PyTorch's int4 kernel. Read when a layer is finalized.
     int8_activations = _int8_activation_planes()
+    # Large batches of `gemv_q4` int4 layers on the AMX tiles from the packed blocks
+    # (`gemm_q4_amx`, bf16) instead of a dense copy, where the CPU has AMX. Read when a
+    # layer is finalized.
+    amx_packed = _amx_packed_switch()
 
     # Buffers (None until `finalize` packs the weight).
     qweight: torch.Tensor | None
@@ -149,6 +168,8 @@ class Linear(nn.Module):
         # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
         self.int8_act = 0
         self.native_gemv = False
+        # Rows above `packed_max_tokens` run `gemm_q4_amx` on the packed blocks (no dense copy).
+        self.amx_large_rows = False
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -255,12 +276,17 @@ class Linear(nn.Module):
                 self.int8_act = 2 if self.int8_activations >= 2 else 1
                 self.native_gemv = True
                 scale_dtype = torch.float32  # its scales are exact
+                # The matrix units multiply the packed blocks themselves: a dense copy would
+                # only cost memory (and is not needed even where copies are refused).
+                self.amx_large_rows = (
+                    self.amx_packed and self.native_gemv and gemv_q4_cpu.amx_available()
+                )
             else:
                 packed, scales_and_zeros = pack_int4(q, s, z, kdt)
                 self._set_packed("int4", qweight=packed, scales_and_zeros=scales_and_zeros)
-            if self.scheme.dense_fallback:
+            if self.scheme.dense_fallback and not self.amx_large_rows:
                 weight.copy_(unpack_int4_dense(q, s, z, g, planes, self.dtype, scale_dtype))
-        if not self.scheme.dense_fallback:
+        if not self.scheme.dense_fallback or self.amx_large_rows:
             self.weight = None
         limit = self.scheme.packed_max_tokens
         if limit is None:  # q8_0 streams as many bytes as int4x2 and computes less
@@ -382,7 +408,9 @@ class Linear(nn.Module):
 
     @property
     def has_dense_fallback(self) -> bool:
-        return self.format != "dense" and self.weight is not None
+        """Whether rows above `packed_max_tokens` leave the packed kernel: for a dense copy,
+        or for `gemm_q4_amx` on the packed blocks (`amx_large_rows`)."""
+        return self.format != "dense" and (self.weight is not None or self.amx_large_rows)
 
     def packed_nbytes(self) -> int:
         return sum(
@@ -400,7 +428,9 @@ class Linear(nn.Module):
             s += f", group_size={self.group_size}"
         if self.int8_act:
             s += f", int8 activations x{self.int8_act}"
-        if self.has_dense_fallback:
+        if self.amx_large_rows:
+            s += f", AMX above {self.packed_max_tokens} rows"
+        elif self.has_dense_fallback:
             s += f", dense above {self.packed_max_tokens} rows"
         return s
 
@@ -416,7 +446,7 @@ class Linear(nn.Module):
             return self._dense(x)
         if self.format == "triton_int4":
             return self._triton_int4(x)
-        if self.weight is None:
+        if not self.has_dense_fallback:
             return self._packed(x)
         if self.compiled_branch == "cond" and torch.compiler.is_compiling():
             # Both paths in one graph, the row count picks one per call (no shape guard).
@@ -425,6 +455,8 @@ class Linear(nn.Module):
         return self._dense(x) if x.shape[0] > self.packed_max_tokens else self._packed(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.amx_large_rows:
+            return self._amx(x)
         assert self.weight is not None  # the dense path is taken only with a dense copy
         if not self.prepacked:
             return F.linear(x, self.weight, self.bias)
@@ -478,6 +510,18 @@ class Linear(nn.Module):
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
             y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
+        y = y.view(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def _amx(self, x: torch.Tensor) -> torch.Tensor:
+        """The large-batch side of an `amx_large_rows` layer: bf16 products on the matrix
+        units from the packed blocks (0 activation planes: x rounded to bf16, as the dense
+        copy's GEMM would take it)."""
+        xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
+        xk = xk.reshape(-1, self.in_features)
+        y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)

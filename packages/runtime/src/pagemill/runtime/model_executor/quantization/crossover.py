@@ -84,7 +84,9 @@ def layer_kind(layer: Linear) -> str:
         f":g{layer.group_size}:{str(layer.kernel_dtype).removeprefix('torch.')}"
         f"/{str(layer.dtype).removeprefix('torch.')}"
     )
-    return kind + (f":int8x{layer.int8_act}" if layer.int8_act else "")
+    kind += f":int8x{layer.int8_act}" if layer.int8_act else ""
+    # The large side is AMX on the packed blocks, not a dense copy: another pair to time.
+    return kind + (":amx" if layer.amx_large_rows else "")
 
 
 def row_counts(layer: Linear, rows: Sequence[int], large: Sequence[int]) -> list[int]:

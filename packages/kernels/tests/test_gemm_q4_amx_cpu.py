@@ -1,0 +1,120 @@
+"""The int4 product on the AMX tiles: AMX-INT8 (planes 1, 2) against the AVX-512 GEMV and
+the torch arithmetic, AMX-BF16 (planes 0) against the dense bf16 product, odd shapes, fp16
+and fp32 scales, thread counts, the C++ operator, and the fallbacks where AMX is absent.
+The tests that need the tiles skip without them; the fallback tests run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagemill.kernels import cpu_native
+from pagemill.kernels import gemv_q4_cpu as g
+
+pytestmark = pytest.mark.skipif(g.load() is None, reason="no C++ compiler for the kernel")
+needs_amx = pytest.mark.skipif(not g.amx_available(), reason="no AMX-INT8/BF16 here")
+
+# M not a multiple of 16 (nor of 32, the bf16 kernel's row block), N a multiple of 16 with
+# an odd number of tiles (the bf16 kernel pairs them), K a multiple of 32.
+SHAPES = [(1, 16, 32), (5, 48, 96), (17, 80, 64), (33, 32, 576), (47, 112, 160), (64, 16, 1536)]
+
+
+def _blocks(n: int, k: int, exact16: bool, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    m = -8 * d * torch.rand(n, k // 32, generator=gen)
+    if exact16:
+        d, m = d.half().float(), m.half().float()
+    else:
+        d = d * (1 + 2**-20)  # off the fp16 grid: fp32 scales
+    blocks = g.pack_q4_blocks(q, d, m + 8 * d, 32)
+    assert blocks.shape[2] == (320 if exact16 else 384)
+    return blocks
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@needs_amx
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("exact16", [True, False], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_int8_tiles_are_the_gemv(planes, dtype, exact16, m, n, k) -> None:
+    blocks = _blocks(n, k, exact16, seed=m + n)
+    x = _x(m, k, dtype)
+    got = g.gemm_q4_amx(x, blocks, n, planes=planes)
+    assert got.dtype == dtype and got.shape == (m, n)
+    # The same integers and the same float steps in the same order as the AVX-512 GEMV.
+    assert torch.equal(got, g.gemv_q4(x, blocks, n, planes=planes))
+    # And the arithmetic itself, written in torch (summation order aside).
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, g.gemv_q4_torch(x, blocks, n, planes), **tol)
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("exact16", [True, False], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_bf16_tiles_are_the_dense_product(dtype, exact16, m, n, k) -> None:
+    blocks = _blocks(n, k, exact16, seed=m + n)
+    x = _x(m, k, dtype)
+    got = g.gemm_q4_amx(x, blocks, n, planes=0)
+    assert got.dtype == dtype and got.shape == (m, n)
+    w = g.dequantize_q4_blocks(blocks, n).to(torch.bfloat16).double()
+    xb = x.to(torch.bfloat16).double()
+    want = xb @ w.T
+    # fp32 sums of exact bf16 products: off by the summation order only, far below one
+    # product's size; a wrong weight or scale anywhere moves a sum by about one product.
+    bound = 1e-5 * (xb.abs() @ w.abs().T) + 1e-6
+    if dtype == torch.bfloat16:
+        bound = bound + want.abs() * 2**-8  # the output's own rounding
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@needs_amx
+def test_thread_counts_and_strided_rows_give_the_same_bits() -> None:
+    blocks = _blocks(80, 576, True, seed=3)
+    wide = _x(40, 2 * 576, torch.bfloat16)
+    x = wide[:, :576]  # row stride 1152
+    for planes in (0, 1, 2):
+        one = g.gemm_q4_amx(x, blocks, 80, threads=1, planes=planes)
+        assert torch.equal(one, g.gemm_q4_amx(x.contiguous(), blocks, 80, planes=planes))
+        assert torch.equal(one, g.gemm_q4_amx(x, blocks, 80, threads=3, planes=planes))
+
+
+@needs_amx
+def test_operator_is_the_kernel() -> None:
+    if not cpu_native.load_gemv_ops():
+        pytest.skip("the C++ operators did not build here")
+    blocks = _blocks(48, 96, True, seed=5)
+    x = _x(21, 96, torch.bfloat16)
+    for planes in (0, 1, 2):
+        want = g.gemm_q4_amx(x, blocks, 48, planes=planes)
+        assert torch.equal(torch.ops.pagemill_native.gemm_q4_amx(x, blocks, 48, planes), want)
+        assert torch.equal(torch.ops.pagemill.gemm_q4_amx(x, blocks, 48, planes), want)
+    assert torch.equal(
+        torch.ops.pagemill_native.gemm_q4_amx(x, blocks, 48), g.gemm_q4_amx(x, blocks, 48)
+    )
+    with pytest.raises(RuntimeError, match="planes"):
+        torch.ops.pagemill_native.gemm_q4_amx(x, blocks, 48, 3)
+
+
+def test_without_amx_it_is_the_gemv_or_the_dense_product() -> None:
+    plain = g.load(0)  # built without AMX: its entry point refuses (status 4)
+    assert plain is not None and not g.amx_available(plain)
+    blocks = _blocks(48, 96, True, seed=7)
+    x = _x(9, 96, torch.bfloat16)
+    for planes in (1, 2):
+        got = g.gemm_q4_amx(x, blocks, 48, lib=plain, planes=planes)
+        assert torch.equal(got, g.gemv_q4(x, blocks, 48, plain, planes=planes))
+    w = g.dequantize_q4_blocks(blocks, 48).to(torch.bfloat16)
+    got = g.gemm_q4_amx(x, blocks, 48, lib=plain, planes=0)
+    assert torch.equal(got, torch.nn.functional.linear(x, w))
+    with pytest.raises(ValueError, match="planes"):
+        g.gemm_q4_amx(x, blocks, 48, lib=plain, planes=3)
+    with pytest.raises(ValueError):
+        g.gemm_q4_amx(x[:, :64], blocks, 48, lib=plain, planes=0)
