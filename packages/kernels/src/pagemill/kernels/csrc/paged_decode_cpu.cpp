@@ -27,22 +27,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#ifndef PM_AHEAD
-#define PM_AHEAD 1
-#endif
-#ifndef PM_HINT
-#define PM_HINT _MM_HINT_T0
-#endif
-#ifndef PM_PAIR_BLOCKS
-#define PM_PAIR_BLOCKS 1
-#endif
-#ifndef PM_PAIR_V
-#define PM_PAIR_V 0
-#endif
-#ifndef PM_PAIR_HINT
-#define PM_PAIR_HINT _MM_HINT_T0
-#endif
-
 namespace {
 
 inline float bf16_to_float(uint16_t h) {
@@ -231,9 +215,12 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
 //     whole chunk), each V row loaded and widened once per block of heads; bf16 rows widen
 //     with one shift (even elements) and one mask (odd elements), so the accumulators hold
 //     each 32-wide chunk as its even then its odd half, put back in order at the end.
-// The next block's rows are prefetched in passes 1 and 3 (blocks lie anywhere in the pool,
-// so the hardware prefetchers cannot follow). Nothing is allocated per call once each
-// thread's score buffer has grown to its largest chunk.
+// Blocks lie anywhere in the pool, so the hardware prefetchers cannot follow them: each
+// thread takes runs of consecutive pairs and keeps a stream of prefetches (`Stream`) a fixed
+// number of rows ahead of the rows it reads, through the ends of blocks and pairs, one row
+// asked for per row read, so the memory traffic overlaps the arithmetic instead of
+// alternating with it. The output is rounded and stored 16 lanes at a time. Nothing is
+// allocated per call once each thread's score buffer has grown to its largest chunk.
 namespace fast {
 
 template <int DT, bool FP8> struct Row;
@@ -334,12 +321,11 @@ inline void load_v(const char* row, const float* lut, __m512* v) {
 }
 
 // Rows of one KV head in a block, K or V, asked for ahead of use (towards L1).
-template <int HINT = static_cast<int>(PM_HINT)>
 inline void prefetch_rows(const char* base, int32_t block, int64_t block_bytes, int64_t slot_bytes,
                           int tokens, int64_t row_bytes) {
     const char* p = base + static_cast<int64_t>(block) * block_bytes;
     for (int t = 0; t < tokens; ++t)
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * slot_bytes + o, static_cast<_mm_hint>(HINT));
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * slot_bytes + o, _MM_HINT_T0);
 }
 
 // fp32 lanes rounded to bf16 (nearest even; NaN kept quiet) as float_to_bf16 does, the
@@ -352,41 +338,25 @@ inline __m512i bf16_round(__m512 x) {
     return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x400000)));
 }
 
-// The dimension of accumulator lane i of vector c.
-template <int DT, bool FP8>
-inline int acc_dim(int c, int i) {
-    if constexpr (kVEvenOdd<DT, FP8>) return 32 * (c / 2) + 2 * i + (c & 1);
-    return 16 * c + i;
-}
-
 // Blocks asked for ahead of the one being read (more did not help where measured: the
 // prefetches themselves cost, and one block's work covers most of a block's latency).
-constexpr int kAhead = PM_AHEAD;
+constexpr int kAhead = 1;
 
-// The first kAhead K blocks of a pair, asked for while the pair before it runs.
-inline void prefetch_pair(const void* k_cache, const void* v_cache, const int32_t* table, int32_t ctx, int kvh,
+// The first kAhead K blocks of a pair, asked for while the pair before it runs (where no
+// stream runs ahead: a GQA group over kMaxGroup).
+inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx, int kvh,
                           int block_size, int num_kv_heads, int64_t row_bytes, int window) {
     const int64_t slot_bytes = num_kv_heads * row_bytes, block_bytes = block_size * slot_bytes;
     const int start = (window > 0 && ctx > window) ? ctx - window : 0;
     const int num_blocks = (ctx + block_size - 1) / block_size;
-    for (int b = start / block_size; b < std::min(num_blocks, start / block_size + PM_PAIR_BLOCKS); ++b)
-        prefetch_rows<PM_PAIR_HINT>(static_cast<const char*>(k_cache) + kvh * row_bytes, table[b], block_bytes,
-                      slot_bytes, std::min(block_size, ctx - b * block_size), row_bytes);
-    if (PM_PAIR_V)
-    for (int b = start / block_size; b < std::min(num_blocks, start / block_size + PM_PAIR_BLOCKS); ++b)
-        prefetch_rows<PM_PAIR_HINT>(static_cast<const char*>(v_cache) + kvh * row_bytes, table[b], block_bytes,
+    for (int b = start / block_size; b < std::min(num_blocks, start / block_size + kAhead); ++b)
+        prefetch_rows(static_cast<const char*>(k_cache) + kvh * row_bytes, table[b], block_bytes,
                       slot_bytes, std::min(block_size, ctx - b * block_size), row_bytes);
 }
 
-#ifndef PM_STREAM
-#define PM_STREAM 1
-#endif
-#ifndef PM_LEAD
-#define PM_LEAD 128
-#endif
-#ifndef PM_STREAM_HINT
-#define PM_STREAM_HINT _MM_HINT_T0
-#endif
+// Rows the stream runs ahead of the rows being read.
+constexpr int kLead = 128;
+
 // The K/V rows a thread will read next, asked for one row for each row it reads, a lead of
 // rows ahead. Asking for a whole block or pair at once stalls the core as loads would (each
 // prefetch waits for a fill buffer) while the compute waits behind them; paced, the
@@ -440,7 +410,7 @@ struct Stream {
     inline void row() {
         if (pair >= end) return;
         const char* r = cur + tok * slot_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, PM_STREAM_HINT);
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
         if (++tok >= ntok) next_block();
     }
     inline void rows(int n) {
@@ -678,28 +648,11 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     using StreamT = void;
 #endif
     auto one = [&](int64_t p, StreamT* stream) {
-#if defined(PM_TOUCH)
-        {
-            const int64_t seq = p / num_kv_heads;
-            const int kvh = static_cast<int>(p % num_kv_heads);
-            const int ctx = seq_lens[seq];
-            const int64_t rb = HEAD_DIM * sizeof(KT), sb = num_kv_heads * rb, bb = block_size * sb;
-            __m512i acc = _mm512_setzero_si512();
-            for (const void* base : {k_cache, v_cache})
-            for (int b = 0; b * block_size < ctx; ++b) {
-                const char* kb = static_cast<const char*>(base) + kvh * rb + static_cast<int64_t>(block_tables[seq * table_stride + b]) * bb;
-                for (int t = 0; t < std::min(block_size, ctx - b * block_size); ++t)
-                    for (int o = 0; o < rb; o += 64) acc = _mm512_xor_si512(acc, _mm512_loadu_si512(kb + t * sb + o));
-            }
-            static_cast<T*>(out)[seq * o_stride_t + kvh] = static_cast<T>(_mm512_reduce_add_epi32(acc));
-            return;
-        }
-#endif
 #if defined(__AVX512F__)
         if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
             if (!stream && p + 1 < pairs) {
                 const int64_t s1 = (p + 1) / num_kv_heads;
-                fast::prefetch_pair(k_cache, v_cache, block_tables + s1 * table_stride, seq_lens[s1],
+                fast::prefetch_pair(k_cache, block_tables + s1 * table_stride, seq_lens[s1],
                                     static_cast<int>((p + 1) % num_kv_heads), block_size,
                                     num_kv_heads, HEAD_DIM * sizeof(KT), window);
             }
@@ -732,14 +685,14 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     auto run = [&](int64_t lo, int64_t hi) {
 #if defined(__AVX512F__)
         if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
-            if (PM_STREAM && group <= fast::kMaxGroup) {
+            if (group <= fast::kMaxGroup) {
                 const int64_t row_bytes = static_cast<int64_t>(HEAD_DIM) * sizeof(KT);
                 fast::Stream st{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
                                 block_tables, table_stride, seq_lens, num_kv_heads, block_size, window,
                                 row_bytes, num_kv_heads * row_bytes, block_size * num_kv_heads * row_bytes};
                 st.end = hi;
                 st.open(lo);
-                st.rows(PM_LEAD);
+                st.rows(fast::kLead);
                 for (int64_t p = lo; p < hi; ++p) one(p, &st);
                 return;
             }
