@@ -226,8 +226,14 @@ def test_native_fp8_many_requests_per_head_scales(lib, num_kv_heads):
     for h in range(num_kv_heads):
         heads = slice(h * group, (h + 1) * group)
         ref = _dense(
-            q[:, heads], kc[:, :, h : h + 1], vc[:, :, h : h + 1], tables, lens, 0.2,
-            ks=float(ks[h]), vs=float(vs[h]),
+            q[:, heads],
+            kc[:, :, h : h + 1],
+            vc[:, :, h : h + 1],
+            tables,
+            lens,
+            0.2,
+            ks=float(ks[h]),
+            vs=float(vs[h]),
         )
         err = (out[:, heads].double() - ref).abs().max() / ref.abs().max()
         assert err < TOL[torch.bfloat16]

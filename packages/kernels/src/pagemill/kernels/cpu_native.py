@@ -286,7 +286,9 @@ def load_attention_ops() -> bool:
     try:
         torch.ops.load_library(str(target))
     except (OSError, RuntimeError) as e:
-        logger.warning("loading %s failed (%s); calling the decode kernel through ctypes", target, e)
+        logger.warning(
+            "loading %s failed (%s); calling the decode kernel through ctypes", target, e
+        )
         return False
     torch.library.register_fake("pagemill_native::paged_decode", _paged_decode_fake)
     torch.library.register_fake("pagemill_native::paged_decode_out", _paged_decode_out_fake)
@@ -305,7 +307,6 @@ def _paged_decode_out_fake(*args: object, **kwargs: object) -> None:
 
 def _write_kv_cache_fake(*args: object, **kwargs: object) -> None:
     return None
-
 
 
 @functools.cache
@@ -395,8 +396,19 @@ def paged_decode(
     if lib is load() and load_attention_ops():
         # The same kernel as a torch operator: no ctypes conversions (`load_attention_ops`).
         torch.ops.pagemill_native.paged_decode_out(
-            q, k_cache, v_cache, block_tables, seq_lens, rows, scale, window, softcap,
-            k_scale, v_scale, sinks, out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            rows,
+            scale,
+            window,
+            softcap,
+            k_scale,
+            v_scale,
+            sinks,
+            out,
         )
         return
     num_seqs = block_tables.shape[0]
