@@ -27,6 +27,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
 namespace {
 
 inline float bf16_to_float(uint16_t h) {
@@ -354,14 +355,18 @@ inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx
                       slot_bytes, std::min(block_size, ctx - b * block_size), row_bytes);
 }
 
+// Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
+constexpr int kChunkTokens = 2048;
+
 // Rows the stream runs ahead of the rows being read.
 constexpr int kLead = 128;
 
 // The K/V rows a thread will read next, asked for one row for each row it reads, a lead of
 // rows ahead. Asking for a whole block or pair at once stalls the core as loads would (each
 // prefetch waits for a fill buffer) while the compute waits behind them; paced, the
-// requests overlap the arithmetic. The stream walks the thread's pairs in order, each
-// pair's K rows then its V rows, from its window's first position.
+// requests overlap the arithmetic. The stream walks the thread's pairs in the order
+// decode_pair reads them: per chunk of a pair, its K rows then its V rows, from the
+// window's first position.
 struct Stream {
     const char* k_cache;
     const char* v_cache;
@@ -374,20 +379,23 @@ struct Stream {
     const int32_t* table = nullptr;
     const char* base = nullptr;  // K or V of the pair's KV head
     const char* cur = nullptr;   // the block being asked for
-    int ctx = 0, block = 0, first_block = 0, tok = 0, ntok = 0, half = 0;
+    int ctx = 0, num_blocks = 0, first_tok = 0, chunk_b0 = 0, block = 0, tok = 0, ntok = 0;
+    bool values = false;
 
     void open(int64_t p) {
-        pair = p;
+        for (pair = p; pair < end; ++pair) {  // requests without context read nothing
+            ctx = lens[pair / num_kv_heads];
+            if (ctx > 0) break;
+        }
         if (pair >= end) return;
-        const int64_t seq = p / num_kv_heads;
-        const int kvh = static_cast<int>(p % num_kv_heads);
-        table = tables + seq * table_stride;
-        ctx = lens[seq];
+        table = tables + (pair / num_kv_heads) * table_stride;
         const int start = (window > 0 && ctx > window) ? ctx - window : 0;
-        first_block = start / block_size;
-        half = 0;
-        base = k_cache + kvh * row_bytes;
-        seek(first_block, start - first_block * block_size);
+        num_blocks = (ctx + block_size - 1) / block_size;
+        chunk_b0 = start / block_size;
+        first_tok = start - chunk_b0 * block_size;
+        values = false;
+        base = k_cache + (pair % num_kv_heads) * row_bytes;
+        seek(chunk_b0, first_tok);
     }
     void seek(int b, int t) {
         block = b;
@@ -396,13 +404,20 @@ struct Stream {
         cur = base + static_cast<int64_t>(table[b]) * block_bytes;
     }
     void next_block() {
-        if ((block + 1) * block_size < ctx) {
+        const int chunk_end = std::min(num_blocks, chunk_b0 + std::max(1, kChunkTokens / block_size));
+        const int64_t to_v = v_cache - k_cache;
+        if (block + 1 < chunk_end) {
             seek(block + 1, 0);
-        } else if (half == 0) {
-            half = 1;
-            base += v_cache - k_cache;
-            const int start = (window > 0 && ctx > window) ? ctx - window : 0;
-            seek(first_block, start - first_block * block_size);
+        } else if (!values) {
+            values = true;
+            base += to_v;
+            seek(chunk_b0, first_tok);
+        } else if (chunk_end < num_blocks) {
+            values = false;
+            base -= to_v;
+            chunk_b0 = chunk_end;
+            first_tok = 0;
+            seek(chunk_b0, 0);
         } else {
             open(pair + 1);
         }
@@ -417,9 +432,6 @@ struct Stream {
         for (int i = 0; i < n; ++i) row();
     }
 };
-
-// Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
-constexpr int kChunkTokens = 2048;
 
 // One thread's score buffer, grown (rarely) to the largest chunk it has met, never shrunk.
 inline float* score_buffer(size_t floats) {
