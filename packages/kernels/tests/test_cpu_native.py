@@ -14,12 +14,20 @@ from pagemill.kernels import cpu_native, paged_attention, plan_attention
 TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@pytest.fixture(scope="module")
-def lib():
+@pytest.fixture(params=["operator", "ctypes"])
+def lib(request):
+    """The kernel library, reached through its C++ torch operator or through ctypes."""
     built = cpu_native.load()
     if built is None:
         pytest.skip("the native CPU kernel could not be built here (no C++ compiler?)")
-    return built
+    if request.param == "operator":
+        if not cpu_native.load_attention_ops():
+            pytest.skip("the C++ operators could not be built here")
+        yield built
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_native, "load_attention_ops", lambda: False)
+        yield built
 
 
 def _batch(seed, ctx, num_heads, num_kv_heads, head_dim, block_size, dtype):
@@ -186,3 +194,74 @@ def test_native_long_contexts_match_dense(lib, dtype, block_size, window, with_s
     ref = _dense(q, kc, vc, tables, lens, 0.125, window, sinks=sinks)
     err = (out.double() - ref).abs().max() / ref.abs().max()
     assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (9, 3), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 21])
+def test_native_many_requests_match_dense(lib, monkeypatch, num_heads, num_kv_heads, dtype, window):
+    """Hundreds of requests whose contexts end anywhere in a block, on two threads: each
+    thread's runs of pairs and the prefetch stream that crosses their blocks and pairs."""
+    g = torch.Generator().manual_seed(11)
+    ctx = torch.randint(1, 90, (300,), generator=g).tolist()
+    q, kc, vc, tables, lens = _batch(12, ctx, num_heads, num_kv_heads, 64, 16, dtype)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.125, window)
+    ref = _dense(q, kc, vc, tables, lens, 0.125, window)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[dtype]
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+def test_native_fp8_many_requests_per_head_scales(lib, num_kv_heads):
+    ctx = torch.randint(1, 70, (200,), generator=torch.Generator().manual_seed(13)).tolist()
+    q, kc, vc, tables, lens = _batch(14, ctx, 3 * num_kv_heads, num_kv_heads, 64, 16, torch.float32)
+    kc, vc, q = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn), q.to(torch.bfloat16)
+    ks = torch.linspace(0.5, 1.5, num_kv_heads)
+    vs = torch.linspace(2.0, 1.0, num_kv_heads)
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2, k_scale=ks, v_scale=vs)
+    group = q.shape[1] // num_kv_heads
+    for h in range(num_kv_heads):
+        heads = slice(h * group, (h + 1) * group)
+        ref = _dense(
+            q[:, heads],
+            kc[:, :, h : h + 1],
+            vc[:, :, h : h + 1],
+            tables,
+            lens,
+            0.2,
+            ks=float(ks[h]),
+            vs=float(vs[h]),
+        )
+        err = (out[:, heads].double() - ref).abs().max() / ref.abs().max()
+        assert err < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_native_output_rounds_to_nearest_even(lib, dtype, fp8):
+    """With a zero query every key weighs the same, so the output is the exact fp32 mean
+    of the V rows, rounded once to the output dtype: it must equal torch's rounding bit for
+    bit (and keep a NaN), whatever order the kernel holds its accumulators in."""
+    g = torch.Generator().manual_seed(15)
+    kc = torch.randn(4, 16, 2, 64, generator=g)
+    vc = torch.randn(4, 16, 2, 64, generator=g)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+        vc[1, 0, 0, 5] = float("nan")  # block 1 slot 0: the second request's first token
+    tables = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    lens = torch.tensor([2, 4], dtype=torch.int32)  # powers of two: the mean is exact in fp32
+    q = torch.zeros(2, 4, 64, dtype=dtype)
+    out = torch.empty_like(q)
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.125)
+    for s, n in enumerate(lens.tolist()):
+        v = vc[tables[s, 0].long(), :n].float()  # both contexts sit in their first block
+        want = (v.sum(0) / n).to(dtype)  # [kv heads, D]
+        got = out[s].view(2, 2, 64)  # [kv heads, group, D]
+        for j in range(2):
+            assert torch.equal(got[:, j].isnan(), want.isnan())
+            assert torch.equal(got[:, j].nan_to_num(), want.nan_to_num())

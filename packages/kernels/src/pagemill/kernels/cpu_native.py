@@ -246,6 +246,71 @@ def _gemv_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -
 
 # ---- paged decode attention ---------------------------------------------------------------------
 
+_ATTENTION_OPS_SOURCES = (_CSRC / "paged_ops_cpu.cpp", _SOURCE)
+# Set to 0 to call the decode kernel and the KV write through ctypes only.
+ATTENTION_OPS_ENV = "PAGEMILL_NATIVE_ATTENTION_OPS"
+_attention_ops_loaded = False
+
+
+@functools.cache
+def load_attention_ops() -> bool:
+    """Build (once per machine and torch) and load `torch.ops.pagemill_native.paged_decode` /
+    `paged_decode_out` / `write_kv_cache`, the decode kernel and the KV write as C++ torch
+    operators; whether they are loaded.
+
+    One call through them costs an aten op's dispatch, where the ctypes path converts two dozen
+    Python arguments per call, once per layer. Built like `load_gemv_ops` (torch's headers, a
+    longer first build); when it cannot be, the ctypes path serves (one warning)."""
+    global _attention_ops_loaded
+    if _attention_ops_loaded:
+        return True
+    if os.environ.get(ATTENTION_OPS_ENV, "1") == "0":
+        return False
+    root = Path(torch.__file__).parent
+    flags = [
+        "-std=c++20",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+    target = build_shared(
+        _ATTENTION_OPS_SOURCES,
+        "the CPU decode attention and KV write as torch operators",
+        "calling them through ctypes",
+        flags,
+    )
+    if target is None:
+        return False
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as e:
+        logger.warning(
+            "loading %s failed (%s); calling the decode kernel through ctypes", target, e
+        )
+        return False
+    torch.library.register_fake("pagemill_native::paged_decode", _paged_decode_fake)
+    torch.library.register_fake("pagemill_native::paged_decode_out", _paged_decode_out_fake)
+    torch.library.register_fake("pagemill_native::write_kv_cache", _write_kv_cache_fake)
+    _attention_ops_loaded = True
+    return True
+
+
+def _paged_decode_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _paged_decode_out_fake(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _write_kv_cache_fake(*args: object, **kwargs: object) -> None:
+    return None
+
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
@@ -331,6 +396,24 @@ def paged_decode(
     `block_tables` [S, W] and `seq_lens` [S] are contiguous int32, `rows` [S] int64; the
     caller (the planner) guarantees every table reaches its context.
     """
+    if lib is load() and load_attention_ops():
+        # The same kernel as a torch operator: no ctypes conversions (`load_attention_ops`).
+        torch.ops.pagemill_native.paged_decode_out(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            rows,
+            scale,
+            window,
+            softcap,
+            k_scale,
+            v_scale,
+            sinks,
+            out,
+        )
+        return
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     lut = decode_table(k_cache.dtype) if is_quantized_kv(k_cache.dtype) else None

@@ -7,7 +7,8 @@ skips it rather than clobbering block 0.
 On CPU a cache in the compute dtype is written by the native kernel library's
 ``pagemill_reshape_and_cache`` (`csrc/paged_decode_cpu.cpp`): one call copies K and V and
 checks the slots as it goes, where the torch path takes two ``index_copy_`` calls and
-reads the slots back to check them.
+reads the slots back to check them. It is reached through the C++ operator
+``torch.ops.pagemill_native.write_kv_cache`` (`cpu_native.load_attention_ops`), else ctypes.
 
 A float8 or int8 cache (``--kv-cache-dtype fp8`` / ``int8``) stores ``saturate(x / scale)``
 (int8: rounded) with the layer's ``k_scale``/``v_scale``, one per layer (0-dim) or one per KV
@@ -109,6 +110,10 @@ def write_kv_cache_cpu_native(
         and slot_mapping.device.type == "cpu"
     ):
         return False
+    if cpu_native.load_attention_ops():
+        # The same copy as a torch operator: no ctypes conversions per layer.
+        torch.ops.pagemill_native.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return True
     fn = _native_write()
     if fn is None:
         return False

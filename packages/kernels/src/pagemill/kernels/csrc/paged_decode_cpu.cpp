@@ -216,9 +216,12 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
 //     whole chunk), each V row loaded and widened once per block of heads; bf16 rows widen
 //     with one shift (even elements) and one mask (odd elements), so the accumulators hold
 //     each 32-wide chunk as its even then its odd half, put back in order at the end.
-// The next block's rows are prefetched in passes 1 and 3 (blocks lie anywhere in the pool,
-// so the hardware prefetchers cannot follow). Nothing is allocated per call once each
-// thread's score buffer has grown to its largest chunk.
+// Blocks lie anywhere in the pool, so the hardware prefetchers cannot follow them: each
+// thread takes runs of consecutive pairs and keeps a stream of prefetches (`Stream`) a fixed
+// number of rows ahead of the rows it reads, through the ends of blocks and pairs, one row
+// asked for per row read, so the memory traffic overlaps the arithmetic instead of
+// alternating with it. The output is rounded and stored 16 lanes at a time. Nothing is
+// allocated per call once each thread's score buffer has grown to its largest chunk.
 namespace fast {
 
 template <int DT, bool FP8> struct Row;
@@ -326,18 +329,22 @@ inline void prefetch_rows(const char* base, int32_t block, int64_t block_bytes, 
         for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(p + t * slot_bytes + o, _MM_HINT_T0);
 }
 
-// The dimension of accumulator lane i of vector c.
-template <int DT, bool FP8>
-inline int acc_dim(int c, int i) {
-    if constexpr (kVEvenOdd<DT, FP8>) return 32 * (c / 2) + 2 * i + (c & 1);
-    return 16 * c + i;
+// fp32 lanes rounded to bf16 (nearest even; NaN kept quiet) as float_to_bf16 does, the
+// result in the high 16 bits of each lane.
+inline __m512i bf16_round(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x400000)));
 }
 
 // Blocks asked for ahead of the one being read (more did not help where measured: the
 // prefetches themselves cost, and one block's work covers most of a block's latency).
 constexpr int kAhead = 1;
 
-// The first kAhead K blocks of a pair, asked for while the pair before it runs.
+// The first kAhead K blocks of a pair, asked for while the pair before it runs (where no
+// stream runs ahead: a GQA group over kMaxGroup).
 inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx, int kvh,
                           int block_size, int num_kv_heads, int64_t row_bytes, int window) {
     const int64_t slot_bytes = num_kv_heads * row_bytes, block_bytes = block_size * slot_bytes;
@@ -350,6 +357,81 @@ inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx
 
 // Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
 constexpr int kChunkTokens = 2048;
+
+// Rows the stream runs ahead of the rows being read.
+constexpr int kLead = 128;
+
+// The K/V rows a thread will read next, asked for one row for each row it reads, a lead of
+// rows ahead. Asking for a whole block or pair at once stalls the core as loads would (each
+// prefetch waits for a fill buffer) while the compute waits behind them; paced, the
+// requests overlap the arithmetic. The stream walks the thread's pairs in the order
+// decode_pair reads them: per chunk of a pair, its K rows then its V rows, from the
+// window's first position.
+struct Stream {
+    const char* k_cache;
+    const char* v_cache;
+    const int32_t* tables;
+    int64_t table_stride;
+    const int32_t* lens;
+    int num_kv_heads, block_size, window;
+    int64_t row_bytes, slot_bytes, block_bytes;
+    int64_t pair = 0, end = 0;
+    const int32_t* table = nullptr;
+    const char* base = nullptr;  // K or V of the pair's KV head
+    const char* cur = nullptr;   // the block being asked for
+    int ctx = 0, num_blocks = 0, first_tok = 0, chunk_b0 = 0, block = 0, tok = 0, ntok = 0;
+    bool values = false;
+
+    void open(int64_t p) {
+        for (pair = p; pair < end; ++pair) {  // requests without context read nothing
+            ctx = lens[pair / num_kv_heads];
+            if (ctx > 0) break;
+        }
+        if (pair >= end) return;
+        table = tables + (pair / num_kv_heads) * table_stride;
+        const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+        num_blocks = (ctx + block_size - 1) / block_size;
+        chunk_b0 = start / block_size;
+        first_tok = start - chunk_b0 * block_size;
+        values = false;
+        base = k_cache + (pair % num_kv_heads) * row_bytes;
+        seek(chunk_b0, first_tok);
+    }
+    void seek(int b, int t) {
+        block = b;
+        tok = t;
+        ntok = std::min(block_size, ctx - b * block_size);
+        cur = base + static_cast<int64_t>(table[b]) * block_bytes;
+    }
+    void next_block() {
+        const int chunk_end = std::min(num_blocks, chunk_b0 + std::max(1, kChunkTokens / block_size));
+        const int64_t to_v = v_cache - k_cache;
+        if (block + 1 < chunk_end) {
+            seek(block + 1, 0);
+        } else if (!values) {
+            values = true;
+            base += to_v;
+            seek(chunk_b0, first_tok);
+        } else if (chunk_end < num_blocks) {
+            values = false;
+            base -= to_v;
+            chunk_b0 = chunk_end;
+            first_tok = 0;
+            seek(chunk_b0, 0);
+        } else {
+            open(pair + 1);
+        }
+    }
+    inline void row() {
+        if (pair >= end) return;
+        const char* r = cur + tok * slot_bytes;
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+        if (++tok >= ntok) next_block();
+    }
+    inline void rows(int n) {
+        for (int i = 0; i < n; ++i) row();
+    }
+};
 
 // One thread's score buffer, grown (rarely) to the largest chunk it has met, never shrunk.
 inline float* score_buffer(size_t floats) {
@@ -364,7 +446,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                  int64_t out_row, int kvh, int group, int block_size, int num_kv_heads,
                  int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                  float scale, int window, float softcap, const float* lut, float k_scale,
-                 float v_scale, const float* sinks) {
+                 float v_scale, const float* sinks, Stream* stream) {
     using E = Elem<DT>;
     constexpr int D = NV * 16;
     constexpr int64_t esize = FP8 ? 1 : sizeof(typename Elem<DT>::T);
@@ -412,7 +494,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         for (int b = b0; b < b1; ++b) {
             // The chunk's K blocks then its V blocks, as one stream asked for kAhead blocks
             // ahead (the first kAhead of the pair's K before the pair started).
-            {
+            if (!stream) {
                 const int i = b - b0 + kAhead, nb = b1 - b0;
                 if (i < nb)
                     prefetch_rows(kbase, table[b0 + i], block_bytes, slot_bytes, tokens_of(b0 + i), D * esize);
@@ -423,6 +505,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
             const int n = tokens_of(b);
             for (int t0 = b == b0 ? p0 - b * block_size : 0; t0 < n; t0 += kTile) {
                 const int cnt = std::min(kTile, n - t0);
+                if (stream) stream->rows(cnt);
                 const char* kr0 = kb + t0 * slot_bytes;
                 if constexpr (!kin) {
                     for (int j = 0; j < cnt; ++j)
@@ -506,13 +589,14 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                 }
             }
             for (int b = b0; b < b1; ++b) {
-                if (g0 == 0 && b + kAhead < b1)
+                if (!stream && g0 == 0 && b + kAhead < b1)
                     prefetch_rows(vbase, table[b + kAhead], block_bytes, slot_bytes, tokens_of(b + kAhead), D * esize);
                 const char* vb = vbase + static_cast<int64_t>(table[b]) * block_bytes;
                 const int n = tokens_of(b);
                 const int tb = b == b0 ? p0 - b * block_size : 0;
                 const float* pw = sbuf + g0 * stride + (b * block_size - p0);
                 for (int t = tb; t < n; ++t) {
+                    if (stream && g0 == 0) stream->row();
                     __m512 vv[NV];
                     load_v<DT, FP8, NV>(vb + t * slot_bytes, lut, vv);
                     for (int h = 0; h < HB; ++h) {
@@ -530,9 +614,29 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     }
     for (int g = 0; g < group; ++g) {
         auto* op = out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h;
-        const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
-        for (int c = 0; c < NV; ++c)
-            for (int i = 0; i < 16; ++i) E::store(op, acc_dim<DT, FP8>(c, i), acc[g][16 * c + i] * inv);
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? v_scale / l[g] : 0.f);
+        if constexpr (kVEvenOdd<DT, FP8>) {
+            // Even elements to the low halves of the 32-bit lanes, odd ones to the high.
+            const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+            for (int c = 0; c < NV / 2; ++c) {
+                const __m512i e = bf16_round(_mm512_mul_ps(_mm512_load_ps(&acc[g][32 * c]), inv));
+                const __m512i o = bf16_round(_mm512_mul_ps(_mm512_load_ps(&acc[g][32 * c + 16]), inv));
+                _mm512_storeu_si512(op + 32 * c, _mm512_or_si512(_mm512_srli_epi32(e, 16), _mm512_and_si512(o, hi)));
+            }
+        } else {
+            for (int c = 0; c < NV; ++c) {
+                const __m512 x = _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), inv);
+                if constexpr (DT == 0) {
+                    _mm512_storeu_ps(op + 16 * c, x);
+                } else if constexpr (DT == 1) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round(x), 16)));
+                } else {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
+                                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                }
+            }
+        }
     }
 }
 }  // namespace fast
@@ -550,10 +654,15 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     using KT = typename KVLoad<DT, FP8>::T;
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
-    auto one = [&](int64_t p) {
+#if defined(__AVX512F__)
+    using StreamT = fast::Stream;
+#else
+    using StreamT = void;
+#endif
+    auto one = [&](int64_t p, StreamT* stream) {
 #if defined(__AVX512F__)
         if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
-            if (p + 1 < pairs) {
+            if (!stream && p + 1 < pairs) {
                 const int64_t s1 = (p + 1) / num_kv_heads;
                 fast::prefetch_pair(k_cache, block_tables + s1 * table_stride, seq_lens[s1],
                                     static_cast<int>((p + 1) % num_kv_heads), block_size,
@@ -572,7 +681,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                     block_tables + seq * table_stride, seq_lens[seq], row, row, kvh, group,
                     block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     scale, window, softcap, lut, k_scales[kvh * scale_stride],
-                    v_scales[kvh * scale_stride], sinks);
+                    v_scales[kvh * scale_stride], sinks, stream);
                 return;
             }
         }
@@ -584,17 +693,37 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
                                   k_scales[kvh * scale_stride], v_scales[kvh * scale_stride], sinks);
     };
-    // Pairs are request-major, so neighbouring pairs read the same blocks. Chunks of about
+    // A run of pairs in order, with the stream of rows they will read asked for ahead.
+    auto run = [&](int64_t lo, int64_t hi) {
+#if defined(__AVX512F__)
+        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
+            if (group <= fast::kMaxGroup) {
+                const int64_t row_bytes = static_cast<int64_t>(HEAD_DIM) * sizeof(KT);
+                fast::Stream st{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
+                                block_tables, table_stride, seq_lens, num_kv_heads, block_size, window,
+                                row_bytes, num_kv_heads * row_bytes, block_size * num_kv_heads * row_bytes};
+                st.end = hi;
+                st.open(lo);
+                st.rows(fast::kLead);
+                for (int64_t p = lo; p < hi; ++p) one(p, &st);
+                return;
+            }
+        }
+#endif
+        for (int64_t p = lo; p < hi; ++p) one(p, nullptr);
+    };
+    // Pairs are request-major, so neighbouring pairs read the same blocks. Runs of about
     // an eighth of a thread's share balance uneven contexts at little scheduling cost; one
     // thread (or one pair) runs without entering a parallel region at all.
     const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), pairs));
     if (threads <= 1) {
-        for (int64_t p = 0; p < pairs; ++p) one(p);
+        run(0, pairs);
         return;
     }
     const int64_t grain = std::max<int64_t>(1, pairs / (8 * threads));
-#pragma omp parallel for num_threads(threads) schedule(dynamic, grain)
-    for (int64_t p = 0; p < pairs; ++p) one(p);
+    const int64_t runs = (pairs + grain - 1) / grain;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t r = 0; r < runs; ++r) run(r * grain, std::min(pairs, (r + 1) * grain));
 }
 
 template <int DT, bool FP8>
