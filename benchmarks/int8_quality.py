@@ -58,8 +58,8 @@ import torch
 os.environ.setdefault("PAGEMILL_PACKED_LIMITS", "table")
 os.environ.setdefault("PAGEMILL_COMPILE", "0")
 
-from pagemill.runtime import DEFAULT_MODEL, LLM  # noqa: E402
-from pagemill.runtime.model_executor.layers.linear import Linear  # noqa: E402
+from pagemill.runtime import DEFAULT_MODEL, LLM
+from pagemill.runtime.model_executor.layers.linear import Linear
 
 TEXTS = [Path("/usr/share/common-licenses") / n for n in ("GPL-3", "Apache-2.0", "MPL-2.0")]
 REF = "ref fp32"
@@ -259,7 +259,9 @@ def main() -> None:
                 top1[n][rows, pos] = (lp.argmax(-1) == ref_top).numpy()
         for gen in gens.values():
             assert next(gen, None) is None
-        print(f"windows {g + len(group)}/{args.windows}  {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"windows {g + len(group)}/{args.windows}  {time.perf_counter() - t0:.0f} s", flush=True
+        )
 
     # Every packed layer ran packed, on every step.
     steps = args.windows // args.rows * npos
@@ -329,7 +331,8 @@ def main() -> None:
         args.json.write_text(
             json.dumps(
                 {
-                    "command": "python benchmarks/int8_quality.py " + " ".join(
+                    "command": "python benchmarks/int8_quality.py "
+                    + " ".join(
                         f"--{k.replace('_', '-')} {v}"
                         for k, v in vars(args).items()
                         if k != "json" and v is not None
