@@ -116,10 +116,10 @@ def test_default_model_serves_its_q4_1_weights() -> None:
     q8_format = "q8_0" if Linear.int8_activations and gemv_q8_cpu.available() else "int4x2"
     assert model.logits_proj is not None and model.logits_proj.weight_format == q8_format
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    chat = llm.llm_engine.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}]
-    )
-    assert "Paris" in llm.generate([chat], params, use_tqdm=False)[0].outputs[0].text
+    # A plain completion: asked as a chat, the answer's first token is a near tie ("The" vs
+    # "L'Étoile...", 0.08 nats apart even in fp32) that bf16 logits may round to a tie.
+    text = llm.generate(["The capital of France is"], params, use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in text
 
 
 @pytest.mark.slow

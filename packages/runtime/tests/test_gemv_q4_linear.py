@@ -21,13 +21,13 @@ def _int8_activations_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Linear, "int8_activations", 2)  # whatever the environment says
 
 
-def test_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_planes_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagemill.runtime.model_executor.layers import linear
 
     monkeypatch.delenv("PAGEMILL_CPU_INT8_ACTIVATIONS", raising=False)
-    assert linear._int8_activation_planes() == 0
-    monkeypatch.setenv("PAGEMILL_CPU_INT8_ACTIVATIONS", "2")
     assert linear._int8_activation_planes() == 2
+    monkeypatch.setenv("PAGEMILL_CPU_INT8_ACTIVATIONS", "0")
+    assert linear._int8_activation_planes() == 0
     monkeypatch.setenv("PAGEMILL_CPU_INT8_ACTIVATIONS", "3")
     with pytest.raises(ValueError, match="PAGEMILL_CPU_INT8_ACTIVATIONS"):
         linear._int8_activation_planes()

@@ -11,8 +11,8 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
 - int4: `qweight` packed by `aten._convert_weight_to_int4pack_for_cpu` and
   `scales_and_zeros` [planes * in / g, out, 2], `aten._weight_int4pack_mm_for_cpu`
   (two planes carry an int8 value exactly: see `quantization.formats`);
-- int4 with int8 activations (`int8_activations`, opt-in for one-plane int4 in bf16 on the
-  CPU: see `_int8_activation_planes`): `qweight` uint8 tiles of
+- int4 with int8 activations (`int8_activations`, the default for one-plane int4 in bf16
+  on the CPU: see `_int8_activation_planes`): `qweight` uint8 tiles of
   `pagemill.kernels.gemv_q4_cpu` (exact fp16/fp32 scales, no `scales_and_zeros`),
   `torch.ops.pagemill_native.gemv_q4` (a C++ torch operator; `torch.ops.pagemill.gemv_q4`
   over ctypes where it cannot be built), which rounds each input row to int8 per block of
@@ -25,7 +25,7 @@ it holds into the format its `scheme` asks for (see `pagemill.runtime.model_exec
 - q8_0 (under the same switch: GGUF Q8_0 rows, e.g. SmolLM2's LM head): `qweight` uint8
   tiles of `pagemill.kernels.gemv_q8_cpu` (int8 values with their exact fp16 scales, the
   file's bytes per weight), `torch.ops.pagemill.gemv_q8`, int8 activations as for int4;
-  without the switch Q8_0 rows are served as two int4 planes (int4x2);
+  with it at 0 Q8_0 rows are served as two int4 planes (int4x2);
 - triton_int4 (CUDA): int4-group rows kept as they came, packed for the kernels' Triton
   dequant-GEMM (`pagemill.kernels.pack_int4_groups`): `qweight` int32 [in / 8, out],
   `scales` / `zeros` fp32 [in / g, out] (fp32 keeps a checkpoint's fp16 scales exact under
@@ -98,17 +98,15 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 def _int8_activation_planes() -> int:
-    """`PAGEMILL_CPU_INT8_ACTIVATIONS` (0, 1 or 2; default 0); anything else is refused.
+    """`PAGEMILL_CPU_INT8_ACTIVATIONS` (0, 1 or 2; default 2); anything else is refused.
 
-    Opt-in: against the exact fp32 twin of the default model two planes are as close as
-    PyTorch's int4 kernel, and a decode step of 1-16 rows is 1.1-1.3x faster, but with them
-    one seeded structured-output sample of the default model (`event`, T=0.7) rambles in
-    whitespace to its token limit in some runs (the slow `test_many_json_schemas_validate`),
-    which it has not done under PyTorch's kernel. One seeded sample decides nothing either
-    way: `benchmarks/structured_ramble.py` compares the ramble rates of 0 and 2 over many
-    seeds, and 2 becomes the default once a run large enough shows it no worse. One plane
-    is llama.cpp's rounding."""
-    value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "0").strip()
+    Two planes by default: a decode step of few rows streams its weights faster through
+    `gemv_q4` / `gemv_q8` than through PyTorch's int4 kernel, and teacher forced on a fixed
+    text against the GGUF dequantized to fp32 (`benchmarks/int8_quality.py`) their
+    next-token distributions are no further from it than PyTorch's kernel's. 0 keeps
+    PyTorch's kernel (bf16 activations); 1 is llama.cpp's rounding, one plane, measurably
+    further off. Where no C++ compiler builds the kernels, PyTorch's kernel serves anyway."""
+    value = os.environ.get("PAGEMILL_CPU_INT8_ACTIVATIONS", "2").strip()
     if value not in ("0", "1", "2"):
         raise ValueError(f"PAGEMILL_CPU_INT8_ACTIVATIONS must be 0, 1 or 2, got {value!r}")
     return int(value)
