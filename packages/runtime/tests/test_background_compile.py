@@ -222,3 +222,30 @@ def test_switch_mid_request_keeps_greedy_tokens_and_fills_the_cache(
     warm = _start(folder, tmp_path, prompts, 16)  # the entry the background compile saved
     assert not warm["background"] and warm["compiled"] and warm["loaded"]
     assert warm["tokens"] == expected
+
+
+def test_shutdown_stops_a_running_background_compile(tiny_llama, tmp_path, monkeypatch) -> None:
+    """A compile still running at shutdown (or at exit: the same `cancel`, from atexit) is
+    stopped between graphs and its thread joined: a daemon thread left inside torch's C++
+    when Python finalizes aborts the process (exit status 134)."""
+    folder, _ = tiny_llama
+    _cold_env(monkeypatch, tmp_path)
+    release, entered = threading.Event(), threading.Event()
+
+    def held_compile(m: torch.nn.Module, freezing: bool = True, regional: Any = None) -> Any:
+        entered.set()
+        assert release.wait(120)
+        return m.forward
+
+    monkeypatch.setattr(model_runner_module, "compile_forward", held_compile)
+    llm = LLM(str(folder), **ENGINE)
+    core = llm.llm_engine.engine_core
+    job = core.model_runner.background
+    assert job is not None and entered.wait(60)
+    assert job in model_runner_module._RUNNING_COMPILES
+    timer = threading.Timer(0.5, release.set)  # the graph in progress ends after shutdown asks
+    timer.start()
+    core.shutdown()
+    assert job.cancelled and job.thread is not None and not job.thread.is_alive()
+    assert job.forward is None and not job.failed and job.done == 0  # no graph after the ask
+    model_runner_module._cancel_background_compiles()  # at exit: nothing left to wait for

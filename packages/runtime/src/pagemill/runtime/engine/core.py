@@ -383,7 +383,11 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (if any); idempotent. A single-device engine
-        holds nothing that needs stopping."""
+        holds nothing that needs stopping; a background compile still running is stopped
+        (after the graph it is on)."""
+        job = getattr(getattr(self, "model_runner", None), "background", None)
+        if job is not None:
+            job.cancel()
         if self._workers is not None:
             self._finalizer()
         hook = getattr(self, "_kv_events", None)

@@ -13,11 +13,13 @@ group and each layer reads its group's (`AttentionMetadata.groups`).
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -118,7 +120,7 @@ class StepInputs:
     batch: StepBatch | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False, weakref_slot=True)  # held weakly by `_RUNNING_COMPILES`
 class BackgroundCompile:
     """A compile of the forward on a thread of its own while the engine serves eagerly
     (`ModelRunner.start_background_compile`); the serving thread reads it between steps."""
@@ -129,6 +131,8 @@ class BackgroundCompile:
     forward: Callable[..., ForwardOutput] | None = None
     failed: bool = False
     thread: threading.Thread | None = None
+    # Set by `cancel`: the compiling thread stops before its next graph.
+    cancelled: bool = False
 
     @property
     def pending(self) -> int:
@@ -142,6 +146,34 @@ class BackgroundCompile:
             if self.thread.is_alive():
                 return False
         return not self.failed
+
+    def cancel(self) -> None:
+        """Stop compiling and wait for the thread to end (it finishes the graph it is on).
+
+        Called at shutdown and at interpreter exit: a daemon thread still inside torch's C++
+        when Python finalizes is ended by `pthread_exit`, whose unwinding through C++ code
+        aborts the whole process ("terminate called without an active exception", exit
+        status 134) after the user's program has finished."""
+        self.cancelled = True
+        thread = self.thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return
+        logger.info("compile: stopping the background compile (after its current graph)")
+        thread.join()
+
+
+class _CompileCancelled(Exception):
+    """Raised on the compiling thread between graphs once its job is cancelled."""
+
+
+# Background compiles still running: `_cancel_background_compiles` stops them at exit.
+_RUNNING_COMPILES: weakref.WeakSet[BackgroundCompile] = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_background_compiles() -> None:
+    for job in list(_RUNNING_COMPILES):
+        job.cancel()
 
 
 def compile_cache_has_entry(cache: CompileCache) -> bool:
@@ -316,6 +348,9 @@ class ModelRunner:
                     shadow._warm_up_graphs(first_block, job)
                     if not cache.fully_loaded():
                         cache.save()
+            except _CompileCancelled:
+                logger.info("compile: background compile stopped before it finished")
+                return
             except Exception:
                 job.failed = True
                 logger.warning(
@@ -332,6 +367,7 @@ class ModelRunner:
             )
 
         job.thread = threading.Thread(target=run, name="pagemill-compile", daemon=True)
+        _RUNNING_COMPILES.add(job)
         job.thread.start()
         return job
 
@@ -380,6 +416,8 @@ class ModelRunner:
             ", ".join(map(str, todo)),
         )
         for i, num_tokens in enumerate(todo):
+            if job is not None and job.cancelled:
+                raise _CompileCancelled
             t0 = time.perf_counter()
             batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1, first_block=first_block)
             saved = self.input_batch, self.requests
