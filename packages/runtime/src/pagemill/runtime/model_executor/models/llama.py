@@ -76,6 +76,11 @@ class LlamaAttention(nn.Module):
     row-parallel: its all-reduce is the layer's one exchange.
     """
 
+    # Rotate q and k in one pass on CPU where nothing sits between the projection and the
+    # rotation (`_rotates_qk_together`); a class-wide switch (in the compile cache's key)
+    # so `benchmarks/step_ab.py --variant rotary-split` can compare both graphs.
+    rotate_qk_together = True
+
     def __init__(
         self,
         config: ModelConfig,
@@ -188,7 +193,8 @@ class LlamaAttention(nn.Module):
         and the rotation (no q/k norms, no subclass's own norms or rotation)."""
         cls = type(self)
         return (
-            qkv.device.type == "cpu"
+            self.rotate_qk_together
+            and qkv.device.type == "cpu"
             and self.rotary_dim == self.head_dim
             and self.q_norm is None
             and cls._norm_projections is LlamaAttention._norm_projections
