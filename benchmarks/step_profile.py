@@ -60,15 +60,17 @@ os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
 PHASES = ("schedule", "input preparation", "forward", "LM head", "sampling")
 # Forward ops by name (lower case), first match wins; checked against --top-ops output.
 FORWARD_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    # inductor's generated C++ (not an op the profiler sees, or with --inductor-kernels one
+    # `graph_<n>_cpp_fused_...` range per loop, named after the ops it fused, so possibly
+    # "..._int4pack_mm_..."): the fused norms, rotary, activations and residual adds, and
+    # any matmul inductor lowers itself (int8 weights)
+    ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
     ("KV write", ("cache", "kv_write", "reshape_and")),
     ("attention", ("attention", "attn", "sdpa")),
     (
         "linears",
         ("mm", "linear", "matmul", "gemm", "gguf", "int4", "int8", "qlinear", "onednn", "mkldnn"),
     ),
-    # inductor's generated C++ (not an op the profiler sees): the fused norms, rotary,
-    # activations and residual adds, and any matmul inductor lowers itself (int8 weights)
-    ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
 ]
 
 
