@@ -157,12 +157,21 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return types.MethodType(_private_function(forward, forward.__qualname__), model)
 
 
-# Inductor options of every compiled forward. `size_asserts` off: the generated Python
-# wrapper would otherwise check every graph input's sizes and strides and every custom op's
-# output metadata on every call (hundreds of checks a step for a 30-layer model, a
-# noticeable share of a small step); the model's tensors do not change between steps and
-# their metadata is in the compile cache's key.
-INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False}
+# Inductor options of every compiled forward.
+# `size_asserts` off: the generated Python wrapper would otherwise check every graph
+# input's sizes and strides and every custom op's output metadata on every call (hundreds
+# of checks a step for a 30-layer model, a noticeable share of a small step); the model's
+# tensors do not change between steps and their metadata is in the compile cache's key.
+# `cpp.min_chunk_size`: inductor makes a generated loop an OpenMP region only when each
+# thread gets at least this many elements at the size the graph was traced at, and a
+# token-dynamic graph is traced at 2 tokens (`ModelRunner.graph_token_counts`). At decode
+# sizes an OpenMP fork and barrier cost more than a norm's or the rotary's arithmetic
+# (and far more when a thread is descheduled on a busy machine), so with 1024 a small
+# model's per-row loops over its hidden size stay serial (RMSNorm with its residual add,
+# RoPE; hidden sizes under 1024) while the SiLU-and-mul over the wider MLP rows stays
+# parallel, where it pays off at large batches. A graph traced at more tokens (a
+# packed/dense crossover's) is judged at that size.
+INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size": 1024}
 
 
 def _set_inductor_cache_dir() -> None:
