@@ -10,8 +10,8 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `regional`: one graph per group of identical decoder layers (`PAGEMILL_COMPILE_REGIONAL=1`,
   see `compilation._compile_layers`) against A forced to the whole-model graph;
 - `loops-before`: the graph before the fused-loop work: q and k rotated in a loop each
-  (`LlamaAttention.rotate_qk_together = False`) and inductor's size asserts on
-  (`compilation.INDUCTOR_OPTIONS` empty).
+  (`LlamaAttention.rotate_qk_together = False`), inductor's size asserts on and its
+  default `cpp.min_chunk_size` (`compilation.INDUCTOR_OPTIONS` empty).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
