@@ -8,7 +8,10 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `prepack`: dense bf16 weights with their oneDNN-prepacked twins
   (`PAGEMILL_PREPACK_DENSE=1`, off by default, see `model_executor.layers.prepacked`);
 - `regional`: one graph per group of identical decoder layers (`PAGEMILL_COMPILE_REGIONAL=1`,
-  see `compilation._compile_layers`) against A forced to the whole-model graph.
+  see `compilation._compile_layers`) against A forced to the whole-model graph;
+- `loops-before`: the graph before the fused-loop work: q and k rotated in a loop each
+  (`LlamaAttention.rotate_qk_together = False`), inductor's size asserts on and its
+  default `cpp.min_chunk_size` (`compilation.INDUCTOR_OPTIONS` empty).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -54,7 +57,7 @@ from throughput import DenseLinears, linear_shapes, resolve_model_dir
 
 from pagemill.runtime.model_executor.quantization.crossover import PACKED_LIMITS_ENV
 
-VARIANTS = ("no-mark-static", "kv-static", "prepack", "regional")
+VARIANTS = ("no-mark-static", "kv-static", "prepack", "regional", "loops-before")
 
 
 def _mark_kv_static(model: torch.nn.Module) -> None:
@@ -69,6 +72,7 @@ def _mark_kv_static(model: torch.nn.Module) -> None:
 def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     """Build an engine inside: A when `name` is None, else B of that variant."""
     from pagemill.runtime.model_executor.layers.prepacked import PREPACK_ENV
+    from pagemill.runtime.model_executor.models.llama import LlamaAttention
     from pagemill.runtime.worker import compilation
 
     saved_env = os.environ.get(PREPACK_ENV)
@@ -77,6 +81,7 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     saved_root = compilation.CompileCache.root
     saved_mark = compilation._mark_static_attributes
     saved_regional = os.environ.get(compilation.REGIONAL_ENV)
+    saved_options = compilation.INDUCTOR_OPTIONS
     compilation.CompileCache.root = staticmethod(lambda: cache_root)  # type: ignore[method-assign]
     if name == "no-mark-static":
         compilation._mark_static_attributes = lambda model: None
@@ -84,6 +89,9 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         compilation._mark_static_attributes = _mark_kv_static
     elif name == "regional":
         os.environ[compilation.REGIONAL_ENV] = "1"
+    elif name == "loops-before":
+        LlamaAttention.rotate_qk_together = False
+        compilation.INDUCTOR_OPTIONS = {}
     if name is None:  # A: whole-model, whatever the default
         os.environ[compilation.REGIONAL_ENV] = "0"
     try:
@@ -91,6 +99,8 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     finally:
         compilation.CompileCache.root = saved_root  # type: ignore[method-assign]
         compilation._mark_static_attributes = saved_mark
+        compilation.INDUCTOR_OPTIONS = saved_options
+        LlamaAttention.rotate_qk_together = True
         if saved_regional is None:
             os.environ.pop(compilation.REGIONAL_ENV, None)
         else:

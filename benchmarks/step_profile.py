@@ -31,6 +31,12 @@ fused loop, each GEMM, the attention op, the residual copy in `addmm`) waits at 
 for a thread the OS has descheduled, and that wait is charged to whichever op is running:
 the many short fused loops then take a share of the step they do not take on a quiet
 machine. Compare categories only between runs made under the same load.
+
+--inductor-kernels compiles with inductor's per-kernel profiling (a `record_function` in
+each generated C++ loop; its own compile-cache folder, `compiled-kernel-profile`, since the
+generated code differs) and prints each loop's time per step, calls per step and time per
+call, and what is left of the graph call's own time: the Python wrapper that calls the
+loops and the library ops (buffer allocation, size asserts, argument handling).
 """
 
 from __future__ import annotations
@@ -54,15 +60,17 @@ os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
 PHASES = ("schedule", "input preparation", "forward", "LM head", "sampling")
 # Forward ops by name (lower case), first match wins; checked against --top-ops output.
 FORWARD_GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    # inductor's generated C++ (not an op the profiler sees, or with --inductor-kernels one
+    # `graph_<n>_cpp_fused_...` range per loop, named after the ops it fused, so possibly
+    # "..._int4pack_mm_..."): the fused norms, rotary, activations and residual adds, and
+    # any matmul inductor lowers itself (int8 weights)
+    ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
     ("KV write", ("cache", "kv_write", "reshape_and")),
     ("attention", ("attention", "attn", "sdpa")),
     (
         "linears",
         ("mm", "linear", "matmul", "gemm", "gguf", "int4", "int8", "qlinear", "onednn", "mkldnn"),
     ),
-    # inductor's generated C++ (not an op the profiler sees): the fused norms, rotary,
-    # activations and residual adds, and any matmul inductor lowers itself (int8 weights)
-    ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
 ]
 
 
@@ -152,6 +160,48 @@ def breakdown(prof: Any, steps: int, top_ops: int) -> tuple[dict[str, float], li
     return dict(totals), [f"{ms:9.3f} ms  {name}" for name, ms in top]
 
 
+def kernel_table(prof: Any, steps: int) -> list[str]:
+    """Per generated C++ loop: ms per step, calls per step, us per call (self time, so
+    intra-op threads count inside); then the graph call's own time left over."""
+    ms: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    wrapper_ms = 0.0
+    for ev in prof.events():
+        name = str(ev.name)
+        if "cpp_fused" in name or name.startswith("graph_"):
+            ms[name] += ev.self_cpu_time_total / 1e3 / steps
+            calls[name] += 1
+        elif "CompiledFxGraph" in name:
+            wrapper_ms += ev.self_cpu_time_total / 1e3 / steps
+    rows = sorted(ms.items(), key=lambda kv: -kv[1])
+    total = sum(ms.values())
+    n_calls = sum(calls.values()) / steps
+    lines = [f"  inductor loops: {total:.2f} ms in {n_calls:.0f} calls per step"]
+    lines += [
+        f"    {t:8.3f} ms {calls[k] / steps:5.0f} x {t * 1e3 / max(calls[k] / steps, 1):7.1f} us  "
+        f"{k}"
+        for k, t in rows
+    ]
+    lines.append(f"  graph call's own time (Python wrapper): {wrapper_ms:.2f} ms")
+    return lines
+
+
+def _profile_kernels() -> None:
+    """Inductor's per-kernel `record_function`, compiled into a compile-cache folder of
+    its own (a cached graph without it would load otherwise)."""
+    import torch._inductor.config as inductor_config
+
+    from pagemill.runtime.worker import compilation
+
+    inductor_config.cpp.enable_kernel_profile = True
+    default_root = compilation.CompileCache.root
+
+    def root() -> Any:
+        return default_root().with_name("compiled-kernel-profile")
+
+    compilation.CompileCache.root = staticmethod(root)  # type: ignore[method-assign]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="16,64,128")
@@ -166,7 +216,14 @@ def main() -> int:
         action="store_true",
         help="write every page of the KV cache first (no first-touch page faults profiled)",
     )
+    ap.add_argument(
+        "--inductor-kernels",
+        action="store_true",
+        help="time each generated C++ loop (compiles with inductor's kernel profiling)",
+    )
     args = ap.parse_args()
+    if args.inductor_kernels:
+        _profile_kernels()
     if args.threads:
         torch.set_num_threads(args.threads)
     import torch._dynamo.utils as dynamo_utils
@@ -222,6 +279,8 @@ def main() -> int:
         print("  top ops:")
         for line in top:
             print("   ", line)
+        if args.inductor_kernels:
+            print("\n".join(kernel_table(prof, args.steps)))
     return 0
 
 

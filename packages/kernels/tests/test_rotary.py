@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from pagemill.kernels import apply_rotary, apply_rotary_torch, apply_rotary_triton, rope_cos_sin
+from pagemill.kernels.rotary import apply_rotary_qk
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -247,3 +248,20 @@ def test_bad_input_is_refused():
         apply_rotary(
             torch.tensor([0]), torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(4, 6)
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_qk_together_equals_separate(dtype):
+    """q and k rotated as one tensor of heads (a fused projection's layout) equal
+    `apply_rotary_torch` on each, bit for bit, whatever the positions."""
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=g).to(dtype)
+    qk = qkv[:, : 12 * 64].reshape(5, 12, 64)
+    positions = torch.tensor([0, 7, 63, 1000, 4095])
+    table = rope_cos_sin(64, 4096, 100000.0)
+    q, k = apply_rotary_qk(positions, qk, 9, table)
+    rq, rk = apply_rotary_torch(positions, qk[:, :9], qk[:, 9:], table)
+    assert q.shape == (5, 9, 64) and k.shape == (5, 3, 64)
+    assert torch.equal(q, rq) and torch.equal(k, rk)
+    with pytest.raises(ValueError, match="H \\+ KVH"):
+        apply_rotary_qk(positions, qk, 12, table)

@@ -324,3 +324,31 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     impl = apply_rotary_triton if use_triton(q) else apply_rotary_torch
     return impl(positions, q, k, cos_sin)
+
+
+def apply_rotary_qk(
+    positions: torch.Tensor, qk: torch.Tensor, num_heads: int, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k given as one tensor of heads ``[T, H + KVH, D]`` (q's heads first, as
+    a fused QKV projection lays them out); returns q ``[T, H, D]`` and k ``[T, KVH, D]``.
+
+    On CPU both rotate in one pass and come back as views of one buffer: compiled, that is
+    one generated loop per layer instead of one for q and one for k (each loop pays its
+    own call and OpenMP region, which at decode sizes cost more than the arithmetic).
+    The values are `apply_rotary`'s, element for element.
+    """
+    if qk.dim() != 3 or not 0 < num_heads < qk.shape[1]:
+        raise ValueError(
+            f"qk must be [T, H + KVH, D] with 0 < H={num_heads} < H + KVH, got {tuple(qk.shape)}"
+        )
+    q, k = qk[:, :num_heads], qk[:, num_heads:]
+    if use_triton(qk):
+        return apply_rotary_triton(positions, q, k, cos_sin)
+    _check_args(positions, q, k, cos_sin)
+    half = qk.shape[2] // 2
+    cs = cos_sin.index_select(0, positions.to(device=cos_sin.device, dtype=torch.int64))
+    cos = cs[:, None, :half].to(qk.dtype)
+    sin = cs[:, None, half:].to(qk.dtype)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out[:, :num_heads], out[:, num_heads:]

@@ -157,6 +157,23 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     return types.MethodType(_private_function(forward, forward.__qualname__), model)
 
 
+# Inductor options of every compiled forward.
+# `size_asserts` off: the generated Python wrapper would otherwise check every graph
+# input's sizes and strides and every custom op's output metadata on every call (hundreds
+# of checks a step for a 30-layer model, a noticeable share of a small step); the model's
+# tensors do not change between steps and their metadata is in the compile cache's key.
+# `cpp.min_chunk_size`: inductor makes a generated loop an OpenMP region only when each
+# thread gets at least this many elements at the size the graph was traced at, and a
+# token-dynamic graph is traced at 2 tokens (`ModelRunner.graph_token_counts`). At decode
+# sizes an OpenMP fork and barrier cost more than a norm's or the rotary's arithmetic
+# (and far more when a thread is descheduled on a busy machine), so with 1024 a small
+# model's per-row loops over its hidden size stay serial (RMSNorm with its residual add,
+# RoPE; hidden sizes under 1024) while the SiLU-and-mul over the wider MLP rows stays
+# parallel, where it pays off at large batches. A graph traced at more tokens (a
+# packed/dense crossover's) is judged at that size.
+INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size": 1024}
+
+
 def _set_inductor_cache_dir() -> None:
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         from pagemill.runtime.model_executor.default_model import cache_dir
@@ -219,7 +236,11 @@ def _compile_layers(groups: list[list[torch.nn.Module]]) -> None:
             forward,
             dynamic=True,
             fullgraph=True,
-            options={"freezing": False, "guard_filter_fn": _guard_filter(inputs)},
+            options={
+                **INDUCTOR_OPTIONS,
+                "freezing": False,
+                "guard_filter_fn": _guard_filter(inputs),
+            },
         )
         for layer in group:
             # An instance attribute: `nn.Module.__call__` runs it (hooks included).
@@ -260,7 +281,11 @@ def compile_forward(
         _private_forward(model),
         dynamic=True,
         fullgraph=True,
-        options={"freezing": freezing, "guard_filter_fn": _keep_input_guards},
+        options={
+            **INDUCTOR_OPTIONS,
+            "freezing": freezing,
+            "guard_filter_fn": _keep_input_guards,
+        },
     )
 
 

@@ -28,6 +28,7 @@ from pagemill.kernels import (
     silu_and_mul,
     write_kv_cache,
 )
+from pagemill.kernels.rotary import apply_rotary_qk
 from pagemill.runtime.distributed.parallel_layers import (
     row_parallel_linear,
     vocab_parallel_embedding,
@@ -74,6 +75,11 @@ class LlamaAttention(nn.Module):
     Under tensor parallelism ``config`` is the rank's (its heads) and ``o_proj`` is
     row-parallel: its all-reduce is the layer's one exchange.
     """
+
+    # Rotate q and k in one pass on CPU where nothing sits between the projection and the
+    # rotation (`_rotates_qk_together`); a class-wide switch (in the compile cache's key)
+    # so `benchmarks/step_ab.py --variant rotary-split` can compare both graphs.
+    rotate_qk_together = True
 
     def __init__(
         self,
@@ -125,13 +131,18 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self._norm_projections(q, k)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotate(positions, q, k, cos_sin)
+        if self._rotates_qk_together(qkv):
+            qk = qkv[:, : self.q_size + self.kv_size]
+            qk = qk.reshape(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary_qk(positions, qk, self.num_heads, cos_sin)
+        else:
+            q, k = self._norm_projections(q, k)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._rotate(positions, q, k, cos_sin)
         if meta.groups is not None:
             meta = meta.groups[self.kv_group]
         plan = meta.plan
@@ -175,6 +186,20 @@ class LlamaAttention(nn.Module):
                 sinks=self.sinks,
             )
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _rotates_qk_together(self, qkv: torch.Tensor) -> bool:
+        """Whether q and k rotate as one tensor of heads straight from the projection
+        (`apply_rotary_qk`): on CPU, for full RoPE with nothing between the projection
+        and the rotation (no q/k norms, no subclass's own norms or rotation)."""
+        cls = type(self)
+        return (
+            self.rotate_qk_together
+            and qkv.device.type == "cpu"
+            and self.rotary_dim == self.head_dim
+            and self.q_norm is None
+            and cls._norm_projections is LlamaAttention._norm_projections
+            and cls._rotate is LlamaAttention._rotate
+        )
 
     def _norm_projections(
         self, q: torch.Tensor, k: torch.Tensor
