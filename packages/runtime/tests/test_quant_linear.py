@@ -89,7 +89,8 @@ def test_packed_path_matches_its_dequantized_weight(method, dtype, kernel, bias)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_hybrid_runs_the_dense_copy_above_its_limit(method) -> None:
+def test_hybrid_runs_the_dense_copy_above_its_limit(method, monkeypatch) -> None:
+    monkeypatch.setattr(Linear, "amx_packed", False)  # a copy even where AMX needs none
     layer, w = _layer(method, torch.bfloat16, fallback=True, limit=4, bias=True)
     assert layer.has_dense_fallback and layer.packed_max_tokens == 4
     # The dense copy holds the quantized values (one model whatever the batch size).
