@@ -75,10 +75,12 @@ def test_embeddings_float_base64_and_dimensions(url: str, hf: Any) -> None:
     assert len(ids[1]) > 32  # chunked prefill
     for d, i in zip(floats.data, ids):
         np.testing.assert_allclose(d.embedding, _expected(base, i), atol=2e-5)
-    # The SDK's default asks for base64 and decodes it.
+    # The SDK's default asks for base64 and decodes it. A second computation: its chunks
+    # may share steps differently (fp32 sums in another order, a few ulps); the encoding
+    # itself is exact (the raw base64 below is checked against transformers).
     default = client.embeddings.create(model=MODEL, input=texts)
     for d, f in zip(default.data, floats.data):
-        np.testing.assert_allclose(d.embedding, f.embedding, atol=1e-7)
+        np.testing.assert_allclose(d.embedding, f.embedding, atol=1e-6)
     raw = httpx.post(
         url + "/v1/embeddings", json={"input": ids[0], "encoding_format": "base64"}, timeout=60
     ).json()
