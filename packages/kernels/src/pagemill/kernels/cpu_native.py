@@ -193,6 +193,23 @@ GEMV_OPS_ENV = "PAGEMILL_NATIVE_GEMV_OPS"
 _gemv_ops_loaded = False
 
 
+def _torch_op_flags() -> list[str]:
+    """Compiler flags of a library of C++ torch operators: the running torch's headers, ABI
+    and libraries, its version in the flags so that the build cache follows torch."""
+    root = Path(torch.__file__).parent
+    return [
+        "-std=c++20",  # torch's headers need it (the later -std wins)
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
 @functools.cache
 def load_gemv_ops() -> bool:
     """Build (once per machine and torch) and load `torch.ops.pagemill_native.gemv_q4` /
@@ -208,19 +225,7 @@ def load_gemv_ops() -> bool:
         return True
     if os.environ.get(GEMV_OPS_ENV, "1") == "0":
         return False
-    root = Path(torch.__file__).parent
-    flags = [
-        "-ffp-contract=off",  # as the ctypes builds (`load_gemv`)
-        "-std=c++20",  # torch's headers need it (the later -std wins)
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",  # the cache key follows torch
-        f"-I{root / 'include'}",
-        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        f"-L{root / 'lib'}",
-        f"-Wl,-rpath,{root / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
-    ]
+    flags = ["-ffp-contract=off", *_torch_op_flags()]  # as the ctypes builds (`load_gemv`)
     target = build_shared(
         _GEMV_OPS_SOURCES,
         "the GEMV kernels as torch operators",
@@ -262,27 +267,15 @@ def load_attention_ops() -> bool:
     Python arguments per call, once per layer. Built like `load_gemv_ops` (torch's headers, a
     longer first build); when it cannot be, the ctypes path serves (one warning)."""
     global _attention_ops_loaded
-    if _attention_ops_loaded:
+    if _attention_ops_loaded:  # a library of operators loads once per process
         return True
     if os.environ.get(ATTENTION_OPS_ENV, "1") == "0":
         return False
-    root = Path(torch.__file__).parent
-    flags = [
-        "-std=c++20",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",
-        f"-I{root / 'include'}",
-        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        f"-L{root / 'lib'}",
-        f"-Wl,-rpath,{root / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
-    ]
     target = build_shared(
         _ATTENTION_OPS_SOURCES,
         "the CPU decode attention and KV write as torch operators",
         "calling them through ctypes",
-        flags,
+        _torch_op_flags(),
     )
     if target is None:
         return False

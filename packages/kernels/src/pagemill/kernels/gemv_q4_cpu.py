@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -208,12 +209,22 @@ def gemv_q4(
             f"{QS_BYTES + 4 * ROWS}|{QS_BYTES + 8 * ROWS}] for N = {n}; "
             f"got x {tuple(x.shape)} {x.dtype}, blocks {tuple(blocks.shape)} {blocks.dtype}"
         )
+    y, status = _call(lib.pagemill_gemv_q4, x, blocks, n, threads, planes)
+    check_status("gemv_q4_cpu", status)
+    return y
+
+
+def _call(
+    fn: Any, x: torch.Tensor, blocks: torch.Tensor, n: int, threads: int, planes: int
+) -> tuple[torch.Tensor, int]:
+    """y = x · Wᵀ through `pagemill_gemv_q4` or `pagemill_gemm_q4_amx` (one signature);
+    (y, the kernel's status)."""
     if x.stride(1) != 1:
         x = x.contiguous()
     blocks = blocks.contiguous()
     m_rows, k = x.shape
     y = torch.empty(m_rows, n, dtype=x.dtype)
-    status = lib.pagemill_gemv_q4(
+    status = fn(
         GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
@@ -227,8 +238,7 @@ def gemv_q4(
         threads or torch.get_num_threads(),
         planes,
     )
-    check_status("gemv_q4_cpu", status)
-    return y
+    return y, status
 
 
 # ---- the same product on the AMX tiles ----------------------------------------------------------
@@ -277,25 +287,7 @@ def gemm_q4_amx(
     amx = _amx_lib(lib)
     if amx is None or not supports(x, blocks, n) or not amx.pagemill_gemm_q4_amx_available():
         return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    blocks = blocks.contiguous()
-    m_rows, k = x.shape
-    y = torch.empty(m_rows, n, dtype=x.dtype)
-    status = amx.pagemill_gemm_q4_amx(
-        GEMV_DTYPE_CODES[x.dtype],
-        x.data_ptr(),
-        x.stride(0),
-        blocks.data_ptr(),
-        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
-        y.data_ptr(),
-        n,
-        m_rows,
-        n,
-        k,
-        threads or torch.get_num_threads(),
-        planes,
-    )
+    y, status = _call(amx.pagemill_gemm_q4_amx, x, blocks, n, threads, planes)
     if status == _NO_AMX:
         return _gemm_q4_fallback(x, blocks, n, lib, threads, planes)
     check_status("gemm_q4_amx", status)

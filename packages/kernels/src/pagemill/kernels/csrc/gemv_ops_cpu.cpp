@@ -50,12 +50,18 @@ void check_x(const char* op, const at::Tensor& x, const at::Tensor& blocks, int6
                 ": x ", x.sizes(), " and tiles ", blocks.sizes(), " do not give N = ", n);
 }
 
+// Bytes per block of a q4 tile (fp16 or fp32 scales), checked.
+int64_t q4_tile_width(const char* name, const at::Tensor& blocks) {
+    const int64_t width = blocks.size(2);
+    TORCH_CHECK(width == Q4_QS_BYTES + 4 * ROWS || width == Q4_QS_BYTES + 8 * ROWS, name,
+                " tiles are 320 or 384 bytes per block, got ", width);
+    return width;
+}
+
 at::Tensor gemv_q4(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
                    int64_t planes) {
     check_x("gemv_q4", x_in, blocks_in, n, planes);
-    const int64_t width = blocks_in.size(2);
-    TORCH_CHECK(width == Q4_QS_BYTES + 4 * ROWS || width == Q4_QS_BYTES + 8 * ROWS,
-                "gemv_q4 tiles are 320 or 384 bytes per block, got ", width);
+    const int64_t width = q4_tile_width("gemv_q4", blocks_in);
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
     const at::Tensor blocks = blocks_in.contiguous();
     at::Tensor y = at::empty({x.size(0), n}, x.options());
@@ -75,9 +81,7 @@ at::Tensor gemm_q4_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int6
                        int64_t planes) {
     TORCH_CHECK(planes >= 0 && planes <= 2, "gemm_q4_amx takes 0, 1 or 2 planes, not ", planes);
     check_x("gemm_q4_amx", x_in, blocks_in, n, planes == 0 ? 1 : planes);
-    const int64_t width = blocks_in.size(2);
-    TORCH_CHECK(width == Q4_QS_BYTES + 4 * ROWS || width == Q4_QS_BYTES + 8 * ROWS,
-                "gemm_q4_amx tiles are 320 or 384 bytes per block, got ", width);
+    const int64_t width = q4_tile_width("gemm_q4_amx", blocks_in);
     const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
     const at::Tensor blocks = blocks_in.contiguous();
     at::Tensor y = at::empty({x.size(0), n}, x.options());

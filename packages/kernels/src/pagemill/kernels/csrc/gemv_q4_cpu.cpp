@@ -92,6 +92,20 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// A block's 16 d and 16 m scales, stored as `S` (fp16 or fp32), as two float vectors.
+template <typename S>
+inline void load_block_scales(const uint8_t* blk, __m512& d, __m512& m) {
+    if constexpr (sizeof(S) == 2) {
+        d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    } else {
+        d = _mm512_loadu_ps(blk);
+        m = _mm512_loadu_ps(blk + 64);
+    }
+}
+#endif
+
 inline float load_float(const uint8_t* p) {
     float f;
     std::memcpy(&f, p, sizeof f);
@@ -259,13 +273,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
         __m512 d, m;
-        if constexpr (sizeof(S) == 2) {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        } else {
-            d = _mm512_loadu_ps(blk);
-            m = _mm512_loadu_ps(blk + 64);
-        }
+        load_block_scales<S>(blk, d, m);
         __m512i wv[8];
         for (int j = 0; j < 4; ++j) {
             const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
@@ -740,13 +748,7 @@ void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stri
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
         __m512 d, m;
-        if constexpr (sizeof(S) == 2) {
-            d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-            m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        } else {
-            d = _mm512_loadu_ps(blk);
-            m = _mm512_loadu_ps(blk + 64);
-        }
+        load_block_scales<S>(blk, d, m);
         uint8_t* out = bt + b * bt_stride;
         for (int j = 0; j < 4; ++j) {
             const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);

@@ -29,7 +29,7 @@ import torch
 
 from pagemill.blockpool import KVCacheGroupSpec
 from pagemill.blockpool.kv_cache_groups import layer_group
-from pagemill.kernels import plan_attention
+from pagemill.kernels import cpu_native, plan_attention
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
@@ -442,6 +442,10 @@ class ModelRunner:
     # ---- KV cache ------------------------------------------------------------------------
 
     def init_kv_cache(self, num_blocks: int) -> KVCache:
+        if self.device.type == "cpu":
+            # The KV write and decode attention as C++ operators are built (once per
+            # machine) now, before ready, not inside the first request's step.
+            cpu_native.load_attention_ops()
         self.kv_cache = self._new_kv_cache(num_blocks)
         self.input_batch = self._new_input_batch()
         self._bind(self.kv_cache)
