@@ -150,6 +150,10 @@ def test_amx_serves_large_batches_without_a_dense_copy(monkeypatch, dense_fallba
     expected = x.float() @ w.to(torch.bfloat16).float().T + layer.bias.float()
     torch.testing.assert_close(big, expected, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(small, big[:4], rtol=3e-2, atol=3e-2)
+    # A copy asked for (`--cpu-dense-weights always`) is kept.
+    if dense_fallback:
+        asked = _layer(raw, n, k, dense_fallback=True, keep_dense_copy=True, packed_max_tokens=4)
+        assert not asked.amx_large_rows and asked.weight is not None
     # Without the switch the same layer keeps its copy (or stays packed).
     monkeypatch.setattr(Linear, "amx_packed", False)
     plain = _layer(raw, n, k, dense_fallback=dense_fallback, packed_max_tokens=4)

@@ -277,7 +277,10 @@ class Linear(nn.Module):
                 # The matrix units multiply the packed blocks themselves: a dense copy would
                 # only cost memory (and is not needed even where copies are refused).
                 self.amx_large_rows = (
-                    self.amx_packed and self.native_gemv and gemv_q4_cpu.amx_available()
+                    self.amx_packed
+                    and not self.scheme.keep_dense_copy
+                    and self.native_gemv
+                    and gemv_q4_cpu.amx_available()
                 )
             else:
                 packed, scales_and_zeros = pack_int4(q, s, z, kdt)

@@ -193,8 +193,13 @@ def choose_dense_copies(
             f"auto: {need / MB:.0f} MB {'fits' if keep else 'exceeds'} "
             f"{DENSE_COPY_RAM_SHARE:.0%} of {memory / 1e9:.1f} GB RAM"
         )
-    linear = replace(plan.linear, dense_fallback=keep)
-    head = None if plan.lm_head is None else replace(plan.lm_head, dense_fallback=keep)
+    asked = mode == "always"
+    linear = replace(plan.linear, dense_fallback=keep, keep_dense_copy=asked)
+    head = (
+        None
+        if plan.lm_head is None
+        else replace(plan.lm_head, dense_fallback=keep, keep_dense_copy=asked)
+    )
     line = (
         f"cpu_dense_weights: {'keeping' if keep else 'no'} dense copies of packed layers for "
         f"large batches ({need / MB:.0f} MB; {why})"

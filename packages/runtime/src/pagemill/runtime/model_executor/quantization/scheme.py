@@ -55,6 +55,9 @@ class WeightScheme:
     # an fp32 model's packed layers cast their input to bf16 and their output back; fp32
     # kernels are exact (GGUF rows bit for bit) and are kept for checks.
     kernel_dtype: torch.dtype | None = None
+    # The dense copy was asked for (`--cpu-dense-weights always`): kept even where AMX would
+    # run large batches from the packed blocks without one (`Linear.amx_packed`).
+    keep_dense_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
