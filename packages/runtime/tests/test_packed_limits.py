@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +274,26 @@ def test_real_timer_times_both_paths(tiny_llama) -> None:
     layers = _packed(_hybrid(folder))[:2]
     packed, dense = time_layers(layers, 4)
     assert packed > 0 and dense > 0
+
+
+def test_limits_are_keyed_by_the_native_kernels(tmp_path, monkeypatch) -> None:
+    """Limits timed with one build of the kernels are not read back with another: a new
+    kernel source or a switch between kernel paths gives another file."""
+    import pagemill.kernels
+    from pagemill.runtime.model_executor.quantization import crossover as xo
+
+    monkeypatch.delenv("PAGEMILL_CPU_GEMV_AMX", raising=False)
+    base = xo.machine_key()
+    assert xo.machine_key() == base
+    monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", "0")
+    assert xo.machine_key() != base
+    monkeypatch.delenv("PAGEMILL_CPU_GEMV_AMX")
+
+    fake = tmp_path / "kernels"
+    (fake / "csrc").mkdir(parents=True)
+    for f in (Path(pagemill.kernels.__file__).parent / "csrc").glob("*.cpp"):
+        (fake / "csrc" / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(pagemill.kernels, "__file__", str(fake / "__init__.py"))
+    assert xo.machine_key() == base
+    (fake / "csrc" / "gemv_q4_cpu.cpp").write_text("// another kernel\n")
+    assert xo.machine_key() != base

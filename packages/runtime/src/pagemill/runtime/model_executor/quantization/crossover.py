@@ -95,8 +95,24 @@ def row_counts(layer: Linear, rows: Sequence[int], large: Sequence[int]) -> list
     return [*rows, *(n for n in large if n > max(rows))] if layer.int8_act else list(rows)
 
 
+def _kernel_sources() -> str:
+    """A digest of pagemill's native kernel sources and the switches that pick among their
+    paths: a new kernel changes which side wins, so limits timed with the old one must not
+    be read back (a cached limit is never re-measured otherwise)."""
+    import pagemill.kernels
+
+    digest = hashlib.sha256()
+    for src in sorted((Path(pagemill.kernels.__file__).parent / "csrc").glob("*.cpp")):
+        digest.update(src.name.encode())
+        digest.update(src.read_bytes())
+    for name in ("PAGEMILL_CPU_GEMV_AMX", "PAGEMILL_CPU_AMX_PACKED"):
+        digest.update(f"{name}={os.environ.get(name, '')}".encode())
+    return digest.hexdigest()
+
+
 def machine_key() -> str:
-    """The CPU (its feature flags and model name), torch and the thread count."""
+    """The CPU (its feature flags and model name), torch, the thread count and the native
+    kernels' sources."""
     from pagemill.runtime.worker.compilation import _cpu_flags
 
     try:
@@ -111,6 +127,7 @@ def machine_key() -> str:
         str(torch.get_num_threads()),
         model,
         _cpu_flags(),
+        _kernel_sources(),
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
