@@ -113,6 +113,38 @@ inline uint16_t float_to_bf16(float f) {
     return static_cast<uint16_t>(bits >> 16);
 }
 
+// One tile's 16 (or `rows` < 16) outputs of one row of x to y[i0..], in fp32 or rounded to
+// bf16 as float_to_bf16 does.
+inline void store_outputs(const float* v, void* y, int64_t i0, int64_t rows, int dtype) {
+#if PAGEMILL_GEMV_ISA == 3
+    const __mmask16 keep = rows >= ROWS ? __mmask16(0xffff) : __mmask16((1u << rows) - 1u);
+    const __m512 f = _mm512_loadu_ps(v);
+    if (dtype == 1) {
+        const __m512i bits = _mm512_castps_si512(f);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i even =
+            _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512i top = _mm512_mask_or_epi32(_mm512_srli_epi32(even, 16), nan,
+                                                 _mm512_srli_epi32(bits, 16),
+                                                 _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i0, keep,
+                                 _mm512_cvtepi32_epi16(top));
+    } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + i0, keep, f);
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+        if (dtype == 1) {
+            static_cast<uint16_t*>(y)[i0 + r] = float_to_bf16(v[r]);
+        } else {
+            static_cast<float*>(y)[i0 + r] = v[r];
+        }
+    }
+#endif
+}
+
 // One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx [K / 32] and the
 // integer sum of each block's plane, isum [K / 32 * P] (the VNNI offset's correction).
 template <int P>
@@ -300,17 +332,8 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* is
                 case 2: tile_rows<2, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
                 default: tile_rows<1, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
             }
-            for (int64_t t = 0; t < tm; ++t) {
-                for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
-                    const float v = out[t * ROWS + r];
-                    if (dtype == 1) {
-                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
-                    } else {
-                        static_cast<float*>(y)[i] = v;
-                    }
-                }
-            }
+            for (int64_t t = 0; t < tm; ++t)
+                store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
         }
     }
 }
@@ -361,55 +384,87 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles 0, 1: products of planes 0, 1 (rows x 16 int32); 2, 3: the planes of x (rows x 32
-// int8); 4: the weight block (8 x 64 int8). rows: how many rows of x one pass takes.
+// Two sets of tiles, so that the matrix unit multiplies one block while the vector units scale
+// the block before: products of planes 0, 1 in tiles 0, 1 (set 0) or 4, 5 (set 1), rows x 16
+// int32; the weight block in tile 6 or 7 (8 x 64 int8); the planes of x in tiles 2, 3 (rows x
+// 32 int8), shared. rows: how many rows of x one pass takes.
 void configure_tiles(int rows) {
     TileConfig cfg{};
     cfg.palette = 1;
-    for (int t = 0; t < 2; ++t) {
-        cfg.rows[t] = static_cast<uint8_t>(rows);
-        cfg.colsb[t] = 64;
-        cfg.rows[2 + t] = static_cast<uint8_t>(rows);
-        cfg.colsb[2 + t] = QK;
-    }
-    cfg.rows[4] = QK / 4;
-    cfg.colsb[4] = 64;
+    const uint8_t r = static_cast<uint8_t>(rows);
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = cfg.rows[5] = r;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = cfg.colsb[5] = 64;
+    cfg.rows[2] = cfg.rows[3] = r;
+    cfg.colsb[2] = cfg.colsb[3] = QK;
+    cfg.rows[6] = cfg.rows[7] = QK / 4;
+    cfg.colsb[6] = cfg.colsb[7] = 64;
     _tile_loadconfig(&cfg);
 }
 
+// One block's integer products (P planes of x at xb against the weight block at blk) into
+// c [P][16][16], on product tiles C, C1 and weight tile B. A macro: GCC's tile intrinsics take
+// tile numbers as literal register names.
+#define PAGEMILL_Q8_AMX_PRODUCTS(C, C1, B, P, blk, xb, xq_stride, c) \
+    do {                                                              \
+        _tile_zero(C);                                                \
+        _tile_loadd(B, (blk) + SB, 64);                               \
+        _tile_loadd(2, (xb), (xq_stride));                            \
+        _tile_dpbssd(C, 2, B);                                        \
+        if constexpr ((P) == 2) {                                     \
+            _tile_zero(C1);                                           \
+            _tile_loadd(3, (xb) + QK, (xq_stride));                   \
+            _tile_dpbssd(C1, 3, B);                                   \
+        }                                                             \
+        _tile_stored(C, (c), 64);                                     \
+        if constexpr ((P) == 2) _tile_stored(C1, (c) + 256, 64);      \
+    } while (0)
+
+// How many blocks ahead the matrix unit runs of the vector units: a vector load of a line a
+// tile store wrote waits until the store has left the core, so block b's products are made
+// while the vector units scale block b - AMX_AHEAD's (a ring of AMX_AHEAD products buffers).
+constexpr int64_t AMX_AHEAD = 4;
+
+// Block b's products into its ring slot (tile set by b's parity: AMX_AHEAD is even).
+template <int P>
+inline void amx_block(const uint8_t* w, const int8_t* xq, int64_t xq_stride, int64_t b,
+                      int32_t* c) {
+    const uint8_t* blk = w + b * BLOCK;
+    const int8_t* xb = xq + b * P * QK;
+    int32_t* slot = c + (b % AMX_AHEAD) * (P * 256);
+    if (b & 1) {
+        PAGEMILL_Q8_AMX_PRODUCTS(4, 5, 7, P, blk, xb, xq_stride, slot);
+    } else {
+        PAGEMILL_Q8_AMX_PRODUCTS(0, 1, 6, P, blk, xb, xq_stride, slot);
+    }
+}
+
 // Rows x[0..T) (planes xq, row stride xq_stride bytes; dx [T][s_stride]) against one tile of
-// 16 outputs, as tile_rows<T, P> computes it. c: P * 256 int32 of scratch, 64-byte aligned.
+// 16 outputs, as tile_rows<T, P> computes it. c: AMX_AHEAD * P * 256 int32 of scratch,
+// 64-byte aligned.
 template <int T, int P>
 void amx_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
               const float* dx, int64_t s_stride, int32_t* c, float* out /* [T][16] */) {
     __m512 acc[T];
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < std::min(nb, AMX_AHEAD); ++b) amx_block<P>(w, xq, xq_stride, b, c);
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * BLOCK;
-        const int8_t* xb = xq + b * P * QK;
-        _tile_zero(0);
-        _tile_loadd(4, blk + SB, 64);
-        _tile_loadd(2, xb, xq_stride);
-        _tile_dpbssd(0, 2, 4);
-        if constexpr (P == 2) {
-            _tile_zero(1);
-            _tile_loadd(3, xb + QK, xq_stride);
-            _tile_dpbssd(1, 3, 4);
-        }
-        _tile_stored(0, c, 64);
-        if constexpr (P == 2) _tile_stored(1, c + 256, 64);
+        const int32_t* cb = c + (b % AMX_AHEAD) * (P * 256);
         const __m512 d =
-            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK)));
+#pragma GCC unroll 16
         for (int t = 0; t < T; ++t) {
-            __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t));
+            __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * t));
             if constexpr (P == 2) {
-                const __m512 p2 = _mm512_cvtepi32_ps(_mm512_load_si512(c + 256 + 16 * t));
+                const __m512 p2 = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 256 + 16 * t));
                 p = _mm512_fmadd_ps(p2, _mm512_set1_ps(1.0f / 254.0f), p);
             }
             acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
                                      acc[t]);
         }
+        if (b + AMX_AHEAD < nb) amx_block<P>(w, xq, xq_stride, b + AMX_AHEAD, c);
     }
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
 }
 
@@ -437,7 +492,7 @@ void amx_gemv(const uint8_t* w, const int8_t* xq, const float* dx, void* y, int 
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         configure_tiles(pass);
-        alignas(64) int32_t c[P * 256];
+        alignas(64) int32_t c[AMX_AHEAD * P * 256];
         alignas(64) float out[16 * ROWS];
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -446,17 +501,8 @@ void amx_gemv(const uint8_t* w, const int8_t* xq, const float* dx, void* y, int 
             for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
                 const int tm = static_cast<int>(std::min<int64_t>(16, m_rows - m0));
                 amx_dispatch<P>(tm, wt, nb, xq + m0 * P * k, P * k, dx + m0 * nb, nb, c, out);
-                for (int64_t t = 0; t < tm; ++t) {
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
-                        const float v = out[t * ROWS + r];
-                        if (dtype == 1) {
-                            static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
-                        } else {
-                            static_cast<float*>(y)[i] = v;
-                        }
-                    }
-                }
+                for (int64_t t = 0; t < tm; ++t)
+                    store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
             }
         }
         _tile_release();
