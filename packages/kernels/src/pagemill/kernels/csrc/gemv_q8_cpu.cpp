@@ -68,6 +68,20 @@ constexpr int64_t QS_BYTES = ROWS * QK;        // int8 values of one block of a 
 constexpr int64_t SB = ROWS * 2;               // fp16 scales of one block of a tile
 constexpr int64_t BLOCK = SB + QS_BYTES;
 
+// Blocks ahead of the one being multiplied that are asked from memory by hand: the hardware's
+// stream prefetch alone leaves one core short of the rate memory can deliver.
+constexpr int64_t PREFETCH_BLOCKS = 4;
+
+inline void prefetch_block(const uint8_t* blk) {
+#if PAGEMILL_GEMV_ISA >= 1
+    for (int64_t l = 0; l < BLOCK; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * BLOCK + l),
+                     _MM_HINT_T0);
+#else
+    (void)blk;
+#endif
+}
+
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
@@ -190,6 +204,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
+        prefetch_block(blk);
         const __m512 d =
             _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
         __m512i wv[8];
@@ -227,6 +242,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
+        prefetch_block(blk);
         for (int h = 0; h < 2; ++h) {
             const __m256 d =
                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
@@ -356,7 +372,7 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* is
 #define PAGEMILL_Q8_AMX 1
 
 // From this many rows of x the matrix units beat the vector kernel.
-constexpr int64_t AMX_MIN_ROWS = 4;
+constexpr int64_t AMX_MIN_ROWS = 5;
 
 bool amx_usable() {
     static const bool ok = [] {
@@ -429,6 +445,7 @@ template <int P>
 inline void amx_block(const uint8_t* w, const int8_t* xq, int64_t xq_stride, int64_t b,
                       int32_t* c) {
     const uint8_t* blk = w + b * BLOCK;
+    prefetch_block(blk);
     const int8_t* xb = xq + b * P * QK;
     int32_t* slot = c + (b % AMX_AHEAD) * (P * 256);
     if (b & 1) {
