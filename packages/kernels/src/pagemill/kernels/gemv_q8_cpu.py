@@ -52,6 +52,7 @@ __all__ = [
     "load",
     "pack_q8_blocks",
     "packable",
+    "picks_amx",
     "unpack_q8_blocks",
 ]
 
@@ -91,6 +92,8 @@ def _path_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32, i32]
     lib.pagemill_gemv_q8_amx_available.restype = i32
     lib.pagemill_gemv_q8_amx_min_rows.restype = i64
+    lib.pagemill_gemv_q8_picks_amx.restype = i32
+    lib.pagemill_gemv_q8_picks_amx.argtypes = [i64]
     return lib
 
 
@@ -105,6 +108,13 @@ def amx_min_rows(lib: ctypes.CDLL | None = None) -> int:
     """The fewest rows of x `gemv_q8` sends to the AMX units (0: it never does)."""
     typed = _path_lib(lib or load())
     return 0 if typed is None else int(typed.pagemill_gemv_q8_amx_min_rows())
+
+
+def picks_amx(m_rows: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemv_q8` (amx=None) runs `m_rows` rows of x on the AMX units now (the
+    build, the machine, the row count and `PAGEMILL_CPU_GEMV_AMX`)."""
+    typed = _path_lib(lib or load())
+    return typed is not None and bool(typed.pagemill_gemv_q8_picks_amx(m_rows))
 
 
 # ---- the block layout ------------------------------------------------------------------------

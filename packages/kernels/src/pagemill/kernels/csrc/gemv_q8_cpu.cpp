@@ -532,6 +532,11 @@ bool amx_usable() { return false; }
 bool amx_enabled() { return false; }
 #endif
 
+// Whether a call of m_rows rows goes to the matrix units when the caller leaves it to us.
+bool picks_amx(int64_t m_rows) {
+    return m_rows >= AMX_MIN_ROWS && amx_usable() && amx_enabled();
+}
+
 // amx: -1 the matrix units from AMX_MIN_ROWS rows where usable and not turned off, 0 never,
 // 1 always (status 4 where they are not usable).
 int run(int dtype, const void* x, int64_t x_stride, const void* w, void* y, int64_t y_stride,
@@ -541,8 +546,7 @@ int run(int dtype, const void* x, int64_t x_stride, const void* w, void* y, int6
     if (planes != 1 && planes != 2) return 3;
     if (amx == 1 && !amx_usable()) return 4;
     if (m_rows == 0 || n == 0) return 0;
-    const bool tiles =
-        amx == 1 || (amx == -1 && m_rows >= AMX_MIN_ROWS && amx_usable() && amx_enabled());
+    const bool tiles = amx == 1 || (amx == -1 && picks_amx(m_rows));
     threads = std::max(1, threads);
     const int64_t nb = k / QK;
     const int64_t m_alloc = tiles ? (m_rows + 15) / 16 * 16 : m_rows;
@@ -614,6 +618,10 @@ int pagemill_gemv_q8_path(int dtype, const void* x, int64_t x_stride, const void
 
 // Whether the matrix units serve here (build, CPU and kernel permission; not the switch).
 int pagemill_gemv_q8_amx_available() { return amx_usable() ? 1 : 0; }
+
+// Whether pagemill_gemv_q8 runs a call of m_rows rows on the matrix units (this build, this
+// machine, PAGEMILL_CPU_GEMV_AMX now).
+int pagemill_gemv_q8_picks_amx(int64_t m_rows) { return picks_amx(m_rows) ? 1 : 0; }
 
 // The fewest rows of x the automatic choice sends to the matrix units (0 without them).
 int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? AMX_MIN_ROWS : 0; }
