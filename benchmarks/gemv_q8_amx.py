@@ -13,8 +13,10 @@ copy in turn, so that every call streams its weights from memory as a decode ste
 rather than from a large L3. Paths alternate within every round (A B C A B C ...); the table
 gives each path's median and least ms per call, the median's ratio to the vector kernel's,
 and the GB/s its weights were read at (median). With `--threads 1` calls are timed by the
-thread's CPU time, which other processes on a shared box do not inflate. The read bandwidth is a sum over a tensor of `--mb` MB, timed between
-the rounds. All timings are wall clock on whatever else the machine runs: give `uptime`.
+thread's CPU time, which other processes on a shared box do not inflate (though they still
+share its caches and memory); otherwise by wall clock, which a loaded box inflates many times
+over (threads wait on each other). The read bandwidth is a sum over a tensor of `--mb` MB,
+timed between the rounds (wall clock). Give `uptime` with every figure.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def main() -> None:
         old = load_gemv(args.old, "pagemill_gemv_q8", argtypes, "the old kernel", "none")
         if old is None:
             raise SystemExit(f"{args.old} does not build")
-    q8_bytes = g.pack_q8_blocks(torch.zeros(16, HIDDEN, dtype=torch.int8),
-                                torch.zeros(16, HIDDEN // 32)).numel() * (VOCAB // 16)
+    q8_bytes = g.pack_q8_blocks(
+        torch.zeros(16, HIDDEN, dtype=torch.int8), torch.zeros(16, HIDDEN // 32)
+    ).numel() * (VOCAB // 16)
     dense_bytes = VOCAB * HIDDEN * 2
     n_q8 = max(1, -(-args.mb * 2**20 // q8_bytes))
     heads, q, d = _heads(n_q8)
@@ -95,14 +98,16 @@ def main() -> None:
     for m in [int(r) for r in args.rows.split(",")]:
         x = torch.randn(m, HIDDEN).bfloat16()
 
-        def q8(path: bool | None, build: ctypes.CDLL = lib) -> Callable[[], object]:
+        def q8(
+            path: bool | None, build: ctypes.CDLL = lib, x: torch.Tensor = x
+        ) -> Callable[[], object]:
             def run() -> None:
                 for h in heads:
                     g.gemv_q8(x, h, VOCAB, build, planes=args.planes, amx=path)
 
             return run
 
-        def lin() -> None:
+        def lin(x: torch.Tensor = x) -> None:
             for w in dense:
                 F.linear(x, w)
 
@@ -118,7 +123,7 @@ def main() -> None:
             paths["dense"] = (lin, len(dense), dense_bytes)
         times: dict[str, list[float]] = {p: [] for p in paths}
         reads: list[float] = []
-        for fn, calls, _ in paths.values():  # warm up
+        for fn, _, _ in paths.values():  # warm up
             fn()
         for _ in range(args.rounds):
             for p, (fn, calls, _) in paths.items():
@@ -131,8 +136,10 @@ def main() -> None:
             ms = statistics.median(times[p])
             low = min(times[p])
             print(f"{m:>4} {p:>7} {ms:7.3f} {low:7.3f} {vec / ms:6.2f} {nbytes / ms / 1e6:6.1f}")
-        print(f"{m:>4} {'read':>7} {'':>7} {'':>7} {'':>6} {statistics.median(reads):6.1f}"
-              f"  (sum over {args.mb} MB; load {os.getloadavg()[0]:.2f})")
+        print(
+            f"{m:>4} {'read':>7} {'':>7} {'':>7} {'':>6} {statistics.median(reads):6.1f}"
+            f"  (sum over {args.mb} MB; load {os.getloadavg()[0]:.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def test_scales_fp16_cannot_hold_are_refused() -> None:
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 48, 96), (2, 17, 32), (3, 1, 64), (5, 33, 160), (16, 40, 96), (37, 33, 64)]
+    ("m", "n", "k"),
+    [(1, 48, 96), (2, 17, 32), (3, 1, 64), (5, 33, 160), (16, 40, 96), (37, 33, 64)],
 )
 def test_matches_the_torch_arithmetic(isa, planes, dtype, m, n, k) -> None:
     lib = g.load(isa)
