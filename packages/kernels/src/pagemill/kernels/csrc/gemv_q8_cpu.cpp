@@ -28,7 +28,7 @@
 // Built at run time by pagemill.kernels.gemv_q8_cpu (host compiler, -O3 -march=native
 // -fopenmp, no torch headers) and called through ctypes. Output rows are split over
 // OpenMP threads by tiles; up to four rows of x share each weight block while it is in
-// registers.
+// registers. Each thread asks for its weights a few blocks ahead of use (PREFETCH_BLOCKS).
 
 #include <algorithm>
 #include <cmath>
