@@ -2,7 +2,9 @@
 torch (`gemv_q8_torch`), the exact fp32 product within the int8 rounding's own bound, every
 ISA build this CPU can run (weights of -128 and 127 included: the VNNI offset and the AVX2
 sign trick must not overflow), odd shapes, thread counts, the op in a compiled graph, and
-the fallback without a compiler."""
+the fallback without a compiler. On an AMX machine: the matrix-unit path gives the vector
+kernel's bits at every row count, and the kernel's own pick follows the row count and
+PAGEMILL_CPU_GEMV_AMX."""
 
 from __future__ import annotations
 
@@ -72,7 +74,10 @@ def test_scales_fp16_cannot_hold_are_refused() -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 48, 96), (2, 17, 32), (3, 1, 64), (5, 33, 160)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 48, 96), (2, 17, 32), (3, 1, 64), (5, 33, 160), (16, 40, 96), (37, 33, 64)],
+)
 def test_matches_the_torch_arithmetic(isa, planes, dtype, m, n, k) -> None:
     lib = g.load(isa)
     assert lib is not None and lib.pagemill_gemv_q8_isa() == isa
@@ -171,3 +176,91 @@ def test_no_compiler_means_no_kernel(monkeypatch) -> None:
     assert g.load.__wrapped__() is None
     monkeypatch.setenv("PAGEMILL_NATIVE_CPU_KERNELS", "0")
     assert g.load.__wrapped__() is None
+
+
+# ---- the AMX path ------------------------------------------------------------------------------
+
+needs_amx = pytest.mark.skipif(not g.amx_available(), reason="no AMX-INT8 here (build or CPU)")
+
+
+@needs_amx
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "k"), [(200, 576), (33, 160), (17, 32), (16, 64)])
+def test_amx_gives_the_vector_kernels_bits(planes, dtype, n, k) -> None:
+    q, d = _rows(n, k, seed=n + k)
+    blocks = g.pack_q8_blocks(q, d)
+    gen = torch.Generator().manual_seed(k)
+    for m in (1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 33, 48, 64):
+        x = (torch.randn(m, k, generator=gen) * torch.linspace(0.01, 8, k)).to(dtype)
+        for threads in (1, 2):
+            vec = g.gemv_q8(x, blocks, n, threads=threads, planes=planes, amx=False)
+            amx = g.gemv_q8(x, blocks, n, threads=threads, planes=planes, amx=True)
+            assert amx.dtype == dtype and amx.shape == (m, n)
+            assert torch.equal(amx, vec), (m, threads)
+
+
+@needs_amx
+def test_amx_reads_strided_rows() -> None:
+    q, d = _rows(48, 96, seed=7)
+    blocks = g.pack_q8_blocks(q, d)
+    x = torch.randn(20, 192)[:, 32:128]  # rows 192 apart
+    want = g.gemv_q8(x.contiguous(), blocks, 48, amx=False)
+    assert torch.equal(g.gemv_q8(x, blocks, 48, amx=True), want)
+
+
+@needs_amx
+def test_kernel_picks_amx_by_rows_and_switch(monkeypatch) -> None:
+    low = g.amx_min_rows()
+    assert 1 < low <= 16  # one row streams the weights best on the vector units
+    monkeypatch.delenv("PAGEMILL_CPU_GEMV_AMX", raising=False)
+    assert not g.picks_amx(low - 1) and g.picks_amx(low) and g.picks_amx(64)
+    monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", "0")
+    assert not g.picks_amx(low) and not g.picks_amx(64)
+    monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", "1")
+    assert g.picks_amx(64)
+    # Either way the picked path gives the same bits.
+    q, d = _rows(40, 64, seed=8)
+    blocks = g.pack_q8_blocks(q, d)
+    x = torch.randn(low, 64)
+    assert torch.equal(g.gemv_q8(x, blocks, 40), g.gemv_q8(x, blocks, 40, amx=False))
+
+
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa < 3])
+def test_portable_builds_have_no_amx(isa) -> None:
+    lib = g.load(isa)
+    assert lib is not None and not g.amx_available(lib) and g.amx_min_rows(lib) == 0
+    assert not g.picks_amx(64, lib)
+    q, d = _rows(32, 64, seed=9)
+    blocks = g.pack_q8_blocks(q, d)
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(
+        g.gemv_q8(x, blocks, 32, lib), g.gemv_q8_torch(x, blocks, 32), rtol=1e-5, atol=1e-5
+    )
+    with pytest.raises(RuntimeError, match="AMX"):
+        g.gemv_q8(x, blocks, 32, lib, amx=True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("amx", [False, None], ids=["vector", "picked"])
+def test_bf16_outputs_round_as_torch_does(isa, amx) -> None:
+    """bf16 x gives the fp32 result rounded to nearest even: the outputs' rounding, not an
+    approximation of it (x is bf16-exact, so both calls quantize the same values)."""
+    lib = g.load(isa)
+    q, d = _rows(70, 96, seed=10)
+    blocks = g.pack_q8_blocks(q, d)
+    x = (torch.randn(9, 96) * 3).bfloat16()
+    y16 = g.gemv_q8(x, blocks, 70, lib, amx=amx if isa == 3 else None)
+    y32 = g.gemv_q8(x.float(), blocks, 70, lib, amx=amx if isa == 3 else None)
+    assert torch.equal(y16.view(torch.int16), y32.bfloat16().view(torch.int16))
+    # Exact ties (257 + 2r: halfway between two bf16 values) go to the even one. With
+    # max|x| = 127 the activations are their own int8 values: y_r = 127 * 2 + (3 + 2r) * 1.
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    q[:, 0] = 127
+    q[:, 1] = torch.arange(8, dtype=torch.int8) * 2 + 3
+    blocks = g.pack_q8_blocks(q, torch.ones(8, 1))
+    x = torch.zeros(9, 32, dtype=torch.bfloat16)
+    x[:, :3] = torch.tensor([2.0, 1.0, 127.0])
+    y = g.gemv_q8(x, blocks, 8, lib, amx=amx if isa == 3 else None)
+    want = (torch.arange(8) * 2 + 257).float().bfloat16().expand(9, 8)
+    assert torch.equal(y, want)

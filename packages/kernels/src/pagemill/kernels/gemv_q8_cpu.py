@@ -10,6 +10,11 @@ rounding is the one approximation (the weights and their fp16 scales are exact);
 planes (`gemv_q4_cpu.quantize_activations`) it is ~max|x| / 64516 per block.
 `gemv_q8_torch` computes the same arithmetic in plain torch.
 
+On a machine with AMX-INT8 the kernel itself sends calls of a few rows and more
+(`amx_min_rows()`) to the matrix units: the vector kernel's integers and float steps, so the
+same bits, in far fewer instructions per row of x; `PAGEMILL_CPU_GEMV_AMX=0` keeps every
+call on the vector kernel. Callers change nothing.
+
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). Callers reach it as `torch.ops.pagemill_native.gemv_q8`
 (a C++ torch operator, `cpu_native.load_gemv_ops`) or else `torch.ops.pagemill.gemv_q8`
@@ -38,6 +43,8 @@ __all__ = [
     "ISA_NAMES",
     "QK",
     "ROWS",
+    "amx_available",
+    "amx_min_rows",
     "available",
     "dequantize_q8_blocks",
     "gemv_q8",
@@ -45,6 +52,7 @@ __all__ = [
     "load",
     "pack_q8_blocks",
     "packable",
+    "picks_amx",
     "unpack_q8_blocks",
 ]
 
@@ -72,6 +80,41 @@ def load(isa: int | None = None) -> ctypes.CDLL | None:
 
 def available() -> bool:
     return load() is not None
+
+
+def _path_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """`lib` with its chosen-kernel entry typed (builds before it have none)."""
+    if lib is None or not hasattr(lib, "pagemill_gemv_q8_path"):
+        return None
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn = lib.pagemill_gemv_q8_path
+    fn.restype = i32
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32, i32]
+    lib.pagemill_gemv_q8_amx_available.restype = i32
+    lib.pagemill_gemv_q8_amx_min_rows.restype = i64
+    lib.pagemill_gemv_q8_picks_amx.restype = i32
+    lib.pagemill_gemv_q8_picks_amx.argtypes = [i64]
+    return lib
+
+
+def amx_available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether calls can run on the AMX units here: AMX-INT8 in the build (compiler and
+    -march), on the CPU, and the kernel's permission for the tiles' state."""
+    typed = _path_lib(lib or load())
+    return typed is not None and bool(typed.pagemill_gemv_q8_amx_available())
+
+
+def amx_min_rows(lib: ctypes.CDLL | None = None) -> int:
+    """The fewest rows of x `gemv_q8` sends to the AMX units (0: it never does)."""
+    typed = _path_lib(lib or load())
+    return 0 if typed is None else int(typed.pagemill_gemv_q8_amx_min_rows())
+
+
+def picks_amx(m_rows: int, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemv_q8` (amx=None) runs `m_rows` rows of x on the AMX units now (the
+    build, the machine, the row count and `PAGEMILL_CPU_GEMV_AMX`)."""
+    typed = _path_lib(lib or load())
+    return typed is not None and bool(typed.pagemill_gemv_q8_picks_amx(m_rows))
 
 
 # ---- the block layout ------------------------------------------------------------------------
@@ -170,11 +213,14 @@ def gemv_q8(
     lib: ctypes.CDLL | None = None,
     threads: int = 0,
     planes: int = 2,
+    amx: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype, on the native kernel
     (`lib`: a `load()` result; default the host's best). `threads` 0: torch's intra-op
     thread count. `planes` 1: x rounded to int8 per block of 32 (llama.cpp's rounding);
-    2 (default): plus a second int8 plane for the remainder."""
+    2 (default): plus a second int8 plane for the remainder. `amx` None: the kernel picks
+    (see the module); True / False: the AMX units / the vector kernel at any row count (True
+    raises where `amx_available()` is False)."""
     check_planes("gemv_q8", planes)
     lib = lib or load()
     if lib is None:
@@ -190,7 +236,7 @@ def gemv_q8(
     blocks = blocks.contiguous()
     m_rows, k = x.shape
     y = torch.empty(m_rows, n, dtype=x.dtype)
-    status = lib.pagemill_gemv_q8(
+    args = (
         GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),
         x.stride(0),
@@ -203,6 +249,15 @@ def gemv_q8(
         threads or torch.get_num_threads(),
         planes,
     )
+    if amx is None:
+        status = lib.pagemill_gemv_q8(*args)
+    else:
+        typed = _path_lib(lib)
+        if typed is None:
+            raise RuntimeError("this gemv_q8 build cannot choose its kernel")
+        status = typed.pagemill_gemv_q8_path(*args, int(amx))
+        if status == 4:
+            raise RuntimeError("gemv_q8 cannot run on AMX units here (see amx_available())")
     check_status("gemv_q8_cpu", status)
     return y
 

@@ -19,6 +19,8 @@
 //   w's sign, |w| * |x| <= 128 * 127, so a pair sums to at most 32512 and never saturates;
 // - plain C++.
 // PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
+// On the AVX-512 build a machine with AMX-INT8 runs calls of AMX_MIN_ROWS rows and more on
+// the matrix units instead (see "AMX" below): the same integers and float steps, the same bits.
 //
 // Activation block: q1 = round(x / dx) in -127..127 with dx = max|x| / 127; with two
 // planes also the remainder rounded in steps of dx / 254 (q2), so x ≈ dx * (q1 + q2 / 254).
@@ -26,7 +28,7 @@
 // Built at run time by pagemill.kernels.gemv_q8_cpu (host compiler, -O3 -march=native
 // -fopenmp, no torch headers) and called through ctypes. Output rows are split over
 // OpenMP threads by tiles; up to four rows of x share each weight block while it is in
-// registers.
+// registers. Each thread asks for its weights a few blocks ahead of use (PREFETCH_BLOCKS).
 
 #include <algorithm>
 #include <cmath>
@@ -36,6 +38,13 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #endif
 
 #ifndef PAGEMILL_GEMV_ISA
@@ -58,6 +67,20 @@ constexpr int ROWS = 16;                       // output rows interleaved in one
 constexpr int64_t QS_BYTES = ROWS * QK;        // int8 values of one block of a tile
 constexpr int64_t SB = ROWS * 2;               // fp16 scales of one block of a tile
 constexpr int64_t BLOCK = SB + QS_BYTES;
+
+// Blocks ahead of the one being multiplied that are asked from memory by hand: the hardware's
+// stream prefetch alone leaves one core short of the rate memory can deliver.
+constexpr int64_t PREFETCH_BLOCKS = 4;
+
+inline void prefetch_block(const uint8_t* blk) {
+#if PAGEMILL_GEMV_ISA >= 1
+    for (int64_t l = 0; l < BLOCK; l += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH_BLOCKS * BLOCK + l),
+                     _MM_HINT_T0);
+#else
+    (void)blk;
+#endif
+}
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -102,6 +125,38 @@ inline uint16_t float_to_bf16(float f) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
     bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
     return static_cast<uint16_t>(bits >> 16);
+}
+
+// One tile's 16 (or `rows` < 16) outputs of one row of x to y[i0..], in fp32 or rounded to
+// bf16 as float_to_bf16 does.
+inline void store_outputs(const float* v, void* y, int64_t i0, int64_t rows, int dtype) {
+#if PAGEMILL_GEMV_ISA == 3
+    const __mmask16 keep = rows >= ROWS ? __mmask16(0xffff) : __mmask16((1u << rows) - 1u);
+    const __m512 f = _mm512_loadu_ps(v);
+    if (dtype == 1) {
+        const __m512i bits = _mm512_castps_si512(f);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        const __m512i even =
+            _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+        const __m512i top = _mm512_mask_or_epi32(_mm512_srli_epi32(even, 16), nan,
+                                                 _mm512_srli_epi32(bits, 16),
+                                                 _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i0, keep,
+                                 _mm512_cvtepi32_epi16(top));
+    } else {
+        _mm512_mask_storeu_ps(static_cast<float*>(y) + i0, keep, f);
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+        if (dtype == 1) {
+            static_cast<uint16_t*>(y)[i0 + r] = float_to_bf16(v[r]);
+        } else {
+            static_cast<float*>(y)[i0 + r] = v[r];
+        }
+    }
+#endif
 }
 
 // One row of x quantized: xq [K * P] int8 (per block: P planes of 32), dx [K / 32] and the
@@ -149,6 +204,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
     const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
+        prefetch_block(blk);
         const __m512 d =
             _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
         __m512i wv[8];
@@ -186,6 +242,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * BLOCK;
+        prefetch_block(blk);
         for (int h = 0; h < 2; ++h) {
             const __m256 d =
                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
@@ -291,47 +348,214 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* is
                 case 2: tile_rows<2, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
                 default: tile_rows<1, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
             }
-            for (int64_t t = 0; t < tm; ++t) {
-                for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t i = (m0 + t) * y_stride + tile * ROWS + r;
-                    const float v = out[t * ROWS + r];
-                    if (dtype == 1) {
-                        static_cast<uint16_t*>(y)[i] = float_to_bf16(v);
-                    } else {
-                        static_cast<float*>(y)[i] = v;
-                    }
-                }
-            }
+            for (int64_t t = 0; t < tm; ++t)
+                store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
         }
     }
 }
 
-}  // namespace
+// ---- AMX: the same product on the matrix units (TDPBSSD: s8 x s8 -> i32 tiles) --------------
+//
+// A tile's block is already what TDPBSSD wants as its B operand: K/4 = 8 rows of 16 outputs x
+// 4 consecutive inputs, 64 bytes apart; so the packed weights load straight into a tile, with
+// no unpacking or sign offset. x's quantized rows are the A tile (up to 16 rows x 32 int8, one
+// per plane, read in place: a row's planes are P * K bytes apart). The integer dot products of
+// 16 rows of x with the tile's 16 outputs (one product tile per plane) leave the matrix unit
+// through memory, and each row then takes exactly tile_rows' float steps for that block
+// (p = q1, p = q2 / 254 + p, acc += p * (d * dx)), block after block: the result is the
+// AVX-512 GEMV's to the bit, at a fraction of its vector instructions per row of x.
+//
+// The tiles' state needs the kernel's permission once per process (arch_prctl) and a tile
+// configuration per thread. PAGEMILL_CPU_GEMV_AMX=0 keeps every call on the vector kernel.
 
-extern "C" {
+#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define PAGEMILL_Q8_AMX 1
 
-// Which arithmetic this build runs (PAGEMILL_GEMV_ISA's values).
-int pagemill_gemv_q8_isa() { return PAGEMILL_GEMV_ISA; }
+// From this many rows of x the matrix units beat the vector kernel.
+constexpr int64_t AMX_MIN_ROWS = 5;
 
-// dtype: 0 fp32, 1 bf16 (x and y). planes: 1 (x rounded to int8 per block) or 2 (plus its
-// remainder in a second int8 plane). x [m_rows, k] with row stride x_stride (elements),
-// y [m_rows, n] with row stride y_stride. Returns 0, or a nonzero status for arguments it
-// refuses.
-int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
-                     int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
-                     int planes) {
+bool amx_usable() {
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need = (1u << 24) | (1u << 25);  // AMX-TILE, AMX-INT8
+        if ((d & need) != need) return false;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+        constexpr long XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+bool amx_enabled() {
+    const char* v = std::getenv("PAGEMILL_CPU_GEMV_AMX");
+    return !(v && v[0] == '0' && v[1] == '\0');
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Two sets of tiles, so that the matrix unit multiplies one block while the vector units scale
+// the block before: products of planes 0, 1 in tiles 0, 1 (set 0) or 4, 5 (set 1), rows x 16
+// int32; the weight block in tile 6 or 7 (8 x 64 int8); the planes of x in tiles 2, 3 (rows x
+// 32 int8), shared. rows: how many rows of x one pass takes.
+void configure_tiles(int rows) {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    const uint8_t r = static_cast<uint8_t>(rows);
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = cfg.rows[5] = r;
+    cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[4] = cfg.colsb[5] = 64;
+    cfg.rows[2] = cfg.rows[3] = r;
+    cfg.colsb[2] = cfg.colsb[3] = QK;
+    cfg.rows[6] = cfg.rows[7] = QK / 4;
+    cfg.colsb[6] = cfg.colsb[7] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// One block's integer products (P planes of x at xb against the weight block at blk) into
+// c [P][16][16], on product tiles C, C1 and weight tile B. A macro: GCC's tile intrinsics take
+// tile numbers as literal register names.
+#define PAGEMILL_Q8_AMX_PRODUCTS(C, C1, B, P, blk, xb, xq_stride, c) \
+    do {                                                              \
+        _tile_zero(C);                                                \
+        _tile_loadd(B, (blk) + SB, 64);                               \
+        _tile_loadd(2, (xb), (xq_stride));                            \
+        _tile_dpbssd(C, 2, B);                                        \
+        if constexpr ((P) == 2) {                                     \
+            _tile_zero(C1);                                           \
+            _tile_loadd(3, (xb) + QK, (xq_stride));                   \
+            _tile_dpbssd(C1, 3, B);                                   \
+        }                                                             \
+        _tile_stored(C, (c), 64);                                     \
+        if constexpr ((P) == 2) _tile_stored(C1, (c) + 256, 64);      \
+    } while (0)
+
+// How many blocks ahead the matrix unit runs of the vector units: a vector load of a line a
+// tile store wrote waits until the store has left the core, so block b's products are made
+// while the vector units scale block b - AMX_AHEAD's (a ring of AMX_AHEAD products buffers).
+constexpr int64_t AMX_AHEAD = 4;
+
+// Block b's products into its ring slot (tile set by b's parity: AMX_AHEAD is even).
+template <int P>
+inline void amx_block(const uint8_t* w, const int8_t* xq, int64_t xq_stride, int64_t b,
+                      int32_t* c) {
+    const uint8_t* blk = w + b * BLOCK;
+    prefetch_block(blk);
+    const int8_t* xb = xq + b * P * QK;
+    int32_t* slot = c + (b % AMX_AHEAD) * (P * 256);
+    if (b & 1) {
+        PAGEMILL_Q8_AMX_PRODUCTS(4, 5, 7, P, blk, xb, xq_stride, slot);
+    } else {
+        PAGEMILL_Q8_AMX_PRODUCTS(0, 1, 6, P, blk, xb, xq_stride, slot);
+    }
+}
+
+// Rows x[0..T) (planes xq, row stride xq_stride bytes; dx [T][s_stride]) against one tile of
+// 16 outputs, as tile_rows<T, P> computes it. c: AMX_AHEAD * P * 256 int32 of scratch,
+// 64-byte aligned.
+template <int T, int P>
+void amx_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+              const float* dx, int64_t s_stride, int32_t* c, float* out /* [T][16] */) {
+    __m512 acc[T];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < std::min(nb, AMX_AHEAD); ++b) amx_block<P>(w, xq, xq_stride, b, c);
+    for (int64_t b = 0; b < nb; ++b) {
+        const int32_t* cb = c + (b % AMX_AHEAD) * (P * 256);
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * BLOCK)));
+#pragma GCC unroll 16
+        for (int t = 0; t < T; ++t) {
+            __m512 p = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * t));
+            if constexpr (P == 2) {
+                const __m512 p2 = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 256 + 16 * t));
+                p = _mm512_fmadd_ps(p2, _mm512_set1_ps(1.0f / 254.0f), p);
+            }
+            acc[t] = _mm512_fmadd_ps(p, _mm512_mul_ps(d, _mm512_set1_ps(dx[t * s_stride + b])),
+                                     acc[t]);
+        }
+        if (b + AMX_AHEAD < nb) amx_block<P>(w, xq, xq_stride, b + AMX_AHEAD, c);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
+}
+
+template <int P, int T = 16>
+void amx_dispatch(int tm, const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride,
+                  const float* dx, int64_t s_stride, int32_t* c, float* out) {
+    if constexpr (T > 1) {
+        if (tm < T) {
+            amx_dispatch<P, T - 1>(tm, w, nb, xq, xq_stride, dx, s_stride, c, out);
+            return;
+        }
+    }
+    amx_rows<T, P>(w, nb, xq, xq_stride, dx, s_stride, c, out);
+}
+
+// gemv<P> on the tiles. xq holds at least ceil(m_rows / 16) * 16 rows (rows past m_rows are
+// read by the tiles, and their products dropped).
+template <int P>
+void amx_gemv(const uint8_t* w, const int8_t* xq, const float* dx, void* y, int dtype,
+              int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int pass = static_cast<int>(std::min<int64_t>(16, m_rows));
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        configure_tiles(pass);
+        alignas(64) int32_t c[AMX_AHEAD * P * 256];
+        alignas(64) float out[16 * ROWS];
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+            const uint8_t* wt = w + tile * nb * BLOCK;
+            const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+            for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
+                const int tm = static_cast<int>(std::min<int64_t>(16, m_rows - m0));
+                amx_dispatch<P>(tm, wt, nb, xq + m0 * P * k, P * k, dx + m0 * nb, nb, c, out);
+                for (int64_t t = 0; t < tm; ++t)
+                    store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
+            }
+        }
+        _tile_release();
+    }
+}
+
+#else
+constexpr int64_t AMX_MIN_ROWS = 0;
+bool amx_usable() { return false; }
+bool amx_enabled() { return false; }
+#endif
+
+// Whether a call of m_rows rows goes to the matrix units when the caller leaves it to us.
+bool picks_amx(int64_t m_rows) {
+    return m_rows >= AMX_MIN_ROWS && amx_usable() && amx_enabled();
+}
+
+// amx: -1 the matrix units from AMX_MIN_ROWS rows where usable and not turned off, 0 never,
+// 1 always (status 4 where they are not usable).
+int run(int dtype, const void* x, int64_t x_stride, const void* w, void* y, int64_t y_stride,
+        int64_t m_rows, int64_t n, int64_t k, int threads, int planes, int amx) {
     if (dtype != 0 && dtype != 1) return 1;
     if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
     if (planes != 1 && planes != 2) return 3;
+    if (amx == 1 && !amx_usable()) return 4;
     if (m_rows == 0 || n == 0) return 0;
+    const bool tiles = amx == 1 || (amx == -1 && picks_amx(m_rows));
     threads = std::max(1, threads);
     const int64_t nb = k / QK;
+    const int64_t m_alloc = tiles ? (m_rows + 15) / 16 * 16 : m_rows;
     const size_t elt = dtype == 1 ? 2 : 4;
     // Per calling thread, reused across calls.
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> ds;
     thread_local std::vector<int32_t> sums;
-    xq.resize(static_cast<size_t>(planes * m_rows * k));
+    xq.resize(static_cast<size_t>(planes * m_alloc * k));
     ds.resize(static_cast<size_t>(m_rows * nb));
     sums.resize(static_cast<size_t>(planes * m_rows * nb));
     // Raw pointers: inside the parallel regions a thread_local name is each thread's own.
@@ -349,6 +573,16 @@ int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w, 
         }
     }
     const uint8_t* wb = static_cast<const uint8_t*>(w);
+#ifdef PAGEMILL_Q8_AMX
+    if (tiles) {
+        if (planes == 2) {
+            amx_gemv<2>(wb, xqp, dx, y, dtype, m_rows, n, k, y_stride, threads);
+        } else {
+            amx_gemv<1>(wb, xqp, dx, y, dtype, m_rows, n, k, y_stride, threads);
+        }
+        return 0;
+    }
+#endif
     if (planes == 2) {
         gemv<2>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads);
     } else {
@@ -356,5 +590,40 @@ int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w, 
     }
     return 0;
 }
+
+}  // namespace
+
+extern "C" {
+
+// Which arithmetic this build runs (PAGEMILL_GEMV_ISA's values).
+int pagemill_gemv_q8_isa() { return PAGEMILL_GEMV_ISA; }
+
+// dtype: 0 fp32, 1 bf16 (x and y). planes: 1 (x rounded to int8 per block) or 2 (plus its
+// remainder in a second int8 plane). x [m_rows, k] with row stride x_stride (elements),
+// y [m_rows, n] with row stride y_stride. Returns 0, or a nonzero status for arguments it
+// refuses.
+int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
+                     int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                     int planes) {
+    return run(dtype, x, x_stride, w, y, y_stride, m_rows, n, k, threads, planes, -1);
+}
+
+// pagemill_gemv_q8 on a chosen kernel (amx 0: the vector kernel, 1: the matrix units,
+// status 4 where they are not usable), for tests and benchmarks.
+int pagemill_gemv_q8_path(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
+                          int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                          int planes, int amx) {
+    return run(dtype, x, x_stride, w, y, y_stride, m_rows, n, k, threads, planes, amx != 0);
+}
+
+// Whether the matrix units serve here (build, CPU and kernel permission; not the switch).
+int pagemill_gemv_q8_amx_available() { return amx_usable() ? 1 : 0; }
+
+// Whether pagemill_gemv_q8 runs a call of m_rows rows on the matrix units (this build, this
+// machine, PAGEMILL_CPU_GEMV_AMX now).
+int pagemill_gemv_q8_picks_amx(int64_t m_rows) { return picks_amx(m_rows) ? 1 : 0; }
+
+// The fewest rows of x the automatic choice sends to the matrix units (0 without them).
+int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? AMX_MIN_ROWS : 0; }
 
 }  // extern "C"
