@@ -119,10 +119,35 @@ template <int DT> struct KVLoad<DT, true> {
 };
 
 constexpr int kMaxBlock = 256;    // largest block_size and head_dim served here
+
+// With PAGEMILL_DECODE_PROFILE defined (benchmarks/attention_cpu.py builds such a copy),
+// the fast path counts the calling thread's TSC cycles per phase: 0 setup (q, state),
+// 1 scores, 2 weights, 3 weighted values, 4 output or partial state, 5 merge of parts,
+// 6 whole calls; 7 counts the pairs (or parts) decoded. Read with pagemill_paged_decode_profile.
+#if defined(PAGEMILL_DECODE_PROFILE)
+}  // namespace
+#include <x86intrin.h>
+namespace {
+thread_local double g_prof[8];
+#define PROF_BEGIN() uint64_t prof_t = __rdtsc()
+#define PROF(i)                                  \
+    do {                                         \
+        const uint64_t prof_now = __rdtsc();     \
+        g_prof[i] += double(prof_now - prof_t);  \
+        prof_t = prof_now;                       \
+    } while (0)
+#define PROF_COUNT(i) (g_prof[i] += 1.0)
+#else
+#define PROF_BEGIN() (void)0
+#define PROF(i) (void)0
+#define PROF_COUNT(i) (void)0
+#endif
 constexpr int kMaxFastGroup = 16;  // larger GQA groups take the generic path
-// Batches of fewer (request, KV head) pairs than this split their contexts (decode_all)...
-constexpr int kSplitBelowPairs = 16;
-// ...into parts of at least this many positions.
+// Batches of fewer (request, KV head) pairs than this split their contexts (decode_all)
+// into about this many work items (a multiple of 2, 3 and 4 threads' shares where the
+// context is long enough)...
+constexpr int kSplitItems = 12;
+// ...of at least this many positions each.
 constexpr int kMinPartTokens = 32;
 
 template <int DT, bool FP8, int HEAD_DIM>
@@ -521,6 +546,8 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     float m[kMaxGroup], l[kMaxGroup];
     // The softmax scale multiplies the fp32 scores on the bf16 path (q stays exact bf16),
     // and q on the others (as the generic path does).
+    PROF_BEGIN();
+    PROF_COUNT(7);
     const float qscale = scale * k_scale;
     for (int g = 0; g < group; ++g) {
         const auto* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
@@ -549,6 +576,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         const int b1 = std::min(num_blocks, b0 + chunk_blocks);
         const int p0 = std::max(start, b0 * block_size);  // first position of the chunk
         const int len = std::min(ctx, b1 * block_size) - p0;
+        PROF(b0 == start / block_size ? 0 : 3);
         // Pass 1: every score of the chunk, and a running max per head (vector-wide).
         __m512 vmax[kMaxGroup];
         for (int g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
@@ -620,6 +648,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                 }
             }
         }
+        PROF(1);
         // Pass 2: the chunk's weights exp(s - max), their sums, the old state rescaled.
         float alpha[kMaxGroup];
         for (int g = 0; g < group; ++g) {
@@ -638,6 +667,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
             l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
             m[g] = top;
         }
+        PROF(2);
         // Pass 3: the weighted values, a register block of heads at a time over the chunk.
         for (int g0 = 0; g0 < group; g0 += HB) {
             const int hb = std::min(HB, group - g0);
@@ -673,6 +703,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                     for (int c = 0; c < NV; ++c) _mm512_store_ps(&acc[g0 + h][16 * c], av[h][c]);
         }
     }
+    PROF(start / block_size < num_blocks ? 3 : 0);
     for (int g = 0; g < group; ++g) {
         if (state) {
             float* st = state + g * kStateFloats<NV>;
@@ -684,6 +715,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                                    acc[g], l[g], v_scale);
         }
     }
+    PROF(4);
 }
 
 // A pair's outputs from its parts' states (in part order, so the result does not depend on
@@ -732,6 +764,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 const float* v_scales, int64_t scale_stride, const float* sinks) {
     using T = typename Elem<DT>::T;
     using KT = typename KVLoad<DT, FP8>::T;
+    PROF_BEGIN();
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
 #if defined(__AVX512F__)
@@ -746,11 +779,11 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
     // (flash-decoding: a partial softmax per part, merged per pair after the parallel loop).
     // The cut depends on the batch only, never on the threads: results do not either.
     int parts = 1;
-    if (fast_path && pairs < kSplitBelowPairs) {
+    if (fast_path && pairs < kSplitItems) {
         int longest = 0;
         for (int64_t s = 0; s < num_seqs; ++s)
             longest = std::max(longest, window > 0 ? std::min<int>(seq_lens[s], window) : seq_lens[s]);
-        const int64_t want = (kSplitBelowPairs + pairs - 1) / pairs;
+        const int64_t want = (kSplitItems + pairs - 1) / pairs;
         parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, longest / kMinPartTokens)));
     }
     const int64_t items = pairs * parts;
@@ -759,10 +792,13 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
 #else
     constexpr int64_t state_floats = 0;
 #endif
-    std::vector<float> state_buf;
+    // The parts' states, in the calling thread's buffer (grown once, never shrunk: nothing
+    // allocated per call).
     float* states = nullptr;
     if (parts > 1) {
-        state_buf.resize(static_cast<size_t>(items * group * state_floats) + 16);
+        thread_local std::vector<float> state_buf;
+        const size_t need = static_cast<size_t>(items * group * state_floats) + 16;
+        if (state_buf.size() < need) state_buf.resize(need);
         states = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(state_buf.data()) + 63) & ~uintptr_t{63});
     }
     (void)states;  // read only where the fast path is built
@@ -837,6 +873,9 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
         for (int64_t r = 0; r < runs; ++r) run(r * grain, std::min(items, (r + 1) * grain));
     }
+#if defined(PAGEMILL_DECODE_PROFILE)
+    const uint64_t prof_loop = __rdtsc();
+#endif
 #if defined(__AVX512F__)
     if constexpr (kFastDim) {
         if (parts > 1) {
@@ -850,6 +889,11 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
             }
         }
     }
+#endif
+#if defined(PAGEMILL_DECODE_PROFILE)
+    const uint64_t prof_end = __rdtsc();
+    g_prof[5] += double(prof_end - prof_loop);
+    g_prof[6] += double(prof_end - prof_t);
 #endif
 }
 
@@ -918,3 +962,13 @@ extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_
     }
     return 0;
 }
+
+#if defined(PAGEMILL_DECODE_PROFILE)
+// The calling thread's phase counters (see PROF), copied to out[8] and optionally zeroed.
+extern "C" void pagemill_paged_decode_profile(double* out, int reset) {
+    for (int i = 0; i < 8; ++i) {
+        out[i] = g_prof[i];
+        if (reset) g_prof[i] = 0.0;
+    }
+}
+#endif
