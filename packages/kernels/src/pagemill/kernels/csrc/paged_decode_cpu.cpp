@@ -5,7 +5,11 @@
 // -march=native -fopenmp) and called through ctypes with raw pointers, so it needs no
 // torch headers (seconds to compile, not a minute). Work is split over (request, KV head)
 // pairs; each pair reads its K/V once for all the query heads that share the KV head
-// (GQA). The portable path walks one block at a time with an online softmax; the AVX-512
+// (GQA). A batch of few pairs (one or two requests) on the AVX-512 path cuts each context
+// into parts of whole blocks, so every thread has work: each part keeps its own softmax
+// state (max, sum, unnormalised output) and the parts merge in order after the parallel
+// loop; the cut depends on the batch alone, so the result does not depend on the threads.
+// The portable path walks one block at a time with an online softmax; the AVX-512
 // path (below) takes chunks of up to a few thousand tokens in three passes: all scores,
 // then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
@@ -147,8 +151,9 @@ constexpr int kMaxFastGroup = 16;  // larger GQA groups take the generic path
 // into about this many work items (a multiple of 2, 3 and 4 threads' shares where the
 // context is long enough)...
 constexpr int kSplitItems = 12;
-// ...of at least this many positions each.
-constexpr int kMinPartTokens = 32;
+// ...of at least this many positions each: shorter ones cost more in set-up and merge than
+// the second thread saves.
+constexpr int kMinPartTokens = 128;
 
 template <int DT, bool FP8, int HEAD_DIM>
 void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::T* k_cache,
