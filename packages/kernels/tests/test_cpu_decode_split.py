@@ -145,3 +145,19 @@ def test_split_request_without_context_writes_zeros(lib):
         assert torch.equal(out[0], torch.zeros_like(out[0]))
         ref = _reference(q, kc, vc, tables, lens, 0.125, sinks=sinks)
         assert _err(out[1:], ref[1:]) < TOL[torch.float32]
+
+
+def test_split_writes_only_its_rows(lib):
+    """Decode rows among prefill rows: the merge writes each request's row of `out`, no
+    other."""
+    q, kc, vc, tables, lens = _batch(8, [600, 450], 9, 3, 64, 16, torch.float32)
+    big_q = torch.randn(6, 9, 64)
+    rows = torch.tensor([4, 1])
+    big_q[rows] = q
+    out = torch.full_like(big_q, float("nan"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_native, "load_attention_ops", lambda: False)
+        mp.setattr(torch, "get_num_threads", lambda: 2)
+        cpu_native.paged_decode(lib, big_q, kc, vc, out, tables, lens, rows, 0.125)
+    assert _err(out[rows], _reference(q, kc, vc, tables, lens, 0.125)) < TOL[torch.float32]
+    assert out[[0, 2, 3, 5]].isnan().all()
