@@ -5,7 +5,11 @@
 // -march=native -fopenmp) and called through ctypes with raw pointers, so it needs no
 // torch headers (seconds to compile, not a minute). Work is split over (request, KV head)
 // pairs; each pair reads its K/V once for all the query heads that share the KV head
-// (GQA). The portable path walks one block at a time with an online softmax; the AVX-512
+// (GQA). A batch of few pairs (one or two requests) on the AVX-512 path cuts each context
+// into parts of whole blocks, so every thread has work: each part keeps its own softmax
+// state (max, sum, unnormalised output) and the parts merge in order after the parallel
+// loop; the cut depends on the batch alone, so the result does not depend on the threads.
+// The portable path walks one block at a time with an online softmax; the AVX-512
 // path (below) takes chunks of up to a few thousand tokens in three passes: all scores,
 // then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
@@ -119,6 +123,37 @@ template <int DT> struct KVLoad<DT, true> {
 };
 
 constexpr int kMaxBlock = 256;    // largest block_size and head_dim served here
+
+// With PAGEMILL_DECODE_PROFILE defined (benchmarks/attention_cpu.py builds such a copy),
+// the fast path counts the calling thread's TSC cycles per phase: 0 setup (q, state),
+// 1 scores, 2 weights, 3 weighted values, 4 output or partial state, 5 merge of parts,
+// 6 whole calls; 7 counts the pairs (or parts) decoded. Read with pagemill_paged_decode_profile.
+#if defined(PAGEMILL_DECODE_PROFILE)
+}  // namespace
+#include <x86intrin.h>
+namespace {
+thread_local double g_prof[8];
+#define PROF_BEGIN() uint64_t prof_t = __rdtsc()
+#define PROF(i)                                  \
+    do {                                         \
+        const uint64_t prof_now = __rdtsc();     \
+        g_prof[i] += double(prof_now - prof_t);  \
+        prof_t = prof_now;                       \
+    } while (0)
+#define PROF_COUNT(i) (g_prof[i] += 1.0)
+#else
+#define PROF_BEGIN() (void)0
+#define PROF(i) (void)0
+#define PROF_COUNT(i) (void)0
+#endif
+constexpr int kMaxFastGroup = 16;  // larger GQA groups take the generic path
+// Batches of fewer (request, KV head) pairs than this split their contexts (decode_all)
+// into about this many work items (a multiple of 2, 3 and 4 threads' shares where the
+// context is long enough)...
+constexpr int kSplitItems = 12;
+// ...of at least this many positions each: shorter ones cost more in set-up and merge than
+// the second thread saves.
+constexpr int kMinPartTokens = 128;
 
 template <int DT, bool FP8, int HEAD_DIM>
 void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::T* k_cache,
@@ -285,7 +320,7 @@ inline __m512 transpose_sum(const __m512* v) {
 }
 
 constexpr int kTile = 16;
-constexpr int kMaxGroup = 16;  // larger GQA groups take the generic path
+constexpr int kMaxGroup = kMaxFastGroup;
 // What the score loop reads for the rows past a partial tile (a fp32 row of the largest D).
 alignas(64) constexpr char kZeros[512] = {};
 
@@ -361,12 +396,29 @@ constexpr int kChunkTokens = 2048;
 // Rows the stream runs ahead of the rows being read.
 constexpr int kLead = 128;
 
+// Positions [begin, end) of part `part` of a context cut into `parts` runs of whole blocks
+// from the window's first block (the whole window when parts is 1); begin == end: nothing
+// to read.
+inline void part_range(int ctx, int window, int block_size, int parts, int part, int& begin,
+                       int& end) {
+    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    begin = start;
+    end = ctx;
+    if (parts <= 1) return;
+    const int first = start / block_size;
+    const int64_t nb = (ctx + block_size - 1) / block_size - first;
+    begin = std::max(start, static_cast<int>(first + nb * part / parts) * block_size);
+    end = std::min(ctx, static_cast<int>(first + nb * (part + 1) / parts) * block_size);
+    if (begin >= end) begin = end = 0;
+}
+
 // The K/V rows a thread will read next, asked for one row for each row it reads, a lead of
 // rows ahead. Asking for a whole block or pair at once stalls the core as loads would (each
 // prefetch waits for a fill buffer) while the compute waits behind them; paced, the
 // requests overlap the arithmetic. The stream walks the thread's pairs in the order
 // decode_pair reads them: per chunk of a pair, its K rows then its V rows, from the
-// window's first position.
+// window's first position. The thread's work items are (pair, part) in that order, `parts`
+// per pair (part_range).
 struct Stream {
     const char* k_cache;
     const char* v_cache;
@@ -375,7 +427,8 @@ struct Stream {
     const int32_t* lens;
     int num_kv_heads, block_size, window;
     int64_t row_bytes, slot_bytes, block_bytes;
-    int64_t pair = 0, end = 0;
+    int parts = 1;
+    int64_t pair = 0, end = 0;  // work items: pair * parts + part
     const int32_t* table = nullptr;
     const char* base = nullptr;  // K or V of the pair's KV head
     const char* cur = nullptr;   // the block being asked for
@@ -383,18 +436,20 @@ struct Stream {
     bool values = false;
 
     void open(int64_t p) {
-        for (pair = p; pair < end; ++pair) {  // requests without context read nothing
-            ctx = lens[pair / num_kv_heads];
-            if (ctx > 0) break;
+        int begin = 0, stop = 0;
+        for (pair = p; pair < end; ++pair) {  // items without context read nothing
+            part_range(lens[pair / parts / num_kv_heads], window, block_size, parts,
+                       static_cast<int>(pair % parts), begin, stop);
+            if (stop > begin) break;
         }
         if (pair >= end) return;
-        table = tables + (pair / num_kv_heads) * table_stride;
-        const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+        ctx = stop;
+        table = tables + (pair / parts / num_kv_heads) * table_stride;
         num_blocks = (ctx + block_size - 1) / block_size;
-        chunk_b0 = start / block_size;
-        first_tok = start - chunk_b0 * block_size;
+        chunk_b0 = begin / block_size;
+        first_tok = begin - chunk_b0 * block_size;
         values = false;
-        base = k_cache + (pair % num_kv_heads) * row_bytes;
+        base = k_cache + (pair / parts % num_kv_heads) * row_bytes;
         seek(chunk_b0, first_tok);
     }
     void seek(int b, int t) {
@@ -440,13 +495,49 @@ inline float* score_buffer(size_t floats) {
     return buf.data();
 }
 
+// A group's outputs from its accumulators (the V pass's element order) and softmax sums.
+template <int DT, bool FP8, int NV>
+void store_out(typename Elem<DT>::T* op, const float* acc, float l, float v_scale) {
+    const __m512 inv = _mm512_set1_ps(l > 0.f ? v_scale / l : 0.f);
+    if constexpr (kVEvenOdd<DT, FP8>) {
+        // Even elements to the low halves of the 32-bit lanes, odd ones to the high.
+        const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+        for (int c = 0; c < NV / 2; ++c) {
+            const __m512i e = bf16_round(_mm512_mul_ps(_mm512_load_ps(acc + 32 * c), inv));
+            const __m512i o = bf16_round(_mm512_mul_ps(_mm512_load_ps(acc + 32 * c + 16), inv));
+            _mm512_storeu_si512(op + 32 * c, _mm512_or_si512(_mm512_srli_epi32(e, 16), _mm512_and_si512(o, hi)));
+        }
+    } else {
+        for (int c = 0; c < NV; ++c) {
+            const __m512 x = _mm512_mul_ps(_mm512_load_ps(acc + 16 * c), inv);
+            if constexpr (DT == 0) {
+                _mm512_storeu_ps(op + 16 * c, x);
+            } else if constexpr (DT == 1) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round(x), 16)));
+            } else {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
+                                    _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
+    }
+}
+
+// Floats of one head's partial state: its max, its sum, then its D accumulators (at a
+// 64-byte multiple, so the merge loads them aligned).
+template <int NV>
+constexpr int64_t kStateFloats = 16 + NV * 16;
+
+// Positions [begin, end) of one (request, KV head) pair. With `state` null the group's
+// outputs are written; else each head's running max, sum and unnormalised accumulators go
+// to state (kStateFloats apart), for merge_parts.
 template <int DT, bool FP8, int NV>
 void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void* v_cache,
-                 typename Elem<DT>::T* out, const int32_t* table, int32_t ctx, int64_t q_row,
-                 int64_t out_row, int kvh, int group, int block_size, int num_kv_heads,
-                 int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
-                 float scale, int window, float softcap, const float* lut, float k_scale,
-                 float v_scale, const float* sinks, Stream* stream) {
+                 typename Elem<DT>::T* out, const int32_t* table, int begin, int end,
+                 int64_t q_row, int64_t out_row, int kvh, int group, int block_size,
+                 int num_kv_heads, int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t,
+                 int64_t o_stride_h, float scale, float softcap, const float* lut, float k_scale,
+                 float v_scale, const float* sinks, Stream* stream, float* state) {
     using E = Elem<DT>;
     constexpr int D = NV * 16;
     constexpr int64_t esize = FP8 ? 1 : sizeof(typename Elem<DT>::T);
@@ -460,6 +551,8 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     float m[kMaxGroup], l[kMaxGroup];
     // The softmax scale multiplies the fp32 scores on the bf16 path (q stays exact bf16),
     // and q on the others (as the generic path does).
+    PROF_BEGIN();
+    PROF_COUNT(7);
     const float qscale = scale * k_scale;
     for (int g = 0; g < group; ++g) {
         const auto* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
@@ -476,7 +569,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
     const int64_t block_bytes = static_cast<int64_t>(block_size) * slot_bytes;
     const char* kbase = static_cast<const char*>(k_cache) + kvh * D * esize;
     const char* vbase = static_cast<const char*>(v_cache) + kvh * D * esize;
-    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    const int start = begin, ctx = end;
     const int num_blocks = (ctx + block_size - 1) / block_size;
     const int chunk_blocks = std::max(1, kChunkTokens / block_size);
     const int64_t stride = static_cast<int64_t>(chunk_blocks) * block_size + kTile;  // per head
@@ -488,6 +581,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         const int b1 = std::min(num_blocks, b0 + chunk_blocks);
         const int p0 = std::max(start, b0 * block_size);  // first position of the chunk
         const int len = std::min(ctx, b1 * block_size) - p0;
+        PROF(b0 == start / block_size ? 0 : 3);
         // Pass 1: every score of the chunk, and a running max per head (vector-wide).
         __m512 vmax[kMaxGroup];
         for (int g = 0; g < group; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
@@ -559,6 +653,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                 }
             }
         }
+        PROF(1);
         // Pass 2: the chunk's weights exp(s - max), their sums, the old state rescaled.
         float alpha[kMaxGroup];
         for (int g = 0; g < group; ++g) {
@@ -577,6 +672,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
             l[g] = l[g] * alpha[g] + _mm512_reduce_add_ps(sum);
             m[g] = top;
         }
+        PROF(2);
         // Pass 3: the weighted values, a register block of heads at a time over the chunk.
         for (int g0 = 0; g0 < group; g0 += HB) {
             const int hb = std::min(HB, group - g0);
@@ -612,31 +708,52 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                     for (int c = 0; c < NV; ++c) _mm512_store_ps(&acc[g0 + h][16 * c], av[h][c]);
         }
     }
+    PROF(start / block_size < num_blocks ? 3 : 0);
     for (int g = 0; g < group; ++g) {
-        auto* op = out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h;
-        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? v_scale / l[g] : 0.f);
-        if constexpr (kVEvenOdd<DT, FP8>) {
-            // Even elements to the low halves of the 32-bit lanes, odd ones to the high.
-            const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-            for (int c = 0; c < NV / 2; ++c) {
-                const __m512i e = bf16_round(_mm512_mul_ps(_mm512_load_ps(&acc[g][32 * c]), inv));
-                const __m512i o = bf16_round(_mm512_mul_ps(_mm512_load_ps(&acc[g][32 * c + 16]), inv));
-                _mm512_storeu_si512(op + 32 * c, _mm512_or_si512(_mm512_srli_epi32(e, 16), _mm512_and_si512(o, hi)));
-            }
+        if (state) {
+            float* st = state + g * kStateFloats<NV>;
+            st[0] = m[g];
+            st[1] = l[g];
+            std::memcpy(st + 16, acc[g], sizeof acc[g]);
         } else {
-            for (int c = 0; c < NV; ++c) {
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), inv);
-                if constexpr (DT == 0) {
-                    _mm512_storeu_ps(op + 16 * c, x);
-                } else if constexpr (DT == 1) {
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
-                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round(x), 16)));
-                } else {
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + 16 * c),
-                                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                }
+            store_out<DT, FP8, NV>(out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h,
+                                   acc[g], l[g], v_scale);
+        }
+    }
+    PROF(4);
+}
+
+// A pair's outputs from its parts' states (in part order, so the result does not depend on
+// which thread ran which part): each part's sum and accumulators rescaled to the largest
+// max, a sink's logit joining as one more part with sum 1 and no value.
+template <int DT, bool FP8, int NV>
+void merge_parts(const float* state, int parts, typename Elem<DT>::T* out, int64_t out_row,
+                 int kvh, int group, int64_t o_stride_t, int64_t o_stride_h, float v_scale,
+                 const float* sinks) {
+    constexpr int64_t S = kStateFloats<NV>;
+    const int64_t part_stride = group * S;
+    for (int g = 0; g < group; ++g) {
+        const float* st = state + g * S;
+        float top = sinks ? sinks[kvh * group + g] : -INFINITY;
+        for (int k = 0; k < parts; ++k) top = std::max(top, st[k * part_stride]);
+        float l = 0.f;
+        __m512 acc[NV];
+        for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+        if (top > -INFINITY) {
+            if (sinks) l = std::exp(sinks[kvh * group + g] - top);
+            for (int k = 0; k < parts; ++k) {
+                const float* pk = st + k * part_stride;
+                if (pk[0] == -INFINITY) continue;  // an empty part
+                const float w = std::exp(pk[0] - top);
+                l += pk[1] * w;
+                const __m512 vw = _mm512_set1_ps(w);
+                for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(_mm512_load_ps(pk + 16 + 16 * c), vw, acc[c]);
             }
         }
+        alignas(64) float a[NV * 16];
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(a + 16 * c, acc[c]);
+        store_out<DT, FP8, NV>(out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h,
+                               a, l, v_scale);
     }
 }
 }  // namespace fast
@@ -652,16 +769,48 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 const float* v_scales, int64_t scale_stride, const float* sinks) {
     using T = typename Elem<DT>::T;
     using KT = typename KVLoad<DT, FP8>::T;
+    PROF_BEGIN();
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
 #if defined(__AVX512F__)
     using StreamT = fast::Stream;
+    constexpr bool kFastDim = HEAD_DIM > 0 && HEAD_DIM % 32 == 0;
 #else
     using StreamT = void;
+    constexpr bool kFastDim = false;
 #endif
-    auto one = [&](int64_t p, StreamT* stream) {
+    const bool fast_path = kFastDim && group <= kMaxFastGroup;
+    // Few pairs (one or a few requests) cut their contexts into parts, so both cores read
+    // (flash-decoding: a partial softmax per part, merged per pair after the parallel loop).
+    // The cut depends on the batch only, never on the threads: results do not either.
+    int parts = 1;
+    if (fast_path && pairs < kSplitItems) {
+        int longest = 0;
+        for (int64_t s = 0; s < num_seqs; ++s)
+            longest = std::max(longest, window > 0 ? std::min<int>(seq_lens[s], window) : seq_lens[s]);
+        const int64_t want = (kSplitItems + pairs - 1) / pairs;
+        parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, longest / kMinPartTokens)));
+    }
+    const int64_t items = pairs * parts;
 #if defined(__AVX512F__)
-        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
+    constexpr int64_t state_floats = kFastDim ? fast::kStateFloats<HEAD_DIM / 16> : 0;
+#else
+    constexpr int64_t state_floats = 0;
+#endif
+    // The parts' states, in the calling thread's buffer (grown once, never shrunk: nothing
+    // allocated per call).
+    float* states = nullptr;
+    if (parts > 1) {
+        thread_local std::vector<float> state_buf;
+        const size_t need = static_cast<size_t>(items * group * state_floats) + 16;
+        if (state_buf.size() < need) state_buf.resize(need);
+        states = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(state_buf.data()) + 63) & ~uintptr_t{63});
+    }
+    (void)states;  // read only where the fast path is built
+    auto one = [&](int64_t item, StreamT* stream) {
+        const int64_t p = item / parts;
+#if defined(__AVX512F__)
+        if constexpr (kFastDim) {
             if (!stream && p + 1 < pairs) {
                 const int64_t s1 = (p + 1) / num_kv_heads;
                 fast::prefetch_pair(k_cache, block_tables + s1 * table_stride, seq_lens[s1],
@@ -674,14 +823,18 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
         const int kvh = static_cast<int>(p % num_kv_heads);
         const int64_t row = rows ? rows[seq] : seq;
 #if defined(__AVX512F__)
-        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
-            if (group <= fast::kMaxGroup) {
+        if constexpr (kFastDim) {
+            if (fast_path) {
+                int begin = 0, end = 0;
+                fast::part_range(seq_lens[seq], window, block_size, parts, static_cast<int>(item % parts),
+                                 begin, end);
                 fast::decode_pair<DT, FP8, HEAD_DIM / 16>(
                     static_cast<const T*>(q), k_cache, v_cache, static_cast<T*>(out),
-                    block_tables + seq * table_stride, seq_lens[seq], row, row, kvh, group,
+                    block_tables + seq * table_stride, begin, end, row, row, kvh, group,
                     block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                    scale, window, softcap, lut, k_scales[kvh * scale_stride],
-                    v_scales[kvh * scale_stride], sinks, stream);
+                    scale, softcap, lut, k_scales[kvh * scale_stride],
+                    v_scales[kvh * scale_stride], parts > 1 ? nullptr : sinks, stream,
+                    parts > 1 ? states + item * group * state_floats : nullptr);
                 return;
             }
         }
@@ -693,37 +846,60 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                   q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, lut,
                                   k_scales[kvh * scale_stride], v_scales[kvh * scale_stride], sinks);
     };
-    // A run of pairs in order, with the stream of rows they will read asked for ahead.
+    // A run of items in order, with the stream of rows they will read asked for ahead.
     auto run = [&](int64_t lo, int64_t hi) {
 #if defined(__AVX512F__)
-        if constexpr (HEAD_DIM > 0 && HEAD_DIM % 32 == 0) {
-            if (group <= fast::kMaxGroup) {
+        if constexpr (kFastDim) {
+            if (fast_path) {
                 const int64_t row_bytes = static_cast<int64_t>(HEAD_DIM) * sizeof(KT);
                 fast::Stream st{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
                                 block_tables, table_stride, seq_lens, num_kv_heads, block_size, window,
                                 row_bytes, num_kv_heads * row_bytes, block_size * num_kv_heads * row_bytes};
+                st.parts = parts;
                 st.end = hi;
                 st.open(lo);
                 st.rows(fast::kLead);
-                for (int64_t p = lo; p < hi; ++p) one(p, &st);
+                for (int64_t i = lo; i < hi; ++i) one(i, &st);
                 return;
             }
         }
 #endif
-        for (int64_t p = lo; p < hi; ++p) one(p, nullptr);
+        for (int64_t i = lo; i < hi; ++i) one(i, nullptr);
     };
-    // Pairs are request-major, so neighbouring pairs read the same blocks. Runs of about
+    // Items are request-major, so neighbouring items read the same blocks. Runs of about
     // an eighth of a thread's share balance uneven contexts at little scheduling cost; one
-    // thread (or one pair) runs without entering a parallel region at all.
-    const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), pairs));
+    // thread (or one item) runs without entering a parallel region at all.
+    const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), items));
     if (threads <= 1) {
-        run(0, pairs);
-        return;
-    }
-    const int64_t grain = std::max<int64_t>(1, pairs / (8 * threads));
-    const int64_t runs = (pairs + grain - 1) / grain;
+        run(0, items);
+    } else {
+        const int64_t grain = std::max<int64_t>(1, items / (8 * threads));
+        const int64_t runs = (items + grain - 1) / grain;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t r = 0; r < runs; ++r) run(r * grain, std::min(pairs, (r + 1) * grain));
+        for (int64_t r = 0; r < runs; ++r) run(r * grain, std::min(items, (r + 1) * grain));
+    }
+#if defined(PAGEMILL_DECODE_PROFILE)
+    const uint64_t prof_loop = __rdtsc();
+#endif
+#if defined(__AVX512F__)
+    if constexpr (kFastDim) {
+        if (parts > 1) {
+            for (int64_t p = 0; p < pairs; ++p) {
+                const int64_t seq = p / num_kv_heads;
+                const int kvh = static_cast<int>(p % num_kv_heads);
+                fast::merge_parts<DT, FP8, HEAD_DIM / 16>(states + p * parts * group * state_floats, parts,
+                                                         static_cast<T*>(out), rows ? rows[seq] : seq, kvh,
+                                                         group, o_stride_t, o_stride_h,
+                                                         v_scales[kvh * scale_stride], sinks);
+            }
+        }
+    }
+#endif
+#if defined(PAGEMILL_DECODE_PROFILE)
+    const uint64_t prof_end = __rdtsc();
+    g_prof[5] += double(prof_end - prof_loop);
+    g_prof[6] += double(prof_end - prof_t);
+#endif
 }
 
 template <int DT, bool FP8>
@@ -791,3 +967,13 @@ extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_
     }
     return 0;
 }
+
+#if defined(PAGEMILL_DECODE_PROFILE)
+// The calling thread's phase counters (see PROF), copied to out[8] and optionally zeroed.
+extern "C" void pagemill_paged_decode_profile(double* out, int reset) {
+    for (int i = 0; i < 8; ++i) {
+        out[i] = g_prof[i];
+        if (reset) g_prof[i] = 0.0;
+    }
+}
+#endif
