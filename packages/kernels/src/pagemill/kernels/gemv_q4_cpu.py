@@ -266,6 +266,33 @@ def amx_available(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.pagemill_gemm_q4_amx_available())
 
 
+def set_amx_rows(rows: int, lib: ctypes.CDLL | None = None) -> int:
+    """Run `gemv_q4` (the ctypes kernel in `lib`, default the host's) on the AMX-INT8 tiles
+    from `rows` rows of x up, 0 never; the previous setting. The same result to the bit
+    either way; the default comes from PAGEMILL_CPU_GEMV_AMX (see the kernel source). The
+    C++ operator (`torch.ops.pagemill_native.gemv_q4`) is another build: the environment
+    sets it. 0 where the build has no such switch."""
+    lib = lib or load()
+    fn = getattr(lib, "pagemill_gemv_q4_amx_rows", None) if lib is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int]
+    return int(fn(max(0, rows)))
+
+
+def amx_rows(lib: ctypes.CDLL | None = None) -> int:
+    """The row count from which `gemv_q4` runs on the AMX tiles (0: never, or no AMX build;
+    see `set_amx_rows`)."""
+    lib = lib or load()
+    fn = getattr(lib, "pagemill_gemv_q4_amx_rows", None) if lib is not None else None
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int]
+    return int(fn(-1))
+
+
 def gemm_q4_amx(
     x: torch.Tensor,
     blocks: torch.Tensor,
