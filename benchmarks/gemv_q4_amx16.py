@@ -3,7 +3,7 @@ GEMV against the AMX-INT8 kernel, and the AMX-INT8 kernel of another source (an 
 build) against this one, interleaved in one process.
 
     uv run python benchmarks/gemv_q4_amx16.py [--rows 1,4,8,16,32,64] [--rounds 30]
-        [--old-source PATH] [--planes 2]
+        [--old-source PATH] [--planes 2] [--threads N]
 
 Per row count, each round times one call per path on each of the four layer shapes (qkv
 576->960, o 576->576, gate_up 576->3072, down 1536->576) in turn (A B C A B C ...); the table
@@ -49,7 +49,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--planes", type=int, default=2)
     ap.add_argument("--old-source", type=Path)
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's intra-op threads")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lib = g.load()
     assert lib is not None and g.amx_available(), "needs the AMX-INT8 build"
@@ -61,7 +64,7 @@ def main() -> None:
         d = (torch.rand(n, k // 32) * 0.01 + 1e-3).half().float()
         m = (-8 * d * torch.rand(n, k // 32)).half().float()
         layers.append((g.pack_q4_blocks(q, d, m + 8 * d, 32), n, k))
-    prev = g.set_amx_rows(0)  # `gemv` is the AVX-512 GEMV whatever the default switch says
+    prev = g.set_amx_rows(0)  # `gemv` is the AVX-512 GEMV whatever the default says
 
     def gemv(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
         return g.gemv_q4(x, blocks, n, lib, planes=planes)

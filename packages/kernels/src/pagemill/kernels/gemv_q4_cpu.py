@@ -266,31 +266,34 @@ def amx_available(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.pagemill_gemm_q4_amx_available())
 
 
-def set_amx_rows(rows: int, lib: ctypes.CDLL | None = None) -> int:
-    """Run `gemv_q4` (the ctypes kernel in `lib`, default the host's) on the AMX-INT8 tiles
-    from `rows` rows of x up, 0 never; the previous setting. The same result to the bit
-    either way; the default comes from PAGEMILL_CPU_GEMV_AMX (see the kernel source). The
-    C++ operator (`torch.ops.pagemill_native.gemv_q4`) is another build: the environment
-    sets it. 0 where the build has no such switch."""
-    lib = lib or load()
-    fn = getattr(lib, "pagemill_gemv_q4_amx_rows", None) if lib is not None else None
+def set_amx_rows(rows: int | None, lib: ctypes.CDLL | None = None) -> int | None:
+    """Where `gemv_q4` (the ctypes kernel `lib`, default the host's) runs on the AMX-INT8 tiles
+    instead of the AVX-512 GEMV, the same result to the bit: None from a row count per
+    `planes` measured for this machine (the default), 0 never, n from n rows of x; returns the
+    previous setting. The default comes from PAGEMILL_CPU_GEMV_AMX ("0": never). The C++
+    operator (`torch.ops.pagemill_native.gemv_q4`) is another library: it follows the
+    environment only."""
+    fn = _amx_rows_fn(lib, "pagemill_gemv_q4_set_amx_rows")
     if fn is None:
         return 0
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int]
-    return int(fn(max(0, rows)))
+    prev = int(fn(-1 if rows is None else max(0, rows)))
+    return None if prev < 0 else prev
 
 
-def amx_rows(lib: ctypes.CDLL | None = None) -> int:
-    """The row count from which `gemv_q4` runs on the AMX tiles (0: never, or no AMX build;
-    see `set_amx_rows`)."""
+def amx_rows(planes: int = 2, lib: ctypes.CDLL | None = None) -> int:
+    """The row count from which `gemv_q4` with `planes` runs on the AMX tiles here (0: never,
+    or no AMX in the build or on the machine); see `set_amx_rows`."""
+    fn = _amx_rows_fn(lib, "pagemill_gemv_q4_amx_rows")
+    return 0 if fn is None else int(fn(planes))
+
+
+def _amx_rows_fn(lib: ctypes.CDLL | None, name: str) -> Any:
     lib = lib or load()
-    fn = getattr(lib, "pagemill_gemv_q4_amx_rows", None) if lib is not None else None
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int]
-    return int(fn(-1))
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int]
+    return fn
 
 
 def gemm_q4_amx(

@@ -944,21 +944,28 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
 }
 #endif  // AMX
 
-// From this many rows of x the AMX-INT8 kernel beats the AVX-512 GEMV (both planes counts)
-// on the machine it was written for (Sapphire Rapids).
-constexpr int AMX_GEMV_ROWS = 8;
+// From how many rows of x the AMX-INT8 kernel beats the AVX-512 GEMV, by planes, on the
+// machine it was written for (Sapphire Rapids): two planes double the GEMV's integer work,
+// and the tiles take both planes in one A tile.
+constexpr int AMX_GEMV_ROWS_1 = 12;
+constexpr int AMX_GEMV_ROWS_2 = 4;
 
-std::atomic<int>& gemv_amx_rows_setting() {
+// -1: AMX_GEMV_ROWS_<planes>; 0: never; n > 0: from n rows.
+std::atomic<int>& gemv_amx_setting() {
     static std::atomic<int> rows{[] {
         const char* env = std::getenv("PAGEMILL_CPU_GEMV_AMX");
-        if (env == nullptr || *env == '\0') return AMX_GEMV_ROWS;
+        if (env == nullptr || *env == '\0') return -1;
         const int v = std::atoi(env);
-        return v == 1 ? AMX_GEMV_ROWS : std::max(0, v);
+        return v == 1 || std::strcmp(env, "auto") == 0 ? -1 : std::max(0, v);
     }()};
     return rows;
 }
 
-int gemv_amx_rows() { return gemv_amx_rows_setting().load(std::memory_order_relaxed); }
+// The row count from which pagemill_gemv_q4 with `planes` runs on the tiles (0: never).
+int gemv_amx_rows(int planes) {
+    const int v = gemv_amx_setting().load(std::memory_order_relaxed);
+    return v >= 0 ? v : planes == 2 ? AMX_GEMV_ROWS_2 : AMX_GEMV_ROWS_1;
+}
 
 }  // namespace
 
@@ -981,7 +988,7 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     threads = std::max(1, threads);
     const uint8_t* wb = static_cast<const uint8_t*>(w);
 #ifdef PAGEMILL_HAVE_AMX
-    const int from = gemv_amx_rows();
+    const int from = gemv_amx_rows(planes);
     if (from > 0 && m_rows >= from && amx_usable()) {
         if (planes == 2) {
             amx_quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows,
@@ -1003,14 +1010,24 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     return 0;
 }
 
-// The row count from which pagemill_gemv_q4 runs on the AMX-INT8 tiles (the same result),
-// 0 for never; rows < 0 only ask. Returns the previous value. The default comes from
-// PAGEMILL_CPU_GEMV_AMX: "0" never, unset or "1" from AMX_GEMV_ROWS rows, another number
-// from that many rows.
-int pagemill_gemv_q4_amx_rows(int rows) {
-    const int prev = gemv_amx_rows();
-    if (rows >= 0) gemv_amx_rows_setting().store(rows);
-    return prev;
+// Where pagemill_gemv_q4 runs on the AMX-INT8 tiles (the same result to the bit): rows -1
+// from a row count set per planes for this machine, 0 never, n > 0 from n rows of x; -2
+// only asks. Returns the previous setting. It starts from PAGEMILL_CPU_GEMV_AMX: "0" never,
+// unset, "1" or "auto" -1, another number n.
+int pagemill_gemv_q4_set_amx_rows(int rows) {
+    if (rows < -1) return gemv_amx_setting().load();
+    return gemv_amx_setting().exchange(rows);
+}
+
+// The row count from which pagemill_gemv_q4 with `planes` runs on the AMX tiles here (0:
+// never, and where this build or machine has no AMX).
+int pagemill_gemv_q4_amx_rows(int planes) {
+#ifdef PAGEMILL_HAVE_AMX
+    return amx_usable() ? gemv_amx_rows(planes) : 0;
+#else
+    (void)planes;
+    return 0;
+#endif
 }
 
 // Whether pagemill_gemm_q4_amx runs here: AMX-INT8 in this build and on this machine, and
