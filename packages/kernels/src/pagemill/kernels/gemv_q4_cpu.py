@@ -16,7 +16,11 @@ torch, with or without that rounding.
 
 `gemm_q4_amx` multiplies the same tiles on the AMX units for batches: AMX-INT8 on the same
 int8 activations (equal to `gemv_q4` to the bit), or AMX-BF16 on weight blocks decompressed
-to bf16 on the way in (the dense bf16 product without keeping a dense copy).
+to bf16 on the way in (the dense bf16 product without keeping a dense copy). On an AMX
+machine `gemv_q4` itself runs on the AMX-INT8 tiles from a few rows of x up (decode steps of
+a few users: the GEMV's work grows with every row and plane, the tiles' much less), the
+same bits either way, so callers need no switch of their own (`set_amx_rows`,
+PAGEMILL_CPU_GEMV_AMX=0 turns it off).
 
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). A compiled graph holds one opaque call per linear

@@ -493,8 +493,8 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
 
 // ---- AMX: the same product on the matrix units (TDPBSUD: s8 x u8 -> i32 tiles) ---------------
 //
-// For a block of 32 inputs, x's quantized rows are the A tile (16 rows x 32 int8, read in
-// place from row-major planes) and the weight block is the B tile: TDPBSUD wants B as K/4 rows
+// For a block of 32 inputs, x's quantized rows are the A tile (up to 16 rows x 32 int8, read
+// in place from row-major planes) and the weight block is the B tile: TDPBSUD wants B as K/4 rows
 // of 16 columns x 4 consecutive inputs, which is the packed nibble order already (byte
 // (j, r, t) holds q[r][4j + t] low and q[r][16 + 4j + t] high), so B's 8 rows are the 4
 // 64-byte lines of a block masked (rows 0..3) and shifted (rows 4..7). The product tile
@@ -502,8 +502,14 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
 // matrix unit through memory, and each row then gets exactly the AVX-512 GEMV's float
 // steps (acc += float(q) * (d * dx), acc += m * sx, block by block): the two kernels agree
 // to the bit. A tile of outputs unpacks its B tiles once and reuses them for every 16 rows
-// of x. Two planes: a second A tile and product tile per block, summed as q1 * 254 + q2 in
-// the integers as the GEMV does.
+// of x. Two planes: each plane's rows are rows of A (8 rows of x per A tile), and a row's
+// two sums meet as q1 * 254 + q2, the GEMV's integer.
+//
+// The tile instructions' cost goes by the row (loads, TDPBSUD, stores), not by the work per
+// weight, so a few rows of x pay for few rows: with two planes the tiles beat the GEMV from a
+// handful of rows (`pagemill_gemv_q4` moves to them by itself, AMX_GEMV_ROWS_*), where the
+// GEMV's second plane doubles its integer work. What is left per block and row is the float
+// scaling, the same as the GEMV's.
 //
 // The tiles' state needs the kernel's permission once per process (arch_prctl) and a tile
 // configuration per thread; without AMX in the build (compiler, -march) or on the machine
