@@ -560,7 +560,7 @@ void configure_tiles(int na, int a_rows) {
     TileConfig cfg{};
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = static_cast<uint8_t>(na == 1 ? a_rows : 16);
+        cfg.rows[t] = static_cast<uint8_t>(a_rows);
         cfg.colsb[t] = 64;
     }
     cfg.colsb[0] = cfg.colsb[1] = QK;
@@ -572,10 +572,10 @@ void configure_tiles(int na, int a_rows) {
 constexpr int64_t B_BYTES = QK / 4 * 64;  // one unpacked weight block (B tile)
 
 // Block b's products on the matrix unit into product set S (see configure_tiles); xa: the
-// block's A rows (row stride k), bqb: its B tile. (GCC's tile intrinsics paste their tile
-// numbers into the instruction text: literals only.)
+// block's A rows (row stride k; the second A tile a1 bytes on), bqb: its B tile. (GCC's tile
+// intrinsics paste their tile numbers into the instruction text: literals only.)
 template <int NA, int S>
-inline void issue_block(const int8_t* xa, int64_t k, const uint8_t* bqb) {
+inline void issue_block(const int8_t* xa, int64_t k, int64_t a1, const uint8_t* bqb) {
     if constexpr (NA == 1 && S == 0) {
         _tile_loadd(2, bqb, 64);
         _tile_loadd(0, xa, k);
@@ -591,7 +591,7 @@ inline void issue_block(const int8_t* xa, int64_t k, const uint8_t* bqb) {
         _tile_loadd(0, xa, k);
         _tile_zero(3);
         _tile_dpbsud(3, 0, 2);
-        _tile_loadd(1, xa + 16 * k, k);
+        _tile_loadd(1, xa + a1, k);
         _tile_zero(4);
         _tile_dpbsud(4, 1, 2);
     } else {
@@ -599,7 +599,7 @@ inline void issue_block(const int8_t* xa, int64_t k, const uint8_t* bqb) {
         _tile_loadd(0, xa, k);
         _tile_zero(5);
         _tile_dpbsud(5, 0, 2);
-        _tile_loadd(1, xa + 16 * k, k);
+        _tile_loadd(1, xa + a1, k);
         _tile_zero(6);
         _tile_dpbsud(6, 1, 2);
     }
@@ -620,10 +620,17 @@ inline void unload_block(int32_t* c) {
     }
 }
 
+// Rows of x per A tile of two planes: a pass of all rows (CMP) splits them evenly over its
+// A tiles, the passes of larger batches take 8 per tile.
+template <int NR, bool CMP>
+constexpr int plane_group() {
+    return !CMP ? 8 : NR <= 8 ? NR : (NR + 1) / 2;
+}
+
 // One block's products (c: NA tiles of 16 x 16 int32) into acc[0 .. NR) with tile_rows'
-// float steps. Two planes: x row t's plane sums are C rows 16 (t / 8) + t % 8 and 8 below, or
-// with CMP (a pass of all rows, at most 8) rows t and NR + t; q1 * 254 + q2 is exact in
-// floats (below 2^24), so the fma gives the GEMV's integer.
+// float steps. Two planes: with G = plane_group, x row t's plane sums are row t % G of
+// product tile t / G and G rows below; q1 * 254 + q2 is exact in floats (below 2^24), so
+// the fma gives the GEMV's integer.
 template <int P, int NR, bool CMP>
 inline void scale_block(const int32_t* c, const float* dm, const float* dxb, const float* sxb,
                         __m512* acc) {
@@ -635,10 +642,11 @@ inline void scale_block(const int32_t* c, const float* dm, const float* dxb, con
         if constexpr (P == 1) {
             q = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t));
         } else {
-            const int32_t* c1 = CMP ? c + 16 * t : c + 256 * (t / 8) + 16 * (t % 8);
+            constexpr int G = plane_group<NR, CMP>();
+            const int32_t* c1 = c + 256 * (t / G) + 16 * (t % G);
             q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1)),
                                 _mm512_set1_ps(254.0f),
-                                _mm512_cvtepi32_ps(_mm512_load_si512(c1 + (CMP ? 16 * NR : 128))));
+                                _mm512_cvtepi32_ps(_mm512_load_si512(c1 + 16 * G)));
         }
         acc[t] = _mm512_fmadd_ps(q, _mm512_mul_ps(d, _mm512_set1_ps(dxb[t])), acc[t]);
         acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxb[t]), acc[t]);
@@ -660,17 +668,19 @@ void amx_pass(const int8_t* xa, int64_t k, const float* dx, const float* sx, int
     // block b's are stored. The tile instructions run in order, and a vector load waits for
     // the tile stores before it: so the vector units scale one block while the matrix unit
     // multiplies the next.
+    // Two A tiles (two planes, 9..16 rows): the second one's A rows start past the first's.
+    const int64_t a1 = 2 * plane_group<NR, CMP>() * k;
     const auto scale = [&](const int32_t* cb, int64_t blk) {
         scale_block<P, NR, CMP>(cb, dm + blk * 32, dx + blk * m_stride, sx + blk * m_stride, acc);
     };
     const auto step = [&](auto set, int64_t blk) {
         constexpr int S = decltype(set)::value;
         if (blk + 1 < nb)
-            issue_block<NA, 1 - S>(xa + (blk + 1) * QK, k, bq + (blk + 1) * B_BYTES);
+            issue_block<NA, 1 - S>(xa + (blk + 1) * QK, k, a1, bq + (blk + 1) * B_BYTES);
         if (blk > 0) scale(c[1 - S], blk - 1);
         unload_block<NA, S>(c[S]);
     };
-    issue_block<NA, 0>(xa, k, bq);
+    issue_block<NA, 0>(xa, k, a1, bq);
     for (int64_t b = 0; b < nb; b += 2) {
         step(std::integral_constant<int, 0>{}, b);
         if (b + 1 < nb) step(std::integral_constant<int, 1>{}, b + 1);
@@ -689,7 +699,7 @@ void amx_pass_rows(int64_t nr, bool compact, const int8_t* xa, int64_t k, const 
             return amx_pass_rows<P, NR - 1>(nr, compact, xa, k, dx, sx, m_stride, bq, dm, nb,
                                             out);
     }
-    if constexpr (P == 2 && NR <= 8) {
+    if constexpr (P == 2) {
         if (compact) return amx_pass<P, NR, true>(xa, k, dx, sx, m_stride, bq, dm, nb, out);
     }
     amx_pass<P, NR, false>(xa, k, dx, sx, m_stride, bq, dm, nb, out);
@@ -730,12 +740,14 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
                                int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
                                int64_t n, int64_t k, int threads) {
     const int64_t nb = k / QK;
-    // A rows: one plane, x's rows in order; two planes, per group of 8 rows of x (all rows
-    // where there are at most 8: `compact`) their plane-1 rows then their plane-2 rows.
-    // Padded to whole A tiles; the rows past m_rows only reach product rows never read.
-    const bool compact = P == 2 && m_rows <= 8;
-    const int64_t group = compact ? m_rows : 8;
-    const int64_t a_rows = P == 1 ? (m_rows + 15) / 16 * 16 : (m_rows + 7) / 8 * 16;
+    // A rows: one plane, x's rows in order; two planes, per group of rows of x (8, or all
+    // rows split evenly over one or two A tiles where there are at most 16: `compact`,
+    // plane_group) their plane-1 rows then their plane-2 rows. Padded to whole A tiles; the
+    // rows past m_rows only reach product rows never read.
+    const bool compact = P == 2 && m_rows <= 16;
+    const int64_t group = !compact ? 8 : m_rows <= 8 ? m_rows : (m_rows + 1) / 2;
+    const int64_t a_rows = P == 1 ? (m_rows + 15) / 16 * 16
+                                  : std::max<int64_t>(16, (m_rows + group - 1) / group * 2 * group);
     const int64_t m_stride = (m_rows + 15) / 16 * 16;
     const size_t elt = dtype == 1 ? 2 : 4;
     // The A rows, then dx and sx [nb][m_stride].
@@ -779,7 +791,7 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
             for (int64_t m0 = 0; m0 < m_rows; m0 += PASS_ROWS) {
                 const int64_t nr = std::min<int64_t>(PASS_ROWS, m_rows - m0);
                 const int na = P == 1 || nr <= 8 ? 1 : 2;
-                const int pass_rows = static_cast<int>(P == 1 ? nr : compact ? 2 * nr : 16);
+                const int pass_rows = static_cast<int>(P == 1 ? nr : compact ? 2 * group : 16);
                 if (na * 32 + pass_rows != configured) {
                     configure_tiles(na, pass_rows);
                     configured = na * 32 + pass_rows;
