@@ -549,8 +549,7 @@ inline void load_tile_config(TileConfig& cfg) {
 }
 
 // Tile roles. A pass multiplies up to 16 rows of x against one tile of outputs, block by
-// block, with the products of block b + 1 on the matrix unit while the vector units scale
-// block b's. One plane, or two planes with at most 8 rows (both planes as the A tile's rows,
+// block, block b + 1's products issued before block b's are scaled. One plane, or two planes with at most 8 rows (both planes as the A tile's rows,
 // plane 1 above plane 2, so one product tile holds both): one A (x), B (weights) and C
 // (products) tile per block, in two sets, {0, 2, 4} and {1, 3, 5}, the A and C tiles only
 // as many rows as the pass uses (`a_rows`: the tile instructions take time by the row).
@@ -665,9 +664,9 @@ void amx_pass(const int8_t* xa, int64_t k, const float* dx, const float* sx, int
 #pragma GCC unroll 16
     for (int t = 0; t < NR; ++t) acc[t] = _mm512_setzero_ps();
     // In program order: block b + 1's products are issued and block b - 1's scaled before
-    // block b's are stored. The tile instructions run in order, and a vector load waits for
-    // the tile stores before it: so the vector units scale one block while the matrix unit
-    // multiplies the next.
+    // block b's are stored, so that no step waits for a product just issued. (On Sapphire
+    // Rapids the tile instructions and the vector arithmetic do not run at the same time: a
+    // block costs its tile work plus its scaling, and what counts is the size of each.)
     // Two A tiles (two planes, 9..16 rows): the second one's A rows start past the first's.
     const int64_t a1 = 2 * plane_group<NR, CMP>() * k;
     const auto scale = [&](const int32_t* cb, int64_t blk) {
