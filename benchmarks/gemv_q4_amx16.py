@@ -3,14 +3,16 @@ GEMV against the AMX-INT8 kernel, and the AMX-INT8 kernel of another source (an 
 build) against this one, interleaved in one process.
 
     uv run python benchmarks/gemv_q4_amx16.py [--rows 1,4,8,16,32,64] [--rounds 30]
-        [--old-source PATH] [--planes 2] [--threads N]
+        [--old-source PATH] [--planes 2] [--threads N] [--clock wall|cpu]
 
 Per row count, each round times one call per path on each of the four layer shapes (qkv
 576->960, o 576->576, gate_up 576->3072, down 1536->576) in turn (A B C A B C ...); the table
 gives the median per shape summed: ms per layer. `--old-source` (e.g. the kernel file as
 `git show main:...` wrote it) adds its AMX-INT8 kernel as `old_amx`; every path's output is
 checked against the GEMV's to the bit first. The load average is printed with the table: on
-a shared box every number is under that load.
+a shared box every number is under that load. `--clock cpu` times the process's CPU time
+(all its threads together: the work, which other processes inflate less than the wall clock;
+with OMP_WAIT_POLICY=passive, so that waiting threads do not spin).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--planes", type=int, default=2)
     ap.add_argument("--old-source", type=Path)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's intra-op threads")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,7 +81,11 @@ def main() -> None:
     paths = {"gemv": gemv, "new_amx": new_amx}
     if old is not None:
         paths["old_amx"] = old_amx
-    print(f"planes={planes} threads={torch.get_num_threads()} load {os.getloadavg()}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(
+        f"planes={planes} threads={torch.get_num_threads()} clock={args.clock} "
+        f"load {os.getloadavg()}"
+    )
     print("rows  " + "  ".join(f"{p:>9}" for p in paths) + "   gemv/new_amx")
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = [torch.randn(rows, k).to(torch.bfloat16) for _, _, k in layers]
@@ -90,9 +97,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for i, (blocks, n, _) in enumerate(layers):
                 for name, fn in paths.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     fn(xs[i], blocks, n)
-                    times[name][i].append(time.perf_counter() - t0)
+                    times[name][i].append(clock() - t0)
         med = {p: sum(statistics.median(t) for t in ts) * 1e3 for p, ts in times.items()}
         print(
             f"{rows:4d}  "

@@ -965,7 +965,7 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
 // machine it was written for (Sapphire Rapids): two planes double the GEMV's integer work,
 // and the tiles take both planes in one A tile.
 constexpr int AMX_GEMV_ROWS_1 = 12;
-constexpr int AMX_GEMV_ROWS_2 = 4;
+constexpr int AMX_GEMV_ROWS_2 = 6;
 
 // -1: AMX_GEMV_ROWS_<planes>; 0: never; n > 0: from n rows.
 std::atomic<int>& gemv_amx_setting() {
