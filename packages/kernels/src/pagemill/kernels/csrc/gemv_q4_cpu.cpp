@@ -549,12 +549,13 @@ inline void load_tile_config(TileConfig& cfg) {
 }
 
 // Tile roles. A pass multiplies up to 16 rows of x against one tile of outputs, block by
-// block, block b + 1's products issued before block b's are scaled. One plane, or two planes with at most 8 rows (both planes as the A tile's rows,
-// plane 1 above plane 2, so one product tile holds both): one A (x), B (weights) and C
-// (products) tile per block, in two sets, {0, 2, 4} and {1, 3, 5}, the A and C tiles only
-// as many rows as the pass uses (`a_rows`: the tile instructions take time by the row).
-// Two planes with 9..16 rows: A tiles 0, 1 (rows 0..7 and 8..15 of x, each with both planes),
-// B tile 2, and the product tiles 3, 4 or 5, 6 on alternate blocks.
+// block, block b + 1's products issued before block b's are scaled. One plane, or two planes
+// with at most 8 rows (both planes as the A tile's rows, plane 1 above plane 2, so one product
+// tile holds both): one A (x), B (weights) and C (products) tile per block, in two sets,
+// {0, 2, 4} and {1, 3, 5}. Two planes with 9..16 rows: A tiles 0, 1 (each half of the rows of
+// x with both planes, plane_group), B tile 2, and the product tiles 3, 4 or 5, 6 on
+// alternate blocks. The A and C tiles have only as many rows as the pass uses (`a_rows`):
+// the tile instructions take time by the row.
 void configure_tiles(int na, int a_rows) {
     TileConfig cfg{};
     cfg.palette = 1;
@@ -653,8 +654,9 @@ inline void scale_block(const int32_t* c, const float* dm, const float* dxb, con
 }
 
 // NR (1..16) rows of x against one tile of outputs into out[NR][16]. xa: the rows' A tiles
-// (row stride k: 16 rows of one plane, or 8 rows of each of two), dx / sx: [nb][m_stride]
-// from the pass's first row, bq / dm: the tile's B tiles and float scales (unpack_tile).
+// (row stride k: the rows of one plane, or plane_group rows of each of two), dx / sx:
+// [nb][m_stride] from the pass's first row, bq / dm: the tile's B tiles and float scales
+// (unpack_tile).
 template <int P, int NR, bool CMP>
 void amx_pass(const int8_t* xa, int64_t k, const float* dx, const float* sx, int64_t m_stride,
               const uint8_t* bq, const float* dm, int64_t nb, float* out) {
@@ -670,7 +672,8 @@ void amx_pass(const int8_t* xa, int64_t k, const float* dx, const float* sx, int
     // Two A tiles (two planes, 9..16 rows): the second one's A rows start past the first's.
     const int64_t a1 = 2 * plane_group<NR, CMP>() * k;
     const auto scale = [&](const int32_t* cb, int64_t blk) {
-        scale_block<P, NR, CMP>(cb, dm + blk * 32, dx + blk * m_stride, sx + blk * m_stride, acc);
+        scale_block<P, NR, CMP>(cb, dm + blk * 32, dx + blk * m_stride, sx + blk * m_stride,
+                                acc);
     };
     const auto step = [&](auto set, int64_t blk) {
         constexpr int S = decltype(set)::value;
@@ -745,8 +748,8 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
     // rows past m_rows only reach product rows never read.
     const bool compact = P == 2 && m_rows <= 16;
     const int64_t group = !compact ? 8 : m_rows <= 8 ? m_rows : (m_rows + 1) / 2;
-    const int64_t a_rows = P == 1 ? (m_rows + 15) / 16 * 16
-                                  : std::max<int64_t>(16, (m_rows + group - 1) / group * 2 * group);
+    const int64_t a_rows =
+        P == 1 ? (m_rows + 15) / 16 * 16 : (m_rows + group - 1) / group * 2 * group;
     const int64_t m_stride = (m_rows + 15) / 16 * 16;
     const size_t elt = dtype == 1 ? 2 : 4;
     // The A rows, then dx and sx [nb][m_stride].
