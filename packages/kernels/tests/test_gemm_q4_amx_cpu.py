@@ -1,9 +1,15 @@
 """The int4 product on the AMX tiles: AMX-INT8 (planes 1, 2) against the AVX-512 GEMV and
 the torch arithmetic, AMX-BF16 (planes 0) against the dense bf16 product, odd shapes, fp16
-and fp32 scales, thread counts, the C++ operator, and the fallbacks where AMX is absent.
-The tests that need the tiles skip without them; the fallback tests run everywhere."""
+and fp32 scales, every row count a decode step has, thread counts, `gemv_q4`'s switch to the
+tiles, the C++ operator, and the fallbacks where AMX is absent. The tests that need the
+tiles skip without them; the fallback tests run everywhere."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,12 +43,20 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@pytest.fixture
+def gemv_only() -> Iterator[None]:
+    """`gemv_q4` on the AVX-512 GEMV at every row count (it moves to the tiles by itself)."""
+    prev = g.set_amx_rows(0)
+    yield
+    g.set_amx_rows(prev)
+
+
 @needs_amx
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("exact16", [True, False], ids=["fp16", "fp32"])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_int8_tiles_are_the_gemv(planes, dtype, exact16, m, n, k) -> None:
+def test_int8_tiles_are_the_gemv(planes, dtype, exact16, m, n, k, gemv_only) -> None:
     blocks = _blocks(n, k, exact16, seed=m + n)
     x = _x(m, k, dtype)
     got = g.gemm_q4_amx(x, blocks, n, planes=planes)
@@ -52,6 +66,47 @@ def test_int8_tiles_are_the_gemv(planes, dtype, exact16, m, n, k) -> None:
     # And the arithmetic itself, written in torch (summation order aside).
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     torch.testing.assert_close(got, g.gemv_q4_torch(x, blocks, n, planes), **tol)
+
+
+@needs_amx
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("exact16", [True, False], ids=["fp16", "fp32"])
+def test_int8_tiles_are_the_gemv_at_every_decode_batch(planes, dtype, exact16, gemv_only) -> None:
+    # Each row count takes its own pass shape: 1..16 rows in one pass (two planes: up to 8
+    # in one A tile), more in passes of 16 and a remainder.
+    for n, k in ((48, 96), (80, 1536)):
+        blocks = _blocks(n, k, exact16, seed=n)
+        for m in [*range(1, 21), 31, 32, 33, 47, 63, 64]:
+            x = _x(m, k, dtype, seed=m)
+            got = g.gemm_q4_amx(x, blocks, n, planes=planes)
+            assert torch.equal(got, g.gemv_q4(x, blocks, n, planes=planes)), (n, k, m)
+
+
+@needs_amx
+def test_gemv_switches_to_the_tiles_by_itself(gemv_only) -> None:
+    blocks = _blocks(80, 576, True, seed=11)
+    x = _x(16, 576, torch.bfloat16)
+    assert g.amx_rows(1) == 0 and g.amx_rows(2) == 0
+    want = {p: g.gemv_q4(x, blocks, 80, planes=p) for p in (1, 2)}
+    assert g.set_amx_rows(None) == 0  # the machine's default, by planes
+    assert g.amx_rows(1) >= g.amx_rows(2) > 0
+    assert g.set_amx_rows(3) is None
+    assert g.amx_rows(1) == g.amx_rows(2) == 3
+    for p in (1, 2):  # the same bits either way
+        assert torch.equal(g.gemv_q4(x, blocks, 80, planes=p), want[p])
+        assert torch.equal(g.gemv_q4(x[:2], blocks, 80, planes=p), want[p][:2])
+    # The environment sets it for a process (and for the C++ operator's library).
+    code = "from pagemill.kernels import gemv_q4_cpu as g; print(g.amx_rows(1), g.amx_rows(2))"
+    for env, want_rows in (("0", "0 0"), ("5", "5 5")):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PAGEMILL_CPU_GEMV_AMX": env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.split() == want_rows.split()
 
 
 @needs_amx
@@ -96,6 +151,8 @@ def test_operator_is_the_kernel() -> None:
         want = g.gemm_q4_amx(x, blocks, 48, planes=planes)
         assert torch.equal(torch.ops.pagemill_native.gemm_q4_amx(x, blocks, 48, planes), want)
         assert torch.equal(torch.ops.pagemill.gemm_q4_amx(x, blocks, 48, planes), want)
+        if planes:  # its gemv_q4 runs on the tiles above the switch's row count: same bits
+            assert torch.equal(torch.ops.pagemill_native.gemv_q4(x, blocks, 48, planes), want)
     assert torch.equal(
         torch.ops.pagemill_native.gemm_q4_amx(x, blocks, 48), g.gemm_q4_amx(x, blocks, 48)
     )
@@ -106,6 +163,7 @@ def test_operator_is_the_kernel() -> None:
 def test_without_amx_it_is_the_gemv_or_the_dense_product() -> None:
     plain = g.load(0)  # built without AMX: its entry point refuses (status 4)
     assert plain is not None and not g.amx_available(plain)
+    assert g.amx_rows(2, plain) == 0  # and its gemv_q4 stays the GEMV
     blocks = _blocks(48, 96, True, seed=7)
     x = _x(9, 96, torch.bfloat16)
     for planes in (1, 2):

@@ -5,6 +5,7 @@ fallback without a compiler."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,17 @@ import torch
 from pagemill.kernels import gemv_q4_cpu as g
 
 pytestmark = pytest.mark.skipif(g.load() is None, reason="no C++ compiler for the kernel")
+
+
+@pytest.fixture(autouse=True)
+def _gemv_paths_only() -> Iterator[None]:
+    """The GEMV's own paths at every row count: on an AMX machine `gemv_q4` would move to the
+    tiles from a few rows (test_gemm_q4_amx_cpu tests that, to the bit)."""
+    libs = [lib for lib in {g.load(), *(g.load(isa) for isa in ISAS)} if lib is not None]
+    prev = [g.set_amx_rows(0, lib) for lib in libs]
+    yield
+    for lib, p in zip(libs, prev, strict=True):
+        g.set_amx_rows(p, lib)
 
 
 def _cpu_flags() -> set[str]:

@@ -16,7 +16,11 @@ torch, with or without that rounding.
 
 `gemm_q4_amx` multiplies the same tiles on the AMX units for batches: AMX-INT8 on the same
 int8 activations (equal to `gemv_q4` to the bit), or AMX-BF16 on weight blocks decompressed
-to bf16 on the way in (the dense bf16 product without keeping a dense copy).
+to bf16 on the way in (the dense bf16 product without keeping a dense copy). On an AMX
+machine `gemv_q4` itself runs on the AMX-INT8 tiles from a few rows of x up (decode steps of
+a few users: the GEMV's work grows with every row and plane, the tiles' much less), the
+same bits either way, so callers need no switch of their own (`set_amx_rows`,
+PAGEMILL_CPU_GEMV_AMX=0 turns it off).
 
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). A compiled graph holds one opaque call per linear
@@ -264,6 +268,36 @@ def amx_available(lib: ctypes.CDLL | None = None) -> bool:
     tiles' state. Elsewhere `gemm_q4_amx` is `gemv_q4`."""
     lib = _amx_lib(lib)
     return lib is not None and bool(lib.pagemill_gemm_q4_amx_available())
+
+
+def set_amx_rows(rows: int | None, lib: ctypes.CDLL | None = None) -> int | None:
+    """Where `gemv_q4` (the ctypes kernel `lib`, default the host's) runs on the AMX-INT8 tiles
+    instead of the AVX-512 GEMV, the same result to the bit: None from a row count per
+    `planes` measured for this machine (the default), 0 never, n from n rows of x; returns the
+    previous setting. The default comes from PAGEMILL_CPU_GEMV_AMX ("0": never). The C++
+    operator (`torch.ops.pagemill_native.gemv_q4`) is another library: it follows the
+    environment only."""
+    fn = _amx_rows_fn(lib, "pagemill_gemv_q4_set_amx_rows")
+    if fn is None:
+        return 0
+    prev = int(fn(-1 if rows is None else max(0, rows)))
+    return None if prev < 0 else prev
+
+
+def amx_rows(planes: int = 2, lib: ctypes.CDLL | None = None) -> int:
+    """The row count from which `gemv_q4` with `planes` runs on the AMX tiles here (0: never,
+    or no AMX in the build or on the machine); see `set_amx_rows`."""
+    fn = _amx_rows_fn(lib, "pagemill_gemv_q4_amx_rows")
+    return 0 if fn is None else int(fn(planes))
+
+
+def _amx_rows_fn(lib: ctypes.CDLL | None, name: str) -> Any:
+    lib = lib or load()
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is not None:
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int]
+    return fn
 
 
 def gemm_q4_amx(

@@ -30,9 +30,12 @@
 // passes (tiles are the outer loop).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -490,8 +493,8 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
 
 // ---- AMX: the same product on the matrix units (TDPBSUD: s8 x u8 -> i32 tiles) ---------------
 //
-// For a block of 32 inputs, x's quantized rows are the A tile (16 rows x 32 int8, read in
-// place from row-major planes) and the weight block is the B tile: TDPBSUD wants B as K/4 rows
+// For a block of 32 inputs, x's quantized rows are the A tile (up to 16 rows x 32 int8, read
+// in place from row-major planes) and the weight block is the B tile: TDPBSUD wants B as K/4 rows
 // of 16 columns x 4 consecutive inputs, which is the packed nibble order already (byte
 // (j, r, t) holds q[r][4j + t] low and q[r][16 + 4j + t] high), so B's 8 rows are the 4
 // 64-byte lines of a block masked (rows 0..3) and shifted (rows 4..7). The product tile
@@ -499,8 +502,14 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
 // matrix unit through memory, and each row then gets exactly the AVX-512 GEMV's float
 // steps (acc += float(q) * (d * dx), acc += m * sx, block by block): the two kernels agree
 // to the bit. A tile of outputs unpacks its B tiles once and reuses them for every 16 rows
-// of x. Two planes: a second A tile and product tile per block, summed as q1 * 254 + q2 in
-// the integers as the GEMV does.
+// of x. Two planes: each plane's rows are rows of A (8 rows of x per A tile), and a row's
+// two sums meet as q1 * 254 + q2, the GEMV's integer.
+//
+// The tile instructions' cost goes by the row (loads, TDPBSUD, stores), not by the work per
+// weight, so a few rows of x pay for few rows: with two planes the tiles beat the GEMV from a
+// handful of rows (`pagemill_gemv_q4` moves to them by itself, AMX_GEMV_ROWS_*), where the
+// GEMV's second plane doubles its integer work. What is left per block and row is the float
+// scaling, the same as the GEMV's.
 //
 // The tiles' state needs the kernel's permission once per process (arch_prctl) and a tile
 // configuration per thread; without AMX in the build (compiler, -march) or on the machine
@@ -531,91 +540,171 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Tiles 0, 1: products (int32 16 x 16); 2, 3: x (16 x 32 int8); 4, 5: weights (8 x 64 u8).
-// One plane alternates the sets {0, 2, 4} and {1, 3, 5} over consecutive blocks, so the
-// matrix unit works on one block while the vector units scale the other; two planes use
-// 0/2 and 1/3 for the planes of one block and 4 for its weights.
-void configure_tiles() {
+// LDTILECFG faults on nonzero reserved bytes, and GCC's intrinsic does not tell the compiler
+// that it reads all 64 bytes: without the barrier the zeroing of the unused entries can be
+// dropped as dead stores.
+inline void load_tile_config(TileConfig& cfg) {
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+// Tile roles. A pass multiplies up to 16 rows of x against one tile of outputs, block by
+// block, block b + 1's products issued before block b's are scaled. One plane, or two planes
+// with at most 8 rows (both planes as the A tile's rows, plane 1 above plane 2, so one product
+// tile holds both): one A (x), B (weights) and C (products) tile per block, in two sets,
+// {0, 2, 4} and {1, 3, 5}. Two planes with 9..16 rows: A tiles 0, 1 (each half of the rows of
+// x with both planes, plane_group), B tile 2, and the product tiles 3, 4 or 5, 6 on
+// alternate blocks. The A and C tiles have only as many rows as the pass uses (`a_rows`):
+// the tile instructions take time by the row.
+void configure_tiles(int na, int a_rows) {
     TileConfig cfg{};
     cfg.palette = 1;
-    for (int t = 0; t < 2; ++t) {
-        cfg.rows[t] = 16;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = static_cast<uint8_t>(a_rows);
         cfg.colsb[t] = 64;
-        cfg.rows[2 + t] = 16;
-        cfg.colsb[2 + t] = QK;
-        cfg.rows[4 + t] = QK / 4;
-        cfg.colsb[4 + t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    cfg.colsb[0] = cfg.colsb[1] = QK;
+    cfg.rows[2] = QK / 4;
+    if (na == 1) cfg.rows[3] = QK / 4;
+    load_tile_config(cfg);
 }
 
 constexpr int64_t B_BYTES = QK / 4 * 64;  // one unpacked weight block (B tile)
 
-// Block b's products (`c`: P tiles of 16 x 16 int32) into acc[16], as tile_rows does.
-template <int P>
-inline void scale_products(const int32_t* c, const float* dm, const float* dx, const float* sx,
-                           int64_t nb, __m512* acc) {
-    const __m512 d = _mm512_load_ps(dm), m = _mm512_load_ps(dm + 16);
-    for (int t = 0; t < 16; ++t) {
-        __m512i q = _mm512_load_si512(c + 16 * t);
-        if constexpr (P == 2) {
-            q = _mm512_add_epi32(
-                _mm512_sub_epi32(_mm512_slli_epi32(q, 8), _mm512_slli_epi32(q, 1)),
-                _mm512_load_si512(c + 256 + 16 * t));
-        }
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(d, _mm512_set1_ps(dx[t * nb])),
-                                 acc[t]);
-        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[t * nb]), acc[t]);
+// Block b's products on the matrix unit into product set S (see configure_tiles); xa: the
+// block's A rows (row stride k; the second A tile a1 bytes on), bqb: its B tile. (GCC's tile
+// intrinsics paste their tile numbers into the instruction text: literals only.)
+template <int NA, int S>
+inline void issue_block(const int8_t* xa, int64_t k, int64_t a1, const uint8_t* bqb) {
+    if constexpr (NA == 1 && S == 0) {
+        _tile_loadd(2, bqb, 64);
+        _tile_loadd(0, xa, k);
+        _tile_zero(4);
+        _tile_dpbsud(4, 0, 2);
+    } else if constexpr (NA == 1) {
+        _tile_loadd(3, bqb, 64);
+        _tile_loadd(1, xa, k);
+        _tile_zero(5);
+        _tile_dpbsud(5, 1, 3);
+    } else if constexpr (S == 0) {
+        _tile_loadd(2, bqb, 64);
+        _tile_loadd(0, xa, k);
+        _tile_zero(3);
+        _tile_dpbsud(3, 0, 2);
+        _tile_loadd(1, xa + a1, k);
+        _tile_zero(4);
+        _tile_dpbsud(4, 1, 2);
+    } else {
+        _tile_loadd(2, bqb, 64);
+        _tile_loadd(0, xa, k);
+        _tile_zero(5);
+        _tile_dpbsud(5, 0, 2);
+        _tile_loadd(1, xa + a1, k);
+        _tile_zero(6);
+        _tile_dpbsud(6, 1, 2);
     }
 }
 
-// Rows m0 .. m0 + 16 of x (planes xq, stride k; dx/sx [rows][nb]) against one tile of outputs
-// (bq: nb unpacked B tiles, dm: nb x (16 d, 16 m) floats) into out[16][16].
-template <int P>
-void amx_rows(const int8_t* xq, int64_t plane_bytes, int64_t k, const float* dx,
-              const float* sx, const uint8_t* bq, const float* dm, int64_t nb, float* out) {
-    alignas(64) int32_t c[2][P * 256];
-    __m512 acc[16];
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-    if constexpr (P == 1) {
-        int64_t b = 0;
-        for (; b + 1 < nb; b += 2) {
-            _tile_zero(0);
-            _tile_loadd(2, xq + b * QK, k);
-            _tile_loadd(4, bq + b * B_BYTES, 64);
-            _tile_dpbsud(0, 2, 4);
-            _tile_zero(1);
-            _tile_loadd(3, xq + (b + 1) * QK, k);
-            _tile_loadd(5, bq + (b + 1) * B_BYTES, 64);
-            _tile_dpbsud(1, 3, 5);
-            _tile_stored(0, c[0], 64);
-            scale_products<1>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
-            _tile_stored(1, c[1], 64);
-            scale_products<1>(c[1], dm + (b + 1) * 32, dx + b + 1, sx + b + 1, nb, acc);
-        }
-        if (b < nb) {
-            _tile_zero(0);
-            _tile_loadd(2, xq + b * QK, k);
-            _tile_loadd(4, bq + b * B_BYTES, 64);
-            _tile_dpbsud(0, 2, 4);
-            _tile_stored(0, c[0], 64);
-            scale_products<1>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
-        }
+template <int NA, int S>
+inline void unload_block(int32_t* c) {
+    if constexpr (NA == 1 && S == 0) {
+        _tile_stored(4, c, 64);
+    } else if constexpr (NA == 1) {
+        _tile_stored(5, c, 64);
+    } else if constexpr (S == 0) {
+        _tile_stored(3, c, 64);
+        _tile_stored(4, c + 256, 64);
     } else {
-        for (int64_t b = 0; b < nb; ++b) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_loadd(4, bq + b * B_BYTES, 64);
-            _tile_loadd(2, xq + b * QK, k);
-            _tile_loadd(3, xq + plane_bytes + b * QK, k);
-            _tile_dpbsud(0, 2, 4);
-            _tile_dpbsud(1, 3, 4);
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[0] + 256, 64);
-            scale_products<P>(c[0], dm + b * 32, dx + b, sx + b, nb, acc);
-        }
+        _tile_stored(5, c, 64);
+        _tile_stored(6, c + 256, 64);
     }
-    for (int t = 0; t < 16; ++t) _mm512_storeu_ps(out + 16 * t, acc[t]);
+}
+
+// Rows of x per A tile of two planes: a pass of all rows (CMP) splits them evenly over its
+// A tiles, the passes of larger batches take 8 per tile.
+template <int NR, bool CMP>
+constexpr int plane_group() {
+    return !CMP ? 8 : NR <= 8 ? NR : (NR + 1) / 2;
+}
+
+// One block's products (c: NA tiles of 16 x 16 int32) into acc[0 .. NR) with tile_rows'
+// float steps. Two planes: with G = plane_group, x row t's plane sums are row t % G of
+// product tile t / G and G rows below; q1 * 254 + q2 is exact in floats (below 2^24), so
+// the fma gives the GEMV's integer.
+template <int P, int NR, bool CMP>
+inline void scale_block(const int32_t* c, const float* dm, const float* dxb, const float* sxb,
+                        __m512* acc) {
+    const __m512 d = _mm512_load_ps(dm), m = _mm512_load_ps(dm + 16);
+    // Unrolled, or the accumulators live on the stack.
+#pragma GCC unroll 16
+    for (int t = 0; t < NR; ++t) {
+        __m512 q;
+        if constexpr (P == 1) {
+            q = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * t));
+        } else {
+            constexpr int G = plane_group<NR, CMP>();
+            const int32_t* c1 = c + 256 * (t / G) + 16 * (t % G);
+            q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c1)),
+                                _mm512_set1_ps(254.0f),
+                                _mm512_cvtepi32_ps(_mm512_load_si512(c1 + 16 * G)));
+        }
+        acc[t] = _mm512_fmadd_ps(q, _mm512_mul_ps(d, _mm512_set1_ps(dxb[t])), acc[t]);
+        acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxb[t]), acc[t]);
+    }
+}
+
+// NR (1..16) rows of x against one tile of outputs into out[NR][16]. xa: the rows' A tiles
+// (row stride k: the rows of one plane, or plane_group rows of each of two), dx / sx:
+// [nb][m_stride] from the pass's first row, bq / dm: the tile's B tiles and float scales
+// (unpack_tile).
+template <int P, int NR, bool CMP>
+void amx_pass(const int8_t* xa, int64_t k, const float* dx, const float* sx, int64_t m_stride,
+              const uint8_t* bq, const float* dm, int64_t nb, float* out) {
+    constexpr int NA = P == 1 ? 1 : (NR + 7) / 8;
+    alignas(64) int32_t c[2][NA * 256];
+    __m512 acc[NR];
+#pragma GCC unroll 16
+    for (int t = 0; t < NR; ++t) acc[t] = _mm512_setzero_ps();
+    // In program order: block b + 1's products are issued and block b - 1's scaled before
+    // block b's are stored, so that no step waits for a product just issued. (On Sapphire
+    // Rapids the tile instructions and the vector arithmetic do not run at the same time: a
+    // block costs its tile work plus its scaling, and what counts is the size of each.)
+    // Two A tiles (two planes, 9..16 rows): the second one's A rows start past the first's.
+    const int64_t a1 = 2 * plane_group<NR, CMP>() * k;
+    const auto scale = [&](const int32_t* cb, int64_t blk) {
+        scale_block<P, NR, CMP>(cb, dm + blk * 32, dx + blk * m_stride, sx + blk * m_stride,
+                                acc);
+    };
+    const auto step = [&](auto set, int64_t blk) {
+        constexpr int S = decltype(set)::value;
+        if (blk + 1 < nb)
+            issue_block<NA, 1 - S>(xa + (blk + 1) * QK, k, a1, bq + (blk + 1) * B_BYTES);
+        if (blk > 0) scale(c[1 - S], blk - 1);
+        unload_block<NA, S>(c[S]);
+    };
+    issue_block<NA, 0>(xa, k, a1, bq);
+    for (int64_t b = 0; b < nb; b += 2) {
+        step(std::integral_constant<int, 0>{}, b);
+        if (b + 1 < nb) step(std::integral_constant<int, 1>{}, b + 1);
+    }
+    scale(c[(nb - 1) & 1], nb - 1);
+#pragma GCC unroll 16
+    for (int t = 0; t < NR; ++t) _mm512_store_ps(out + 16 * t, acc[t]);
+}
+
+template <int P, int NR = 16>
+void amx_pass_rows(int64_t nr, bool compact, const int8_t* xa, int64_t k, const float* dx,
+                   const float* sx, int64_t m_stride, const uint8_t* bq, const float* dm,
+                   int64_t nb, float* out) {
+    if constexpr (NR > 1) {
+        if (nr < NR)
+            return amx_pass_rows<P, NR - 1>(nr, compact, xa, k, dx, sx, m_stride, bq, dm, nb,
+                                            out);
+    }
+    if constexpr (P == 2) {
+        if (compact) return amx_pass<P, NR, true>(xa, k, dx, sx, m_stride, bq, dm, nb, out);
+    }
+    amx_pass<P, NR, false>(xa, k, dx, sx, m_stride, bq, dm, nb, out);
 }
 
 // One tile's weight blocks as B tiles (nibbles masked / shifted) and float scales.
@@ -645,35 +734,40 @@ void unpack_tile(const uint8_t* w, int64_t nb, uint8_t* bq, float* dm) {
     }
 }
 
+// Rows of x per pass (one set of accumulators in registers).
+constexpr int64_t PASS_ROWS = 16;
+
 template <int P>
 void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
                                int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
                                int64_t n, int64_t k, int threads) {
     const int64_t nb = k / QK;
-    const int64_t m_pad = (m_rows + 15) / 16 * 16;
-    const int64_t plane_bytes = m_pad * k;
+    // A rows: one plane, x's rows in order; two planes, per group of rows of x (8, or all
+    // rows split evenly over one or two A tiles where there are at most 16: `compact`,
+    // plane_group) their plane-1 rows then their plane-2 rows. Padded to whole A tiles; the
+    // rows past m_rows only reach product rows never read.
+    const bool compact = P == 2 && m_rows <= 16;
+    const int64_t group = !compact ? 8 : m_rows <= 8 ? m_rows : (m_rows + 1) / 2;
+    const int64_t a_rows =
+        P == 1 ? (m_rows + 15) / 16 * 16 : (m_rows + group - 1) / group * 2 * group;
+    const int64_t m_stride = (m_rows + 15) / 16 * 16;
     const size_t elt = dtype == 1 ? 2 : 4;
-    // x's planes (row-major, rows past m_rows zero), then dx and sx [m_pad][nb].
+    // The A rows, then dx and sx [nb][m_stride].
     thread_local std::vector<uint8_t> buffer;
-    const int64_t scale_off = (P * plane_bytes + 63) / 64 * 64;
-    buffer.resize(static_cast<size_t>(scale_off + 2 * m_pad * nb * 4));
+    const int64_t scale_off = (a_rows * k + 63) / 64 * 64;
+    buffer.resize(static_cast<size_t>(scale_off + 2 * m_stride * nb * 4));
     uint8_t* base = buffer.data();
     int8_t* xq = reinterpret_cast<int8_t*>(base);
     float* dx = reinterpret_cast<float*>(base + scale_off);
-    float* sx = dx + m_pad * nb;
+    float* sx = dx + m_stride * nb;
     const int qthreads = m_rows >= 16 ? threads : 1;
 #pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
-    for (int64_t r = 0; r < m_pad; ++r) {
-        if (r >= m_rows) {
-            for (int p = 0; p < P; ++p) std::memset(xq + p * plane_bytes + r * k, 0, k);
-            std::fill(dx + r * nb, dx + (r + 1) * nb, 0.0f);
-            std::fill(sx + r * nb, sx + (r + 1) * nb, 0.0f);
-            continue;
-        }
+    for (int64_t r = 0; r < m_rows; ++r) {
         const void* xr = static_cast<const char*>(x) + r * x_stride * elt;
+        const int64_t a = P == 1 ? r : (r / group) * 2 * group + r % group;
         for (int64_t b = 0; b < nb; ++b)
-            quantize_block<P>(xr, dtype, b, xq + r * k + b * QK, plane_bytes, dx + r * nb + b,
-                              sx + r * nb + b);
+            quantize_block<P>(xr, dtype, b, xq + a * k + b * QK, group * k,
+                              dx + b * m_stride + r, sx + b * m_stride + r);
     }
     const int64_t tiles = (n + ROWS - 1) / ROWS;
     const int64_t sbytes = scale_bytes;
@@ -681,13 +775,13 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)));
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        configure_tiles();
         thread_local std::vector<uint8_t> unpacked;
         unpacked.resize(static_cast<size_t>(nb * (B_BYTES + 32 * 4) + 64));
         uint8_t* bq = reinterpret_cast<uint8_t*>(
             (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
         float* dm = reinterpret_cast<float*>(bq + nb * B_BYTES);
-        alignas(64) float out[16 * 16];
+        alignas(64) float out[PASS_ROWS * 16];
+        int configured = 0;
 #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; ++tile) {
             if (scale_bytes == 2) {
@@ -696,16 +790,22 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
                 unpack_tile<float>(w + tile * tile_bytes, nb, bq, dm);
             }
             const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
-            for (int64_t m0 = 0; m0 < m_rows; m0 += 16) {
-                amx_rows<P>(xq + m0 * k, plane_bytes, k, dx + m0 * nb, sx + m0 * nb, bq, dm, nb,
-                            out);
-                const int64_t tm = std::min<int64_t>(16, m_rows - m0);
-                for (int64_t t = 0; t < tm; ++t)
+            for (int64_t m0 = 0; m0 < m_rows; m0 += PASS_ROWS) {
+                const int64_t nr = std::min<int64_t>(PASS_ROWS, m_rows - m0);
+                const int na = P == 1 || nr <= 8 ? 1 : 2;
+                const int pass_rows = static_cast<int>(P == 1 ? nr : compact ? 2 * group : 16);
+                if (na * 32 + pass_rows != configured) {
+                    configure_tiles(na, pass_rows);
+                    configured = na * 32 + pass_rows;
+                }
+                amx_pass_rows<P>(nr, compact, xq + (P == 1 ? m0 : 2 * m0) * k, k, dx + m0,
+                                 sx + m0, m_stride, bq, dm, nb, out);
+                for (int64_t t = 0; t < nr; ++t)
                     store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows,
                                   dtype);
             }
         }
-        _tile_release();
+        if (configured) _tile_release();
     }
 }
 
@@ -729,7 +829,7 @@ void configure_bf16_tiles() {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    load_tile_config(cfg);
 }
 
 // One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
@@ -864,6 +964,29 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
 }
 #endif  // AMX
 
+// From how many rows of x the AMX-INT8 kernel beats the AVX-512 GEMV, by planes, on the
+// machine it was written for (Sapphire Rapids): two planes double the GEMV's integer work,
+// and the tiles take both planes in one A tile.
+constexpr int AMX_GEMV_ROWS_1 = 12;
+constexpr int AMX_GEMV_ROWS_2 = 6;
+
+// -1: AMX_GEMV_ROWS_<planes>; 0: never; n > 0: from n rows.
+std::atomic<int>& gemv_amx_setting() {
+    static std::atomic<int> rows{[] {
+        const char* env = std::getenv("PAGEMILL_CPU_GEMV_AMX");
+        if (env == nullptr || *env == '\0') return -1;
+        const int v = std::atoi(env);
+        return v == 1 || std::strcmp(env, "auto") == 0 ? -1 : std::max(0, v);
+    }()};
+    return rows;
+}
+
+// The row count from which pagemill_gemv_q4 with `planes` runs on the tiles (0: never).
+int gemv_amx_rows(int planes) {
+    const int v = gemv_amx_setting().load(std::memory_order_relaxed);
+    return v >= 0 ? v : planes == 2 ? AMX_GEMV_ROWS_2 : AMX_GEMV_ROWS_1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -884,6 +1007,19 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
     if (m_rows == 0 || n == 0) return 0;
     threads = std::max(1, threads);
     const uint8_t* wb = static_cast<const uint8_t*>(w);
+#ifdef PAGEMILL_HAVE_AMX
+    const int from = gemv_amx_rows(planes);
+    if (from > 0 && m_rows >= from && amx_usable()) {
+        if (planes == 2) {
+            amx_quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows,
+                                         n, k, threads);
+        } else {
+            amx_quantize_and_multiply<1>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows,
+                                         n, k, threads);
+        }
+        return 0;
+    }
+#endif
     if (planes == 2) {
         quantize_and_multiply<2>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n, k,
                                  threads);
@@ -892,6 +1028,26 @@ int pagemill_gemv_q4(int dtype, const void* x, int64_t x_stride, const void* w, 
                                  threads);
     }
     return 0;
+}
+
+// Where pagemill_gemv_q4 runs on the AMX-INT8 tiles (the same result to the bit): rows -1
+// from a row count set per planes for this machine, 0 never, n > 0 from n rows of x; -2
+// only asks. Returns the previous setting. It starts from PAGEMILL_CPU_GEMV_AMX: "0" never,
+// unset, "1" or "auto" -1, another number n.
+int pagemill_gemv_q4_set_amx_rows(int rows) {
+    if (rows < -1) return gemv_amx_setting().load();
+    return gemv_amx_setting().exchange(rows);
+}
+
+// The row count from which pagemill_gemv_q4 with `planes` runs on the AMX tiles here (0:
+// never, and where this build or machine has no AMX).
+int pagemill_gemv_q4_amx_rows(int planes) {
+#ifdef PAGEMILL_HAVE_AMX
+    return amx_usable() ? gemv_amx_rows(planes) : 0;
+#else
+    (void)planes;
+    return 0;
+#endif
 }
 
 // Whether pagemill_gemm_q4_amx runs here: AMX-INT8 in this build and on this machine, and
