@@ -404,6 +404,8 @@ class ModelRunner:
             "tensor_parallel_size": 1 if self.tp is None else self.tp.world_size,
             "graph_token_counts": self.graph_token_counts(),
             "decode_graph_token_counts": self.decode_graph_token_counts(),
+            # A graph traced with the C++ attention operators calls them by name.
+            "native_attention_ops": cpu_native.attention_ops_loaded(),
         }
 
     def graph_token_counts(self) -> list[int]:
