@@ -81,6 +81,11 @@ class LlamaAttention(nn.Module):
     # rotation (`_rotates_qk_together`); a class-wide switch (in the compile cache's key)
     # so `benchmarks/step_ab.py --variant rotary-split` can compare both graphs.
     rotate_qk_together = True
+    # In a compiled graph, call the C++ KV-write and decode operators directly where they
+    # serve (`_compiled_attention`); False keeps the Python custom ops everywhere. A
+    # class-wide switch (in the compile cache's key) for `benchmarks/step_ab.py --variant
+    # python-ops`.
+    direct_native_ops = True
 
     def __init__(
         self,
@@ -195,11 +200,17 @@ class LlamaAttention(nn.Module):
         on decode-only steps, `meta.native_decode`), else one custom op each (see
         pagemill.kernels.ops), the attention op with the step's plan."""
         assert self.k_cache is not None and self.v_cache is not None
-        if not direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping):
+        direct = self.direct_native_ops
+        if not (direct and direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping)):
             torch.ops.pagemill.write_kv_cache(
                 k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
             )
-        if meta.native_decode and self.decode_tables is not None and self.decode_lens is not None:
+        if (
+            direct
+            and meta.native_decode
+            and self.decode_tables is not None
+            and self.decode_lens is not None
+        ):
             out = direct_decode(
                 q,
                 self.k_cache,
