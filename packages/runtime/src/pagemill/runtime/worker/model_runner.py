@@ -519,8 +519,9 @@ class ModelRunner:
         tables = [torch.zeros(shape, dtype=torch.int32) for _ in range(num_groups)]
         lens = torch.zeros(self.max_num_seqs, dtype=torch.int32)
         for module in self.model.modules():
-            if hasattr(module, "decode_tables") and hasattr(module, "kv_group"):
-                module.decode_tables = tables[module.kv_group]
+            group = getattr(module, "kv_group", None)
+            if hasattr(module, "decode_tables") and isinstance(group, int):
+                module.decode_tables = tables[group]
                 module.decode_lens = lens
         self._decode_tables, self._decode_lens = tables, lens
 
