@@ -320,8 +320,8 @@ class ModelRunner:
         return CompileCache(CompileCache.root(), key, parts)
 
     def warm_up_blocks(self) -> int:
-        """KV blocks the warm-up steps write (their longest step's, one request)."""
-        # A decode warm-up step of n requests takes a block each.
+        """KV blocks the warm-up steps write: the longest one-request step's, or a block per
+        request of the widest decode-only step, whichever is more."""
         prefill = math.ceil(max(self.graph_token_counts()) / self.block_size)
         return max([prefill, *self.decode_graph_token_counts()])
 
