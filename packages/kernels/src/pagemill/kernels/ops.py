@@ -13,6 +13,14 @@ on a torch that cannot pass opaque objects through a graph (the engine then stay
 A layer's sliding window and soft-cap are plain int/float arguments: constants of the
 graph, one per layer, never part of the shared plan; its attention sinks (gpt-oss) an
 optional tensor.
+
+On CPU with the C++ operators loaded (`cpu_native.load_attention_ops`) a graph skips these
+custom ops where it can (`direct_kv_write`, `direct_decode`): their bodies are Python, which
+the compiled graph calls back into at every layer of every step, through dynamo's frame
+lookup. The KV write then is the C++ operator in every graph (a cache in the compute
+dtype); attention is, in the graphs of decode-only steps, the C++ decode operator over
+plain block tables and lengths (the model runner's decode buffers), the kernel the plan's
+native path runs. Prefill and mixed steps, fp8 writes and other devices keep the custom ops.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ at batch 1 that overhead is most of the step. Compiled, the norms, rotary, activ
 residual adds fuse into a few C++ loops, and with `freezing` the linear weights are
 prepacked for oneDNN once. The KV write and paged attention are custom ops
 (`pagemill.kernels.ops`), so the graph never breaks at them; the attention plan crosses
-it as an opaque object.
+it as an opaque object. Where the C++ operators serve (CPU: every KV write in the compute
+dtype, and attention in decode-only steps) the graph calls them directly instead, with
+plain tensors: no Python between the graph's kernels. A decode-only step of several
+requests is then a graph of its own (`ModelRunner.decode_graph_token_counts`).
 
 Shapes: the token dimension is dynamic, so one graph serves every batch size and prefill
 chunk (torch specializes size 1, the decode of a single request, into a second graph);
