@@ -11,7 +11,12 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   see `compilation._compile_layers`) against A forced to the whole-model graph;
 - `loops-before`: the graph before the fused-loop work: q and k rotated in a loop each
   (`LlamaAttention.rotate_qk_together = False`), inductor's size asserts on and its
-  default `cpp.min_chunk_size` (`compilation.INDUCTOR_OPTIONS` empty).
+  default `cpp.min_chunk_size` (`compilation.INDUCTOR_OPTIONS` empty);
+- `python-ops`: the KV write and attention through the Python custom ops in every graph
+  (`LlamaAttention.direct_native_ops = False`), as before the graph called the C++
+  operators directly;
+- `cpp-wrapper`: inductor's C++ wrapper for the graphs without the opaque attention plan
+  (`PAGEMILL_CPP_WRAPPER=1`, an experiment).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -57,7 +62,15 @@ from throughput import DenseLinears, linear_shapes, resolve_model_dir
 
 from pagemill.runtime.model_executor.quantization.crossover import PACKED_LIMITS_ENV
 
-VARIANTS = ("no-mark-static", "kv-static", "prepack", "regional", "loops-before")
+VARIANTS = (
+    "no-mark-static",
+    "kv-static",
+    "prepack",
+    "regional",
+    "loops-before",
+    "python-ops",
+    "cpp-wrapper",
+)
 
 
 def _mark_kv_static(model: torch.nn.Module) -> None:
@@ -92,6 +105,10 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     elif name == "loops-before":
         LlamaAttention.rotate_qk_together = False
         compilation.INDUCTOR_OPTIONS = {}
+    elif name == "python-ops":
+        LlamaAttention.direct_native_ops = False
+    elif name == "cpp-wrapper":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "1"
     if name is None:  # A: whole-model, whatever the default
         os.environ[compilation.REGIONAL_ENV] = "0"
     try:
@@ -101,6 +118,8 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         compilation._mark_static_attributes = saved_mark
         compilation.INDUCTOR_OPTIONS = saved_options
         LlamaAttention.rotate_qk_together = True
+        LlamaAttention.direct_native_ops = True
+        os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
         if saved_regional is None:
             os.environ.pop(compilation.REGIONAL_ENV, None)
         else:

@@ -65,11 +65,29 @@ FORWARD_GROUPS: list[tuple[str, tuple[str, ...]]] = [
     # "..._int4pack_mm_..."): the fused norms, rotary, activations and residual adds, and
     # any matmul inductor lowers itself (int8 weights)
     ("inductor C++ (fused loops, lowered mm)", ("cpp_fused", "compiledfxgraph", "kernel_")),
+    # entering the compiled graph: dynamo's guard check, its bytecode around the call, AOT
+    # autograd's prologue (before the KV write's "cache": dynamo's lookup is no KV write)
+    (
+        "graph entry",
+        ("torchdynamo cache lookup", "pregraph", "torch-compiled region", "aotdispatcher"),
+    ),
     ("KV write", ("cache", "kv_write", "reshape_and")),
-    ("attention", ("attention", "attn", "sdpa")),
+    ("attention", ("attention", "attn", "sdpa", "paged_decode")),
     (
         "linears",
-        ("mm", "linear", "matmul", "gemm", "gguf", "int4", "int8", "qlinear", "onednn", "mkldnn"),
+        (
+            "mm",
+            "linear",
+            "matmul",
+            "gemm",
+            "gemv",
+            "gguf",
+            "int4",
+            "int8",
+            "qlinear",
+            "onednn",
+            "mkldnn",
+        ),
     ),
 ]
 

@@ -293,6 +293,12 @@ def load_attention_ops() -> bool:
     return True
 
 
+def attention_ops_loaded() -> bool:
+    """Whether `load_attention_ops` loaded the operators in this process (it builds nothing:
+    safe to call while dynamo traces, which reads the flag into the graph)."""
+    return _attention_ops_loaded
+
+
 def _paged_decode_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

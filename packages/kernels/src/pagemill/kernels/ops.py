@@ -13,6 +13,14 @@ on a torch that cannot pass opaque objects through a graph (the engine then stay
 A layer's sliding window and soft-cap are plain int/float arguments: constants of the
 graph, one per layer, never part of the shared plan; its attention sinks (gpt-oss) an
 optional tensor.
+
+On CPU with the C++ operators loaded (`cpu_native.load_attention_ops`) a graph skips these
+custom ops where it can (`direct_kv_write`, `direct_decode`): their bodies are Python, which
+the compiled graph calls back into at every layer of every step, through dynamo's frame
+lookup. The KV write then is the C++ operator in every graph (a cache in the compute
+dtype); attention is, in the graphs of decode-only steps, the C++ decode operator over
+plain block tables and lengths (the model runner's decode buffers), the kernel the plan's
+native path runs. Prefill and mixed steps, fp8 writes and other devices keep the custom ops.
 """
 
 from __future__ import annotations
@@ -167,3 +175,94 @@ if COMPILE_READY:
 
     _LIB.impl("paged_attention", _paged_attention, "CompositeExplicitAutograd")
     torch.library.register_fake("pagemill::paged_attention", _paged_attention_fake, lib=_LIB)
+
+
+# ---- the C++ operators themselves, for a compiled graph's decode steps ----------------------
+
+
+def direct_kv_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Inside a trace: put the KV write into the graph as the C++ operator
+    (`torch.ops.pagemill_native.write_kv_cache`) where it serves these tensors (CPU, the
+    cache in k's dtype, the layouts it reads), and say whether it did; False: nothing was
+    traced, the caller puts in the custom op (`torch.ops.pagemill.write_kv_cache`).
+
+    The custom op's body is Python: the compiled graph leaves its C++ code for it at every
+    layer of every step, and a Python frame called from a compiled region also pays
+    dynamo's frame lookup. The checks here read shapes, dtypes and strides, which the
+    graph fixes, so they cost nothing at run time; whether the operators are loaded is
+    read, never built, here (`cpu_native.attention_ops_loaded`: a build inside a trace
+    would be traced)."""
+    if not (
+        k_cache.device.type == "cpu"
+        and slot_mapping.device.type == "cpu"
+        and slot_mapping.dtype == torch.int64
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.dim() == 3
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and tuple(k.shape[1:]) == tuple(k_cache.shape[2:])
+        and tuple(v.shape[1:]) == tuple(k_cache.shape[2:])
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+        and cpu_native.attention_ops_loaded()
+    ):
+        return False
+    torch.ops.pagemill_native.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    return True
+
+
+def direct_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Inside a trace, for a decode-only step (one query token per request, row = request):
+    attention as the C++ decode operator (`torch.ops.pagemill_native.paged_decode`, the
+    kernel the plan's native path runs, so the same numbers) over plain tensors, `tables`
+    [S, W] and `lens` [S] int32; None where it does not serve these tensors (nothing was
+    traced: the caller runs the custom op with the plan)."""
+    if not (
+        cpu_native.supports(q, k_cache)
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.is_contiguous()
+        and tables.dtype == torch.int32
+        and lens.dtype == torch.int32
+        and (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()))
+        and cpu_native.attention_ops_loaded()
+    ):
+        return None
+    fp8 = is_quantized_kv(k_cache.dtype)
+    out: torch.Tensor = torch.ops.pagemill_native.paged_decode(
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        None,
+        scale,
+        window,
+        softcap,
+        k_scale if fp8 else None,
+        v_scale if fp8 else None,
+        sinks,
+    )
+    return out

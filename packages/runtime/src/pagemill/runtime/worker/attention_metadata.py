@@ -21,11 +21,17 @@ from pagemill.kernels import AttentionPlan
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """`slot_mapping` [T] int64: the KV-cache slot of each token of the step (-1 = skip)."""
+    """`slot_mapping` [T] int64: the KV-cache slot of each token of the step (-1 = skip).
+
+    `native_decode`: a decode-only step whose block tables and context lengths the runner
+    has written into the layers' decode buffers (`LlamaAttention.decode_tables`), so a
+    compiled graph calls the C++ decode operator with them instead of the attention custom
+    op with the plan; a graph of its own (dynamo guards on the flag)."""
 
     slot_mapping: torch.Tensor
     plan: AttentionPlan
     groups: list[AttentionMetadata] | None = None
+    native_decode: bool = False
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group `group` (itself when there is one group)."""

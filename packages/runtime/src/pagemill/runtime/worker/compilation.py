@@ -5,7 +5,10 @@ at batch 1 that overhead is most of the step. Compiled, the norms, rotary, activ
 residual adds fuse into a few C++ loops, and with `freezing` the linear weights are
 prepacked for oneDNN once. The KV write and paged attention are custom ops
 (`pagemill.kernels.ops`), so the graph never breaks at them; the attention plan crosses
-it as an opaque object.
+it as an opaque object. Where the C++ operators serve (CPU: every KV write in the compute
+dtype, and attention in decode-only steps) the graph calls them directly instead, with
+plain tensors: no Python between the graph's kernels. A decode-only step of several
+requests is then a graph of its own (`ModelRunner.decode_graph_token_counts`).
 
 Shapes: the token dimension is dynamic, so one graph serves every batch size and prefill
 chunk (torch specializes size 1, the decode of a single request, into a second graph);
@@ -172,6 +175,38 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # parallel, where it pays off at large batches. A graph traced at more tokens (a
 # packed/dense crossover's) is judged at that size.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size": 1024}
+# Set to 1 to generate a C++ wrapper (inductor's `cpp_wrapper`) for each graph that can have
+# one: those without the attention plan, an opaque Python object a C++ wrapper cannot pass
+# (decode-only steps on the C++ decode operator). An experiment, off by default: see the
+# branch report of issue 22 before relying on it with the compile cache.
+CPP_WRAPPER_ENV = "PAGEMILL_CPP_WRAPPER"
+
+
+def cpp_wrapper_enabled() -> bool:
+    return os.environ.get(CPP_WRAPPER_ENV, "0").strip() == "1"
+
+
+def _has_opaque_input(example_inputs: list[Any]) -> bool:
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    opaque = (torch.ScriptObject, FakeScriptObject)
+    return any(
+        isinstance(x, opaque) or type(x).__module__.startswith("pagemill.") for x in example_inputs
+    )
+
+
+def _inductor_per_graph(options: dict[str, Any]) -> Callable[..., Any]:
+    """A backend that compiles each graph with inductor and `options`, plus `cpp_wrapper`
+    where the graph takes no opaque object."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {**options, "cpp_wrapper": not _has_opaque_input(example_inputs)}
+        logger.info("compile: a graph with cpp_wrapper=%s", patches["cpp_wrapper"])
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return backend
 
 
 def _set_inductor_cache_dir() -> None:
@@ -277,6 +312,14 @@ def compile_forward(
     if groups:
         _compile_layers(groups)
         return model.forward
+    if cpp_wrapper_enabled():
+        return torch.compile(
+            _private_forward(model),
+            backend=_inductor_per_graph({**INDUCTOR_OPTIONS, "freezing": freezing}),
+            dynamic=True,
+            fullgraph=True,
+            options={"guard_filter_fn": _keep_input_guards},
+        )
     return torch.compile(
         _private_forward(model),
         dynamic=True,

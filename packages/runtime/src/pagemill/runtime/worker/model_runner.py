@@ -29,7 +29,8 @@ import torch
 
 from pagemill.blockpool import KVCacheGroupSpec
 from pagemill.blockpool.kv_cache_groups import layer_group
-from pagemill.kernels import cpu_native, plan_attention
+from pagemill.kernels import AttentionPlan, cpu_native, plan_attention
+from pagemill.kernels.attention_cpu import TorchPlan
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
 from pagemill.runtime.model_executor.layers import Linear, packed_row_limits
@@ -255,6 +256,10 @@ class ModelRunner:
             prepack_dense_weights(model)
         # The last step's inputs of the model's `aux_hidden_state_layers` (EAGLE-3), if any.
         self.aux_hidden_states: torch.Tensor | None = None
+        # The attention layers' decode buffers (`_bind_decode_buffers`): block tables per KV
+        # cache group and the context lengths; None without the C++ decode operator.
+        self._decode_tables: list[torch.Tensor] | None = None
+        self._decode_lens: torch.Tensor | None = None
 
     def compile(self, cache: CompileCache | None = None) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -315,8 +320,10 @@ class ModelRunner:
         return CompileCache(CompileCache.root(), key, parts)
 
     def warm_up_blocks(self) -> int:
-        """KV blocks the warm-up steps write (their longest step's, one request)."""
-        return math.ceil(max(self.graph_token_counts()) / self.block_size)
+        """KV blocks the warm-up steps write: the longest one-request step's, or a block per
+        request of the widest decode-only step, whichever is more."""
+        prefill = math.ceil(max(self.graph_token_counts()) / self.block_size)
+        return max([prefill, *self.decode_graph_token_counts()])
 
     def start_background_compile(self, cache: CompileCache, first_block: int) -> BackgroundCompile:
         """Compile the forward, and fill `cache`, on a thread of its own; the serving steps
@@ -330,7 +337,7 @@ class ModelRunner:
         they share is read-only (weights, the pool's tensors). A compile that fails is
         logged once and leaves the engine eager for good.
         """
-        job = self.background = BackgroundCompile(total=len(self.graph_token_counts()))
+        job = self.background = BackgroundCompile(total=len(self._warm_up_steps()))
         self.compile_cache = cache
         self.compile_cache_loaded = False
         shadow = copy.copy(self)
@@ -396,6 +403,9 @@ class ModelRunner:
             "packed_row_limits": packed_row_limits(self.model),
             "tensor_parallel_size": 1 if self.tp is None else self.tp.world_size,
             "graph_token_counts": self.graph_token_counts(),
+            "decode_graph_token_counts": self.decode_graph_token_counts(),
+            # A graph traced with the C++ attention operators calls them by name.
+            "native_attention_ops": cpu_native.attention_ops_loaded(),
         }
 
     def graph_token_counts(self) -> list[int]:
@@ -404,22 +414,38 @@ class ModelRunner:
         longest = min(self.max_num_batched_tokens, self.max_model_len)
         return sorted(n for n in counts if n <= longest)
 
+    def decode_graph_token_counts(self) -> list[int]:
+        """The decode-only step sizes compiled at start-up besides `graph_token_counts`: with
+        the C++ decode operator a decode-only step of several requests runs a graph of its
+        own (`AttentionMetadata.native_decode`; one token is always decode-only)."""
+        if self.device.type != "cpu" or not cpu_native.attention_ops_loaded():
+            return []
+        return [n for n in self.graph_token_counts() if 2 <= n <= self.max_num_seqs]
+
+    def _warm_up_steps(self) -> list[tuple[int, int]]:
+        """(tokens, requests) of each graph's throwaway step: one request per prefill-like
+        step, one token per request in a decode-only one."""
+        steps = [(n, 1) for n in self.graph_token_counts()]
+        return steps + [(n, n) for n in self.decode_graph_token_counts()]
+
     def _warm_up_graphs(self, first_block: int = 0, job: BackgroundCompile | None = None) -> None:
         """Run each graph's throwaway step (its KV written from block `first_block` on);
         `job` counts the graphs ready."""
         self.compiled = True
-        todo = self.graph_token_counts()
+        todo = self._warm_up_steps()
         start = time.perf_counter()
         logger.info(
             "compile: %d graphs, for steps of %s tokens (the first traces the model)",
             len(todo),
-            ", ".join(map(str, todo)),
+            ", ".join(f"{n}" if r == 1 else f"{n} (decode)" for n, r in todo),
         )
-        for i, num_tokens in enumerate(todo):
+        for i, (num_tokens, num_reqs) in enumerate(todo):
             if job is not None and job.cancelled:
                 raise _CompileCancelled
             t0 = time.perf_counter()
-            batch, _ = self.dummy_batch(num_tokens=num_tokens, max_seqs=1, first_block=first_block)
+            batch, _ = self.dummy_batch(
+                num_tokens=num_tokens, max_seqs=num_reqs, first_block=first_block
+            )
             saved = self.input_batch, self.requests
             self.input_batch = self._new_input_batch()
             self.requests = {}
@@ -478,6 +504,26 @@ class ModelRunner:
             cache.scales,
             None if groups is None else layer_group(groups, self.model_config.num_hidden_layers),
         )
+        self._bind_decode_buffers()
+
+    def _bind_decode_buffers(self) -> None:
+        """Give the attention layers (those with `decode_tables`) the buffers that a compiled
+        graph's decode-only steps read their block tables and context lengths from (see
+        `AttentionMetadata.native_decode`): on CPU, when the C++ decode operator is loaded.
+        One table per KV cache group, shared by the group's layers."""
+        self._decode_tables = self._decode_lens = None
+        if self.device.type != "cpu" or not cpu_native.attention_ops_loaded():
+            return
+        num_groups = 1 if self.kv_cache_groups is None else len(self.kv_cache_groups)
+        shape = (self.max_num_seqs, self.max_blocks_per_seq)
+        tables = [torch.zeros(shape, dtype=torch.int32) for _ in range(num_groups)]
+        lens = torch.zeros(self.max_num_seqs, dtype=torch.int32)
+        for module in self.model.modules():
+            group = getattr(module, "kv_group", None)
+            if hasattr(module, "decode_tables") and isinstance(group, int):
+                module.decode_tables = tables[group]
+                module.decode_lens = lens
+        self._decode_tables, self._decode_lens = tables, lens
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
@@ -806,7 +852,9 @@ class ModelRunner:
         assert self.kv_cache is not None, "init_kv_cache first"
         k_shape = cache_shape(self.kv_cache.caches[0][0])
 
-        def metadata_of(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+        def metadata_of(
+            slots: torch.Tensor, tables: torch.Tensor, group: int = 0
+        ) -> AttentionMetadata:
             plan = plan_attention(
                 qsl_t.to(torch.int32),
                 seq_lens_t.to(torch.int32),
@@ -817,7 +865,9 @@ class ModelRunner:
                 query_lens=batch.query_lens,
                 context_lens=batch.seq_lens,
             )
-            return AttentionMetadata(slot_mapping=slots.to(torch.int64), plan=plan)
+            meta = AttentionMetadata(slot_mapping=slots.to(torch.int64), plan=plan)
+            meta.native_decode = self._fill_decode_buffers(plan, group)
+            return meta
 
         attn = metadata_of(slots_t, tables_t)
         if batch.group_slots is not None and batch.group_block_tables is not None:
@@ -825,7 +875,7 @@ class ModelRunner:
             moved_groups = self._to_device(more)
             k = len(batch.group_slots)
             attn.groups = [attn] + [
-                metadata_of(moved_groups[i], moved_groups[k + i]) for i in range(k)
+                metadata_of(moved_groups[i], moved_groups[k + i], i + 1) for i in range(k)
             ]
         return StepInputs(
             input_ids.to(torch.int64),
@@ -836,6 +886,30 @@ class ModelRunner:
             metadata,
             batch,
         )
+
+    def _fill_decode_buffers(self, plan: AttentionPlan, group: int) -> bool:
+        """For a compiled step whose plan runs every row on the native decode kernel (a
+        decode-only step, row = request): write its tables and lengths into the layers'
+        decode buffers (group `group`'s table) and say so (`AttentionMetadata.native_decode`),
+        so the graph calls the same kernel as a C++ operator. Only a compiled runner writes
+        them: the buffers are shared with a background compile's warm-up steps."""
+        impl = plan.impl
+        if (
+            not self.compiled
+            or self._decode_tables is None
+            or self._decode_lens is None
+            or not isinstance(impl, TorchPlan)
+            or impl.native is None
+            or impl.native.rows is not None
+            or impl.decode
+            or impl.prefill
+        ):
+            return False
+        tables, lens = impl.native.tables, impl.native.lens
+        n, width = tables.shape
+        self._decode_tables[group][:n, :width].copy_(tables)
+        self._decode_lens[:n].copy_(lens)  # every group's: the same context lengths
+        return True
 
     def _to_device(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """Move the step's index tensors to the device in one copy.

@@ -28,6 +28,7 @@ from pagemill.kernels import (
     silu_and_mul,
     write_kv_cache,
 )
+from pagemill.kernels.ops import direct_decode, direct_kv_write
 from pagemill.kernels.rotary import apply_rotary_qk
 from pagemill.runtime.distributed.parallel_layers import (
     row_parallel_linear,
@@ -80,6 +81,11 @@ class LlamaAttention(nn.Module):
     # rotation (`_rotates_qk_together`); a class-wide switch (in the compile cache's key)
     # so `benchmarks/step_ab.py --variant rotary-split` can compare both graphs.
     rotate_qk_together = True
+    # In a compiled graph, call the C++ KV-write and decode operators directly where they
+    # serve (`_compiled_attention`); False keeps the Python custom ops everywhere. A
+    # class-wide switch (in the compile cache's key) for `benchmarks/step_ab.py --variant
+    # python-ops`.
+    direct_native_ops = True
 
     def __init__(
         self,
@@ -118,6 +124,13 @@ class LlamaAttention(nn.Module):
         self.sinks: nn.Parameter | None = None
         # The KV cache group whose block table this layer reads (bind_kv_caches).
         self.kv_group = 0
+        # A decode-only step's block tables [max seqs, max blocks] and context lengths
+        # [max seqs] (int32) for the C++ decode operator in a compiled graph: buffers the
+        # model runner binds (shared by a group's layers) and fills before such a step.
+        # Attributes, not inputs: their sizes never change, so they add no symbols, and
+        # the graph takes the step's first rows by its token count.
+        self.decode_tables: torch.Tensor | None = None
+        self.decode_lens: torch.Tensor | None = None
 
     def forward(
         self,
@@ -145,30 +158,15 @@ class LlamaAttention(nn.Module):
             q, k = self._rotate(positions, q, k, cos_sin)
         if meta.groups is not None:
             meta = meta.groups[self.kv_group]
-        plan = meta.plan
         ks = vs = None
         if self.kv_scales is not None:
             if self.kv_scales.pending and not torch.compiler.is_compiling():
                 self.kv_scales.calculate(k, v)
             ks, vs = self.kv_scales.k_scale, self.kv_scales.v_scale
         if torch.compiler.is_compiling():
-            # One opaque call each in the graph (see pagemill.kernels.ops).
-            torch.ops.pagemill.write_kv_cache(
-                k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
-            )
-            out = torch.ops.pagemill.paged_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                plan,
-                self.scale,
-                self.window,
-                self.softcap,
-                ks,
-                vs,
-                self.sinks,
-            )
+            out = self._compiled_attention(q, k, v, t, meta, ks, vs)
         else:
+            plan = meta.plan
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
             out = paged_attention(
                 q,
@@ -186,6 +184,60 @@ class LlamaAttention(nn.Module):
                 sinks=self.sinks,
             )
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _compiled_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        t: int,
+        meta: AttentionMetadata,
+        ks: torch.Tensor | None,
+        vs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The KV write and attention as the graph calls them: the C++ operators with plain
+        tensors where they serve (the write on CPU caches in the compute dtype; attention
+        on decode-only steps, `meta.native_decode`), else one custom op each (see
+        pagemill.kernels.ops), the attention op with the step's plan."""
+        assert self.k_cache is not None and self.v_cache is not None
+        direct = self.direct_native_ops
+        if not (direct and direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping)):
+            torch.ops.pagemill.write_kv_cache(
+                k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
+            )
+        if (
+            direct
+            and meta.native_decode
+            and self.decode_tables is not None
+            and self.decode_lens is not None
+        ):
+            out = direct_decode(
+                q,
+                self.k_cache,
+                self.v_cache,
+                self.decode_tables[:t],
+                self.decode_lens[:t],
+                self.scale,
+                self.window,
+                self.softcap,
+                ks,
+                vs,
+                self.sinks,
+            )
+            if out is not None:
+                return out
+        return torch.ops.pagemill.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.plan,
+            self.scale,
+            self.window,
+            self.softcap,
+            ks,
+            vs,
+            self.sinks,
+        )
 
     def _rotates_qk_together(self, qkv: torch.Tensor) -> bool:
         """Whether q and k rotate as one tensor of heads straight from the projection
