@@ -80,7 +80,8 @@ def test_ready_and_serving_while_the_compile_runs_and_live_blocks_kept(
     runner = core.model_runner
     job = runner.background
     assert job is not None and entered.wait(60)
-    total = len(runner.graph_token_counts())
+    # A graph per prefill-like step size, and per decode-only size with the C++ decode op.
+    total = len(runner.graph_token_counts()) + len(runner.decode_graph_token_counts())
     assert job.total == total and core.get_stats().compile_graphs_pending == total
     # The warm-up's blocks are the pool's last, kept from the scheduler.
     assert runner.kv_cache is not None
