@@ -219,6 +219,8 @@ def test_kernel_picks_amx_by_rows_and_switch(monkeypatch) -> None:
     assert not g.picks_amx(low) and not g.picks_amx(64)
     monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", "1")
     assert g.picks_amx(64)
+    monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", "12")  # a row count moves the switch
+    assert not g.picks_amx(11) and g.picks_amx(12) and g.amx_min_rows() == 12
     # Either way the picked path gives the same bits.
     q, d = _rows(40, 64, seed=8)
     blocks = g.pack_q8_blocks(q, d)

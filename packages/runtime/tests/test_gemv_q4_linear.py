@@ -127,6 +127,20 @@ def test_amx_switch(monkeypatch: pytest.MonkeyPatch) -> None:
         linear._amx_packed_switch()
 
 
+def test_gemv_amx_switch_refuses_what_the_kernels_would_misread(monkeypatch) -> None:
+    """The C++ kernels read PAGEMILL_CPU_GEMV_AMX themselves and would take "yes" as 0
+    (never): it is refused at start instead."""
+    from pagemill.runtime.model_executor.layers import linear
+
+    for ok in ("", "0", "1", "auto", "12"):
+        monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", ok)
+        linear._check_gemv_amx_switch()
+    for bad in ("yes", "-3", "1.5"):
+        monkeypatch.setenv("PAGEMILL_CPU_GEMV_AMX", bad)
+        with pytest.raises(ValueError, match="PAGEMILL_CPU_GEMV_AMX"):
+            linear._check_gemv_amx_switch()
+
+
 @pytest.mark.skipif(not gemv_q4_cpu.amx_available(), reason="no AMX here")
 @pytest.mark.parametrize("dense_fallback", [True, False])
 def test_amx_serves_large_batches_without_a_dense_copy(monkeypatch, dense_fallback) -> None:

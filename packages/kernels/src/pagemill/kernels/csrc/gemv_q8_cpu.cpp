@@ -21,6 +21,7 @@
 // PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
 // On the AVX-512 build a machine with AMX-INT8 runs calls of AMX_MIN_ROWS rows and more on
 // the matrix units instead (see "AMX" below): the same integers and float steps, the same bits.
+// PAGEMILL_CPU_GEMV_AMX: 0 never, a number n from n rows (as for gemv_q4).
 //
 // Activation block: q1 = round(x / dx) in -127..127 with dx = max|x| / 127; with two
 // planes also the remainder rounded in steps of dx / 254 (q2), so x ≈ dx * (q1 + q2 / 254).
@@ -387,9 +388,13 @@ bool amx_usable() {
     return ok;
 }
 
-bool amx_enabled() {
+// The fewest rows sent to the tiles, from PAGEMILL_CPU_GEMV_AMX: unset, "1" or "auto"
+// AMX_MIN_ROWS, "0" never (0), another number n from n rows (as gemv_q4 reads it).
+int64_t amx_rows_setting() {
     const char* v = std::getenv("PAGEMILL_CPU_GEMV_AMX");
-    return !(v && v[0] == '0' && v[1] == '\0');
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "1") == 0 || std::strcmp(v, "auto") == 0)
+        return AMX_MIN_ROWS;
+    return std::max(0, std::atoi(v));
 }
 
 struct alignas(64) TileConfig {
@@ -529,12 +534,13 @@ void amx_gemv(const uint8_t* w, const int8_t* xq, const float* dx, void* y, int 
 #else
 constexpr int64_t AMX_MIN_ROWS = 0;
 bool amx_usable() { return false; }
-bool amx_enabled() { return false; }
+int64_t amx_rows_setting() { return 0; }
 #endif
 
 // Whether a call of m_rows rows goes to the matrix units when the caller leaves it to us.
 bool picks_amx(int64_t m_rows) {
-    return m_rows >= AMX_MIN_ROWS && amx_usable() && amx_enabled();
+    const int64_t from = amx_rows_setting();
+    return from > 0 && m_rows >= from && amx_usable();
 }
 
 // amx: -1 the matrix units from AMX_MIN_ROWS rows where usable and not turned off, 0 never,
@@ -624,6 +630,6 @@ int pagemill_gemv_q8_amx_available() { return amx_usable() ? 1 : 0; }
 int pagemill_gemv_q8_picks_amx(int64_t m_rows) { return picks_amx(m_rows) ? 1 : 0; }
 
 // The fewest rows of x the automatic choice sends to the matrix units (0 without them).
-int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? AMX_MIN_ROWS : 0; }
+int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? amx_rows_setting() : 0; }
 
 }  // extern "C"

@@ -123,6 +123,20 @@ def _amx_packed_switch() -> bool:
     return value == "1"
 
 
+def _check_gemv_amx_switch() -> None:
+    """`PAGEMILL_CPU_GEMV_AMX`: 0 (never), 1 / auto / unset (the kernels' own row counts) or
+    a row count n >= 2 from which `gemv_q4` and `gemv_q8` move to the AMX-INT8 tiles. The C++
+    kernels read it themselves (they cannot refuse a value); it is checked here, at start,
+    so a value they would misread is refused instead of silently taken as "never"."""
+    value = os.environ.get("PAGEMILL_CPU_GEMV_AMX", "").strip()
+    if value in ("", "0", "1", "auto") or (value.isdigit() and int(value) >= 2):
+        return
+    raise ValueError(f"PAGEMILL_CPU_GEMV_AMX must be 0, 1, auto or a row count, got {value!r}")
+
+
+_check_gemv_amx_switch()
+
+
 class Linear(nn.Module):
     """y = x Wᵀ (+ b), W [out_features, in_features]."""
 
