@@ -9,7 +9,8 @@ keeps a dense copy is timed both ways on the model's own weights — enough laye
 kind in turn that the weights stream from memory as they do in a step — at a few row
 counts, packed and dense alternating, the fastest run of each kept (other jobs only ever
 add time). Results are kept in a JSON file next to the compile cache, keyed by CPU
-features, torch version and thread count, so later starts read them; a file that does not
+features, torch version, thread count and the native kernels' sources, so later starts
+read them; a file that does not
 parse is measured again. If measuring overruns its budget, the machine is too busy for
 the timings to mean anything: the table is used, and the next starts try again, up to
 `BUSY_ATTEMPTS` busy starts in all; after that the table is kept (delete the file to
