@@ -82,18 +82,17 @@ def _native_write() -> Any:
     return fn
 
 
-def write_kv_cache_cpu_native(
+def native_write_serves(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> bool:
-    """The native CPU write of ``k``/``v`` [T, KV heads, D] at their slots (-1: skipped);
-    False, having written nothing, where it does not serve these tensors (not CPU, a cache
-    not in k's dtype or not contiguous, rows not contiguous, no native library): the
-    caller then takes the torch path. A slot outside the cache is a ValueError."""
-    if not (
+    """Whether the native CPU write takes these tensors as they are: CPU, the caches in k's
+    dtype and contiguous, each token's heads as contiguous rows (shapes, dtypes and strides
+    only: free inside a trace)."""
+    return (
         k.device.type == "cpu"
         and k_cache.device.type == "cpu"
         and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
@@ -108,7 +107,21 @@ def write_kv_cache_cpu_native(
         and k.stride(1) == k.shape[2]
         and v.stride(1) == v.shape[2]
         and slot_mapping.device.type == "cpu"
-    ):
+    )
+
+
+def write_kv_cache_cpu_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """The native CPU write of ``k``/``v`` [T, KV heads, D] at their slots (-1: skipped);
+    False, having written nothing, where it does not serve these tensors (not CPU, a cache
+    not in k's dtype or not contiguous, rows not contiguous, no native library): the
+    caller then takes the torch path. A slot outside the cache is a ValueError."""
+    if not native_write_serves(k, v, k_cache, v_cache, slot_mapping):
         return False
     if cpu_native.load_attention_ops():
         # The same copy as a torch operator: no ctypes conversions per layer.

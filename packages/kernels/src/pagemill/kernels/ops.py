@@ -31,7 +31,11 @@ from pagemill.kernels import cpu_native
 from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
 from pagemill.kernels.attention_cpu import TorchPlan
-from pagemill.kernels.kv_cache import write_kv_cache, write_kv_cache_cpu_native
+from pagemill.kernels.kv_cache import (
+    native_write_serves,
+    write_kv_cache,
+    write_kv_cache_cpu_native,
+)
 from pagemill.kernels.kv_quant import is_quantized_kv
 
 COMPILE_READY = register_opaque(AttentionPlan)
@@ -199,21 +203,9 @@ def direct_kv_write(
     read, never built, here (`cpu_native.attention_ops_loaded`: a build inside a trace
     would be traced)."""
     if not (
-        k_cache.device.type == "cpu"
-        and slot_mapping.device.type == "cpu"
-        and slot_mapping.dtype == torch.int64
-        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-        and k.dim() == 3
+        slot_mapping.dtype == torch.int64
         and k_cache.dim() == 4
-        and k_cache.shape == v_cache.shape
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and tuple(k.shape[1:]) == tuple(k_cache.shape[2:])
-        and tuple(v.shape[1:]) == tuple(k_cache.shape[2:])
-        and k.stride(2) == 1
-        and v.stride(2) == 1
-        and k.stride(1) == k.shape[2]
-        and v.stride(1) == v.shape[2]
+        and native_write_serves(k, v, k_cache, v_cache, slot_mapping)
         and cpu_native.attention_ops_loaded()
     ):
         return False

@@ -419,6 +419,10 @@ void configure_tiles(int rows) {
     cfg.colsb[2] = cfg.colsb[3] = QK;
     cfg.rows[6] = cfg.rows[7] = QK / 4;
     cfg.colsb[6] = cfg.colsb[7] = 64;
+    // LDTILECFG faults on nonzero reserved bytes and the intrinsic does not tell GCC that it
+    // reads all 64: without the barrier the zeroing of unused entries can be dropped as dead
+    // stores (as gemv_q4_cpu.cpp's load_tile_config).
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
