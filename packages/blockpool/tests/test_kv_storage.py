@@ -80,3 +80,49 @@ def test_dlpack_bf16_view_writes_through() -> None:
     bits = int(s.v_caches[0][1, 3, 0, 7])
     # bf16 is the top half of the float32 bit pattern.
     assert bits == np.array([2.0], dtype=np.float32).view(np.uint32)[0] >> 16
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+linux_only = pytest.mark.skipif(
+    not __import__("sys").platform.startswith("linux"), reason="page residency read from /proc"
+)
+
+
+@linux_only
+@pytest.mark.parametrize("background", [False, True])
+def test_prefault_maps_the_pool_and_keeps_its_contents(background: bool) -> None:
+    """The pool is lazily zero-filled (an idle pool costs no memory); `prefault` commits its
+    pages without changing what a running engine already wrote there."""
+    s = KVStorage(2, 256, 16, 4, 64, dtype="bfloat16", device="cpu")  # 2 MiB per array
+    before = _rss_kib()
+    s.k_caches[1][3, 5, 2, :] = np.arange(64, dtype=np.uint16)
+    s.v_caches[0][255, 15, 3, 7] = 12345
+    assert _rss_kib() - before < s.nbytes // 1024 // 4  # still mostly unmapped
+    assert s.prefault(background=background)
+    s.wait_prefaulted()
+    assert s.prefaulted
+    assert _rss_kib() - before >= s.nbytes // 1024 * 9 // 10
+    assert (s.k_caches[1][3, 5, 2, :] == np.arange(64)).all()
+    assert s.v_caches[0][255, 15, 3, 7] == 12345
+    assert int(s.k_caches[0].astype(np.int64).sum()) == 0
+
+
+@linux_only
+def test_prefault_without_populate_writes_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without MADV_POPULATE_WRITE: every page is written once, at once."""
+    import pagemill.blockpool.kv_storage as kv_storage
+
+    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: None)
+    s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu")
+    before = _rss_kib()
+    assert s.prefault(background=True)
+    assert s._prefault_thread is None and s.prefaulted
+    assert _rss_kib() - before >= s.nbytes // 1024 * 9 // 10
+    assert not s.k_caches[0].any() and not s.v_caches[0].any()

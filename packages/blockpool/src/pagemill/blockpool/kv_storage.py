@@ -6,10 +6,23 @@ runtime wraps them with `torch.from_dlpack` without a copy and without this pack
 importing torch. bfloat16 has no NumPy dtype: it is stored in uint16 containers holding the
 raw bf16 bits, and the torch side reinterprets with `.view(torch.bfloat16)`. float8 formats
 are likewise stored as uint8 containers.
+
+On the CPU each array is its own anonymous memory mapping: zero pages the kernel fills in
+on first write, like `calloc`, so an idle pool costs no memory. A page's first write,
+though, is a page fault that costs far more than the write; without `prefault` those
+faults land inside the first steps that reach each block (a 2,048-token prefill then
+spends most of its KV write time faulting). `prefault` maps every page writable up front
+without touching its contents (Linux `MADV_POPULATE_WRITE`), so it is safe while the pool
+is in use.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -26,6 +39,26 @@ _CONTAINER: dict[str, str] = {
     "int8": "int8",
     "uint8": "uint8",
 }
+
+
+# <linux/mman.h>; the mmap module exposes it only where Python was built against a kernel
+# header that has it.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _libc_madvise() -> Any | None:
+    """libc's madvise through ctypes (which lets other threads run during the call), or
+    None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def _cupy_if_available() -> Any | None:
@@ -94,6 +127,8 @@ class KVStorage:
         self.shape: tuple[int, int, int, int] = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_caches: list[Any] = []
         self.v_caches: list[Any] = []
+        self._prefault_thread: threading.Thread | None = None
+        self.prefaulted = False
         if self.backend == "cupy":
             with xp.cuda.Device(index):
                 self._allocate(xp)
@@ -103,11 +138,68 @@ class KVStorage:
 
     def _allocate(self, xp: Any) -> None:
         for _ in range(self.num_layers):
-            self.k_caches.append(xp.zeros(self.shape, dtype=self.container_dtype))
-            self.v_caches.append(xp.zeros(self.shape, dtype=self.container_dtype))
+            self.k_caches.append(self._zeros(xp))
+            self.v_caches.append(self._zeros(xp))
+
+    def _zeros(self, xp: Any) -> Any:
+        if xp is not np:
+            return xp.zeros(self.shape, dtype=self.container_dtype)
+        dtype = np.dtype(self.container_dtype)
+        nbytes = int(np.prod(self.shape)) * dtype.itemsize
+        # The array keeps the mapping alive (it is the buffer's owner); anonymous mappings
+        # are page-aligned and read as zeros.
+        # Private (MAP_SHARED, mmap's default on Unix, would make it shared memory).
+        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+        return np.frombuffer(mmap.mmap(-1, nbytes, **private), dtype=dtype).reshape(self.shape)
+
+    def prefault(self, background: bool = True) -> bool:
+        """Map every page of a CPU pool writable now, so steps do not pay page faults.
+
+        With `MADV_POPULATE_WRITE` (Linux 5.14+) the contents are left alone, so it may run
+        in a background thread while the pool is used (`background`; `wait_prefaulted`
+        joins it). Where the kernel lacks it, each page is written with a zero instead:
+        done at once, and only correct while the pool holds nothing yet (as at start-up).
+        Returns False for a CuPy pool (its memory is committed at allocation)."""
+        if self.backend != "numpy":
+            return False
+        arrays = self.k_caches + self.v_caches
+        madvise = _libc_madvise()
+        if madvise is not None and madvise(0, 0, _MADV_POPULATE_WRITE) == 0:
+            page = mmap.PAGESIZE
+
+            def populate() -> None:
+                for a in arrays:
+                    start = a.ctypes.data // page * page
+                    end = a.ctypes.data + a.nbytes
+                    if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+                        _touch(a)  # e.g. the kernel refused this range: write it instead
+                self.prefaulted = True
+
+            if background:
+                self._prefault_thread = threading.Thread(
+                    target=populate, name="kv-prefault", daemon=True
+                )
+                self._prefault_thread.start()
+            else:
+                populate()
+            return True
+        for a in arrays:
+            _touch(a)
+        self.prefaulted = True
+        return True
+
+    def wait_prefaulted(self) -> None:
+        if self._prefault_thread is not None:
+            self._prefault_thread.join()
 
     def __repr__(self) -> str:
         return (
             f"KVStorage(layers={self.num_layers}, shape={self.shape}, dtype={self.dtype}, "
             f"backend={self.backend}, nbytes={self.nbytes})"
         )
+
+
+def _touch(array: Any) -> None:
+    """Write a zero into every page of a zero-filled array (faults them in)."""
+    flat = array.reshape(-1).view(np.uint8)
+    flat[:: mmap.PAGESIZE] = 0

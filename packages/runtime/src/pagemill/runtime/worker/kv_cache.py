@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -40,6 +41,18 @@ logger = logging.getLogger(__name__)
 # CPU default: a byte budget rather than "all free RAM", since host memory is shared with
 # everything else on the machine. Capped further by what the configured batch can use.
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def cpu_kv_prefault() -> bool:
+    """`PAGEMILL_CPU_KV_PREFAULT` (1, the default, or 0); anything else is refused.
+
+    1 maps the CPU pool's pages in a background thread at start (`KVStorage.prefault`): a
+    block's first write would otherwise pay a page fault per page inside a step. 0 leaves
+    them to fault in on first use (to compare, or to keep an oversized pool uncommitted)."""
+    value = os.environ.get("PAGEMILL_CPU_KV_PREFAULT", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEMILL_CPU_KV_PREFAULT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 # vLLM's calculate_kv_scales rule: scale = amax / constant (K_SCALE_CONSTANT,
@@ -342,6 +355,8 @@ class KVCache:
                 device="cpu",
             )
         if self.storage is not None:
+            if self.storage.backend == "numpy" and cpu_kv_prefault():
+                self.storage.prefault(background=True)
             tensors = [
                 (_as_torch(k, dtype, device), _as_torch(v, dtype, device))
                 for k, v in zip(self.storage.k_caches, self.storage.v_caches)

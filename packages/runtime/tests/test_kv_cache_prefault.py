@@ -1,0 +1,38 @@
+"""The CPU KV pool's pages are mapped at start (in the background), not by the first steps
+that reach each block; `PAGEMILL_CPU_KV_PREFAULT` switches it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagemill.runtime.worker.kv_cache import KVCache
+
+CONFIG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=32)
+
+
+def test_cpu_pool_is_prefaulted_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEMILL_CPU_KV_PREFAULT", raising=False)
+    pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+    assert pool.storage is not None
+    pool.storage.wait_prefaulted()
+    assert pool.storage.prefaulted
+    # The torch views are the prefaulted arrays themselves (no copy was made).
+    k = pool.caches[0][0]
+    assert k.data_ptr() == pool.storage.k_caches[0].ctypes.data
+    assert not k.any()
+
+
+def test_prefault_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", "0")
+    pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+    assert pool.storage is not None and not pool.storage.prefaulted
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_prefault_switch_refuses_other_values(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", value)
+    with pytest.raises(ValueError, match="PAGEMILL_CPU_KV_PREFAULT must be 0 or 1"):
+        KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
