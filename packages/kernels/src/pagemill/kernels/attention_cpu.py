@@ -219,7 +219,7 @@ def _plan_native_prefill(
     seg = np.stack([starts[sel], query_lens[sel], context_lens[sel]], axis=1).astype(np.int32)
     ctx = context_lens[sel].astype(np.int64)
     _, _, num_kv_heads, head_dim = k_cache_shape
-    per_pair = 2 * (-(-ctx // 16) * 16) * head_dim
+    per_pair = 2 * (-(-ctx // 32) * 32) * head_dim
     tables = block_tables[torch.from_numpy(sel).to(block_tables.device)]
     return NativePrefill(
         torch.from_numpy(np.ascontiguousarray(seg)),

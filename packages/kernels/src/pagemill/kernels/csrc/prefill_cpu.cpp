@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -52,17 +53,68 @@ inline __m512 exp_le0(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEMILL_PREFILL_AMX 1
+
+// The tiles need the kernel's permission once per process (arch_prctl) and a configuration
+// per thread. PAGEMILL_CPU_PREFILL_AMX=0 keeps the vector kernel.
+bool amx_usable() {
+    static const bool ok = [] {
+        const char* env = std::getenv("PAGEMILL_CPU_PREFILL_AMX");
+        if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned need = (1u << 22) | (1u << 24);  // AMX-BF16, AMX-TILE
+        if ((d & need) != need) return false;
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
+        constexpr long XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Every tile 16 rows x 64 bytes: 0..3 the output accumulators (16 dims each), 4 the A
+// operand (16 rows of q or of the weights, 32 bf16), 5 the B operand (K or V, 16 pairs), 6
+// the scores (16 rows x 16 keys, fp32).
+void configure_tiles() {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    // LDTILECFG faults on nonzero reserved bytes, and the intrinsic does not tell GCC that
+    // it reads all 64: the barrier keeps the zeroing (as in gemv_q4_cpu.cpp).
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+#else
+bool amx_usable() { return false; }
+#endif
+
 struct Layout {
     int H, KVH, D, BS;
     int64_t q_s0, q_s1, o_s0, o_s1, table_stride;
 };
 
 // K of one (segment, KV head) as [ceil(ctx/16)][D/2][16 keys][2 dims], V as
-// [ceil(ctx/16) * 8][D][2 keys]; keys past ctx are zero (a tile reads whole 16-key blocks).
+// [ceil(ctx/32) * 16][D][2 keys]; keys past ctx are zero (a tile reads whole 32-key blocks).
 void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int ctx, int kvh,
              const Layout& L, uint16_t* kp, uint16_t* vp) {
     const int D = L.D, half = D / 2;
-    const int nkb = (ctx + kTile - 1) / kTile;
+    const int nkb = (ctx + 31) / 32 * 2;  // whole 32-key blocks, zero past ctx
     const int64_t tok = static_cast<int64_t>(L.KVH) * D;  // elements per cache slot
     std::memset(kp, 0, sizeof(uint16_t) * static_cast<size_t>(nkb) * kTile * D);
     std::memset(vp, 0, sizeof(uint16_t) * static_cast<size_t>(nkb) * kTile * D);
@@ -79,44 +131,58 @@ void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int c
     }
 }
 
-// One tile: rows r0..r0+m-1 of a segment (m <= 16) for query head h.
+// One tile: rows r0..r0+m-1 of a segment (m <= 16) for query head h, on the matrix units
+// (`amx`, tiles configured) or the vector units.
 void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* vp, int start,
-          int q_len, int ctx, int r0, int m, int h, float scale, const Layout& L,
+          int q_len, int ctx, int r0, int m, int h, float scale, const Layout& L, bool amx,
           std::vector<float>& s_buf, std::vector<uint16_t>& p_buf) {
     const int D = L.D, half = D / 2;
-    const int first = ctx - q_len;           // position of the segment's row 0
-    const int last = first + r0 + m - 1;     // position of the tile's last row
-    const int nkeys = last + 1;
-    const int nkb = (nkeys + kTile - 1) / kTile;
-    const int width = nkb * kTile;           // scores per row (a multiple of 16, so even)
+    const int first = ctx - q_len;             // position of the segment's row 0
+    const int nkeys = first + r0 + m;          // keys the tile's last row sees
+    const int width = (nkeys + 31) / 32 * 32;  // scores per row: whole 32-key blocks
+    const int nkb = width / kTile;
     s_buf.resize(static_cast<size_t>(kTile) * width);
     p_buf.resize(static_cast<size_t>(kTile) * width);
-    alignas(64) uint32_t qp[kTile][128];     // the rows' q as bf16 pairs (D <= 256)
+    alignas(64) uint16_t qb[kTile][256];  // the rows' q (zero past m), D <= 256
     for (int r = 0; r < kTile; ++r) {
         if (r < m) {
             const uint16_t* row = q + static_cast<int64_t>(start + r0 + r) * L.q_s0 + h * L.q_s1;
-            std::memcpy(qp[r], row, sizeof(uint16_t) * D);
+            std::memcpy(qb[r], row, sizeof(uint16_t) * D);
         } else {
-            std::memset(qp[r], 0, sizeof(uint32_t) * half);
+            std::memset(qb[r], 0, sizeof(uint16_t) * D);
         }
     }
-    float* S = s_buf.data();
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int kb = 0; kb < nkb; ++kb) {
-        __m512 acc[kTile];
-        for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
-        const uint16_t* kblock = kp + static_cast<int64_t>(kb) * half * 2 * kTile;
-        for (int p = 0; p < half; ++p) {
-            const __m512bh kv = (__m512bh)_mm512_loadu_si512(kblock + p * 2 * kTile);
-#pragma GCC unroll 16
-            for (int r = 0; r < kTile; ++r)
-                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r][p]), kv);
+    float* S = s_buf.data();  // unscaled scores [16][width]
+    if (amx) {
+#ifdef PAGEMILL_PREFILL_AMX
+        for (int kb = 0; kb < nkb; ++kb) {
+            _tile_zero(6);
+            for (int dc = 0; dc < D / 32; ++dc) {
+                _tile_loadd(4, &qb[0][dc * 32], sizeof(qb[0]));
+                _tile_loadd(5, kp + (static_cast<int64_t>(kb) * half + dc * 16) * 2 * kTile, 64);
+                _tile_dpbf16ps(6, 4, 5);
+            }
+            _tile_stored(6, S + kb * kTile, width * sizeof(float));
         }
-        for (int r = 0; r < kTile; ++r)
-            _mm512_storeu_ps(S + static_cast<int64_t>(r) * width + kb * kTile,
-                             _mm512_mul_ps(acc[r], vscale));
+#endif
+    } else {
+        const uint32_t(*qp)[128] = reinterpret_cast<const uint32_t(*)[128]>(qb);
+        for (int kb = 0; kb < nkb; ++kb) {
+            __m512 acc[kTile];
+            for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+            const uint16_t* kblock = kp + static_cast<int64_t>(kb) * half * 2 * kTile;
+            for (int p = 0; p < half; ++p) {
+                const __m512bh kv = (__m512bh)_mm512_loadu_si512(kblock + p * 2 * kTile);
+#pragma GCC unroll 16
+                for (int r = 0; r < kTile; ++r)
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(qp[r][p]), kv);
+            }
+            for (int r = 0; r < kTile; ++r)
+                _mm512_storeu_ps(S + static_cast<int64_t>(r) * width + kb * kTile, acc[r]);
+        }
     }
     // Softmax per row over keys 0..pos; weights past pos are 0.
+    const __m512 vscale = _mm512_set1_ps(scale);
     float inv_sum[kTile];
     uint16_t* P = p_buf.data();
     for (int r = 0; r < kTile; ++r) {
@@ -131,20 +197,67 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int c = 0; c < width; c += 16) {
             const __mmask16 keep = c + 16 <= n ? 0xffff : c >= n ? 0 : (1u << (n - c)) - 1;
-            vmax = _mm512_mask_max_ps(vmax, keep, vmax, _mm512_loadu_ps(s + c));
+            vmax = _mm512_mask_max_ps(vmax, keep, vmax,
+                                      _mm512_mul_ps(_mm512_loadu_ps(s + c), vscale));
         }
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
         __m512 vsum = _mm512_setzero_ps();
         for (int c = 0; c < width; c += 16) {
             const __mmask16 keep = c + 16 <= n ? 0xffff : c >= n ? 0 : (1u << (n - c)) - 1;
-            const __m512 e =
-                _mm512_maskz_mov_ps(keep, exp_le0(_mm512_sub_ps(_mm512_loadu_ps(s + c), mx)));
+            const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + c), vscale, mx);
+            const __m512 e = _mm512_maskz_mov_ps(keep, exp_le0(x));
             vsum = _mm512_add_ps(vsum, e);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
         }
         inv_sum[r] = 1.f / _mm512_reduce_add_ps(vsum);
     }
     // out = P V / sum, 16 output dims at a time.
+    alignas(64) float o[4][kTile][16];
+    auto store = [&](int dc, const float (*acc)[16]) {
+        for (int r = 0; r < m; ++r) {
+            uint16_t* orow = out + static_cast<int64_t>(start + r0 + r) * L.o_s0 + h * L.o_s1;
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(orow + dc * 16),
+                (__m256i)_mm512_cvtneps_pbh(
+                    _mm512_mul_ps(_mm512_load_ps(acc[r]), _mm512_set1_ps(inv_sum[r]))));
+        }
+    };
+    if (amx) {
+#ifdef PAGEMILL_PREFILL_AMX
+        const int64_t vrow = 4 * static_cast<int64_t>(D);  // bytes between key pairs
+        for (int dg = 0; dg < D / 16; dg += 4) {
+            const int nd = std::min(4, D / 16 - dg);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int kc = 0; kc < width; kc += 32) {
+                _tile_loadd(4, P + kc, width * sizeof(uint16_t));
+                const uint16_t* vb = vp + static_cast<int64_t>(kc) * D + dg * 32;
+                _tile_loadd(5, vb, vrow);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nd > 1) {
+                    _tile_loadd(5, vb + 32, vrow);
+                    _tile_dpbf16ps(1, 4, 5);
+                }
+                if (nd > 2) {
+                    _tile_loadd(5, vb + 64, vrow);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (nd > 3) {
+                    _tile_loadd(5, vb + 96, vrow);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o[0], 64);
+            _tile_stored(1, o[1], 64);
+            _tile_stored(2, o[2], 64);
+            _tile_stored(3, o[3], 64);
+            for (int i = 0; i < nd; ++i) store(dg + i, o[i]);
+        }
+#endif
+        return;
+    }
     const int npair = width / 2;
     const uint32_t* P32 = reinterpret_cast<const uint32_t*>(P);
     for (int dc = 0; dc < D / 16; ++dc) {
@@ -159,12 +272,8 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
                     acc[r], (__m512bh)_mm512_set1_epi32(P32[static_cast<int64_t>(r) * npair + j]),
                     vv);
         }
-        for (int r = 0; r < m; ++r) {
-            uint16_t* orow = out + static_cast<int64_t>(start + r0 + r) * L.o_s0 + h * L.o_s1;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + dc * 16),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r]))));
-        }
+        for (int r = 0; r < kTile; ++r) _mm512_store_ps(o[0][r], acc[r]);
+        store(dc, o[0]);
     }
 }
 
@@ -172,12 +281,12 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
 #endif
 
 // Workspace elements (bf16) for segments of these context lengths: per (segment, KV head),
-// K and V padded to whole 16-key blocks.
+// K and V padded to whole 32-key blocks.
 extern "C" int64_t pagemill_prefill_workspace(const int32_t* seg, int nseg, int kvh, int d) {
     int64_t total = 0;
     for (int s = 0; s < nseg; ++s) {
         const int64_t ctx = seg[3 * s + 2];
-        total += 2 * ((ctx + 15) / 16 * 16) * d * kvh;
+        total += 2 * ((ctx + 31) / 32 * 32) * d * kvh;
     }
     return total;
 }
@@ -210,9 +319,9 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
         if (q_len <= 0 || q_len > ctx) return 1;
         for (int g = 0; g < KVH; ++g) {
             koff[s * KVH + g] = at;
-            at += static_cast<int64_t>((ctx + 15) / 16 * 16) * D;
+            at += static_cast<int64_t>((ctx + 31) / 32 * 32) * D;
             voff[s * KVH + g] = at;
-            at += static_cast<int64_t>((ctx + 15) / 16 * 16) * D;
+            at += static_cast<int64_t>((ctx + 31) / 32 * 32) * D;
         }
         const int ntiles = (q_len + kTile - 1) / kTile;
         // Last tiles first: they see the most keys, so dynamic scheduling ends evenly.
@@ -227,6 +336,7 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
     auto* wb = static_cast<uint16_t*>(work);
     const int64_t npairs = static_cast<int64_t>(nseg) * KVH;
     const int64_t nitems = static_cast<int64_t>(items.size());
+    const bool amx = amx_usable();
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -237,6 +347,9 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
         }
         std::vector<float> s_buf;
         std::vector<uint16_t> p_buf;
+#ifdef PAGEMILL_PREFILL_AMX
+        if (amx) configure_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < nitems; ++i) {
             const int s = static_cast<int>(items[i] >> 32);
@@ -245,8 +358,11 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
             const int r0 = t * kTile, m = std::min(kTile, q_len - r0);
             const int64_t pair = static_cast<int64_t>(s) * KVH + h / group;
             tile(qb, ob, wb + koff[pair], wb + voff[pair], seg[3 * s], q_len, seg[3 * s + 2], r0, m,
-                 h, scale, L, s_buf, p_buf);
+                 h, scale, L, amx, s_buf, p_buf);
         }
+#ifdef PAGEMILL_PREFILL_AMX
+        if (amx) _tile_release();
+#endif
     }
     return 0;
 #endif
