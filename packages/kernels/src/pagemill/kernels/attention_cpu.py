@@ -471,6 +471,8 @@ def run_torch(
 _PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_cpu.cpp"
 # Set to 0 to keep SDPA for prefill (e.g. to compare the two).
 _NATIVE_PREFILL_ENV = "PAGEMILL_NATIVE_PREFILL"
+# Set to 0 to keep the native prefill on the vector units (AVX512-BF16) where AMX serves.
+_PREFILL_AMX_ENV = "PAGEMILL_CPU_PREFILL_AMX"
 _native_prefill_off = False
 
 
@@ -483,7 +485,7 @@ def _prefill_lib() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64]
-    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i32]
+    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i64, i32, i32]
     return lib
 
 
@@ -538,7 +540,9 @@ def _native_prefill(
         block_size,
         float(scale),
         work.data_ptr(),
+        work.numel(),
         torch.get_num_threads(),
+        int(os.environ.get(_PREFILL_AMX_ENV, "1") != "0"),
     )
     if status == 2:  # built without AVX512-BF16: SDPA from now on
         _native_prefill_off = True

@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -61,11 +60,9 @@ inline __m512 exp_le0(__m512 x) {
 #define PAGEMILL_PREFILL_AMX 1
 
 // The tiles need the kernel's permission once per process (arch_prctl) and a configuration
-// per thread. PAGEMILL_CPU_PREFILL_AMX=0 keeps the vector kernel.
+// per thread.
 bool amx_usable() {
     static const bool ok = [] {
-        const char* env = std::getenv("PAGEMILL_CPU_PREFILL_AMX");
-        if (env != nullptr && std::strcmp(env, "0") == 0) return false;
         unsigned a, b, c, d;
         if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
         const unsigned need = (1u << 22) | (1u << 24);  // AMX-BF16, AMX-TILE
@@ -293,18 +290,20 @@ extern "C" int64_t pagemill_prefill_workspace(const int32_t* seg, int nseg, int 
 
 // seg: int32 [nseg][3] = (first row in q/out, q_len, ctx); tables: int32 rows of
 // `table_stride`, one per segment, reaching each ctx. q/out: bf16 [T, H, D], last stride 1;
-// caches bf16 [blocks, BS, KVH, D] contiguous. Returns 0, or 1 (arguments refused), or 2
-// (built without AVX512-BF16).
+// caches bf16 [blocks, BS, KVH, D] contiguous; work: `work_numel` bf16 elements (see
+// pagemill_prefill_workspace). allow_amx 0 keeps the vector kernel. Returns 0, or 1
+// (arguments refused), or 2 (built without AVX512-BF16).
 extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1,
                                        const void* k_cache, const void* v_cache, void* out,
                                        int64_t o_s0, int64_t o_s1, const int32_t* seg,
                                        const int32_t* tables, int64_t table_stride, int nseg,
                                        int H, int KVH, int D, int BS, float scale, void* work,
-                                       int nthreads) {
+                                       int64_t work_numel, int nthreads, int allow_amx) {
 #ifndef PAGEMILL_PREFILL_AVX512
     (void)q; (void)q_s0; (void)q_s1; (void)k_cache; (void)v_cache; (void)out; (void)o_s0;
     (void)o_s1; (void)seg; (void)tables; (void)table_stride; (void)nseg; (void)H; (void)KVH;
-    (void)D; (void)BS; (void)scale; (void)work; (void)nthreads;
+    (void)D; (void)BS; (void)scale; (void)work; (void)work_numel; (void)nthreads;
+    (void)allow_amx;
     return 2;
 #else
     if (D % 32 != 0 || D > 256 || KVH <= 0 || H % KVH != 0 || BS <= 0 || nseg < 0) return 1;
@@ -329,6 +328,7 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
             for (int h = 0; h < H; ++h)
                 items.push_back((static_cast<int64_t>(s) << 32) | (h << 16) | t);
     }
+    if (at > work_numel) return 1;
     const auto* qb = static_cast<const uint16_t*>(q);
     const auto* kc = static_cast<const uint16_t*>(k_cache);
     const auto* vc = static_cast<const uint16_t*>(v_cache);
@@ -336,7 +336,7 @@ extern "C" int pagemill_prefill_causal(const void* q, int64_t q_s0, int64_t q_s1
     auto* wb = static_cast<uint16_t*>(work);
     const int64_t npairs = static_cast<int64_t>(nseg) * KVH;
     const int64_t nitems = static_cast<int64_t>(items.size());
-    const bool amx = amx_usable();
+    const bool amx = allow_amx != 0 && amx_usable();
 #pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
     {
 #pragma omp for schedule(dynamic, 1)
