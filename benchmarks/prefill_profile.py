@@ -7,7 +7,8 @@
 The default model with default flags (as `pagemill serve` would load it). Each wave adds
 --prompts requests of --context random tokens with one output token each and steps the
 engine until they finish (one prefill step when the scheduler's token budget holds them
-all); --warmup waves run first, then --waves profiled ones. The step's phases and the
+all); --warmup waves run first, then --timed-waves unprofiled ones (wall time only), then
+--waves profiled ones. The step's phases and the
 forward's op groups are `step_profile`'s (same instrumentation, same grouping), per wave.
 The KV cache is pre-faulted (every page written once) unless --no-prefault-kv: a fresh
 cache's first-touch page faults would be charged to the KV write.
@@ -71,6 +72,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=128, help="tokens per prompt")
     ap.add_argument("--warmup", type=int, default=3, help="unprofiled waves first")
     ap.add_argument("--waves", type=int, default=3, help="profiled waves (per path)")
+    ap.add_argument("--timed-waves", type=int, default=5, help="unprofiled timed waves (per path)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top-ops", type=int, default=20)
     ap.add_argument("--enforce-eager", action="store_true")
@@ -130,6 +132,17 @@ def main() -> int:
         for name in paths:
             walls = run(name, wave)
             print(f"warmup {i} {name or ''}: steps {[round(w * 1e3, 1) for w in walls]} ms")
+    # Unprofiled waves first: the profiler's own cost per op is not in these.
+    timed: dict[str | None, list[float]] = {name: [] for name in paths}
+    for _ in range(args.timed_waves):
+        for name in paths:
+            timed[name].append(sum(run(name, wave)) * 1e3)
+    for name in paths:
+        if timed[name]:
+            print(
+                f"unprofiled {name or 'wave'}: median {statistics.median(timed[name]):.1f} ms, "
+                f"min {min(timed[name]):.1f} ms ({len(timed[name])} waves)"
+            )
     results: dict[str | None, tuple[list[float], list[dict[str, float]]]] = {
         name: ([], []) for name in paths
     }

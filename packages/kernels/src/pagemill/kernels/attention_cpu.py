@@ -498,11 +498,13 @@ def _native_prefill(
     out: torch.Tensor,
 ) -> bool:
     """Every prefill segment through the native kernel, if it serves these tensors (bf16
-    q, cache and out, head dim a multiple of 32, dense rows); False: nothing was done."""
+    q, cache and out, head dim a multiple of 32, dense rows) and a positive scale (its
+    softmax takes the max before scaling); False: nothing was done."""
     global _native_prefill_off
     if (
         plan is None
         or _native_prefill_off
+        or not scale > 0
         or q.dtype != torch.bfloat16
         or k_cache.dtype != torch.bfloat16
         or out.dtype != torch.bfloat16

@@ -19,6 +19,7 @@
 // Without AVX512-BF16 the entry returns 2 and the caller keeps the torch path.
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,10 +35,9 @@ namespace {
 
 constexpr int kTile = 16;  // query rows per work item, keys per K register
 
-// e^x for x <= 0 (x = -inf gives 0): 2^n * p(r), r = x - n ln2 in two parts, degree-6
-// polynomial (relative error ~1e-7, below fp32's half ulp for the weights' bf16 rounding).
+// e^x for finite x <= 0: 2^n * p(r), r = x - n ln2 in two parts, degree-6 polynomial
+// (relative error ~1e-7); far below 0 scalef flushes to 0.
 inline __m512 exp_le0(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -82,13 +82,13 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
-// Every tile 16 rows x 64 bytes: 0..3 the output accumulators (16 dims each), 4 the A
-// operand (16 rows of q or of the weights, 32 bf16), 5 the B operand (K or V, 16 pairs), 6
-// the scores (16 rows x 16 keys, fp32).
+// Every tile 16 rows x 64 bytes. Scores: q in 0..3 (32 dims each), K in 5 and 7, the
+// products (16 rows x 16 keys, fp32) in 4 and 6. Output: the accumulators in 0..3 (16 dims
+// each), the weights (16 rows x 32 keys) in 4, V in 5..7.
 void configure_tiles() {
     TileConfig cfg{};
     cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
@@ -115,18 +115,90 @@ void pack_kv(const uint16_t* kc, const uint16_t* vc, const int32_t* table, int c
     const int64_t tok = static_cast<int64_t>(L.KVH) * D;  // elements per cache slot
     std::memset(kp, 0, sizeof(uint16_t) * static_cast<size_t>(nkb) * kTile * D);
     std::memset(vp, 0, sizeof(uint16_t) * static_cast<size_t>(nkb) * kTile * D);
-    for (int j = 0; j < ctx; ++j) {
-        const int64_t blk = table[j / L.BS];
-        const int64_t off = (blk * L.BS + j % L.BS) * tok + static_cast<int64_t>(kvh) * D;
-        const uint32_t* krow = reinterpret_cast<const uint32_t*>(kc + off);
-        const uint16_t* vrow = vc + off;
-        uint32_t* kdst = reinterpret_cast<uint32_t*>(kp) +
-                         static_cast<int64_t>(j / kTile) * half * kTile + j % kTile;
-        for (int p = 0; p < half; ++p) kdst[p * kTile] = krow[p];
-        uint16_t* vdst = vp + static_cast<int64_t>(j / 2) * 2 * D + (j & 1);
-        for (int d = 0; d < D; ++d) vdst[2 * d] = vrow[d];
+    // K: 16 keys at a time, each pair of dims gathered from the keys' rows (byte offsets
+    // from the block's first key row fit 32 bits: the cache's blocks are addressed per key).
+    for (int j0 = 0; j0 < ctx; j0 += kTile) {
+        const int nk = std::min(kTile, ctx - j0);
+        alignas(64) int64_t rows[kTile];
+        for (int i = 0; i < kTile; ++i) {
+            const int j = j0 + std::min(i, nk - 1);
+            rows[i] = (static_cast<int64_t>(table[j / L.BS]) * L.BS + j % L.BS) * tok + kvh * D;
+        }
+        uint32_t* kdst = reinterpret_cast<uint32_t*>(kp) + static_cast<int64_t>(j0 / kTile) * half * kTile;
+        const int64_t base = rows[0];
+        bool near = true;
+        alignas(64) int32_t idx[kTile];
+        for (int i = 0; i < kTile; ++i) {
+            const int64_t off = (rows[i] - base) * 2;
+            near = near && off >= INT32_MIN && off <= INT32_MAX;
+            idx[i] = static_cast<int32_t>(off);
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1);
+        if (near) {
+            const __m512i vi = _mm512_load_si512(idx);
+            const char* b0 = reinterpret_cast<const char*>(kc + base);
+            for (int p = 0; p < half; ++p)
+                _mm512_storeu_si512(kdst + p * kTile,
+                                    _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, vi,
+                                                                b0 + 4 * p, 1));
+        } else {
+            for (int i = 0; i < nk; ++i) {
+                const uint32_t* krow = reinterpret_cast<const uint32_t*>(kc + rows[i]);
+                for (int p = 0; p < half; ++p) kdst[p * kTile + i] = krow[p];
+            }
+        }
+    }
+    // V: each pair of keys interleaved, 16 dims per register.
+    for (int j = 0; j < ctx; j += 2) {
+        const int64_t ra = (static_cast<int64_t>(table[j / L.BS]) * L.BS + j % L.BS) * tok + kvh * D;
+        const bool two = j + 1 < ctx;
+        const int64_t rb = two ? (static_cast<int64_t>(table[(j + 1) / L.BS]) * L.BS + (j + 1) % L.BS) * tok + kvh * D : ra;
+        uint16_t* vdst = vp + static_cast<int64_t>(j / 2) * 2 * D;
+        for (int d = 0; d < D; d += 16) {
+            const __m512i va = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + ra + d)));
+            __m512i vb = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vc + rb + d)));
+            if (!two) vb = _mm512_setzero_si512();
+            _mm512_storeu_si512(vdst + 2 * d, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+        }
     }
 }
+
+#ifdef PAGEMILL_PREFILL_AMX
+// Scores of 16 query rows against nkb blocks of 16 keys, D = 32 * nd <= 128: q stays in
+// tiles 0..nd-1, K blocks alternate between tiles 5 and 7 and the products between tiles
+// 4 and 6, so consecutive tile instructions seldom wait on each other. (GCC's tile
+// intrinsics take literal tile numbers, hence the spelled-out cases.)
+#define PAGEMILL_QK_STEP(C, A, B, dc)                                                   \
+    do {                                                                                \
+        _tile_loadd(B, kp + (static_cast<int64_t>(kb) * half + (dc) * 16) * 2 * kTile, 64); \
+        _tile_dpbf16ps(C, A, B);                                                        \
+    } while (0)
+#define PAGEMILL_QK_BLOCK(C)                                        \
+    do {                                                            \
+        _tile_zero(C);                                              \
+        PAGEMILL_QK_STEP(C, 0, 5, 0);                               \
+        if (nd > 1) PAGEMILL_QK_STEP(C, 1, 7, 1);                   \
+        if (nd > 2) PAGEMILL_QK_STEP(C, 2, 5, 2);                   \
+        if (nd > 3) PAGEMILL_QK_STEP(C, 3, 7, 3);                   \
+        _tile_stored(C, S + kb * kTile, width * sizeof(float));     \
+    } while (0)
+void qk_amx(const uint16_t* qb, int64_t q_stride, const uint16_t* kp, int half, int nkb, int nd,
+            float* S, int width) {
+    _tile_loadd(0, qb, q_stride);
+    if (nd > 1) _tile_loadd(1, qb + 32, q_stride);
+    if (nd > 2) _tile_loadd(2, qb + 64, q_stride);
+    if (nd > 3) _tile_loadd(3, qb + 96, q_stride);
+    int kb = 0;
+    for (; kb + 1 < nkb; ++kb) {
+        PAGEMILL_QK_BLOCK(4);
+        ++kb;
+        PAGEMILL_QK_BLOCK(6);
+    }
+    if (kb < nkb) PAGEMILL_QK_BLOCK(4);
+}
+#undef PAGEMILL_QK_BLOCK
+#undef PAGEMILL_QK_STEP
+#endif
 
 // One tile: rows r0..r0+m-1 of a segment (m <= 16) for query head h, on the matrix units
 // (`amx`, tiles configured) or the vector units.
@@ -152,14 +224,18 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
     float* S = s_buf.data();  // unscaled scores [16][width]
     if (amx) {
 #ifdef PAGEMILL_PREFILL_AMX
-        for (int kb = 0; kb < nkb; ++kb) {
-            _tile_zero(6);
-            for (int dc = 0; dc < D / 32; ++dc) {
-                _tile_loadd(4, &qb[0][dc * 32], sizeof(qb[0]));
-                _tile_loadd(5, kp + (static_cast<int64_t>(kb) * half + dc * 16) * 2 * kTile, 64);
-                _tile_dpbf16ps(6, 4, 5);
+        if (D <= 128) {
+            qk_amx(&qb[0][0], sizeof(qb[0]), kp, half, nkb, D / 32, S, width);
+        } else {
+            for (int kb = 0; kb < nkb; ++kb) {
+                _tile_zero(6);
+                for (int dc = 0; dc < D / 32; ++dc) {
+                    _tile_loadd(4, &qb[0][dc * 32], sizeof(qb[0]));
+                    _tile_loadd(5, kp + (static_cast<int64_t>(kb) * half + dc * 16) * 2 * kTile, 64);
+                    _tile_dpbf16ps(6, 4, 5);
+                }
+                _tile_stored(6, S + kb * kTile, width * sizeof(float));
             }
-            _tile_stored(6, S + kb * kTile, width * sizeof(float));
         }
 #endif
     } else {
@@ -191,21 +267,23 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
             continue;
         }
         const int n = first + r0 + r + 1;  // keys this row sees
+        const int nv = (n + 15) / 16 * 16;  // whole vectors reaching them; zero past
         __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int c = 0; c < width; c += 16) {
-            const __mmask16 keep = c + 16 <= n ? 0xffff : c >= n ? 0 : (1u << (n - c)) - 1;
-            vmax = _mm512_mask_max_ps(vmax, keep, vmax,
-                                      _mm512_mul_ps(_mm512_loadu_ps(s + c), vscale));
+        for (int c = 0; c < nv; c += 16) {
+            const __mmask16 keep = c + 16 <= n ? 0xffff : (1u << (n - c)) - 1;
+            vmax = _mm512_mask_max_ps(vmax, keep, vmax, _mm512_loadu_ps(s + c));
         }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        // scale > 0: the scaled scores' max is the scaled max
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax) * scale);
         __m512 vsum = _mm512_setzero_ps();
-        for (int c = 0; c < width; c += 16) {
-            const __mmask16 keep = c + 16 <= n ? 0xffff : c >= n ? 0 : (1u << (n - c)) - 1;
+        for (int c = 0; c < nv; c += 16) {
+            const __mmask16 keep = c + 16 <= n ? 0xffff : (1u << (n - c)) - 1;
             const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(s + c), vscale, mx);
             const __m512 e = _mm512_maskz_mov_ps(keep, exp_le0(x));
             vsum = _mm512_add_ps(vsum, e);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
         }
+        if (nv < width) std::memset(pr + nv, 0, sizeof(uint16_t) * (width - nv));
         inv_sum[r] = 1.f / _mm512_reduce_add_ps(vsum);
     }
     // out = P V / sum, 16 output dims at a time.
@@ -234,12 +312,12 @@ void tile(const uint16_t* q, uint16_t* out, const uint16_t* kp, const uint16_t* 
                 _tile_loadd(5, vb, vrow);
                 _tile_dpbf16ps(0, 4, 5);
                 if (nd > 1) {
-                    _tile_loadd(5, vb + 32, vrow);
-                    _tile_dpbf16ps(1, 4, 5);
+                    _tile_loadd(6, vb + 32, vrow);
+                    _tile_dpbf16ps(1, 4, 6);
                 }
                 if (nd > 2) {
-                    _tile_loadd(5, vb + 64, vrow);
-                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(7, vb + 64, vrow);
+                    _tile_dpbf16ps(2, 4, 7);
                 }
                 if (nd > 3) {
                     _tile_loadd(5, vb + 96, vrow);
