@@ -55,7 +55,7 @@ def _path(name: str) -> Iterator[None]:
         def singles(segs: list[Any], block_size: int) -> tuple[tuple[()], tuple[int, ...]]:
             return (), tuple(range(len(segs)))
 
-        attention_cpu._plan_batches = singles  # type: ignore[assignment]
+        attention_cpu._plan_batches = singles
     try:
         yield
     finally:
@@ -99,7 +99,9 @@ def main() -> int:
     core = engine.engine_core
     step_profile.instrument(core)
     if not args.no_prefault_kv:
-        for k, v in core.model_runner.kv_cache.caches:
+        kv_cache = core.model_runner.kv_cache
+        assert kv_cache is not None
+        for k, v in kv_cache.caches:
             k.view(torch.uint8).zero_()
             v.view(torch.uint8).zero_()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

@@ -4,8 +4,16 @@ Everything that depends only on the step's batch — the decode/prefill split, l
 decode chunks, gather indices, masks, prefill segments — is built once by `plan_torch`;
 `run_torch` then only gathers and multiplies, once per layer. Decodes run as a few batched
 GEMMs (or one SDPA for small chunks) over K/V gathered through the block tables; every
-prefilling request gets one SDPA call with a causal mask offset by its cached prefix.
-Products accumulate in fp32 and softmax runs in fp32 for every input dtype.
+prefilling request gets one SDPA call with a causal mask offset by its cached prefix, except
+that adjacent fresh prompts of one length share one call (a short prompt's SDPA costs
+more in per-call overhead than in arithmetic). Products accumulate in fp32 and softmax
+runs in fp32 for every input dtype.
+
+With bf16 q and cache on a CPU whose compiler builds it, every prefill segment of a step
+instead goes through one call of a native causal kernel (`csrc/prefill_cpu.cpp`: AMX-BF16
+tiles where the CPU has them, else AVX512-BF16), which reads K/V through the block tables
+itself: no gather, no per-request call, one parallel region per layer. Its weights are
+rounded to bf16 before the second product, as torch's CPU flash attention does.
 
 A layer with a sliding window, a score soft-cap or attention sinks (all per layer, so
 arguments of `run_torch`, not of the shared plan) takes the same gathers with a mask and,
