@@ -175,7 +175,9 @@ def paged_attention_torch(
     Decode-only steps (every query length 1) are the common case of serving and run as a
     few batched calls (requests bucketed by context length) over K/V gathered through the
     block tables; requests with several query tokens (prefill chunks) each get one SDPA
-    call with a causal mask offset by their cached prefix. Products accumulate in fp32 and
+    call with a causal mask offset by their cached prefix (equal fresh prompts share one),
+    or, in bf16 with the native kernels built, all of them one call of the native causal
+    kernel (see `attention_cpu`). Products accumulate in fp32 and
     softmax runs in fp32 for every input dtype. Without a plan, the batch is planned here.
     """
     _check_tensors(q, k_cache, v_cache, out)

@@ -4,8 +4,16 @@ Everything that depends only on the step's batch — the decode/prefill split, l
 decode chunks, gather indices, masks, prefill segments — is built once by `plan_torch`;
 `run_torch` then only gathers and multiplies, once per layer. Decodes run as a few batched
 GEMMs (or one SDPA for small chunks) over K/V gathered through the block tables; every
-prefilling request gets one SDPA call with a causal mask offset by its cached prefix.
-Products accumulate in fp32 and softmax runs in fp32 for every input dtype.
+prefilling request gets one SDPA call with a causal mask offset by its cached prefix, except
+that adjacent fresh prompts of one length share one call (a short prompt's SDPA costs
+more in per-call overhead than in arithmetic). Products accumulate in fp32 and softmax
+runs in fp32 for every input dtype.
+
+With bf16 q and cache on a CPU whose compiler builds it, every prefill segment of a step
+instead goes through one call of a native causal kernel (`csrc/prefill_cpu.cpp`: AMX-BF16
+tiles where the CPU has them, else AVX512-BF16), which reads K/V through the block tables
+itself: no gather, no per-request call, one parallel region per layer. Its weights are
+rounded to bf16 before the second product, as torch's CPU flash attention does.
 
 A layer with a sliding window, a score soft-cap or attention sinks (all per layer, so
 arguments of `run_torch`, not of the shared plan) takes the same gathers with a mask and,
@@ -21,8 +29,12 @@ operand of a step), each output head its V scale.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,6 +101,31 @@ class PrefillSegment:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillBatch:
+    """Fresh prompts (no cached prefix) of one length ``q_len``, adjacent in q's rows
+    ``start:start + n * q_len``: one causal SDPA call over all of them instead of one per
+    prompt. ``block_ids`` are their blocks, ``nblk`` per prompt, prompt after prompt."""
+
+    start: int
+    n: int
+    q_len: int
+    nblk: int
+    block_ids: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class NativePrefill:
+    """Every prefill segment of the step for the native causal kernel (`csrc/prefill_cpu.cpp`):
+    ``seg`` int32 [n, 3] = (first row, query length, context length), ``tables`` their
+    block-table rows (contiguous int32), ``workspace_numel`` the bf16 elements of its
+    packed K/V."""
+
+    seg: torch.Tensor
+    tables: torch.Tensor
+    workspace_numel: int
+
+
+@dataclass(frozen=True, slots=True)
 class NativeDecode:
     """Every decode row of the step for the native kernel (`cpu_native`), which reads K/V
     in place: ``rows`` of q/out (None: all, in order), their tables and context lengths
@@ -109,6 +146,12 @@ class TorchPlan:
     prefill: tuple[PrefillSegment, ...]
     workspace_numel: int
     native: NativeDecode | None = None
+    # How the plain (no window, cap or sinks) path runs ``prefill``: runs of equal fresh
+    # prompts batched, the other segments (by index into ``prefill``) one call each.
+    batches: tuple[PrefillBatch, ...] = ()
+    singles: tuple[int, ...] | None = None
+    # The plain path's prefill on the native kernel where it serves the layer's tensors.
+    native_prefill: NativePrefill | None = None
 
 
 def plan_torch(
@@ -162,7 +205,66 @@ def plan_torch(
             )
         )
     workspace = max((c.workspace_numel for c in decode), default=0)
-    return TorchPlan(decode, tuple(prefill), workspace, native_decode)
+    batches, singles = _plan_batches(prefill, block_size)
+    native_prefill = None
+    if native and prefill and os.environ.get(_NATIVE_PREFILL_ENV, "1") != "0":
+        native_prefill = _plan_native_prefill(
+            query_lens, context_lens, starts, block_tables, k_cache_shape
+        )
+    return TorchPlan(
+        decode, tuple(prefill), workspace, native_decode, batches, singles, native_prefill
+    )
+
+
+def _plan_native_prefill(
+    query_lens: np.ndarray,
+    context_lens: np.ndarray,
+    starts: np.ndarray,
+    block_tables: torch.Tensor,
+    k_cache_shape: tuple[int, int, int, int],
+) -> NativePrefill:
+    sel = np.flatnonzero(query_lens > 1)
+    seg = np.stack([starts[sel], query_lens[sel], context_lens[sel]], axis=1).astype(np.int32)
+    ctx = context_lens[sel].astype(np.int64)
+    _, _, num_kv_heads, head_dim = k_cache_shape
+    per_pair = 2 * (-(-ctx // 32) * 32) * head_dim
+    tables = block_tables[torch.from_numpy(sel).to(block_tables.device)]
+    return NativePrefill(
+        torch.from_numpy(np.ascontiguousarray(seg)),
+        tables.to(torch.int32).contiguous(),
+        int(per_pair.sum()) * num_kv_heads,
+    )
+
+
+def _plan_batches(
+    segs: list[PrefillSegment], block_size: int
+) -> tuple[tuple[PrefillBatch, ...], tuple[int, ...]]:
+    """Runs of fresh prompts of equal length, adjacent in q, as batches (two or more
+    prompts: per-call costs dominate a short prompt's SDPA); the rest stay single."""
+    batches: list[PrefillBatch] = []
+    singles: list[int] = []
+    i = 0
+    while i < len(segs):
+        j = i + 1
+        if segs[i].mask is None:
+            q_len = segs[i].stop - segs[i].start
+            while (
+                j < len(segs)
+                and segs[j].mask is None
+                and segs[j].start == segs[j - 1].stop
+                and segs[j].stop - segs[j].start == q_len
+            ):
+                j += 1
+        if j - i >= 2:
+            nblk = -(-segs[i].ctx // block_size)
+            ids = torch.cat([seg.block_ids for seg in segs[i:j]])
+            batches.append(
+                PrefillBatch(segs[i].start, j - i, segs[i].stop - segs[i].start, nblk, ids)
+            )
+        else:
+            singles.extend(range(i, j))
+        i = j
+    return tuple(batches), tuple(singles)
 
 
 def _plan_native(
@@ -334,9 +436,22 @@ def run_torch(
                 out.copy_(o)
             else:
                 out.index_copy_(0, chunk.rows, o)
-    if plan.prefill:
+    if (
+        plan.prefill
+        and plain
+        and _native_prefill(plan.native_prefill, q, k_cache, v_cache, scale, out)
+    ):
+        if not _is_one(vs):
+            for seg in plan.prefill:
+                out[seg.start : seg.stop].mul_(vs)
+    elif plan.prefill:
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        for seg in plan.prefill:
+        if plain:
+            for batch in plan.batches:
+                _prefill_batch(q, k_cache, v_cache, batch, scale, out, vs)
+        singles = plan.singles if plain and plan.singles is not None else range(len(plan.prefill))
+        for i in singles:
+            seg = plan.prefill[i]
             if not plain:
                 _prefill_masked(q, k_cache, v_cache, seg, scale, out, window, softcap, sinks)
                 if not _is_one(vs):
@@ -359,6 +474,127 @@ def run_torch(
                 o = (o * vs).to(o.dtype)  # a per-head vs is fp32
             out[seg.start : seg.stop] = o
     return out
+
+
+_PREFILL_SOURCE = Path(__file__).parent / "csrc" / "prefill_cpu.cpp"
+# Set to 0 to keep SDPA for prefill (e.g. to compare the two).
+_NATIVE_PREFILL_ENV = "PAGEMILL_NATIVE_PREFILL"
+# Set to 0 to keep the native prefill on the vector units (AVX512-BF16) where AMX serves.
+_PREFILL_AMX_ENV = "PAGEMILL_CPU_PREFILL_AMX"
+_native_prefill_off = False
+
+
+@functools.cache
+def _prefill_lib() -> ctypes.CDLL | None:
+    lib = cpu_native.build_library(_PREFILL_SOURCE, "the CPU prefill kernel", "using SDPA")
+    if lib is None:
+        return None
+    fn = lib.pagemill_prefill_causal
+    fn.restype = ctypes.c_int
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64]
+    fn.argtypes += [i32, i32, i32, i32, i32, ctypes.c_float, ptr, i64, i32, i32]
+    return lib
+
+
+def _native_prefill(
+    plan: NativePrefill | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Every prefill segment through the native kernel, if it serves these tensors (bf16
+    q, cache and out, head dim a multiple of 32, dense rows) and a positive scale (its
+    softmax takes the max before scaling); False: nothing was done."""
+    global _native_prefill_off
+    if (
+        plan is None
+        or _native_prefill_off
+        or not scale > 0
+        or q.dtype != torch.bfloat16
+        or k_cache.dtype != torch.bfloat16
+        or out.dtype != torch.bfloat16
+        or q.device.type != "cpu"
+        or k_cache.shape[3] % 32
+        or k_cache.shape[3] > 256
+        or v_cache.dtype != torch.bfloat16
+        or not k_cache.is_contiguous()
+        or not v_cache.is_contiguous()
+        or q.stride(2) != 1
+        or out.stride(2) != 1
+    ):
+        return False
+    lib = _prefill_lib()
+    if lib is None:
+        return False
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    work = _prefill_work(plan.workspace_numel)
+    status = lib.pagemill_prefill_causal(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        plan.seg.data_ptr(),
+        plan.tables.data_ptr(),
+        plan.tables.stride(0),
+        plan.seg.shape[0],
+        q.shape[1],
+        num_kv_heads,
+        head_dim,
+        block_size,
+        float(scale),
+        work.data_ptr(),
+        work.numel(),
+        torch.get_num_threads(),
+        int(os.environ.get(_PREFILL_AMX_ENV, "1") != "0"),
+    )
+    if status == 2:  # built without AVX512-BF16: SDPA from now on
+        _native_prefill_off = True
+        return False
+    if status:
+        raise RuntimeError(f"prefill_cpu refused its arguments (status {status})")
+    return True
+
+
+def _prefill_work(numel: int) -> torch.Tensor:
+    """A grow-only bf16 buffer per thread for the native prefill's packed K/V (a fresh one
+    would be page-faulted in at every layer)."""
+    buf = getattr(_workspace, "prefill", None)
+    if buf is None or buf.numel() < numel:
+        buf = _workspace.prefill = torch.empty(max(numel, 1), dtype=torch.bfloat16)
+    return buf
+
+
+def _prefill_batch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PrefillBatch,
+    scale: float,
+    out: torch.Tensor,
+    vs: float | torch.Tensor,
+) -> None:
+    """A run of fresh prompts of one length: one gather of all their blocks, one causal
+    SDPA call with the prompts on its batch axis (GQA on its head axis)."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n, q_len = batch.n, batch.q_len
+    width = batch.nblk * block_size
+    shape = (n, width, num_kv_heads, head_dim)
+    k = _blocks(k_cache, batch.block_ids, q.dtype).view(shape)[:, :q_len].transpose(1, 2)
+    v = _blocks(v_cache, batch.block_ids, q.dtype).view(shape)[:, :q_len].transpose(1, 2)
+    rows = slice(batch.start, batch.start + n * q_len)
+    qs = q[rows].view(n, q_len, q.shape[1], head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    o = o.transpose(1, 2)
+    if not _is_one(vs):
+        o = (o * vs).to(o.dtype)  # a per-head vs is fp32
+    out[rows].view(n, q_len, q.shape[1], head_dim).copy_(o)
 
 
 def _is_one(vs: float | torch.Tensor) -> bool:
