@@ -870,12 +870,65 @@ void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stri
     }
 }
 
+// Blocking. Each thread owns a range of output tile pairs (the two threads get halves of
+// the pairs, so that each unpacks each weight block once per call) and takes them a panel at
+// a time: as many pairs as fit BF_PANEL_BYTES of unpacked B tiles, kept in L2 while every
+// row of x passes. Rows pass 32 at a time (2 A tiles; a final 1..16 rows use one A tile and
+// half the products), and over K in chunks of at most BF_KC_BLOCKS blocks, so that the
+// chunk's A rows (32 rows x 512 inputs in bf16: 32 KB) stay in L1 while every pair of the
+// panel meets them: per 2x2 tile product only the B tiles come from L2. Where K has more
+// than one chunk the products go to a per-pair fp32 buffer between chunks.
+constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
+constexpr int64_t BF_KC_BLOCKS = 16;
+
+// The products of 16 (ONE) or 32 rows of x (xa, row stride lda bytes) with one pair's B tiles
+// (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c ([4][16 x 16] fp32: rows 0-15 x
+// tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless `first`, then stored to c.
+template <bool ONE>
+inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_t b0,
+                      int64_t b1, bool first, float* c) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (!ONE) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        if (!ONE) {
+            _tile_loadd(2, c + 512, 64);
+            _tile_loadd(3, c + 768, 64);
+        }
+    }
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
+    for (int64_t b = b0; b < b1; ++b) {
+        _tile_loadd(4, xr + b * 2 * QK, lda);
+        _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (!ONE) {
+            _tile_loadd(5, xr + 16 * lda + b * 2 * QK, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (!ONE) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
 void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
                        int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
                        int64_t k, int threads) {
     const int64_t nb = k / QK;
-    const int64_t m_pad = (m_rows + 31) / 32 * 32;
-    // x in bf16, rows past m_rows zero.
+    const int64_t m_pad = (m_rows + 15) / 16 * 16;
+    // x in bf16, rows past m_rows (up to a whole A tile) zero.
     thread_local std::vector<uint16_t> xbuf;
     xbuf.resize(static_cast<size_t>(m_pad * k));
     uint16_t* xb = xbuf.data();
@@ -899,67 +952,80 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
     const int64_t tiles = (n + ROWS - 1) / ROWS;
     const int64_t pairs = (tiles + 1) / 2;
     const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(scale_bytes) + QS_BYTES);
+    const int64_t pair_bytes = nb * 2 * BF_TILE;
+    const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
+    const int64_t kc = (nb + chunks - 1) / chunks;
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
     const int64_t lda = k * 2;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        configure_bf16_tiles();
-        // Two tiles' B tiles, block by block: [nb][2][16 x 64 bytes].
-        thread_local std::vector<uint8_t> unpacked;
-        unpacked.resize(static_cast<size_t>(nb * 2 * BF_TILE + 64));
-        uint8_t* bt = reinterpret_cast<uint8_t*>(
-            (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
-        alignas(64) float out[4][16 * 16];
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < pairs; ++pair) {
-            for (int h = 0; h < 2; ++h) {
-                const int64_t tile = 2 * pair + h;
-                if (tile >= tiles) {
-                    for (int64_t b = 0; b < nb; ++b)
-                        std::memset(bt + (2 * b + h) * BF_TILE, 0, BF_TILE);
-                } else if (scale_bytes == 2) {
-                    unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
-                                               2 * BF_TILE);
-                } else {
-                    unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
-                                            2 * BF_TILE);
-                }
-            }
-            for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const uint16_t* xa = xb + m0 * k;
-                for (int64_t b = 0; b < nb; ++b) {
-                    _tile_loadd(4, xa + b * QK, lda);
-                    _tile_loadd(5, xa + 16 * k + b * QK, lda);
-                    _tile_loadd(6, bt + 2 * b * BF_TILE, 64);
-                    _tile_loadd(7, bt + (2 * b + 1) * BF_TILE, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, out[0], 64);
-                _tile_stored(1, out[1], 64);
-                _tile_stored(2, out[2], 64);
-                _tile_stored(3, out[3], 64);
-                for (int mh = 0; mh < 2; ++mh) {
+        for (int part = 0; part < team; ++part) {
+            const int64_t p0 = pairs * part / team;
+            const int64_t p1 = pairs * (part + 1) / team;
+            const int64_t panel =
+                std::max<int64_t>(1, std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
+            // A panel's B tiles, pair by pair: [panel][nb][2][16 x 64 bytes]; then the products
+            // per pair between K chunks, [panel][4][16 x 16] fp32.
+            thread_local std::vector<uint8_t> unpacked;
+            const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
+            unpacked.resize(static_cast<size_t>(panel * pair_bytes + cbytes + 64));
+            uint8_t* bt = reinterpret_cast<uint8_t*>(
+                (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+            float* cbuf = reinterpret_cast<float*>(bt + panel * pair_bytes);
+            configure_bf16_tiles();
+            for (int64_t q0 = p0; q0 < p1; q0 += panel) {
+                const int64_t q1 = std::min(p1, q0 + panel);
+                for (int64_t pair = q0; pair < q1; ++pair) {
+                    uint8_t* bp = bt + (pair - q0) * pair_bytes;
                     for (int h = 0; h < 2; ++h) {
                         const int64_t tile = 2 * pair + h;
-                        if (tile >= tiles) continue;
-                        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
-                        const int64_t r0 = m0 + 16 * mh;
-                        const int64_t tm = std::min<int64_t>(16, m_rows - r0);
-                        for (int64_t t = 0; t < tm; ++t)
-                            store_outputs(out[2 * mh + h] + t * ROWS, y,
-                                          (r0 + t) * y_stride + tile * ROWS, rows, dtype);
+                        if (tile >= tiles) {
+                            for (int64_t b = 0; b < nb; ++b)
+                                std::memset(bp + (2 * b + h) * BF_TILE, 0, BF_TILE);
+                        } else if (scale_bytes == 2) {
+                            unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb,
+                                                       bp + h * BF_TILE, 2 * BF_TILE);
+                        } else {
+                            unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bp + h * BF_TILE,
+                                                    2 * BF_TILE);
+                        }
+                    }
+                }
+                for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                    const bool one = m_rows - m0 <= 16;
+                    const uint16_t* xa = xb + m0 * k;
+                    for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+                        const int64_t b1 = std::min(nb, b0 + kc);
+                        for (int64_t pair = q0; pair < q1; ++pair) {
+                            const uint8_t* bp = bt + (pair - q0) * pair_bytes;
+                            float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
+                            if (one) {
+                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c);
+                            } else {
+                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c);
+                            }
+                            if (b1 < nb) continue;
+                            for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
+                                const int64_t r0 = m0 + 16 * mh;
+                                const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                                for (int h = 0; h < 2; ++h) {
+                                    const int64_t tile = 2 * pair + h;
+                                    if (tile >= tiles) continue;
+                                    const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                                    const float* ct = c + (2 * mh + h) * 256;
+                                    for (int64_t t = 0; t < tm; ++t)
+                                        store_outputs(ct + t * ROWS, y,
+                                                      (r0 + t) * y_stride + tile * ROWS, rows,
+                                                      dtype);
+                                }
+                            }
+                        }
                     }
                 }
             }
+            _tile_release();
         }
-        _tile_release();
     }
 }
 #endif  // AMX
