@@ -832,43 +832,80 @@ void configure_bf16_tiles() {
     load_tile_config(cfg);
 }
 
-// One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
+// One weight block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the
 // inputs 2kk and 2kk + 1 (one 32-bit lane per output). A 64-byte line j of nibbles has one
 // 32-bit lane per output r too, holding inputs 4j + t (low nibble of byte t) and
 // 16 + 4j + t (high): shifts pick one input for all 16 outputs at once, with the outputs'
-// scales in the same lanes, and each pair of inputs is interleaved into a B row.
+// scales in the same lanes, and each pair of inputs is interleaved into a B row. The nibble
+// becomes a float by a lane permute of 0.0 .. 15.0 (vpermps reads the index's low 4 bits:
+// no mask, no conversion).
 template <typename S>
-void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stride) {
+inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, __m512i pairs, __m512 values) {
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
-    constexpr int64_t BLOCK = SB + QS_BYTES;
-    const __m512i low4 = _mm512_set1_epi32(0x0f);
-    alignas(64) int16_t pair_idx[32];
-    for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
-    const __m512i pairs = _mm512_load_si512(pair_idx);
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * BLOCK;
-        __m512 d, m;
-        load_block_scales<S>(blk, d, m);
-        uint8_t* out = bt + b * bt_stride;
-        for (int j = 0; j < 4; ++j) {
-            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
-            for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
-                for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
-                    __m512 f[2];
-                    for (int u = 0; u < 2; ++u) {
-                        const int shift = 8 * (2 * p + u) + 4 * h;
-                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw, shift), low4);
-                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
-                    }
-                    const __m512i both =
-                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
-                    _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
-                                       _mm512_permutexvar_epi16(pairs, both));
+    __m512 d, m;
+    load_block_scales<S>(blk, d, m);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+        for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
+            for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
+                __m512 f[2];
+                for (int u = 0; u < 2; ++u) {
+                    const int shift = 8 * (2 * p + u) + 4 * h;
+                    const __m512i q = shift ? _mm512_srli_epi32(raw, shift) : raw;
+                    f[u] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), d, m);
                 }
+                const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
+                                   _mm512_permutexvar_epi16(pairs, both));
             }
         }
     }
 }
+
+// The B tiles of a thread's output pairs, produced a block at a time in their order (pair,
+// then tile, then block) into a ring of `slots` pairs, so that the passes over pairs already
+// unpacked can unpack the next ones between their tile instructions (the vector units and
+// the matrix unit run side by side).
+struct BFeed {
+    const uint8_t* w;
+    int64_t tile_bytes, tiles, nb, pair_bytes, slots, p0;
+    uint8_t* bt;
+    int scale_bytes;
+    __m512i pairs;
+    __m512 values;
+    int64_t next = 0;   // tile-blocks done, from the thread's first pair
+    int64_t limit = 0;  // no further: the ring's slots past it still hold pairs in use
+
+    uint8_t* pair_tiles(int64_t pair) const { return bt + (pair - p0) % slots * pair_bytes; }
+
+    inline void step() {
+        const int64_t per = 2 * nb;
+        const int64_t pr = next / per;
+        const int64_t h = next % per / nb;
+        const int64_t b = next % nb;
+        uint8_t* out = pair_tiles(p0 + pr) + (2 * b + h) * BF_TILE;
+        const int64_t tile = 2 * (p0 + pr) + h;
+        if (tile >= tiles) {
+            std::memset(out, 0, BF_TILE);
+        } else if (scale_bytes == 2) {
+            unpack_block_bf16<uint16_t>(w + tile * tile_bytes + b * (4 * ROWS + QS_BYTES), out,
+                                        pairs, values);
+        } else {
+            unpack_block_bf16<float>(w + tile * tile_bytes + b * (8 * ROWS + QS_BYTES), out,
+                                     pairs, values);
+        }
+        ++next;
+    }
+    // Up to `count` more blocks, within the limit.
+    inline void some(int64_t count) {
+        for (; count > 0 && next < limit; --count) step();
+    }
+    // Everything up to and including `pair`.
+    void through(int64_t pair) {
+        const int64_t need = (pair - p0 + 1) * 2 * nb;
+        while (next < need) step();
+    }
+};
 
 // Blocking. Each thread owns a range of output tile pairs (the two threads get halves of
 // the pairs, so that each unpacks each weight block once per call) and takes them a panel at
@@ -886,7 +923,7 @@ constexpr int64_t BF_KC_BLOCKS = 16;
 // tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless `first`, then stored to c.
 template <bool ONE>
 inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_t b0,
-                      int64_t b1, bool first, float* c) {
+                      int64_t b1, bool first, float* c, BFeed& feed, int64_t rate) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -914,6 +951,7 @@ inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        feed.some(rate);
     }
     _tile_stored(0, c, 64);
     _tile_stored(1, c + 256, 64);
@@ -963,47 +1001,46 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
         for (int part = 0; part < team; ++part) {
             const int64_t p0 = pairs * part / team;
             const int64_t p1 = pairs * (part + 1) / team;
+            // One block of rows reuses nothing across pairs: one pair at a time stays in L1.
             const int64_t panel =
-                std::max<int64_t>(1, std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
-            // A panel's B tiles, pair by pair: [panel][nb][2][16 x 64 bytes]; then the products
-            // per pair between K chunks, [panel][4][16 x 16] fp32.
+                m_rows <= 32 ? 1
+                             : std::max<int64_t>(
+                                   1, std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
+            // B tiles of two panels (the one in use, the next one being unpacked), pair by
+            // pair: [slots][nb][2][16 x 64 bytes]; then the products per pair between K
+            // chunks, [panel][4][16 x 16] fp32.
+            const int64_t slots = std::min(p1 - p0, 2 * panel);
             thread_local std::vector<uint8_t> unpacked;
             const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
-            unpacked.resize(static_cast<size_t>(panel * pair_bytes + cbytes + 64));
+            unpacked.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
             uint8_t* bt = reinterpret_cast<uint8_t*>(
                 (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
-            float* cbuf = reinterpret_cast<float*>(bt + panel * pair_bytes);
+            float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
+            alignas(64) int16_t pair_idx[32];
+            for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
+            BFeed feed{w,      tile_bytes, tiles,       nb, pair_bytes, slots, p0, bt,
+                       scale_bytes, _mm512_load_si512(pair_idx),
+                       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
+            // Blocks unpacked per block multiplied: a pass over one chunk of K unpacks about
+            // one pair.
+            const int64_t rate = (2 * nb + kc - 1) / kc;
             configure_bf16_tiles();
             for (int64_t q0 = p0; q0 < p1; q0 += panel) {
                 const int64_t q1 = std::min(p1, q0 + panel);
-                for (int64_t pair = q0; pair < q1; ++pair) {
-                    uint8_t* bp = bt + (pair - q0) * pair_bytes;
-                    for (int h = 0; h < 2; ++h) {
-                        const int64_t tile = 2 * pair + h;
-                        if (tile >= tiles) {
-                            for (int64_t b = 0; b < nb; ++b)
-                                std::memset(bp + (2 * b + h) * BF_TILE, 0, BF_TILE);
-                        } else if (scale_bytes == 2) {
-                            unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb,
-                                                       bp + h * BF_TILE, 2 * BF_TILE);
-                        } else {
-                            unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bp + h * BF_TILE,
-                                                    2 * BF_TILE);
-                        }
-                    }
-                }
+                feed.limit = (std::min(p1, q1 + panel) - p0) * 2 * nb;
                 for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
                     const bool one = m_rows - m0 <= 16;
                     const uint16_t* xa = xb + m0 * k;
                     for (int64_t b0 = 0; b0 < nb; b0 += kc) {
                         const int64_t b1 = std::min(nb, b0 + kc);
                         for (int64_t pair = q0; pair < q1; ++pair) {
-                            const uint8_t* bp = bt + (pair - q0) * pair_bytes;
+                            feed.through(pair);
+                            const uint8_t* bp = feed.pair_tiles(pair);
                             float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
                             if (one) {
-                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c);
+                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c, feed, rate);
                             } else {
-                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c);
+                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c, feed, rate);
                             }
                             if (b1 < nb) continue;
                             for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
