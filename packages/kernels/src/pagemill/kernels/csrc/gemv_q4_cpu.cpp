@@ -896,9 +896,13 @@ struct BFeed {
         }
         ++next;
     }
-    // Up to `count` more blocks, within the limit.
-    inline void some(int64_t count) {
-        for (; count > 0 && next < limit; --count) step();
+    // Called once per block multiplied: num / den blocks unpacked per call on average,
+    // within the limit.
+    int64_t num = 1, den = 1, credit = 0;
+    inline void tick() {
+        if (next >= limit) return;
+        credit += num;
+        for (; credit >= den && next < limit; credit -= den) step();
     }
     // Everything up to and including `pair`.
     void through(int64_t pair) {
@@ -923,7 +927,7 @@ constexpr int64_t BF_KC_BLOCKS = 16;
 // tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless `first`, then stored to c.
 template <bool ONE>
 inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_t b0,
-                      int64_t b1, bool first, float* c, BFeed& feed, int64_t rate) {
+                      int64_t b1, bool first, float* c, BFeed& feed) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -951,7 +955,7 @@ inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        feed.some(rate);
+        feed.tick();
     }
     _tile_stored(0, c, 64);
     _tile_stored(1, c + 256, 64);
@@ -1021,14 +1025,23 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
             BFeed feed{w,      tile_bytes, tiles,       nb, pair_bytes, slots, p0, bt,
                        scale_bytes, _mm512_load_si512(pair_idx),
                        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
-            // Blocks unpacked per block multiplied: a pass over one chunk of K unpacks about
-            // one pair.
-            const int64_t rate = (2 * nb + kc - 1) / kc;
+            const int64_t m_blocks = (m_rows + 31) / 32;
             configure_bf16_tiles();
             for (int64_t q0 = p0; q0 < p1; q0 += panel) {
                 const int64_t q1 = std::min(p1, q0 + panel);
                 feed.limit = (std::min(p1, q1 + panel) - p0) * 2 * nb;
                 for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                    // The first block of rows meets the panel's pairs as they are unpacked:
+                    // a pass over one chunk of K unpacks about the next pair. The later
+                    // blocks spread the next panel's unpacking over their passes.
+                    if (m0 == 0 || m_blocks == 1) {
+                        feed.num = (2 * nb + kc - 1) / kc;
+                        feed.den = 1;
+                    } else {
+                        feed.num = 2;
+                        feed.den = m_blocks - 1;
+                    }
+                    feed.credit = 0;
                     const bool one = m_rows - m0 <= 16;
                     const uint16_t* xa = xb + m0 * k;
                     for (int64_t b0 = 0; b0 < nb; b0 += kc) {
@@ -1038,9 +1051,9 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                             const uint8_t* bp = feed.pair_tiles(pair);
                             float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
                             if (one) {
-                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c, feed, rate);
+                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c, feed);
                             } else {
-                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c, feed, rate);
+                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c, feed);
                             }
                             if (b1 < nb) continue;
                             for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
