@@ -922,12 +922,13 @@ struct BFeed {
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 16;
 
-// The products of 16 (ONE) or 32 rows of x (xa, row stride lda bytes) with one pair's B tiles
-// (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c ([4][16 x 16] fp32: rows 0-15 x
-// tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless `first`, then stored to c.
+// The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
+// bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
+// ([4][16 x 16] fp32: rows 0-15 x tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless
+// `first`, then stored to c.
 template <bool ONE>
-inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_t b0,
-                      int64_t b1, bool first, float* c, BFeed& feed) {
+inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t b1,
+                      bool first, float* c, BFeed& feed) {
     if (first) {
         _tile_zero(0);
         _tile_zero(1);
@@ -945,13 +946,13 @@ inline void bf16_pass(const uint16_t* xa, int64_t lda, const uint8_t* bp, int64_
     }
     const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
     for (int64_t b = b0; b < b1; ++b) {
-        _tile_loadd(4, xr + b * 2 * QK, lda);
+        _tile_loadd(4, xr + b * 2 * BF_TILE, 64);
         _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
         _tile_dpbf16ps(1, 4, 7);
         if (!ONE) {
-            _tile_loadd(5, xr + 16 * lda + b * 2 * QK, lda);
+            _tile_loadd(5, xr + (2 * b + 1) * BF_TILE, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -970,25 +971,28 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                        int64_t k, int threads) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
-    // x in bf16, rows past m_rows (up to a whole A tile) zero.
+    // x in bf16 as A tiles, each block of 32 rows [nb][32 rows][32 inputs] (a tile's rows
+    // in 1 KB one after the other: a stream the prefetchers follow); rows past m_rows (up to
+    // a whole A tile) zero.
     thread_local std::vector<uint16_t> xbuf;
-    xbuf.resize(static_cast<size_t>(m_pad * k));
+    xbuf.resize(static_cast<size_t>((m_rows + 31) / 32 * 32 * k));
     uint16_t* xb = xbuf.data();
     const int qthreads = m_rows >= 16 ? threads : 1;
 #pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
     for (int64_t r = 0; r < m_pad; ++r) {
-        uint16_t* dst = xb + r * k;
-        if (r >= m_rows) {
-            std::memset(dst, 0, static_cast<size_t>(k) * 2);
-        } else if (dtype == 1) {
-            std::memcpy(dst, static_cast<const uint16_t*>(x) + r * x_stride,
-                        static_cast<size_t>(k) * 2);
-        } else {
-            const float* src = static_cast<const float*>(x) + r * x_stride;
-            for (int64_t i = 0; i < k; i += 32)
-                _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                                 _mm512_loadu_ps(src + i + 16),
-                                                 _mm512_loadu_ps(src + i))));
+        uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
+        for (int64_t b = 0; b < nb; ++b) {
+            uint16_t* d = dst + b * 32 * QK;
+            if (r >= m_rows) {
+                _mm512_storeu_si512(d, _mm512_setzero_si512());
+            } else if (dtype == 1) {
+                _mm512_storeu_si512(d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) +
+                                                          r * x_stride + b * QK));
+            } else {
+                const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
+                _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                           _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
+            }
         }
     }
     const int64_t tiles = (n + ROWS - 1) / ROWS;
@@ -998,7 +1002,6 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
     const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
     const int64_t kc = (nb + chunks - 1) / chunks;
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
-    const int64_t lda = k * 2;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
 #pragma omp for schedule(static)
@@ -1051,9 +1054,9 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                             const uint8_t* bp = feed.pair_tiles(pair);
                             float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
                             if (one) {
-                                bf16_pass<true>(xa, lda, bp, b0, b1, b0 == 0, c, feed);
+                                bf16_pass<true>(xa, bp, b0, b1, b0 == 0, c, feed);
                             } else {
-                                bf16_pass<false>(xa, lda, bp, b0, b1, b0 == 0, c, feed);
+                                bf16_pass<false>(xa, bp, b0, b1, b0 == 0, c, feed);
                             }
                             if (b1 < nb) continue;
                             for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
