@@ -217,11 +217,14 @@ def test_bf16_tiles_at_every_row_count(dtype, exact16, n, k) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize(("m", "n", "k"), [(257, 720, 1536), (33, 944, 576), (2049, 80, 576)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(353, 720, 1536), (929, 944, 576), (2049, 80, 576), (257, 720, 1536)]
+)
 def test_bf16_tiles_over_many_panels(threads, m, n, k) -> None:
-    # Enough output pairs per thread for several panels (K 1536: five pairs a panel, 576:
-    # fourteen), the next one unpacked into the ring while the last is in use; N not a
-    # multiple of 32 (720: 22.5 pairs, 944: 29.5); a row count one past a multiple of 32.
+    # x past 1 MB in bf16 and enough output pairs per thread for several panels (K 1536: five
+    # pairs a panel, 576: fourteen), the next one unpacked into the ring while the last is in
+    # use; below 1 MB (257 rows) a pair at a time, the next one unpacked beside it. N not a
+    # multiple of 32 (720: 22.5 pairs, 944: 29.5); row counts one past a multiple of 32.
     blocks = _blocks(n, k, True, seed=m)
     x = _x(m, k, torch.bfloat16, seed=n)
     got = g.gemm_q4_amx(x, blocks, n, threads=threads, planes=0)

@@ -921,6 +921,8 @@ struct BFeed {
 // than one chunk the products go to a per-pair fp32 buffer between chunks.
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 16;
+// Up to this much of x in bf16 (it stays in L2), pairs go one at a time through all rows.
+constexpr int64_t BF_X_L2_BYTES = 1 << 20;
 
 // The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
 // bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
@@ -1008,11 +1010,13 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
         for (int part = 0; part < team; ++part) {
             const int64_t p0 = pairs * part / team;
             const int64_t p1 = pairs * (part + 1) / team;
-            // One block of rows reuses nothing across pairs: one pair at a time stays in L1.
+            // Where x stays in L2 (or is one block of rows, reused by nothing), one pair at a
+            // time meets every row while the next one is unpacked beside it.
             const int64_t panel =
-                m_rows <= 32 ? 1
-                             : std::max<int64_t>(
-                                   1, std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
+                m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+                    ? 1
+                    : std::max<int64_t>(1,
+                                        std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
             // B tiles of two panels (the one in use, the next one being unpacked), pair by
             // pair: [slots][nb][2][16 x 64 bytes]; then the products per pair between K
             // chunks, [panel][4][16 x 16] fp32.
@@ -1034,10 +1038,14 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                 const int64_t q1 = std::min(p1, q0 + panel);
                 feed.limit = (std::min(p1, q1 + panel) - p0) * 2 * nb;
                 for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
-                    // The first block of rows meets the panel's pairs as they are unpacked:
-                    // a pass over one chunk of K unpacks about the next pair. The later
-                    // blocks spread the next panel's unpacking over their passes.
-                    if (m0 == 0 || m_blocks == 1) {
+                    // One pair a panel: the next pair unpacked evenly over all its passes.
+                    // Else the first block of rows meets the panel's pairs as they are
+                    // unpacked (a pass over one chunk of K unpacks about the next pair), and the
+                    // later blocks spread the next panel's unpacking over their passes.
+                    if (panel == 1) {
+                        feed.num = 2;
+                        feed.den = m_blocks;
+                    } else if (m0 == 0) {
                         feed.num = (2 * nb + kc - 1) / kc;
                         feed.den = 1;
                     } else {
