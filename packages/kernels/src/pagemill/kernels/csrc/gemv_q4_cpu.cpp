@@ -813,10 +813,11 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
 //
 // The int8 kernel above pays float work for every block of 32 inputs (each block has its own
 // scales, so its integer sums cannot stay in the tile); TDPBF16PS keeps the fp32 sums in the
-// tile over all of K, and the scales go into the weights instead: each weight block becomes
-// w = d * q + m in fp32, rounded to bf16 (as the dense bf16 copy of the layer is made), once
-// per call and tile of outputs, then meets every row of x. The result is the dense bf16
-// product (x rounded to bf16, fp32 sums in another order) without the dense copy in memory.
+// tile over a chunk of K (then in an fp32 buffer), and the scales go into the weights
+// instead: each weight block becomes w = d * q + m in fp32 (one fused multiply-add), rounded
+// to bf16 (as the dense bf16 copy of the layer is made), once per call and tile of outputs,
+// then meets every row of x. The result is the dense bf16 product (x rounded to bf16, fp32
+// sums in another order) without the dense copy in memory.
 // Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
 // (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
 
@@ -911,14 +912,17 @@ struct BFeed {
     }
 };
 
-// Blocking. Each thread owns a range of output tile pairs (the two threads get halves of
-// the pairs, so that each unpacks each weight block once per call) and takes them a panel at
-// a time: as many pairs as fit BF_PANEL_BYTES of unpacked B tiles, kept in L2 while every
-// row of x passes. Rows pass 32 at a time (2 A tiles; a final 1..16 rows use one A tile and
-// half the products), and over K in chunks of at most BF_KC_BLOCKS blocks, so that the
-// chunk's A rows (32 rows x 512 inputs in bf16: 32 KB) stay in L1 while every pair of the
-// panel meets them: per 2x2 tile product only the B tiles come from L2. Where K has more
-// than one chunk the products go to a per-pair fp32 buffer between chunks.
+// Blocking. Each thread owns a range of output tile pairs (two threads get halves of the
+// pairs, so that each weight block is unpacked once per call) and unpacks them a block at a
+// time between the tile instructions of the passes over pairs already unpacked (BFeed): the
+// vector units' unpacking and the matrix unit's products run side by side. Rows of x pass
+// 32 at a time (2 A tiles; a final 1..16 rows use one A tile and half the products), over K
+// in chunks of at most BF_KC_BLOCKS blocks (a chunk's A tiles, 32 KB, stay in L1 while
+// pairs meet them). Where x in bf16 fits BF_X_L2_BYTES, a pair at a time meets every row
+// (x from L2, the pair's B tiles from L1 or L2) while the next pair is unpacked. Above it the
+// pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while every row passes (each
+// chunk of rows read once per panel, not once per pair), the next panel unpacked over the
+// passes of the current one into the other half of a ring of two panels.
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 16;
 // Up to this much of x in bf16 (it stays in L2), pairs go one at a time through all rows.
