@@ -235,7 +235,7 @@ def test_bf16_tiles_over_many_panels(threads, m, n, k) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("m", [7, 40])
+@pytest.mark.parametrize("m", [7, 40, 200])
 def test_bf16_tiles_with_strided_x_and_y(dtype, m) -> None:
     # The entry point itself, y rows wider than n: the gaps between them stay as they were.
     n, k, pad = 80, 1536, 24

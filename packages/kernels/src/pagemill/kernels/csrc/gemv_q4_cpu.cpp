@@ -927,6 +927,7 @@ constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 16;
 // Up to this much of x in bf16 (it stays in L2), pairs go one at a time through all rows.
 constexpr int64_t BF_X_L2_BYTES = 1 << 20;
+constexpr int64_t BF_OWN_X_ROWS = 128;
 
 // The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
 // bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
@@ -972,34 +973,46 @@ inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t
     }
 }
 
+// Row r of x in bf16 into xb as A tiles, each block of 32 rows [nb][32 rows][32 inputs] (a
+// tile's rows in 1 KB one after the other: a stream the prefetchers follow); rows past
+// m_rows (up to a whole A tile) zero.
+inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_rows,
+                         int64_t nb, int64_t r, uint16_t* xb) {
+    uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        uint16_t* d = dst + b * 32 * QK;
+        if (r >= m_rows) {
+            _mm512_storeu_si512(d, _mm512_setzero_si512());
+        } else if (dtype == 1) {
+            _mm512_storeu_si512(
+                d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * x_stride + b * QK));
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
+            _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                       _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
+        }
+    }
+}
+
 void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
                        int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
                        int64_t k, int threads) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
-    // x in bf16 as A tiles, each block of 32 rows [nb][32 rows][32 inputs] (a tile's rows
-    // in 1 KB one after the other: a stream the prefetchers follow); rows past m_rows (up to
-    // a whole A tile) zero.
+    // x in bf16 as A tiles (bf16_x_tiles). Up to BF_OWN_X_ROWS rows each thread converts all
+    // of x for itself, inside the one parallel region: a second region's fork and join
+    // costs more than the copy there (and far more where the threads share the cores with
+    // other processes). More rows: one copy, split over the threads.
+    const bool own_x = m_rows <= BF_OWN_X_ROWS;
+    const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
     thread_local std::vector<uint16_t> xbuf;
-    xbuf.resize(static_cast<size_t>((m_rows + 31) / 32 * 32 * k));
-    uint16_t* xb = xbuf.data();
-    const int qthreads = m_rows >= 16 ? threads : 1;
-#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
-    for (int64_t r = 0; r < m_pad; ++r) {
-        uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
-        for (int64_t b = 0; b < nb; ++b) {
-            uint16_t* d = dst + b * 32 * QK;
-            if (r >= m_rows) {
-                _mm512_storeu_si512(d, _mm512_setzero_si512());
-            } else if (dtype == 1) {
-                _mm512_storeu_si512(d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) +
-                                                          r * x_stride + b * QK));
-            } else {
-                const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
-                _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                           _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
-            }
-        }
+    uint16_t* shared_xb = nullptr;
+    if (!own_x) {
+        xbuf.resize(x_elems);
+        shared_xb = xbuf.data();
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t r = 0; r < m_pad; ++r)
+            bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, shared_xb);
     }
     const int64_t tiles = (n + ROWS - 1) / ROWS;
     const int64_t pairs = (tiles + 1) / 2;
@@ -1014,6 +1027,14 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
         for (int part = 0; part < team; ++part) {
             const int64_t p0 = pairs * part / team;
             const int64_t p1 = pairs * (part + 1) / team;
+            uint16_t* xb = shared_xb;
+            if (own_x) {
+                thread_local std::vector<uint16_t> own;
+                own.resize(x_elems);
+                xb = own.data();
+                for (int64_t r = 0; r < m_pad; ++r)
+                    bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
+            }
             // Where x stays in L2 (or is one block of rows, reused by nothing), one pair at a
             // time meets every row while the next one is unpacked beside it.
             const int64_t panel =
