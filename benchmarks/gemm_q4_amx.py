@@ -1,8 +1,9 @@
 """Packed int4 linears of SmolLM2-135M on the AMX tiles against the other CPU paths, whole
 model per batch size, interleaved in one process.
 
-    uv run python benchmarks/gemm_q4_amx.py [--rows 1,8,16,32,64,128,256] [--rounds 7]
-        [--threads N] [--paths amx_bf16,amx_int8,vnni,dense,torch_int4]
+    uv run python benchmarks/gemm_q4_amx.py [--rows 1,8,16,32,64,128,256,1024,2048]
+        [--rounds 7] [--threads N] [--paths amx_bf16,amx_int8,vnni,dense,torch_int4]
+        [--reference OLD.cpp]
 
 Paths, each over all 120 packed linears of the model (30 layers of qkv 576->960, o
 576->576, gate_up 576->3072, down 1536->576; the Q8_0 LM head is not int4 and is left out):
@@ -14,6 +15,8 @@ Paths, each over all 120 packed linears of the model (30 layers of qkv 576->960,
     vnni2       gemv_q4 planes=2
     dense       F.linear on a dense bf16 copy (oneDNN, AMX-BF16): the path above it today
     torch_int4  aten._weight_int4pack_mm_for_cpu, PyTorch's int4 kernel (the default)
+    ref_bf16    amx_bf16 built from another source of the kernel (--reference, e.g. a copy
+                of `csrc/gemv_q4_cpu.cpp` from before a change): an A/B in one process
 
 Each layer has its own random Q4_1-like weights, so a sweep streams the model's weight bytes
 as a step does. Each round times one sweep per path in turn (A B C A B C ...); the table
@@ -26,21 +29,25 @@ printed with the table: on a shared box every number is under that load.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagemill.kernels import gemv_q4_cpu
+from pagemill.kernels import cpu_native, gemv_q4_cpu
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LAYERS = 30
 G = 32
 PATHS = ("amx_bf16", "amx_int8", "amx_int8x2", "vnni", "vnni2", "dense", "torch_int4")
+DEFAULT_PATHS = PATHS
+_REF: list[Any] = []  # the --reference build
 
 
 def _weights(k: int, n: int, gen: torch.Generator) -> dict[str, Any]:
@@ -65,6 +72,8 @@ def _sweep(path: str, layers: list[dict[str, Any]], xs: dict[int, torch.Tensor])
             F.linear(x, w["dense"])
         elif path == "torch_int4":
             torch.ops.aten._weight_int4pack_mm_for_cpu(x, w["packed"], G, w["sz"])
+        elif path == "ref_bf16":
+            gemv_q4_cpu.gemm_q4_amx(x, w["blocks"], w["n"], lib=_REF[0], planes=0)
         elif path.startswith("vnni"):
             gemv_q4_cpu.gemv_q4(x, w["blocks"], w["n"], planes=2 if path == "vnni2" else 1)
         else:
@@ -74,15 +83,40 @@ def _sweep(path: str, layers: list[dict[str, Any]], xs: dict[int, torch.Tensor])
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="1,8,16,32,64,128,256")
+    ap.add_argument("--rows", default="1,8,16,32,64,128,256,1024,2048")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS))
+    ap.add_argument(
+        "--reference", default=None, help="another kernel source: adds the path ref_bf16"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = [p for p in args.paths.split(",") if p]
-    unknown = set(paths) - set(PATHS)
+    if args.reference:
+        ref = cpu_native.load_gemv(
+            Path(args.reference),
+            "pagemill_gemv_q4",
+            [
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_void_p,
+            ]
+            + [ctypes.c_int64] * 4
+            + [ctypes.c_int] * 2,
+            "the reference int4 kernel",
+            "no reference",
+        )
+        if ref is None:
+            raise SystemExit(f"{args.reference} did not build")
+        _REF.append(ref)
+        if "ref_bf16" not in paths:
+            paths.insert(paths.index("amx_bf16") + 1 if "amx_bf16" in paths else 0, "ref_bf16")
+    unknown = set(paths) - set(PATHS) - ({"ref_bf16"} if _REF else set())
     if unknown:
         raise SystemExit(f"unknown paths {sorted(unknown)}; known: {', '.join(PATHS)}")
     if not gemv_q4_cpu.amx_available():

@@ -176,3 +176,90 @@ def test_without_amx_it_is_the_gemv_or_the_dense_product() -> None:
         g.gemm_q4_amx(x, blocks, 48, lib=plain, planes=3)
     with pytest.raises(ValueError):
         g.gemm_q4_amx(x[:, :64], blocks, 48, lib=plain, planes=0)
+
+
+# ---- AMX-BF16's blocking: rows in blocks of 32 (a last 1..16 in one A tile), K in chunks
+# (576: two, 1536: three), output pairs per thread in panels unpacked ahead into a ring of two.
+
+
+def _assert_dense(got: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, n: int) -> None:
+    """`got` is x's dense bf16 product with the weights (see the test above), each weight
+    d * q + m rounded once to fp32 (the kernel's fused multiply-add; `dequantize_q4_blocks`
+    rounds the product, then the sum, which now and then lands on the other side of a bf16
+    rounding boundary with fp32 scales)."""
+    q, d, m = g.unpack_q4_blocks(blocks, n)
+    nb = d.shape[1]
+    w = q.view(n, nb, 32).double() * d.double()[..., None] + m.double()[..., None]
+    w = w.reshape(n, nb * 32).float().to(torch.bfloat16).double()
+    xb = x.to(torch.bfloat16).double()
+    want = xb @ w.T
+    bound = 1e-5 * (xb.abs() @ w.abs().T) + 1e-6
+    if got.dtype == torch.bfloat16:
+        bound = bound + want.abs() * 2**-8
+    err = (got.double() - want).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("exact16", [True, False], ids=["fp16", "fp32"])
+@pytest.mark.parametrize(("n", "k"), [(80, 576), (112, 1536), (48, 96)])
+def test_bf16_tiles_at_every_row_count(dtype, exact16, n, k) -> None:
+    # N = 80 / 48: an odd tile count (the last pair half empty); K 576 and 1536: two and three
+    # chunks of K; 96: one.
+    blocks = _blocks(n, k, exact16, seed=n + k)
+    for m in [*range(1, 41), 63, 64, 65, 97, 255, 257]:
+        x = _x(m, k, dtype, seed=m)
+        got = g.gemm_q4_amx(x, blocks, n, planes=0)
+        assert got.shape == (m, n) and got.dtype == dtype
+        _assert_dense(got, x, blocks, n)
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(353, 720, 1536), (929, 944, 576), (2049, 80, 576), (257, 720, 1536)]
+)
+def test_bf16_tiles_over_many_panels(threads, m, n, k) -> None:
+    # x past 1 MB in bf16 and enough output pairs per thread for several panels (K 1536: five
+    # pairs a panel, 576: fourteen), the next one unpacked into the ring while the last is in
+    # use; below 1 MB (257 rows) a pair at a time, the next one unpacked beside it. N not a
+    # multiple of 32 (720: 22.5 pairs, 944: 29.5); row counts one past a multiple of 32.
+    blocks = _blocks(n, k, True, seed=m)
+    x = _x(m, k, torch.bfloat16, seed=n)
+    got = g.gemm_q4_amx(x, blocks, n, threads=threads, planes=0)
+    _assert_dense(got, x, blocks, n)
+    if threads == 2:  # each output's sum in the same order whichever thread makes it
+        assert torch.equal(got, g.gemm_q4_amx(x, blocks, n, threads=1, planes=0))
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m", [7, 40, 200])
+def test_bf16_tiles_with_strided_x_and_y(dtype, m) -> None:
+    # The entry point itself, y rows wider than n: the gaps between them stay as they were.
+    n, k, pad = 80, 1536, 24
+    blocks = _blocks(n, k, False, seed=m)
+    x = _x(m, 2 * k, dtype, seed=m)[:, k:]  # row stride 2k, not at the buffer's start
+    want = g.gemm_q4_amx(x.contiguous(), blocks, n, planes=0)
+    y = torch.full((m, n + pad), float("nan"), dtype=dtype)
+    lib = g._amx_lib(None)
+    assert lib is not None
+    for threads in (1, 2):
+        status = lib.pagemill_gemm_q4_amx(
+            1 if dtype == torch.bfloat16 else 0,
+            x.data_ptr(),
+            x.stride(0),
+            blocks.data_ptr(),
+            4,
+            y.data_ptr(),
+            n + pad,
+            m,
+            n,
+            k,
+            threads,
+            0,
+        )
+        assert status == 0
+        assert torch.equal(y[:, :n], want)
+        assert bool(y[:, n:].isnan().all())

@@ -813,10 +813,11 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
 //
 // The int8 kernel above pays float work for every block of 32 inputs (each block has its own
 // scales, so its integer sums cannot stay in the tile); TDPBF16PS keeps the fp32 sums in the
-// tile over all of K, and the scales go into the weights instead: each weight block becomes
-// w = d * q + m in fp32, rounded to bf16 (as the dense bf16 copy of the layer is made), once
-// per call and tile of outputs, then meets every row of x. The result is the dense bf16
-// product (x rounded to bf16, fp32 sums in another order) without the dense copy in memory.
+// tile over a chunk of K (then in an fp32 buffer), and the scales go into the weights
+// instead: each weight block becomes w = d * q + m in fp32 (one fused multiply-add), rounded
+// to bf16 (as the dense bf16 copy of the layer is made), once per call and tile of outputs,
+// then meets every row of x. The result is the dense bf16 product (x rounded to bf16, fp32
+// sums in another order) without the dense copy in memory.
 // Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
 // (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
 
@@ -832,40 +833,163 @@ void configure_bf16_tiles() {
     load_tile_config(cfg);
 }
 
-// One tile's weight blocks (16 outputs) as bf16 B tiles: row kk holds, per output r, the
+// One weight block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the
 // inputs 2kk and 2kk + 1 (one 32-bit lane per output). A 64-byte line j of nibbles has one
 // 32-bit lane per output r too, holding inputs 4j + t (low nibble of byte t) and
 // 16 + 4j + t (high): shifts pick one input for all 16 outputs at once, with the outputs'
-// scales in the same lanes, and each pair of inputs is interleaved into a B row.
+// scales in the same lanes, and each pair of inputs is interleaved into a B row. The nibble
+// becomes a float by a lane permute of 0.0 .. 15.0 (vpermps reads the index's low 4 bits:
+// no mask, no conversion).
 template <typename S>
-void unpack_tile_bf16(const uint8_t* w, int64_t nb, uint8_t* bt, int64_t bt_stride) {
+inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, __m512i pairs, __m512 values) {
     constexpr int64_t SB = 2 * ROWS * sizeof(S);
-    constexpr int64_t BLOCK = SB + QS_BYTES;
-    const __m512i low4 = _mm512_set1_epi32(0x0f);
-    alignas(64) int16_t pair_idx[32];
-    for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
-    const __m512i pairs = _mm512_load_si512(pair_idx);
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * BLOCK;
-        __m512 d, m;
-        load_block_scales<S>(blk, d, m);
-        uint8_t* out = bt + b * bt_stride;
-        for (int j = 0; j < 4; ++j) {
-            const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
-            for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
-                for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
-                    __m512 f[2];
-                    for (int u = 0; u < 2; ++u) {
-                        const int shift = 8 * (2 * p + u) + 4 * h;
-                        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(raw, shift), low4);
-                        f[u] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m);
-                    }
-                    const __m512i both =
-                        reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
-                    _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
-                                       _mm512_permutexvar_epi16(pairs, both));
+    __m512 d, m;
+    load_block_scales<S>(blk, d, m);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+        for (int h = 0; h < 2; ++h) {      // low nibbles: inputs 4j + t; high: 16 + 4j + t
+            for (int p = 0; p < 2; ++p) {  // inputs t = 2p, 2p + 1: B row 8h + 2j + p
+                __m512 f[2];
+                for (int u = 0; u < 2; ++u) {
+                    const int shift = 8 * (2 * p + u) + 4 * h;
+                    const __m512i q = shift ? _mm512_srli_epi32(raw, shift) : raw;
+                    f[u] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, values), d, m);
                 }
+                const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+                _mm512_store_si512(out + 64 * (8 * h + 2 * j + p),
+                                   _mm512_permutexvar_epi16(pairs, both));
             }
+        }
+    }
+}
+
+// The B tiles of a thread's output pairs, produced a block at a time in their order (pair,
+// then tile, then block) into a ring of `slots` pairs, so that the passes over pairs already
+// unpacked can unpack the next ones between their tile instructions (the vector units and
+// the matrix unit run side by side).
+struct BFeed {
+    const uint8_t* w;
+    int64_t tile_bytes, tiles, nb, pair_bytes, slots, p0;
+    uint8_t* bt;
+    int scale_bytes;
+    __m512i pairs;
+    __m512 values;
+    int64_t next = 0;   // tile-blocks done, from the thread's first pair
+    int64_t limit = 0;  // no further: the ring's slots past it still hold pairs in use
+
+    uint8_t* pair_tiles(int64_t pair) const { return bt + (pair - p0) % slots * pair_bytes; }
+
+    inline void step() {
+        const int64_t per = 2 * nb;
+        const int64_t pr = next / per;
+        const int64_t h = next % per / nb;
+        const int64_t b = next % nb;
+        uint8_t* out = pair_tiles(p0 + pr) + (2 * b + h) * BF_TILE;
+        const int64_t tile = 2 * (p0 + pr) + h;
+        if (tile >= tiles) {
+            std::memset(out, 0, BF_TILE);
+        } else if (scale_bytes == 2) {
+            unpack_block_bf16<uint16_t>(w + tile * tile_bytes + b * (4 * ROWS + QS_BYTES), out,
+                                        pairs, values);
+        } else {
+            unpack_block_bf16<float>(w + tile * tile_bytes + b * (8 * ROWS + QS_BYTES), out,
+                                     pairs, values);
+        }
+        ++next;
+    }
+    // Called once per block multiplied: num / den blocks unpacked per call on average,
+    // within the limit.
+    int64_t num = 1, den = 1, credit = 0;
+    inline void tick() {
+        if (next >= limit) return;
+        credit += num;
+        for (; credit >= den && next < limit; credit -= den) step();
+    }
+    // Everything up to and including `pair`.
+    void through(int64_t pair) {
+        const int64_t need = (pair - p0 + 1) * 2 * nb;
+        while (next < need) step();
+    }
+};
+
+// Blocking. Each thread owns a range of output tile pairs (two threads get halves of the
+// pairs, so that each weight block is unpacked once per call) and unpacks them a block at a
+// time between the tile instructions of the passes over pairs already unpacked (BFeed): the
+// vector units' unpacking and the matrix unit's products run side by side. Rows of x pass
+// 32 at a time (2 A tiles; a final 1..16 rows use one A tile and half the products), over K
+// in chunks of at most BF_KC_BLOCKS blocks (a chunk's A tiles, 32 KB, stay in L1 while
+// pairs meet them). Where x in bf16 fits BF_X_L2_BYTES, a pair at a time meets every row
+// (x from L2, the pair's B tiles from L1 or L2) while the next pair is unpacked. Above it the
+// pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while every row passes (each
+// chunk of rows read once per panel, not once per pair), the next panel unpacked over the
+// passes of the current one into the other half of a ring of two panels.
+constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
+constexpr int64_t BF_KC_BLOCKS = 16;
+// Up to this much of x in bf16 (it stays in L2), pairs go one at a time through all rows.
+constexpr int64_t BF_X_L2_BYTES = 1 << 20;
+constexpr int64_t BF_OWN_X_ROWS = 128;
+
+// The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
+// bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
+// ([4][16 x 16] fp32: rows 0-15 x tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless
+// `first`, then stored to c.
+template <bool ONE>
+inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t b1,
+                      bool first, float* c, BFeed& feed) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (!ONE) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        if (!ONE) {
+            _tile_loadd(2, c + 512, 64);
+            _tile_loadd(3, c + 768, 64);
+        }
+    }
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
+    for (int64_t b = b0; b < b1; ++b) {
+        _tile_loadd(4, xr + b * 2 * BF_TILE, 64);
+        _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (!ONE) {
+            _tile_loadd(5, xr + (2 * b + 1) * BF_TILE, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        feed.tick();
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (!ONE) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
+// Row r of x in bf16 into xb as A tiles, each block of 32 rows [nb][32 rows][32 inputs] (a
+// tile's rows in 1 KB one after the other: a stream the prefetchers follow); rows past
+// m_rows (up to a whole A tile) zero.
+inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_rows,
+                         int64_t nb, int64_t r, uint16_t* xb) {
+    uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        uint16_t* d = dst + b * 32 * QK;
+        if (r >= m_rows) {
+            _mm512_storeu_si512(d, _mm512_setzero_si512());
+        } else if (dtype == 1) {
+            _mm512_storeu_si512(
+                d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * x_stride + b * QK));
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
+            _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                       _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
         }
     }
 }
@@ -874,92 +998,120 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                        int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
                        int64_t k, int threads) {
     const int64_t nb = k / QK;
-    const int64_t m_pad = (m_rows + 31) / 32 * 32;
-    // x in bf16, rows past m_rows zero.
+    const int64_t m_pad = (m_rows + 15) / 16 * 16;
+    // x in bf16 as A tiles (bf16_x_tiles). Up to BF_OWN_X_ROWS rows each thread converts all
+    // of x for itself, inside the one parallel region: a second region's fork and join
+    // costs more than the copy there (and far more where the threads share the cores with
+    // other processes). More rows: one copy, split over the threads.
+    const bool own_x = m_rows <= BF_OWN_X_ROWS;
+    const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
     thread_local std::vector<uint16_t> xbuf;
-    xbuf.resize(static_cast<size_t>(m_pad * k));
-    uint16_t* xb = xbuf.data();
-    const int qthreads = m_rows >= 16 ? threads : 1;
-#pragma omp parallel for num_threads(qthreads) schedule(static) if (qthreads > 1)
-    for (int64_t r = 0; r < m_pad; ++r) {
-        uint16_t* dst = xb + r * k;
-        if (r >= m_rows) {
-            std::memset(dst, 0, static_cast<size_t>(k) * 2);
-        } else if (dtype == 1) {
-            std::memcpy(dst, static_cast<const uint16_t*>(x) + r * x_stride,
-                        static_cast<size_t>(k) * 2);
-        } else {
-            const float* src = static_cast<const float*>(x) + r * x_stride;
-            for (int64_t i = 0; i < k; i += 32)
-                _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                                 _mm512_loadu_ps(src + i + 16),
-                                                 _mm512_loadu_ps(src + i))));
-        }
+    uint16_t* shared_xb = nullptr;
+    if (!own_x) {
+        xbuf.resize(x_elems);
+        shared_xb = xbuf.data();
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t r = 0; r < m_pad; ++r)
+            bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, shared_xb);
     }
     const int64_t tiles = (n + ROWS - 1) / ROWS;
     const int64_t pairs = (tiles + 1) / 2;
     const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(scale_bytes) + QS_BYTES);
+    const int64_t pair_bytes = nb * 2 * BF_TILE;
+    const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
+    const int64_t kc = (nb + chunks - 1) / chunks;
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
-    const int64_t lda = k * 2;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        configure_bf16_tiles();
-        // Two tiles' B tiles, block by block: [nb][2][16 x 64 bytes].
-        thread_local std::vector<uint8_t> unpacked;
-        unpacked.resize(static_cast<size_t>(nb * 2 * BF_TILE + 64));
-        uint8_t* bt = reinterpret_cast<uint8_t*>(
-            (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
-        alignas(64) float out[4][16 * 16];
 #pragma omp for schedule(static)
-        for (int64_t pair = 0; pair < pairs; ++pair) {
-            for (int h = 0; h < 2; ++h) {
-                const int64_t tile = 2 * pair + h;
-                if (tile >= tiles) {
-                    for (int64_t b = 0; b < nb; ++b)
-                        std::memset(bt + (2 * b + h) * BF_TILE, 0, BF_TILE);
-                } else if (scale_bytes == 2) {
-                    unpack_tile_bf16<uint16_t>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
-                                               2 * BF_TILE);
-                } else {
-                    unpack_tile_bf16<float>(w + tile * tile_bytes, nb, bt + h * BF_TILE,
-                                            2 * BF_TILE);
-                }
+        for (int part = 0; part < team; ++part) {
+            const int64_t p0 = pairs * part / team;
+            const int64_t p1 = pairs * (part + 1) / team;
+            uint16_t* xb = shared_xb;
+            if (own_x) {
+                thread_local std::vector<uint16_t> own;
+                own.resize(x_elems);
+                xb = own.data();
+                for (int64_t r = 0; r < m_pad; ++r)
+                    bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
             }
-            for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const uint16_t* xa = xb + m0 * k;
-                for (int64_t b = 0; b < nb; ++b) {
-                    _tile_loadd(4, xa + b * QK, lda);
-                    _tile_loadd(5, xa + 16 * k + b * QK, lda);
-                    _tile_loadd(6, bt + 2 * b * BF_TILE, 64);
-                    _tile_loadd(7, bt + (2 * b + 1) * BF_TILE, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, out[0], 64);
-                _tile_stored(1, out[1], 64);
-                _tile_stored(2, out[2], 64);
-                _tile_stored(3, out[3], 64);
-                for (int mh = 0; mh < 2; ++mh) {
-                    for (int h = 0; h < 2; ++h) {
-                        const int64_t tile = 2 * pair + h;
-                        if (tile >= tiles) continue;
-                        const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
-                        const int64_t r0 = m0 + 16 * mh;
-                        const int64_t tm = std::min<int64_t>(16, m_rows - r0);
-                        for (int64_t t = 0; t < tm; ++t)
-                            store_outputs(out[2 * mh + h] + t * ROWS, y,
-                                          (r0 + t) * y_stride + tile * ROWS, rows, dtype);
+            // Where x stays in L2 (or is one block of rows, reused by nothing), one pair at a
+            // time meets every row while the next one is unpacked beside it.
+            const int64_t panel =
+                m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+                    ? 1
+                    : std::max<int64_t>(1,
+                                        std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
+            // B tiles of two panels (the one in use, the next one being unpacked), pair by
+            // pair: [slots][nb][2][16 x 64 bytes]; then the products per pair between K
+            // chunks, [panel][4][16 x 16] fp32.
+            const int64_t slots = std::min(p1 - p0, 2 * panel);
+            thread_local std::vector<uint8_t> unpacked;
+            const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
+            unpacked.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
+            uint8_t* bt = reinterpret_cast<uint8_t*>(
+                (reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+            float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
+            alignas(64) int16_t pair_idx[32];
+            for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
+            BFeed feed{w,      tile_bytes, tiles,       nb, pair_bytes, slots, p0, bt,
+                       scale_bytes, _mm512_load_si512(pair_idx),
+                       _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
+            const int64_t m_blocks = (m_rows + 31) / 32;
+            configure_bf16_tiles();
+            for (int64_t q0 = p0; q0 < p1; q0 += panel) {
+                const int64_t q1 = std::min(p1, q0 + panel);
+                feed.limit = (std::min(p1, q1 + panel) - p0) * 2 * nb;
+                for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                    // One pair a panel: the next pair unpacked evenly over all its passes.
+                    // Else the first block of rows meets the panel's pairs as they are
+                    // unpacked (a pass over one chunk of K unpacks about the next pair), and the
+                    // later blocks spread the next panel's unpacking over their passes.
+                    if (panel == 1) {
+                        feed.num = 2;
+                        feed.den = m_blocks;
+                    } else if (m0 == 0) {
+                        feed.num = (2 * nb + kc - 1) / kc;
+                        feed.den = 1;
+                    } else {
+                        feed.num = 2;
+                        feed.den = m_blocks - 1;
+                    }
+                    feed.credit = 0;
+                    const bool one = m_rows - m0 <= 16;
+                    const uint16_t* xa = xb + m0 * k;
+                    for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+                        const int64_t b1 = std::min(nb, b0 + kc);
+                        for (int64_t pair = q0; pair < q1; ++pair) {
+                            feed.through(pair);
+                            const uint8_t* bp = feed.pair_tiles(pair);
+                            float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
+                            if (one) {
+                                bf16_pass<true>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            } else {
+                                bf16_pass<false>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            }
+                            if (b1 < nb) continue;
+                            for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
+                                const int64_t r0 = m0 + 16 * mh;
+                                const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                                for (int h = 0; h < 2; ++h) {
+                                    const int64_t tile = 2 * pair + h;
+                                    if (tile >= tiles) continue;
+                                    const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                                    const float* ct = c + (2 * mh + h) * 256;
+                                    for (int64_t t = 0; t < tm; ++t)
+                                        store_outputs(ct + t * ROWS, y,
+                                                      (r0 + t) * y_stride + tile * ROWS, rows,
+                                                      dtype);
+                                }
+                            }
+                        }
                     }
                 }
             }
+            _tile_release();
         }
-        _tile_release();
     }
 }
 #endif  // AMX
