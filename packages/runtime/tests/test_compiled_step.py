@@ -225,3 +225,33 @@ def test_cpp_wrapper_mode_is_checked(monkeypatch) -> None:
     monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "yes")
     with pytest.raises(ValueError, match="PAGEMILL_CPP_WRAPPER"):
         compilation.cpp_wrapper_mode()
+
+
+@pytest.mark.slow  # a C++ wrapper's build adds tens of seconds to the tiny model's compile
+def test_cpp_wrapper_for_the_one_token_graph_only(
+    tiny_llama, hf_greedy, random_prompts, monkeypatch, caplog
+) -> None:
+    # `single`: the one-token graph (every batch-1 decode) gets a C++ wrapper, the token-
+    # dynamic graphs keep the Python one; tokens must not change either way.
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable_reason(torch.device("cpu")))
+    from pagemill.runtime.worker import compilation
+
+    monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")
+    folder, model = tiny_llama
+    with caplog.at_level("INFO", logger=compilation.__name__):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=4 << 20)
+    wrapped = [
+        r.getMessage().endswith("True")
+        for r in caplog.records
+        if r.getMessage().startswith("compile: a graph with cpp_wrapper=")
+    ]
+    assert sorted(wrapped) == [False] * (len(wrapped) - 1) + [True]
+    prompts = random_prompts([1, 7, 30], model.config.vocab_size, seed=31)
+    # The last request decodes alone for its last steps: on the one-token graph.
+    max_tokens = [3, 6, 14]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, m, out in zip(prompts, max_tokens, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, m)
