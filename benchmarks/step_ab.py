@@ -17,8 +17,8 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   operators directly;
 - `cpp-wrapper`: inductor's C++ wrapper for the graphs without the opaque attention plan
   (`PAGEMILL_CPP_WRAPPER=1`, an experiment);
-- `cpp-wrapper-single`: the C++ wrapper for the one-token graph only
-  (`PAGEMILL_CPP_WRAPPER=single`);
+- `python-wrapper`: no C++ wrapper at all (`PAGEMILL_CPP_WRAPPER=0`), against the
+  default's C++ wrapper for the one-token graph (`single`);
 - `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
   = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before.
 
@@ -74,7 +74,7 @@ VARIANTS = (
     "loops-before",
     "python-ops",
     "cpp-wrapper",
-    "cpp-wrapper-single",
+    "python-wrapper",
     "float-inputs",
 )
 
@@ -115,12 +115,13 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         LlamaAttention.direct_native_ops = False
     elif name == "cpp-wrapper":
         os.environ[compilation.CPP_WRAPPER_ENV] = "1"
-    elif name == "cpp-wrapper-single":
-        os.environ[compilation.CPP_WRAPPER_ENV] = "single"
+    elif name == "python-wrapper":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "0"
     elif name == "float-inputs":
         compilation.SPECIALIZE_FLOATS = False
-    if name is None:  # A: whole-model, whatever the default
+    if name is None:  # A: whole-model, whatever the default; the default wrapper
         os.environ[compilation.REGIONAL_ENV] = "0"
+        os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
     try:
         yield
     finally:

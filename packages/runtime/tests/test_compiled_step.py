@@ -219,7 +219,9 @@ def test_specialized_floats_are_each_models_own() -> None:
 def test_cpp_wrapper_mode_is_checked(monkeypatch) -> None:
     from pagemill.runtime.worker import compilation
 
-    for value, mode in (("", "0"), ("0", "0"), ("1", "1"), (" single ", "single")):
+    monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
+    assert compilation.cpp_wrapper_mode() == "single"
+    for value, mode in (("", "single"), ("0", "0"), ("1", "1"), (" single ", "single")):
         monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, value)
         assert compilation.cpp_wrapper_mode() == mode
     monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "yes")

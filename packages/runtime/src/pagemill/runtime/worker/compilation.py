@@ -179,15 +179,17 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size":
 # calls their kernels: `1` every graph that can have one (those without the attention plan,
 # an opaque Python object a C++ wrapper cannot pass: decode-only steps on the C++ decode
 # operator), `single` only the graph of a one-token step (no symbolic size: the batch-1
-# decode, where the wrapper's per-call Python is the largest share of the step), `0` none.
-# A C++ wrapper makes that graph's cold compile several times longer.
+# decode, where the wrapper's per-call Python is the largest share of the step; the
+# default), `0` none. A C++ wrapper makes that graph's cold compile several times longer
+# (the background compile of a cold start, not the time to healthy nor a warm start).
 CPP_WRAPPER_ENV = "PAGEMILL_CPP_WRAPPER"
 _CPP_WRAPPER_MODES = ("0", "1", "single")
 
 
 def cpp_wrapper_mode() -> str:
-    """`0`, `1` or `single` (see `CPP_WRAPPER_ENV`); any other value is refused."""
-    value = os.environ.get(CPP_WRAPPER_ENV, "0").strip() or "0"
+    """`0`, `1` or `single` (see `CPP_WRAPPER_ENV`; unset: `single`); any other value is
+    refused."""
+    value = os.environ.get(CPP_WRAPPER_ENV, "single").strip() or "single"
     if value not in _CPP_WRAPPER_MODES:
         raise ValueError(f"{CPP_WRAPPER_ENV} must be one of {_CPP_WRAPPER_MODES}, got {value!r}")
     return value
