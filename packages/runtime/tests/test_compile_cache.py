@@ -181,8 +181,10 @@ def test_key_changes_with_the_wrapper_and_float_settings(tiny_llama, monkeypatch
     llm = _eager(folder, dtype="float32")
     monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
     base = _key(llm)
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")  # the default
+    assert _key(llm) == base
     keys = {base}
-    for mode in ("1", "single"):
+    for mode in ("0", "1"):
         monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, mode)
         keys.add(_key(llm))
     monkeypatch.delenv(compilation.CPP_WRAPPER_ENV)
