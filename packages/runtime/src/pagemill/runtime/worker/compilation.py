@@ -15,9 +15,17 @@ chunk (torch specializes size 1, the decode of a single request, into a second g
 there is nothing to recompile per batch size, which is what bucketing would otherwise
 bound. Guards: dynamo would check every parameter and module attribute on every call
 (~3,700 guards, ~3 ms a step); the model does not change between steps, so only the
-inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk cache
-(under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
-generated code, so a later start skips code generation and C++ builds.
+inputs' guards are kept. Every graph is compiled at start-up.
+
+Per-call host cost of the one-token graph (a batch-1 decode, where the weights' streaming
+is most of the step and Python the rest): its floats (the norms' epsilons) are traced as
+constants (`model_trace_config`), not as inputs the frame's prologue wraps in a tensor
+each call, and it gets inductor's C++ wrapper (`CPP_WRAPPER_ENV`), which calls its ~300
+kernels and ops from C++; the token-dynamic graphs keep the Python wrapper, whose cold
+build is far cheaper and whose per-call cost is a smaller share of their larger steps.
+
+Inductor's on-disk cache (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says
+otherwise) keeps the generated code, so a later start skips code generation and C++ builds.
 
 Regional compilation (opt-in: `PAGEMILL_COMPILE_REGIONAL=1`, with the compile cache):
 tracing, AOT autograd and inductor's lowering cost grows with the graph, and a decoder's
