@@ -20,7 +20,8 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `python-wrapper`: no C++ wrapper at all (`PAGEMILL_CPP_WRAPPER=0`), against the
   default's C++ wrapper for the one-token graph (`single`);
 - `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
-  = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before.
+  = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before;
+- `host-before`: both of the last two (the one-token graph's host path as before them).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -76,6 +77,7 @@ VARIANTS = (
     "cpp-wrapper",
     "python-wrapper",
     "float-inputs",
+    "host-before",
 )
 
 
@@ -118,6 +120,9 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     elif name == "python-wrapper":
         os.environ[compilation.CPP_WRAPPER_ENV] = "0"
     elif name == "float-inputs":
+        compilation.SPECIALIZE_FLOATS = False
+    elif name == "host-before":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "0"
         compilation.SPECIALIZE_FLOATS = False
     if name is None:  # A: whole-model, whatever the default; the default wrapper
         os.environ[compilation.REGIONAL_ENV] = "0"
