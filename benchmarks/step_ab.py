@@ -16,7 +16,12 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   (`LlamaAttention.direct_native_ops = False`), as before the graph called the C++
   operators directly;
 - `cpp-wrapper`: inductor's C++ wrapper for the graphs without the opaque attention plan
-  (`PAGEMILL_CPP_WRAPPER=1`, an experiment).
+  (`PAGEMILL_CPP_WRAPPER=1`, an experiment);
+- `python-wrapper`: no C++ wrapper at all (`PAGEMILL_CPP_WRAPPER=0`), against the
+  default's C++ wrapper for the one-token graph (`single`);
+- `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
+  = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before;
+- `host-before`: both of the last two (the one-token graph's host path as before them).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -70,6 +75,9 @@ VARIANTS = (
     "loops-before",
     "python-ops",
     "cpp-wrapper",
+    "python-wrapper",
+    "float-inputs",
+    "host-before",
 )
 
 
@@ -109,8 +117,16 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         LlamaAttention.direct_native_ops = False
     elif name == "cpp-wrapper":
         os.environ[compilation.CPP_WRAPPER_ENV] = "1"
-    if name is None:  # A: whole-model, whatever the default
+    elif name == "python-wrapper":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "0"
+    elif name == "float-inputs":
+        compilation.SPECIALIZE_FLOATS = False
+    elif name == "host-before":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "0"
+        compilation.SPECIALIZE_FLOATS = False
+    if name is None:  # A: whole-model, whatever the default; the default wrapper
         os.environ[compilation.REGIONAL_ENV] = "0"
+        os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
     try:
         yield
     finally:
@@ -120,6 +136,7 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         LlamaAttention.rotate_qk_together = True
         LlamaAttention.direct_native_ops = True
         os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
+        compilation.SPECIALIZE_FLOATS = True
         if saved_regional is None:
             os.environ.pop(compilation.REGIONAL_ENV, None)
         else:
@@ -134,7 +151,10 @@ def make_engine(args: argparse.Namespace, name: str | None, root: Path) -> Any:
     from pagemill.runtime import LLM
 
     t0 = time.perf_counter()
-    with variant(name, root / (name or "A")):
+    folder = root / (name or "A")
+    if name is None and args.a_cache_dir is not None:
+        folder = args.a_cache_dir
+    with variant(name, folder):
         llm = LLM(
             model=args.model,
             dtype=args.dtype,
@@ -197,6 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         help="both engines eager (quick; for variants that are not about the graph)",
     )
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--a-cache-dir",
+        type=Path,
+        default=None,
+        help="A's compile cache folder, kept across runs (default: a temporary one); B "
+        "always compiles into a temporary folder of its own",
+    )
     args = ap.parse_args(argv)
     # Both engines must leave packed layers for their dense copies at the same row counts,
     # or their graphs differ by more than the variant: the fixed table, not measurements.

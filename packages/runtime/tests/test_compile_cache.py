@@ -172,6 +172,27 @@ def test_key_changes_with_tensor_parallel_size(tiny_llama, monkeypatch) -> None:
     assert _key(llm) != base
 
 
+def test_key_changes_with_the_wrapper_and_float_settings(tiny_llama, monkeypatch) -> None:
+    # A graph with a C++ wrapper, or with floats traced as inputs, is another graph: a start
+    # with other settings must not load it.
+    from pagemill.runtime.worker import compilation
+
+    folder, _ = tiny_llama
+    llm = _eager(folder, dtype="float32")
+    monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
+    base = _key(llm)
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")  # the default
+    assert _key(llm) == base
+    keys = {base}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, mode)
+        keys.add(_key(llm))
+    monkeypatch.delenv(compilation.CPP_WRAPPER_ENV)
+    monkeypatch.setattr(compilation, "SPECIALIZE_FLOATS", False)
+    keys.add(_key(llm))
+    assert len(keys) == 4
+
+
 def test_key_ignores_what_stays_out_of_the_graph(tiny_llama) -> None:
     folder, _ = tiny_llama
     base = _key(_eager(folder, dtype="float32", max_num_seqs=4))

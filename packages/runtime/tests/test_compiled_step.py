@@ -171,3 +171,89 @@ def test_compiled_new_families(
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+
+
+def _entry_codes(llm: LLM) -> list[object]:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    forward = llm.llm_engine.engine_core.model_runner._forward
+    code = forward._torchdynamo_orig_callable.__func__.__code__
+    return [entry.code for entry in _debug_get_cache_entry_list(code)]
+
+
+def test_norm_epsilons_are_graph_constants(compiled_llm) -> None:
+    # Unspecialized, every norm's epsilon was a graph input that the compiled frame's
+    # prologue wrapped in a new tensor on every step (`torch._as_tensor_fullprec`).
+    codes = _entry_codes(compiled_llm)
+    assert codes, "the compiled forward has no graph"
+    for code in codes:
+        assert "_as_tensor_fullprec" not in code.co_names
+
+
+class _Eps(torch.nn.Module):
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object
+    ) -> torch.Tensor:
+        return input_ids * self.eps + positions
+
+
+def test_specialized_floats_are_each_models_own() -> None:
+    # The float guards are dropped with the model's: each model's constant must come from
+    # its own trace, never the first model's graph.
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable_reason(torch.device("cpu")))
+    from pagemill.runtime.worker.compilation import model_trace_config
+
+    x = torch.arange(4.0)
+    with model_trace_config():
+        first = compile_forward(_Eps(2.0))(x, x, None)
+        second = compile_forward(_Eps(3.0))(x, x, None)
+    assert first.tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert second.tolist() == [0.0, 4.0, 8.0, 12.0]
+
+
+def test_cpp_wrapper_mode_is_checked(monkeypatch) -> None:
+    from pagemill.runtime.worker import compilation
+
+    monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
+    assert compilation.cpp_wrapper_mode() == "single"
+    for value, mode in (("", "single"), ("0", "0"), ("1", "1"), (" single ", "single")):
+        monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, value)
+        assert compilation.cpp_wrapper_mode() == mode
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGEMILL_CPP_WRAPPER"):
+        compilation.cpp_wrapper_mode()
+
+
+@pytest.mark.slow  # a C++ wrapper's build adds tens of seconds to the tiny model's compile
+def test_cpp_wrapper_for_the_one_token_graph_only(
+    tiny_llama, hf_greedy, random_prompts, monkeypatch, caplog
+) -> None:
+    # `single`: the one-token graph (every batch-1 decode) gets a C++ wrapper, the token-
+    # dynamic graphs keep the Python one; tokens must not change either way.
+    if compile_unavailable_reason(torch.device("cpu")) is not None:
+        pytest.skip(compile_unavailable_reason(torch.device("cpu")))
+    from pagemill.runtime.worker import compilation
+
+    monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")
+    folder, model = tiny_llama
+    with caplog.at_level("INFO", logger=compilation.__name__):
+        llm = LLM(str(folder), dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=4 << 20)
+    wrapped = [
+        r.getMessage().endswith("True")
+        for r in caplog.records
+        if r.getMessage().startswith("compile: a graph with cpp_wrapper=")
+    ]
+    assert sorted(wrapped) == [False] * (len(wrapped) - 1) + [True]
+    prompts = random_prompts([1, 7, 30], model.config.vocab_size, seed=31)
+    # The last request decodes alone for its last steps: on the one-token graph.
+    max_tokens = [3, 6, 14]
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, m, out in zip(prompts, max_tokens, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, m)

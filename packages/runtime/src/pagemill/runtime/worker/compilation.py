@@ -15,9 +15,17 @@ chunk (torch specializes size 1, the decode of a single request, into a second g
 there is nothing to recompile per batch size, which is what bucketing would otherwise
 bound. Guards: dynamo would check every parameter and module attribute on every call
 (~3,700 guards, ~3 ms a step); the model does not change between steps, so only the
-inputs' guards are kept. Every graph is compiled at start-up. Inductor's on-disk cache
-(under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says otherwise) keeps the
-generated code, so a later start skips code generation and C++ builds.
+inputs' guards are kept. Every graph is compiled at start-up.
+
+Per-call host cost of the one-token graph (a batch-1 decode, where the weights' streaming
+is most of the step and Python the rest): its floats (the norms' epsilons) are traced as
+constants (`model_trace_config`), not as inputs the frame's prologue wraps in a tensor
+each call, and it gets inductor's C++ wrapper (`CPP_WRAPPER_ENV`), which calls its ~300
+kernels and ops from C++; the token-dynamic graphs keep the Python wrapper, whose cold
+build is far cheaper and whose per-call cost is a smaller share of their larger steps.
+
+Inductor's on-disk cache (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says
+otherwise) keeps the generated code, so a later start skips code generation and C++ builds.
 
 Regional compilation (opt-in: `PAGEMILL_COMPILE_REGIONAL=1`, with the compile cache):
 tracing, AOT autograd and inductor's lowering cost grows with the graph, and a decoder's
@@ -175,15 +183,47 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # parallel, where it pays off at large batches. A graph traced at more tokens (a
 # packed/dense crossover's) is judged at that size.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size": 1024}
-# Set to 1 to generate a C++ wrapper (inductor's `cpp_wrapper`) for each graph that can have
-# one: those without the attention plan, an opaque Python object a C++ wrapper cannot pass
-# (decode-only steps on the C++ decode operator). An experiment, off by default: see the
-# branch report of issue 22 before relying on it with the compile cache.
+# Which graphs get a C++ wrapper (inductor's `cpp_wrapper`) instead of the Python one that
+# calls their kernels: `1` every graph that can have one (those without the attention plan,
+# an opaque Python object a C++ wrapper cannot pass: decode-only steps on the C++ decode
+# operator), `single` only the graph of a one-token step (no symbolic size: the batch-1
+# decode, where the wrapper's per-call Python is the largest share of the step; the
+# default), `0` none. A C++ wrapper makes that graph's cold compile several times longer
+# (the background compile of a cold start, not the time to healthy nor a warm start).
 CPP_WRAPPER_ENV = "PAGEMILL_CPP_WRAPPER"
+_CPP_WRAPPER_MODES = ("0", "1", "single")
+
+
+def cpp_wrapper_mode() -> str:
+    """`0`, `1` or `single` (see `CPP_WRAPPER_ENV`; unset: `single`); any other value is
+    refused."""
+    value = os.environ.get(CPP_WRAPPER_ENV, "single").strip() or "single"
+    if value not in _CPP_WRAPPER_MODES:
+        raise ValueError(f"{CPP_WRAPPER_ENV} must be one of {_CPP_WRAPPER_MODES}, got {value!r}")
+    return value
 
 
 def cpp_wrapper_enabled() -> bool:
-    return os.environ.get(CPP_WRAPPER_ENV, "0").strip() == "1"
+    return cpp_wrapper_mode() != "0"
+
+
+@contextlib.contextmanager
+def model_trace_config() -> Iterator[None]:
+    """Dynamo settings for tracing the model's forward (wrap its first calls: the warm-up).
+
+    `specialize_float`: a module's float attributes (every norm's epsilon) become constants
+    of the graph. Unspecialized, each is a graph input that the frame's prologue wraps in a
+    new tensor on every call (`torch._as_tensor_fullprec`), one per norm per step. Their
+    values are in the compile cache's key (plain module attributes), and their guards are
+    dropped with the model's (`_guard_filter`), as for every other attribute. Scoped to the
+    model's trace: other compiled functions (the sampler's) take floats that do change.
+    A graph traced outside this (a recompile mid-serving) is only slower, never wrong."""
+    with torch._dynamo.config.patch(specialize_float=SPECIALIZE_FLOATS):
+        yield
+
+
+# Off only to measure what `model_trace_config` saves (`benchmarks/step_ab.py`).
+SPECIALIZE_FLOATS = True
 
 
 def _has_opaque_input(example_inputs: list[Any]) -> bool:
@@ -195,14 +235,29 @@ def _has_opaque_input(example_inputs: list[Any]) -> bool:
     )
 
 
-def _inductor_per_graph(options: dict[str, Any]) -> Callable[..., Any]:
+def _has_symbolic_input(example_inputs: list[Any]) -> bool:
+    """Whether a graph's inputs have a symbolic size (a token-dynamic graph)."""
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt):
+            return True
+        if isinstance(x, torch.Tensor) and any(
+            isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())
+        ):
+            return True
+    return False
+
+
+def _inductor_per_graph(options: dict[str, Any], single_only: bool = False) -> Callable[..., Any]:
     """A backend that compiles each graph with inductor and `options`, plus `cpp_wrapper`
-    where the graph takes no opaque object."""
+    where the graph takes no opaque object (and, `single_only`, has no symbolic size)."""
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         from torch._inductor.compile_fx import compile_fx
 
-        patches = {**options, "cpp_wrapper": not _has_opaque_input(example_inputs)}
+        wrap = not _has_opaque_input(example_inputs)
+        if single_only and _has_symbolic_input(example_inputs):
+            wrap = False
+        patches = {**options, "cpp_wrapper": wrap}
         logger.info("compile: a graph with cpp_wrapper=%s", patches["cpp_wrapper"])
         return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -315,7 +370,10 @@ def compile_forward(
     if cpp_wrapper_enabled():
         return torch.compile(
             _private_forward(model),
-            backend=_inductor_per_graph({**INDUCTOR_OPTIONS, "freezing": freezing}),
+            backend=_inductor_per_graph(
+                {**INDUCTOR_OPTIONS, "freezing": freezing},
+                single_only=cpp_wrapper_mode() == "single",
+            ),
             dynamic=True,
             fullgraph=True,
             options={"guard_filter_fn": _keep_input_guards},
@@ -494,6 +552,8 @@ def compile_cache_key(
     parts = {
         "format": _CACHE_FORMAT,
         "regional": regional_enabled(),
+        "cpp_wrapper": cpp_wrapper_mode(),
+        "specialize_floats": SPECIALIZE_FLOATS,
         # Class-wide switches (not in any module's own attributes) that change the graph.
         "classes": class_switches(model),
         "torch": torch.__version__,

@@ -44,6 +44,7 @@ from pagemill.runtime.worker.compilation import (
     compile_cache_enabled,
     compile_cache_key,
     compile_forward,
+    model_trace_config,
 )
 from pagemill.runtime.worker.cuda_graphs import DecodeGraphs, cache_shape, measure_graph_memory
 from pagemill.runtime.worker.decode_padding import graph_buckets, verify_buckets
@@ -276,7 +277,8 @@ class ModelRunner:
         self.compile_cache_loaded = False
         if not compile_cache_enabled():
             self._forward = compile_forward(self.model)
-            self._warm_up_graphs()
+            with model_trace_config():
+                self._warm_up_graphs()
             return time.perf_counter() - start
         cache = self.compile_cache = cache if cache is not None else self.open_compile_cache()
         existed = compile_cache_has_entry(cache)
@@ -289,7 +291,8 @@ class ModelRunner:
         try:
             with cache.session():
                 self._forward = compile_forward(self.model, freezing=False)
-                self._warm_up_graphs()
+                with model_trace_config():
+                    self._warm_up_graphs()
                 if not cache.fully_loaded():
                     cache.save()
         except Exception:
@@ -304,7 +307,8 @@ class ModelRunner:
             cache.discard()
             with cache.session():
                 self._forward = compile_forward(self.model, freezing=False)
-                self._warm_up_graphs()
+                with model_trace_config():
+                    self._warm_up_graphs()
                 cache.save()
         self.compile_cache_loaded = cache.loaded
         return time.perf_counter() - start
@@ -352,7 +356,8 @@ class ModelRunner:
             try:
                 with cache.session():
                     shadow._forward = compile_forward(self.model, freezing=False)
-                    shadow._warm_up_graphs(first_block, job)
+                    with model_trace_config():
+                        shadow._warm_up_graphs(first_block, job)
                     if not cache.fully_loaded():
                         cache.save()
             except _CompileCancelled:
