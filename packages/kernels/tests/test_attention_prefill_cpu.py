@@ -4,6 +4,7 @@ attention, in mixed batches (fresh prompts, chunks extending a cached prefix, de
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,24 @@ def test_fp8_cache_keeps_the_torch_prefill():
     got = paged_attention(q, k8, v8, tables, qsl, lens, 0.125)
     ref = naive_attention(q, k8.to(torch.bfloat16), v8.to(torch.bfloat16), tables, qsl, lens, 0.125)
     assert rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["PAGEMILL_NATIVE_PREFILL", "PAGEMILL_CPU_PREFILL_AMX"])
+def test_prefill_switches_refuse_other_values(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value the switches do not know is refused at import (a subprocess) and per read."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, name: "yes"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import pagemill.kernels.attention_cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and f"{name} must be 0 or 1" in proc.stderr
+    monkeypatch.setenv(name, "off")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+        attention_cpu._switch(name)
+    monkeypatch.setenv(name, "0")
+    assert not attention_cpu._switch(name)

@@ -207,7 +207,7 @@ def plan_torch(
     workspace = max((c.workspace_numel for c in decode), default=0)
     batches, singles = _plan_batches(prefill, block_size)
     native_prefill = None
-    if native and prefill and os.environ.get(_NATIVE_PREFILL_ENV, "1") != "0":
+    if native and prefill and _switch(_NATIVE_PREFILL_ENV):
         native_prefill = _plan_native_prefill(
             query_lens, context_lens, starts, block_tables, k_cache_shape
         )
@@ -484,6 +484,19 @@ _PREFILL_AMX_ENV = "PAGEMILL_CPU_PREFILL_AMX"
 _native_prefill_off = False
 
 
+def _switch(name: str) -> bool:
+    """A 0/1 switch that is on unless set to 0; any other value is refused (read per plan
+    and call, so tests and benchmarks can flip it; checked once at import too)."""
+    value = os.environ.get(name, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+for _name in (_NATIVE_PREFILL_ENV, _PREFILL_AMX_ENV):
+    _switch(_name)
+
+
 @functools.cache
 def _prefill_lib() -> ctypes.CDLL | None:
     lib = cpu_native.build_library(_PREFILL_SOURCE, "the CPU prefill kernel", "using SDPA")
@@ -552,7 +565,7 @@ def _native_prefill(
         work.data_ptr(),
         work.numel(),
         torch.get_num_threads(),
-        int(os.environ.get(_PREFILL_AMX_ENV, "1") != "0"),
+        int(_switch(_PREFILL_AMX_ENV)),
     )
     if status == 2:  # built without AVX512-BF16: SDPA from now on
         _native_prefill_off = True
