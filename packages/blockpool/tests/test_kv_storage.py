@@ -126,3 +126,19 @@ def test_prefault_without_populate_writes_zeros(monkeypatch: pytest.MonkeyPatch)
     assert s._prefault_thread is None and s.prefaulted
     assert _rss_kib() - before >= s.nbytes // 1024 * 9 // 10
     assert not s.k_caches[0].any() and not s.v_caches[0].any()
+
+
+@linux_only
+def test_background_prefault_never_writes_when_the_kernel_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A range the kernel refuses to populate in the background is left to fault in on
+    demand: writing zeros there could erase what the running engine already stored."""
+    import pagemill.blockpool.kv_storage as kv_storage
+
+    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: lambda addr, n, advice: -1 if n else 0)
+    s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu")
+    s.k_caches[0][0, 0, 0, 0] = 777  # the first byte of a page
+    assert s.prefault(background=True)
+    s.wait_prefaulted()
+    assert s.k_caches[0][0, 0, 0, 0] == 777

@@ -147,8 +147,8 @@ class KVStorage:
         dtype = np.dtype(self.container_dtype)
         nbytes = int(np.prod(self.shape)) * dtype.itemsize
         # The array keeps the mapping alive (it is the buffer's owner); anonymous mappings
-        # are page-aligned and read as zeros.
-        # Private (MAP_SHARED, mmap's default on Unix, would make it shared memory).
+        # are page-aligned and read as zeros. Private: MAP_SHARED, mmap's default on Unix,
+        # would make the pool shared memory.
         private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
         return np.frombuffer(mmap.mmap(-1, nbytes, **private), dtype=dtype).reshape(self.shape)
 
@@ -171,8 +171,11 @@ class KVStorage:
                 for a in arrays:
                     start = a.ctypes.data // page * page
                     end = a.ctypes.data + a.nbytes
-                    if madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-                        _touch(a)  # e.g. the kernel refused this range: write it instead
+                    refused = madvise(start, end - start, _MADV_POPULATE_WRITE) != 0
+                    if refused and not background:
+                        # Writing zeros is only safe before the pool is used: in the
+                        # background, a refused range just faults in on demand.
+                        _touch(a)
                 self.prefaulted = True
 
             if background:
