@@ -265,3 +265,25 @@ def test_native_output_rounds_to_nearest_even(lib, dtype, fp8):
         for j in range(2):
             assert torch.equal(got[:, j].isnan(), want.isnan())
             assert torch.equal(got[:, j].nan_to_num(), want.nan_to_num())
+
+
+def test_build_key_covers_the_headers_beside_the_sources(tmp_path, monkeypatch):
+    """A header the kernels share (`csrc/*.h`) is part of the build: changing it builds a
+    new library instead of loading the one built from the old header."""
+    if cpu_native._compiler() is None:
+        pytest.skip("no C++ compiler")
+    from pathlib import Path
+
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "value.h").write_text("inline int value() { return 1; }\n")
+    (src / "k.cpp").write_text('#include "value.h"\nextern "C" int k() { return value(); }\n')
+    first = cpu_native.build_shared(Path(src / "k.cpp"), "a test kernel", "nothing")
+    assert first is not None
+    (src / "value.h").write_text("inline int value() { return 2; }\n")
+    second = cpu_native.build_shared(Path(src / "k.cpp"), "a test kernel", "nothing")
+    assert second is not None and second != first
+    import ctypes
+
+    assert ctypes.CDLL(str(first)).k() == 1 and ctypes.CDLL(str(second)).k() == 2

@@ -291,9 +291,12 @@ def test_limits_are_keyed_by_the_native_kernels(tmp_path, monkeypatch) -> None:
 
     fake = tmp_path / "kernels"
     (fake / "csrc").mkdir(parents=True)
-    for f in (Path(pagemill.kernels.__file__).parent / "csrc").glob("*.cpp"):
+    for f in (Path(pagemill.kernels.__file__).parent / "csrc").glob("*.[ch]*"):
         (fake / "csrc" / f.name).write_bytes(f.read_bytes())
     monkeypatch.setattr(pagemill.kernels, "__file__", str(fake / "__init__.py"))
     assert xo.machine_key() == base
     (fake / "csrc" / "gemv_q4_cpu.cpp").write_text("// another kernel\n")
     assert xo.machine_key() != base
+    changed = xo.machine_key()
+    (fake / "csrc" / "amx_tiles.h").write_text("// another header\n")
+    assert xo.machine_key() != changed

@@ -76,10 +76,10 @@ def build_shared(
     naming `what` and the `fallback` that serves instead) when
     `PAGEMILL_NATIVE_CPU_KERNELS=0`, without a compiler, or when the build fails.
 
-    Built once per machine into the cache folder, keyed by the sources, the compiler, the
-    CPU's features (what `-march=native` depends on) and the flags; a build goes to a
-    temporary file first and is renamed into place, so concurrent builders never load
-    half a library."""
+    Built once per machine into the cache folder, keyed by the sources (and the headers
+    beside them), the compiler, the CPU's features (what `-march=native` depends on) and
+    the flags; a build goes to a temporary file first and is renamed into place, so
+    concurrent builders never load half a library."""
     if os.environ.get(_ENV, "1") == "0":
         return None
     cxx = _compiler()
@@ -88,8 +88,10 @@ def build_shared(
         return None
     paths = [sources] if isinstance(sources, Path) else list(sources)
     flags = [*_BASE_FLAGS, *extra_flags]
+    # The headers beside the sources (`#include "..."`) are part of what is built.
+    headers = sorted({h for p in paths for h in p.parent.glob("*.h")})
     key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in paths)
+        b"".join(p.read_bytes() for p in [*paths, *headers])
         + cxx.encode()
         + _cpu_signature().encode()
         + " ".join(flags).encode()

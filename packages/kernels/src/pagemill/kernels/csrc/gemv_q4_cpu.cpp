@@ -42,9 +42,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 #ifndef PAGEMILL_GEMV_ISA
@@ -519,33 +517,13 @@ void quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const uin
     defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define PAGEMILL_HAVE_AMX 1
 
+using pagemill_amx::load_tile_config;
+using pagemill_amx::TileConfig;
+
 bool amx_usable() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const unsigned need = (1u << 22) | (1u << 24) | (1u << 25);  // AMX-BF16, -TILE, -INT8
-        if ((d & need) != need) return false;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-        constexpr long XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool ok =
+        pagemill_amx::usable(pagemill_amx::BF16 | pagemill_amx::TILE | pagemill_amx::INT8);
     return ok;
-}
-
-struct alignas(64) TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// LDTILECFG faults on nonzero reserved bytes, and GCC's intrinsic does not tell the compiler
-// that it reads all 64 bytes: without the barrier the zeroing of the unused entries can be
-// dropped as dead stores.
-inline void load_tile_config(TileConfig& cfg) {
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
 }
 
 // Tile roles. A pass multiplies up to 16 rows of x against one tile of outputs, block by

@@ -41,9 +41,7 @@
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #include <cstdlib>
 #endif
@@ -376,15 +374,7 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* is
 constexpr int64_t AMX_MIN_ROWS = 5;
 
 bool amx_usable() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const unsigned need = (1u << 24) | (1u << 25);  // AMX-TILE, AMX-INT8
-        if ((d & need) != need) return false;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-        constexpr long XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool ok = pagemill_amx::usable(pagemill_amx::TILE | pagemill_amx::INT8);
     return ok;
 }
 
@@ -397,13 +387,7 @@ int64_t amx_rows_setting() {
     return std::max(0, std::atoi(v));
 }
 
-struct alignas(64) TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
+using pagemill_amx::TileConfig;
 
 // Two sets of tiles, so that the matrix unit multiplies one block while the vector units scale
 // the block before: products of planes 0, 1 in tiles 0, 1 (set 0) or 4, 5 (set 1), rows x 16
@@ -419,11 +403,7 @@ void configure_tiles(int rows) {
     cfg.colsb[2] = cfg.colsb[3] = QK;
     cfg.rows[6] = cfg.rows[7] = QK / 4;
     cfg.colsb[6] = cfg.colsb[7] = 64;
-    // LDTILECFG faults on nonzero reserved bytes and the intrinsic does not tell GCC that it
-    // reads all 64: without the barrier the zeroing of unused entries can be dropped as dead
-    // stores (as gemv_q4_cpu.cpp's load_tile_config).
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    pagemill_amx::load_tile_config(cfg);
 }
 
 // One block's integer products (P planes of x at xb against the weight block at blk) into

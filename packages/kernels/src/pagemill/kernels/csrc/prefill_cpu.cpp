@@ -29,6 +29,9 @@
 #include <immintrin.h>
 #define PAGEMILL_PREFILL_AVX512 1
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "amx_tiles.h"
+#endif
 
 #ifdef PAGEMILL_PREFILL_AVX512
 namespace {
@@ -54,48 +57,25 @@ inline __m512 exp_le0(__m512 x) {
 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define PAGEMILL_PREFILL_AMX 1
 
-// The tiles need the kernel's permission once per process (arch_prctl) and a configuration
-// per thread.
+// The tiles need the kernel's permission once per process and a configuration per thread.
 bool amx_usable() {
-    static const bool ok = [] {
-        unsigned a, b, c, d;
-        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-        const unsigned need = (1u << 22) | (1u << 24);  // AMX-BF16, AMX-TILE
-        if ((d & need) != need) return false;
-        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023;
-        constexpr long XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
+    static const bool ok = pagemill_amx::usable(pagemill_amx::BF16 | pagemill_amx::TILE);
     return ok;
 }
-
-struct alignas(64) TileConfig {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
 
 // Every tile 16 rows x 64 bytes. Scores: q in 0..3 (32 dims each), K in 5 and 7, the
 // products (16 rows x 16 keys, fp32) in 4 and 6. Output: the accumulators in 0..3 (16 dims
 // each), the weights (16 rows x 32 keys) in 4, V in 5..7.
 void configure_tiles() {
-    TileConfig cfg{};
+    pagemill_amx::TileConfig cfg{};
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
         cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
-    // LDTILECFG faults on nonzero reserved bytes, and the intrinsic does not tell GCC that
-    // it reads all 64: the barrier keeps the zeroing (as in gemv_q4_cpu.cpp).
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    pagemill_amx::load_tile_config(cfg);
 }
 #else
 bool amx_usable() { return false; }

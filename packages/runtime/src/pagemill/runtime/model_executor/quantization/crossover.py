@@ -103,7 +103,8 @@ def _kernel_sources() -> str:
     import pagemill.kernels
 
     digest = hashlib.sha256()
-    for src in sorted((Path(pagemill.kernels.__file__).parent / "csrc").glob("*.cpp")):
+    csrc = Path(pagemill.kernels.__file__).parent / "csrc"
+    for src in sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")]):
         digest.update(src.name.encode())
         digest.update(src.read_bytes())
     for name in ("PAGEMILL_CPU_GEMV_AMX", "PAGEMILL_CPU_AMX_PACKED"):
