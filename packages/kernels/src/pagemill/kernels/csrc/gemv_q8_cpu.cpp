@@ -40,7 +40,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__)) && defined(__linux__)
 #include "amx_tiles.h"
 
 #include <cstdlib>
@@ -521,6 +521,290 @@ bool amx_usable() { return false; }
 int64_t amx_rows_setting() { return 0; }
 #endif
 
+// ---- AMX-BF16: batches on bf16 weight tiles made from the packed blocks ---------------------
+//
+// For batches (an LM head over a whole step's rows) the int8 kernels above pay float work per
+// row and block of 32 inputs: each block has its own scale, so its integer sums cannot stay
+// in a tile. TDPBF16PS keeps fp32 sums in the tile over all of K instead, and the scales go
+// into the weights: each block becomes w = d * q in fp32 (exact: an 8-bit integer times an
+// fp16 scale), rounded once to bf16 (as a dense bf16 copy of the layer, or the bf16
+// embedding a tied head shares, holds it), once per call and tile of outputs, and meets every
+// row of x rounded to bf16. The result is the dense bf16 product (fp32 sums in another
+// order) without the dense copy in memory, and from half its bytes.
+// Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
+// (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
+
+#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__linux__)
+#define PAGEMILL_Q8_AMX_BF16 1
+
+bool amx_bf16_usable() {
+    static const bool ok = pagemill_amx::usable(pagemill_amx::TILE | pagemill_amx::BF16);
+    return ok;
+}
+
+constexpr int64_t BF_TILE = 16 * 64;  // bytes of one weight block as a B tile
+
+void configure_bf16_tiles() {
+    pagemill_amx::TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    pagemill_amx::load_tile_config(cfg);
+}
+
+// One block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the inputs
+// 2kk and 2kk + 1 (one 32-bit lane per output). Line j of the block has one 32-bit lane per
+// output too, bytes t = 0..3 holding inputs 4j + t: shifts sign-extend one input for all 16
+// outputs at once, with the outputs' scales in the same lanes, and each pair of inputs is
+// interleaved into a B row.
+inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, __m512i pairs) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    for (int j = 0; j < 8; ++j) {
+        const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+        for (int p = 0; p < 2; ++p) {  // inputs 4j + 2p, 4j + 2p + 1: B row 2j + p
+            __m512 f[2];
+            for (int u = 0; u < 2; ++u) {
+                const int t = 2 * p + u;
+                const __m512i lifted = t == 3 ? raw : _mm512_slli_epi32(raw, 24 - 8 * t);
+                f[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(lifted, 24)), d);
+            }
+            const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
+            _mm512_store_si512(out + 64 * (2 * j + p), _mm512_permutexvar_epi16(pairs, both));
+        }
+    }
+}
+
+// A thread's B tiles, made a block at a time in the order they are used (pair of output
+// tiles, then tile, then block) into a ring of `slots` pairs, so that the passes over pairs
+// already made can make the next ones between their tile instructions (the vector units and
+// the matrix unit working side by side).
+struct BFeed {
+    const uint8_t* w;
+    int64_t tiles, nb, pair_bytes, slots, p0;
+    uint8_t* bt;
+    __m512i pairs;
+    int64_t next = 0;   // tile-blocks made, from the thread's first pair
+    int64_t limit = 0;  // no further: the ring's slots past it still hold pairs in use
+    int64_t num = 1, den = 1, credit = 0;  // num / den blocks made per tick, on average
+
+    uint8_t* pair_tiles(int64_t pair) const { return bt + (pair - p0) % slots * pair_bytes; }
+
+    inline void step() {
+        const int64_t per = 2 * nb;
+        const int64_t pr = next / per;
+        const int64_t h = next % per / nb;
+        const int64_t b = next % nb;
+        uint8_t* out = pair_tiles(p0 + pr) + (2 * b + h) * BF_TILE;
+        const int64_t tile = 2 * (p0 + pr) + h;
+        if (tile >= tiles) {
+            std::memset(out, 0, BF_TILE);
+        } else {
+            unpack_block_bf16(w + (tile * nb + b) * BLOCK, out, pairs);
+        }
+        ++next;
+    }
+    inline void tick() {
+        if (next >= limit) return;
+        credit += num;
+        for (; credit >= den && next < limit; credit -= den) step();
+    }
+    void through(int64_t pair) {  // everything up to and including `pair`
+        const int64_t need = (pair - p0 + 1) * 2 * nb;
+        while (next < need) step();
+    }
+};
+
+// Blocking. Each thread owns a range of pairs of output tiles (each weight block is made into
+// a B tile once per call) and makes them a block at a time between the tile instructions of
+// the passes over pairs already made (BFeed). Rows of x pass 32 at a time (2 A tiles; a
+// final 1..16 rows use one A tile and half the products), over K in chunks of at most
+// BF_KC_BLOCKS blocks (a chunk's A tiles and one pair's B tiles stay in L1 together). Where x
+// in bf16 fits BF_X_L2_BYTES, one pair at a time meets every row (x from L2) while the next
+// pair is made. Above it the pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while
+// every row passes (each chunk of rows read once per panel, not once per pair), the next
+// panel made over the passes of the current one into the other half of a ring of two.
+constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
+constexpr int64_t BF_KC_BLOCKS = 16;
+constexpr int64_t BF_X_L2_BYTES = 1 << 20;
+// Up to this many rows each thread converts x for itself (see amx_bf16_multiply).
+constexpr int64_t BF_OWN_X_ROWS = 128;
+
+// The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
+// bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
+// ([4][16 x 16] fp32: rows 0-15 x tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless
+// `first`, then stored to c.
+template <bool ONE>
+inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t b1, bool first,
+                      float* c, BFeed& feed) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (!ONE) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        if (!ONE) {
+            _tile_loadd(2, c + 512, 64);
+            _tile_loadd(3, c + 768, 64);
+        }
+    }
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
+    for (int64_t b = b0; b < b1; ++b) {
+        _tile_loadd(4, xr + b * 2 * BF_TILE, 64);
+        _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (!ONE) {
+            _tile_loadd(5, xr + (2 * b + 1) * BF_TILE, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        feed.tick();
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (!ONE) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
+// Row r of x in bf16 (rounded to nearest even) into xb as A tiles, per block of 32 rows
+// [nb][32 rows][32 inputs]; rows past m_rows (up to a whole block of rows) zero.
+inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_rows, int64_t nb,
+                         int64_t r, uint16_t* xb) {
+    uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        uint16_t* d = dst + b * 32 * QK;
+        if (r >= m_rows) {
+            _mm512_storeu_si512(d, _mm512_setzero_si512());
+        } else if (dtype == 1) {
+            _mm512_storeu_si512(
+                d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * x_stride + b * QK));
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
+            _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                       _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
+        }
+    }
+}
+
+void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w, void* y,
+                       int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads) {
+    const int64_t nb = k / QK;
+    const int64_t m_pad = (m_rows + 15) / 16 * 16;
+    // x in bf16 as A tiles. Up to BF_OWN_X_ROWS rows each thread converts all of x for
+    // itself inside the one parallel region (a second region's fork and join costs more than
+    // the copy there); more rows: one copy, split over the threads.
+    const bool own_x = m_rows <= BF_OWN_X_ROWS;
+    const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
+    thread_local std::vector<uint16_t> xbuf;
+    uint16_t* shared_xb = nullptr;
+    if (!own_x) {
+        xbuf.resize(x_elems);
+        shared_xb = xbuf.data();
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t r = 0; r < m_pad; ++r)
+            bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, shared_xb);
+    }
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t pairs = (tiles + 1) / 2;
+    const int64_t pair_bytes = nb * 2 * BF_TILE;
+    const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
+    const int64_t kc = (nb + chunks - 1) / chunks;
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+#pragma omp for schedule(static)
+        for (int part = 0; part < team; ++part) {
+            const int64_t p0 = pairs * part / team;
+            const int64_t p1 = pairs * (part + 1) / team;
+            uint16_t* xb = shared_xb;
+            if (own_x) {
+                thread_local std::vector<uint16_t> own;
+                own.resize(x_elems);
+                xb = own.data();
+                for (int64_t r = 0; r < m_pad; ++r)
+                    bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
+            }
+            const int64_t panel =
+                m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+                    ? 1
+                    : std::max<int64_t>(1,
+                                        std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
+            // B tiles of two panels, pair by pair: [slots][nb][2][BF_TILE]; then the products
+            // per pair between K chunks, [panel][4][16 x 16] fp32.
+            const int64_t slots = std::min(p1 - p0, 2 * panel);
+            thread_local std::vector<uint8_t> made;
+            const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
+            made.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
+            uint8_t* bt = reinterpret_cast<uint8_t*>(
+                (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
+            float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
+            alignas(64) int16_t pair_idx[32];
+            for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
+            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, _mm512_load_si512(pair_idx)};
+            const int64_t m_blocks = (m_rows + 31) / 32;
+            configure_bf16_tiles();
+            for (int64_t q0 = p0; q0 < p1; q0 += panel) {
+                const int64_t q1 = std::min(p1, q0 + panel);
+                const int64_t q2 = std::min(p1, q1 + panel);
+                feed.limit = (q2 - p0) * 2 * nb;
+                // The next panel's blocks spread evenly over this panel's ticks (one per block
+                // of K a pass multiplies); what is still missing when a pair is due is made
+                // then (`through`: the first panel).
+                feed.num = (q2 - q1) * 2;
+                feed.den = std::max<int64_t>(1, m_blocks * (q1 - q0));
+                feed.credit = 0;
+                for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                    const bool one = m_rows - m0 <= 16;
+                    const uint16_t* xa = xb + m0 * k;
+                    for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+                        const int64_t b1 = std::min(nb, b0 + kc);
+                        for (int64_t pair = q0; pair < q1; ++pair) {
+                            feed.through(pair);
+                            const uint8_t* bp = feed.pair_tiles(pair);
+                            float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
+                            if (one) {
+                                bf16_pass<true>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            } else {
+                                bf16_pass<false>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            }
+                            if (b1 < nb) continue;
+                            for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
+                                const int64_t r0 = m0 + 16 * mh;
+                                const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                                for (int h = 0; h < 2; ++h) {
+                                    const int64_t tile = 2 * pair + h;
+                                    if (tile >= tiles) continue;
+                                    const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                                    const float* ct = c + (2 * mh + h) * 256;
+                                    for (int64_t t = 0; t < tm; ++t)
+                                        store_outputs(ct + t * ROWS, y,
+                                                      (r0 + t) * y_stride + tile * ROWS, rows,
+                                                      dtype);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+}
+
+#else
+bool amx_bf16_usable() { return false; }
+#endif
+
 // Whether a call of m_rows rows goes to the matrix units when the caller leaves it to us.
 bool picks_amx(int64_t m_rows) {
     const int64_t from = amx_rows_setting();
@@ -615,5 +899,29 @@ int pagemill_gemv_q8_picks_amx(int64_t m_rows) { return picks_amx(m_rows) ? 1 : 
 
 // The fewest rows of x the automatic choice sends to the matrix units (0 without them).
 int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? amx_rows_setting() : 0; }
+
+// Whether pagemill_gemm_q8_amx runs here: AMX-BF16 in this build and on this machine, and the
+// kernel's permission for the tiles' state.
+int pagemill_gemm_q8_amx_available() { return amx_bf16_usable() ? 1 : 0; }
+
+// y = x · Wᵀ on the AMX-BF16 tiles, for batches: each weight block made into bf16 (d * q,
+// rounded once) and x rounded to bf16, fp32 sums (the dense bf16 product without a dense
+// copy). Arguments as pagemill_gemv_q8's without planes; status 4 where AMX-BF16 is not
+// available (pagemill_gemm_q8_amx_available).
+int pagemill_gemm_q8_amx(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
+                         int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads) {
+    if (dtype != 0 && dtype != 1) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (!amx_bf16_usable()) return 4;
+    if (m_rows == 0 || n == 0) return 0;
+#ifdef PAGEMILL_Q8_AMX_BF16
+    amx_bf16_multiply(dtype, x, x_stride, static_cast<const uint8_t*>(w), y, y_stride, m_rows, n,
+                      k, std::max(1, threads));
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads;
+    return 4;
+#endif
+}
 
 }  // extern "C"
