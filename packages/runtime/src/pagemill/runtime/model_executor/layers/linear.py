@@ -41,7 +41,10 @@ then runs it for steps of more than `packed_max_tokens` rows, where a dense GEMM
 An int4 layer served by `gemv_q4` on a CPU with AMX needs no dense copy for that: its large
 batches run `gemm_q4_amx`, which turns each weight block into bf16 tiles as it goes and
 multiplies on the matrix units — the dense bf16 product without the copy's memory
-(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`).
+(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`). A q8_0 layer likewise runs `gemm_q8_amx`
+(its blocks made into bf16 as it goes); a tied q8_0 head keeps the bf16 embedding as
+`weight`, which the start-up crossover measurement may still pick for large batches where
+oneDNN on it measures faster (`crossover.measure_packed_limits`).
 The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
 how a compiled graph makes it.
 """
@@ -180,7 +183,8 @@ class Linear(nn.Module):
         # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
         self.int8_act = 0
         self.native_gemv = False
-        # Rows above `packed_max_tokens` run `gemm_q4_amx` on the packed blocks (no dense copy).
+        # Rows above `packed_max_tokens` run `gemm_q4_amx` / `gemm_q8_amx` on the packed
+        # blocks (no dense copy).
         self.amx_large_rows = False
         self.group_size = 0
         self.packed_max_tokens = 0
@@ -273,7 +277,15 @@ class Linear(nn.Module):
             self.group_size = gemv_q8_cpu.QK
             self.int8_act = 2 if self.int8_activations >= 2 else 1
             self.native_gemv = True
-            if self.scheme.dense_fallback:
+            # As for int4: large batches on the matrix units from the packed tiles
+            # (`gemm_q8_amx`, the bf16 values a dense copy would hold), so no dense copy.
+            self.amx_large_rows = (
+                self.amx_packed
+                and not self.scheme.keep_dense_copy
+                and self.native_gemv
+                and gemv_q8_cpu.gemm_amx_available()
+            )
+            if self.scheme.dense_fallback and not self.amx_large_rows:
                 weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
             if pieces:
@@ -424,7 +436,7 @@ class Linear(nn.Module):
     @property
     def has_dense_fallback(self) -> bool:
         """Whether rows above `packed_max_tokens` leave the packed kernel: for a dense copy,
-        or for `gemm_q4_amx` on the packed blocks (`amx_large_rows`)."""
+        or for `gemm_q4_amx` / `gemm_q8_amx` on the packed blocks (`amx_large_rows`)."""
         return self.format != "dense" and (self.weight is not None or self.amx_large_rows)
 
     def packed_nbytes(self) -> int:
@@ -472,6 +484,12 @@ class Linear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx_large_rows:
             return self._amx(x)
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense weight through oneDNN: a dense layer, a packed layer's dense copy, or the
+        bf16 embedding a tied head shares (also where it has `amx_large_rows`: the crossover
+        measurement times both, see `crossover.time_layers`)."""
         assert self.weight is not None  # the dense path is taken only with a dense copy
         if not self.prepacked:
             return F.linear(x, self.weight, self.bias)
@@ -532,11 +550,14 @@ class Linear(nn.Module):
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         """The large-batch side of an `amx_large_rows` layer: bf16 products on the matrix
-        units from the packed blocks (0 activation planes: x rounded to bf16, as the dense
-        copy's GEMM would take it)."""
+        units from the packed blocks (int4: 0 activation planes; both formats round x to
+        bf16, as the dense copy's GEMM would take it)."""
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
+        if self.format == "q8_0":
+            y = torch.ops.pagemill_native.gemm_q8_amx(xk, self.qweight, self.out_features)
+        else:
+            y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
