@@ -278,9 +278,12 @@ class Linear(nn.Module):
             self.int8_act = 2 if self.int8_activations >= 2 else 1
             self.native_gemv = True
             # As for int4: large batches on the matrix units from the packed tiles
-            # (`gemm_q8_amx`, the bf16 values a dense copy would hold), so no dense copy.
+            # (`gemm_q8_amx`, the bf16 values a dense copy would hold), so no dense copy. In
+            # bf16 models only: an fp32 model's dense copy holds the rows exactly, and its
+            # packed side's two int8 planes round x more finely than bf16 would.
             self.amx_large_rows = (
                 self.amx_packed
+                and self.dtype == torch.bfloat16
                 and not self.scheme.keep_dense_copy
                 and self.native_gemv
                 and gemv_q8_cpu.gemm_amx_available()
