@@ -535,7 +535,7 @@ int64_t amx_rows_setting() { return 0; }
 // (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
 
 #if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
-    defined(__AVX512BF16__) && defined(__linux__)
+    defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__linux__)
 #define PAGEMILL_Q8_AMX_BF16 1
 
 bool amx_bf16_usable() {
@@ -556,23 +556,53 @@ void configure_bf16_tiles() {
 }
 
 // One block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the inputs
-// 2kk and 2kk + 1 (one 32-bit lane per output). Line j of the block has one 32-bit lane per
-// output too, bytes t = 0..3 holding inputs 4j + t: shifts sign-extend one input for all 16
-// outputs at once, with the outputs' scales in the same lanes, and each pair of inputs is
-// interleaved into a B row.
-inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, __m512i pairs) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+// 2kk and 2kk + 1 (one 32-bit lane per output). Line j of the block holds inputs 4j + t of
+// output r in byte 4r + t, so B rows 2j and 2j + 1 come from line j alone: a byte permute
+// puts, for outputs 0-7 (then 8-15), each one's two inputs in the top bytes of two 32-bit
+// lanes, already in B order, the rest of each lane zero. A lane is then q * 2^24, converted
+// to float exactly and multiplied by d * 2^-24 (the outputs' scales in the same order): the
+// exact d * q, which the bf16 conversion rounds once; its two 16-lane halves are the B row.
+// (No shifts to sign-extend, no second permute to interleave.)
+struct Q8Unpack {
+    __m512i idx[2][2];  // [B row 2j + p][outputs 0-7, 8-15]: byte sources within the line
+    __m512i half[2];    // lane sources of the scales, per half of the outputs
+
+    Q8Unpack() {
+        alignas(64) int8_t bytes[64];
+        for (int p = 0; p < 2; ++p) {
+            for (int h = 0; h < 2; ++h) {
+                for (int l = 0; l < 16; ++l) {  // lane l: output 8h + l / 2, input 2p + l % 2
+                    for (int b = 0; b < 3; ++b) bytes[4 * l + b] = 0;  // masked off
+                    bytes[4 * l + 3] = static_cast<int8_t>(4 * (8 * h + l / 2) + 2 * p + l % 2);
+                }
+                idx[p][h] = _mm512_load_si512(bytes);
+            }
+        }
+        alignas(64) int32_t lanes[16];
+        for (int h = 0; h < 2; ++h) {
+            for (int l = 0; l < 16; ++l) lanes[l] = 8 * h + l / 2;
+            half[h] = _mm512_load_si512(lanes);
+        }
+    }
+};
+
+inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, const Q8Unpack& u) {
+    constexpr __mmask64 TOP = 0x8888888888888888ull;  // the top byte of each 32-bit lane
+    const __m512 d = _mm512_mul_ps(
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk))),
+        _mm512_set1_ps(1.0f / 16777216.0f));
+    const __m512 dh[2] = {_mm512_permutexvar_ps(u.half[0], d),
+                          _mm512_permutexvar_ps(u.half[1], d)};
     for (int j = 0; j < 8; ++j) {
         const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
-        for (int p = 0; p < 2; ++p) {  // inputs 4j + 2p, 4j + 2p + 1: B row 2j + p
+        for (int p = 0; p < 2; ++p) {  // B row 2j + p: inputs 4j + 2p, 4j + 2p + 1
             __m512 f[2];
-            for (int u = 0; u < 2; ++u) {
-                const int t = 2 * p + u;
-                const __m512i lifted = t == 3 ? raw : _mm512_slli_epi32(raw, 24 - 8 * t);
-                f[u] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(lifted, 24)), d);
-            }
-            const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0]));
-            _mm512_store_si512(out + 64 * (2 * j + p), _mm512_permutexvar_epi16(pairs, both));
+            for (int h = 0; h < 2; ++h)
+                f[h] = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(TOP, u.idx[p][h], raw)),
+                    dh[h]);
+            _mm512_store_si512(out + 64 * (2 * j + p),
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
         }
     }
 }
@@ -585,7 +615,7 @@ struct BFeed {
     const uint8_t* w;
     int64_t tiles, nb, pair_bytes, slots, p0;
     uint8_t* bt;
-    __m512i pairs;
+    Q8Unpack unpack;
     int64_t next = 0;   // tile-blocks made, from the thread's first pair
     int64_t limit = 0;  // no further: the ring's slots past it still hold pairs in use
     int64_t num = 1, den = 1, credit = 0;  // num / den blocks made per tick, on average
@@ -602,7 +632,7 @@ struct BFeed {
         if (tile >= tiles) {
             std::memset(out, 0, BF_TILE);
         } else {
-            unpack_block_bf16(w + (tile * nb + b) * BLOCK, out, pairs);
+            unpack_block_bf16(w + (tile * nb + b) * BLOCK, out, unpack);
         }
         ++next;
     }
@@ -748,9 +778,7 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
             uint8_t* bt = reinterpret_cast<uint8_t*>(
                 (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
             float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
-            alignas(64) int16_t pair_idx[32];
-            for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
-            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, _mm512_load_si512(pair_idx)};
+            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, Q8Unpack{}};
             const int64_t m_blocks = (m_rows + 31) / 32;
             configure_bf16_tiles();
             for (int64_t q0 = p0; q0 < p1; q0 += panel) {
