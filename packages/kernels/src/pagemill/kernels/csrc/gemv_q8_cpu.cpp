@@ -32,6 +32,7 @@
 // registers. Each thread asks for its weights a few blocks ahead of use (PREFETCH_BLOCKS).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -647,9 +648,9 @@ struct BFeed {
     }
 };
 
-// Blocking. Each thread owns a range of pairs of output tiles (each weight block is made into
-// a B tile once per call) and makes them a block at a time between the tile instructions of
-// the passes over pairs already made (BFeed). Rows of x pass 32 at a time (2 A tiles; a
+// Blocking. The threads take spans of pairs of output tiles in turn (each weight block is
+// made into a B tile once per call) and make them a block at a time between the tile
+// instructions of the passes over pairs already made (BFeed). Rows of x pass 32 at a time (2 A tiles; a
 // final 1..16 rows use one A tile and half the products), over K in chunks of at most
 // BF_KC_BLOCKS blocks (a chunk's A tiles and one pair's B tiles stay in L1 together). Where x
 // in bf16 fits BF_X_L2_BYTES, one pair at a time meets every row (x from L2) while the next
@@ -661,6 +662,8 @@ constexpr int64_t BF_KC_BLOCKS = 16;
 constexpr int64_t BF_X_L2_BYTES = 1 << 20;
 // Up to this many rows each thread converts x for itself (see amx_bf16_multiply).
 constexpr int64_t BF_OWN_X_ROWS = 128;
+// Spans of output pairs per thread, about, that the threads take in turn.
+constexpr int64_t BF_SPANS_PER_THREAD = 8;
 
 // The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
 // bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
@@ -750,44 +753,50 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
     const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
     const int64_t kc = (nb + chunks - 1) / chunks;
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
+    const int64_t panel = m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+                              ? 1
+                              : std::max<int64_t>(1, BF_PANEL_BYTES / pair_bytes);
+    // Threads take spans of whole panels in turn, not a fixed share each: where another
+    // process holds a core for a while, the other thread takes more spans instead of waiting
+    // at the end for its twin. A span's first panel is made as its passes reach it (the
+    // ring is not yet ahead), so spans stay many panels long where there are pairs enough.
+    const int64_t span = panel * std::max<int64_t>(
+                                     1, (pairs + BF_SPANS_PER_THREAD * team * panel - 1) /
+                                            (BF_SPANS_PER_THREAD * team * panel));
+    const int64_t spans = (pairs + span - 1) / span;
+    std::atomic<int64_t> next_span{0};
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-#pragma omp for schedule(static)
-        for (int part = 0; part < team; ++part) {
-            const int64_t p0 = pairs * part / team;
-            const int64_t p1 = pairs * (part + 1) / team;
-            uint16_t* xb = shared_xb;
-            if (own_x) {
-                thread_local std::vector<uint16_t> own;
-                own.resize(x_elems);
-                xb = own.data();
-                for (int64_t r = 0; r < m_pad; ++r)
-                    bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
-            }
-            const int64_t panel =
-                m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
-                    ? 1
-                    : std::max<int64_t>(1,
-                                        std::min<int64_t>(p1 - p0, BF_PANEL_BYTES / pair_bytes));
-            // B tiles of two panels, pair by pair: [slots][nb][2][BF_TILE]; then the products
-            // per pair between K chunks, [panel][4][16 x 16] fp32.
-            const int64_t slots = std::min(p1 - p0, 2 * panel);
-            thread_local std::vector<uint8_t> made;
-            const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
-            made.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
-            uint8_t* bt = reinterpret_cast<uint8_t*>(
-                (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
-            float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
-            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, Q8Unpack{}};
-            const int64_t m_blocks = (m_rows + 31) / 32;
-            configure_bf16_tiles();
+        uint16_t* xb = shared_xb;
+        if (own_x) {
+            thread_local std::vector<uint16_t> own;
+            own.resize(x_elems);
+            xb = own.data();
+            for (int64_t r = 0; r < m_pad; ++r) bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
+        }
+        // B tiles of two panels, pair by pair: [slots][nb][2][BF_TILE]; then the products per
+        // pair between K chunks, [panel][4][16 x 16] fp32.
+        const int64_t slots = std::min(span, 2 * panel);
+        thread_local std::vector<uint8_t> made;
+        const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
+        made.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
+        uint8_t* bt = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
+        float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
+        const Q8Unpack unpack;
+        const int64_t m_blocks = (m_rows + 31) / 32;
+        configure_bf16_tiles();
+        for (int64_t sp = next_span++; sp < spans; sp = next_span++) {
+            const int64_t p0 = sp * span;
+            const int64_t p1 = std::min(pairs, p0 + span);
+            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, unpack};
             for (int64_t q0 = p0; q0 < p1; q0 += panel) {
                 const int64_t q1 = std::min(p1, q0 + panel);
                 const int64_t q2 = std::min(p1, q1 + panel);
                 feed.limit = (q2 - p0) * 2 * nb;
                 // The next panel's blocks spread evenly over this panel's ticks (one per block
                 // of K a pass multiplies); what is still missing when a pair is due is made
-                // then (`through`: the first panel).
+                // then (`through`: a span's first panel).
                 feed.num = (q2 - q1) * 2;
                 feed.den = std::max<int64_t>(1, m_blocks * (q1 - q0));
                 feed.credit = 0;
@@ -824,8 +833,8 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                     }
                 }
             }
-            _tile_release();
         }
+        _tile_release();
     }
 }
 
