@@ -660,8 +660,6 @@ struct BFeed {
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 16;
 constexpr int64_t BF_X_L2_BYTES = 1 << 20;
-// Up to this many rows each thread converts x for itself (see amx_bf16_multiply).
-constexpr int64_t BF_OWN_X_ROWS = 128;
 // Spans of output pairs per thread, about, that the threads take in turn.
 constexpr int64_t BF_SPANS_PER_THREAD = 8;
 
@@ -733,10 +731,12 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                        int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
-    // x in bf16 as A tiles. Up to BF_OWN_X_ROWS rows each thread converts all of x for
-    // itself inside the one parallel region (a second region's fork and join costs more than
-    // the copy there); more rows: one copy, split over the threads.
-    const bool own_x = m_rows <= BF_OWN_X_ROWS;
+    // x in bf16 as A tiles. Where it fits BF_X_L2_BYTES (each thread then reads all of it
+    // for every pair, from its own L2) each thread converts all of x for itself inside the
+    // one parallel region: a second region's fork and join costs more than the copy, and far
+    // more where another process holds one of the cores for a while. Larger x: one copy,
+    // split over the threads, read once per panel.
+    const bool own_x = m_rows * k * 2 <= BF_X_L2_BYTES;
     const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
     thread_local std::vector<uint16_t> xbuf;
     uint16_t* shared_xb = nullptr;
