@@ -15,11 +15,12 @@ Paths, each one head call on the same random Q8_0 weights (and their bf16 values
                 below its packed row limit
 
 Each round times every path once in turn (A B C A B C ...), several calls per timing for
-small row counts; the table gives the median ms per call and its ratio to dense, paired per
-round, the fastest run of each (other jobs only ever add time), and the load average: on a shared box every number is under that load. With
---threads 1 a call is timed by this thread's CPU time (`time.thread_time`), which other
-processes on a shared box inflate less; otherwise by wall clock. The amx and
-dense outputs are compared once per row count (max abs difference, argmax agreement).
+small row counts; the table gives the median ms per call, the fastest run (other jobs only
+ever add time) and the ratio to dense, paired per round, and the load average: on a shared
+box every number is under that load. With --threads 1 a call is timed by this thread's CPU
+time (`time.thread_time`), which other processes on a shared box inflate less; otherwise
+by wall clock. The amx and dense outputs are compared once per row count (max abs
+difference, argmax agreement).
 """
 
 from __future__ import annotations

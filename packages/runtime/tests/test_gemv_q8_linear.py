@@ -187,7 +187,7 @@ def test_fp32_models_keep_their_exact_dense_copy(monkeypatch) -> None:
 def test_without_amx_the_layer_keeps_its_dense_copy(monkeypatch) -> None:
     monkeypatch.setattr(Linear, "amx_packed", True)
     monkeypatch.setattr(gemv_q8_cpu, "gemm_amx_available", lambda lib=None: False)
-    raw, w = _q8_0(64, 192, seed=8)
+    raw, _ = _q8_0(64, 192, seed=8)
     layer = _layer(raw, 64, 192, dense_fallback=True, packed_max_tokens=4)
     assert not layer.amx_large_rows and layer.weight is not None
     assert "dense above 4 rows" in repr(layer)
