@@ -32,20 +32,24 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _reference_weights(blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """bf16(d * q), the kernel's weights, built independently of `dequantize_q8_blocks`:
-    the product is exact in fp32 (8-bit integer, 11-bit scale), then rounded once."""
+def _reference_weights(blocks: torch.Tensor, n: int, bf16_scales: bool = False) -> torch.Tensor:
+    """bf16(d * q), the kernel's weights (d first rounded to bf16 with `bf16_scales`), built
+    in doubles: the product is exact (8-bit integer, 11-bit scale), then rounded once."""
     q, d = g.unpack_q8_blocks(blocks, n)
+    if bf16_scales:
+        d = d.to(torch.bfloat16)
     nb = d.shape[1]
     w = q.view(n, nb, 32).double() * d.double()[..., None]
     return w.reshape(n, nb * 32).float().to(torch.bfloat16)
 
 
-def _assert_dense(got: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, n: int) -> None:
+def _assert_dense(
+    got: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, n: int, bf16_scales: bool = False
+) -> None:
     """`got` is x rounded to bf16 times bf16(d * q) with fp32 sums: off by the summation
     order only, far below one product's size (a wrong weight, scale or input anywhere moves
     a sum by about one product)."""
-    w = _reference_weights(blocks, n).double()
+    w = _reference_weights(blocks, n, bf16_scales).double()
     xb = x.to(torch.bfloat16).double()
     want = xb @ w.T
     bound = 1e-5 * (xb.abs() @ w.abs().T) + 1e-6
@@ -56,17 +60,34 @@ def _assert_dense(got: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, n: i
 
 
 @needs_amx
+@pytest.mark.parametrize("bf16_scales", [False, True], ids=["fp16-scales", "bf16-scales"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_bf16_tiles_are_the_dense_product(dtype, m, n, k) -> None:
+def test_bf16_tiles_are_the_dense_product(dtype, m, n, k, bf16_scales) -> None:
     blocks = _blocks(n, k, seed=m + n)
     x = _x(m, k, dtype)
-    got = g.gemm_q8_amx(x, blocks, n)
+    got = g.gemm_q8_amx(x, blocks, n, bf16_scales=bf16_scales)
     assert got.dtype == dtype and got.shape == (m, n)
-    _assert_dense(got, x, blocks, n)
+    _assert_dense(got, x, blocks, n, bf16_scales)
     # The plain-torch twin computes the same thing (its sums in another order).
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
-    torch.testing.assert_close(got, g.gemm_q8_amx_torch(x, blocks, n), **tol)
+    twin = g.gemm_q8_amx_torch(x, blocks, n, bf16_scales)
+    torch.testing.assert_close(got, twin, **tol)
+    assert torch.equal(
+        g.gemm_q8_amx_weights(blocks, n, bf16_scales), _reference_weights(blocks, n, bf16_scales)
+    )
+
+
+@needs_amx
+def test_the_scale_rounding_is_seen() -> None:
+    # Scales off bf16's grid: rounding them first changes the weights, and so the product.
+    blocks = _blocks(48, 96, seed=4)
+    assert not torch.equal(_reference_weights(blocks, 48), _reference_weights(blocks, 48, True))
+    x = _x(40, 96, torch.float32)
+    exact = g.gemm_q8_amx(x, blocks, 48)
+    rounded = g.gemm_q8_amx(x, blocks, 48, bf16_scales=True)
+    assert not torch.equal(exact, rounded)
+    _assert_dense(rounded, x, blocks, 48, bf16_scales=True)
 
 
 @needs_amx
@@ -78,9 +99,10 @@ def test_bf16_tiles_at_every_row_count(dtype, n, k) -> None:
     blocks = _blocks(n, k, seed=n + k)
     for m in [*range(1, 41), 63, 64, 65, 255, 256, 257, 1031]:
         x = _x(m, k, dtype, seed=m)
-        got = g.gemm_q8_amx(x, blocks, n)
+        rounded = m % 2 == 1
+        got = g.gemm_q8_amx(x, blocks, n, bf16_scales=rounded)
         assert got.shape == (m, n) and got.dtype == dtype
-        _assert_dense(got, x, blocks, n)
+        _assert_dense(got, x, blocks, n, rounded)
 
 
 @needs_amx
@@ -92,10 +114,10 @@ def test_one_and_two_threads_give_the_same_bits(m, n, k) -> None:
     # or a pair at a time (257 rows); N not a multiple of 32.
     blocks = _blocks(n, k, seed=m)
     x = _x(m, k, torch.bfloat16, seed=n)
-    two = g.gemm_q8_amx(x, blocks, n, threads=2)
-    _assert_dense(two, x, blocks, n)
-    assert torch.equal(two, g.gemm_q8_amx(x, blocks, n, threads=1))
-    assert torch.equal(two, g.gemm_q8_amx(x, blocks, n, threads=3))
+    two = g.gemm_q8_amx(x, blocks, n, threads=2, bf16_scales=True)
+    _assert_dense(two, x, blocks, n, bf16_scales=True)
+    assert torch.equal(two, g.gemm_q8_amx(x, blocks, n, threads=1, bf16_scales=True))
+    assert torch.equal(two, g.gemm_q8_amx(x, blocks, n, threads=3, bf16_scales=True))
 
 
 @needs_amx
@@ -123,6 +145,7 @@ def test_strided_x_and_y(dtype, m) -> None:
             n,
             k,
             threads,
+            0,
         )
         assert status == 0
         assert torch.equal(y[:, :n], want)
@@ -130,17 +153,23 @@ def test_strided_x_and_y(dtype, m) -> None:
 
 
 @needs_amx
-def test_the_tied_embeddings_values() -> None:
-    # A tied head's embedding is the Q8_0 rows dequantized in fp32 and stored in bf16: the
-    # tiles' weights are those values, so the product is F.linear's on the embedding
-    # (summation order aside).
-    n, k = 300, 576
+@pytest.mark.parametrize("bf16_scales", [False, True], ids=["fp16-scales", "bf16-scales"])
+def test_a_dense_copy_or_embeddings_values(bf16_scales) -> None:
+    # A dense copy made from the tiles holds bf16(d * q); a bf16 embedding dequantized with
+    # its scales in bf16 holds bf16(q * bf16(d)). Each is the tiles' weights in one mode, so
+    # the product is F.linear's on it (summation order aside).
+    n, k = 304, 576
     blocks = _blocks(n, k, seed=11)
-    embedding = g.dequantize_q8_blocks(blocks, n).to(torch.bfloat16)
-    assert torch.equal(embedding, _reference_weights(blocks, n))
+    q, d = g.unpack_q8_blocks(blocks, n)
+    if bf16_scales:
+        d = d.to(torch.bfloat16).float()
+    dense_w = (q.view(n, k // 32, 32).float() * d[..., None]).reshape(n, k).to(torch.bfloat16)
+    if not bf16_scales:
+        assert torch.equal(dense_w, g.dequantize_q8_blocks(blocks, n).to(torch.bfloat16))
+    assert torch.equal(dense_w, g.gemm_q8_amx_weights(blocks, n, bf16_scales))
     x = _x(96, k, torch.float32, seed=3)
-    got = g.gemm_q8_amx(x, blocks, n)
-    dense = torch.nn.functional.linear(x.to(torch.bfloat16).float(), embedding.float())
+    got = g.gemm_q8_amx(x, blocks, n, bf16_scales=bf16_scales)
+    dense = torch.nn.functional.linear(x.to(torch.bfloat16).float(), dense_w.float())
     torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-4)
 
 
@@ -153,6 +182,8 @@ def test_operator_is_the_kernel() -> None:
         x = _x(21, 96, dtype)
         want = g.gemm_q8_amx(x, blocks, 48)
         assert torch.equal(torch.ops.pagemill_native.gemm_q8_amx(x, blocks, 48), want)
+        rounded = g.gemm_q8_amx(x, blocks, 48, bf16_scales=True)
+        assert torch.equal(torch.ops.pagemill_native.gemm_q8_amx(x, blocks, 48, True), rounded)
         strided = _x(21, 192, dtype)[:, ::2]  # a column stride: the operator copies
         assert torch.equal(
             torch.ops.pagemill_native.gemm_q8_amx(strided, blocks, 48),
@@ -181,11 +212,11 @@ def test_without_amx_it_refuses() -> None:
     lib = g._gemm_lib(plain)
     assert lib is not None
     y = torch.empty(9, 48, dtype=torch.bfloat16)
-    args = (1, x.data_ptr(), 96, blocks.data_ptr(), y.data_ptr(), 48, 9, 48, 96, 1)
+    args = (1, x.data_ptr(), 96, blocks.data_ptr(), y.data_ptr(), 48, 9, 48, 96, 1, 0)
     assert lib.pagemill_gemm_q8_amx(*args) == 4
     # Arguments it refuses before asking for the tiles.
     assert lib.pagemill_gemm_q8_amx(2, *args[1:]) == 1
-    assert lib.pagemill_gemm_q8_amx(*args[:8], 95, 1) == 2
+    assert lib.pagemill_gemm_q8_amx(*args[:8], 95, 1, 0) == 2
 
 
 @needs_amx

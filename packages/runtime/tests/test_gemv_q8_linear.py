@@ -14,6 +14,7 @@ import torch
 from pagemill.kernels import cpu_native, gemv_q8_cpu
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.quantization import WeightScheme
+from pagemill.runtime.model_executor.quantization.formats import dequantize
 from pagemill.runtime.model_executor.quantization.gguf_blocks import decode_q8_0
 
 pytestmark = pytest.mark.skipif(not gemv_q8_cpu.available(), reason="no C++ compiler")
@@ -176,6 +177,20 @@ def test_amx_serves_large_batches_without_a_dense_copy(monkeypatch, dense_fallba
     assert not plain.amx_large_rows and (plain.weight is not None) == dense_fallback
 
 
+@needs_amx
+def test_a_dense_weight_with_exact_scales_keeps_them(monkeypatch) -> None:
+    # A shared weight made with the fp16 scales exact (as a dense copy from the tiles is):
+    # the AMX side makes the same values.
+    monkeypatch.setattr(Linear, "amx_packed", True)
+    raw, w = _q8_0(64, 192, seed=13)
+    layer = _layer(raw, 64, 192, dense_fallback=True, packed_max_tokens=4)
+    layer.use_dense_weight(w.to(torch.bfloat16))
+    assert layer.amx_large_rows and not layer.amx_bf16_scales
+    x = torch.randn(9, 192, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), layer._onednn(x), rtol=1e-2, atol=1e-2)
+
+
 def test_fp32_models_keep_their_exact_dense_copy(monkeypatch) -> None:
     monkeypatch.setattr(Linear, "amx_packed", True)
     raw, w = _q8_0(64, 192, seed=12)
@@ -197,10 +212,11 @@ def test_without_amx_the_layer_keeps_its_dense_copy(monkeypatch) -> None:
 
 
 def _tied_head(n: int, k: int, seed: int) -> tuple[Linear, torch.Tensor]:
-    """A Q8_0 head sharing its bf16 embedding as the dense weight, as a tied model's is."""
-    raw, w = _q8_0(n, k, seed=seed)
+    """A Q8_0 head sharing its bf16 embedding as the dense weight, as a tied model's is: the
+    same rows dequantized to bf16 the way the loader makes the embedding (scales in bf16)."""
+    raw, _ = _q8_0(n, k, seed=seed)
     head = _layer(raw, n, k, dense_fallback=True, packed_max_tokens=4)
-    embedding = w.to(torch.bfloat16)  # the embedding: the same rows, dequantized, in bf16
+    embedding = dequantize(decode_q8_0(raw, n, k), torch.bfloat16)
     head.use_dense_weight(embedding)
     return head, embedding
 
@@ -215,10 +231,11 @@ def test_tied_head_through_amx_agrees_with_the_embedding_path(monkeypatch, dtype
     head, embedding = _tied_head(n, k, seed=9)
     assert head.amx_large_rows and head.weight is not None
     assert torch.equal(head.weight, embedding)
-    # The tiles hold the embedding's values exactly.
-    assert head.qweight is not None
-    tiles = gemv_q8_cpu.dequantize_q8_blocks(head.qweight, n).to(torch.bfloat16)
+    # The tiles make the embedding's values exactly (scales rounded to bf16 as it was made).
+    assert head.qweight is not None and head.amx_bf16_scales
+    tiles = gemv_q8_cpu.gemm_q8_amx_weights(head.qweight, n, bf16_scales=True)
     assert torch.equal(tiles, embedding)
+    assert not torch.equal(gemv_q8_cpu.gemm_q8_amx_weights(head.qweight, n), embedding)
     w32 = embedding.float()
     for rows in (5, 128, 257):
         hidden = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -17,8 +17,10 @@ call on the vector kernel. Callers change nothing.
 
 For batches (an LM head over a whole step's rows) `gemm_q8_amx` multiplies the same tiles on
 the AMX-BF16 units: each block made into bf16 (d * q, exact in fp32, rounded once: the values
-a dense bf16 copy, or a tied bf16 embedding, holds) and x rounded to bf16, fp32 sums. That is
-the dense bf16 product (summation order aside) from half the bytes and without a dense copy.
+a dense bf16 copy made from the tiles holds; with `bf16_scales` d is rounded to bf16 first, as
+in an embedding dequantized with bf16 scales, so a tied head matches its embedding) and x
+rounded to bf16, fp32 sums. That is the dense bf16 product (summation order aside) from half
+the bytes and without a dense copy.
 
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). Callers reach it as `torch.ops.pagemill_native.gemv_q8`
@@ -55,6 +57,7 @@ __all__ = [
     "gemm_amx_available",
     "gemm_q8_amx",
     "gemm_q8_amx_torch",
+    "gemm_q8_amx_weights",
     "gemv_q8",
     "gemv_q8_torch",
     "load",
@@ -283,7 +286,7 @@ def _gemm_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn = lib.pagemill_gemm_q8_amx
     fn.restype = i32
-    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32]
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
     lib.pagemill_gemm_q8_amx_available.restype = i32
     return lib
 
@@ -301,11 +304,14 @@ def gemm_q8_amx(
     n: int,
     lib: ctypes.CDLL | None = None,
     threads: int = 0,
+    bf16_scales: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype on the AMX-BF16 tiles, for
-    batches (32 rows of x per tile pass). Each weight block becomes bf16 (d * q rounded once)
-    and x is rounded to bf16, with fp32 sums: `gemm_q8_amx_torch`'s product, summation order
-    aside. Raises where `gemm_amx_available()` is False (callers keep another path there)."""
+    batches (32 rows of x per tile pass). Each weight block becomes bf16 (d * q rounded once;
+    `bf16_scales`: d rounded to bf16 first, as a bf16 embedding dequantized with bf16 scales
+    holds it) and x is rounded to bf16, with fp32 sums: `gemm_q8_amx_torch`'s product,
+    summation order aside. Raises where `gemm_amx_available()` is False (callers keep
+    another path there)."""
     typed = _gemm_lib(lib or load())
     if typed is None or not typed.pagemill_gemm_q8_amx_available():
         raise RuntimeError(
@@ -334,6 +340,7 @@ def gemm_q8_amx(
         n,
         k,
         threads or torch.get_num_threads(),
+        int(bf16_scales),
     )
     if status == _NO_AMX:
         raise RuntimeError("gemm_q8_amx cannot run on AMX-BF16 units here")
@@ -341,9 +348,22 @@ def gemm_q8_amx(
     return y
 
 
-def gemm_q8_amx_torch(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
-    """Plain-torch `gemm_q8_amx`: the weights as bf16(d * q), x rounded to bf16, fp32 sums."""
-    w = dequantize_q8_blocks(blocks, n).to(torch.bfloat16).float()
+def gemm_q8_amx_weights(blocks: torch.Tensor, n: int, bf16_scales: bool = False) -> torch.Tensor:
+    """The bf16 weights [N, K] `gemm_q8_amx` multiplies: bf16(d * q), d first rounded to bf16
+    with `bf16_scales`."""
+    q, d = unpack_q8_blocks(blocks, n)
+    if bf16_scales:
+        d = d.to(torch.bfloat16).float()
+    nb = d.shape[1]
+    return (q.view(n, nb, QK).float() * d[..., None]).reshape(n, nb * QK).to(torch.bfloat16)
+
+
+def gemm_q8_amx_torch(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, bf16_scales: bool = False
+) -> torch.Tensor:
+    """Plain-torch `gemm_q8_amx`: its bf16 weights (`gemm_q8_amx_weights`), x rounded to
+    bf16, fp32 sums."""
+    w = gemm_q8_amx_weights(blocks, n, bf16_scales).float()
     return (x.to(torch.bfloat16).float() @ w.T).to(x.dtype)
 
 

@@ -27,7 +27,7 @@ extern "C" int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, cons
                                 int threads, int planes);
 extern "C" int pagemill_gemm_q8_amx(int dtype, const void* x, int64_t x_stride, const void* w,
                                     void* y, int64_t y_stride, int64_t m_rows, int64_t n,
-                                    int64_t k, int threads);
+                                    int64_t k, int threads, int bf16_scales);
 
 namespace {
 
@@ -118,10 +118,11 @@ at::Tensor gemv_q8(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
     return y;
 }
 
-// gemv_q8's weights on the AMX-BF16 tiles (each block made into bf16, x rounded to bf16: the
-// dense bf16 product). No native fallback: callers check gemv_q8_cpu.gemm_amx_available()
-// before routing to it.
-at::Tensor gemm_q8_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n) {
+// gemv_q8's weights on the AMX-BF16 tiles (each block made into bf16, its scales first
+// rounded to bf16 with bf16_scales; x rounded to bf16: the dense bf16 product). No native
+// fallback: callers check gemv_q8_cpu.gemm_amx_available() before routing to it.
+at::Tensor gemm_q8_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
+                       bool bf16_scales) {
     check_x("gemm_q8_amx", x_in, blocks_in, n, 1);
     TORCH_CHECK(blocks_in.size(2) == Q8_BLOCK_BYTES, "gemm_q8_amx tiles are ", Q8_BLOCK_BYTES,
                 " bytes per block, got ", blocks_in.size(2));
@@ -130,7 +131,8 @@ at::Tensor gemm_q8_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int6
     at::Tensor y = at::empty({x.size(0), n}, x.options());
     const int status = pagemill_gemm_q8_amx(dtype_code(x), x.data_ptr(), x.stride(0),
                                             blocks.data_ptr(), y.data_ptr(), n, x.size(0), n,
-                                            x.size(1), at::get_num_threads());
+                                            x.size(1), at::get_num_threads(),
+                                            bf16_scales ? 1 : 0);
     TORCH_CHECK(status != 4, "gemm_q8_amx: no AMX-BF16 on this machine or in this build");
     TORCH_CHECK(status == 0, "gemm_q8_amx refused its arguments (status ", status, ")");
     return y;
@@ -142,7 +144,7 @@ TORCH_LIBRARY(pagemill_native, m) {
     m.def("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
     m.def("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
     m.def("gemm_q4_amx(Tensor x, Tensor blocks, int n, int planes=0) -> Tensor");
-    m.def("gemm_q8_amx(Tensor x, Tensor blocks, int n) -> Tensor");
+    m.def("gemm_q8_amx(Tensor x, Tensor blocks, int n, bool bf16_scales=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {

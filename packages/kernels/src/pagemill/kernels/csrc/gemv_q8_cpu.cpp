@@ -528,9 +528,9 @@ int64_t amx_rows_setting() { return 0; }
 // row and block of 32 inputs: each block has its own scale, so its integer sums cannot stay
 // in a tile. TDPBF16PS keeps fp32 sums in the tile over all of K instead, and the scales go
 // into the weights: each block becomes w = d * q in fp32 (exact: an 8-bit integer times an
-// fp16 scale), rounded once to bf16 (as a dense bf16 copy of the layer, or the bf16
-// embedding a tied head shares, holds it), once per call and tile of outputs, and meets every
-// row of x rounded to bf16. The result is the dense bf16 product (fp32 sums in another
+// fp16 scale), rounded once to bf16 (as a dense bf16 copy made from the tiles holds it; or d
+// rounded to bf16 first, as the bf16 embedding a tied head shares holds it), once per call
+// and tile of outputs, and meets every row of x rounded to bf16. The result is the dense bf16 product (fp32 sums in another
 // order) without the dense copy in memory, and from half its bytes.
 // Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
 // (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
@@ -563,12 +563,15 @@ void configure_bf16_tiles() {
 // lanes, already in B order, the rest of each lane zero. A lane is then q * 2^24, converted
 // to float exactly and multiplied by d * 2^-24 (the outputs' scales in the same order): the
 // exact d * q, which the bf16 conversion rounds once; its two 16-lane halves are the B row.
-// (No shifts to sign-extend, no second permute to interleave.)
+// (No shifts to sign-extend, no second permute to interleave.) With `bf16_scales` d is first
+// rounded to bf16 (then q * d, 16 bits, is still exact): the values a bf16 embedding made by
+// dequantizing with scales in bf16 holds, so that a tied head's two large-row paths agree.
 struct Q8Unpack {
     __m512i idx[2][2];  // [B row 2j + p][outputs 0-7, 8-15]: byte sources within the line
     __m512i half[2];    // lane sources of the scales, per half of the outputs
+    bool bf16_scales;
 
-    Q8Unpack() {
+    explicit Q8Unpack(bool round_scales) : bf16_scales(round_scales) {
         alignas(64) int8_t bytes[64];
         for (int p = 0; p < 2; ++p) {
             for (int h = 0; h < 2; ++h) {
@@ -589,9 +592,12 @@ struct Q8Unpack {
 
 inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, const Q8Unpack& u) {
     constexpr __mmask64 TOP = 0x8888888888888888ull;  // the top byte of each 32-bit lane
-    const __m512 d = _mm512_mul_ps(
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk))),
-        _mm512_set1_ps(1.0f / 16777216.0f));
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    if (u.bf16_scales) {
+        const __m256i top = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(d));
+        d = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(top), 16));
+    }
+    d = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16777216.0f));
     const __m512 dh[2] = {_mm512_permutexvar_ps(u.half[0], d),
                           _mm512_permutexvar_ps(u.half[1], d)};
     for (int j = 0; j < 8; ++j) {
@@ -728,7 +734,8 @@ inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_r
 }
 
 void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w, void* y,
-                       int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads) {
+                       int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                       bool bf16_scales) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
     // x in bf16 as A tiles. Where it fits BF_X_L2_BYTES (each thread then reads all of it
@@ -783,7 +790,7 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
         uint8_t* bt = reinterpret_cast<uint8_t*>(
             (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
         float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
-        const Q8Unpack unpack;
+        const Q8Unpack unpack(bf16_scales);
         const int64_t m_blocks = (m_rows + 31) / 32;
         configure_bf16_tiles();
         for (int64_t sp = next_span++; sp < spans; sp = next_span++) {
@@ -942,21 +949,22 @@ int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? amx_rows_setting
 int pagemill_gemm_q8_amx_available() { return amx_bf16_usable() ? 1 : 0; }
 
 // y = x · Wᵀ on the AMX-BF16 tiles, for batches: each weight block made into bf16 (d * q,
-// rounded once) and x rounded to bf16, fp32 sums (the dense bf16 product without a dense
-// copy). Arguments as pagemill_gemv_q8's without planes; status 4 where AMX-BF16 is not
-// available (pagemill_gemm_q8_amx_available).
+// rounded once; with bf16_scales d rounded to bf16 first) and x rounded to bf16, fp32 sums
+// (the dense bf16 product without a dense copy). Arguments as pagemill_gemv_q8's without
+// planes; status 4 where AMX-BF16 is not available (pagemill_gemm_q8_amx_available).
 int pagemill_gemm_q8_amx(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
-                         int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads) {
+                         int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                         int bf16_scales) {
     if (dtype != 0 && dtype != 1) return 1;
     if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
     if (!amx_bf16_usable()) return 4;
     if (m_rows == 0 || n == 0) return 0;
 #ifdef PAGEMILL_Q8_AMX_BF16
     amx_bf16_multiply(dtype, x, x_stride, static_cast<const uint8_t*>(w), y, y_stride, m_rows, n,
-                      k, std::max(1, threads));
+                      k, std::max(1, threads), bf16_scales != 0);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads;
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads, (void)bf16_scales;
     return 4;
 #endif
 }

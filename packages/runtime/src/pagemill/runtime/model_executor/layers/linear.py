@@ -42,8 +42,8 @@ An int4 layer served by `gemv_q4` on a CPU with AMX needs no dense copy for that
 batches run `gemm_q4_amx`, which turns each weight block into bf16 tiles as it goes and
 multiplies on the matrix units — the dense bf16 product without the copy's memory
 (`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`). A q8_0 layer likewise runs `gemm_q8_amx`
-(its blocks made into bf16 as it goes); a tied q8_0 head keeps the bf16 embedding as
-`weight`, which the start-up crossover measurement may still pick for large batches where
+(its blocks made into bf16 as it goes, with the scales rounded as the embedding a tied head
+shares was made); a tied q8_0 head keeps the bf16 embedding as `weight`, which the start-up crossover measurement may still pick for large batches where
 oneDNN on it measures faster (`crossover.measure_packed_limits`).
 The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
 how a compiled graph makes it.
@@ -186,6 +186,9 @@ class Linear(nn.Module):
         # Rows above `packed_max_tokens` run `gemm_q4_amx` / `gemm_q8_amx` on the packed
         # blocks (no dense copy).
         self.amx_large_rows = False
+        # q8_0: `gemm_q8_amx` rounds the scales to bf16 first, as the shared dense weight (a
+        # tied head's embedding) was made (see `use_dense_weight`).
+        self.amx_bf16_scales = False
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -422,6 +425,22 @@ class Linear(nn.Module):
             if isinstance(weight, nn.Parameter)
             else nn.Parameter(weight, requires_grad=False)
         )
+        if self.format == "q8_0" and self.amx_large_rows:
+            self.amx_bf16_scales = self._holds_bf16_scaled_rows(weight)
+
+    @torch.no_grad()
+    def _holds_bf16_scaled_rows(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` holds the tiles' rows dequantized with scales rounded to bf16 (a
+        bf16 embedding as `formats.dequantize` makes it) rather than the exact fp16 scales,
+        judged on its first rows: `gemm_q8_amx` then makes the same values, and a tied head's
+        large-row paths (AMX on the tiles, oneDNN on the embedding) agree."""
+        assert self.qweight is not None
+        rows = min(self.out_features, 256)
+        if weight.dtype != torch.bfloat16:
+            return False
+        tiles = self.qweight[: -(-rows // gemv_q8_cpu.ROWS)]
+        made = gemv_q8_cpu.gemm_q8_amx_weights(tiles, rows, bf16_scales=True)
+        return bool(torch.equal(made, weight[:rows].detach().cpu()))
 
     # ---- introspection ---------------------------------------------------------------------
 
@@ -558,7 +577,9 @@ class Linear(nn.Module):
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
         if self.format == "q8_0":
-            y = torch.ops.pagemill_native.gemm_q8_amx(xk, self.qweight, self.out_features)
+            y = torch.ops.pagemill_native.gemm_q8_amx(
+                xk, self.qweight, self.out_features, self.amx_bf16_scales
+            )
         else:
             y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
         y = y.view(*x.shape[:-1], self.out_features)
