@@ -41,10 +41,11 @@ then runs it for steps of more than `packed_max_tokens` rows, where a dense GEMM
 An int4 layer served by `gemv_q4` on a CPU with AMX needs no dense copy for that: its large
 batches run `gemm_q4_amx`, which turns each weight block into bf16 tiles as it goes and
 multiplies on the matrix units — the dense bf16 product without the copy's memory
-(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`). A q8_0 layer likewise runs `gemm_q8_amx`
-(its blocks made into bf16 as it goes, with the scales rounded as the embedding a tied head
-shares was made); a tied q8_0 head keeps the bf16 embedding as `weight`, which the start-up crossover measurement may still pick for large batches where
-oneDNN on it measures faster (`crossover.measure_packed_limits`).
+(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`). A bf16 q8_0 layer likewise runs
+`gemm_q8_amx` (its blocks made into bf16 as it goes). A tied q8_0 head keeps the bf16
+embedding as `weight` (the AMX side then rounds the scales as the embedding was made, so both
+make the same weights), and the start-up crossover measurement may still pick oneDNN on it
+for large batches where that measures faster (`crossover.measure_packed_limits`).
 The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
 how a compiled graph makes it.
 """
