@@ -7,8 +7,8 @@ interleaved in one process.
 
 Paths, each one head call on the same random Q8_0 weights (and their bf16 values):
 
-    amx         torch.ops.pagemill_native.gemm_q8_amx on gemv_q8's tiles (bf16(d * q) B
-                tiles made per call, fp32 sums): the new large-row head
+    amx         torch.ops.pagemill_native.gemm_q8_amx on gemv_q8's tiles (bf16(q * bf16(d))
+                B tiles made per call, fp32 sums): the new large-row head
     dense       F.linear on the bf16 [49152, 576] weight (oneDNN): the large-row head today
     prepacked   the same through oneDNN's prepacked twin (PAGEMILL_PREPACK_DENSE=1)
     gemv        gemv_q8 with two activation planes (AMX-INT8 from a few rows): the head
@@ -60,13 +60,15 @@ def main() -> None:
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
     d = (torch.rand(N, K // 32, generator=gen) * 2e-3 + 1e-4).half().float()
     blocks = gemv_q8_cpu.pack_q8_blocks(q, d)
-    dense = gemv_q8_cpu.dequantize_q8_blocks(blocks, N).to(torch.bfloat16)
+    # The embedding as the loader makes it (scales rounded to bf16), which the AMX side then
+    # makes too (bf16_scales, as a tied head's layer asks for).
+    dense = gemv_q8_cpu.gemm_q8_amx_weights(blocks, N, bf16_scales=True)
     if "prepacked" in paths:
         prepack(dense)
 
     def run(path: str, x: torch.Tensor) -> torch.Tensor:
         if path == "amx":
-            return torch.ops.pagemill_native.gemm_q8_amx(x, blocks, N)
+            return torch.ops.pagemill_native.gemm_q8_amx(x, blocks, N, True)
         if path == "dense":
             return F.linear(x, dense)
         if path == "prepacked":
