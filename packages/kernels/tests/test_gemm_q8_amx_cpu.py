@@ -16,8 +16,17 @@ pytestmark = pytest.mark.skipif(g.load() is None, reason="no C++ compiler for th
 needs_amx = pytest.mark.skipif(not g.gemm_amx_available(), reason="no AMX-BF16 here")
 
 # N with an odd tile count (the kernel pairs tiles) and not a multiple of 16 (the packing
-# pads the last tile), K one, two and three chunks of at most 16 blocks.
-SHAPES = [(1, 16, 32), (5, 37, 96), (17, 80, 64), (33, 100, 576), (47, 112, 160), (64, 16, 1536)]
+# pads the last tile), K one chunk of up to 48 blocks, and two (3072: the sums leave the tiles
+# between chunks).
+SHAPES = [
+    (1, 16, 32),
+    (5, 37, 96),
+    (17, 80, 64),
+    (33, 100, 576),
+    (47, 112, 160),
+    (64, 16, 1536),
+    (40, 48, 3072),
+]
 
 
 def _blocks(n: int, k: int, seed: int) -> torch.Tensor:
@@ -92,7 +101,7 @@ def test_the_scale_rounding_is_seen() -> None:
 
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("n", "k"), [(80, 576), (37, 1536), (48, 96)])
+@pytest.mark.parametrize(("n", "k"), [(80, 576), (37, 1536), (48, 96), (16, 3104)])
 def test_bf16_tiles_at_every_row_count(dtype, n, k) -> None:
     # Rows pass 32 at a time, a last 1..16 in one A tile; 1031: x past 1 MB at K 576 (L2
     # panels) and a ragged last block.

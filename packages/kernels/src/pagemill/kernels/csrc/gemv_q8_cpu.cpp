@@ -658,13 +658,16 @@ struct BFeed {
 // made into a B tile once per call) and make them a block at a time between the tile
 // instructions of the passes over pairs already made (BFeed). Rows of x pass 32 at a time (2 A tiles; a
 // final 1..16 rows use one A tile and half the products), over K in chunks of at most
-// BF_KC_BLOCKS blocks (a chunk's A tiles and one pair's B tiles stay in L1 together). Where x
+// BF_KC_BLOCKS blocks: the sums stay in the tiles over a whole chunk, and a chunk as long as
+// the K of the layers served here (an LM head's 576, an MLP's 1536) measured faster than
+// chunks short enough for a pass's A and B tiles to stay in L1 together, which spill the sums
+// to memory and load them back between chunks. Where x
 // in bf16 fits BF_X_L2_BYTES, one pair at a time meets every row (x from L2) while the next
 // pair is made. Above it the pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while
 // every row passes (each chunk of rows read once per panel, not once per pair), the next
 // panel made over the passes of the current one into the other half of a ring of two.
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
-constexpr int64_t BF_KC_BLOCKS = 16;
+constexpr int64_t BF_KC_BLOCKS = 48;
 constexpr int64_t BF_X_L2_BYTES = 1 << 20;
 // Spans of output pairs per thread, about, that the threads take in turn.
 constexpr int64_t BF_SPANS_PER_THREAD = 8;
