@@ -215,8 +215,8 @@ def _torch_op_flags() -> list[str]:
 @functools.cache
 def load_gemv_ops() -> bool:
     """Build (once per machine and torch) and load `torch.ops.pagemill_native.gemv_q4` /
-    `gemv_q8` / `gemm_q4_amx`, the GEMV kernels as C++ torch operators; whether they are
-    loaded.
+    `gemv_q8` / `gemm_q4_amx` / `gemm_q8_amx`, the GEMV kernels as C++ torch operators;
+    whether they are loaded.
 
     A call through them costs what any aten op's dispatch does, where the Python custom ops
     add a Python function and a ctypes call to each of a decode step's hundred-odd calls.
@@ -241,7 +241,7 @@ def load_gemv_ops() -> bool:
     except (OSError, RuntimeError) as e:
         logger.warning("loading %s failed (%s); calling the GEMV kernels through Python", target, e)
         return False
-    for name in ("gemv_q4", "gemv_q8", "gemm_q4_amx"):
+    for name in ("gemv_q4", "gemv_q8", "gemm_q4_amx", "gemm_q8_amx"):
         torch.library.register_fake(f"pagemill_native::{name}", _gemv_fake)
     _gemv_ops_loaded = True
     return True

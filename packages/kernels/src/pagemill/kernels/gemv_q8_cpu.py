@@ -15,6 +15,13 @@ On a machine with AMX-INT8 the kernel itself sends calls of a few rows and more
 same bits, in far fewer instructions per row of x; `PAGEMILL_CPU_GEMV_AMX=0` keeps every
 call on the vector kernel. Callers change nothing.
 
+For batches (an LM head over a whole step's rows) `gemm_q8_amx` multiplies the same tiles on
+the AMX-BF16 units: each block made into bf16 (d * q, exact in fp32, rounded once: the values
+a dense bf16 copy made from the tiles holds; with `bf16_scales` d is rounded to bf16 first, as
+in an embedding dequantized with bf16 scales, so a tied head matches its embedding) and x
+rounded to bf16, fp32 sums. That is the dense bf16 product (summation order aside) from half
+the bytes and without a dense copy.
+
 Built like `cpu_native` (host compiler, -march=native, cached per machine and source, ctypes;
 `load()` is None without a compiler). Callers reach it as `torch.ops.pagemill_native.gemv_q8`
 (a C++ torch operator, `cpu_native.load_gemv_ops`) or else `torch.ops.pagemill.gemv_q8`
@@ -47,6 +54,10 @@ __all__ = [
     "amx_min_rows",
     "available",
     "dequantize_q8_blocks",
+    "gemm_amx_available",
+    "gemm_q8_amx",
+    "gemm_q8_amx_torch",
+    "gemm_q8_amx_weights",
     "gemv_q8",
     "gemv_q8_torch",
     "load",
@@ -260,6 +271,100 @@ def gemv_q8(
             raise RuntimeError("gemv_q8 cannot run on AMX units here (see amx_available())")
     check_status("gemv_q8_cpu", status)
     return y
+
+
+# ---- batches on the AMX-BF16 tiles -----------------------------------------------------------
+
+# pagemill_gemm_q8_amx's status where the build or the machine has no AMX-BF16.
+_NO_AMX = 4
+
+
+def _gemm_lib(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """`lib` with its `pagemill_gemm_q8_amx` typed (builds before it have none)."""
+    if lib is None or not hasattr(lib, "pagemill_gemm_q8_amx"):
+        return None
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn = lib.pagemill_gemm_q8_amx
+    fn.restype = i32
+    fn.argtypes = [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32]
+    lib.pagemill_gemm_q8_amx_available.restype = i32
+    return lib
+
+
+def gemm_amx_available(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `gemm_q8_amx` runs here: AMX-BF16 in the build (the compiler and
+    `-march=native`) and on the machine, and the kernel's leave to use the tiles' state."""
+    typed = _gemm_lib(lib or load())
+    return typed is not None and bool(typed.pagemill_gemm_q8_amx_available())
+
+
+def gemm_q8_amx(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    bf16_scales: bool = False,
+) -> torch.Tensor:
+    """x [M, K] (fp32 or bf16) · W[N, K]ᵀ -> [M, N] in x's dtype on the AMX-BF16 tiles, for
+    batches (32 rows of x per tile pass). Each weight block becomes bf16 (d * q rounded once;
+    `bf16_scales`: d rounded to bf16 first, as a bf16 embedding dequantized with bf16 scales
+    holds it) and x is rounded to bf16, with fp32 sums: `gemm_q8_amx_torch`'s product,
+    summation order aside. Raises where `gemm_amx_available()` is False (callers keep
+    another path there)."""
+    typed = _gemm_lib(lib or load())
+    if typed is None or not typed.pagemill_gemm_q8_amx_available():
+        raise RuntimeError(
+            "gemm_q8_amx needs AMX-BF16 (in the build and on this CPU, with the kernel's "
+            "leave to use the tiles); see gemm_amx_available()"
+        )
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"gemm_q8_amx takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
+            f"{BLOCK_BYTES}] for N = {n}; got x {tuple(x.shape)} {x.dtype}, "
+            f"blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    y = torch.empty(m_rows, n, dtype=x.dtype)
+    status = typed.pagemill_gemm_q8_amx(
+        GEMV_DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        y.data_ptr(),
+        n,
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+        int(bf16_scales),
+    )
+    if status == _NO_AMX:
+        raise RuntimeError("gemm_q8_amx cannot run on AMX-BF16 units here")
+    check_status("gemm_q8_amx", status)
+    return y
+
+
+def gemm_q8_amx_weights(blocks: torch.Tensor, n: int, bf16_scales: bool = False) -> torch.Tensor:
+    """The bf16 weights [N, K] `gemm_q8_amx` multiplies: bf16(d * q), d first rounded to bf16
+    with `bf16_scales`."""
+    q, d = unpack_q8_blocks(blocks, n)
+    if bf16_scales:
+        d = d.to(torch.bfloat16).float()
+    nb = d.shape[1]
+    return (q.view(n, nb, QK).float() * d[..., None]).reshape(n, nb * QK).to(torch.bfloat16)
+
+
+def gemm_q8_amx_torch(
+    x: torch.Tensor, blocks: torch.Tensor, n: int, bf16_scales: bool = False
+) -> torch.Tensor:
+    """Plain-torch `gemm_q8_amx`: its bf16 weights (`gemm_q8_amx_weights`), x rounded to
+    bf16, fp32 sums."""
+    w = gemm_q8_amx_weights(blocks, n, bf16_scales).float()
+    return (x.to(torch.bfloat16).float() @ w.T).to(x.dtype)
 
 
 # ---- the op a compiled graph calls ---------------------------------------------------------------

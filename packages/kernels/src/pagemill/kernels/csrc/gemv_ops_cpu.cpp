@@ -1,8 +1,8 @@
-// torch.ops.pagemill_native.gemv_q4 / gemv_q8 / gemm_q4_amx: the packed-weight GEMV kernels of
-// gemv_q4_cpu.cpp and gemv_q8_cpu.cpp as real torch operators, so that a compiled graph
-// (and an eager caller) reaches them through the dispatcher alone. Through a Python custom
-// op every call also ran a Python function and a ctypes call; a decode step of a small model
-// makes over a hundred of them, each moving little data.
+// torch.ops.pagemill_native.gemv_q4 / gemv_q8 / gemm_q4_amx / gemm_q8_amx: the packed-weight
+// kernels of gemv_q4_cpu.cpp and gemv_q8_cpu.cpp as real torch operators, so that a compiled
+// graph (and an eager caller) reaches them through the dispatcher alone. Through a Python
+// custom op every call also ran a Python function and a ctypes call; a decode step of a small
+// model makes over a hundred of them, each moving little data.
 //
 // Built by pagemill.kernels.cpu_native.load_gemv_ops together with the two kernel sources
 // (one library: the same -march=native builds the ctypes path loads), against the running
@@ -25,6 +25,9 @@ extern "C" int pagemill_gemm_q4_amx(int dtype, const void* x, int64_t x_stride, 
 extern "C" int pagemill_gemv_q8(int dtype, const void* x, int64_t x_stride, const void* w,
                                 void* y, int64_t y_stride, int64_t m_rows, int64_t n, int64_t k,
                                 int threads, int planes);
+extern "C" int pagemill_gemm_q8_amx(int dtype, const void* x, int64_t x_stride, const void* w,
+                                    void* y, int64_t y_stride, int64_t m_rows, int64_t n,
+                                    int64_t k, int threads, int bf16_scales);
 
 namespace {
 
@@ -115,16 +118,38 @@ at::Tensor gemv_q8(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t 
     return y;
 }
 
+// gemv_q8's weights on the AMX-BF16 tiles (each block made into bf16, its scales first
+// rounded to bf16 with bf16_scales; x rounded to bf16: the dense bf16 product). No native
+// fallback: callers check gemv_q8_cpu.gemm_amx_available() before routing to it.
+at::Tensor gemm_q8_amx(const at::Tensor& x_in, const at::Tensor& blocks_in, int64_t n,
+                       bool bf16_scales) {
+    check_x("gemm_q8_amx", x_in, blocks_in, n, 1);
+    TORCH_CHECK(blocks_in.size(2) == Q8_BLOCK_BYTES, "gemm_q8_amx tiles are ", Q8_BLOCK_BYTES,
+                " bytes per block, got ", blocks_in.size(2));
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const at::Tensor blocks = blocks_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), n}, x.options());
+    const int status = pagemill_gemm_q8_amx(dtype_code(x), x.data_ptr(), x.stride(0),
+                                            blocks.data_ptr(), y.data_ptr(), n, x.size(0), n,
+                                            x.size(1), at::get_num_threads(),
+                                            bf16_scales ? 1 : 0);
+    TORCH_CHECK(status != 4, "gemm_q8_amx: no AMX-BF16 on this machine or in this build");
+    TORCH_CHECK(status == 0, "gemm_q8_amx refused its arguments (status ", status, ")");
+    return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagemill_native, m) {
     m.def("gemv_q4(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
     m.def("gemv_q8(Tensor x, Tensor blocks, int n, int planes=2) -> Tensor");
     m.def("gemm_q4_amx(Tensor x, Tensor blocks, int n, int planes=0) -> Tensor");
+    m.def("gemm_q8_amx(Tensor x, Tensor blocks, int n, bool bf16_scales=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
     m.impl("gemv_q4", &gemv_q4);
     m.impl("gemv_q8", &gemv_q8);
     m.impl("gemm_q4_amx", &gemm_q4_amx);
+    m.impl("gemm_q8_amx", &gemm_q8_amx);
 }

@@ -32,6 +32,7 @@
 // registers. Each thread asks for its weights a few blocks ahead of use (PREFETCH_BLOCKS).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,7 +41,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__)) && defined(__linux__)
 #include "amx_tiles.h"
 
 #include <cstdlib>
@@ -521,6 +522,336 @@ bool amx_usable() { return false; }
 int64_t amx_rows_setting() { return 0; }
 #endif
 
+// ---- AMX-BF16: batches on bf16 weight tiles made from the packed blocks ---------------------
+//
+// For batches (an LM head over a whole step's rows) the int8 kernels above pay float work per
+// row and block of 32 inputs: each block has its own scale, so its integer sums cannot stay
+// in a tile. TDPBF16PS keeps fp32 sums in the tile over all of K instead, and the scales go
+// into the weights: each block becomes w = d * q in fp32 (exact: an 8-bit integer times an
+// fp16 scale), rounded once to bf16 (as a dense bf16 copy made from the tiles holds it; or d
+// rounded to bf16 first, as the bf16 embedding a tied head shares holds it), once per call
+// and tile of outputs, and meets every row of x rounded to bf16. The result is the dense bf16 product (fp32 sums in another
+// order) without the dense copy in memory, and from half its bytes.
+// Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
+// (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
+
+#if PAGEMILL_GEMV_ISA == 3 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \
+    defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__linux__)
+#define PAGEMILL_Q8_AMX_BF16 1
+
+bool amx_bf16_usable() {
+    static const bool ok = pagemill_amx::usable(pagemill_amx::TILE | pagemill_amx::BF16);
+    return ok;
+}
+
+constexpr int64_t BF_TILE = 16 * 64;  // bytes of one weight block as a B tile
+
+void configure_bf16_tiles() {
+    pagemill_amx::TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    pagemill_amx::load_tile_config(cfg);
+}
+
+// One block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the inputs
+// 2kk and 2kk + 1 (one 32-bit lane per output). Line j of the block holds inputs 4j + t of
+// output r in byte 4r + t, so B rows 2j and 2j + 1 come from line j alone: a byte permute
+// puts, for outputs 0-7 (then 8-15), each one's two inputs in the top bytes of two 32-bit
+// lanes, already in B order, the rest of each lane zero. A lane is then q * 2^24, converted
+// to float exactly and multiplied by d * 2^-24 (the outputs' scales in the same order): the
+// exact d * q, which the bf16 conversion rounds once; its two 16-lane halves are the B row.
+// (No shifts to sign-extend, no second permute to interleave.) With `bf16_scales` d is first
+// rounded to bf16 (then q * d, 16 bits, is still exact): the values a bf16 embedding made by
+// dequantizing with scales in bf16 holds, so that a tied head's two large-row paths agree.
+struct Q8Unpack {
+    __m512i idx[2][2];  // [B row 2j + p][outputs 0-7, 8-15]: byte sources within the line
+    __m512i half[2];    // lane sources of the scales, per half of the outputs
+    bool bf16_scales;
+
+    explicit Q8Unpack(bool round_scales) : bf16_scales(round_scales) {
+        alignas(64) int8_t bytes[64];
+        for (int p = 0; p < 2; ++p) {
+            for (int h = 0; h < 2; ++h) {
+                for (int l = 0; l < 16; ++l) {  // lane l: output 8h + l / 2, input 2p + l % 2
+                    for (int b = 0; b < 3; ++b) bytes[4 * l + b] = 0;  // masked off
+                    bytes[4 * l + 3] = static_cast<int8_t>(4 * (8 * h + l / 2) + 2 * p + l % 2);
+                }
+                idx[p][h] = _mm512_load_si512(bytes);
+            }
+        }
+        alignas(64) int32_t lanes[16];
+        for (int h = 0; h < 2; ++h) {
+            for (int l = 0; l < 16; ++l) lanes[l] = 8 * h + l / 2;
+            half[h] = _mm512_load_si512(lanes);
+        }
+    }
+};
+
+inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, const Q8Unpack& u) {
+    constexpr __mmask64 TOP = 0x8888888888888888ull;  // the top byte of each 32-bit lane
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    if (u.bf16_scales) {
+        const __m256i top = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(d));
+        d = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(top), 16));
+    }
+    d = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / 16777216.0f));
+    const __m512 dh[2] = {_mm512_permutexvar_ps(u.half[0], d),
+                          _mm512_permutexvar_ps(u.half[1], d)};
+    for (int j = 0; j < 8; ++j) {
+        const __m512i raw = _mm512_loadu_si512(blk + SB + 64 * j);
+        for (int p = 0; p < 2; ++p) {  // B row 2j + p: inputs 4j + 2p, 4j + 2p + 1
+            __m512 f[2];
+            for (int h = 0; h < 2; ++h)
+                f[h] = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(TOP, u.idx[p][h], raw)),
+                    dh[h]);
+            _mm512_store_si512(out + 64 * (2 * j + p),
+                               reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(f[1], f[0])));
+        }
+    }
+}
+
+// A thread's B tiles, made a block at a time in the order they are used (pair of output
+// tiles, then tile, then block) into a ring of `slots` pairs, so that the passes over pairs
+// already made can make the next ones between their tile instructions (the vector units and
+// the matrix unit working side by side).
+struct BFeed {
+    const uint8_t* w;
+    int64_t tiles, nb, pair_bytes, slots, p0;
+    uint8_t* bt;
+    Q8Unpack unpack;
+    int64_t next = 0;   // tile-blocks made, from the thread's first pair
+    int64_t limit = 0;  // no further: the ring's slots past it still hold pairs in use
+    int64_t num = 1, den = 1, credit = 0;  // num / den blocks made per tick, on average
+
+    uint8_t* pair_tiles(int64_t pair) const { return bt + (pair - p0) % slots * pair_bytes; }
+
+    inline void step() {
+        const int64_t per = 2 * nb;
+        const int64_t pr = next / per;
+        const int64_t h = next % per / nb;
+        const int64_t b = next % nb;
+        uint8_t* out = pair_tiles(p0 + pr) + (2 * b + h) * BF_TILE;
+        const int64_t tile = 2 * (p0 + pr) + h;
+        if (tile >= tiles) {
+            std::memset(out, 0, BF_TILE);
+        } else {
+            unpack_block_bf16(w + (tile * nb + b) * BLOCK, out, unpack);
+        }
+        ++next;
+    }
+    inline void tick() {
+        if (next >= limit) return;
+        credit += num;
+        for (; credit >= den && next < limit; credit -= den) step();
+    }
+    void through(int64_t pair) {  // everything up to and including `pair`
+        const int64_t need = (pair - p0 + 1) * 2 * nb;
+        while (next < need) step();
+    }
+};
+
+// Blocking. The threads take spans of pairs of output tiles in turn (each weight block is
+// made into a B tile once per call) and make them a block at a time between the tile
+// instructions of the passes over pairs already made (BFeed). Rows of x pass 32 at a time (2 A tiles; a
+// final 1..16 rows use one A tile and half the products), over K in chunks of at most
+// BF_KC_BLOCKS blocks: the sums stay in the tiles over a whole chunk, and a chunk as long as
+// the K of the layers served here (an LM head's 576, an MLP's 1536) measured faster than
+// chunks short enough for a pass's A and B tiles to stay in L1 together, which spill the sums
+// to memory and load them back between chunks. Where x
+// in bf16 fits BF_X_L2_BYTES, one pair at a time meets every row (x from L2) while the next
+// pair is made. Above it the pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while
+// every row passes (each chunk of rows read once per panel, not once per pair), the next
+// panel made over the passes of the current one into the other half of a ring of two.
+constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
+constexpr int64_t BF_KC_BLOCKS = 48;
+constexpr int64_t BF_X_L2_BYTES = 1 << 20;
+// Spans of output pairs per thread, about, that the threads take in turn.
+constexpr int64_t BF_SPANS_PER_THREAD = 8;
+
+// The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
+// bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
+// ([4][16 x 16] fp32: rows 0-15 x tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless
+// `first`, then stored to c.
+template <bool ONE>
+inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t b1, bool first,
+                      float* c, BFeed& feed) {
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (!ONE) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+    } else {
+        _tile_loadd(0, c, 64);
+        _tile_loadd(1, c + 256, 64);
+        if (!ONE) {
+            _tile_loadd(2, c + 512, 64);
+            _tile_loadd(3, c + 768, 64);
+        }
+    }
+    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
+    for (int64_t b = b0; b < b1; ++b) {
+        _tile_loadd(4, xr + b * 2 * BF_TILE, 64);
+        _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (!ONE) {
+            _tile_loadd(5, xr + (2 * b + 1) * BF_TILE, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        feed.tick();
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c + 256, 64);
+    if (!ONE) {
+        _tile_stored(2, c + 512, 64);
+        _tile_stored(3, c + 768, 64);
+    }
+}
+
+// Row r of x in bf16 (rounded to nearest even) into xb as A tiles, per block of 32 rows
+// [nb][32 rows][32 inputs]; rows past m_rows (up to a whole block of rows) zero.
+inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_rows, int64_t nb,
+                         int64_t r, uint16_t* xb) {
+    uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+        uint16_t* d = dst + b * 32 * QK;
+        if (r >= m_rows) {
+            _mm512_storeu_si512(d, _mm512_setzero_si512());
+        } else if (dtype == 1) {
+            _mm512_storeu_si512(
+                d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * x_stride + b * QK));
+        } else {
+            const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
+            _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                       _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
+        }
+    }
+}
+
+void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w, void* y,
+                       int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                       bool bf16_scales) {
+    const int64_t nb = k / QK;
+    const int64_t m_pad = (m_rows + 15) / 16 * 16;
+    // x in bf16 as A tiles. Where it fits BF_X_L2_BYTES (each thread then reads all of it
+    // for every pair, from its own L2) each thread converts all of x for itself inside the
+    // one parallel region: a second region's fork and join costs more than the copy, and far
+    // more where another process holds one of the cores for a while. Larger x: one copy,
+    // split over the threads, read once per panel.
+    const bool own_x = m_rows * k * 2 <= BF_X_L2_BYTES;
+    const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
+    thread_local std::vector<uint16_t> xbuf;
+    uint16_t* shared_xb = nullptr;
+    if (!own_x) {
+        xbuf.resize(x_elems);
+        shared_xb = xbuf.data();
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t r = 0; r < m_pad; ++r)
+            bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, shared_xb);
+    }
+    const int64_t tiles = (n + ROWS - 1) / ROWS;
+    const int64_t pairs = (tiles + 1) / 2;
+    const int64_t pair_bytes = nb * 2 * BF_TILE;
+    const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
+    const int64_t kc = (nb + chunks - 1) / chunks;
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
+    const int64_t panel = m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+                              ? 1
+                              : std::max<int64_t>(1, BF_PANEL_BYTES / pair_bytes);
+    // Threads take spans of whole panels in turn, not a fixed share each: where another
+    // process holds a core for a while, the other thread takes more spans instead of waiting
+    // at the end for its twin. A span's first panel is made as its passes reach it (the
+    // ring is not yet ahead), so spans stay many panels long where there are pairs enough.
+    const int64_t span = panel * std::max<int64_t>(
+                                     1, (pairs + BF_SPANS_PER_THREAD * team * panel - 1) /
+                                            (BF_SPANS_PER_THREAD * team * panel));
+    const int64_t spans = (pairs + span - 1) / span;
+    std::atomic<int64_t> next_span{0};
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        uint16_t* xb = shared_xb;
+        if (own_x) {
+            thread_local std::vector<uint16_t> own;
+            own.resize(x_elems);
+            xb = own.data();
+            for (int64_t r = 0; r < m_pad; ++r) bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, xb);
+        }
+        // B tiles of two panels, pair by pair: [slots][nb][2][BF_TILE]; then the products per
+        // pair between K chunks, [panel][4][16 x 16] fp32.
+        const int64_t slots = std::min(span, 2 * panel);
+        thread_local std::vector<uint8_t> made;
+        const int64_t cbytes = (chunks > 1 ? panel : 1) * 4 * 1024;
+        made.resize(static_cast<size_t>(slots * pair_bytes + cbytes + 64));
+        uint8_t* bt = reinterpret_cast<uint8_t*>(
+            (reinterpret_cast<uintptr_t>(made.data()) + 63) & ~uintptr_t{63});
+        float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
+        const Q8Unpack unpack(bf16_scales);
+        const int64_t m_blocks = (m_rows + 31) / 32;
+        configure_bf16_tiles();
+        for (int64_t sp = next_span++; sp < spans; sp = next_span++) {
+            const int64_t p0 = sp * span;
+            const int64_t p1 = std::min(pairs, p0 + span);
+            BFeed feed{w, tiles, nb, pair_bytes, slots, p0, bt, unpack};
+            for (int64_t q0 = p0; q0 < p1; q0 += panel) {
+                const int64_t q1 = std::min(p1, q0 + panel);
+                const int64_t q2 = std::min(p1, q1 + panel);
+                feed.limit = (q2 - p0) * 2 * nb;
+                // The next panel's blocks spread evenly over this panel's ticks (one per block
+                // of K a pass multiplies); what is still missing when a pair is due is made
+                // then (`through`: a span's first panel).
+                feed.num = (q2 - q1) * 2;
+                feed.den = std::max<int64_t>(1, m_blocks * (q1 - q0));
+                feed.credit = 0;
+                for (int64_t m0 = 0; m0 < m_rows; m0 += 32) {
+                    const bool one = m_rows - m0 <= 16;
+                    const uint16_t* xa = xb + m0 * k;
+                    for (int64_t b0 = 0; b0 < nb; b0 += kc) {
+                        const int64_t b1 = std::min(nb, b0 + kc);
+                        for (int64_t pair = q0; pair < q1; ++pair) {
+                            feed.through(pair);
+                            const uint8_t* bp = feed.pair_tiles(pair);
+                            float* c = cbuf + (chunks > 1 ? (pair - q0) * 1024 : 0);
+                            if (one) {
+                                bf16_pass<true>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            } else {
+                                bf16_pass<false>(xa, bp, b0, b1, b0 == 0, c, feed);
+                            }
+                            if (b1 < nb) continue;
+                            for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
+                                const int64_t r0 = m0 + 16 * mh;
+                                const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                                for (int h = 0; h < 2; ++h) {
+                                    const int64_t tile = 2 * pair + h;
+                                    if (tile >= tiles) continue;
+                                    const int64_t rows = std::min<int64_t>(ROWS, n - tile * ROWS);
+                                    const float* ct = c + (2 * mh + h) * 256;
+                                    for (int64_t t = 0; t < tm; ++t)
+                                        store_outputs(ct + t * ROWS, y,
+                                                      (r0 + t) * y_stride + tile * ROWS, rows,
+                                                      dtype);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+#else
+bool amx_bf16_usable() { return false; }
+#endif
+
 // Whether a call of m_rows rows goes to the matrix units when the caller leaves it to us.
 bool picks_amx(int64_t m_rows) {
     const int64_t from = amx_rows_setting();
@@ -615,5 +946,30 @@ int pagemill_gemv_q8_picks_amx(int64_t m_rows) { return picks_amx(m_rows) ? 1 : 
 
 // The fewest rows of x the automatic choice sends to the matrix units (0 without them).
 int64_t pagemill_gemv_q8_amx_min_rows() { return amx_usable() ? amx_rows_setting() : 0; }
+
+// Whether pagemill_gemm_q8_amx runs here: AMX-BF16 in this build and on this machine, and the
+// kernel's permission for the tiles' state.
+int pagemill_gemm_q8_amx_available() { return amx_bf16_usable() ? 1 : 0; }
+
+// y = x · Wᵀ on the AMX-BF16 tiles, for batches: each weight block made into bf16 (d * q,
+// rounded once; with bf16_scales d rounded to bf16 first) and x rounded to bf16, fp32 sums
+// (the dense bf16 product without a dense copy). Arguments as pagemill_gemv_q8's without
+// planes; status 4 where AMX-BF16 is not available (pagemill_gemm_q8_amx_available).
+int pagemill_gemm_q8_amx(int dtype, const void* x, int64_t x_stride, const void* w, void* y,
+                         int64_t y_stride, int64_t m_rows, int64_t n, int64_t k, int threads,
+                         int bf16_scales) {
+    if (dtype != 0 && dtype != 1) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (!amx_bf16_usable()) return 4;
+    if (m_rows == 0 || n == 0) return 0;
+#ifdef PAGEMILL_Q8_AMX_BF16
+    amx_bf16_multiply(dtype, x, x_stride, static_cast<const uint8_t*>(w), y, y_stride, m_rows, n,
+                      k, std::max(1, threads), bf16_scales != 0);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads, (void)bf16_scales;
+    return 4;
+#endif
+}
 
 }  // extern "C"

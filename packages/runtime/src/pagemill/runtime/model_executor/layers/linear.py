@@ -41,7 +41,11 @@ then runs it for steps of more than `packed_max_tokens` rows, where a dense GEMM
 An int4 layer served by `gemv_q4` on a CPU with AMX needs no dense copy for that: its large
 batches run `gemm_q4_amx`, which turns each weight block into bf16 tiles as it goes and
 multiplies on the matrix units — the dense bf16 product without the copy's memory
-(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`).
+(`amx_large_rows`, `PAGEMILL_CPU_AMX_PACKED`). A bf16 q8_0 layer likewise runs
+`gemm_q8_amx` (its blocks made into bf16 as it goes). A tied q8_0 head keeps the bf16
+embedding as `weight` (the AMX side then rounds the scales as the embedding was made, so both
+make the same weights), and the start-up crossover measurement may still pick oneDNN on it
+for large batches where that measures faster (`crossover.measure_packed_limits`).
 The branch on the row count is the only shape-dependent choice; see `compiled_branch` for
 how a compiled graph makes it.
 """
@@ -180,8 +184,12 @@ class Linear(nn.Module):
         # int4 / q8_0 served by gemv_q4 / gemv_q8 with this many planes (`int8_activations`)
         self.int8_act = 0
         self.native_gemv = False
-        # Rows above `packed_max_tokens` run `gemm_q4_amx` on the packed blocks (no dense copy).
+        # Rows above `packed_max_tokens` run `gemm_q4_amx` / `gemm_q8_amx` on the packed
+        # blocks (no dense copy).
         self.amx_large_rows = False
+        # q8_0: `gemm_q8_amx` rounds the scales to bf16 first, as the shared dense weight (a
+        # tied head's embedding) was made (see `use_dense_weight`).
+        self.amx_bf16_scales = False
         self.group_size = 0
         self.packed_max_tokens = 0
         self.kernel_dtype = dtype
@@ -273,7 +281,18 @@ class Linear(nn.Module):
             self.group_size = gemv_q8_cpu.QK
             self.int8_act = 2 if self.int8_activations >= 2 else 1
             self.native_gemv = True
-            if self.scheme.dense_fallback:
+            # As for int4: large batches on the matrix units from the packed tiles
+            # (`gemm_q8_amx`, the bf16 values a dense copy would hold), so no dense copy. In
+            # bf16 models only: an fp32 model's dense copy holds the rows exactly, and its
+            # packed side's two int8 planes round x more finely than bf16 would.
+            self.amx_large_rows = (
+                self.amx_packed
+                and self.dtype == torch.bfloat16
+                and not self.scheme.keep_dense_copy
+                and self.native_gemv
+                and gemv_q8_cpu.gemm_amx_available()
+            )
+            if self.scheme.dense_fallback and not self.amx_large_rows:
                 weight.copy_(gemv_q8_cpu.dequantize_q8_blocks(tiles, self.out_features))
         else:
             if pieces:
@@ -407,6 +426,22 @@ class Linear(nn.Module):
             if isinstance(weight, nn.Parameter)
             else nn.Parameter(weight, requires_grad=False)
         )
+        if self.format == "q8_0" and self.amx_large_rows:
+            self.amx_bf16_scales = self._holds_bf16_scaled_rows(weight)
+
+    @torch.no_grad()
+    def _holds_bf16_scaled_rows(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` holds the tiles' rows dequantized with scales rounded to bf16 (a
+        bf16 embedding as `formats.dequantize` makes it) rather than the exact fp16 scales,
+        judged on its first rows: `gemm_q8_amx` then makes the same values, and a tied head's
+        large-row paths (AMX on the tiles, oneDNN on the embedding) agree."""
+        assert self.qweight is not None
+        rows = min(self.out_features, 256)
+        if weight.dtype != torch.bfloat16:
+            return False
+        tiles = self.qweight[: -(-rows // gemv_q8_cpu.ROWS)]
+        made = gemv_q8_cpu.gemm_q8_amx_weights(tiles, rows, bf16_scales=True)
+        return bool(torch.equal(made, weight[:rows].detach().cpu()))
 
     # ---- introspection ---------------------------------------------------------------------
 
@@ -424,7 +459,7 @@ class Linear(nn.Module):
     @property
     def has_dense_fallback(self) -> bool:
         """Whether rows above `packed_max_tokens` leave the packed kernel: for a dense copy,
-        or for `gemm_q4_amx` on the packed blocks (`amx_large_rows`)."""
+        or for `gemm_q4_amx` / `gemm_q8_amx` on the packed blocks (`amx_large_rows`)."""
         return self.format != "dense" and (self.weight is not None or self.amx_large_rows)
 
     def packed_nbytes(self) -> int:
@@ -472,6 +507,12 @@ class Linear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx_large_rows:
             return self._amx(x)
+        return self._onednn(x)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense weight through oneDNN: a dense layer, a packed layer's dense copy, or the
+        bf16 embedding a tied head shares (also where it has `amx_large_rows`: the crossover
+        measurement times both, see `crossover.time_layers`)."""
         assert self.weight is not None  # the dense path is taken only with a dense copy
         if not self.prepacked:
             return F.linear(x, self.weight, self.bias)
@@ -532,11 +573,16 @@ class Linear(nn.Module):
 
     def _amx(self, x: torch.Tensor) -> torch.Tensor:
         """The large-batch side of an `amx_large_rows` layer: bf16 products on the matrix
-        units from the packed blocks (0 activation planes: x rounded to bf16, as the dense
-        copy's GEMM would take it)."""
+        units from the packed blocks (int4: 0 activation planes; both formats round x to
+        bf16, as the dense copy's GEMM would take it)."""
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
+        if self.format == "q8_0":
+            y = torch.ops.pagemill_native.gemm_q8_amx(
+                xk, self.qweight, self.out_features, self.amx_bf16_scales
+            )
+        else:
+            y = torch.ops.pagemill_native.gemm_q4_amx(xk, self.qweight, self.out_features, 0)
         y = y.view(*x.shape[:-1], self.out_features)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)

@@ -19,6 +19,11 @@ compiled graphs: that start misses the compile cache once, which a cold engine c
 the background while it serves (`EngineConfig.compile_in_background`); a machine left on
 the table for good would lose on every step instead.
 
+A layer whose large side is AMX on its packed blocks (`Linear.amx_large_rows`) and that also
+holds a dense weight (a tied Q8_0 head shares the bf16 embedding) is timed three ways: packed,
+AMX and oneDNN on the dense weight; its group then runs whichever large side sums to less
+over the row counts above its crossover (so a machine where oneDNN wins keeps it).
+
 The decision is per group, not per kind: the LM head (outside the compiled forward) on its
 own, every other layer per format, summing the kinds' step times. Every distinct limit in
 the forward is one more compiled graph (see `Linear.compiled_branch`), so a limit per
@@ -67,8 +72,10 @@ BUSY_ATTEMPTS = 3
 # Bump when what is measured, or how, changes: older results are then measured again.
 _FORMAT = 1
 
-# (layers of one kind, rows) -> (packed seconds, dense seconds) per layer
-Timer = Callable[[Sequence["Linear"], int], tuple[float, float]]
+# (layers of one kind, rows) -> (packed seconds, dense seconds) per layer, and oneDNN seconds
+# on the dense weight third where the large side is AMX and a dense weight is there too
+# (`time_layers`)
+Timer = Callable[[Sequence["Linear"], int], tuple[float, ...]]
 
 
 def packed_limits_mode() -> str:
@@ -160,14 +167,23 @@ def sample_layers(layers: Sequence[Linear], max_bytes: int = SAMPLE_BYTES) -> li
     return list(layers[: max(1, min(len(layers), -(-max_bytes // one)))])
 
 
-def time_layers(layers: Sequence[Linear], rows: int) -> tuple[float, float]:
-    """Seconds per layer to run `layers` packed and dense on `rows` rows: the fastest of a
-    few alternating runs (other jobs on the machine only ever add time)."""
+def has_onednn_choice(layer: Linear) -> bool:
+    """Whether `layer`'s large side is AMX on its packed blocks while a dense weight is there
+    too (a tied head's embedding): oneDNN on that weight is then timed as well."""
+    return layer.amx_large_rows and layer.weight is not None
+
+
+def time_layers(layers: Sequence[Linear], rows: int) -> tuple[float, ...]:
+    """Seconds per layer to run `layers` packed and dense on `rows` rows (and on oneDNN
+    third where `has_onednn_choice`): the fastest of a few alternating runs (other jobs on
+    the machine only ever add time)."""
     from pagemill.runtime.model_executor.layers.linear import Linear
 
     x = torch.randn(rows, layers[0].in_features, dtype=layers[0].dtype)
-    packed: list[float] = []
-    dense: list[float] = []
+    paths: list[Callable[[Linear, torch.Tensor], torch.Tensor]] = [Linear._packed, Linear._dense]
+    if has_onednn_choice(layers[0]):
+        paths.append(Linear._onednn)
+    times: list[list[float]] = [[] for _ in paths]
 
     def once(fn: Callable[[Linear, torch.Tensor], torch.Tensor]) -> float:
         t0 = time.perf_counter()
@@ -176,12 +192,12 @@ def time_layers(layers: Sequence[Linear], rows: int) -> tuple[float, float]:
         return (time.perf_counter() - t0) / len(layers)
 
     with torch.inference_mode():
-        once(Linear._packed)
-        once(Linear._dense)
+        for fn in paths:
+            once(fn)
         for _ in range(REPS):
-            packed.append(once(Linear._packed))
-            dense.append(once(Linear._dense))
-    return min(packed), min(dense)
+            for fn, kept in zip(paths, times):
+                kept.append(once(fn))
+    return tuple(min(kept) for kept in times)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -275,6 +291,8 @@ def measure_packed_limits(
                 "packed_ms": [t[0] * 1e3 for t in times],
                 "dense_ms": [t[1] * 1e3 for t in times],
             }
+            if all(len(t) > 2 for t in times):
+                fresh[kind]["onednn_ms"] = [t[2] * 1e3 for t in times]
         elapsed = time.perf_counter() - start
         if elapsed > budget_s:
             fresh = {
@@ -311,27 +329,55 @@ def measure_packed_limits(
         except OSError as e:
             logger.warning("packed limits: could not save %s (%s)", path, e)
     limits: dict[str, int] = {}
+    large_side: dict[str, str] = {}
     for group, members in sorted(groups.items()):
         if any(known[k].get("busy") for k in members):
             continue  # keeps the table's limit
         # The group's step time at each row count all its kinds were timed at: per-layer
         # times times the layer counts.
         shared = min((known[k]["rows"] for k in members), key=len)
-        packed = [
-            sum(known[k]["packed_ms"][i] * len(kinds[k]) for k in members)
-            for i in range(len(shared))
-        ]
-        dense = [
-            sum(known[k]["dense_ms"][i] * len(kinds[k]) for k in members)
-            for i in range(len(shared))
-        ]
-        limits[group] = crossover(shared, packed, dense)
+        counts = {k: len(kinds[k]) for k in members}
+        packed = _summed(known, counts, len(shared), "packed_ms")
+        dense = _summed(known, counts, len(shared), "dense_ms")
+        choice = [k for k in members if "onednn_ms" in known[k] and has_onednn_choice(kinds[k][0])]
+        # Kinds without the choice add their one large side to both sums.
+        onednn = _summed(known, counts, len(shared), "onednn_ms") if choice else dense
+        use_onednn = choice and _onednn_wins(shared, packed, dense, onednn)
+        limits[group] = crossover(shared, packed, onednn if use_onednn else dense)
         for k in members:
             for layer in kinds[k]:
                 layer.packed_max_tokens = limits[group]
+                if use_onednn and k in choice:
+                    layer.amx_large_rows = False  # the dense weight through oneDNN instead
+        if choice:
+            large_side[group] = "oneDNN on the dense weight" if use_onednn else "AMX"
     if limits:
         logger.info(
             "packed vs dense: %s",
-            ", ".join(f"{g} packed up to {n} rows" for g, n in limits.items()),
+            ", ".join(
+                f"{g} packed up to {n} rows"
+                + (f", then {large_side[g]}" if g in large_side else "")
+                for g, n in limits.items()
+            ),
         )
     return limits
+
+
+def _summed(known: dict[str, Any], counts: dict[str, int], n: int, key: str) -> list[float]:
+    """Per-layer times `key` (else "dense_ms") times the layer counts, summed over kinds, at
+    the first `n` row counts."""
+    return [
+        sum(known[k].get(key, known[k]["dense_ms"])[i] * c for k, c in counts.items())
+        for i in range(n)
+    ]
+
+
+def _onednn_wins(
+    rows: Sequence[int], packed: Sequence[float], amx: Sequence[float], onednn: Sequence[float]
+) -> bool:
+    """Whether oneDNN on the dense weight takes less than AMX in all over the row counts
+    the large side serves (those above the crossover against the faster of the two)."""
+    best = [min(a, o) for a, o in zip(amx, onednn)]
+    limit = crossover(rows, packed, best)
+    above = [i for i, n in enumerate(rows) if n > limit]
+    return bool(above) and sum(onednn[i] for i in above) < sum(amx[i] for i in above)
