@@ -105,6 +105,8 @@ def make_llm(args: argparse.Namespace, model_dir: Path, mode: str | None = None)
         kwargs["max_model_len"] = args.max_model_len
     if args.cpu_dense_weights is not None:
         kwargs["cpu_dense_weights"] = args.cpu_dense_weights
+    if args.kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if mode is not None:
         load_format, quantization, eager = MODES[mode]
         kwargs.update(load_format=load_format, quantization=quantization, enforce_eager=eager)
@@ -436,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         choices=["auto", "always", "never"],
         help="dense copies of packed layers for large batches (default: the engine's, auto)",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="KV cache element type, e.g. fp8 or int8 (default: the engine's, auto)",
     )
     ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")
