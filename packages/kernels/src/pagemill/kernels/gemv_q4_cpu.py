@@ -382,7 +382,12 @@ def gemm_q4_amx_silu_mul(
         raise ValueError(f"gemm_q4_amx_silu_mul needs N a positive multiple of {2 * ROWS}, not {n}")
     amx = _amx_lib(lib)
     fn = getattr(amx, "pagemill_gemm_q4_amx_silu_mul", None) if amx is not None else None
-    if fn is None or not supports(x, blocks, n) or not amx.pagemill_gemm_q4_amx_available():
+    if (
+        amx is None
+        or fn is None
+        or not supports(x, blocks, n)
+        or not amx.pagemill_gemm_q4_amx_available()
+    ):
         y = silu_mul_reference(_gemm_q4_fallback(x, blocks, n, lib, threads, 0))
         return y if out is None else out.copy_(y)
     fn.restype = ctypes.c_int
