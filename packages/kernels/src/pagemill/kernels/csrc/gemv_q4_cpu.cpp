@@ -1011,7 +1011,10 @@ inline __m512 exp_ps(__m512 v) {
 
 // y[i .. i + 16) = silu(g) * u for one row of a gate tile and its up tile: g and u first
 // rounded to y's dtype (what a separate gate | up product would have stored), then
-// g / (1 + e^-g) * u in fp32, rounded once.
+// g / (1 + e^-g) * u in fp32, rounded once. The division is a reciprocal estimate refined
+// by one Newton step (within about an ulp; a vector division costs several times the rest
+// of the epilogue), except where 1 + e^-g is so large that the reciprocal would leave the
+// normal range (a real division then: -0 for e^-g = inf, as torch gives).
 inline void store_silu_mul(const float* g, const float* u, void* y, int64_t i, int dtype) {
     __m512 gv = _mm512_loadu_ps(g);
     __m512 uv = _mm512_loadu_ps(u);
@@ -1020,7 +1023,15 @@ inline void store_silu_mul(const float* g, const float* u, void* y, int64_t i, i
         uv = round_to_bf16(uv);
     }
     const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    __m512 s;
+    if (_mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p120f), _CMP_NLT_UQ) != 0) {
+        s = _mm512_div_ps(gv, d);
+    } else {
+        __m512 r = _mm512_rcp14_ps(d);
+        r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+        s = _mm512_mul_ps(gv, r);
+    }
     alignas(64) float out[ROWS];
     _mm512_store_ps(out, _mm512_mul_ps(s, uv));
     store_outputs(out, y, i, ROWS, dtype);
