@@ -227,3 +227,76 @@ def test_native_operators_serve_and_survive_a_restore(monkeypatch) -> None:
         assert not restored.native_gemv
     finally:
         cpu_native.load_gemv_ops.cache_clear()
+
+
+@pytest.mark.skipif(not gemv_q4_cpu.amx_available(), reason="no AMX here")
+def test_gate_up_layer_applies_silu_in_the_amx_product(monkeypatch) -> None:
+    """Above its packed limit an AMX gate | up layer returns silu(gate) * up from one kernel
+    (`gemm_q4_amx_silu_mul`), within a bf16 step of the unfused product and activation,
+    eager and compiled; below the limit, with a bias, an adapter, another activation or
+    halves that are not whole tiles it is the unfused computation, to the bit."""
+    from pagemill.kernels import cpu_native, gelu_tanh_and_mul, silu_and_mul
+
+    if not cpu_native.load_gemv_ops():
+        pytest.skip("the operators cannot be built here")
+    monkeypatch.setattr(Linear, "amx_packed", True)
+    k = 192
+
+    def gate_up(n: int, bias: bool = False) -> Linear:
+        raw, _ = _q4_1(n, k, seed=n)
+        layer = Linear(k, n, bias, torch.bfloat16)
+        layer.scheme = WeightScheme("native", packed_max_tokens=4)
+        layer.load_rows(0, decode_q4_1(raw, n, k))
+        if bias:
+            with torch.no_grad():
+                layer.bias.copy_(torch.linspace(-1, 1, n))
+        assert layer.amx_large_rows
+        return layer
+
+    layer = gate_up(96)
+    calls: list[int] = []
+    real = layer._amx_silu_mul
+    monkeypatch.setattr(layer, "_amx_silu_mul", lambda t: calls.append(t.shape[0]) or real(t))
+    x = torch.randn(40, k, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused = layer.act_and_mul_forward(x, "silu")
+        product = layer(x)
+        small = layer.act_and_mul_forward(x[:4], "silu")
+        small_product = layer(x[:4])
+        gelu = layer.act_and_mul_forward(x, "gelu_tanh")
+    assert calls == [40] and fused.shape == (40, 48)
+    # One rounding of the fp32 activation against the product's bf16 g and u; eager torch
+    # rounds silu(g) once more: a bf16 step apart at most either way.
+    ref = gemv_q4_cpu.silu_mul_reference(product)
+    for want in (ref, silu_and_mul(product)):
+        step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+        assert ((fused.float() - want.float()).abs() <= step).all()
+    assert torch.equal(small, silu_and_mul(small_product))  # the packed GEMV's rows
+    assert torch.equal(gelu, gelu_tanh_and_mul(product))
+    assert calls == [40]
+
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda t: layer.act_and_mul_forward(t, "silu"), fullgraph=True)
+        with torch.no_grad():
+            assert torch.equal(fn(x), fused)
+            compiled_small = fn(x[:4])
+    finally:
+        torch._dynamo.reset()
+    assert calls == [40, 40]  # the graph's 40 rows took the fused kernel, its 4 rows did not
+    step = torch.exp2(torch.floor(torch.log2(small.float().abs().clamp_min(1e-30))) - 7)
+    assert ((compiled_small.float() - small.float()).abs() <= step).all()
+
+    class Adapter:
+        def apply(self, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return y + 1
+
+    layer.lora = Adapter()  # type: ignore[assignment]
+    with torch.no_grad():
+        assert torch.equal(layer.act_and_mul_forward(x, "silu"), silu_and_mul(product + 1))
+    layer.lora = None
+    biased, odd = gate_up(96, bias=True), gate_up(80)  # 80: halves of 40 rows, not tiles
+    with torch.no_grad():
+        for other in (biased, odd):
+            assert torch.equal(other.act_and_mul_forward(x, "silu"), silu_and_mul(other(x)))
+    assert calls == [40, 40]

@@ -225,6 +225,54 @@ def test_gguf_model_generates_like_transformers(
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)
 
 
+def test_mlp_applies_silu_inside_the_amx_gate_up_product(tiny_gguf, monkeypatch) -> None:
+    """In bf16 the all-Q4_1 gate | up of layer 1 runs its large batches on the AMX tiles with
+    silu(gate) * up in the product's epilogue: the activation within a bf16 step of the
+    unfused one, the MLP's output as close; layer 0 (Q4_1 + Q8_0 rows: two planes) keeps the
+    unfused path, to the bit."""
+    from pagemill.kernels import cpu_native, gemv_q4_cpu
+
+    if not (gemv_q4_cpu.amx_available() and cpu_native.load_gemv_ops()):
+        pytest.skip("no AMX or no C++ operators here")
+    monkeypatch.setattr(Linear, "amx_packed", True)
+    monkeypatch.setattr(Linear, "int8_activations", 2)
+    folder, path, _ = tiny_gguf
+    config = ModelConfig.from_pretrained(folder)
+    model = LlamaForCausalLM(config, torch.bfloat16, 512)
+    plan = WeightScheme("native")
+    WeightPlan(plan, plan).apply(model)
+    model.load_weights(GGUFCheckpoint(path).weights(model._targets().keys(), config))
+    fused_mlp, plain_mlp = model.layers[1].mlp, model.layers[0].mlp
+    assert fused_mlp.fused_act == "silu" and fused_mlp.gate_up_proj.amx_large_rows
+    assert not plain_mlp.gate_up_proj.amx_large_rows
+    rows = fused_mlp.gate_up_proj.packed_max_tokens + 24
+    x = torch.randn(rows, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    with torch.no_grad():
+        act = fused_mlp.gate_up_proj.act_and_mul_forward(x, "silu")
+        want = gemv_q4_cpu.silu_mul_reference(fused_mlp.gate_up_proj(x))
+        fused = [m(x) for m in (fused_mlp, plain_mlp)]
+        for m in (fused_mlp, plain_mlp):
+            monkeypatch.setattr(m, "fused_act", None)
+        unfused = [m(x) for m in (fused_mlp, plain_mlp)]
+    step = torch.exp2(torch.floor(torch.log2(want.float().abs().clamp_min(1e-30))) - 7)
+    assert ((act.float() - want.float()).abs() <= step).all()
+    # The MLP: what the compiled graph's unfused loop gives (one rounding) to a bf16 step;
+    # eager torch (silu rounded first) differs in the activation by a step at most, which the
+    # down projection (F16 rows: dense) spreads by at most |W_down| times that step.
+    with torch.no_grad():
+        graph = fused_mlp.down_proj(want)
+        eager_act = fused_mlp.act_and_mul(fused_mlp.gate_up_proj(x))
+    out_step = torch.exp2(torch.floor(torch.log2(graph.float().abs().clamp_min(1e-30))) - 7)
+    assert ((fused[0].float() - graph.float()).abs() <= out_step).all()
+    w_down = fused_mlp.down_proj.weight
+    assert w_down is not None
+    act_step = torch.exp2(torch.floor(torch.log2(eager_act.float().abs().clamp_min(1e-30))) - 7)
+    bound = act_step @ w_down.float().abs().T + 2 * out_step
+    assert ((fused[0].float() - unfused[0].float()).abs() <= bound).all()
+    assert torch.equal(fused[1], unfused[1])
+
+
 def test_q8_0_two_planes_and_q4_rows_roundtrip() -> None:
     """Row formats dequantize as ggml does, on hand-made rows with extreme values."""
     g = torch.Generator().manual_seed(0)

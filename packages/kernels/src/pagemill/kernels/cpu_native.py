@@ -243,6 +243,9 @@ def load_gemv_ops() -> bool:
         return False
     for name in ("gemv_q4", "gemv_q8", "gemm_q4_amx", "gemm_q8_amx"):
         torch.library.register_fake(f"pagemill_native::{name}", _gemv_fake)
+    from pagemill.kernels.gemv_q4_cpu import gemm_q4_amx_silu_mul_fake
+
+    torch.library.register_fake("pagemill_native::gemm_q4_amx_silu_mul", gemm_q4_amx_silu_mul_fake)
     _gemv_ops_loaded = True
     return True
 

@@ -347,6 +347,84 @@ def _gemm_q4_fallback(
     return torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
 
 
+# ---- the gate | up product with silu(gate) * up in its epilogue -------------------------------
+
+
+def silu_mul_reference(y: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u of a gate | up product y [M, 2I] in y's dtype as the fused kernel rounds
+    it: g and u as y holds them, the activation and the product in fp32, one rounding (what
+    a compiled graph's fused loop computes, where eager torch rounds silu(g) on its own)."""
+    i = y.shape[-1] // 2
+    g, u = y[..., :i].float(), y[..., i:].float()
+    return (g / (1.0 + torch.exp(-g)) * u).to(y.dtype)
+
+
+def silu_mul_fusable(n: int) -> bool:
+    """Whether a gate | up layer of `n` outputs splits into whole tiles of gate rows and of up
+    rows (the fused kernel pairs gate tile t with up tile t)."""
+    return n > 0 and n % (2 * ROWS) == 0
+
+
+def gemm_q4_amx_silu_mul(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    n: int,
+    lib: ctypes.CDLL | None = None,
+    threads: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """silu(x Wgᵀ) * (x Wuᵀ) [M, n / 2] in x's dtype for a gate | up layer W [n, K] (gate
+    rows first): `gemm_q4_amx`'s bf16 product (planes 0) with the activation applied to its
+    fp32 tiles while they are in L1, as `silu_mul_reference` of the product. `out`: a [M, n /
+    2] tensor of x's dtype with unit column stride to write into. Without AMX
+    (`amx_available`) the unfused torch computation serves."""
+    if not silu_mul_fusable(n):
+        raise ValueError(f"gemm_q4_amx_silu_mul needs N a positive multiple of {2 * ROWS}, not {n}")
+    amx = _amx_lib(lib)
+    fn = getattr(amx, "pagemill_gemm_q4_amx_silu_mul", None) if amx is not None else None
+    if (
+        amx is None
+        or fn is None
+        or not supports(x, blocks, n)
+        or not amx.pagemill_gemm_q4_amx_available()
+    ):
+        y = silu_mul_reference(_gemm_q4_fallback(x, blocks, n, lib, threads, 0))
+        return y if out is None else out.copy_(y)
+    fn.restype = ctypes.c_int
+    fn.argtypes = amx.pagemill_gemv_q4.argtypes[:-1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    blocks = blocks.contiguous()
+    m_rows, k = x.shape
+    if out is None:
+        out = torch.empty(m_rows, n // 2, dtype=x.dtype)
+    elif out.shape != (m_rows, n // 2) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(
+            f"out must be [{m_rows}, {n // 2}] {x.dtype} with unit column stride, got "
+            f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    status = fn(
+        GEMV_DTYPE_CODES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        blocks.data_ptr(),
+        (blocks.shape[2] - QS_BYTES) // (2 * ROWS),
+        out.data_ptr(),
+        out.stride(0),
+        m_rows,
+        n,
+        k,
+        threads or torch.get_num_threads(),
+    )
+    check_status("gemm_q4_amx_silu_mul", status)
+    return out
+
+
+def gemm_q4_amx_silu_mul_fake(x: torch.Tensor, blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The meta kernel of `torch.ops.pagemill_native.gemm_q4_amx_silu_mul`: [M, n / 2]."""
+    return x.new_empty(x.shape[0], n // 2)
+
+
 # ---- the op a compiled graph calls ---------------------------------------------------------------
 
 

@@ -153,3 +153,43 @@ TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
     m.impl("gemm_q4_amx", &gemm_q4_amx);
     m.impl("gemm_q8_amx", &gemm_q8_amx);
 }
+
+// ---- gemm_q4_amx_silu_mul: the MLP's gate | up product with silu(gate) * up in its epilogue
+
+extern "C" int pagemill_gemm_q4_amx_silu_mul(int dtype, const void* x, int64_t x_stride,
+                                             const void* w, int scale_bytes, void* y,
+                                             int64_t y_stride, int64_t m_rows, int64_t n,
+                                             int64_t k, int threads);
+
+namespace {
+
+// silu(x Wg^T) * (x Wu^T) [M, n / 2] for a gate | up layer of n outputs (gate rows first),
+// the AMX-BF16 product (gemm_q4_amx, planes 0) with the activation applied to its fp32 tiles.
+// No native fallback: callers check gemv_q4_cpu.amx_available() and n % 32 == 0.
+at::Tensor gemm_q4_amx_silu_mul(const at::Tensor& x_in, const at::Tensor& blocks_in,
+                                int64_t n) {
+    check_x("gemm_q4_amx_silu_mul", x_in, blocks_in, n, 1);
+    TORCH_CHECK(n % (2 * ROWS) == 0, "gemm_q4_amx_silu_mul: N = ", n,
+                " is not two halves of whole tiles (a multiple of ", 2 * ROWS, ")");
+    const int64_t width = q4_tile_width("gemm_q4_amx_silu_mul", blocks_in);
+    const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+    const at::Tensor blocks = blocks_in.contiguous();
+    at::Tensor y = at::empty({x.size(0), n / 2}, x.options());
+    const int status = pagemill_gemm_q4_amx_silu_mul(
+        dtype_code(x), x.data_ptr(), x.stride(0), blocks.data_ptr(),
+        static_cast<int>((width - Q4_QS_BYTES) / (2 * ROWS)), y.data_ptr(), n / 2, x.size(0), n,
+        x.size(1), at::get_num_threads());
+    TORCH_CHECK(status != 4, "gemm_q4_amx_silu_mul: no AMX on this machine or in this build");
+    TORCH_CHECK(status == 0, "gemm_q4_amx_silu_mul refused its arguments (status ", status, ")");
+    return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagemill_native, m) {
+    m.def("gemm_q4_amx_silu_mul(Tensor x, Tensor blocks, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
+    m.impl("gemm_q4_amx_silu_mul", &gemm_q4_amx_silu_mul);
+}

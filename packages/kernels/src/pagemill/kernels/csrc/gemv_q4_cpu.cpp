@@ -848,6 +848,9 @@ inline void unpack_block_bf16(const uint8_t* blk, uint8_t* out, __m512i pairs, _
 struct BFeed {
     const uint8_t* w;
     int64_t tile_bytes, tiles, nb, pair_bytes, slots, p0;
+    // Tile h (0, 1) of pair p is tile pair_step * p + h * half_step: (2p, 2p + 1), or, for
+    // silu_and_mul's gate | up layer, (p, p + tiles / 2), a gate tile and its up tile.
+    int64_t pair_step, half_step;
     uint8_t* bt;
     int scale_bytes;
     __m512i pairs;
@@ -863,7 +866,7 @@ struct BFeed {
         const int64_t h = next % per / nb;
         const int64_t b = next % nb;
         uint8_t* out = pair_tiles(p0 + pr) + (2 * b + h) * BF_TILE;
-        const int64_t tile = 2 * (p0 + pr) + h;
+        const int64_t tile = pair_step * (p0 + pr) + h * half_step;
         if (tile >= tiles) {
             std::memset(out, 0, BF_TILE);
         } else if (scale_bytes == 2) {
@@ -972,9 +975,74 @@ inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_r
     }
 }
 
+// v rounded to bf16 (to nearest even, as store_outputs rounds) and back to fp32.
+inline __m512 round_to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+        _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, v);
+}
+
+// e^v, within about an ulp of fp32: v = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts so that
+// r is exact), e^r by its Taylor series to r^7 (the next term is below 1e-8 of the result),
+// times 2^n by vscalefps (which gives inf and 0 past fp32's range, and keeps NaN).
+inline __m512 exp_ps(__m512 v) {
+    const __m512 x = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(100.0f)),
+                                   _mm512_set1_ps(-110.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(p, n);
+    // NaN in, NaN out (the clamp above would have made it a number).
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+}
+
+// y[i .. i + 16) = silu(g) * u for one row of a gate tile and its up tile: g and u first
+// rounded to y's dtype (what a separate gate | up product would have stored), then
+// g / (1 + e^-g) * u in fp32, rounded once. The division is a reciprocal estimate refined
+// by one Newton step (within about an ulp; a vector division costs several times the rest
+// of the epilogue), except where 1 + e^-g is so large that the reciprocal would leave the
+// normal range (a real division then: -0 for e^-g = inf, as torch gives).
+inline void store_silu_mul(const float* g, const float* u, void* y, int64_t i, int dtype) {
+    __m512 gv = _mm512_loadu_ps(g);
+    __m512 uv = _mm512_loadu_ps(u);
+    if (dtype == 1) {
+        gv = round_to_bf16(gv);
+        uv = round_to_bf16(uv);
+    }
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    __m512 s;
+    if (_mm512_cmp_ps_mask(d, _mm512_set1_ps(0x1p120f), _CMP_NLT_UQ) != 0) {
+        s = _mm512_div_ps(gv, d);
+    } else {
+        __m512 r = _mm512_rcp14_ps(d);
+        r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+        s = _mm512_mul_ps(gv, r);
+    }
+    alignas(64) float out[ROWS];
+    _mm512_store_ps(out, _mm512_mul_ps(s, uv));
+    store_outputs(out, y, i, ROWS, dtype);
+}
+
+// silu: w is a gate | up layer (N = 2 I, I a multiple of 16) and y [m_rows, I] gets
+// silu(x Wg^T) * (x Wu^T): each pair of tiles is a gate tile and its up tile (BFeed), so
+// both products of an output meet in the pair's fp32 tiles.
 void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t* w,
                        int scale_bytes, void* y, int64_t y_stride, int64_t m_rows, int64_t n,
-                       int64_t k, int threads) {
+                       int64_t k, int threads, bool silu = false) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
     // x in bf16 as A tiles (bf16_x_tiles). Up to BF_OWN_X_ROWS rows each thread converts all
@@ -993,7 +1061,9 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
             bf16_x_tiles(dtype, x, x_stride, m_rows, nb, r, shared_xb);
     }
     const int64_t tiles = (n + ROWS - 1) / ROWS;
-    const int64_t pairs = (tiles + 1) / 2;
+    const int64_t pairs = silu ? tiles / 2 : (tiles + 1) / 2;
+    const int64_t pair_step = silu ? 1 : 2;
+    const int64_t half_step = silu ? tiles / 2 : 1;
     const int64_t tile_bytes = nb * (2 * ROWS * static_cast<int64_t>(scale_bytes) + QS_BYTES);
     const int64_t pair_bytes = nb * 2 * BF_TILE;
     const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
@@ -1032,7 +1102,8 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
             float* cbuf = reinterpret_cast<float*>(bt + slots * pair_bytes);
             alignas(64) int16_t pair_idx[32];
             for (int l = 0; l < 32; ++l) pair_idx[l] = static_cast<int16_t>(l / 2 + 16 * (l % 2));
-            BFeed feed{w,      tile_bytes, tiles,       nb, pair_bytes, slots, p0, bt,
+            BFeed feed{w,         tile_bytes, tiles,    nb,        pair_bytes,
+                       slots,     p0,         pair_step, half_step, bt,
                        scale_bytes, _mm512_load_si512(pair_idx),
                        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)};
             const int64_t m_blocks = (m_rows + 31) / 32;
@@ -1073,6 +1144,14 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                             for (int mh = 0; mh < (one ? 1 : 2); ++mh) {
                                 const int64_t r0 = m0 + 16 * mh;
                                 const int64_t tm = std::min<int64_t>(16, m_rows - r0);
+                                if (silu) {
+                                    const float* cg = c + 2 * mh * 256;
+                                    for (int64_t t = 0; t < tm; ++t)
+                                        store_silu_mul(cg + t * ROWS, cg + 256 + t * ROWS, y,
+                                                       (r0 + t) * y_stride + pair * ROWS,
+                                                       dtype);
+                                    continue;
+                                }
                                 for (int h = 0; h < 2; ++h) {
                                     const int64_t tile = 2 * pair + h;
                                     if (tile >= tiles) continue;
@@ -1215,6 +1294,29 @@ int pagemill_gemm_q4_amx(int dtype, const void* x, int64_t x_stride, const void*
         amx_quantize_and_multiply<1>(dtype, x, x_stride, wb, scale_bytes, y, y_stride, m_rows, n,
                                      k, threads);
     }
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads;
+    return 4;
+#endif
+}
+
+// silu(x Wg^T) * (x Wu^T) -> y [m_rows, n / 2] (row stride y_stride) for a gate | up layer
+// w of n = 2 I outputs (gate rows first), on the AMX-BF16 tiles as pagemill_gemm_q4_amx with
+// planes 0; g and u rounded to y's dtype before the activation, the result rounded once.
+// Status 5 where I is not a multiple of 16 (a tile would hold gate and up rows), 4 where AMX
+// is not available.
+int pagemill_gemm_q4_amx_silu_mul(int dtype, const void* x, int64_t x_stride, const void* w,
+                                  int scale_bytes, void* y, int64_t y_stride, int64_t m_rows,
+                                  int64_t n, int64_t k, int threads) {
+    if ((dtype != 0 && dtype != 1) || (scale_bytes != 2 && scale_bytes != 4)) return 1;
+    if (k % QK != 0 || m_rows < 0 || n < 0) return 2;
+    if (n % (2 * ROWS) != 0) return 5;
+#ifdef PAGEMILL_HAVE_AMX
+    if (!amx_usable()) return 4;
+    if (m_rows == 0 || n == 0) return 0;
+    amx_bf16_multiply(dtype, x, x_stride, static_cast<const uint8_t*>(w), scale_bytes, y,
+                      y_stride, m_rows, n, k, std::max(1, threads), true);
     return 0;
 #else
     (void)x, (void)x_stride, (void)w, (void)y, (void)y_stride, (void)threads;

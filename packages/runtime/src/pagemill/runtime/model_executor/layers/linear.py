@@ -62,9 +62,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagemill.kernels import (
+    gelu_tanh_and_mul,
     gemv_q4_cpu,  # also registers pagemill::gemv_q4
     gemv_q8_cpu,  # also registers pagemill::gemv_q8
     pack_int4_groups,  # also registers pagemill::int4_group_gemm
+    silu_and_mul,
 )
 from pagemill.kernels.cpu_native import load_gemv_ops
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
@@ -588,6 +590,54 @@ class Linear(nn.Module):
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    # ---- a gated MLP's gate | up layer with its activation ------------------------------------
+
+    def act_and_mul_forward(self, x: torch.Tensor, act: str) -> torch.Tensor:
+        """act(gate) * up of this gate | up layer's output (gate rows first), x [T, in] ->
+        [T, out / 2]; `act` "silu" or "gelu_tanh" (`ACT_AND_MUL`).
+
+        Above `packed_max_tokens` rows an `amx_large_rows` layer applies silu in the AMX
+        product's epilogue (`gemm_q4_amx_silu_mul`): the gate | up output never reaches
+        memory, and the graph loses its elementwise loop over it. Everywhere else (fewer
+        rows, other formats, an adapter or a bias to add first, another activation) it is
+        the unfused `act_and_mul(self(x))`. The row-count branch is `_forward`'s."""
+        unfused = ACT_AND_MUL[act]
+        if not self._fuses_silu_mul(x, act):
+            return unfused(self(x))
+        if self.compiled_branch == "cond" and torch.compiler.is_compiling():
+            return torch.cond(
+                x.shape[0] > self.packed_max_tokens,
+                self._amx_silu_mul,
+                self._packed_silu_mul,
+                (x,),
+            )
+        if x.shape[0] > self.packed_max_tokens:
+            return self._amx_silu_mul(x)
+        return self._packed_silu_mul(x)
+
+    def _fuses_silu_mul(self, x: torch.Tensor, act: str) -> bool:
+        return (
+            act == "silu"
+            and self.amx_large_rows
+            and self.lora is None
+            and self.bias is None
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and gemv_q4_cpu.silu_mul_fusable(self.out_features)
+        )
+
+    def _packed_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(self._packed(x))
+
+    def _amx_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`_amx` and silu_and_mul in one kernel: g and u rounded to x's dtype as `_amx`
+        would store them, the activation and the product in fp32, rounded once (a compiled
+        graph's fused loop; eager torch rounds silu(g) before the product too)."""
+        half = self.out_features // 2
+        y = torch.ops.pagemill_native.gemm_q4_amx_silu_mul(
+            x.reshape(-1, self.in_features), self.qweight, self.out_features
+        )
+        return y.view(*x.shape[:-1], half)
+
     def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
@@ -604,6 +654,10 @@ class Linear(nn.Module):
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+# The activations `Linear.act_and_mul_forward` takes, by name, with their unfused form.
+ACT_AND_MUL = {"silu": silu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
 
 
 def packed_row_limits(model: nn.Module) -> list[int]:

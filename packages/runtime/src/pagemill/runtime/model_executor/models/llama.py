@@ -289,8 +289,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, dtype)
         self.down_proj = row_parallel_linear(inter, config.hidden_size, config.mlp_bias, dtype, tp)
         self.act_and_mul = act_and_mul
+        # SiLU goes through the gate | up layer, which can apply it inside its own product
+        # (`Linear.act_and_mul_forward`); other activations stay a step of their own.
+        self.fused_act = "silu" if act_and_mul is silu_and_mul else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act is not None:
+            return self.down_proj(self.gate_up_proj.act_and_mul_forward(x, self.fused_act))
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
