@@ -1,0 +1,227 @@
+"""The native CPU decode kernel over a paged cache laid out like the engine's, against the
+machine's plain read rate of the same bytes and against an earlier version of the kernel.
+
+    python benchmarks/decode_attention.py
+    python benchmarks/decode_attention.py --batch-sizes 128,256 --contexts 90 --rounds 9
+    python benchmarks/decode_attention.py --baseline HEAD~2 --layouts scattered
+    python benchmarks/decode_attention.py --baseline /tmp/paged_decode_cpu_old.cpp
+
+The cache is what `KVStorage` makes on the CPU: one private anonymous mapping per layer
+for K and one for V, [num_blocks, 16, kv_heads, head_dim] bf16, every page populated up
+front (`MADV_POPULATE_WRITE`), the pool larger than the batch needs. The batch's block
+tables come from a FIFO free queue like the block pool's (`--layouts scattered`: after a
+churn of requests of random lengths coming and going, each request takes its first blocks
+at its prefill and then one block at a time, interleaved with the others, as decode grows
+it; `contiguous`: each request's blocks one run in the pool, for comparison).
+
+Each case (requests x context) calls the kernel once per layer, all layers in turn (so a
+call does not find its K/V in the caches from the call before), the current kernel and the
+baseline (`--baseline`: a git revision or a source file; built into the kernel cache like
+the current one) alternating round by round, and a plain read of the same number of bytes
+(a torch sum over one contiguous array, with the same threads) in the same rounds. Printed
+per case: each kernel's median time per call (one layer), the median of the per-round
+ratios baseline / current, the K/V bytes per second the current kernel reads, and the plain
+read rate with the current kernel's share of it. Wall time with --threads threads; the box
+may be shared, so compare within a line, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import ctypes.util
+import mmap
+import random
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagemill.kernels import cpu_native
+
+_REL_SOURCE = "packages/kernels/src/pagemill/kernels/csrc/paged_decode_cpu.cpp"
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def load_baseline(spec: str) -> ctypes.CDLL:
+    """The kernel from a source file or a git revision, with the current one's signature."""
+    root = Path(__file__).resolve().parent.parent
+    path = Path(spec)
+    if path.is_file():
+        text = path.read_bytes()
+    else:
+        text = subprocess.run(
+            ["git", "show", f"{spec}:{_REL_SOURCE}"], cwd=root, check=True, capture_output=True
+        ).stdout
+    current = cpu_native.load()
+    if current is None:
+        raise SystemExit("the native CPU kernel cannot be built here")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "paged_decode_cpu_baseline.cpp"
+        src.write_bytes(text)
+        lib = cpu_native.build_library(src, f"the decode kernel at {spec}", "no baseline")
+    if lib is None:
+        raise SystemExit(f"the kernel at {spec} did not build")
+    lib.pagemill_paged_decode.restype = ctypes.c_int
+    lib.pagemill_paged_decode.argtypes = current.pagemill_paged_decode.argtypes
+    return lib
+
+
+def pool_array(shape: tuple[int, ...]) -> torch.Tensor:
+    """A bf16 array in its own private anonymous mapping, every page populated (as
+    `KVStorage` then `prefault` make it), filled with small random values."""
+    nbytes = int(np.prod(shape)) * 2
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    arr = np.frombuffer(buf, dtype=np.uint16)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(arr.ctypes.data, nbytes, _MADV_POPULATE_WRITE)
+    t = torch.from_numpy(arr).view(torch.bfloat16)
+    chunk = torch.randn(min(t.numel(), 1 << 20)).to(torch.bfloat16)
+    for i in range(0, t.numel(), chunk.numel()):
+        n = min(chunk.numel(), t.numel() - i)
+        t[i : i + n].copy_(chunk[:n])
+    return t.view(shape)
+
+
+def scattered_tables(
+    n: int, nblk: int, num_blocks: int, prompt_blocks: int, rng: random.Random
+) -> list[list[int]]:
+    """Block ids as a FIFO free queue hands them out after a churn of requests: each of
+    the n requests takes `prompt_blocks` at once (its prefill), then the rest one block at
+    a time, round robin over the requests (decode growing them)."""
+    free = collections.deque(range(num_blocks))
+    live: list[list[int]] = []
+    for _ in range(4 * num_blocks // 8):
+        if live and (rng.random() < 0.45 or len(free) < 64):
+            blocks = live.pop(rng.randrange(len(live)))
+            free.extend(reversed(blocks))
+        else:
+            live.append([free.popleft() for _ in range(rng.randint(1, 16))])
+    for blocks in live:
+        free.extend(reversed(blocks))
+    tables: list[list[int]] = [[] for _ in range(n)]
+    for t in tables:
+        t.extend(free.popleft() for _ in range(min(nblk, prompt_blocks)))
+    for _ in range(nblk - prompt_blocks):
+        for t in tables:
+            t.append(free.popleft())
+    return tables
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--baseline", default="HEAD", help="git revision or source file")
+    ap.add_argument("--batch-sizes", default="1,16,64,128,256")
+    ap.add_argument("--contexts", default="64,128,512")
+    ap.add_argument("--layouts", default="scattered,contiguous")
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--max-gb", type=float, default=3.0, help="fewer layers past this pool")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
+    ap.add_argument("--prompt", type=int, default=64, help="tokens each request prefilled")
+    args = ap.parse_args(argv)
+    cpu_native.load_attention_ops = lambda: False  # type: ignore[method-assign]
+    heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
+    bs = 16
+    current = cpu_native.load()
+    if current is None:
+        raise SystemExit("the native CPU kernel cannot be built here")
+    libs = {"base": load_baseline(args.baseline), "new": current}
+    torch.set_num_threads(args.threads)
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    slot = kv_heads * head_dim * 2
+    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; threads {args.threads}")
+    print(
+        f"{'layout':>10} {'rows':>5} {'ctx':>5} | {'base us':>8} {'new us':>8} {'base/new':>8} |"
+        f" {'new GB/s':>8} {'read GB/s':>9} {'of read':>7} | max|diff|"
+    )
+    for ctx in (int(x) for x in args.contexts.split(",")):
+        nblk = -(-ctx // bs)
+        need = max(batch_sizes) * nblk
+        num_blocks = max(4096, need * 3 // 2)
+        layer_bytes = 2 * num_blocks * bs * slot
+        layers = max(2, min(args.layers, int(args.max_gb * 2**30 // layer_bytes)))
+        caches = [
+            (
+                pool_array((num_blocks, bs, kv_heads, head_dim)),
+                pool_array((num_blocks, bs, kv_heads, head_dim)),
+            )
+            for _ in range(layers)
+        ]
+        for layout in args.layouts.split(","):
+            rng = random.Random(0)
+            if layout == "scattered":
+                all_tables = scattered_tables(
+                    max(batch_sizes), nblk, num_blocks, -(-args.prompt // bs), rng
+                )
+            else:
+                all_tables = [
+                    list(range(r * nblk, (r + 1) * nblk)) for r in range(max(batch_sizes))
+                ]
+            for n in batch_sizes:
+                tables = torch.tensor(all_tables[:n], dtype=torch.int32)
+                lens = torch.full((n,), ctx, dtype=torch.int32)
+                g = torch.Generator().manual_seed(n)
+                qs = [
+                    torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
+                    for _ in range(layers)
+                ]
+                out = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
+                kv_bytes = 2 * n * ctx * slot  # per layer
+                plain = torch.ones(kv_bytes * layers // 4, dtype=torch.float32)
+                scale = head_dim**-0.5
+                got = []
+                for lib in libs.values():
+                    o = torch.empty_like(out)
+                    cpu_native.paged_decode(
+                        lib, qs[0], caches[0][0], caches[0][1], o, tables, lens, None, scale
+                    )
+                    got.append(o.float())
+                diff = float((got[0] - got[1]).abs().max())
+
+                def call(lib: ctypes.CDLL) -> float:
+                    t0 = time.perf_counter()
+                    for (kc, vc), q in zip(caches, qs, strict=True):
+                        cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, scale)  # noqa: B023
+                    return (time.perf_counter() - t0) / layers
+
+                def read() -> float:
+                    t0 = time.perf_counter()
+                    plain.sum()  # noqa: B023
+                    return time.perf_counter() - t0
+
+                names = list(libs)
+                for name in names:
+                    call(libs[name])
+                read()
+                times: dict[str, list[float]] = {name: [] for name in names}
+                reads = []
+                for r in range(args.rounds):
+                    for name in names if r % 2 == 0 else names[::-1]:
+                        times[name].append(call(libs[name]))
+                    reads.append(read())
+                base, new = statistics.median(times["base"]), statistics.median(times["new"])
+                ratio = statistics.median(
+                    a / b for a, b in zip(times["base"], times["new"], strict=True)
+                )
+                read_rate = plain.nbytes / statistics.median(reads)
+                print(
+                    f"{layout:>10} {n:>5} {ctx:>5} | {base * 1e6:>8.0f} {new * 1e6:>8.0f} {ratio:>7.2f}x |"
+                    f" {kv_bytes / new / 1e9:>8.1f} {read_rate / 1e9:>9.1f} {kv_bytes / new / read_rate:>7.0%} |"
+                    f" {diff:.1e}",
+                    flush=True,
+                )
+        del caches
+
+
+if __name__ == "__main__":
+    main()
