@@ -26,14 +26,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -158,9 +154,6 @@ constexpr int kSplitItems = 12;
 // ...of at least this many positions each: shorter ones cost more in set-up and merge than
 // the second thread saves.
 constexpr int kMinPartTokens = 128;
-// Batches of at least this many requests (and no split contexts) take the AMX path, whole
-// requests per work item; fewer would leave a thread idle.
-constexpr int kAmxMinSeqs = 4;
 
 template <int DT, bool FP8, int HEAD_DIM>
 void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::T* k_cache,
@@ -402,12 +395,6 @@ constexpr int kChunkTokens = 2048;
 
 // Rows the stream runs ahead of the rows being read.
 constexpr int kLead = 128;
-#ifndef PD_FARLEAD
-#define PD_FARLEAD 0
-#endif
-#ifndef PD_FARHINT
-#define PD_FARHINT _MM_HINT_T2
-#endif
 
 // Positions [begin, end) of part `part` of a context cut into `parts` runs of whole blocks
 // from the window's first block (the whole window when parts is 1); begin == end: nothing
@@ -447,10 +434,6 @@ struct Stream {
     const char* cur = nullptr;   // the block being asked for
     int ctx = 0, num_blocks = 0, first_tok = 0, chunk_b0 = 0, block = 0, tok = 0, ntok = 0;
     bool values = false;
-    bool l2 = false;  // ask towards L2 only (PREFETCHT2)
-    bool far = false;  // whole slots for a request's first KV head, nothing for the others
-    bool first_head = false;
-    Stream* also = nullptr;
 
     void open(int64_t p) {
         int begin = 0, stop = 0;
@@ -467,7 +450,6 @@ struct Stream {
         first_tok = begin - chunk_b0 * block_size;
         values = false;
         base = k_cache + (pair / parts % num_kv_heads) * row_bytes;
-        first_head = pair / parts % num_kv_heads == 0;
         seek(chunk_b0, first_tok);
     }
     void seek(int b, int t) {
@@ -498,14 +480,7 @@ struct Stream {
     inline void row() {
         if (pair >= end) return;
         const char* r = cur + tok * slot_bytes;
-        if (far) {
-            if (first_head)
-                for (int64_t o = 0; o < slot_bytes; o += 64) _mm_prefetch(r + o, PD_FARHINT);
-        } else if (l2)
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T2);
-        else
-            for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
-        if (also) also->row();
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
         if (++tok >= ntok) next_block();
     }
     inline void rows(int n) {
@@ -781,260 +756,6 @@ void merge_parts(const float* state, int parts, typename Elem<DT>::T* out, int64
                                a, l, v_scale);
     }
 }
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PAGEMILL_DECODE_AMX 1
-// Whole requests on the AMX tiles (a bf16 cache, up to 16 query heads, K/V slots of up to
-// kAmxMaxSteps x 32 elements). A request's KV heads are taken together: each tile of 16
-// positions is 16 whole slots of the block, so the block is read as one contiguous run,
-// and the scores of every query head come from one tile product, the slot's elements
-// (every KV head's) against a block-diagonal packing of the query heads (head n's q in the
-// rows of its KV head's elements, zeros elsewhere): scores[position][head] in fp32. The
-// softmax runs on those rows (a lane per head), and the weighted values as on the AVX-512
-// path, one KV head's rows at a time, its group in register blocks.
-constexpr int kAmxMaxSteps = 16;  // 32-element steps of a slot: num_kv_heads * head_dim <= 512
-
-inline bool amx_usable() {
-    static const bool ok = pagemill_amx::usable(pagemill_amx::BF16 | pagemill_amx::TILE);
-    return ok;
-}
-
-// Every tile 16 rows x 64 bytes: the scores in 0, the K tile in 1, q's packing in 2..7.
-inline void configure_tiles() {
-    pagemill_amx::TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    pagemill_amx::load_tile_config(cfg);
-}
-
-#ifndef PD_AMXPF
-#define PD_AMXPF 0
-#endif
-#ifndef PD_L2
-#define PD_L2 0
-#endif
-#ifndef PD_FAR
-#define PD_FAR 0
-#endif
-#ifndef PD_ALEAD
-#define PD_ALEAD 64
-#endif
-// Lines of `bytes` from p asked for (towards L1).
-__attribute__((always_inline)) inline void prefetch_span(const char* p, int64_t bytes, bool far = false) {
-    if (far) {
-        for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
-        return;
-    }
-#if PD_AMXPF == 0
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-#elif PD_AMXPF == 1
-    (void)p; (void)bytes;
-#elif PD_AMXPF == 2
-    _mm_prefetch(p, _MM_HINT_T0);
-    for (int64_t o = (4096 - (reinterpret_cast<uintptr_t>(p) & 4095)); o < bytes; o += 4096) _mm_prefetch(p + o, _MM_HINT_T0);
-#elif PD_AMXPF == 3
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-#elif PD_AMXPF == 4
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T2);
-#endif
-}
-
-// Scores of a tile of 16 slots at `a` (row stride `stride`) into c (16 rows of 16 fp32).
-template <int STEPS>
-inline void tile_scores(const char* a, int64_t stride, const uint16_t* qpack, int steps, float* c) {
-    _tile_zero(0);
-#define PD_STEP(s, t)                                                             \
-    if ((s) < steps) {                                                            \
-        _tile_loadd(1, a + 64 * (s), stride);                                     \
-        if (STEPS <= 6) {                                                         \
-            _tile_dpbf16ps(0, 1, t);                                              \
-        } else {                                                                  \
-            _tile_loadd(2, qpack + (s) * 512, 64);                                \
-            _tile_dpbf16ps(0, 1, 2);                                              \
-        }                                                                         \
-    }
-    if constexpr (STEPS <= 6) {
-        PD_STEP(0, 2) PD_STEP(1, 3) PD_STEP(2, 4) PD_STEP(3, 5) PD_STEP(4, 6) PD_STEP(5, 7)
-    } else {
-        for (int s = 0; s < steps; ++s) {
-            _tile_loadd(1, a + 64 * s, stride);
-            _tile_loadd(2, qpack + s * 512, 64);
-            _tile_dpbf16ps(0, 1, 2);
-        }
-    }
-#undef PD_STEP
-    _tile_stored(0, c, 64);
-}
-
-// Positions [begin, end) of request `row`'s context, every KV head; its outputs written.
-// `next_k`: the first K block of the request the thread takes next (asked for at the end).
-template <int NV, int STEPS>
-void decode_request_amx(const uint16_t* q, const char* k_cache, const char* v_cache, uint16_t* out,
-                        const int32_t* table, int begin, int end, int64_t row, int group,
-                        int num_kv_heads, int block_size, int64_t q_stride_t, int64_t q_stride_h,
-                        int64_t o_stride_t, int64_t o_stride_h, float scale, float softcap,
-                        const float* k_scales, const float* v_scales, int64_t scale_stride,
-                        const float* sinks, const int32_t* next_table, int next_begin, int next_end,
-                        bool prime, Stream* stream) {
-    constexpr int D = NV * 16;
-    constexpr int HB = NV >= 16 ? 1 : 16 / NV;
-    const int H = group * num_kv_heads;
-    const int steps = num_kv_heads * D / 32;
-    const int64_t slot_bytes = static_cast<int64_t>(num_kv_heads) * D * 2;
-    const int64_t block_bytes = block_size * slot_bytes;
-    alignas(64) uint16_t qpack[kAmxMaxSteps][16][32];
-    alignas(64) float acc[16][D];
-    alignas(64) float lane_scale[16] = {}, m0[16], l0[16];
-    // q of head n in the rows of its KV head's elements: step s holds elements
-    // [32s, 32s + 32) of a slot, pairs of them per row (the tile's VNNI order).
-    std::memset(qpack, 0, static_cast<size_t>(steps) * sizeof qpack[0]);
-    for (int n = 0; n < H; ++n) {
-        const uint16_t* qp = q + row * q_stride_t + n * q_stride_h;
-        const int s0 = (n / group) * D / 32;
-        for (int s = 0; s < D / 32; ++s)
-            for (int kp = 0; kp < 16; ++kp) std::memcpy(&qpack[s0 + s][kp][2 * n], qp + 32 * s + 2 * kp, 4);
-    }
-    if constexpr (STEPS <= 6) {
-#define PD_LOADQ(s, t) \
-    if ((s) < steps) _tile_loadd(t, qpack[s], 64);
-        PD_LOADQ(0, 2) PD_LOADQ(1, 3) PD_LOADQ(2, 4) PD_LOADQ(3, 5) PD_LOADQ(4, 6) PD_LOADQ(5, 7)
-#undef PD_LOADQ
-    }
-    for (int n = 0; n < 16; ++n) {
-        lane_scale[n] = n < H ? scale * k_scales[(n / group) * scale_stride] : 0.f;
-        m0[n] = n < H && sinks ? sinks[n] : -INFINITY;
-        l0[n] = n < H && sinks ? 1.f : 0.f;
-    }
-    for (int n = 0; n < H; ++n)
-        for (int d = 0; d < D; ++d) acc[n][d] = 0.f;
-    const __m512 vscale = _mm512_load_ps(lane_scale);
-    __m512 m = _mm512_load_ps(m0), l = _mm512_load_ps(l0);
-    const int num_blocks = (end + block_size - 1) / block_size;
-    const int chunk_blocks = std::max(1, kChunkTokens / block_size);
-    float* sbuf = score_buffer(static_cast<size_t>(chunk_blocks * block_size + kTile) * 16 + 16);
-    sbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf) + 63) & ~uintptr_t{63});
-    alignas(64) char tail[kTile * kAmxMaxSteps * 64];
-    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
-    const auto tokens_of = [&](int b) { return std::min(block_size, end - b * block_size); };
-    const int next_first = next_table ? next_begin / block_size : 0;
-    const int next_blocks = next_table ? (next_end + block_size - 1) / block_size : 0;
-    for (int b0 = begin / block_size; b0 < num_blocks; b0 += chunk_blocks) {
-        const int b1 = std::min(num_blocks, b0 + chunk_blocks);
-        const int p0 = std::max(begin, b0 * block_size);
-        const int len = std::min(end, b1 * block_size) - p0;
-        // Block `idx` of the walk from this chunk's first K block: the chunk's K blocks, its
-        // V blocks, then the next chunk's K blocks or the next request's.
-        const auto fetch = [&](int idx, bool far = false) __attribute__((always_inline)) {
-            const int nb = b1 - b0;
-            if (idx < nb) {
-                prefetch_span(k_cache + table[b0 + idx] * block_bytes, tokens_of(b0 + idx) * slot_bytes, far);
-            } else if (idx < 2 * nb) {
-                prefetch_span(v_cache + table[b0 + idx - nb] * block_bytes, tokens_of(b0 + idx - nb) * slot_bytes, far);
-            } else if (b1 < num_blocks) {
-                const int b = b1 + idx - 2 * nb;
-                if (b < std::min(num_blocks, b1 + chunk_blocks))
-                    prefetch_span(k_cache + table[b] * block_bytes, tokens_of(b) * slot_bytes, far);
-            } else {
-                const int b = next_first + idx - 2 * nb;
-                if (b < next_blocks)
-                    prefetch_span(k_cache + next_table[b] * block_bytes,
-                                  std::min(block_size, next_end - b * block_size) * slot_bytes, far);
-            }
-        };
-        if (!stream && prime && b0 == begin / block_size)
-            for (int i = 0; i < std::max(1, PD_FAR); ++i) fetch(i, i > 0);
-        // Pass 1: scores[position][head], scaled, and their running max per head.
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int b = b0; b < b1; ++b) {
-            if (!stream) fetch(b - b0 + 1);
-            if (PD_FAR > 0) fetch(b - b0 + PD_FAR, true);
-            const char* kb = k_cache + table[b] * block_bytes;
-            const int nt = tokens_of(b);
-            for (int t0 = b == b0 ? p0 - b * block_size : 0; t0 < nt; t0 += kTile) {
-                const int cnt = std::min(kTile, nt - t0);
-                if (stream) stream->rows(cnt);
-                const char* a = kb + t0 * slot_bytes;
-                if (cnt < kTile) {  // a partial tile read from a zero-padded copy
-                    std::memset(tail, 0, static_cast<size_t>(kTile * slot_bytes));
-                    std::memcpy(tail, a, static_cast<size_t>(cnt * slot_bytes));
-                    a = tail;
-                }
-                float* c = sbuf + static_cast<int64_t>(b * block_size + t0 - p0) * 16;
-                tile_scores<STEPS>(a, slot_bytes, &qpack[0][0][0], steps, c);
-                for (int j = 0; j < cnt; ++j) {
-                    __m512 s = _mm512_mul_ps(_mm512_load_ps(c + 16 * j), vscale);
-                    if (softcap > 0.f) {
-                        alignas(64) float tmp[16];
-                        _mm512_store_ps(tmp, s);
-                        for (int n = 0; n < H; ++n) tmp[n] = softcap * std::tanh(tmp[n] * inv_cap);
-                        s = _mm512_load_ps(tmp);
-                    }
-                    _mm512_store_ps(c + 16 * j, s);
-                    vmax = _mm512_max_ps(vmax, s);
-                }
-            }
-        }
-        // Pass 2: weights exp(s - max) in place, their sums, the old state rescaled.
-        const __m512 top = _mm512_max_ps(m, vmax);
-        const __m512 alpha = exp_neg(_mm512_sub_ps(m, top));
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < len; ++i) {
-            const __m512 e = exp_neg(_mm512_sub_ps(_mm512_load_ps(sbuf + 16 * i), top));
-            _mm512_store_ps(sbuf + 16 * i, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        m = top;
-        alignas(64) float al[16];
-        _mm512_store_ps(al, alpha);
-        // Pass 3: the weighted values, one KV head's rows at a time, its query heads in
-        // register blocks.
-        for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-            const char* vbase = v_cache + kvh * D * 2;
-            for (int g0 = 0; g0 < group; g0 += HB) {
-                const int hb = std::min(HB, group - g0);
-                const int n0 = kvh * group + g0;
-                __m512 av[HB][NV];
-                for (int h = 0; h < HB; ++h)
-                    if (h < hb) {
-                        const __m512 a = _mm512_set1_ps(al[n0 + h]);
-                        for (int c = 0; c < NV; ++c) av[h][c] = _mm512_mul_ps(_mm512_load_ps(&acc[n0 + h][16 * c]), a);
-                    }
-                for (int b = b0; b < b1; ++b) {
-                    if (kvh == 0 && g0 == 0 && !stream) {
-                        fetch(b1 - b0 + b - b0 + 1);
-                        if (PD_FAR > 0) fetch(b1 - b0 + b - b0 + PD_FAR, true);
-                    }
-                    const char* vb = vbase + table[b] * block_bytes;
-                    const int nt = tokens_of(b);
-                    const float* pw = sbuf + static_cast<int64_t>(b * block_size - p0) * 16 + n0;
-                    for (int t = b == b0 ? p0 - b * block_size : 0; t < nt; ++t) {
-                        if (stream && kvh == 0 && g0 == 0) stream->row();
-                        __m512 vv[NV];
-                        load_v<1, false, NV>(vb + t * slot_bytes, nullptr, vv);
-                        for (int h = 0; h < HB; ++h)
-                            if (h < hb) {
-                                const __m512 pj = _mm512_set1_ps(pw[16 * t + h]);
-                                for (int c = 0; c < NV; ++c) av[h][c] = _mm512_fmadd_ps(pj, vv[c], av[h][c]);
-                            }
-                    }
-                }
-                for (int h = 0; h < HB; ++h)
-                    if (h < hb)
-                        for (int c = 0; c < NV; ++c) _mm512_store_ps(&acc[n0 + h][16 * c], av[h][c]);
-            }
-        }
-    }
-    alignas(64) float lsum[16];
-    _mm512_store_ps(lsum, l);
-    for (int n = 0; n < H; ++n)
-        store_out<1, false, NV>(out + row * o_stride_t + n * o_stride_h, acc[n], lsum[n],
-                                v_scales[(n / group) * scale_stride]);
-}
-#endif
 }  // namespace fast
 #endif
 
@@ -1071,63 +792,6 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
         parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, longest / kMinPartTokens)));
     }
     const int64_t items = pairs * parts;
-#if defined(PAGEMILL_DECODE_AMX) && !defined(PD_NOAMX)
-    if constexpr (kFastDim && DT == 1 && !FP8) {
-        const int steps = num_kv_heads * HEAD_DIM / 32;
-        if (parts == 1 && num_heads <= 16 && steps <= fast::kAmxMaxSteps && num_seqs >= kAmxMinSeqs &&
-            fast::amx_usable()) {
-            const int64_t slot_bytes = static_cast<int64_t>(num_kv_heads) * HEAD_DIM * 2;
-            auto run_amx = [&](int64_t lo, int64_t hi) {
-                fast::configure_tiles();
-#if PD_AMXPF == 5
-                fast::Stream st{static_cast<const char*>(k_cache), static_cast<const char*>(v_cache),
-                                block_tables, table_stride, seq_lens, 1, block_size, window,
-                                slot_bytes, slot_bytes, block_size * slot_bytes};
-                st.l2 = PD_L2;
-                st.end = hi;
-                st.open(lo);
-                st.rows(PD_ALEAD);
-                fast::Stream* stream = &st;
-#else
-                fast::Stream* stream = nullptr;
-#endif
-                for (int64_t i = lo; i < hi; ++i) {
-                    const bool more = i + 1 < hi;
-                    const int next_len = more ? seq_lens[i + 1] : 0;
-                    const int len = seq_lens[i];
-                    const int begin = (window > 0 && len > window) ? len - window : 0;
-                    const int64_t row = rows ? rows[i] : i;
-                    auto go = [&](auto steps_tag) {
-                        fast::decode_request_amx<HEAD_DIM / 16, decltype(steps_tag)::value>(
-                            static_cast<const uint16_t*>(q), static_cast<const char*>(k_cache),
-                            static_cast<const char*>(v_cache), static_cast<uint16_t*>(out),
-                            block_tables + i * table_stride, begin, len, row, group, num_kv_heads,
-                            block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, softcap,
-                            k_scales, v_scales, scale_stride, sinks,
-                            more ? block_tables + (i + 1) * table_stride : nullptr,
-                            (window > 0 && next_len > window) ? next_len - window : 0, next_len, i == lo,
-                            stream);
-                    };
-                    if (steps <= 6)
-                        go(std::integral_constant<int, 6>{});
-                    else
-                        go(std::integral_constant<int, fast::kAmxMaxSteps>{});
-                }
-                _tile_release();
-            };
-            const int threads = static_cast<int>(std::min<int64_t>(std::max(num_threads, 1), num_seqs));
-            if (threads <= 1) {
-                run_amx(0, num_seqs);
-            } else {
-                const int64_t grain = std::max<int64_t>(1, num_seqs / (8 * threads));
-                const int64_t runs = (num_seqs + grain - 1) / grain;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-                for (int64_t r = 0; r < runs; ++r) run_amx(r * grain, std::min(num_seqs, (r + 1) * grain));
-            }
-            return;
-        }
-    }
-#endif
 #if defined(__AVX512F__)
     constexpr int64_t state_floats = kFastDim ? fast::kStateFloats<HEAD_DIM / 16> : 0;
 #else
@@ -1193,16 +857,6 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                                 row_bytes, num_kv_heads * row_bytes, block_size * num_kv_heads * row_bytes};
                 st.parts = parts;
                 st.end = hi;
-#if PD_FARLEAD > 0
-                fast::Stream st2 = st;
-                st2.far = parts == 1;
-                st2.end = hi;
-                if (st2.far) {
-                    st2.open(lo);
-                    st2.rows(PD_FARLEAD);
-                    st.also = &st2;
-                }
-#endif
                 st.open(lo);
                 st.rows(fast::kLead);
                 for (int64_t i = lo; i < hi; ++i) one(i, &st);
