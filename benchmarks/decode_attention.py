@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,72 @@ def scattered_tables(
     return tables
 
 
+Caches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_case(
+    libs: dict[str, ctypes.CDLL],
+    caches: Caches,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    heads: int,
+    rounds: int,
+    clock: Callable[[], float],
+    pick: Callable[[list[float]], float],
+) -> dict[str, float]:
+    """One case: each kernel's time per call (one layer), the median per-round ratio
+    base / new, the plain read rate of the same bytes, and the largest |base - new|."""
+    n = tables.shape[0]
+    _, _, kv_heads, head_dim = caches[0][0].shape
+    g = torch.Generator().manual_seed(n)
+    qs = [
+        torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16) for _ in range(len(caches))
+    ]
+    out = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
+    kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * 2  # per layer
+    plain = torch.ones(kv_bytes * len(caches) // 4, dtype=torch.float32)
+    scale = head_dim**-0.5
+    got = []
+    for lib in libs.values():
+        o = torch.empty_like(out)
+        cpu_native.paged_decode(
+            lib, qs[0], caches[0][0], caches[0][1], o, tables, lens, None, scale
+        )
+        got.append(o.float())
+    diff = float((got[0] - got[-1]).abs().max())
+
+    def call(lib: ctypes.CDLL) -> float:
+        t0 = clock()
+        for (kc, vc), q in zip(caches, qs, strict=True):
+            cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, scale)
+        return (clock() - t0) / len(caches)
+
+    def read() -> float:
+        t0 = clock()
+        plain.sum()
+        return clock() - t0
+
+    names = list(libs)
+    for name in names:  # warm-up
+        call(libs[name])
+    read()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    reads = []
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(call(libs[name]))
+        reads.append(read())
+    base, new = pick(times["base"]), pick(times["new"])
+    return {
+        "base_s": base,
+        "new_s": new,
+        "ratio": statistics.median(a / b for a, b in zip(times["base"], times["new"], strict=True)),
+        "new_gbps": kv_bytes / new / 1e9,
+        "read_gbps": plain.nbytes / pick(reads) / 1e9,
+        "max_abs_diff": diff,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -126,9 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-gb", type=float, default=3.0, help="fewer layers past this pool")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed by its CPU time (time.thread_time): less hit by a busy box",
+    )
+    ap.add_argument("--stat", choices=("median", "min"), default="median")
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
     ap.add_argument("--prompt", type=int, default=64, help="tokens each request prefilled")
     args = ap.parse_args(argv)
+    # Kernel against kernel through ctypes: the same calling cost for both.
     cpu_native.load_attention_ops = lambda: False  # type: ignore[method-assign]
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     bs = 16
@@ -136,32 +210,32 @@ def main(argv: list[str] | None = None) -> None:
     if current is None:
         raise SystemExit("the native CPU kernel cannot be built here")
     libs = {"base": load_baseline(args.baseline), "new": current}
+    if args.cpu_time:
+        args.threads = 1
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    pick = min if args.stat == "min" else statistics.median
     torch.set_num_threads(args.threads)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     slot = kv_heads * head_dim * 2
-    print(f"load average: {open('/proc/loadavg').read().split()[:3]}; threads {args.threads}")
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    print(f"load average {' '.join(load)}; {args.threads} thread(s)")
     print(
         f"{'layout':>10} {'rows':>5} {'ctx':>5} | {'base us':>8} {'new us':>8} {'base/new':>8} |"
         f" {'new GB/s':>8} {'read GB/s':>9} {'of read':>7} | max|diff|"
     )
     for ctx in (int(x) for x in args.contexts.split(",")):
         nblk = -(-ctx // bs)
-        need = max(batch_sizes) * nblk
-        num_blocks = max(4096, need * 3 // 2)
+        num_blocks = max(4096, max(batch_sizes) * nblk * 3 // 2)
         layer_bytes = 2 * num_blocks * bs * slot
         layers = max(2, min(args.layers, int(args.max_gb * 2**30 // layer_bytes)))
-        caches = [
-            (
-                pool_array((num_blocks, bs, kv_heads, head_dim)),
-                pool_array((num_blocks, bs, kv_heads, head_dim)),
-            )
-            for _ in range(layers)
-        ]
+        shape = (num_blocks, bs, kv_heads, head_dim)
+        caches = [(pool_array(shape), pool_array(shape)) for _ in range(layers)]
         for layout in args.layouts.split(","):
-            rng = random.Random(0)
             if layout == "scattered":
+                prompt_blocks = -(-args.prompt // bs)
+                rng = random.Random(0)
                 all_tables = scattered_tables(
-                    max(batch_sizes), nblk, num_blocks, -(-args.prompt // bs), rng
+                    max(batch_sizes), nblk, num_blocks, prompt_blocks, rng
                 )
             else:
                 all_tables = [
@@ -170,54 +244,12 @@ def main(argv: list[str] | None = None) -> None:
             for n in batch_sizes:
                 tables = torch.tensor(all_tables[:n], dtype=torch.int32)
                 lens = torch.full((n,), ctx, dtype=torch.int32)
-                g = torch.Generator().manual_seed(n)
-                qs = [
-                    torch.randn(n, heads, head_dim, generator=g).to(torch.bfloat16)
-                    for _ in range(layers)
-                ]
-                out = torch.empty(n, heads, head_dim, dtype=torch.bfloat16)
-                kv_bytes = 2 * n * ctx * slot  # per layer
-                plain = torch.ones(kv_bytes * layers // 4, dtype=torch.float32)
-                scale = head_dim**-0.5
-                got = []
-                for lib in libs.values():
-                    o = torch.empty_like(out)
-                    cpu_native.paged_decode(
-                        lib, qs[0], caches[0][0], caches[0][1], o, tables, lens, None, scale
-                    )
-                    got.append(o.float())
-                diff = float((got[0] - got[1]).abs().max())
-
-                def call(lib: ctypes.CDLL) -> float:
-                    t0 = time.perf_counter()
-                    for (kc, vc), q in zip(caches, qs, strict=True):
-                        cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, scale)  # noqa: B023
-                    return (time.perf_counter() - t0) / layers
-
-                def read() -> float:
-                    t0 = time.perf_counter()
-                    plain.sum()  # noqa: B023
-                    return time.perf_counter() - t0
-
-                names = list(libs)
-                for name in names:
-                    call(libs[name])
-                read()
-                times: dict[str, list[float]] = {name: [] for name in names}
-                reads = []
-                for r in range(args.rounds):
-                    for name in names if r % 2 == 0 else names[::-1]:
-                        times[name].append(call(libs[name]))
-                    reads.append(read())
-                base, new = statistics.median(times["base"]), statistics.median(times["new"])
-                ratio = statistics.median(
-                    a / b for a, b in zip(times["base"], times["new"], strict=True)
-                )
-                read_rate = plain.nbytes / statistics.median(reads)
+                res = run_case(libs, caches, tables, lens, heads, args.rounds, clock, pick)
                 print(
-                    f"{layout:>10} {n:>5} {ctx:>5} | {base * 1e6:>8.0f} {new * 1e6:>8.0f} {ratio:>7.2f}x |"
-                    f" {kv_bytes / new / 1e9:>8.1f} {read_rate / 1e9:>9.1f} {kv_bytes / new / read_rate:>7.0%} |"
-                    f" {diff:.1e}",
+                    f"{layout:>10} {n:>5} {ctx:>5} |"
+                    f" {res['base_s'] * 1e6:>8.0f} {res['new_s'] * 1e6:>8.0f}"
+                    f" {res['ratio']:>7.2f}x | {res['new_gbps']:>8.1f} {res['read_gbps']:>9.1f}"
+                    f" {res['new_gbps'] / res['read_gbps']:>7.0%} | {res['max_abs_diff']:.1e}",
                     flush=True,
                 )
         del caches
