@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=64, help="tokens each request prefilled")
     args = ap.parse_args(argv)
     # Kernel against kernel through ctypes: the same calling cost for both.
-    cpu_native.load_attention_ops = lambda: False  # type: ignore[method-assign]
+    cpu_native.load_attention_ops = lambda: False  # type: ignore[assignment]
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     bs = 16
     current = cpu_native.load()
