@@ -47,6 +47,10 @@ from pagemill.kernels import cpu_native
 
 _REL_SOURCE = "packages/kernels/src/pagemill/kernels/csrc/paged_decode_cpu.cpp"
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_HUGE = 2 << 20
+populate_s: dict[bool, float] = {False: 0.0, True: 0.0}
+populate_bytes: dict[bool, int] = {False: 0, True: 0}
 
 
 def load_baseline(spec: str) -> ctypes.CDLL:
@@ -73,17 +77,26 @@ def load_baseline(spec: str) -> ctypes.CDLL:
     return lib
 
 
-def pool_array(shape: tuple[int, ...]) -> torch.Tensor:
+def pool_array(shape: tuple[int, ...], huge: bool = False) -> torch.Tensor:
     """A bf16 array in its own private anonymous mapping, every page populated (as
-    `KVStorage` then `prefault` make it), filled with small random values."""
+    `KVStorage` then `prefault` make it), filled with small random values. `huge`: the
+    mapping asks for transparent huge pages (`MADV_HUGEPAGE`) before it is populated, its
+    length rounded up to whole 2 MB pages (the kernel aligns such mappings to them)."""
     nbytes = int(np.prod(shape)) * 2
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    arr = np.frombuffer(buf, dtype=np.uint16)
+    length = -(-nbytes // _HUGE) * _HUGE if huge else nbytes
+    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    arr = np.frombuffer(buf, dtype=np.uint16, count=nbytes // 2)
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(arr.ctypes.data, nbytes, _MADV_POPULATE_WRITE)
+    if huge:
+        libc.madvise(arr.ctypes.data, length, _MADV_HUGEPAGE)
+    t0 = time.perf_counter()
+    libc.madvise(arr.ctypes.data, length, _MADV_POPULATE_WRITE)
+    populate_s[huge] += time.perf_counter() - t0
+    populate_bytes[huge] += length
     t = torch.from_numpy(arr).view(torch.bfloat16)
-    chunk = torch.randn(min(t.numel(), 1 << 20)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(nbytes)  # the same contents for either page size
+    chunk = torch.randn(min(t.numel(), 1 << 20), generator=g).to(torch.bfloat16)
     for i in range(0, t.numel(), chunk.numel()):
         n = min(chunk.numel(), t.numel() - i)
         t[i : i + n].copy_(chunk[:n])
@@ -120,7 +133,7 @@ Caches = list[tuple[torch.Tensor, torch.Tensor]]
 
 def run_case(
     libs: dict[str, ctypes.CDLL],
-    caches: Caches,
+    cache_sets: dict[str, Caches],
     tables: torch.Tensor,
     lens: torch.Tensor,
     heads: int,
@@ -131,6 +144,7 @@ def run_case(
     """One case: each kernel's time per call (one layer), the median per-round ratio
     base / new, the plain read rate of the same bytes, and the largest |base - new|."""
     n = tables.shape[0]
+    caches = cache_sets["new"]
     _, _, kv_heads, head_dim = caches[0][0].shape
     g = torch.Generator().manual_seed(n)
     qs = [
@@ -141,17 +155,17 @@ def run_case(
     plain = torch.ones(kv_bytes * len(caches) // 4, dtype=torch.float32)
     scale = head_dim**-0.5
     got = []
-    for lib in libs.values():
+    for name, lib in libs.items():
+        kc0, vc0 = cache_sets[name][0]
         o = torch.empty_like(out)
-        cpu_native.paged_decode(
-            lib, qs[0], caches[0][0], caches[0][1], o, tables, lens, None, scale
-        )
+        cpu_native.paged_decode(lib, qs[0], kc0, vc0, o, tables, lens, None, scale)
         got.append(o.float())
     diff = float((got[0] - got[-1]).abs().max())
 
-    def call(lib: ctypes.CDLL) -> float:
+    def call(name: str) -> float:
+        lib = libs[name]
         t0 = clock()
-        for (kc, vc), q in zip(caches, qs, strict=True):
+        for (kc, vc), q in zip(cache_sets[name], qs, strict=True):
             cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, scale)
         return (clock() - t0) / len(caches)
 
@@ -162,13 +176,13 @@ def run_case(
 
     names = list(libs)
     for name in names:  # warm-up
-        call(libs[name])
+        call(name)
     read()
     times: dict[str, list[float]] = {name: [] for name in names}
     reads = []
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            times[name].append(call(libs[name]))
+            times[name].append(call(name))
         reads.append(read())
     base, new = pick(times["base"]), pick(times["new"])
     return {
@@ -179,6 +193,30 @@ def run_case(
         "read_gbps": plain.nbytes / pick(reads) / 1e9,
         "max_abs_diff": diff,
     }
+
+
+def populated(caches: Caches) -> str:
+    """Populate time per GB so far, 4 KB pages against huge, and how much of `caches` the
+    kernel backs with huge pages (AnonHugePages of the mappings in /proc/self/smaps)."""
+    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for pair in caches for t in pair]
+    total = sum(b - a for a, b in ranges)
+    huge_kb = 0
+    start = end = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            start, end = lo, hi
+        elif head == "AnonHugePages:" and any(start < b and a < end for a, b in ranges):
+            huge_kb += int(line.split()[1])
+    rate = {
+        k: populate_s[k] / (populate_bytes[k] / 2**30) if populate_bytes[k] else 0.0
+        for k in (False, True)
+    }
+    return (
+        f"populate: {rate[False]:.2f} s/GB 4 KB pages, {rate[True]:.2f} s/GB huge;"
+        f" huge pages back {huge_kb * 1024 / total:.0%} of the huge-page cache"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,6 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stat", choices=("median", "min"), default="median")
     ap.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim")
     ap.add_argument("--prompt", type=int, default=64, help="tokens each request prefilled")
+    ap.add_argument(
+        "--pages",
+        action="store_true",
+        help="base and new are both the current kernel, base over a cache of 4 KB pages and"
+        " new over one that asked for transparent huge pages (MADV_HUGEPAGE); also prints the"
+        " populate time per GB of each and how much of the second got huge pages",
+    )
     args = ap.parse_args(argv)
     # Kernel against kernel through ctypes: the same calling cost for both.
     cpu_native.load_attention_ops = lambda: False  # type: ignore[assignment]
@@ -209,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     current = cpu_native.load()
     if current is None:
         raise SystemExit("the native CPU kernel cannot be built here")
-    libs = {"base": load_baseline(args.baseline), "new": current}
+    libs = {"base": current if args.pages else load_baseline(args.baseline), "new": current}
     if args.cpu_time:
         args.threads = 1
     clock = time.thread_time if args.cpu_time else time.perf_counter
@@ -230,6 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         layers = max(2, min(args.layers, int(args.max_gb * 2**30 // layer_bytes)))
         shape = (num_blocks, bs, kv_heads, head_dim)
         caches = [(pool_array(shape), pool_array(shape)) for _ in range(layers)]
+        cache_sets = {"base": caches, "new": caches}
+        if args.pages:
+            cache_sets["new"] = [
+                (pool_array(shape, True), pool_array(shape, True)) for _ in range(layers)
+            ]
+            print(populated(cache_sets["new"]), flush=True)
         for layout in args.layouts.split(","):
             if layout == "scattered":
                 prompt_blocks = -(-args.prompt // bs)
@@ -244,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             for n in batch_sizes:
                 tables = torch.tensor(all_tables[:n], dtype=torch.int32)
                 lens = torch.full((n,), ctx, dtype=torch.int32)
-                res = run_case(libs, caches, tables, lens, heads, args.rounds, clock, pick)
+                res = run_case(libs, cache_sets, tables, lens, heads, args.rounds, clock, pick)
                 print(
                     f"{layout:>10} {n:>5} {ctx:>5} |"
                     f" {res['base_s'] * 1e6:>8.0f} {res['new_s'] * 1e6:>8.0f}"
@@ -252,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
                     f" {res['new_gbps'] / res['read_gbps']:>7.0%} | {res['max_abs_diff']:.1e}",
                     flush=True,
                 )
-        del caches
+        del caches, cache_sets
 
 
 if __name__ == "__main__":
