@@ -31,10 +31,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define PAGEMILL_DECODE_AMX 1
-#include "amx_tiles.h"
-#endif
 
 namespace {
 
@@ -494,49 +490,6 @@ struct Stream {
     }
 };
 
-#if defined(PAGEMILL_DECODE_AMX)
-// The scores of a tile of 16 K rows for the whole GQA group from AMX: the rows loaded as
-// they lie in the cache (16 rows of 32 elements per tile load, the cache's row stride), q
-// as the B operand in pairs of elements (VNNI), one tile product per 32 elements of the
-// head dim, 16 x group fp32 scores out; no per-token reduction. Tiles: 0 the scores, 1 the
-// K rows, 2.. q (one per 32 elements).
-inline bool amx_usable() {
-    static const bool ok = pagemill_amx::usable(pagemill_amx::BF16 | pagemill_amx::TILE);
-    return ok;
-}
-
-inline void configure_score_tiles(int group, int steps) {
-    pagemill_amx::TileConfig cfg{};
-    cfg.palette = 1;
-    cfg.rows[0] = 16;
-    cfg.colsb[0] = static_cast<uint16_t>(group * 4);
-    cfg.rows[1] = 16;
-    cfg.colsb[1] = 64;
-    for (int s = 0; s < steps; ++s) {
-        cfg.rows[2 + s] = 16;
-        cfg.colsb[2 + s] = static_cast<uint16_t>(group * 4);
-    }
-    pagemill_amx::load_tile_config(cfg);
-}
-
-// Tile product of 16 K rows (row stride `stride`) with q (tiles 2..), into c[16][16].
-template <int NV>
-inline void amx_scores(const char* k, int64_t stride, float* c) {
-    _tile_zero(0);
-    _tile_loadd(1, k, stride);
-    _tile_dpbf16ps(0, 1, 2);
-    _tile_loadd(1, k + 64, stride);
-    _tile_dpbf16ps(0, 1, 3);
-    if constexpr (NV >= 8) {
-        _tile_loadd(1, k + 128, stride);
-        _tile_dpbf16ps(0, 1, 4);
-        _tile_loadd(1, k + 192, stride);
-        _tile_dpbf16ps(0, 1, 5);
-    }
-    _tile_stored(0, c, 64);
-}
-#endif
-
 // One thread's score buffer, grown (rarely) to the largest chunk it has met, never shrunk.
 inline float* score_buffer(size_t floats) {
     thread_local std::vector<float> buf;
@@ -586,7 +539,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                  int64_t q_row, int64_t out_row, int kvh, int group, int block_size,
                  int num_kv_heads, int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t,
                  int64_t o_stride_h, float scale, float softcap, const float* lut, float k_scale,
-                 float v_scale, const float* sinks, Stream* stream, float* state, bool amx = false) {
+                 float v_scale, const float* sinks, Stream* stream, float* state) {
     using E = Elem<DT>;
     constexpr int D = NV * 16;
     constexpr int64_t esize = FP8 ? 1 : sizeof(typename Elem<DT>::T);
@@ -614,30 +567,6 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
         m[g] = sinks ? sinks[kvh * group + g] : -INFINITY;
         l[g] = sinks ? 1.f : 0.f;
     }
-#if defined(PAGEMILL_DECODE_AMX)
-    // q as the tile product's B operand: per 32 elements, row r holds each head's elements
-    // 2r and 2r + 1 (16 rows of group pairs, 64 bytes apart).
-    alignas(64) uint32_t qpack[bf16dot ? NV / 2 : 1][16][16];
-    alignas(64) float cbuf[kTile][16];
-    if constexpr (bf16dot) {
-        if (amx) {
-            for (int st = 0; st < NV / 2; ++st)
-                for (int r = 0; r < 16; ++r)
-                    for (int g = 0; g < group; ++g)
-                        std::memcpy(&qpack[st][r][g], &qb[g][32 * st + 2 * r], 4);
-            _tile_loadd(2, qpack[0], 64);
-            _tile_loadd(3, qpack[1], 64);
-            if constexpr (NV >= 8) {
-                _tile_loadd(4, qpack[2], 64);
-                _tile_loadd(5, qpack[3], 64);
-            }
-        }
-    }
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-#else
-    (void)amx;
-#endif
     const int64_t slot_bytes = static_cast<int64_t>(num_kv_heads) * D * esize;
     const int64_t block_bytes = static_cast<int64_t>(block_size) * slot_bytes;
     const char* kbase = static_cast<const char*>(k_cache) + kvh * D * esize;
@@ -687,31 +616,6 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                                        : reinterpret_cast<const char*>(kt[j]);
                 const __mmask16 valid = static_cast<__mmask16>((1u << cnt) - 1u);
                 const int64_t at = b * block_size + t0 - p0;
-#if defined(PAGEMILL_DECODE_AMX)
-                if constexpr (bf16dot) {
-                    // A tile that starts on a multiple of 16 in its block: all 16 rows lie in
-                    // the block (rows past cnt hold whatever is there; each score row depends
-                    // on its own K row only, and those past cnt are not stored).
-                    if (amx && t0 % kTile == 0 && block_size % kTile == 0) {
-                        amx_scores<NV>(kr0, slot_bytes, &cbuf[0][0]);
-                        for (int g = 0; g < group; ++g) {
-                            __m512 s = _mm512_mul_ps(
-                                _mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32(g)), &cbuf[0][0], 4),
-                                vqscale);
-                            float* sg = sbuf + g * stride + at;
-                            if (softcap > 0.f) {
-                                alignas(64) float tmp[kTile];
-                                _mm512_store_ps(tmp, s);
-                                for (int j = 0; j < cnt; ++j) tmp[j] = softcap * std::tanh(tmp[j] * inv_cap);
-                                s = _mm512_load_ps(tmp);
-                            }
-                            _mm512_mask_storeu_ps(sg, valid, s);
-                            vmax[g] = _mm512_mask_max_ps(vmax[g], valid, vmax[g], s);
-                        }
-                        continue;
-                    }
-                }
-#endif
                 for (int g = 0; g < group; ++g) {
                     // No branch per token (rows past the tile read zeros): the 16 partial
                     // sums stay in registers, the loops unroll.
@@ -905,12 +809,6 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
         states = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(state_buf.data()) + 63) & ~uintptr_t{63});
     }
     (void)states;  // read only where the fast path is built
-    // Scores from AMX tiles where the CPU has them (bf16 caches on the fast path).
-#if defined(PAGEMILL_DECODE_AMX) && !defined(PAGEMILL_DECODE_NO_AMX)
-    const bool use_amx = fast_path && DT == 1 && !FP8 && fast::amx_usable();
-#else
-    const bool use_amx = false;
-#endif
     auto one = [&](int64_t item, StreamT* stream) {
         const int64_t p = item / parts;
 #if defined(__AVX512F__)
@@ -938,7 +836,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                     block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                     scale, softcap, lut, k_scales[kvh * scale_stride],
                     v_scales[kvh * scale_stride], parts > 1 ? nullptr : sinks, stream,
-                    parts > 1 ? states + item * group * state_floats : nullptr, use_amx);
+                    parts > 1 ? states + item * group * state_floats : nullptr);
                 return;
             }
         }
@@ -963,13 +861,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 st.end = hi;
                 st.open(lo);
                 st.rows(fast::kLead);
-#if defined(PAGEMILL_DECODE_AMX)
-                if (use_amx) fast::configure_score_tiles(group, HEAD_DIM / 32);
-#endif
                 for (int64_t i = lo; i < hi; ++i) one(i, &st);
-#if defined(PAGEMILL_DECODE_AMX)
-                if (use_amx) _tile_release();
-#endif
                 return;
             }
         }
