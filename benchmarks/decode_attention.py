@@ -5,10 +5,15 @@ machine's plain read rate of the same bytes and against an earlier version of th
     python benchmarks/decode_attention.py --batch-sizes 128,256 --contexts 90 --rounds 9
     python benchmarks/decode_attention.py --baseline HEAD~2 --layouts scattered
     python benchmarks/decode_attention.py --baseline /tmp/paged_decode_cpu_old.cpp
+    python benchmarks/decode_attention.py --pages --batch-sizes 128,256 --contexts 90
+    python benchmarks/decode_attention.py --huge-pages --baseline /tmp/variant.cpp
 
 The cache is what `KVStorage` makes on the CPU: one private anonymous mapping per layer
 for K and one for V, [num_blocks, 16, kv_heads, head_dim] bf16, every page populated up
-front (`MADV_POPULATE_WRITE`), the pool larger than the batch needs. The batch's block
+front (`MADV_POPULATE_WRITE`), the pool larger than the batch needs; on 4 KB pages unless
+--huge-pages (both kernels over caches that asked for transparent huge pages, as
+`KVStorage` makes them by default) or --pages (the current kernel over 4 KB pages as
+"base" and over huge pages as "new"). The batch's block
 tables come from a FIFO free queue like the block pool's (`--layouts scattered`: after a
 churn of requests of random lengths coming and going, each request takes its first blocks
 at its prefill and then one block at a time, interleaved with the others, as decode grows
@@ -246,6 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         " new over one that asked for transparent huge pages (MADV_HUGEPAGE); also prints the"
         " populate time per GB of each and how much of the second got huge pages",
     )
+    ap.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="every cache asks for transparent huge pages (as KVStorage's by default)",
+    )
     args = ap.parse_args(argv)
     # Kernel against kernel through ctypes: the same calling cost for both.
     cpu_native.load_attention_ops = lambda: False  # type: ignore[assignment]
@@ -274,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         layer_bytes = 2 * num_blocks * bs * slot
         layers = max(2, min(args.layers, int(args.max_gb * 2**30 // layer_bytes)))
         shape = (num_blocks, bs, kv_heads, head_dim)
-        caches = [(pool_array(shape), pool_array(shape)) for _ in range(layers)]
+        huge = args.huge_pages
+        caches = [(pool_array(shape, huge), pool_array(shape, huge)) for _ in range(layers)]
         cache_sets = {"base": caches, "new": caches}
         if args.pages:
             cache_sets["new"] = [
