@@ -142,3 +142,84 @@ def test_background_prefault_never_writes_when_the_kernel_refuses(
     assert s.prefault(background=True)
     s.wait_prefaulted()
     assert s.k_caches[0][0, 0, 0, 0] == 777
+
+
+def _anon_huge_kib(arrays: list[np.ndarray]) -> int:
+    """AnonHugePages of the mappings that hold `arrays` (/proc/self/smaps)."""
+    ranges = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    total = 0
+    lo = hi = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0] if line.strip() else ""
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+            elif head == "AnonHugePages:" and any(lo < b and a < hi for a, b in ranges):
+                total += int(line.split()[1])
+    return total
+
+
+def _thp_allowed() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+thp_only = pytest.mark.skipif(
+    not __import__("sys").platform.startswith("linux") or not _thp_allowed(),
+    reason="no transparent huge pages here",
+)
+
+
+@thp_only
+@pytest.mark.parametrize("background", [False, True])
+def test_huge_pages_back_the_prefaulted_pool_and_keep_its_contents(background: bool) -> None:
+    """With `huge_pages` each array starts on a huge-page boundary and, once prefaulted, is
+    backed by huge pages (where the kernel has them free: most of it, on a machine with
+    memory to spare), with what was written before the prefault unchanged."""
+    s = KVStorage(2, 512, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)  # 4 MiB
+    assert s.huge_pages and "huge_pages=True" in repr(s)
+    arrays = s.k_caches + s.v_caches
+    assert all(a.ctypes.data % (2 << 20) == 0 for a in arrays)
+    assert all(a.shape == (512, 16, 4, 64) and a.dtype == np.uint16 for a in arrays)
+    assert s.nbytes == 4 * 512 * 16 * 4 * 64 * 2
+    s.k_caches[1][3, 5, 2, :] = np.arange(64, dtype=np.uint16)
+    s.v_caches[0][511, 15, 3, 7] = 12345
+    before = _rss_kib()
+    assert s.prefault(background=background)
+    s.wait_prefaulted()
+    assert _rss_kib() - before >= s.nbytes // 1024 * 7 // 10
+    assert _anon_huge_kib(arrays) >= s.nbytes // 1024 // 2
+    assert (s.k_caches[1][3, 5, 2, :] == np.arange(64)).all()
+    assert s.v_caches[0][511, 15, 3, 7] == 12345
+    assert int(s.k_caches[0].astype(np.int64).sum()) == 0
+
+
+def _thp_policy_is_madvise() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[madvise]" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_policy_is_madvise(), reason="huge pages only where asked for")
+def test_without_huge_pages_the_pool_has_none() -> None:
+    s = KVStorage(2, 512, 16, 4, 64, dtype="bfloat16", device="cpu")
+    assert not s.huge_pages
+    assert s.prefault(background=False)
+    assert _anon_huge_kib(s.k_caches + s.v_caches) == 0
+
+
+@linux_only
+def test_refused_huge_page_advice_leaves_ordinary_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that refuses MADV_HUGEPAGE: the pool is allocated all the same."""
+    import pagemill.blockpool.kv_storage as kv_storage
+
+    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: lambda addr, n, advice: -1)
+    s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)
+    assert not s.huge_pages
+    s.k_caches[0][255, 15, 3, 63] = 9
+    assert s.k_caches[0].shape == (256, 16, 4, 64) and s.k_caches[0][255, 15, 3, 63] == 9

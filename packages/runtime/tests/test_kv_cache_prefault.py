@@ -1,5 +1,6 @@
 """The CPU KV pool's pages are mapped at start (in the background), not by the first steps
-that reach each block; `PAGEMILL_CPU_KV_PREFAULT` switches it."""
+that reach each block; `PAGEMILL_CPU_KV_PREFAULT` switches it. The pool asks for transparent
+huge pages unless `PAGEMILL_CPU_KV_HUGEPAGES` is 0."""
 
 from __future__ import annotations
 
@@ -35,4 +36,34 @@ def test_prefault_off(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_prefault_switch_refuses_other_values(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", value)
     with pytest.raises(ValueError, match="PAGEMILL_CPU_KV_PREFAULT must be 0 or 1"):
+        KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+
+
+def _thp_allowed() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_allowed(), reason="no transparent huge pages on this kernel")
+def test_cpu_pool_asks_for_huge_pages_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGEMILL_CPU_KV_HUGEPAGES", raising=False)
+    pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+    assert pool.storage is not None and pool.storage.huge_pages
+
+
+def test_huge_pages_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEMILL_CPU_KV_HUGEPAGES", "0")
+    pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+    assert pool.storage is not None and not pool.storage.huge_pages
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", "madvise"])
+def test_huge_pages_switch_refuses_other_values(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("PAGEMILL_CPU_KV_HUGEPAGES", value)
+    with pytest.raises(ValueError, match="PAGEMILL_CPU_KV_HUGEPAGES must be 0 or 1"):
         KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))

@@ -393,8 +393,9 @@ inline void prefetch_pair(const void* k_cache, const int32_t* table, int32_t ctx
 // Tokens of one pass: the scores of a chunk of this many blocks' tokens are held at once.
 constexpr int kChunkTokens = 2048;
 
-// Rows the stream runs ahead of the rows being read.
-constexpr int kLead = 128;
+// Rows the stream runs ahead of the rows being read (a longer lead holds more fill buffers
+// at once and measured no better).
+constexpr int kLead = 96;
 
 // Positions [begin, end) of part `part` of a context cut into `parts` runs of whole blocks
 // from the window's first block (the whole window when parts is 1); begin == end: nothing
@@ -415,10 +416,11 @@ inline void part_range(int ctx, int window, int block_size, int parts, int part,
 // The K/V rows a thread will read next, asked for one row for each row it reads, a lead of
 // rows ahead. Asking for a whole block or pair at once stalls the core as loads would (each
 // prefetch waits for a fill buffer) while the compute waits behind them; paced, the
-// requests overlap the arithmetic. The stream walks the thread's pairs in the order
-// decode_pair reads them: per chunk of a pair, its K rows then its V rows, from the
-// window's first position. The thread's work items are (pair, part) in that order, `parts`
-// per pair (part_range).
+// requests overlap the arithmetic. They go towards L2 (PREFETCHT1), not L1: the rows a lead
+// ahead would crowd the rows being read out of L1, and from L2 the loads wait little. The
+// stream walks the thread's pairs in the order decode_pair reads them: per chunk of a pair,
+// its K rows then its V rows, from the window's first position. The thread's work items are
+// (pair, part) in that order, `parts` per pair (part_range).
 struct Stream {
     const char* k_cache;
     const char* v_cache;
@@ -480,7 +482,7 @@ struct Stream {
     inline void row() {
         if (pair >= end) return;
         const char* r = cur + tok * slot_bytes;
-        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
         if (++tok >= ntok) next_block();
     }
     inline void rows(int n) {

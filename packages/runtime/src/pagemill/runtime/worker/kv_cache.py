@@ -55,6 +55,19 @@ def cpu_kv_prefault() -> bool:
     return value == "1"
 
 
+def cpu_kv_huge_pages() -> bool:
+    """`PAGEMILL_CPU_KV_HUGEPAGES` (1, the default, or 0); anything else is refused.
+
+    1 asks for transparent huge pages on the CPU pool's mappings (`KVStorage(huge_pages=)`):
+    the decode kernel's reads of blocks scattered over the pool then cross no 4 KB page
+    boundaries (where the hardware prefetchers stop) and miss the TLB far less. Populating
+    huge pages costs more at start (in the prefault thread). 0 keeps 4 KB pages."""
+    value = os.environ.get("PAGEMILL_CPU_KV_HUGEPAGES", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"PAGEMILL_CPU_KV_HUGEPAGES must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 # vLLM's calculate_kv_scales rule: scale = amax / constant (K_SCALE_CONSTANT,
 # V_SCALE_CONSTANT), leaving headroom under the fp8 maximum for later, larger activations.
 K_SCALE_CONSTANT = 200.0
@@ -353,6 +366,7 @@ class KVCache:
                 config.head_dim,
                 kv_dtype_name(compute_dtype, kv_cache_dtype),
                 device="cpu",
+                huge_pages=cpu_kv_huge_pages(),
             )
         if self.storage is not None:
             if self.storage.backend == "numpy" and cpu_kv_prefault():
