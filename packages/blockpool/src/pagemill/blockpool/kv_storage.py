@@ -20,8 +20,9 @@ is in use.
 huge pages). A block (a few KB) then never straddles a 4 KB page boundary, which is where
 the CPU's hardware prefetchers stop, and the decode kernel's scattered block reads miss the
 TLB far less. Populating huge pages costs more up front (the kernel may compact memory to
-find them), which `prefault` pays in its background thread. Where the kernel has no THP, or
-its policy is "never", the advice is refused and the pool is ordinary 4 KB pages.
+find them), which `prefault` pays in its background thread. Where the kernel has no THP the
+advice is refused, and under the policy "never" it is taken and has no effect: either way
+the pool is ordinary 4 KB pages.
 """
 
 from __future__ import annotations
