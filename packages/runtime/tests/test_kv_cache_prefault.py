@@ -26,10 +26,33 @@ def test_cpu_pool_is_prefaulted_by_default(monkeypatch: pytest.MonkeyPatch) -> N
     assert not k.any()
 
 
+def test_prefault_can_wait_for_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine allocates the pool before loading its graphs and maps it once ready.
+    monkeypatch.delenv("PAGEMILL_CPU_KV_PREFAULT", raising=False)
+    pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"), prefault=False)
+    assert pool.storage is not None
+    pool.storage.wait_prefaulted()
+    assert not pool.storage.prefaulted
+    pool.start_prefault()
+    pool.storage.wait_prefaulted()
+    assert pool.storage.prefaulted
+    thread = pool.storage._prefault_thread
+    pool.start_prefault()  # once only
+    assert pool.storage._prefault_thread is thread
+
+
+def test_deferred_prefault_still_checks_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", "yes")
+    with pytest.raises(ValueError, match="PAGEMILL_CPU_KV_PREFAULT must be 0 or 1"):
+        KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"), prefault=False)
+
+
 def test_prefault_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", "0")
     pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
     assert pool.storage is not None and not pool.storage.prefaulted
+    pool.start_prefault()
+    assert not pool.storage.prefaulted and pool.storage._prefault_thread is None
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "true"])

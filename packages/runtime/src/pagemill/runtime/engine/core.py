@@ -201,6 +201,8 @@ class EngineCore:
         )
         if self._background_compile is not None:  # last: nothing else compiles from here
             runner.start_background_compile(self._background_compile, self.num_blocks)
+        if runner.kv_cache is not None:
+            runner.kv_cache.start_prefault()
 
     def _sampler_native(self) -> bool:
         """Whether the sampler's native CPU passes serve here (then no graph is traced for
@@ -342,7 +344,8 @@ class EngineCore:
         if tp is not None:
             num_blocks = self.num_blocks
             self._collective(lambda: tp.broadcast_object(InitKVCache(num_blocks)))
-        self.model_runner.init_kv_cache(self.num_blocks)
+        # The pool's pages are mapped once the engine is ready (end of __init__).
+        self.model_runner.init_kv_cache(self.num_blocks, prefault=False)
         configure_kv_scale_granularity(  # per-layer or per-head scales: before compiling
             self.model_runner.kv_cache,
             model_path if config.load_format != "dummy" else None,

@@ -330,6 +330,7 @@ class KVCache:
         device: torch.device,
         kv_cache_dtype: str = "auto",
         groups: list[KVCacheGroupSpec] | None = None,
+        prefault: bool = True,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -368,9 +369,13 @@ class KVCache:
                 device="cpu",
                 huge_pages=cpu_kv_huge_pages(),
             )
+        # Read (and checked) now even when the prefault starts later.
+        self._prefault_pending = (
+            self.storage is not None and self.storage.backend == "numpy" and cpu_kv_prefault()
+        )
+        if prefault:
+            self.start_prefault()
         if self.storage is not None:
-            if self.storage.backend == "numpy" and cpu_kv_prefault():
-                self.storage.prefault(background=True)
             tensors = [
                 (_as_torch(k, dtype, device), _as_torch(v, dtype, device))
                 for k, v in zip(self.storage.k_caches, self.storage.v_caches)
@@ -389,6 +394,17 @@ class KVCache:
         else:
             self.caches = [tensors[i] for i in layer_tensor_index(groups, num_layers)]
         self.scales = [LayerKVScales(device, dtype) for _ in range(config.num_hidden_layers)]
+
+    def start_prefault(self) -> None:
+        """Map a CPU pool's pages in a background thread (`KVStorage.prefault`), once.
+
+        The engine calls this when it is ready rather than at allocation: populating
+        transparent huge pages costs far more than 4 KB pages (zeroing, compaction) and,
+        run beside a warm start's graph loading, delayed the start, while the first
+        requests need only the few blocks they fault in themselves."""
+        if self._prefault_pending and self.storage is not None:
+            self._prefault_pending = False
+            self.storage.prefault(background=True)
 
     @property
     def scales_pending(self) -> bool:

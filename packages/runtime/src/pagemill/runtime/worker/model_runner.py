@@ -472,17 +472,18 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------
 
-    def init_kv_cache(self, num_blocks: int) -> KVCache:
+    def init_kv_cache(self, num_blocks: int, prefault: bool = True) -> KVCache:
+        """`prefault` False leaves a CPU pool's prefault to `kv_cache.start_prefault()`."""
         if self.device.type == "cpu":
             # The KV write and decode attention as C++ operators are built (once per
             # machine) now, before ready, not inside the first request's step.
             cpu_native.load_attention_ops()
-        self.kv_cache = self._new_kv_cache(num_blocks)
+        self.kv_cache = self._new_kv_cache(num_blocks, prefault)
         self.input_batch = self._new_input_batch()
         self._bind(self.kv_cache)
         return self.kv_cache
 
-    def _new_kv_cache(self, num_blocks: int) -> KVCache:
+    def _new_kv_cache(self, num_blocks: int, prefault: bool = True) -> KVCache:
         return KVCache(
             self.model_config,
             num_blocks,
@@ -491,6 +492,7 @@ class ModelRunner:
             self.device,
             self.kv_cache_dtype,
             self.kv_cache_groups,
+            prefault=prefault,
         )
 
     def _new_input_batch(self) -> InputBatch:
