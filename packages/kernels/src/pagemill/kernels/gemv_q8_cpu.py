@@ -217,6 +217,22 @@ def supports(x: torch.Tensor, blocks: torch.Tensor, n: int) -> bool:
     )
 
 
+def _checked_operands(
+    name: str, x: torch.Tensor, blocks: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x and blocks as the kernels read them (rows of x contiguous, the tiles packed) and
+    the output to fill; a clear error for what the kernels do not take."""
+    if not supports(x, blocks, n):
+        raise ValueError(
+            f"{name} takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
+            f"{BLOCK_BYTES}] for N = {n}; got x {tuple(x.shape)} {x.dtype}, "
+            f"blocks {tuple(blocks.shape)} {blocks.dtype}"
+        )
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, blocks.contiguous(), torch.empty(x.shape[0], n, dtype=x.dtype)
+
+
 def gemv_q8(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -236,17 +252,8 @@ def gemv_q8(
     lib = lib or load()
     if lib is None:
         raise RuntimeError("the Q8_0 CPU GEMV kernel is not built on this machine")
-    if not supports(x, blocks, n):
-        raise ValueError(
-            f"gemv_q8 takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
-            f"{BLOCK_BYTES}] for N = {n}; got x {tuple(x.shape)} {x.dtype}, "
-            f"blocks {tuple(blocks.shape)} {blocks.dtype}"
-        )
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    blocks = blocks.contiguous()
+    x, blocks, y = _checked_operands("gemv_q8", x, blocks, n)
     m_rows, k = x.shape
-    y = torch.empty(m_rows, n, dtype=x.dtype)
     args = (
         GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),
@@ -318,17 +325,8 @@ def gemm_q8_amx(
             "gemm_q8_amx needs AMX-BF16 (in the build and on this CPU, with the kernel's "
             "leave to use the tiles); see gemm_amx_available()"
         )
-    if not supports(x, blocks, n):
-        raise ValueError(
-            f"gemm_q8_amx takes CPU fp32/bf16 x [M, 32 * nb] and uint8 tiles [>= N / 16, nb, "
-            f"{BLOCK_BYTES}] for N = {n}; got x {tuple(x.shape)} {x.dtype}, "
-            f"blocks {tuple(blocks.shape)} {blocks.dtype}"
-        )
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    blocks = blocks.contiguous()
+    x, blocks, y = _checked_operands("gemm_q8_amx", x, blocks, n)
     m_rows, k = x.shape
-    y = torch.empty(m_rows, n, dtype=x.dtype)
     status = typed.pagemill_gemm_q8_amx(
         GEMV_DTYPE_CODES[x.dtype],
         x.data_ptr(),

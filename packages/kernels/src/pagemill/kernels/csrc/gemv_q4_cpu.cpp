@@ -43,6 +43,9 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include "amx_tiles.h"
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "amx_bf16_gemm.h"
+#endif
 #endif
 
 #ifndef PAGEMILL_GEMV_ISA
@@ -796,20 +799,12 @@ void amx_quantize_and_multiply(int dtype, const void* x, int64_t x_stride, const
 // to bf16 (as the dense bf16 copy of the layer is made), once per call and tile of outputs,
 // then meets every row of x. The result is the dense bf16 product (x rounded to bf16, fp32
 // sums in another order) without the dense copy in memory.
-// Tiles: 0..3 products (2 blocks of 16 rows of x by 2 tiles of 16 outputs), 4, 5 x
-// (16 rows x 32 bf16), 6, 7 weights (16 rows of 2 inputs x 16 outputs).
+// Tiles: see amx_bf16_gemm.h.
 
-constexpr int64_t BF_TILE = 16 * 64;  // bytes of one weight block as a B tile
-
-void configure_bf16_tiles() {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    load_tile_config(cfg);
-}
+using pagemill_amx::BF_TILE;
+using pagemill_amx::bf16_pass;
+using pagemill_amx::bf16_x_tiles;
+using pagemill_amx::configure_bf16_tiles;
 
 // One weight block of a tile (16 outputs) as a bf16 B tile: row kk holds, per output r, the
 // inputs 2kk and 2kk + 1 (one 32-bit lane per output). A 64-byte line j of nibbles has one
@@ -909,71 +904,6 @@ constexpr int64_t BF_KC_BLOCKS = 16;
 // Up to this much of x in bf16 (it stays in L2), pairs go one at a time through all rows.
 constexpr int64_t BF_X_L2_BYTES = 1 << 20;
 constexpr int64_t BF_OWN_X_ROWS = 128;
-
-// The products of 16 (ONE) or 32 rows of x (xa: their A tiles, [nb][32 rows][32 inputs] in
-// bf16) with one pair's B tiles (bp: [nb][2][BF_TILE]) over blocks [b0, b1), added to c
-// ([4][16 x 16] fp32: rows 0-15 x tile 0, x tile 1, rows 16-31 x tile 0, x tile 1) unless
-// `first`, then stored to c.
-template <bool ONE>
-inline void bf16_pass(const uint16_t* xa, const uint8_t* bp, int64_t b0, int64_t b1,
-                      bool first, float* c, BFeed& feed) {
-    if (first) {
-        _tile_zero(0);
-        _tile_zero(1);
-        if (!ONE) {
-            _tile_zero(2);
-            _tile_zero(3);
-        }
-    } else {
-        _tile_loadd(0, c, 64);
-        _tile_loadd(1, c + 256, 64);
-        if (!ONE) {
-            _tile_loadd(2, c + 512, 64);
-            _tile_loadd(3, c + 768, 64);
-        }
-    }
-    const uint8_t* xr = reinterpret_cast<const uint8_t*>(xa);
-    for (int64_t b = b0; b < b1; ++b) {
-        _tile_loadd(4, xr + b * 2 * BF_TILE, 64);
-        _tile_loadd(6, bp + 2 * b * BF_TILE, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, bp + (2 * b + 1) * BF_TILE, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (!ONE) {
-            _tile_loadd(5, xr + (2 * b + 1) * BF_TILE, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        feed.tick();
-    }
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + 256, 64);
-    if (!ONE) {
-        _tile_stored(2, c + 512, 64);
-        _tile_stored(3, c + 768, 64);
-    }
-}
-
-// Row r of x in bf16 into xb as A tiles, each block of 32 rows [nb][32 rows][32 inputs] (a
-// tile's rows in 1 KB one after the other: a stream the prefetchers follow); rows past
-// m_rows (up to a whole A tile) zero.
-inline void bf16_x_tiles(int dtype, const void* x, int64_t x_stride, int64_t m_rows,
-                         int64_t nb, int64_t r, uint16_t* xb) {
-    uint16_t* dst = xb + (r / 32 * 32 * nb + r % 32) * QK;
-    for (int64_t b = 0; b < nb; ++b) {
-        uint16_t* d = dst + b * 32 * QK;
-        if (r >= m_rows) {
-            _mm512_storeu_si512(d, _mm512_setzero_si512());
-        } else if (dtype == 1) {
-            _mm512_storeu_si512(
-                d, _mm512_loadu_si512(static_cast<const uint16_t*>(x) + r * x_stride + b * QK));
-        } else {
-            const float* src = static_cast<const float*>(x) + r * x_stride + b * QK;
-            _mm512_storeu_si512(d, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-                                       _mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))));
-        }
-    }
-}
 
 // v rounded to bf16 (to nearest even, as store_outputs rounds) and back to fp32.
 inline __m512 round_to_bf16(__m512 v) {
