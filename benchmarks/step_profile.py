@@ -229,6 +229,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top-ops", type=int, default=15)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 | fp8_e5m2 | int8 | ...")
     ap.add_argument(
         "--prefault-kv",
         action="store_true",
@@ -250,11 +251,17 @@ def main() -> int:
     from pagemill.runtime.model_executor.default_model import ensure_default_model
 
     t0 = time.perf_counter()
-    llm = LLM(model=str(ensure_default_model()), enforce_eager=args.enforce_eager, seed=0)
+    kwargs: dict[str, Any] = {}
+    if args.kv_cache_dtype is not None:
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    llm = LLM(model=str(ensure_default_model()), enforce_eager=args.enforce_eager, seed=0, **kwargs)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     engine = llm.llm_engine
     core = engine.engine_core
     instrument(core)
+    storage = getattr(core.model_runner.kv_cache, "storage", None)
+    if storage is not None:  # steady state: the pool's background prefault has finished
+        storage.wait_prefaulted()
     if args.prefault_kv:
         t0 = time.perf_counter()
         for k, v in core.model_runner.kv_cache.caches:

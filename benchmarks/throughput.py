@@ -320,6 +320,21 @@ def run_transformers(
     }
 
 
+def wait_for_kv_prefault(llm: Any) -> None:
+    """Wait until the CPU KV pool's pages are mapped (the engine starts that in a background
+    thread once it is ready): a server in steady state has finished it, and a step timed
+    beside it shares the cores with it (the batch-1 row doubled on 2 cores)."""
+    cache = llm.llm_engine.engine_core.model_runner.kv_cache
+    storage = getattr(cache, "storage", None)
+    if storage is None:
+        return
+    t0 = time.perf_counter()
+    storage.wait_prefaulted()
+    waited = time.perf_counter() - t0
+    if waited > 0.05:
+        print(f"  waited {waited:.1f} s for the KV pool's prefault", file=sys.stderr)
+
+
 def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
     """Median `engine.step()` time with exactly N requests decoding (no prefill in the step).
 
@@ -525,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 llm = make_llm(args, model_dir, mode)
                 print(f"{mode}: engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            wait_for_kv_prefault(llm)
             costs = model_costs(llm)
             print(
                 f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",

@@ -389,3 +389,31 @@ def test_structured_output_requests_draft_beside_speculating_ones(tiny_llama) ->
     # The constrained request drafted as well: more drafts than the free one's own run.
     mixed_drafts = llm.llm_engine.get_stats().spec_num_drafts - before
     assert mixed_drafts > before > 0
+
+
+def test_draft_pool_is_prefaulted_once_the_engine_is_ready(tiny_qwen2, monkeypatch) -> None:
+    """The draft model's CPU pool, like the target's, maps its pages after start-up, not
+    beside it (a warm start's graph loading would wait behind the populate)."""
+    from pagemill.blockpool.kv_storage import KVStorage
+    from pagemill.runtime.spec_decode.engine import SpecDecoding
+
+    events: list[str] = []
+    create, prefault = SpecDecoding.create.__func__, KVStorage.prefault
+
+    def recording_create(cls, *args, **kwargs):
+        spec = create(cls, *args, **kwargs)
+        events.append("spec ready")
+        return spec
+
+    def recording_prefault(self, *args, **kwargs):
+        events.append("prefault")
+        return prefault(self, *args, **kwargs)
+
+    monkeypatch.setenv("PAGEMILL_CPU_KV_PREFAULT", "1")
+    monkeypatch.setattr(SpecDecoding, "create", classmethod(recording_create))
+    monkeypatch.setattr(KVStorage, "prefault", recording_prefault)
+    folder, _ = tiny_qwen2
+    llm = _draft_llm(folder, str(folder))
+    assert events == ["spec ready", "prefault", "prefault"]  # the target's, then the draft's
+    spec = llm.llm_engine.engine_core.spec
+    assert spec is not None and spec.draft_runner is not None

@@ -29,7 +29,7 @@ from pagemill.kernels.kv_quant import decode_table, is_quantized_kv
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Set to 0 to keep the torch path (e.g. to compare the two).
 _ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
 
@@ -265,8 +265,9 @@ _attention_ops_loaded = False
 @functools.cache
 def load_attention_ops() -> bool:
     """Build (once per machine and torch) and load `torch.ops.pagemill_native.paged_decode` /
-    `paged_decode_out` / `write_kv_cache`, the decode kernel and the KV write as C++ torch
-    operators; whether they are loaded.
+    `paged_decode_out` / `write_kv_cache` / `write_kv_cache_quant`, the decode kernel and the
+    KV write (into a cache in the compute dtype, or quantizing into an fp8/int8 one) as C++
+    torch operators; whether they are loaded.
 
     One call through them costs an aten op's dispatch, where the ctypes path converts two dozen
     Python arguments per call, once per layer. Built like `load_gemv_ops` (torch's headers, a
@@ -294,6 +295,7 @@ def load_attention_ops() -> bool:
     torch.library.register_fake("pagemill_native::paged_decode", _paged_decode_fake)
     torch.library.register_fake("pagemill_native::paged_decode_out", _paged_decode_out_fake)
     torch.library.register_fake("pagemill_native::write_kv_cache", _write_kv_cache_fake)
+    torch.library.register_fake("pagemill_native::write_kv_cache_quant", _write_kv_cache_fake)
     _attention_ops_loaded = True
     return True
 
@@ -353,8 +355,15 @@ def load() -> ctypes.CDLL | None:
         ptr,
         i64,
         ptr,
+        i32,
     ]
     return lib
+
+
+# The kernels' codes of the 8-bit cache formats they convert by their bits (kv_format of
+# `pagemill_paged_decode` and `pagemill_reshape_and_cache_quant`); other byte formats are
+# read through their value table.
+KV_FORMAT_CODES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.int8: 4}
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -362,7 +371,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     the cache in q's dtype or in fp8)."""
     return (
         q.device.type == "cpu"
-        and q.dtype in _DTYPE_CODES
+        and q.dtype in DTYPE_CODES
         and (k_cache.dtype == q.dtype or is_quantized_kv(k_cache.dtype))
         and k_cache.is_contiguous()
         and q.stride(2) == 1
@@ -392,10 +401,11 @@ def paged_decode(
     `window` > 0 attends to each request's last `window` positions only (the walk starts
     at the window's first block, so a windowed layer reads only its window); `softcap` > 0
     caps the scaled scores as ``softcap * tanh(s / softcap)``. An fp8 cache is read as
-    bytes through its format's value table, times ``k_scale``/``v_scale`` (CPU fp32, 0-dim:
-    the layer's one scale, or contiguous [num_kv_heads]: one per KV head; None: 1.0). ``sinks``
-    (contiguous fp32 [num_heads], None: none) start each head's softmax with the sink's
-    logit in its max and a 1 in its sum (see `paged_attention`).
+    bytes (by their bits on the AVX-512 path under a bf16 q for float8_e4m3fn, float8_e5m2
+    and int8, else through the format's value table), times ``k_scale``/``v_scale`` (CPU
+    fp32, 0-dim: the layer's one scale, or contiguous [num_kv_heads]: one per KV head;
+    None: 1.0). ``sinks`` (contiguous fp32 [num_heads], None: none) start each head's
+    softmax with the sink's logit in its max and a 1 in its sum (see `paged_attention`).
 
     `block_tables` [S, W] and `seq_lens` [S] are contiguous int32, `rows` [S] int64; the
     caller (the planner) guarantees every table reaches its context.
@@ -421,9 +431,9 @@ def paged_decode(
     num_seqs = block_tables.shape[0]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     lut = decode_table(k_cache.dtype) if is_quantized_kv(k_cache.dtype) else None
-    k_scale, v_scale, scale_stride = _scales(k_scale, v_scale, num_kv_heads)
+    k_scale, v_scale, scale_stride = kernel_scales(k_scale, v_scale, num_kv_heads)
     status = lib.pagemill_paged_decode(
-        _DTYPE_CODES[q.dtype],
+        DTYPE_CODES[q.dtype],
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -450,6 +460,7 @@ def paged_decode(
         v_scale.data_ptr(),
         scale_stride,
         None if sinks is None else sinks.data_ptr(),
+        KV_FORMAT_CODES.get(k_cache.dtype, 0),
     )
     if status:
         raise RuntimeError(f"paged_decode_cpu refused its arguments (status {status})")
@@ -458,7 +469,7 @@ def paged_decode(
 _ONE = torch.ones((), dtype=torch.float32)
 
 
-def _scales(
+def kernel_scales(
     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, num_kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The K and V scales as the kernel reads them, with their shared stride over KV heads

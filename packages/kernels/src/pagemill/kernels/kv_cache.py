@@ -13,6 +13,9 @@ reads the slots back to check them. It is reached through the C++ operator
 A float8 or int8 cache (``--kv-cache-dtype fp8`` / ``int8``) stores ``saturate(x / scale)``
 (int8: rounded) with the layer's ``k_scale``/``v_scale``, one per layer (0-dim) or one per KV
 head (``[num_kv_heads]``; see `pagemill.kernels.kv_quant`); other caches take x as it is.
+On CPU the native ``pagemill_reshape_and_cache_quant`` quantizes and stores in one pass
+(``torch.ops.pagemill_native.write_kv_cache_quant``, else ctypes), the same bytes as
+`kv_quant.quantize` gives; the torch path quantizes into a temporary and copies it.
 """
 
 from __future__ import annotations
@@ -110,6 +113,105 @@ def native_write_serves(
     )
 
 
+@functools.cache
+def _native_quant_write() -> Any:
+    lib = cpu_native.load()
+    if lib is None:
+        return None
+    fn = lib.pagemill_reshape_and_cache_quant
+    fn.restype = ctypes.c_int
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [i32, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, ptr, ptr, i64, i64]
+    return fn
+
+
+def native_quant_write_serves(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Whether the native CPU write quantizes into these caches: as `native_write_serves`,
+    but an fp8 or int8 cache (both caches of one format) under k/v in a float dtype."""
+    return (
+        k.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and k.dtype == v.dtype
+        and k.dtype in cpu_native.DTYPE_CODES
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in cpu_native.KV_FORMAT_CODES
+        and k.dim() == 3
+        and k.shape == v.shape
+        and k_cache.dim() == 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and tuple(k.shape[1:]) == tuple(k_cache.shape[2:])
+        and k.stride(2) == 1
+        and v.stride(2) == 1
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+        and slot_mapping.device.type == "cpu"
+    )
+
+
+def write_kv_cache_quant_cpu_native(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """The native CPU write of ``k``/``v`` quantized into an fp8/int8 cache (the bytes
+    `kv_quant.quantize` gives) at their slots (-1: skipped); False, having written nothing,
+    where it does not serve these tensors. A slot outside the cache is a ValueError. The
+    scales are checked by the caller (`_check_args`) or by the operator."""
+    if not native_quant_write_serves(k, v, k_cache, v_cache, slot_mapping):
+        return False
+    if cpu_native.load_attention_ops():
+        torch.ops.pagemill_native.write_kv_cache_quant(
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale
+        )
+        return True
+    fn = _native_quant_write()
+    if fn is None:
+        return False
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return True
+    slots = slot_mapping.to(torch.int64).contiguous()
+    ks, vs, scale_stride = cpu_native.kernel_scales(k_scale, v_scale, k.shape[1])
+    status = fn(
+        cpu_native.DTYPE_CODES[k.dtype],
+        cpu_native.KV_FORMAT_CODES[k_cache.dtype],
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        num_tokens,
+        k.stride(0),
+        v.stride(0),
+        k.shape[1],
+        k.shape[2],
+        ks.data_ptr(),
+        vs.data_ptr(),
+        scale_stride,
+        k_cache.shape[0] * k_cache.shape[1],
+    )
+    if status == 1:
+        raise ValueError(
+            f"a slot of {slots.tolist()} is outside the cache "
+            f"({k_cache.shape[0] * k_cache.shape[1]} slots)"
+        )
+    if status:
+        raise RuntimeError(f"pagemill_reshape_and_cache_quant refused its arguments ({status})")
+    return True
+
+
 def write_kv_cache_cpu_native(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -166,6 +268,8 @@ def write_kv_cache_torch(
 ) -> None:
     _check_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if write_kv_cache_cpu_native(k, v, k_cache, v_cache, slot_mapping):
+        return
+    if write_kv_cache_quant_cpu_native(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
         return
     slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
     keep = slots >= 0

@@ -32,9 +32,11 @@ from pagemill.kernels._opaque import register_opaque
 from pagemill.kernels.attention import AttentionPlan, paged_attention
 from pagemill.kernels.attention_cpu import TorchPlan
 from pagemill.kernels.kv_cache import (
+    native_quant_write_serves,
     native_write_serves,
     write_kv_cache,
     write_kv_cache_cpu_native,
+    write_kv_cache_quant_cpu_native,
 )
 from pagemill.kernels.kv_quant import is_quantized_kv
 
@@ -63,6 +65,13 @@ def _write_kv_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
+    if (
+        k_cache.device.type == "cpu"
+        and slot_mapping.dtype == torch.int64
+        and is_quantized_kv(k_cache.dtype)
+        and write_kv_cache_quant_cpu_native(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    ):
+        return  # quantized in one native pass (scales checked by the operator)
     if (
         k_cache.device.type != "cpu"
         or slot_mapping.dtype != torch.int64
@@ -190,11 +199,15 @@ def direct_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Inside a trace: put the KV write into the graph as the C++ operator
-    (`torch.ops.pagemill_native.write_kv_cache`) where it serves these tensors (CPU, the
-    cache in k's dtype, the layouts it reads), and say whether it did; False: nothing was
-    traced, the caller puts in the custom op (`torch.ops.pagemill.write_kv_cache`).
+    (`torch.ops.pagemill_native.write_kv_cache`, or `write_kv_cache_quant` with the layer's
+    scales for an fp8/int8 cache) where it serves these tensors (CPU, the cache in k's
+    dtype or an 8-bit format the kernel quantizes to, the layouts it reads), and say
+    whether it did; False: nothing was traced, the caller puts in the custom op
+    (`torch.ops.pagemill.write_kv_cache`).
 
     The custom op's body is Python: the compiled graph leaves its C++ code for it at every
     layer of every step, and a Python frame called from a compiled region also pays
@@ -205,12 +218,18 @@ def direct_kv_write(
     if not (
         slot_mapping.dtype == torch.int64
         and k_cache.dim() == 4
-        and native_write_serves(k, v, k_cache, v_cache, slot_mapping)
         and cpu_native.attention_ops_loaded()
     ):
         return False
-    torch.ops.pagemill_native.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    return True
+    if native_write_serves(k, v, k_cache, v_cache, slot_mapping):
+        torch.ops.pagemill_native.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return True
+    if native_quant_write_serves(k, v, k_cache, v_cache, slot_mapping):
+        torch.ops.pagemill_native.write_kv_cache_quant(
+            k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale
+        )
+        return True
+    return False
 
 
 def direct_decode(

@@ -111,8 +111,14 @@ template <> struct Elem<2> {
     static inline void store(T* p, int64_t i, float v) { p[i] = float_to_half(v); }
 };
 
+// How K/V are stored (the kernels' FP8 template argument, the C entry's kv_format): in the
+// compute dtype, or 8-bit codes read through the format's table (any byte format) or by
+// their bits (float8_e4m3fn, float8_e5m2, int8; the AVX-512 path under a bf16 query only:
+// other queries and the portable path read every byte format through the table).
+constexpr int kNoBytes = 0, kTableBytes = 1, kE4M3 = 2, kE5M2 = 3, kInt8 = 4;
+
 // K/V element access: the compute dtype's own, or fp8 bytes decoded through a table.
-template <int DT, bool FP8> struct KVLoad;
+template <int DT, bool BYTES> struct KVLoad;
 template <int DT> struct KVLoad<DT, false> {
     using T = typename Elem<DT>::T;
     static inline float load(const T* p, int64_t i, const float*) { return Elem<DT>::load(p, i); }
@@ -155,16 +161,16 @@ constexpr int kSplitItems = 12;
 // the second thread saves.
 constexpr int kMinPartTokens = 128;
 
-template <int DT, bool FP8, int HEAD_DIM>
-void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::T* k_cache,
-                 const typename KVLoad<DT, FP8>::T* v_cache, typename Elem<DT>::T* out,
+template <int DT, int FP8, int HEAD_DIM>
+void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, (FP8 != 0)>::T* k_cache,
+                 const typename KVLoad<DT, (FP8 != 0)>::T* v_cache, typename Elem<DT>::T* out,
                  const int32_t* table, int32_t ctx, int64_t q_row, int64_t out_row,
                  int kvh, int group, int head_dim, int block_size, int num_kv_heads,
                  int64_t q_stride_t, int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h,
                  float scale, int window, float softcap, const float* lut, float k_scale,
                  float v_scale, const float* sinks) {
     using E = Elem<DT>;
-    using KV = KVLoad<DT, FP8>;
+    using KV = KVLoad<DT, (FP8 != 0)>;
     const int D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
     const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
     const int64_t block_stride = static_cast<int64_t>(block_size) * slot_stride;
@@ -259,25 +265,53 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, FP8>::
 // allocated per call once each thread's score buffer has grown to its largest chunk.
 namespace fast {
 
-template <int DT, bool FP8> struct Row;
-template <> struct Row<0, false> {
+template <int DT, int FP8> struct Row;
+template <> struct Row<0, kNoBytes> {
     static inline __m512 load(const void* p, const float*) { return _mm512_loadu_ps(p); }
 };
-template <> struct Row<1, false> {
+template <> struct Row<1, kNoBytes> {
     static inline __m512 load(const void* p, const float*) {
         const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
         return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
     }
 };
-template <> struct Row<2, false> {
+template <> struct Row<2, kNoBytes> {
     static inline __m512 load(const void* p, const float*) {
         return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
     }
 };
-template <int DT> struct Row<DT, true> {
+// An 8-bit cache through its table: any byte format (the portable path's way).
+template <int DT> struct Row<DT, kTableBytes> {
     static inline __m512 load(const void* p, const float* lut) {
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
         return _mm512_i32gather_ps(idx, lut, 4);
+    }
+};
+// The formats by their bits, a few instructions per 16 bytes where a gather takes 16 loads.
+// e4m3fn: sign and the 7 other bits moved into an fp16 (exponent bias 15 instead of 7, so
+// the fp16 holds the value / 2^8, subnormals included, exactly) and widened by vcvtph2ps,
+// which DAZ does not touch; the two NaN patterns (S.1111.111) kept NaN, as the table has them.
+template <int DT> struct Row<DT, kE4M3> {
+    static inline __m512 load(const void* p, const float*) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+        const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+        const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+        const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+        return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(NAN));
+    }
+};
+// e5m2 is the top byte of an fp16 (inf and NaN included).
+template <int DT> struct Row<DT, kE5M2> {
+    static inline __m512 load(const void* p, const float*) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+        return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+    }
+};
+template <int DT> struct Row<DT, kInt8> {
+    static inline __m512 load(const void* p, const float*) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))));
     }
 };
 
@@ -325,7 +359,7 @@ constexpr int kMaxGroup = kMaxFastGroup;
 alignas(64) constexpr char kZeros[512] = {};
 
 // bf16 K dotted in place with vdpbf16ps (needs AVX512-BF16); other dtypes as fp32.
-template <int DT, bool FP8>
+template <int DT, int FP8>
 constexpr bool kDirectBf16 =
 #if defined(__AVX512BF16__)
     DT == 1 && !FP8;
@@ -334,14 +368,14 @@ constexpr bool kDirectBf16 =
 #endif
 // K rows the FMAs read in place (fp32 cache, or bf16 through vdpbf16ps); others are widened
 // into the tile scratch first.
-template <int DT, bool FP8>
+template <int DT, int FP8>
 constexpr bool kKInPlace = (DT == 0 && !FP8) || kDirectBf16<DT, FP8>;
 // bf16 V rows widened in place by shift/mask (the accumulators' even/odd order).
-template <int DT, bool FP8>
+template <int DT, int FP8>
 constexpr bool kVEvenOdd = DT == 1 && !FP8;
 
 // A V row's 16*NV elements as fp32, in the accumulators' order.
-template <int DT, bool FP8, int NV>
+template <int DT, int FP8, int NV>
 inline void load_v(const char* row, const float* lut, __m512* v) {
     if constexpr (kVEvenOdd<DT, FP8>) {
         const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
@@ -498,7 +532,7 @@ inline float* score_buffer(size_t floats) {
 }
 
 // A group's outputs from its accumulators (the V pass's element order) and softmax sums.
-template <int DT, bool FP8, int NV>
+template <int DT, int FP8, int NV>
 void store_out(typename Elem<DT>::T* op, const float* acc, float l, float v_scale) {
     const __m512 inv = _mm512_set1_ps(l > 0.f ? v_scale / l : 0.f);
     if constexpr (kVEvenOdd<DT, FP8>) {
@@ -533,7 +567,7 @@ constexpr int64_t kStateFloats = 16 + NV * 16;
 // Positions [begin, end) of one (request, KV head) pair. With `state` null the group's
 // outputs are written; else each head's running max, sum and unnormalised accumulators go
 // to state (kStateFloats apart), for merge_parts.
-template <int DT, bool FP8, int NV>
+template <int DT, int FP8, int NV>
 void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void* v_cache,
                  typename Elem<DT>::T* out, const int32_t* table, int begin, int end,
                  int64_t q_row, int64_t out_row, int kvh, int group, int block_size,
@@ -728,7 +762,7 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
 // A pair's outputs from its parts' states (in part order, so the result does not depend on
 // which thread ran which part): each part's sum and accumulators rescaled to the largest
 // max, a sink's logit joining as one more part with sum 1 and no value.
-template <int DT, bool FP8, int NV>
+template <int DT, int FP8, int NV>
 void merge_parts(const float* state, int parts, typename Elem<DT>::T* out, int64_t out_row,
                  int kvh, int group, int64_t o_stride_t, int64_t o_stride_h, float v_scale,
                  const float* sinks) {
@@ -761,7 +795,7 @@ void merge_parts(const float* state, int parts, typename Elem<DT>::T* out, int64
 }  // namespace fast
 #endif
 
-template <int DT, bool FP8, int HEAD_DIM>
+template <int DT, int FP8, int HEAD_DIM>
 void decode_all(const void* q, const void* k_cache, const void* v_cache, void* out,
                 const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
                 const int64_t* rows, int64_t num_seqs, int num_heads, int num_kv_heads,
@@ -770,7 +804,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                 int num_threads, const float* lut, const float* k_scales,
                 const float* v_scales, int64_t scale_stride, const float* sinks) {
     using T = typename Elem<DT>::T;
-    using KT = typename KVLoad<DT, FP8>::T;
+    using KT = typename KVLoad<DT, (FP8 != 0)>::T;
     PROF_BEGIN();
     const int group = num_heads / num_kv_heads;
     const int64_t pairs = num_seqs * num_kv_heads;
@@ -904,7 +938,7 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
 #endif
 }
 
-template <int DT, bool FP8>
+template <int DT, int FP8>
 int dispatch_dim(const void* q, const void* k, const void* v, void* out, const int32_t* bt,
                  int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h,
                  int kvh, int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh,
@@ -915,13 +949,38 @@ int dispatch_dim(const void* q, const void* k, const void* v, void* out, const i
         case 128: decode_all<DT, FP8, 128>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk); break;
         default:
             if (d > kMaxBlock) return 2;
-            decode_all<DT, FP8, 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+            // Other head dims take the portable path, which reads any byte format through
+            // the table: one instantiation for all of them.
+            decode_all<DT, (FP8 > kTableBytes ? kTableBytes : FP8), 0>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
     }
     return 0;
 }
 
+template <int DT>
+int dispatch_format(int kf, const void* q, const void* k, const void* v, void* out, const int32_t* bt,
+                    int64_t bts, const int32_t* lens, const int64_t* rows, int64_t n, int h, int kvh,
+                    int d, int bs, int64_t qst, int64_t qsh, int64_t ost, int64_t osh, float scale,
+                    int win, float cap, int nt, const float* lut, const float* ks, const float* vs,
+                    int64_t sst, const float* sk) {
+    // By their bits under a bf16 query only (the CPU's compute dtype): each format is one
+    // more build of the kernel, so fp32 and fp16 queries read 8-bit caches through the table.
+    if (DT != 1 && kf > kTableBytes) kf = kTableBytes;
+    switch (kf) {
+        case kNoBytes: return dispatch_dim<DT, kNoBytes>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+        case kE4M3: return dispatch_dim<DT, DT == 1 ? kE4M3 : kTableBytes>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+        case kE5M2: return dispatch_dim<DT, DT == 1 ? kE5M2 : kTableBytes>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+        case kInt8: return dispatch_dim<DT, DT == 1 ? kInt8 : kTableBytes>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+        default: return dispatch_dim<DT, kTableBytes>(q, k, v, out, bt, bts, lens, rows, n, h, kvh, d, bs, qst, qsh, ost, osh, scale, win, cap, nt, lut, ks, vs, sst, sk);
+    }
+}
+
 }  // namespace
 
+// kv_lut: null for a cache in q's dtype; else the 256 values of the cache's byte format,
+// and kv_format says which format it is (kE4M3, kE5M2, kInt8: the AVX-512 path converts
+// the bytes by their bits under a bf16 query; anything else: through kv_lut). The portable path always reads
+// bytes through kv_lut. kv_format is the last argument, so a caller of the kernel from
+// before it (which passes a table and nothing more) reaches the table path unchanged.
 extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cache,
                                      const void* v_cache, void* out,
                                      const int32_t* block_tables, int64_t table_stride,
@@ -932,15 +991,15 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      float scale, int window, float softcap,
                                      int num_threads, const float* kv_lut, const float* k_scale,
                                      const float* v_scale, int64_t scale_stride,
-                                     const float* sinks) {
+                                     const float* sinks, int kv_format) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size > kMaxBlock) return 1;
+    const int kf = !kv_lut ? kNoBytes
+                   : (kv_format == kE4M3 || kv_format == kE5M2 || kv_format == kInt8) ? kv_format
+                                                                                      : kTableBytes;
     switch (dtype) {
-        case 0: return kv_lut ? dispatch_dim<0, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
-                        : dispatch_dim<0, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
-        case 1: return kv_lut ? dispatch_dim<1, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
-                        : dispatch_dim<1, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
-        case 2: return kv_lut ? dispatch_dim<2, true>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks)
-                        : dispatch_dim<2, false>(q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
+        case 0: return dispatch_format<0>(kf, q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
+        case 1: return dispatch_format<1>(kf, q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
+        case 2: return dispatch_format<2>(kf, q, k_cache, v_cache, out, block_tables, table_stride, seq_lens, rows, num_seqs, num_heads, num_kv_heads, head_dim, block_size, q_stride_t, q_stride_h, o_stride_t, o_stride_h, scale, window, softcap, num_threads, kv_lut, k_scale, v_scale, scale_stride, sinks);
         default: return 3;
     }
 }
@@ -968,6 +1027,165 @@ extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_
         std::memcpy(vc + s * row_bytes, vs + i * v_stride, static_cast<size_t>(row_bytes));
     }
     return 0;
+}
+
+// ---- the KV write into an 8-bit cache ---------------------------------------------------------
+// kv_quant.quantize's contract, byte for byte: y = x / scale in fp32 (a true division, as
+// torch divides), saturated to the format's largest finite value (NaN passes), then the
+// format's code rounded to nearest, ties to even: fp8 by its bits (the mantissa rounded at
+// its last kept bit; below the smallest normal, y scaled to units of the smallest
+// subnormal and rounded as an integer), int8 by rounding y to an integer.
+namespace {
+
+inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+// |y| (finite, at most the format's max, or NaN) as the code's 7 low bits.
+template <int KF>
+inline uint8_t fp8_code(float a) {
+    constexpr int MANT = KF == kE4M3 ? 3 : 2;          // mantissa bits kept
+    constexpr int BIAS = KF == kE4M3 ? 7 : 15;
+    constexpr int SHIFT = 23 - MANT;
+    const uint32_t b = f32_bits(a);
+    if (b > 0x7f800000u) return 0x7f;                 // NaN
+    if (b < static_cast<uint32_t>(127 - BIAS + 1) << 23)  // below the smallest normal
+        return static_cast<uint8_t>(std::nearbyint(a * std::ldexp(1.f, BIAS - 1 + MANT)));
+    const uint32_t r = b + ((1u << (SHIFT - 1)) - 1u) + ((b >> SHIFT) & 1u);
+    return static_cast<uint8_t>((r >> SHIFT) - (static_cast<uint32_t>(127 - BIAS) << MANT));
+}
+
+template <int KF>
+inline uint8_t quant_one(float y) {
+    if constexpr (KF == kInt8) {
+        if (y != y) return 0;
+        return static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, y)))));
+    } else {
+        constexpr float LIM = KF == kE4M3 ? 448.f : 57344.f;
+        const float c = y != y ? y : std::min(LIM, std::max(-LIM, y));
+        return static_cast<uint8_t>(fp8_code<KF>(std::fabs(c)) | (std::signbit(c) ? 0x80 : 0));
+    }
+}
+
+#if defined(__AVX512F__)
+// 16 values at a time, the same arithmetic in lanes.
+template <int KF>
+inline __m128i quant16(__m512 y) {
+    const __mmask16 nan = _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    if constexpr (KF == kInt8) {
+        const __m512 c = _mm512_min_ps(_mm512_set1_ps(127.f), _mm512_max_ps(_mm512_set1_ps(-127.f), y));
+        const __m512i i = _mm512_maskz_cvt_roundps_epi32(static_cast<__mmask16>(~nan), c,
+                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        return _mm512_cvtepi32_epi8(i);
+    } else {
+        constexpr int MANT = KF == kE4M3 ? 3 : 2;
+        constexpr int BIAS = KF == kE4M3 ? 7 : 15;
+        constexpr int SHIFT = 23 - MANT;
+        constexpr float LIM = KF == kE4M3 ? 448.f : 57344.f;
+        // min/max return their second operand for NaN: NaN lanes pass through.
+        const __m512 c = _mm512_max_ps(_mm512_set1_ps(-LIM), _mm512_min_ps(_mm512_set1_ps(LIM), y));
+        const __m512i bits = _mm512_castps_si512(c);
+        const __m512i sign = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u))), 24);
+        const __m512i b = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, SHIFT), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32((1 << (SHIFT - 1)) - 1)));
+        __m512i code = _mm512_sub_epi32(_mm512_srli_epi32(r, SHIFT), _mm512_set1_epi32((127 - BIAS) << MANT));
+        const __mmask16 sub = _mm512_cmplt_epu32_mask(b, _mm512_set1_epi32((127 - BIAS + 1) << 23));
+        const __m512 units = _mm512_mul_ps(_mm512_castsi512_ps(b), _mm512_set1_ps(std::ldexp(1.f, BIAS - 1 + MANT)));
+        code = _mm512_mask_mov_epi32(code, sub, _mm512_cvt_roundps_epi32(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        code = _mm512_mask_mov_epi32(code, nan, _mm512_set1_epi32(0x7f));
+        return _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign));
+    }
+}
+#endif
+
+template <int DT>
+inline float load_elem(const void* p, int64_t i) {
+    return Elem<DT>::load(static_cast<const typename Elem<DT>::T*>(p), i);
+}
+
+// One token's rows (heads x dim, row i of x at x_stride elements) as codes at dst.
+template <int DT, int KF>
+void quant_rows(const void* x, int64_t row, int64_t x_stride, int heads, int dim,
+                const float* scales, int64_t scale_stride, uint8_t* dst) {
+    for (int h = 0; h < heads; ++h) {
+        const float s = scales ? scales[h * scale_stride] : 1.f;
+        const int64_t base = row * x_stride + static_cast<int64_t>(h) * dim;
+        uint8_t* d = dst + static_cast<int64_t>(h) * dim;
+        int i = 0;
+#if defined(__AVX512F__)
+        const __m512 vs = _mm512_set1_ps(s);
+        for (; i + 16 <= dim; i += 16) {
+            __m512 v;
+            if constexpr (DT == 0) {
+                v = _mm512_loadu_ps(static_cast<const float*>(x) + base + i);
+            } else if constexpr (DT == 1) {
+                const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + base + i)));
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            } else {
+                v = _mm512_cvtph_ps(_mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(x) + base + i)));
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), quant16<KF>(_mm512_div_ps(v, vs)));
+        }
+#endif
+        for (; i < dim; ++i) d[i] = quant_one<KF>(load_elem<DT>(x, base + i) / s);
+    }
+}
+
+template <int DT, int KF>
+void quant_write(const void* k, const void* v, uint8_t* kc, uint8_t* vc, const int64_t* slots,
+                 int64_t num_tokens, int64_t k_stride, int64_t v_stride, int heads, int dim,
+                 const float* k_scale, const float* v_scale, int64_t scale_stride) {
+    const int64_t row_bytes = static_cast<int64_t>(heads) * dim;
+    for (int64_t i = 0; i < num_tokens; ++i) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        quant_rows<DT, KF>(k, i, k_stride, heads, dim, k_scale, scale_stride, kc + s * row_bytes);
+        quant_rows<DT, KF>(v, i, v_stride, heads, dim, v_scale, scale_stride, vc + s * row_bytes);
+    }
+}
+
+template <int DT>
+int quant_write_format(int kv_format, const void* k, const void* v, uint8_t* kc, uint8_t* vc,
+                       const int64_t* slots, int64_t n, int64_t ks, int64_t vs, int heads, int dim,
+                       const float* k_scale, const float* v_scale, int64_t scale_stride) {
+    switch (kv_format) {
+        case kE4M3: quant_write<DT, kE4M3>(k, v, kc, vc, slots, n, ks, vs, heads, dim, k_scale, v_scale, scale_stride); return 0;
+        case kE5M2: quant_write<DT, kE5M2>(k, v, kc, vc, slots, n, ks, vs, heads, dim, k_scale, v_scale, scale_stride); return 0;
+        case kInt8: quant_write<DT, kInt8>(k, v, kc, vc, slots, n, ks, vs, heads, dim, k_scale, v_scale, scale_stride); return 0;
+        default: return 3;
+    }
+}
+
+}  // namespace
+
+// The KV write into an 8-bit cache (kv_format kE4M3, kE5M2 or kInt8): token i's K and V
+// (dtype 0 fp32, 1 bf16, 2 fp16; `heads` rows of `dim` elements, contiguous, the token's
+// rows k_stride / v_stride elements apart) quantized with the layer's scales (null: 1;
+// scale_stride 0: one per layer, 1: one per KV head) into slot slots[i], -1 skipped. A slot
+// outside the cache refuses the whole write (status 1) before anything is written; an
+// unknown dtype or format is status 2 or 3.
+extern "C" int pagemill_reshape_and_cache_quant(int dtype, int kv_format, const void* k,
+                                                const void* v, void* k_cache, void* v_cache,
+                                                const int64_t* slots, int64_t num_tokens,
+                                                int64_t k_stride, int64_t v_stride, int heads,
+                                                int dim, const float* k_scale,
+                                                const float* v_scale, int64_t scale_stride,
+                                                int64_t num_slots) {
+    for (int64_t i = 0; i < num_tokens; ++i)
+        if (slots[i] < -1 || slots[i] >= num_slots) return 1;
+    auto* kc = static_cast<uint8_t*>(k_cache);
+    auto* vc = static_cast<uint8_t*>(v_cache);
+    switch (dtype) {
+        case 0: return quant_write_format<0>(kv_format, k, v, kc, vc, slots, num_tokens, k_stride, v_stride, heads, dim, k_scale, v_scale, scale_stride);
+        case 1: return quant_write_format<1>(kv_format, k, v, kc, vc, slots, num_tokens, k_stride, v_stride, heads, dim, k_scale, v_scale, scale_stride);
+        case 2: return quant_write_format<2>(kv_format, k, v, kc, vc, slots, num_tokens, k_stride, v_stride, heads, dim, k_scale, v_scale, scale_stride);
+        default: return 2;
+    }
 }
 
 #if defined(PAGEMILL_DECODE_PROFILE)

@@ -29,12 +29,19 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
                                      float scale, int window, float softcap, int num_threads,
                                      const float* kv_lut, const float* k_scale,
                                      const float* v_scale, int64_t scale_stride,
-                                     const float* sinks);
+                                     const float* sinks, int kv_format);
 extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_cache,
                                           void* v_cache, const int64_t* slots,
                                           int64_t num_tokens, int64_t k_stride,
                                           int64_t v_stride, int64_t row_bytes,
                                           int64_t num_slots);
+extern "C" int pagemill_reshape_and_cache_quant(int dtype, int kv_format, const void* k,
+                                                const void* v, void* k_cache, void* v_cache,
+                                                const int64_t* slots, int64_t num_tokens,
+                                                int64_t k_stride, int64_t v_stride, int heads,
+                                                int dim, const float* k_scale,
+                                                const float* v_scale, int64_t scale_stride,
+                                                int64_t num_slots);
 
 namespace {
 
@@ -49,6 +56,11 @@ int dtype_code(at::ScalarType t) {
 
 bool is_byte_cache(at::ScalarType t) {
     return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kChar;
+}
+
+// The kernels' code of an 8-bit cache format (paged_decode_cpu.cpp: kE4M3, kE5M2, kInt8).
+int byte_format(at::ScalarType t) {
+    return t == at::kFloat8_e4m3fn ? 2 : t == at::kFloat8_e5m2 ? 3 : t == at::kChar ? 4 : 0;
 }
 
 // The 256 fp32 values of an 8-bit cache format by bit pattern (kv_quant.decode_table), made
@@ -137,7 +149,8 @@ void paged_decode_out(const at::Tensor& q, const at::Tensor& k_cache, const at::
         static_cast<int>(k_cache.size(1)), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap),
         at::get_num_threads(), bytes ? byte_table(k_cache.scalar_type()) : nullptr,
-        ks.data_ptr<float>(), vs.data_ptr<float>(), ks.dim(), sink_ptr);
+        ks.data_ptr<float>(), vs.data_ptr<float>(), ks.dim(), sink_ptr,
+        byte_format(k_cache.scalar_type()));
     TORCH_CHECK(status == 0, "paged_decode_cpu refused its arguments (status ", status, ")");
 }
 
@@ -180,6 +193,50 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
                       " slots)");
 }
 
+// The write into an fp8 or int8 cache (kv_quant.quantize's contract): k/v in a float dtype,
+// quantized with the layer's scales (0-dim, [kv_heads], or none: 1) as they are stored.
+void write_kv_cache_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                          at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                          const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale) {
+    const int code = dtype_code(k.scalar_type());
+    const int format = byte_format(k_cache.scalar_type());
+    TORCH_CHECK_VALUE(
+        k.device().is_cpu() && k_cache.device().is_cpu() && slot_mapping.device().is_cpu() &&
+            code >= 0 && format > 0 && k.scalar_type() == v.scalar_type() &&
+            k_cache.scalar_type() == v_cache.scalar_type() && k.dim() == 3 &&
+            k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+            k_cache.is_contiguous() && v_cache.is_contiguous() && k.size(1) == k_cache.size(2) &&
+            k.size(2) == k_cache.size(3) && k.stride(2) == 1 && v.stride(2) == 1 &&
+            k.stride(1) == k.size(2) && v.stride(1) == v.size(2) && slot_mapping.dim() == 1 &&
+            slot_mapping.size(0) == k.size(0) &&
+            (slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt),
+        "write_kv_cache_quant: k ", k.sizes(), " ", k.scalar_type(), " into caches ",
+        k_cache.sizes(), " ", k_cache.scalar_type(), " at slots ", slot_mapping.sizes(),
+        " is not a write the native kernel serves");
+    const int64_t kv_heads = k_cache.size(2);
+    if (k_scale.has_value()) check_scale("k_scale", *k_scale, kv_heads);
+    if (v_scale.has_value()) check_scale("v_scale", *v_scale, kv_heads);
+    at::Tensor ks = k_scale.has_value() ? *k_scale : one();
+    at::Tensor vs = v_scale.has_value() ? *v_scale : one();
+    if (ks.dim() != vs.dim()) {
+        ks = ks.expand({kv_heads}).contiguous();
+        vs = vs.expand({kv_heads}).contiguous();
+    }
+    const int64_t n = k.size(0);
+    if (n == 0) return;
+    const at::Tensor slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+    const int status = pagemill_reshape_and_cache_quant(
+        code, format, k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        slots.data_ptr<int64_t>(), n, k.stride(0), v.stride(0), static_cast<int>(kv_heads),
+        static_cast<int>(k.size(2)), ks.data_ptr<float>(), vs.data_ptr<float>(), ks.dim(),
+        num_slots);
+    TORCH_CHECK_VALUE(status != 1, "write_kv_cache_quant: a slot is outside the cache (",
+                      num_slots, " slots)");
+    TORCH_CHECK(status == 0, "write_kv_cache_quant refused its arguments (status ", status, ")");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagemill_native, m) {
@@ -191,10 +248,13 @@ TORCH_LIBRARY_FRAGMENT(pagemill_native, m) {
           "Tensor? sinks, Tensor(a!) out) -> ()");
     m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
           "Tensor slot_mapping) -> ()");
+    m.def("write_kv_cache_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+          "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagemill_native, CPU, m) {
     m.impl("paged_decode", &paged_decode);
     m.impl("paged_decode_out", &paged_decode_out);
     m.impl("write_kv_cache", &write_kv_cache);
+    m.impl("write_kv_cache_quant", &write_kv_cache_quant);
 }

@@ -203,6 +203,8 @@ class EngineCore:
             runner.start_background_compile(self._background_compile, self.num_blocks)
         if runner.kv_cache is not None:
             runner.kv_cache.start_prefault()
+        if self.spec is not None:
+            self.spec.start_prefault()
 
     def _sampler_native(self) -> bool:
         """Whether the sampler's native CPU passes serve here (then no graph is traced for

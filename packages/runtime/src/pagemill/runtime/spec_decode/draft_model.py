@@ -101,7 +101,7 @@ class DraftModelProposer:
             s.runner_budget,
             max_model_len,
         )
-        runner.init_kv_cache(s.num_blocks)
+        runner.init_kv_cache(s.num_blocks, prefault=False)  # SpecDecoding.start_prefault
         logger.info("draft model %s: %d KV blocks of its own", folder, s.num_blocks)
         return cls(runner, s.num_blocks, s.num_speculative_tokens, max_model_len)
 

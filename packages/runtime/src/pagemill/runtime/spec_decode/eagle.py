@@ -328,7 +328,7 @@ class EagleProposer:
         )
         k, num_blocks = setup.num_speculative_tokens, setup.num_blocks
         scratch = setup.max_num_seqs * scratch_blocks_per_request(k, setup.block_size)
-        runner.init_kv_cache(num_blocks + scratch)
+        runner.init_kv_cache(num_blocks + scratch, prefault=False)  # SpecDecoding.start_prefault
         logger.info(
             "%s head %s: %d layer(s), its KV in the target's %d blocks (+%d scratch)%s",
             method,

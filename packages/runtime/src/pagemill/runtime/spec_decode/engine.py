@@ -101,6 +101,16 @@ class SpecDecoding:
         self.decoder = SpecDecoder(config, proposer)
         self.rejection_sampler = rejection_sampler
         self.stats = SpecDecodingStats(num_spec_tokens=config.num_speculative_tokens)
+        # A draft model's or head's own runner (its KV pool's pages are mapped once the
+        # engine is ready, as the target's: `start_prefault`).
+        self.draft_runner: ModelRunner | None = getattr(proposer, "runner", None)
+
+    def start_prefault(self) -> None:
+        """Map the draft pool's pages in the background (the engine calls this once it is
+        ready, after its own pool's; a no-op without a draft pool or where it is done)."""
+        runner = self.draft_runner
+        if runner is not None and runner.kv_cache is not None:
+            runner.kv_cache.start_prefault()
 
     @classmethod
     def create(

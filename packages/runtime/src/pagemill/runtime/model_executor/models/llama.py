@@ -196,12 +196,14 @@ class LlamaAttention(nn.Module):
         vs: torch.Tensor | None,
     ) -> torch.Tensor:
         """The KV write and attention as the graph calls them: the C++ operators with plain
-        tensors where they serve (the write on CPU caches in the compute dtype; attention
-        on decode-only steps, `meta.native_decode`), else one custom op each (see
+        tensors where they serve (the write on CPU caches in the compute dtype or fp8/int8;
+        attention on decode-only steps, `meta.native_decode`), else one custom op each (see
         pagemill.kernels.ops), the attention op with the step's plan."""
         assert self.k_cache is not None and self.v_cache is not None
         direct = self.direct_native_ops
-        if not (direct and direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping)):
+        if not (
+            direct and direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
+        ):
             torch.ops.pagemill.write_kv_cache(
                 k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
             )

@@ -200,8 +200,12 @@ def choose_dense_copies(
         if plan.lm_head is None
         else replace(plan.lm_head, dense_fallback=keep, keep_dense_copy=asked)
     )
+    # An upper bound, decided before the layers are built: a layer that runs large batches
+    # on the matrix units from its packed blocks (`Linear.amx_large_rows`) keeps no copy, so
+    # the line says what is allowed, and the weights' resident total what is held.
     line = (
-        f"cpu_dense_weights: {'keeping' if keep else 'no'} dense copies of packed layers for "
-        f"large batches ({need / MB:.0f} MB; {why})"
+        f"cpu_dense_weights: dense copies of packed layers for large batches "
+        f"{'allowed' if keep else 'off'} (up to {need / MB:.0f} MB, none where a layer runs "
+        f"them on the matrix units; {why})"
     )
     return WeightPlan(linear, head), line
