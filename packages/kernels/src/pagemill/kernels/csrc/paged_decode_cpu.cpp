@@ -14,8 +14,9 @@
 // then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
-// An fp8 cache (kv_lut non-null) is read as bytes through a 256-entry table of the format's
-// values; its scales fold into the query (k_scale) and the output (v_scale) of each
+// An 8-bit cache (kv_lut non-null: fp8 or int8) is read as bytes, through a 256-entry table
+// of the format's values or, on the AVX-512 path under a bf16 query, by their bits
+// (kv_format); its scales fold into the query (k_scale) and the output (v_scale) of each
 // (request, KV head) pair: KV head h reads k_scales[h * scale_stride] (stride 0: the layer's
 // one scale, 1: one per KV head).
 // Attention sinks (sinks non-null: one fp32 logit per query head, gpt-oss) start each
