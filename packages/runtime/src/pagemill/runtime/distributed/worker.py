@@ -40,6 +40,8 @@ CHECK_IN_KEY = "pagemill/tp-worker/{rank}"
 STOP = ("stop",)
 KEEPALIVE = ("keepalive",)
 PROFILE = ("profile",)
+# The engine is ready: map the KV pool's pages now (in the background), as rank 0 does.
+PREFAULT = ("prefault",)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,10 @@ def serve(tp: TensorParallelGroup) -> None:
         if isinstance(msg, StepBatch):
             runner.execute_batch(msg)
         elif isinstance(msg, InitKVCache):
-            runner.init_kv_cache(msg.num_blocks)
+            runner.init_kv_cache(msg.num_blocks, prefault=False)  # on PREFAULT
+        elif msg == PREFAULT:
+            if runner.kv_cache is not None:
+                runner.kv_cache.start_prefault()
         elif msg == PROFILE:
             runner.profile_peak_memory()  # in lockstep with rank 0's (same dummy step)
         elif msg == STOP:

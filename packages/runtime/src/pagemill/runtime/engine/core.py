@@ -205,6 +205,12 @@ class EngineCore:
             runner.kv_cache.start_prefault()
         if self.spec is not None:
             self.spec.start_prefault()
+        if self.tp is not None:  # the workers' pools too (the watcher may be running)
+            from pagemill.runtime.distributed.worker import PREFAULT
+
+            tp = self.tp
+            with tp.exclusive():
+                self._collective(lambda: tp.broadcast_object(PREFAULT))
 
     def _sampler_native(self) -> bool:
         """Whether the sampler's native CPU passes serve here (then no graph is traced for
