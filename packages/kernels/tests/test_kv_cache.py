@@ -111,3 +111,33 @@ def test_native_cpu_write_refuses_what_it_cannot_serve():
         k.transpose(1, 2).contiguous().transpose(1, 2), v, kc, vc, slots
     )
     assert torch.equal(kc, before)
+
+
+@pytest.mark.parametrize("heads_dim", [(3, 64), (2, 32), (1, 20), (3, 24)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_native_cpu_write_whole_lines_and_not(heads_dim, aligned):
+    """Rows of whole 64-byte lines in a 64-byte-aligned pool take the streaming stores; rows
+    of other sizes, or a pool that starts mid-line, the plain copy: the same bytes either way."""
+    from pagemill.kernels.kv_cache import write_kv_cache_cpu_native
+
+    h, d = heads_dim
+    g = torch.Generator().manual_seed(h * d)
+    k = torch.randn(40, h, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(40, h, d, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(128, generator=g)[:40]
+    slots[3] = -1
+    n = 8 * 16 * h * d
+    offset = 0 if aligned else 8  # elements: 16 bytes past the buffer's start
+    caches = []
+    for _ in range(2):
+        buf = torch.zeros(n + 64, dtype=torch.bfloat16)
+        start = (-buf.data_ptr() // 2) % 32 + offset  # from a 64-byte boundary
+        caches.append(buf[start : start + n].view(8, 16, h, d))
+    kc, vc = caches
+    assert (kc.data_ptr() % 64 == 0) == aligned
+    assert write_kv_cache_cpu_native(k, v, kc, vc, slots)
+    keep = slots >= 0
+    for src, cache in ((k, kc), (v, vc)):
+        want = torch.zeros(128, h, d, dtype=torch.bfloat16)
+        want[slots[keep]] = src[keep]
+        assert torch.equal(cache.reshape(128, h, d), want)

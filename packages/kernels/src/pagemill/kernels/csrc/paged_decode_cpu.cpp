@@ -1005,6 +1005,17 @@ extern "C" int pagemill_paged_decode(int dtype, const void* q, const void* k_cac
     }
 }
 
+#if defined(__AVX512F__)
+// The slots a write stores to lie anywhere in the pool, so each row's lines miss the caches
+// and an ordinary store first reads its line from memory. A row of whole 64-byte lines is
+// written with streaming stores instead (no read; the next step's attention reads the row
+// from memory once, the only reader it has soon).
+inline void stream_row(char* dst, const char* src, int64_t row_bytes) {
+    for (int64_t o = 0; o < row_bytes; o += 64)
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + o), _mm512_loadu_si512(src + o));
+}
+#endif
+
 // The KV write (vLLM's reshape_and_cache) for a cache in the compute dtype: token i's K and
 // V rows (num_kv_heads * head_dim elements, contiguous; `row_bytes` in all) go to slot
 // slots[i] of the caches; a slot of -1 is skipped. One call for K and V, and no host-side
@@ -1021,6 +1032,19 @@ extern "C" int pagemill_reshape_and_cache(const void* k, const void* v, void* k_
     const char* vs = static_cast<const char*>(v);
     char* kc = static_cast<char*>(k_cache);
     char* vc = static_cast<char*>(v_cache);
+#if defined(__AVX512F__)
+    if (row_bytes % 64 == 0 && reinterpret_cast<uintptr_t>(kc) % 64 == 0 &&
+        reinterpret_cast<uintptr_t>(vc) % 64 == 0) {
+        for (int64_t i = 0; i < num_tokens; ++i) {
+            const int64_t s = slots[i];
+            if (s < 0) continue;
+            stream_row(kc + s * row_bytes, ks + i * k_stride, row_bytes);
+            stream_row(vc + s * row_bytes, vs + i * v_stride, row_bytes);
+        }
+        _mm_sfence();
+        return 0;
+    }
+#endif
     for (int64_t i = 0; i < num_tokens; ++i) {
         const int64_t s = slots[i];
         if (s < 0) continue;
