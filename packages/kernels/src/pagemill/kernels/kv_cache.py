@@ -95,12 +95,27 @@ def native_write_serves(
     """Whether the native CPU write takes these tensors as they are: CPU, the caches in k's
     dtype and contiguous, each token's heads as contiguous rows (shapes, dtypes and strides
     only: free inside a trace)."""
+    return k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and _native_layout(
+        k, v, k_cache, v_cache, slot_mapping
+    )
+
+
+def _native_layout(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """The layout both native writes read: CPU tensors, k/v [T, H, D] with each token's
+    heads as contiguous rows, contiguous caches [B, S, H, D] of one shape."""
     return (
         k.device.type == "cpu"
         and k_cache.device.type == "cpu"
-        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and slot_mapping.device.type == "cpu"
         and k.dim() == 3
         and k.shape == v.shape
+        and k_cache.dim() == 4
         and k_cache.shape == v_cache.shape
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
@@ -109,7 +124,6 @@ def native_write_serves(
         and v.stride(2) == 1
         and k.stride(1) == k.shape[2]
         and v.stride(1) == v.shape[2]
-        and slot_mapping.device.type == "cpu"
     )
 
 
@@ -135,24 +149,11 @@ def native_quant_write_serves(
     """Whether the native CPU write quantizes into these caches: as `native_write_serves`,
     but an fp8 or int8 cache (both caches of one format) under k/v in a float dtype."""
     return (
-        k.device.type == "cpu"
-        and k_cache.device.type == "cpu"
-        and k.dtype == v.dtype
+        k.dtype == v.dtype
         and k.dtype in cpu_native.DTYPE_CODES
         and k_cache.dtype == v_cache.dtype
         and k_cache.dtype in cpu_native.KV_FORMAT_CODES
-        and k.dim() == 3
-        and k.shape == v.shape
-        and k_cache.dim() == 4
-        and k_cache.shape == v_cache.shape
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and tuple(k.shape[1:]) == tuple(k_cache.shape[2:])
-        and k.stride(2) == 1
-        and v.stride(2) == 1
-        and k.stride(1) == k.shape[2]
-        and v.stride(1) == v.shape[2]
-        and slot_mapping.device.type == "cpu"
+        and _native_layout(k, v, k_cache, v_cache, slot_mapping)
     )
 
 
