@@ -3,7 +3,7 @@ blocks against oneDNN on the bf16 embedding (the large-row head of a tied model 
 interleaved in one process.
 
     uv run python benchmarks/gemm_q8_amx.py [--rows 16,32,64,128,256,512,2048]
-        [--rounds 9] [--threads N] [--paths amx,dense,prepacked,gemv]
+        [--rounds 9] [--threads N] [--paths amx,dense,prepacked,gemv] [--reference OLD.cpp]
 
 Paths, each one head call on the same random Q8_0 weights (and their bf16 values):
 
@@ -13,6 +13,8 @@ Paths, each one head call on the same random Q8_0 weights (and their bf16 values
     prepacked   the same through oneDNN's prepacked twin (PAGEMILL_PREPACK_DENSE=1)
     gemv        gemv_q8 with two activation planes (AMX-INT8 from a few rows): the head
                 below its packed row limit
+    ref_amx     amx built from another source of the kernel (--reference, e.g. a copy of
+                `csrc/gemv_q8_cpu.cpp` from before a change): an A/B in one process
 
 Each round times every path once in turn (A B C A B C ...), several calls per timing for
 small row counts; the table gives the median ms per call, the fastest run (other jobs only
@@ -26,10 +28,12 @@ difference, argmax agreement).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +51,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument(
+        "--reference", default=None, help="another kernel source: adds the path ref_amx"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     paths = [p for p in args.paths.split(",") if p]
-    unknown = set(paths) - set(PATHS)
+    ref = None
+    if args.reference:
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        ref = cpu_native.load_gemv(
+            Path(args.reference),
+            "pagemill_gemv_q8",
+            [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32],
+            "the reference Q8_0 kernel",
+            "no reference",
+        )
+        if ref is None or not gemv_q8_cpu.gemm_amx_available(ref):
+            raise SystemExit(f"{args.reference} did not build with gemm_q8_amx")
+        if "ref_amx" not in paths:
+            paths.insert(paths.index("amx") + 1 if "amx" in paths else 0, "ref_amx")
+    unknown = set(paths) - set(PATHS) - ({"ref_amx"} if ref is not None else set())
     if unknown:
         raise SystemExit(f"unknown paths {sorted(unknown)}; known: {', '.join(PATHS)}")
     if not gemv_q8_cpu.gemm_amx_available() or not cpu_native.load_gemv_ops():
@@ -69,6 +90,8 @@ def main() -> None:
     def run(path: str, x: torch.Tensor) -> torch.Tensor:
         if path == "amx":
             return torch.ops.pagemill_native.gemm_q8_amx(x, blocks, N, True)
+        if path == "ref_amx":
+            return gemv_q8_cpu.gemm_q8_amx(x, blocks, N, lib=ref, bf16_scales=True)
         if path == "dense":
             return F.linear(x, dense)
         if path == "prepacked":

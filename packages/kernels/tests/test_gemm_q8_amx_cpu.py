@@ -103,8 +103,9 @@ def test_the_scale_rounding_is_seen() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("n", "k"), [(80, 576), (37, 1536), (48, 96), (16, 3104)])
 def test_bf16_tiles_at_every_row_count(dtype, n, k) -> None:
-    # Rows pass 32 at a time, a last 1..16 in one A tile; 1031: x past 1 MB at K 576 (L2
-    # panels) and a ragged last block.
+    # Rows pass 32 at a time, a last 1..16 in one A tile; up to 65 rows a pair at a time meets
+    # every row, from 255 (x past 160 KB at K 576) the pairs go in L2 panels; 1031: many
+    # panels and a ragged last block.
     blocks = _blocks(n, k, seed=n + k)
     for m in [*range(1, 41), 63, 64, 65, 255, 256, 257, 1031]:
         x = _x(m, k, dtype, seed=m)
@@ -116,11 +117,12 @@ def test_bf16_tiles_at_every_row_count(dtype, n, k) -> None:
 
 @needs_amx
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(929, 944, 576), (353, 720, 1536), (2049, 80, 576), (257, 1000, 576)]
+    ("m", "n", "k"),
+    [(929, 944, 576), (353, 720, 1536), (2049, 80, 576), (257, 1000, 576), (129, 1000, 576)],
 )
 def test_one_and_two_threads_give_the_same_bits(m, n, k) -> None:
     # Several panels per thread (the next one made into the ring while the last is in use),
-    # or a pair at a time (257 rows); N not a multiple of 32.
+    # or a pair at a time (129 rows: x under 160 KB); N not a multiple of 32.
     blocks = _blocks(n, k, seed=m)
     x = _x(m, k, torch.bfloat16, seed=n)
     two = g.gemm_q8_amx(x, blocks, n, threads=2, bf16_scales=True)

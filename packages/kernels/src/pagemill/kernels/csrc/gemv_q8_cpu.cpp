@@ -656,14 +656,18 @@ struct BFeed {
 // BF_KC_BLOCKS blocks: the sums stay in the tiles over a whole chunk, and a chunk as long as
 // the K of the layers served here (an LM head's 576, an MLP's 1536) measured faster than
 // chunks short enough for a pass's A and B tiles to stay in L1 together, which spill the sums
-// to memory and load them back between chunks. Where x
-// in bf16 fits BF_X_L2_BYTES, one pair at a time meets every row (x from L2) while the next
-// pair is made. Above it the pairs go in panels of BF_PANEL_BYTES of B tiles kept in L2 while
-// every row passes (each chunk of rows read once per panel, not once per pair), the next
-// panel made over the passes of the current one into the other half of a ring of two.
+// to memory and load them back between chunks. Where x in bf16 fits BF_PAIR_X_BYTES, one pair
+// at a time meets every row (x from L2, the pair's B tiles reused by every block of rows)
+// while the next pair is made. Above it the pairs go in panels of BF_PANEL_BYTES of B tiles
+// kept in L2 while every row passes (each block of rows meets the panel's pairs in turn, its
+// A tiles reused by all of them), the next panel made over the passes of the current one into
+// the other half of a ring of two. Both stream the same bytes from L2 per product, yet a
+// pair at a time slows down per row past about 128 rows of an LM head (K 576) on the AMX
+// machines measured, where panels keep their speed per row: `benchmarks/gemm_q8_amx.py`
+// shows the crossover.
 constexpr int64_t BF_PANEL_BYTES = 512 * 1024;
 constexpr int64_t BF_KC_BLOCKS = 48;
-constexpr int64_t BF_X_L2_BYTES = 1 << 20;
+constexpr int64_t BF_PAIR_X_BYTES = 160 * 1024;
 // Spans of output pairs per thread, about, that the threads take in turn.
 constexpr int64_t BF_SPANS_PER_THREAD = 8;
 
@@ -672,12 +676,12 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
                        bool bf16_scales) {
     const int64_t nb = k / QK;
     const int64_t m_pad = (m_rows + 15) / 16 * 16;
-    // x in bf16 as A tiles. Where it fits BF_X_L2_BYTES (each thread then reads all of it
+    // x in bf16 as A tiles. Where it fits BF_PAIR_X_BYTES (each thread then reads all of it
     // for every pair, from its own L2) each thread converts all of x for itself inside the
     // one parallel region: a second region's fork and join costs more than the copy, and far
     // more where another process holds one of the cores for a while. Larger x: one copy,
     // split over the threads, read once per panel.
-    const bool own_x = m_rows * k * 2 <= BF_X_L2_BYTES;
+    const bool own_x = m_rows * k * 2 <= BF_PAIR_X_BYTES;
     const size_t x_elems = static_cast<size_t>((m_rows + 31) / 32 * 32 * k);
     thread_local std::vector<uint16_t> xbuf;
     uint16_t* shared_xb = nullptr;
@@ -694,7 +698,7 @@ void amx_bf16_multiply(int dtype, const void* x, int64_t x_stride, const uint8_t
     const int64_t chunks = (nb + BF_KC_BLOCKS - 1) / BF_KC_BLOCKS;
     const int64_t kc = (nb + chunks - 1) / chunks;
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)));
-    const int64_t panel = m_rows * k * 2 <= BF_X_L2_BYTES || m_rows <= 32
+    const int64_t panel = m_rows * k * 2 <= BF_PAIR_X_BYTES || m_rows <= 32
                               ? 1
                               : std::max<int64_t>(1, BF_PANEL_BYTES / pair_bytes);
     // Threads take spans of whole panels in turn, not a fixed share each: where another
