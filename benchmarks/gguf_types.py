@@ -186,6 +186,7 @@ def measure(path: Path, qtype: str, a: argparse.Namespace) -> dict[str, Any]:
         step_batch_sizes=a.batch_sizes,
         step_context=32,
         step_iters=a.iters,
+        step_rounds=1,
         device="cpu",
     )
     steps = step_time_table(llm, step_args, a.vocab)

@@ -19,6 +19,9 @@ small step reads / large-tensor read bandwidth) and the GEMM roofline (the bf16 
 / 2 FLOPs per weight per token); and against "dense linears alone": dense bf16 `F.linear`
 over all of the model's linear layers and LM head, eager, at the same batch sizes in the
 same process (`x lin`: the step / those linears, everything the step does beyond its GEMMs).
+Steps and linears are timed in turn, --step-rounds rounds of --step-iters each per batch
+size, so that both see the box in the same state (timed minutes apart, on a shared box,
+the linears alone moved by a tenth between runs and the ratio with them).
 
 Figures are printed (and written to --json); nothing is asserted.
 
@@ -37,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,17 +128,21 @@ MODES: dict[str, tuple[str, str | None, bool]] = {
 }
 
 
-def machine_limits(device: str, seconds: float = 1.0) -> dict[str, float]:
-    """Large-tensor read bandwidth and the bf16 GEMM rate, measured now, in this process.
+def machine_limits(
+    device: str, seconds: float = 1.0, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, Any]:
+    """Large-tensor read bandwidth and the GEMM rate in `dtype`, measured now, in this process.
 
     The read runs a reduction over 512 MiB (far beyond any cache) with torch's threads; the
-    GEMM is 2048^3 in bf16 (oneDNN picks AMX / AVX512-BF16 where the CPU has them). Best of
-    a few repetitions: the box is shared, and the best run is the nearest to its limit.
+    GEMM is 2048^3 in `dtype` (bf16: oneDNN picks AMX / AVX512-BF16 where the CPU has them).
+    Best of a few repetitions: the box is shared, and the best run is the nearest to its
+    limit. `bf16_gemm_gflop_s` keeps its name whatever `dtype` is (older results use it);
+    `gemm_dtype` says which it was.
     """
     dev = torch.device("cpu" if device == "auto" and not torch.cuda.is_available() else device)
     x = torch.ones(128 << 20, dtype=torch.float32, device=dev)  # 512 MiB
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16, device=dev)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16, device=dev)
+    a = torch.randn(2048, 2048, dtype=dtype, device=dev)
+    b = torch.randn(2048, 2048, dtype=dtype, device=dev)
 
     def best(fn: Any) -> float:
         fn()
@@ -153,6 +161,7 @@ def machine_limits(device: str, seconds: float = 1.0) -> dict[str, float]:
     return {
         "read_gb_s": x.numel() * 4 / read_s / 1e9,
         "bf16_gemm_gflop_s": 2 * 2048**3 / gemm_s / 1e9,
+        "gemm_dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -185,18 +194,22 @@ def linear_shapes(llm: Any) -> list[tuple[int, int]]:
 
 
 class DenseLinears:
-    """Dense bf16 `F.linear` over the model's linear layers and LM head, eager (oneDNN, so
-    AMX / AVX512-BF16 where the CPU has them): what the step's GEMMs alone would cost, the
-    yardstick the step is held to. Random weights of the same shapes: time does not depend
-    on the values."""
+    """Dense `F.linear` in the served dtype (bf16 by default) over the model's linear layers
+    and LM head, eager (oneDNN, so AMX / AVX512-BF16 where the CPU has them): what the
+    step's GEMMs alone would cost, the yardstick the step is held to. Random weights of the
+    same shapes: time does not depend on the values."""
 
-    def __init__(self, shapes: list[tuple[int, int]], device: str) -> None:
+    def __init__(
+        self, shapes: list[tuple[int, int]], device: str, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         dev = torch.device("cpu" if device == "auto" else device)
-        self.weights = [torch.randn(o, i, dtype=torch.bfloat16, device=dev) for o, i in shapes]
+        self.weights = [torch.randn(o, i, dtype=dtype, device=dev) for o, i in shapes]
         self.device = dev
+        self.dtype = dtype
 
-    def time_ms(self, rows: int, iters: int) -> float:
-        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16) for w in self.weights}
+    def timer(self, rows: int) -> Callable[[], float]:
+        """One pass over every layer at `rows` rows, timed (seconds); warmed once here."""
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in self.weights}
         xs = {k: v.to(self.device) for k, v in xs.items()}
 
         def run() -> None:
@@ -204,15 +217,15 @@ class DenseLinears:
                 for w in self.weights:
                     torch.nn.functional.linear(xs[w.shape[1]], w)
 
-        run()
-        times = []
-        for _ in range(max(3, iters)):
+        def timed() -> float:
             _sync(str(self.device))
             t0 = time.perf_counter()
             run()
             _sync(str(self.device))
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+            return time.perf_counter() - t0
+
+        run()
+        return timed
 
 
 def _sync(device: str) -> None:
@@ -335,11 +348,15 @@ def wait_for_kv_prefault(llm: Any) -> None:
         print(f"  waited {waited:.1f} s for the KV pool's prefault", file=sys.stderr)
 
 
-def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list[dict[str, Any]]:
+def step_time_table(
+    llm: Any, args: argparse.Namespace, vocab_size: int, dense: DenseLinears | None = None
+) -> list[dict[str, Any]]:
     """Median `engine.step()` time with exactly N requests decoding (no prefill in the step).
 
     Requests are added in increments and stay alive across rows (their contexts grow a
-    little); only steps where every running request is past its prompt are timed.
+    little); only steps where every running request is past its prompt are timed. With
+    `dense`, each batch size's --step-rounds rounds time --step-iters steps and then as
+    many passes of the dense linears at N rows.
     """
     from pagemill.runtime import SamplingParams
 
@@ -364,20 +381,25 @@ def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list
                     decoding[out.request_id] = decoding.get(out.request_id, 0) + new
                     if out.finished:
                         raise RuntimeError(f"{out.request_id} finished during the step table")
-            times, forwards = [], []
+            times, forwards, dense_times = [], [], []
             runner = engine.engine_core.model_runner
-            for _ in range(args.step_iters):
-                _sync(args.device)
-                t0 = time.perf_counter()
-                outs = engine.step()
-                _sync(args.device)
-                times.append(time.perf_counter() - t0)
-                forwards.append(runner.last_forward_s)
-                if len(outs) != n or any(o.finished for o in outs):
-                    raise RuntimeError(
-                        f"step with {n} decoding requests returned {len(outs)} outputs; raise "
-                        f"--step-max-tokens or the KV pool (preemption/finish disturbs timing)"
-                    )
+            dense_pass = dense.timer(n) if dense is not None else None
+            for _ in range(args.step_rounds):
+                for _ in range(args.step_iters):
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    outs = engine.step()
+                    _sync(args.device)
+                    times.append(time.perf_counter() - t0)
+                    forwards.append(runner.last_forward_s)
+                    if len(outs) != n or any(o.finished for o in outs):
+                        raise RuntimeError(
+                            f"step with {n} decoding requests returned {len(outs)} outputs; "
+                            f"raise --step-max-tokens or the KV pool (preemption/finish "
+                            f"disturbs timing)"
+                        )
+                if dense_pass is not None:
+                    dense_times += [dense_pass() for _ in range(args.step_iters)]
             med = statistics.median(times)
             # Host overhead: everything in the step but the model's forward and LM head
             # (scheduling, batch preparation, planning, sampling, detokenization, outputs).
@@ -393,6 +415,9 @@ def step_time_table(llm: Any, args: argparse.Namespace, vocab_size: int) -> list
                     "min_ms": min(times) * 1e3,
                 }
             )
+            if dense_times:
+                rows[-1]["dense_linears_ms"] = statistics.median(dense_times) * 1e3
+                rows[-1]["x_linears"] = med / statistics.median(dense_times)
             print(
                 f"  decode step with {n:4d} requests: {med * 1e3:9.2f} ms  ({n / med:8.1f} tok/s)"
                 f", host {host * 1e3:.2f} ms ({host / med:.1%})",
@@ -462,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-batch-sizes", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--step-context", type=int, default=64, help="prompt length in the step table")
     ap.add_argument("--step-iters", type=int, default=5)
+    ap.add_argument(
+        "--step-rounds",
+        type=int,
+        default=3,
+        help="rounds per batch size of --step-iters steps, then as many dense-linear passes",
+    )
     ap.add_argument("--step-max-tokens", type=int, default=1024)
     ap.add_argument("--skip-pagemill", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -507,10 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": n_in,
         "output_tokens": n_out,
     }
-    limits = machine_limits(args.device)
+    limits = machine_limits(args.device, dtype=torch_dtype(args.dtype))
     result["machine"] = limits
     print(
-        f"machine: read {limits['read_gb_s']:.1f} GB/s, bf16 GEMM "
+        f"machine: read {limits['read_gb_s']:.1f} GB/s, {args.dtype} GEMM "
         f"{limits['bf16_gemm_gflop_s']:.0f} GFLOP/s (measured now)"
     )
     pm = hf = None
@@ -546,11 +577,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",
                 file=sys.stderr,
             )
-            rows = step_time_table(llm, args, vocab_size)
-            dense = DenseLinears(linear_shapes(llm), args.device)
-            for row in rows:
-                row["dense_linears_ms"] = dense.time_ms(row["batch_size"], args.step_iters)
-                row["x_linears"] = row["step_ms"] / row["dense_linears_ms"]
+            dense = DenseLinears(linear_shapes(llm), args.device, torch_dtype(args.dtype))
+            rows = step_time_table(llm, args, vocab_size, dense)
             del dense
             floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3
             roof = limits["bf16_gemm_gflop_s"] * 1e9 / costs["flops_per_token"]

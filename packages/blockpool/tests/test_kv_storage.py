@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pagemill.blockpool import KVStorage, kv_bytes_per_token
+from pagemill.blockpool.host_memory import huge_page_bytes
 
 HAS_CUPY_DEVICE = False
 if importlib.util.find_spec("cupy") is not None:  # pragma: no cover - only with a CUDA extra
@@ -119,7 +120,7 @@ def test_prefault_without_populate_writes_zeros(monkeypatch: pytest.MonkeyPatch)
     """A kernel without MADV_POPULATE_WRITE: every page is written once, at once."""
     import pagemill.blockpool.kv_storage as kv_storage
 
-    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: None)
+    monkeypatch.setattr(kv_storage, "libc_madvise", lambda: None)
     s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu")
     before = _rss_kib()
     assert s.prefault(background=True)
@@ -136,7 +137,7 @@ def test_background_prefault_never_writes_when_the_kernel_refuses(
     demand: writing zeros there could erase what the running engine already stored."""
     import pagemill.blockpool.kv_storage as kv_storage
 
-    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: lambda addr, n, advice: -1 if n else 0)
+    monkeypatch.setattr(kv_storage, "libc_madvise", lambda: lambda addr, n, advice: -1 if n else 0)
     s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu")
     s.k_caches[0][0, 0, 0, 0] = 777  # the first byte of a page
     assert s.prefault(background=True)
@@ -145,18 +146,7 @@ def test_background_prefault_never_writes_when_the_kernel_refuses(
 
 
 def _anon_huge_kib(arrays: list[np.ndarray]) -> int:
-    """AnonHugePages of the mappings that hold `arrays` (/proc/self/smaps)."""
-    ranges = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
-    total = 0
-    lo = hi = 0
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(maxsplit=1)[0] if line.strip() else ""
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-            elif head == "AnonHugePages:" and any(lo < b and a < hi for a, b in ranges):
-                total += int(line.split()[1])
-    return total
+    return huge_page_bytes(arrays) // 1024
 
 
 def _thp_allowed() -> bool:
@@ -216,9 +206,9 @@ def test_without_huge_pages_the_pool_has_none() -> None:
 @linux_only
 def test_refused_huge_page_advice_leaves_ordinary_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel that refuses MADV_HUGEPAGE: the pool is allocated all the same."""
-    import pagemill.blockpool.kv_storage as kv_storage
+    import pagemill.blockpool.host_memory as host_memory
 
-    monkeypatch.setattr(kv_storage, "_libc_madvise", lambda: lambda addr, n, advice: -1)
+    monkeypatch.setattr(host_memory, "libc_madvise", lambda: lambda addr, n, advice: -1)
     s = KVStorage(1, 256, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)
     assert not s.huge_pages
     s.k_caches[0][255, 15, 3, 63] = 9

@@ -1,8 +1,9 @@
 """pagemill.blockpool: paged KV-cache memory.
 
 Block pool with an O(1) intrusive free queue and ref counts, chained prefix-cache hashing,
-a per-request KV cache manager, CuPy/NumPy KV storage exported through DLPack, and sizing
-helpers. Depends on NumPy (and xxhash) only; never imports torch.
+a per-request KV cache manager, CuPy/NumPy KV storage exported through DLPack, sizing
+helpers, and host memory on huge pages (for the KV pool and for other arrays read end to
+end every step, such as packed weights). Depends on NumPy (and xxhash) only; never imports torch.
 """
 
 from pagemill.blockpool.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
@@ -13,6 +14,7 @@ from pagemill.blockpool.hashing import (
     hash_block_chain,
     hash_block_tokens,
 )
+from pagemill.blockpool.host_memory import huge_page_bytes, huge_page_zeros
 from pagemill.blockpool.kv_cache_coordinator import HybridKVCacheManager, KVCacheBlocks
 from pagemill.blockpool.kv_cache_groups import KVCacheGroupSpec, group_layers_by_window
 from pagemill.blockpool.kv_cache_manager import CacheRequest, KVCacheManager, PrefixCacheStats
@@ -39,6 +41,8 @@ __all__ = [
     "group_layers_by_window",
     "hash_block_chain",
     "hash_block_tokens",
+    "huge_page_bytes",
+    "huge_page_zeros",
     "kv_bytes_per_token",
     "num_blocks_for_budget",
 ]

@@ -27,8 +27,6 @@ the pool is ordinary 4 KB pages.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import sys
 import threading
@@ -36,6 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from pagemill.blockpool.host_memory import (
+    MADV_POPULATE_WRITE,
+    huge_page_zeros,
+    libc_madvise,
+    zeros_mapping,
+)
 from pagemill.blockpool.sizing import canonical_dtype
 
 # Element type actually allocated for each logical KV dtype.
@@ -48,36 +52,6 @@ _CONTAINER: dict[str, str] = {
     "int8": "int8",
     "uint8": "uint8",
 }
-
-
-# <linux/mman.h>; the mmap module exposes it only where Python was built against a kernel
-# header that has it.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-
-
-def _huge_page_size() -> int:
-    """The transparent huge page size (the PMD size: 2 MiB on x86-64)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 2 << 20
-
-
-def _libc_madvise() -> Any | None:
-    """libc's madvise through ctypes (which lets other threads run during the call), or
-    None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def _cupy_if_available() -> Any | None:
@@ -171,25 +145,12 @@ class KVStorage:
             return xp.zeros(self.shape, dtype=self.container_dtype)
         dtype = np.dtype(self.container_dtype)
         nbytes = int(np.prod(self.shape)) * dtype.itemsize
-        # The array keeps the mapping alive (it is the buffer's owner); anonymous mappings
-        # are page-aligned and read as zeros. Private: MAP_SHARED, mmap's default on Unix,
-        # would make the pool shared memory.
-        private = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
+        # The array keeps its mapping alive; mappings are page-aligned and read as zeros.
         if not self._want_huge:
-            return np.frombuffer(mmap.mmap(-1, nbytes, **private), dtype=dtype).reshape(self.shape)
-        # One spare huge page of address space to start the array on a huge-page boundary,
-        # and the end rounded up to one, so every page of the array can be huge. The spare
-        # part is never touched, so it costs no memory.
-        huge = _huge_page_size()
-        length = -(-nbytes // huge) * huge + huge
-        buf = mmap.mmap(-1, length, **private)
-        base = np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data
-        offset = -base % huge
-        madvise = _libc_madvise()
-        advised = madvise is not None and madvise(base + offset, length - huge, _MADV_HUGEPAGE) == 0
+            return zeros_mapping(nbytes).view(dtype).reshape(self.shape)
+        raw, advised = huge_page_zeros(nbytes)
         self._huge_advised.append(advised)
-        array = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
-        return array.reshape(self.shape)
+        return raw.view(dtype).reshape(self.shape)
 
     def prefault(self, background: bool = True) -> bool:
         """Map every page of a CPU pool writable now, so steps do not pay page faults.
@@ -202,15 +163,15 @@ class KVStorage:
         if self.backend != "numpy":
             return False
         arrays = self.k_caches + self.v_caches
-        madvise = _libc_madvise()
-        if madvise is not None and madvise(0, 0, _MADV_POPULATE_WRITE) == 0:
+        madvise = libc_madvise()
+        if madvise is not None and madvise(0, 0, MADV_POPULATE_WRITE) == 0:
             page = mmap.PAGESIZE
 
             def populate() -> None:
                 for a in arrays:
                     start = a.ctypes.data // page * page
                     end = a.ctypes.data + a.nbytes
-                    refused = madvise(start, end - start, _MADV_POPULATE_WRITE) != 0
+                    refused = madvise(start, end - start, MADV_POPULATE_WRITE) != 0
                     if refused and not background:
                         # Writing zeros is only safe before the pool is used: in the
                         # background, a refused range just faults in on demand.

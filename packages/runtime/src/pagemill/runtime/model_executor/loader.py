@@ -26,6 +26,7 @@ from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
 from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint, shards_by_name
+from pagemill.runtime.model_executor.huge_page_weights import place_packed_weights
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
 from pagemill.runtime.model_executor.models import ARCHITECTURES
 from pagemill.runtime.model_executor.models.llama import LlamaForCausalLM
@@ -197,6 +198,7 @@ def load_model(
             source = f"safetensors, {hf_quant.describe()}"
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
     model.eval()
+    placed = place_packed_weights(model)  # onto huge pages: a batch-1 step streams them
     _release_freed_memory()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",
@@ -215,6 +217,8 @@ def load_model(
             err.mean_abs,
         )
     logger.info("weights: %s", weight_report(model, errors).summary())
+    if placed is not None:
+        logger.info("packed weights: %s", placed.summary())
     measure_packed_limits(model)  # where packed layers hand over to their dense copies
     return model
 

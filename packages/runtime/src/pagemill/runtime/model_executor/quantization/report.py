@@ -59,12 +59,15 @@ def weight_report(
     report = WeightReport()
     for qtype, err in (requant_errors or {}).items():
         report.requantized[qtype] = (err.served_as, err.max_abs, err.mean_abs)
-    seen: set[int] = set()
+    # A tensor is counted once however many modules hold it (tied weights), keyed by its own
+    # bytes: distinct views of one storage (packed weights in one huge-page mapping,
+    # `huge_page_weights`) each count.
+    seen: set[tuple[int, int]] = set()
 
     def count(t: torch.Tensor | None) -> int:
         if t is None or t.numel() == 0:
             return 0
-        key = t.untyped_storage().data_ptr()
+        key = (t.data_ptr(), _nbytes(t))
         if key in seen:
             return 0
         seen.add(key)

@@ -1,0 +1,132 @@
+"""Packed CPU weights moved onto huge pages, in one mapping, after loading.
+
+A batch-1 decode step streams every packed weight once (the int4 planes, their scales, the
+Q8_0 LM head): tens to hundreds of MB read end to end per token, which is the step's floor.
+Loaded tensors come from malloc (or from the weight cache's file) on 4 KB pages, where the
+hardware prefetchers stop at every page boundary and the TLB misses every 64 lines; one
+2 MB page covers 32,768 lines. So after loading, the packed buffers that a step reads are
+copied into one anonymous mapping laid out on huge pages (`pagemill.blockpool.huge_page_zeros`)
+and the modules' buffers replaced by views of it; the originals are freed. The bytes are
+the same, so is every result.
+
+Only packed buffers move: dense weights (and the dense copies kept for large batches) are
+read by oneDNN GEMMs that reuse each weight across many rows, where the page size matters
+little, and doubling what moves would double the transient memory of the move.
+
+`PAGEMILL_HUGE_PAGE_WEIGHTS=0` leaves the weights where loading put them. Where the kernel
+offers no transparent huge pages the mapping is ordinary pages and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagemill.blockpool import huge_page_bytes, huge_page_zeros
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_WEIGHTS_ENV = "PAGEMILL_HUGE_PAGE_WEIGHTS"
+
+# The buffers a packed layer reads in full every step (`layers.linear.Linear`,
+# `layers.fused_moe.FusedMoE`).
+PACKED_BUFFERS = frozenset(
+    {
+        "qweight",
+        "scales",
+        "zeros",
+        "scales_and_zeros",
+        "w13_qweight",
+        "w13_scales_zeros",
+        "w2_qweight",
+        "w2_scales_zeros",
+    }
+)
+
+# Each tensor starts on its own cache-line pair: the kernels' vector loads assume 64-byte
+# alignment at most, and the adjacent-line prefetcher fetches 128-byte pairs.
+_ALIGN = 128
+
+
+def huge_page_weights_enabled() -> bool:
+    """`PAGEMILL_HUGE_PAGE_WEIGHTS` (0 or 1; unset: on)."""
+    value = os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{HUGE_PAGE_WEIGHTS_ENV} must be 0 or 1, got {value!r}")
+    return value != "0"
+
+
+@dataclass(frozen=True)
+class PlacedWeights:
+    """What `place_packed_weights` moved: tensors and bytes, and how many of those bytes
+    the kernel backs with huge pages now (it may give fewer than asked when memory is
+    fragmented)."""
+
+    tensors: int
+    nbytes: int
+    huge_nbytes: int
+    advised: bool
+
+    def summary(self) -> str:
+        mib = 1 << 20
+        if not self.advised:
+            where = "the kernel refused huge pages: ordinary pages"
+        else:
+            where = f"{self.huge_nbytes / mib:.0f} MiB of it on huge pages"
+        size = f"{self.nbytes / mib:.0f} MiB"
+        return f"{self.tensors} packed tensors ({size}) in one mapping, {where}"
+
+
+def _targets(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    found = []
+    for module in model.modules():
+        for name, t in module._buffers.items():
+            if (
+                name in PACKED_BUFFERS
+                and t is not None
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+                and t.numel() > 0
+            ):
+                found.append((module, name, t))
+    return found
+
+
+def place_packed_weights(model: nn.Module) -> PlacedWeights | None:
+    """Copy `model`'s packed CPU buffers into one huge-page mapping and point the modules
+    at it. None when there is nothing to move or it is turned off."""
+    if not huge_page_weights_enabled():
+        return None
+    targets = _targets(model)
+    if not targets:
+        return None
+    # A tensor held by two modules (or twice by one) moves once and stays shared.
+    offsets: dict[tuple[int, torch.dtype, tuple[int, ...]], int] = {}
+    total = 0
+    for _, _, t in targets:
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key not in offsets:
+            offsets[key] = total
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    raw, advised = huge_page_zeros(total)
+    arena = torch.from_numpy(raw)  # the tensor keeps the mapping alive
+    moved: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+    for module, name, t in targets:
+        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+        if key not in moved:
+            start = offsets[key]
+            nbytes = t.numel() * t.element_size()
+            view = arena[start : start + nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            moved[key] = view
+        module._buffers[name] = moved[key]
+    return PlacedWeights(
+        tensors=len(moved),
+        nbytes=total,
+        huge_nbytes=huge_page_bytes([raw]),
+        advised=advised,
+    )
