@@ -21,7 +21,10 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   default's C++ wrapper for the one-token graph (`single`);
 - `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
   = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before;
-- `host-before`: both of the last two (the one-token graph's host path as before them).
+- `host-before`: both of the last two (the one-token graph's host path as before them);
+- `explicit-fp32`: B with `dtype="float32"` asked for (a GGUF dequantized to dense fp32)
+  against A's --dtype (run it with `--dtype auto` on a CPU without bf16 arithmetic, where
+  auto is fp32 with the GGUF's rows packed for few-row steps).
 
 Both engines live in ONE process and their steps alternate (A B, then B A), with dense bf16
 `F.linear` over the model's linears and LM head ("linears alone", as in
@@ -78,6 +81,7 @@ VARIANTS = (
     "python-wrapper",
     "float-inputs",
     "host-before",
+    "explicit-fp32",
 )
 
 
@@ -157,7 +161,7 @@ def make_engine(args: argparse.Namespace, name: str | None, root: Path) -> Any:
     with variant(name, folder):
         llm = LLM(
             model=args.model,
-            dtype=args.dtype,
+            dtype="float32" if name == "explicit-fp32" else args.dtype,
             max_num_seqs=max(int(s) for s in args.batch_sizes.split(",")),
             kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
             seed=args.seed,
@@ -185,7 +189,7 @@ def timed(engine: Any, n: int) -> tuple[float, float]:
 
 
 def timed_linears(dense: DenseLinears, n: int) -> tuple[float, float]:
-    xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=torch.bfloat16) for w in dense.weights}
+    xs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=dense.dtype) for w in dense.weights}
     with torch.inference_mode():
         w0, c0 = time.perf_counter(), time.thread_time()
         for w in dense.weights:
@@ -217,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         help="both engines eager (quick; for variants that are not about the graph)",
     )
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--packed-limits", choices=("table", "measure"), default="table")
     ap.add_argument(
         "--a-cache-dir",
         type=Path,
@@ -226,8 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     # Both engines must leave packed layers for their dense copies at the same row counts,
-    # or their graphs differ by more than the variant: the fixed table, not measurements.
-    os.environ[PACKED_LIMITS_ENV] = "table"
+    # or their graphs differ by more than the variant: the fixed table, not measurements
+    # (unless --packed-limits measure).
+    os.environ[PACKED_LIMITS_ENV] = args.packed_limits
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pagemill-step-ab-") as tmp:
         a_llm = make_engine(args, None, Path(tmp))
         b_llm = make_engine(args, args.variant, Path(tmp))
-    dense = DenseLinears(linear_shapes(a_llm), "cpu")
+    dense = DenseLinears(linear_shapes(a_llm), "cpu", a_llm.llm_engine.engine_core.dtype)
     a, b = a_llm.llm_engine, b_llm.llm_engine
     g = torch.Generator().manual_seed(args.seed)
     result: dict[str, Any] = {

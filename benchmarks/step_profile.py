@@ -230,6 +230,7 @@ def main() -> int:
     ap.add_argument("--top-ops", type=int, default=15)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--kv-cache-dtype", default=None, help="auto | fp8 | fp8_e5m2 | int8 | ...")
+    ap.add_argument("--dtype", default="auto", help="compute dtype (default: the engine's auto)")
     ap.add_argument(
         "--prefault-kv",
         action="store_true",
@@ -254,7 +255,13 @@ def main() -> int:
     kwargs: dict[str, Any] = {}
     if args.kv_cache_dtype is not None:
         kwargs["kv_cache_dtype"] = args.kv_cache_dtype
-    llm = LLM(model=str(ensure_default_model()), enforce_eager=args.enforce_eager, seed=0, **kwargs)
+    llm = LLM(
+        model=str(ensure_default_model()),
+        dtype=args.dtype,
+        enforce_eager=args.enforce_eager,
+        seed=0,
+        **kwargs,
+    )
     print(f"engine ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     engine = llm.llm_engine
     core = engine.engine_core

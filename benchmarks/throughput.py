@@ -128,6 +128,14 @@ MODES: dict[str, tuple[str, str | None, bool]] = {
 }
 
 
+def served_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The dtype the engine computes in for --dtype (auto resolved as the engine does)."""
+    from pagemill.runtime.config import resolve_dtype
+
+    device = "cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu"
+    return torch_dtype(resolve_dtype(args.dtype, None, device))
+
+
 def machine_limits(
     device: str, seconds: float = 1.0, dtype: torch.dtype = torch.bfloat16
 ) -> dict[str, Any]:
@@ -275,7 +283,7 @@ def run_transformers(
     device = "cpu" if args.device == "auto" and not torch.cuda.is_available() else args.device
     if device == "auto":
         device = "cuda"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype(args.dtype)).to(
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=served_dtype(args)).to(
         device
     )
     model.eval()
@@ -446,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         default="HuggingFaceTB/SmolLM2-135M-Instruct",
         help="the default model's name or a Hugging Face model folder",
     )
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["auto", *sorted(DTYPES)],
+        help="auto: the engine's choice (on CPU: bf16 with bf16 arithmetic, else fp32)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--seed", type=int, default=0)
@@ -538,10 +551,10 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": n_in,
         "output_tokens": n_out,
     }
-    limits = machine_limits(args.device, dtype=torch_dtype(args.dtype))
+    limits = machine_limits(args.device, dtype=served_dtype(args))
     result["machine"] = limits
     print(
-        f"machine: read {limits['read_gb_s']:.1f} GB/s, {args.dtype} GEMM "
+        f"machine: read {limits['read_gb_s']:.1f} GB/s, {limits['gemm_dtype']} GEMM "
         f"{limits['bf16_gemm_gflop_s']:.0f} GFLOP/s (measured now)"
     )
     pm = hf = None
@@ -577,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"pagemill decode step time vs batch size, {mode} ({costs['weights']}) ...",
                 file=sys.stderr,
             )
-            dense = DenseLinears(linear_shapes(llm), args.device, torch_dtype(args.dtype))
+            dense = DenseLinears(linear_shapes(llm), args.device, served_dtype(args))
             rows = step_time_table(llm, args, vocab_size, dense)
             del dense
             floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3

@@ -260,3 +260,29 @@ def test_hub_gguf_repo_with_quant_suffix(
         resolve_model("tiny-org/tiny-GGUF:Q4_K_M")
     with pytest.raises(ValueError, match=r"no config\.json.*'tiny-org/tiny-GGUF:QUANT'"):
         resolve_model("tiny-org/tiny-GGUF")
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_auto_fp32_keeps_a_gguf_packed_where_bf16_is_emulated(tiny_ggufs, monkeypatch, dtype):
+    """On a CPU without bf16 arithmetic, auto serves fp32: a GGUF's rows stay packed for
+    few-row steps (dense fp32 copies above), where an explicit float32 is dense and exact."""
+    import pagemill.runtime.config as config_module
+
+    monkeypatch.setattr(config_module, "cpu_has_native_bf16", lambda: False)
+    llm = LLM(str(tiny_ggufs["llama-Q8_0"]), dtype=dtype, kv_cache_memory_bytes=1 << 20)
+    core = llm.llm_engine.engine_core
+    assert core.dtype == torch.float32
+    qkv = core.model_runner.model.layers[0].self_attn.qkv_proj
+    if dtype == "float32":
+        assert qkv.weight_format == "dense"
+    else:
+        assert qkv.weight_format != "dense" and qkv.has_dense_fallback
+        assert qkv.weight is not None and qkv.weight.dtype == torch.float32
+        x = torch.randn(3, qkv.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            packed, dense = qkv._packed(x), qkv._dense(x)
+        assert packed.dtype == torch.float32
+        # int8 activations against the exact dequantized weight
+        torch.testing.assert_close(packed, dense, rtol=0.05, atol=0.05 * dense.abs().max().item())
+    [out] = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8

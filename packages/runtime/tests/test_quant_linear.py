@@ -21,6 +21,7 @@ from pagemill.runtime.model_executor.quantization import (
     quantize_int8_per_channel,
     weight_report,
 )
+from pagemill.runtime.model_executor.quantization.scheme import default_dense_fallback
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -331,3 +332,19 @@ def test_models_that_cannot_be_quantized_fail_before_loading(tmp_path) -> None:
         ).linear.method
         == "triton_int4"
     )
+
+
+def test_a_gguf_in_fp32_is_packed_only_when_asked() -> None:
+    """fp32 dequantizes a GGUF exactly, unless `gguf_packed_fp32` (what an auto dtype asks
+    on a CPU without bf16 arithmetic): then its rows stay packed, with dense fp32 copies,
+    whose GEMMs are native on every CPU, for large batches."""
+    cpu = torch.device("cpu")
+    assert plan_weights(None, gguf=True, dtype=torch.float32, device=cpu).linear.method == "dense"
+    plan = plan_weights(None, gguf=True, dtype=torch.float32, device=cpu, gguf_packed_fp32=True)
+    assert plan.linear.method == "native" and plan.linear.dense_fallback
+    assert plan.lm_head is not None and plan.lm_head.method == "native"
+    dense = plan_weights(None, gguf=False, dtype=torch.float32, device=cpu, gguf_packed_fp32=True)
+    assert dense.linear.method == "dense"  # a safetensors model has nothing packed to keep
+    assert default_dense_fallback(torch.float32, cpu)
+    assert not default_dense_fallback(torch.float16, cpu)
+    assert not default_dense_fallback(torch.float32, torch.device("cuda"))

@@ -74,7 +74,9 @@ class EngineConfig:
 
     dtype: str = field(default="auto", metadata={"choices": DTYPE_CHOICES})
     """Compute dtype; auto: bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16),
-    else float32; on GPU the checkpoint's half-precision dtype (bfloat16 for float32)."""
+    else float32 (where a GGUF's rows stay packed for few-row steps, with dense fp32 copies
+    for large batches; an explicit float32 dequantizes them all, exactly); on GPU the
+    checkpoint's half-precision dtype (bfloat16 for float32)."""
 
     device: str = "auto"
     """auto (the GPU when there is one), cpu, cuda or cuda:N."""

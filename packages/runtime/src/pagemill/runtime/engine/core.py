@@ -289,6 +289,10 @@ class EngineCore:
             tp=self.tp,
             pooling_only=config.runner == "pooling",
             cpu_dense_weights=config.cpu_dense_weights,
+            # fp32 because the CPU has no bf16 arithmetic, not because it was asked for: a
+            # GGUF's rows stay packed for the few-row steps (their kernels take fp32), the
+            # exact dense fp32 weights serve large batches. An explicit float32 is exact.
+            gguf_packed_fp32=config.dtype == "auto" and self.dtype == torch.float32,
         )
         # Under TP the runner (and the pool's bytes per token) see this rank's heads.
         local_config = model_config

@@ -99,6 +99,7 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     pooling_only: bool = False,
     cpu_dense_weights: str | None = None,
+    gguf_packed_fp32: bool = False,
 ) -> LlamaForCausalLM:
     """Build the module directly on `device` (no CPU copy first) and fill its weights.
 
@@ -107,7 +108,8 @@ def load_model(
     ("int8" | "int4" | None) and `dense_fallback` (keep dense copies for large batches;
     None: where bf16 is native) are `quantization.plan_weights`'s; `cpu_dense_weights`
     (auto | always | never), when given, decides the dense copies instead
-    (`quantization.choose_dense_copies`).
+    (`quantization.choose_dense_copies`). `gguf_packed_fp32`: a GGUF in fp32 keeps its rows
+    packed (with dense fp32 copies for large batches) instead of dequantizing them all.
 
     With a tensor-parallel group `tp`, this rank's shard is built and loaded (see
     `distributed.sharding`); its weights are dense (a GGUF's rows are dequantized first).
@@ -138,6 +140,7 @@ def load_model(
         dtype=dtype,
         device=device,
         dense_fallback=dense_fallback,
+        gguf_packed_fp32=gguf_packed_fp32,
     )
     with torch.device(device):
         if layout is None:

@@ -71,19 +71,25 @@ def plan_weights(
     dense_fallback: bool | None = None,
     group_size: int = DEFAULT_GROUP_SIZE,
     packed_max_tokens: int | None = None,
+    gguf_packed_fp32: bool = False,
 ) -> WeightPlan:
     """The plan for a model about to load.
 
     - `quantization` None: a safetensors model stays dense; a GGUF model served in bf16
       keeps its own quantized tensors packed (int4 groups, or int8 blocks as two int4
       planes: see `gguf_blocks`), its LM head too; in fp32 it is dequantized exactly into
-      dense weights. On a GPU in fp16/bf16, int4-group rows (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ,
+      dense weights, unless `gguf_packed_fp32`: then it is packed as in bf16 (the packed
+      kernels take fp32 activations), with dense fp32 copies for large batches. That is
+      what an auto dtype serves on a CPU without bf16 arithmetic (`EngineCore`), where
+      dense fp32 steps at a few rows stream several times the bytes of the packed rows.
+      On a GPU in fp16/bf16, int4-group rows (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ,
       w4a16) stay packed for the Triton dequant-GEMM ("triton_int4") and every other row
       (Q8_0 and the int8-block types, Q6_K, FP8, the LM head) is dequantized to dense.
     - "int8" / "int4": every projection is quantized as asked (GGUF int4 rows of the same
       group size are kept as they are: no second rounding); the LM head becomes int8 per
       channel (a GGUF Q8_0 head is kept exact unless int8 is asked). CPU only.
-    - `dense_fallback` None: keep dense copies for large batches where bf16 GEMMs are native.
+    - `dense_fallback` None: keep dense copies for large batches where their GEMMs are
+      native (fp32 on any CPU, bf16 where the CPU has bf16 arithmetic).
     - `packed_max_tokens` None: the row count where a packed layer hands over to its dense
       copy is measured on this machine once loaded (`crossover.measure_packed_limits`;
       `scheme.PACKED_MAX_TOKENS` until then, and when measuring is turned off).
@@ -114,9 +120,10 @@ def plan_weights(
     )
     head_limit = LM_HEAD_PACKED_MAX_TOKENS if packed_max_tokens is None else packed_max_tokens
     if quantization is None:
-        if not gguf or dtype != torch.bfloat16:
-            # fp32 stays dense unless quantization is asked: a GGUF's rows are dequantized
-            # (exactly, in fp32). The packed kernels would compute in bf16 anyway.
+        packed_fp32 = gguf_packed_fp32 and dtype == torch.float32
+        if not gguf or (dtype != torch.bfloat16 and not packed_fp32):
+            # fp32 stays dense unless quantization or `gguf_packed_fp32` is asked: a GGUF's
+            # rows are dequantized (exactly, in fp32).
             return WeightPlan(DENSE, None)
         native = replace(base, method="native")
         return WeightPlan(native, replace(native, packed_max_tokens=head_limit))
@@ -184,7 +191,7 @@ def choose_dense_copies(
     elif mode == "never":
         keep, why = False, "asked for (never)"
     elif not default_dense_fallback(dtype, device):
-        keep, why = False, "bf16 GEMMs are not native here (auto)"
+        keep, why = False, f"{str(dtype).removeprefix('torch.')} GEMMs are not native here (auto)"
     else:
         memory = machine_memory_bytes() if memory_bytes is None else memory_bytes
         budget = int(DENSE_COPY_RAM_SHARE * memory)

@@ -69,8 +69,13 @@ KERNEL_DTYPE = torch.bfloat16
 
 
 def default_dense_fallback(dtype: torch.dtype, device: torch.device) -> bool:
-    """A dense bf16 copy pays only where bf16 GEMMs are native."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+    """A dense copy pays where its GEMMs are native: fp32 on every CPU, bf16 where the CPU
+    has bf16 arithmetic."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype != torch.bfloat16:
         return False
     from pagemill.runtime.worker.cpu_features import cpu_has_native_bf16
 
