@@ -42,6 +42,17 @@ def _native_built() -> bool:
     return cpu_native.load() is not None and attention_cpu._prefill_lib() is not None
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    """What the native prefill is built on (`prefill_cpu.cpp`); without it the kernel says so
+    and SDPA serves every prefill."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return "avx512_bf16" in flags.split()
+
+
 def _plan(batch):
     q, k_cache, _, tables, qsl, lens = batch
     return plan_attention(
@@ -55,6 +66,8 @@ def native_prefill(request, monkeypatch):
     must not run (a prefill that fell back to it would fail the test)."""
     if not _native_built():
         pytest.skip("the native CPU kernels could not be built here")
+    if not _cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU: SDPA serves prefill here")
     if request.param == "vector":
         monkeypatch.setenv("PAGEMILL_CPU_PREFILL_AMX", "0")
 
@@ -128,6 +141,8 @@ def test_fp8_cache_keeps_the_torch_prefill():
     """An 8-bit cache is not the native kernel's: the plan carries it, the call declines."""
     if not _native_built():
         pytest.skip("the native CPU kernels could not be built here")
+    if not _cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU: SDPA serves prefill here")
     q, k_cache, v_cache, tables, qsl, lens = make_batch(5, *MIXED, 9, 3, 64, dtype=torch.bfloat16)
     k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
     got = paged_attention(q, k8, v8, tables, qsl, lens, 0.125)
