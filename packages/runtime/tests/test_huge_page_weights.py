@@ -121,3 +121,15 @@ def test_a_bad_switch_value_is_refused(monkeypatch) -> None:
     monkeypatch.setenv(HUGE_PAGE_WEIGHTS_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         huge_page_weights.huge_page_weights_enabled()
+
+
+def test_the_originals_are_freed_once_moved(monkeypatch) -> None:
+    import weakref
+
+    monkeypatch.setenv(HUGE_PAGE_WEIGHTS_ENV, "1")
+    model = nn.Sequential(_Holder(qweight=torch.ones(1 << 16)), _Holder(scales=torch.ones(64)))
+    refs = [weakref.ref(model[0].qweight), weakref.ref(model[1].scales)]
+    placed = place_packed_weights(model)
+    assert placed is not None and placed.tensors == 2
+    assert all(r() is None for r in refs)  # nothing kept them once the modules let go
+    assert torch.equal(model[0].qweight, torch.ones(1 << 16))

@@ -81,7 +81,7 @@ class PlacedWeights:
         return f"{self.tensors} packed tensors ({size}) in one mapping, {where}"
 
 
-def _targets(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+def _targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
     found = []
     for module in model.modules():
         for name, t in module._buffers.items():
@@ -92,13 +92,21 @@ def _targets(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
                 and t.is_contiguous()
                 and t.numel() > 0
             ):
-                found.append((module, name, t))
+                found.append((module, name))
     return found
+
+
+def _key(t: torch.Tensor) -> tuple[int, torch.dtype, tuple[int, ...]]:
+    return (t.data_ptr(), t.dtype, tuple(t.shape))
 
 
 def place_packed_weights(model: nn.Module) -> PlacedWeights | None:
     """Copy `model`'s packed CPU buffers into one huge-page mapping and point the modules
-    at it. None when there is nothing to move or it is turned off."""
+    at it. None when there is nothing to move or it is turned off.
+
+    Only the modules hold the originals, so each is freed as soon as its last holder points
+    at the mapping: the move costs about one tensor's memory beyond the mapping, not a
+    second copy of every packed weight."""
     if not huge_page_weights_enabled():
         return None
     targets = _targets(model)
@@ -107,23 +115,28 @@ def place_packed_weights(model: nn.Module) -> PlacedWeights | None:
     # A tensor held by two modules (or twice by one) moves once and stays shared.
     offsets: dict[tuple[int, torch.dtype, tuple[int, ...]], int] = {}
     total = 0
-    for _, _, t in targets:
-        key = (t.data_ptr(), t.dtype, tuple(t.shape))
-        if key not in offsets:
-            offsets[key] = total
+    for module, name in targets:
+        t = module._buffers[name]
+        assert t is not None
+        if _key(t) not in offsets:
+            offsets[_key(t)] = total
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    del t
     raw, advised = huge_page_zeros(total)
     arena = torch.from_numpy(raw)  # the tensor keeps the mapping alive
+    # Nothing below allocates tensor memory, so a freed original's address is never reused
+    # by a tensor still to be moved.
     moved: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-    for module, name, t in targets:
-        key = (t.data_ptr(), t.dtype, tuple(t.shape))
+    for module, name in targets:
+        t = module._buffers[name]
+        assert t is not None
+        key = _key(t)
         if key not in moved:
             start = offsets[key]
-            nbytes = t.numel() * t.element_size()
-            view = arena[start : start + nbytes].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            moved[key] = view
+            view = arena[start : start + t.numel() * t.element_size()].view(t.dtype)
+            moved[key] = view.view(t.shape).copy_(t)
         module._buffers[name] = moved[key]
+        del t
     return PlacedWeights(
         tensors=len(moved),
         nbytes=total,
