@@ -10,18 +10,11 @@ from pagemill.blockpool.host_memory import (
     huge_page_bytes,
     huge_page_size,
     huge_page_zeros,
+    thp_policy,
     zeros_mapping,
 )
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")
-
-
-def _thp_allowed() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 3 << 20])
@@ -44,7 +37,7 @@ def test_zeros_mapping_is_zeros_of_the_size_asked(nbytes: int) -> None:
 
 
 @linux_only
-@pytest.mark.skipif(not _thp_allowed(), reason="no transparent huge pages here")
+@pytest.mark.skipif(thp_policy() in (None, "never"), reason="no transparent huge pages here")
 def test_written_huge_page_zeros_are_backed_by_huge_pages() -> None:
     """Once written, most of an advised mapping is on huge pages (all of it on a machine
     with memory to spare; the kernel may give fewer when memory is fragmented)."""
@@ -65,6 +58,10 @@ def test_refused_advice_still_gives_usable_memory(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(host_memory, "libc_madvise", lambda: None)  # no libc madvise at all
     b, advised = huge_page_zeros(100)
     assert not advised and b.shape == (100,)
+
+
+def test_thp_policy_is_one_of_the_kernels_words() -> None:
+    assert thp_policy() in (None, "always", "madvise", "never")
 
 
 def test_huge_page_bytes_of_unmapped_or_empty_arrays_is_zero() -> None:

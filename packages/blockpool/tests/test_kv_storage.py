@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pagemill.blockpool import KVStorage, kv_bytes_per_token
-from pagemill.blockpool.host_memory import huge_page_bytes
+from pagemill.blockpool.host_memory import huge_page_bytes, thp_policy
 
 HAS_CUPY_DEVICE = False
 if importlib.util.find_spec("cupy") is not None:  # pragma: no cover - only with a CUDA extra
@@ -149,16 +149,8 @@ def _anon_huge_kib(arrays: list[np.ndarray]) -> int:
     return huge_page_bytes(arrays) // 1024
 
 
-def _thp_allowed() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
 thp_only = pytest.mark.skipif(
-    not __import__("sys").platform.startswith("linux") or not _thp_allowed(),
+    not __import__("sys").platform.startswith("linux") or thp_policy() in (None, "never"),
     reason="no transparent huge pages here",
 )
 
@@ -187,15 +179,7 @@ def test_huge_pages_back_the_prefaulted_pool_and_keep_its_contents(background: b
     assert int(s.k_caches[0].astype(np.int64).sum()) == 0
 
 
-def _thp_policy_is_madvise() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[madvise]" in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _thp_policy_is_madvise(), reason="huge pages only where asked for")
+@pytest.mark.skipif(thp_policy() != "madvise", reason="huge pages only where asked for")
 def test_without_huge_pages_the_pool_has_none() -> None:
     s = KVStorage(2, 512, 16, 4, 64, dtype="bfloat16", device="cpu")
     assert not s.huge_pages

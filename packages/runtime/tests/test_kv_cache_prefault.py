@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pagemill.blockpool.host_memory import thp_policy
 from pagemill.runtime.worker.kv_cache import KVCache
 
 CONFIG = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=32)
@@ -62,15 +63,9 @@ def test_prefault_switch_refuses_other_values(monkeypatch: pytest.MonkeyPatch, v
         KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
 
 
-def _thp_allowed() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _thp_allowed(), reason="no transparent huge pages on this kernel")
+@pytest.mark.skipif(
+    thp_policy() in (None, "never"), reason="no transparent huge pages on this kernel"
+)
 def test_cpu_pool_asks_for_huge_pages_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEMILL_CPU_KV_HUGEPAGES", raising=False)
     pool = KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))

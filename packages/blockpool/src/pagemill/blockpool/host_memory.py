@@ -4,7 +4,7 @@ page size, with `MADV_HUGEPAGE` asked before anything populates them.
 A CPU kernel that streams a large array (a decode step's KV blocks, a batch-1 step's packed
 weights) reads it a cache line at a time, but the TLB and the hardware prefetchers work in
 pages: on 4 KB pages the prefetchers stop at every page boundary and the TLB misses every
-few hundred lines, while one 2 MB page covers 512 of them. The malloc that backs torch and
+64 lines, while one 2 MB page covers 512 such pages. The malloc that backs torch and
 NumPy allocations returns 4 KB pages under the kernel's default THP policy ("madvise"), so
 arrays that are read end to end every step are worth a mapping of their own.
 
@@ -36,6 +36,18 @@ def huge_page_size() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 2 << 20
+
+
+def thp_policy() -> str | None:
+    """The kernel's transparent huge page policy ("always", "madvise" or "never"), or None
+    where it has none to read."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def libc_madvise() -> Any | None:

@@ -19,7 +19,6 @@ offers no transparent huge pages the mapping is ordinary pages and nothing else 
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -27,8 +26,6 @@ import torch
 from torch import nn
 
 from pagemill.blockpool import huge_page_bytes, huge_page_zeros
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE_WEIGHTS_ENV = "PAGEMILL_HUGE_PAGE_WEIGHTS"
 
