@@ -6,6 +6,8 @@ dense copy a packed layer keeps for large batches), measured interleaved in one 
     # large batches, against the dense copy:
     uv run python benchmarks/gemv_q4_cpu.py --rows 16,32,64,128,256 --rounds 9 --threads 1 \
         --no-warm-table
+    # a change to the kernel, against the source before it (a copy), fp32 activations:
+    uv run python benchmarks/gemv_q4_cpu.py --rows 1,4 --reference OLD.cpp --dtype float32
 
 With --threads 1 each path is timed by this thread's CPU time (`time.thread_time`), which
 other processes on a shared box do not inflate; otherwise by wall clock.
@@ -17,22 +19,27 @@ table gives each path's median sweep ms, the paired ratios (per round) to the ne
 with two planes and to dense bf16, and the bytes per second it read against this process's
 large-tensor read bandwidth (`x.sum()` over 512 MiB, best of a few; meaningful only where
 few rows make a sweep bound by reading the weights). A second table times one projection
-repeated (cache-warm, one row; `--no-warm-table` skips it).
+repeated (cache-warm, one row; `--no-warm-table` skips it). `--reference` builds another
+source of the kernel (the one before a change) beside this one: its paths `ref q4 x int8x2`
+and `ref q4 x int8` run in the same rounds. `--dtype` is the activations' (bf16 by default;
+fp32 where the model is served in fp32, e.g. a CPU without bf16 arithmetic).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagemill.kernels import gemv_q4_cpu
+from pagemill.kernels import cpu_native, gemv_q4_cpu
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 LAYERS = 30
@@ -73,7 +80,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-warm-table", action="store_true", help="skip the one-row table")
+    ap.add_argument("--reference", default=None, help="another source of the kernel: ref paths")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
     # One thread: this thread's CPU time, which a loaded box does not inflate much.
@@ -81,10 +91,24 @@ def main() -> None:
     lib = gemv_q4_cpu.load()
     assert lib is not None, "the kernel did not build"
     isa = gemv_q4_cpu.ISA_NAMES[lib.pagemill_gemv_q4_isa()]
+    ref = None
+    if args.reference:
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        ref = cpu_native.load_gemv(
+            Path(args.reference),
+            "pagemill_gemv_q4",
+            [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32],
+            "the reference int4 kernel",
+            "no reference",
+        )
+        if ref is None:
+            raise SystemExit(f"{args.reference} did not build")
     layers = [(name, _weights(*shape)) for _ in range(LAYERS) for name, shape in SHAPES.items()]
+    packed_bytes = sum(w["blocks"].numel() for _, w in layers)
     bytes_per = {
-        "new q4 x int8x2": sum(w["blocks"].numel() for _, w in layers),
-        "new q4 x int8": sum(w["blocks"].numel() for _, w in layers),
+        "new q4 x int8x2": packed_bytes,
+        "new q4 x int8": packed_bytes,
+        **({"ref q4 x int8x2": packed_bytes, "ref q4 x int8": packed_bytes} if ref else {}),
         "torch int4": sum(w["packed"].numel() + w["sz"].numel() * 2 for _, w in layers),
         "dense bf16": sum(w["dense"].numel() * 2 for _, w in layers),
     }
@@ -98,13 +122,16 @@ def main() -> None:
         def run() -> None:
             for name, w in layers:
                 xi = x[SHAPES[name][0]]
-                if kind.startswith("new"):
+                if kind.startswith(("new", "ref")):
                     planes = 2 if kind.endswith("x2") else 1
-                    gemv_q4_cpu.gemv_q4(xi, w["blocks"], w["n"], lib, planes=planes)
+                    which = lib if kind.startswith("new") else ref
+                    gemv_q4_cpu.gemv_q4(xi, w["blocks"], w["n"], which, planes=planes)
                 elif kind == "torch int4":
-                    torch.ops.aten._weight_int4pack_mm_for_cpu(xi, w["packed"], G, w["sz"])
+                    torch.ops.aten._weight_int4pack_mm_for_cpu(
+                        xi.to(torch.bfloat16), w["packed"], G, w["sz"]
+                    )
                 else:
-                    F.linear(xi, w["dense"])
+                    F.linear(xi.to(torch.bfloat16), w["dense"])
 
         return run
 
@@ -113,7 +140,7 @@ def main() -> None:
         f"{'% of read bw':>12}"
     )
     for rows in [int(r) for r in args.rows.split(",")]:
-        x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        x = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
         runs = {kind: sweep(kind, x) for kind in bytes_per}
         times: dict[str, list[float]] = {kind: [] for kind in runs}
         for fn in runs.values():
@@ -140,14 +167,26 @@ def main() -> None:
     print("\none projection repeated (cache-warm), rows 1, median us per call:")
     for name, (k, _) in SHAPES.items():
         w = next(w for nm, w in layers if nm == name)
-        x1 = torch.randn(1, k, dtype=torch.bfloat16)
+        x1 = torch.randn(1, k, dtype=dtype)
         fns = {
             "new x2": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib),
             "new x1": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], lib, planes=1),
-            "torch int4": partial(
-                torch.ops.aten._weight_int4pack_mm_for_cpu, x1, w["packed"], G, w["sz"]
+            **(
+                {
+                    "ref x2": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], ref),
+                    "ref x1": partial(gemv_q4_cpu.gemv_q4, x1, w["blocks"], w["n"], ref, planes=1),
+                }
+                if ref
+                else {}
             ),
-            "dense": partial(F.linear, x1, w["dense"]),
+            "torch int4": partial(
+                torch.ops.aten._weight_int4pack_mm_for_cpu,
+                x1.to(torch.bfloat16),
+                w["packed"],
+                G,
+                w["sz"],
+            ),
+            "dense": partial(F.linear, x1.to(torch.bfloat16), w["dense"]),
         }
         per_call: dict[str, list[float]] = {kk: [] for kk in fns}
         for _ in range(args.rounds * 10):

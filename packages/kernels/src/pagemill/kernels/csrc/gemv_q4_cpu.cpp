@@ -17,7 +17,9 @@
 //
 // Three builds of the same arithmetic (integer sums are exact in each, so they differ only
 // in float summation order): AVX512-VNNI / AVX-VNNI (`vpdpbusd`: u8 × s8 → i32), AVX2
-// (`vpmaddubsw` + `vpmaddwd`; 15 * 127 * 2 fits int16, nothing saturates), plain C++.
+// (`vpmaddubsw`, whose pairs add up in int16 over a block: 8 * 2 * 15 * 127 fits, nothing
+// saturates; one `vpmaddwd` per block widens them), plain C++. With two activation planes
+// every build sums q1 * 254 + q2 in one integer per block.
 // PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
 //
 // Built at run time by pagemill.kernels.gemv_q4_cpu (host compiler, -O3 -march=native
@@ -117,6 +119,7 @@ inline float load_float(const uint8_t* p) {
 }
 
 constexpr int ROWS = 16;                // output rows interleaved in one tile
+constexpr int64_t PREFETCH_BYTES = 8192;  // how far ahead of its loads the AVX2 loop prefetches
 constexpr int64_t QS_BYTES = ROWS * QK / 2;  // nibbles of one block of a tile
 
 inline float half_to_float(uint16_t h) {
@@ -250,8 +253,10 @@ void quantize_row(const void* x, int dtype, int64_t k, uint8_t* rec) {
                 xb[QK + j] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q2)));
             }
         }
-        std::memcpy(rb + P * QK, &d, sizeof d);
-        std::memcpy(rb + P * QK + sizeof d, &sum, sizeof sum);
+        // Two planes' dots meet as q1 * 254 + q2: dx is stored divided by 254.
+        const float dx = P == 2 ? d / 254.0f : d;
+        std::memcpy(rb + P * QK, &dx, sizeof dx);
+        std::memcpy(rb + P * QK + sizeof dx, &sum, sizeof sum);
     }
 #endif
 }
@@ -310,14 +315,20 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
     }
     for (int t = 0; t < T; ++t) _mm512_storeu_ps(out + t * ROWS, acc[t]);
 #elif PAGEMILL_GEMV_ISA >= 1
-    // Two halves of 8 rows in 256-bit vectors.
-    __m256 acc[T][2], mins[T][2];
-    for (int t = 0; t < T; ++t)
-        for (int h = 0; h < 2; ++h) acc[t][h] = mins[t][h] = _mm256_setzero_ps();
+    // Two halves of 8 rows in 256-bit vectors, one after the other over all the blocks: a
+    // half's 8 weight vectors and T accumulators fit the 16 registers (both halves at once
+    // spilled from 4 rows up), and the second half finds the tile in L1.
     const __m256i low4 = _mm256_set1_epi8(0x0f);
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = w + b * BLOCK;
-        for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h) {
+        __m256 acc[T];  // the d and m terms share it
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + b * BLOCK;
+            // Into L2, well ahead: the hardware prefetchers alone leave a core's stream short
+            // of what the memory gives it while this loop computes.
+            for (int64_t l = 0; l < BLOCK; l += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(blk) + PREFETCH_BYTES + l,
+                             _MM_HINT_T1);
             __m256 d, m;
             if constexpr (sizeof(S) == 2) {
                 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
@@ -337,39 +348,49 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
             for (int t = 0; t < T; ++t) {
                 const uint8_t* rt = xr + b * block_stride<P>() + t * REC;
                 const int8_t* xb0 = reinterpret_cast<const int8_t*>(rt);
-                __m256 p;
+                // Both planes' integer sums meet as q1 * 254 + q2 (below 2^24: exact in the
+                // float it becomes), as on AVX-512; dx is already divided by 254 for two.
+                __m256i q = _mm256_setzero_si256();
                 for (int plane = 0; plane < P; ++plane) {
-                const int8_t* xb = xb0 + plane * QK;
-                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-                for (int i = 0; i < 8; i += 2) {
-                    int32_t x0, x1;
-                    std::memcpy(&x0, xb + 4 * i, 4);
-                    std::memcpy(&x1, xb + 4 * i + 4, 4);
+                    const int8_t* xb = xb0 + plane * QK;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
 #if PAGEMILL_GEMV_ISA == 2
-                    s0 = _mm256_dpbusd_avx_epi32(s0, wv[i], _mm256_set1_epi32(x0));
-                    s1 = _mm256_dpbusd_avx_epi32(s1, wv[i + 1], _mm256_set1_epi32(x1));
+                    for (int i = 0; i < 8; i += 2) {
+                        int32_t x0, x1;
+                        std::memcpy(&x0, xb + 4 * i, 4);
+                        std::memcpy(&x1, xb + 4 * i + 4, 4);
+                        s0 = _mm256_dpbusd_avx_epi32(s0, wv[i], _mm256_set1_epi32(x0));
+                        s1 = _mm256_dpbusd_avx_epi32(s1, wv[i + 1], _mm256_set1_epi32(x1));
+                    }
+                    const __m256i sp = _mm256_add_epi32(s0, s1);
+                    q = plane == 0 ? sp
+                                   : _mm256_add_epi32(_mm256_sub_epi32(_mm256_slli_epi32(q, 8),
+                                                                       _mm256_slli_epi32(q, 1)),
+                                                      sp);
 #else
-                    const __m256i one = _mm256_set1_epi16(1);
-                    s0 = _mm256_add_epi32(
-                        s0, _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(wv[i], _mm256_set1_epi32(x0)), one));
-                    s1 = _mm256_add_epi32(
-                        s1, _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(wv[i + 1], _mm256_set1_epi32(x1)), one));
+                    // The 8 products' pairs add up in 16 bits (8 * 2 * 15 * 127 = 30480
+                    // fits), so one vpmaddwd per plane widens them: it also applies the
+                    // first plane's factor 254.
+                    for (int i = 0; i < 8; i += 2) {
+                        int32_t x0, x1;
+                        std::memcpy(&x0, xb + 4 * i, 4);
+                        std::memcpy(&x1, xb + 4 * i + 4, 4);
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(wv[i], _mm256_set1_epi32(x0)));
+                        s1 = _mm256_add_epi16(
+                            s1, _mm256_maddubs_epi16(wv[i + 1], _mm256_set1_epi32(x1)));
+                    }
+                    const __m256i f = _mm256_set1_epi16(P == 2 && plane == 0 ? 254 : 1);
+                    q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_add_epi16(s0, s1), f));
 #endif
                 }
-                const __m256 ps = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-                p = plane == 0 ? ps : _mm256_fmadd_ps(ps, _mm256_set1_ps(1.0f / 254.0f), p);
-                }
-                acc[t][h] = _mm256_fmadd_ps(
-                    p, _mm256_mul_ps(d, _mm256_set1_ps(load_float(rt + P * QK))), acc[t][h]);
-                mins[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(load_float(rt + P * QK + 4)), mins[t][h]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                         _mm256_mul_ps(d, _mm256_set1_ps(load_float(rt + P * QK))),
+                                         acc[t]);
+                acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(load_float(rt + P * QK + 4)), acc[t]);
             }
         }
+        for (int t = 0; t < T; ++t) _mm256_storeu_ps(out + t * ROWS + 8 * h, acc[t]);
     }
-    for (int t = 0; t < T; ++t)
-        for (int h = 0; h < 2; ++h)
-            _mm256_storeu_ps(out + t * ROWS + 8 * h, _mm256_add_ps(acc[t][h], mins[t][h]));
 #else
     float acc[T][ROWS], mins[T][ROWS];
     for (int t = 0; t < T; ++t)
@@ -383,7 +404,7 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
         for (int t = 0; t < T; ++t) {
             const uint8_t* rt = xr + b * block_stride<P>() + t * REC;
             for (int r = 0; r < ROWS; ++r) {
-                float p = 0.0f;
+                int32_t q = 0;  // q1 * 254 + q2 with two planes, as the SIMD paths
                 for (int plane = 0; plane < P; ++plane) {
                     const int8_t* xb = reinterpret_cast<const int8_t*>(rt) + plane * QK;
                     int32_t dot = 0;
@@ -394,10 +415,9 @@ void tile_rows(const uint8_t* w, int64_t nb, const uint8_t* xr, float* out /* [T
                             dot += static_cast<int32_t>(byte >> 4) * xb[16 + 4 * j + u];
                         }
                     }
-                    p = plane == 0 ? static_cast<float>(dot)
-                                   : std::fma(static_cast<float>(dot), 1.0f / 254.0f, p);
+                    q = plane == 0 ? dot : q * 254 + dot;
                 }
-                acc[t][r] += scale_value(ds[r]) * load_float(rt + P * QK) * p;
+                acc[t][r] += static_cast<float>(q) * (scale_value(ds[r]) * load_float(rt + P * QK));
                 mins[t][r] += scale_value(ms[r]) * load_float(rt + P * QK + 4);
             }
         }
