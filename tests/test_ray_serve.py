@@ -205,6 +205,81 @@ def test_the_request_router_follows_replicas_prefix_caches() -> None:
     assert router.policy.inflight == [1, 0]
 
 
+def test_a_poll_taken_before_a_request_finished_keeps_its_prompt_cached() -> None:
+    """A replica's stats are a snapshot taken before they reach the router: a request that
+    finished after it stays counted as cached there until a poll names it as finished
+    (then the replica's own account decides), or for UNCONFIRMED_POLLS polls at most."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+
+    from pagemill.server.ray_serve import UNCONFIRMED_POLLS, PagemillRequestRouter
+
+    dep = DeploymentID(name="PagemillEngine", app_name="pagemill")
+    doc = list(range(500, 564))
+    a = SimpleNamespace(replica_id=ReplicaID("a", dep), routing_stats={})
+    b = SimpleNamespace(replica_id=ReplicaID("b", dep), routing_stats={})
+    router = PagemillRequestRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(policy="prefix", block_size=16, hash_algo="sha256")
+
+    def choose(pending) -> list[str]:
+        ranks = asyncio.run(router.choose_replicas([a, b], pending))
+        return [r.replica_id.unique_id for rank in ranks for r in rank]
+
+    def poll(replica, finished: list[str]) -> int:
+        # A new dict each time, as each poll of Serve's brings.
+        replica.routing_stats = {
+            "cached_block_hashes": [],
+            "kv_cache_usage": 0.0,
+            "finished_request_ids": finished,
+        }
+        return router._engine(replica)
+
+    hashes = router.policy.hash_prompt(doc)
+    first = choose(_pending("r1", [*doc, 1]))[0]
+    replica = a if first == "a" else b
+    router.on_request_completed(replica.replica_id, "r1")
+    # The engine's own id of the request: `_pending` builds it with the same id.
+    k = poll(replica, [])  # its snapshot predates r1's end
+    assert router.policy.matched_blocks(k, hashes) == len(hashes)
+    assert choose(_pending("r2", [*doc, 2]))[0] == first  # the next reader follows it
+    router.on_request_completed(replica.replica_id, "r2")
+    k = poll(replica, ["r1", "r2"])  # a snapshot after both: they were evicted since
+    assert router.policy.matched_blocks(k, hashes) == 0
+    # Never named (it fell out of the replica's list): kept for a few polls only.
+    choose(_pending("r3", [*doc, 3]))
+    router.on_request_completed(replica.replica_id, "r3")
+    for _ in range(UNCONFIRMED_POLLS - 1):
+        assert router.policy.matched_blocks(poll(replica, []), hashes) == len(hashes)
+    assert router.policy.matched_blocks(poll(replica, []), hashes) == 0
+
+
+def test_a_replicas_routing_stats_name_the_requests_finished_before_them() -> None:
+    """`record_routing_stats` reads the finished ids before the core's snapshot (so each
+    one named had finished when the snapshot was taken)."""
+    import asyncio
+    import collections
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from pagemill.server.ray_serve import FINISHED_IDS_KEPT, EngineReplica
+
+    replica = EngineReplica.__new__(EngineReplica)  # no engine: a client that answers calls
+    replica._finished = collections.deque(["r1", "r2"], maxlen=FINISHED_IDS_KEPT)
+
+    def call(fn):
+        replica._finished.append("r3")  # finishes while the core takes the snapshot
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result({"cached_block_hashes": [], "kv_cache_usage": 0.0})
+        return done
+
+    replica.client = SimpleNamespace(call=call, shutdown=lambda timeout: None)
+    stats = asyncio.run(replica.record_routing_stats())
+    assert stats["finished_request_ids"] == ["r1", "r2"]
+    assert stats["cached_block_hashes"] == []
+
+
 def test_the_ingress_client_carries_the_replicas_stats() -> None:
     """The ingress runs no engine: its /metrics figures are the replicas' own, as each
     replica's stream reports them (summed, and per replica under `engine="i"`)."""

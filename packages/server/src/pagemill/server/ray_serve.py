@@ -17,7 +17,10 @@ Which replica takes a request is decided by `PagemillRequestRouter`, a Ray Serve
 round_robin, least_loaded, or prefix with its load penalty). For `prefix` it knows what
 each replica caches from the replica's routing stats (`record_routing_stats`: the block
 hashes in its prefix cache, polled by Serve every `routing_stats_period_s`) and, between
-polls, from the prompts it routed there itself.
+polls, from the prompts it routed there itself. A poll's account is a snapshot taken before
+it arrives: requests that finished after it keep their prompts counted as cached (the stats
+name the requests that had finished when the snapshot was taken), so a poll never makes the
+router forget what the next reader of a document needs.
 
 Launch:
     pagemill serve MODEL --ray --num-replicas 2 [--data-parallel-routing prefix]
@@ -29,6 +32,7 @@ The same code runs on a Ray cluster (`ray start --head`, then either command on 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import os
@@ -76,6 +80,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_ROUTING_STATS_PERIOD_S = 1.0
+# Finished request ids a replica remembers for its routing stats: a poll names those that
+# finished before its snapshot. Far more than finish between two polls.
+FINISHED_IDS_KEPT = 4096
+# Polls a finished request's prompt stays counted as cached on its replica while the
+# replica's stats do not yet name it (past that, it fell out of FINISHED_IDS_KEPT).
+UNCONFIRMED_POLLS = 3
 
 
 def routing_summary(core: EngineCore) -> dict[str, Any]:
@@ -134,6 +144,8 @@ class EngineReplica:
             self.client = ThreadedClient(EngineCore.from_config(config), name="pagemill-replica")
         self.replica_id = uuid.uuid4().hex
         self._stats: SchedulerStats | None = None
+        # Requests whose stream ended, newest last (see `record_routing_stats`).
+        self._finished: collections.deque[str] = collections.deque(maxlen=FINISHED_IDS_KEPT)
         self._lock = threading.Lock()
         # request id -> (its loop, its queue of outputs), while it streams.
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -186,6 +198,7 @@ class EngineReplica:
                 self._streams.pop(rid, None)
             if not finished and self.client.dead_error is None:
                 self.client.abort_requests([rid])
+            self._finished.append(rid)
 
     def info(self) -> EngineCoreReady:
         return self.client.info
@@ -194,8 +207,15 @@ class EngineReplica:
         return await asyncio.wrap_future(self.client.call(fn))
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Polled by Serve for `PagemillRequestRouter` (see `routing_summary`)."""
-        return await self.call(routing_summary)
+        """Polled by Serve for `PagemillRequestRouter` (see `routing_summary`), with the ids
+        of the requests that had finished before the snapshot (`finished_request_ids`):
+        read first, so each of them had left the core, its blocks cached, when the core
+        took the snapshot (an aborted one is named too: what it cached is what the
+        snapshot shows)."""
+        finished = list(self._finished)
+        summary = await self.call(routing_summary)
+        summary["finished_request_ids"] = finished
+        return summary
 
     def check_health(self) -> None:
         """Serve replaces a replica whose engine stopped (as `pagemill serve` exits)."""
@@ -223,6 +243,12 @@ class PagemillRequestRouter(RequestRouter):
         self.policy = DPRouter(policy, 0, block_size, hash_algo)
         self._engine_of: dict[ReplicaID, int] = {}
         self._stats_seen: dict[int, int] = {}
+        # Serve's id of a routed request -> the engine's (the replica names finished
+        # requests by the latter).
+        self._engine_rid: dict[str, str] = {}
+        # Per engine: finished requests its polled stats have not named yet, by engine
+        # request id -> (prompt hashes, polls left before they are dropped).
+        self._unconfirmed: dict[int, dict[str, tuple[list[Any], int]]] = {}
 
     def _engine(self, replica: RunningReplica) -> int:
         k = self._engine_of.get(replica.replica_id)
@@ -230,9 +256,22 @@ class PagemillRequestRouter(RequestRouter):
             k = self._engine_of[replica.replica_id] = self.policy.add_engine()
         stats = replica.routing_stats
         if stats and self._stats_seen.get(k) != id(stats):
-            # A new poll: the replica's own account replaces what events told before.
+            # A new poll: the replica's own account replaces what was assumed before, except
+            # for requests that finished after its snapshot (the stats do not name them).
             self._stats_seen[k] = id(stats)
-            self.policy.cached[k] = set(stats.get("cached_block_hashes", ()))
+            cached = set(stats.get("cached_block_hashes", ()))
+            unconfirmed = self._unconfirmed.setdefault(k, {})
+            if "finished_request_ids" in stats:
+                named = set(stats["finished_request_ids"])
+                for rid, (hashes, polls) in list(unconfirmed.items()):
+                    if rid in named or polls <= 1:
+                        del unconfirmed[rid]
+                    else:
+                        unconfirmed[rid] = (hashes, polls - 1)
+                        cached.update(hashes)
+            else:  # stats without the names: the snapshot is taken as the whole truth
+                unconfirmed.clear()
+            self.policy.cached[k] = cached
             self.policy.kv_usage[k] = float(stats.get("kv_cache_usage", 0.0))
         return k
 
@@ -257,6 +296,7 @@ class PagemillRequestRouter(RequestRouter):
             rid = pending_request.metadata.internal_request_id
             router.finish(rid)  # a retry: routed again, counted once
             k = router.route(rid, request.prompt_token_ids, request.cache_salt)
+            self._engine_rid[rid] = request.request_id
         chosen = by_engine[k]
         rest = [r for r in candidate_replicas if r is not chosen]
         return [[chosen], rest] if rest else [[chosen]]
@@ -269,16 +309,23 @@ class PagemillRequestRouter(RequestRouter):
             self.policy.move(pending_request.metadata.internal_request_id, k)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        # Its blocks stay cached there until evicted; the next poll of the replica's stats
-        # says which still are (without this, the next reader of the same document would
-        # miss it for up to a polling period).
+        # Its blocks stay cached there until evicted; the first poll of the replica's stats
+        # taken after it finished says which still are (without this, the next reader of
+        # the same document would miss it for up to a polling period or two).
+        assigned = self.policy.assigned(internal_request_id)
+        engine_rid = self._engine_rid.pop(internal_request_id, None)
         self.policy.finish(internal_request_id, assume_cached=True)
+        if assigned is not None and engine_rid is not None and assigned[1]:
+            k, hashes = assigned
+            self._unconfirmed.setdefault(k, {})[engine_rid] = (hashes, UNCONFIRMED_POLLS)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         k = self._engine_of.get(replica_id)
         if k is not None:
-            self.policy.engine_stopped(k)
+            for rid in self.policy.engine_stopped(k):
+                self._engine_rid.pop(rid, None)
+            self._unconfirmed.pop(k, None)
 
 
 def _is_request(arg: Any) -> bool:

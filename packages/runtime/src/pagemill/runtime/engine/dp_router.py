@@ -159,6 +159,11 @@ class DPRouter:
         entry = self._assigned.get(request_id)
         return None if entry is None else entry[0]
 
+    def assigned(self, request_id: str) -> tuple[int, list[BlockHash]] | None:
+        """The engine a request in flight is counted on and its prompt's hashes."""
+        entry = self._assigned.get(request_id)
+        return None if entry is None else (entry[0], list(entry[1]))
+
     def engine_stopped(self, core: int) -> list[str]:
         """Forget a stopped engine; returns the ids of the requests it held."""
         self.alive[core] = False
