@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -162,6 +162,31 @@ constexpr int kSplitItems = 12;
 // the second thread saves.
 constexpr int kMinPartTokens = 128;
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp for 8 lanes of x <= 0 (scores minus their running max), as the AVX-512 path's exp_neg:
+// lanes below -87.3 give 0; Cody-Waite reduction to |r| <= ln2/2, a degree-6 polynomial
+// (under 2 ulp from expf), and 2^n built in the exponent bits (n in -126..0: normal).
+inline __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
 template <int DT, int FP8, int HEAD_DIM>
 void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, (FP8 != 0)>::T* k_cache,
                  const typename KVLoad<DT, (FP8 != 0)>::T* v_cache, typename Elem<DT>::T* out,
@@ -212,7 +237,21 @@ void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, (FP8 !
             for (int t = t0; t < n; ++t) bmax = sg[t] > bmax ? sg[t] : bmax;
             const float alpha = std::exp(m[g] - bmax);
             float sum = 0.f;
-            for (int t = t0; t < n; ++t) {
+            int t = t0;
+#if defined(__AVX2__) && defined(__FMA__)
+            // A block's weights 8 at a time: a scalar exp per score was most of this loop.
+            __m256 vsum = _mm256_setzero_ps();
+            const __m256 vmax = _mm256_set1_ps(bmax);
+            for (; t + 8 <= n; t += 8) {
+                const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmax));
+                _mm256_storeu_ps(sg + t, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, vsum);
+            for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+            for (; t < n; ++t) {
                 sg[t] = std::exp(sg[t] - bmax);
                 sum += sg[t];
             }
