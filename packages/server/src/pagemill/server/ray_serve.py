@@ -83,8 +83,8 @@ DEFAULT_ROUTING_STATS_PERIOD_S = 1.0
 # Finished request ids a replica remembers for its routing stats: a poll names those that
 # finished before its snapshot. Far more than finish between two polls.
 FINISHED_IDS_KEPT = 4096
-# Polls a finished request's prompt stays counted as cached on its replica while the
-# replica's stats do not yet name it (past that, it fell out of FINISHED_IDS_KEPT).
+# A finished request's prompt stays counted as cached on its replica until a poll names it,
+# or until the UNCONFIRMED_POLLS-th poll that does not (it fell out of FINISHED_IDS_KEPT).
 UNCONFIRMED_POLLS = 3
 
 
