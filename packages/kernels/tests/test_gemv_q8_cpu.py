@@ -94,6 +94,29 @@ def test_matches_the_torch_arithmetic(isa, planes, dtype, m, n, k) -> None:
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_two_planes_at_their_extremes(isa, m) -> None:
+    """The largest integers two planes make: q1 = 126 with q2 = 127 (the AVX2 build meets
+    them as one int16, 254 * q1 + q2 = 32131) against weights of -128 and 127 in every input
+    of a block (its sum near 2^27 must not overflow)."""
+    lib = g.load(isa)
+    n, k = 33, 96
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1::2] = 127
+    q[2, ::2] = 127  # mixed signs in one row
+    d = torch.full((n, k // 32), 2.0**-10)
+    blocks = g.pack_q8_blocks(q, d)
+    x = torch.full((m, k), 126.499)
+    x[:, ::32] = 127.0  # each block's max: dx = 1
+    x[-1, 32:64] *= -1
+    xq, _, _ = g.quantize_activations(x, 2)
+    assert xq[0, 1] == 126 + 127 / 254  # the planes hold what this test means to reach
+    got = g.gemv_q8(x, blocks, n, lib, planes=2)
+    exact = (xq.double() @ (q.double() * 2.0**-10).T).float()
+    torch.testing.assert_close(got, exact, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("m", [1, 4, 9])
 def test_int8_rounding_stays_within_its_bound(m, planes) -> None:

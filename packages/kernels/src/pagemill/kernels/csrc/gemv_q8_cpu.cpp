@@ -17,6 +17,9 @@
 //   and 128 times the block's integer sum of the activations is taken off again;
 // - AVX2 (`vpmaddubsw`, u8 × s8 into saturating int16): the sign trick, |w| times x with
 //   w's sign, |w| * |x| <= 128 * 127, so a pair sums to at most 32512 and never saturates;
+//   with two planes instead `vpmaddwd` on int16, the planes as one 254 * q1 + q2 against
+//   the widened weights (tile_rows_x16: one product per input for both planes; the block
+//   sum 254 * s1 + s2 takes one float conversion, so this build's float steps differ too);
 // - plain C++.
 // PAGEMILL_GEMV_ISA forces one (0 plain, 1 AVX2, 2 AVX-VNNI, 3 AVX512-VNNI) for tests.
 // On the AVX-512 build a machine with AMX-INT8 runs calls of AMX_MIN_ROWS rows and more on
@@ -330,9 +333,93 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 #endif
 }
 
+#if PAGEMILL_GEMV_ISA == 1
+// Two planes on AVX2, where `vpmaddubsw` needs the sign trick and saturates in int16, so each
+// plane would cost a sign, a `vpmaddubsw`, a `vpmaddwd` and an add per 32 products: instead
+// the planes meet in one int16 per input, x16 = 254 * q1 + q2 (|x16| <= 32385), and the
+// weights, widened to int16 once per tile row block, meet both planes in one `vpmaddwd`
+// (|w * x16| * 32 < 2^31: the block's sum is exact, 254 * s1 + s2 as the other builds' two
+// sums). A vector holds 4 outputs x 4 inputs, so a block's two halves of 8 outputs end in
+// `vphaddd` lane order (0, 1, 4, 5 | 2, 3, 6, 7): the scales are permuted to it and the sums
+// put back in order once per tile. The tile's halves run one after the other, so that a
+// half's 2 x T accumulators, its T float sums and a widened weight vector fit the 16
+// registers; the second half reads the tile from L1.
+// One block's half h (8 outputs, in `vphaddd` order) of T rows into acc.
+template <int T>
+inline void half_block_x16(const uint8_t* blk, int h, const int16_t* x16, int64_t x_stride,
+                           int64_t b, const float* dx, int64_t s_stride, __m256* acc) {
+    __m256i lo[T], hi[T];
+    for (int t = 0; t < T; ++t) lo[t] = hi[t] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+        const __m128i* raw = reinterpret_cast<const __m128i*>(blk + SB + 64 * j + 32 * h);
+        const __m256i wl = _mm256_cvtepi8_epi16(_mm_loadu_si128(raw));
+        const __m256i wh = _mm256_cvtepi8_epi16(_mm_loadu_si128(raw + 1));
+        for (int t = 0; t < T; ++t) {
+            int64_t xv;
+            std::memcpy(&xv, x16 + t * x_stride + b * QK + 4 * j, 8);
+            const __m256i xb = _mm256_set1_epi64x(xv);
+            lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(wl, xb));
+            hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(wh, xb));
+        }
+    }
+    const __m256 d = _mm256_permutevar8x32_ps(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h))),
+        _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+    const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(1.0f / 254.0f));
+    for (int t = 0; t < T; ++t) {
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[t], hi[t]));
+        acc[t] = _mm256_fmadd_ps(sum, _mm256_mul_ps(ds, _mm256_set1_ps(dx[t * s_stride + b])),
+                                 acc[t]);
+    }
+}
+
+// Up to two rows of x take both halves of each block in turn, as the weights stream in; more
+// rows run the tile's halves one after the other, so that a half's 2 x T integer sums, T
+// float sums and the widened weights fit the 16 registers (the second half reads the tile
+// from L1).
+template <int T>
+void tile_rows_x16(const uint8_t* w, int64_t nb, const int16_t* x16, int64_t x_stride,
+                   const float* dx, int64_t s_stride, float* out /* [T][16] */) {
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    __m256 acc[2][T];
+    for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < T; ++t) acc[h][t] = _mm256_setzero_ps();
+    if constexpr (T <= 2) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = w + b * BLOCK;
+            prefetch_block(blk);
+            half_block_x16<T>(blk, 0, x16, x_stride, b, dx, s_stride, acc[0]);
+            half_block_x16<T>(blk, 1, x16, x_stride, b, dx, s_stride, acc[1]);
+        }
+    } else {
+        for (int h = 0; h < 2; ++h)
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = w + b * BLOCK;
+                if (h == 0) prefetch_block(blk);
+                half_block_x16<T>(blk, h, x16, x_stride, b, dx, s_stride, acc[h]);
+            }
+    }
+    // Lane i of a sum holds output order[i], and the permutation is its own inverse.
+    for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < T; ++t)
+            _mm256_storeu_ps(out + t * ROWS + 8 * h, _mm256_permutevar8x32_ps(acc[h][t], order));
+}
+
+// x16 [m_rows, k] from the two int8 planes of each block (see tile_rows_x16).
+void widen_planes(const int8_t* xq, int64_t m_rows, int64_t k, int16_t* x16) {
+    for (int64_t r = 0; r < m_rows; ++r)
+        for (int64_t b = 0; b < k / QK; ++b) {
+            const int8_t* q = xq + (r * k + b * QK) * 2;
+            for (int j = 0; j < QK; ++j)
+                x16[r * k + b * QK + j] = static_cast<int16_t>(254 * q[j] + q[QK + j]);
+        }
+}
+#endif
+
 template <int P>
 void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* isum, void* y,
-          int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads) {
+          int dtype, int64_t m_rows, int64_t n, int64_t k, int64_t y_stride, int threads,
+          const int16_t* x16 = nullptr) {
     const int64_t nb = k / QK;
     const int64_t tiles = (n + ROWS - 1) / ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -345,12 +432,23 @@ void gemv(const uint8_t* w, const int8_t* xq, const float* dx, const int32_t* is
             const int8_t* xt = xq + m0 * P * k;
             const float* dt = dx + m0 * nb;
             const int32_t* it = isum + m0 * nb * P;
-            switch (tm) {
-                case 4: tile_rows<4, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
-                case 3: tile_rows<3, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
-                case 2: tile_rows<2, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
-                default: tile_rows<1, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
-            }
+#if PAGEMILL_GEMV_ISA == 1
+            if (x16 != nullptr) {
+                const int16_t* xw = x16 + m0 * k;
+                switch (tm) {
+                    case 4: tile_rows_x16<4>(wt, nb, xw, k, dt, nb, out); break;
+                    case 3: tile_rows_x16<3>(wt, nb, xw, k, dt, nb, out); break;
+                    case 2: tile_rows_x16<2>(wt, nb, xw, k, dt, nb, out); break;
+                    default: tile_rows_x16<1>(wt, nb, xw, k, dt, nb, out); break;
+                }
+            } else
+#endif
+                switch (tm) {
+                    case 4: tile_rows<4, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                    case 3: tile_rows<3, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                    case 2: tile_rows<2, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                    default: tile_rows<1, P>(wt, nb, xt, P * k, dt, it, nb, out); break;
+                }
             for (int64_t t = 0; t < tm; ++t)
                 store_outputs(out + t * ROWS, y, (m0 + t) * y_stride + tile * ROWS, rows, dtype);
         }
@@ -840,7 +938,14 @@ int run(int dtype, const void* x, int64_t x_stride, const void* w, void* y, int6
     }
 #endif
     if (planes == 2) {
-        gemv<2>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads);
+        const int16_t* x16p = nullptr;
+#if PAGEMILL_GEMV_ISA == 1
+        thread_local std::vector<int16_t> x16;
+        x16.resize(static_cast<size_t>(m_rows * k));
+        widen_planes(xqp, m_rows, k, x16.data());
+        x16p = x16.data();
+#endif
+        gemv<2>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads, x16p);
     } else {
         gemv<1>(wb, xqp, dx, isum, y, dtype, m_rows, n, k, y_stride, threads);
     }
