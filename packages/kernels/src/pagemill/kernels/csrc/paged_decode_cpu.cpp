@@ -187,6 +187,225 @@ inline __m256 exp_neg8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PAGEMILL_DECODE_AVX2 1
+// The AVX2 path, for head dims 64 and 128 on a CPU without AVX-512 and a cache in the
+// compute dtype (8-bit caches take the portable path). As the AVX-512 path, a (request, KV
+// head) pair's context goes in chunks of up to kChunkTokens positions, each in three passes:
+//  1. scores: each query head against 8 K rows at a time, one FMA chain per row into its own
+//     vector, and one transpose-and-add of the 8 vectors into the 8 scores (instead of a
+//     horizontal sum per score); the rows' V lines are asked for towards L2 meanwhile;
+//  2. weights: exp(score - max) 8 at a time, their sums, and the earlier chunks' state (or a
+//     sink's logit) rescaled to the new maximum;
+//  3. values: up to 3 query heads x 32 output elements held in 12 accumulator registers over
+//     the whole chunk, each V row's 32 elements loaded once for the heads of the block.
+// Nothing is allocated per call once each thread's buffers have grown to the largest chunk.
+namespace avx2 {
+
+constexpr int kChunkTokens = 1024;
+constexpr int kHeadsPerPass = 3;  // 3 heads x 4 vectors: 12 of the 16 registers
+constexpr int kMaxGroup = 16;
+// K rows asked for (towards L1) this many positions ahead of the scores, their V rows
+// towards L2; the values pass asks for each row's lines it reads again, kValueLead rows
+// ahead (towards L1: by then L2 may have let them go on a long chunk). Leads of 8 to 128 for
+// the scores measured alike; the second ask for the V lines measured faster than none.
+constexpr int kLeadTokens = 32;
+constexpr int kValueLead = 8;
+
+// 8 elements of a row as fp32.
+template <int DT>
+inline __m256 load8(const typename Elem<DT>::T* p) {
+    if constexpr (DT == 0) {
+        return _mm256_loadu_ps(p);
+    } else if constexpr (DT == 1) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+#if defined(__F16C__)
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+        alignas(32) float f[8];
+        for (int i = 0; i < 8; ++i) f[i] = half_to_float(p[i]);
+        return _mm256_load_ps(f);
+#endif
+    }
+}
+
+// Lane t of the result is the sum of the 8 lanes of v[t].
+inline __m256 transpose_sum8(const __m256* v) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+inline void prefetch_row(const void* row, int64_t bytes, int hint) {
+    const char* c = static_cast<const char*>(row);
+    for (int64_t l = 0; l < bytes; l += 64) {
+        if (hint == 0) {
+            _mm_prefetch(c + l, _MM_HINT_T0);
+        } else {
+            _mm_prefetch(c + l, _MM_HINT_T1);
+        }
+    }
+}
+
+// H query heads' weighted V rows over n positions, output elements [32 * c, 32 * c + 32).
+template <int DT, int H>
+inline void weigh_values(const typename Elem<DT>::T* const* vrows, int n, const float* s,
+                         int64_t s_stride, int c, float* acc, int D) {
+    __m256 a[H][4];
+    for (int h = 0; h < H; ++h)
+        for (int i = 0; i < 4; ++i) a[h][i] = _mm256_loadu_ps(acc + h * D + 32 * c + 8 * i);
+    for (int t = 0; t < n; ++t) {
+        const auto* vr = vrows[t] + 32 * c;
+        if (t + kValueLead < n) {
+            const char* pf = reinterpret_cast<const char*>(vrows[t + kValueLead] + 32 * c);
+            _mm_prefetch(pf, _MM_HINT_T0);
+            if constexpr (sizeof(*vr) == 4) _mm_prefetch(pf + 64, _MM_HINT_T0);
+        }
+        __m256 v[4];
+        for (int i = 0; i < 4; ++i) v[i] = load8<DT>(vr + 8 * i);
+        for (int h = 0; h < H; ++h) {
+            const __m256 w = _mm256_broadcast_ss(s + h * s_stride + t);
+            for (int i = 0; i < 4; ++i) a[h][i] = _mm256_fmadd_ps(w, v[i], a[h][i]);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + h * D + 32 * c + 8 * i, a[h][i]);
+}
+
+template <int DT, int D>
+void decode_pair(const typename Elem<DT>::T* q, const typename Elem<DT>::T* k_cache,
+                 const typename Elem<DT>::T* v_cache, typename Elem<DT>::T* out,
+                 const int32_t* table, int32_t ctx, int64_t q_row, int64_t out_row, int kvh,
+                 int group, int block_size, int num_kv_heads, int64_t q_stride_t,
+                 int64_t q_stride_h, int64_t o_stride_t, int64_t o_stride_h, float scale,
+                 int window, float softcap, float k_scale, float v_scale, const float* sinks) {
+    using E = Elem<DT>;
+    using T = typename E::T;
+    constexpr int NV = D / 8;
+    constexpr int64_t kRowBytes = D * sizeof(T);
+    const int64_t slot_stride = static_cast<int64_t>(num_kv_heads) * D;
+    const int64_t block_stride = static_cast<int64_t>(block_size) * slot_stride;
+    const int64_t s_stride = kChunkTokens + 8;
+    thread_local std::vector<float> buf;
+    thread_local std::vector<const T*> rows;
+    const size_t need = static_cast<size_t>(group) * (2 * D + s_stride);
+    if (buf.size() < need) buf.resize(need);
+    if (rows.size() < 2 * static_cast<size_t>(s_stride)) rows.resize(2 * s_stride);
+    float* qf = buf.data();
+    float* acc = qf + group * D;
+    float* sc = acc + group * D;
+    const T** krows = rows.data();
+    const T** vrows = krows + s_stride;
+    alignas(32) static const T kZeroRow[D] = {};
+    float m[kMaxGroup], l[kMaxGroup];
+    for (int g = 0; g < group; ++g) {
+        const T* qp = q + q_row * q_stride_t + static_cast<int64_t>(kvh * group + g) * q_stride_h;
+        for (int d = 0; d < D; ++d) qf[g * D + d] = E::load(qp, d) * scale * k_scale;
+        for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+        m[g] = sinks ? sinks[kvh * group + g] : -INFINITY;
+        l[g] = sinks ? 1.f : 0.f;
+    }
+    const int start = (window > 0 && ctx > window) ? ctx - window : 0;
+    for (int c0 = start; c0 < ctx; c0 += kChunkTokens) {
+        const int n = std::min(ctx - c0, kChunkTokens);
+        for (int t = 0; t < n; ++t) {
+            const int pos = c0 + t;
+            const int64_t off = static_cast<int64_t>(table[pos / block_size]) * block_stride +
+                                (pos % block_size) * slot_stride + kvh * D;
+            krows[t] = k_cache + off;
+            vrows[t] = v_cache + off;
+        }
+        for (int t = n; t < n + 8; ++t) krows[t] = kZeroRow;
+        // 1. scores
+        for (int t0 = 0; t0 < n; t0 += 8) {
+            if (t0 == 0)
+                for (int t = 0; t < std::min(n, kLeadTokens); ++t) prefetch_row(krows[t], kRowBytes, 0);
+            for (int t = t0 + kLeadTokens; t < std::min(n, t0 + kLeadTokens + 8); ++t) {
+                prefetch_row(krows[t], kRowBytes, 0);
+                prefetch_row(vrows[t], kRowBytes, 1);
+            }
+            if (t0 == 0)
+                for (int t = 0; t < std::min(n, kLeadTokens); ++t) prefetch_row(vrows[t], kRowBytes, 1);
+            for (int g = 0; g < group; ++g) {
+                const float* qg = qf + g * D;
+                __m256 part[8];
+                for (int t = 0; t < 8; ++t) part[t] = _mm256_setzero_ps();
+                for (int i = 0; i < NV; ++i) {
+                    const __m256 qv = _mm256_loadu_ps(qg + 8 * i);
+                    for (int t = 0; t < 8; ++t)
+                        part[t] = _mm256_fmadd_ps(qv, load8<DT>(krows[t0 + t] + 8 * i), part[t]);
+                }
+                _mm256_storeu_ps(sc + g * s_stride + t0, transpose_sum8(part));
+            }
+        }
+        if (softcap > 0.f) {
+            const float inv_cap = 1.f / softcap;
+            for (int g = 0; g < group; ++g)
+                for (int t = 0; t < n; ++t) {
+                    float& x = sc[g * s_stride + t];
+                    x = softcap * std::tanh(x * inv_cap);
+                }
+        }
+        // 2. weights
+        for (int g = 0; g < group; ++g) {
+            float* sg = sc + g * s_stride;
+            __m256 vmax = _mm256_set1_ps(m[g]);
+            int t = 0;
+            for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, vmax);
+            float bmax = m[g];
+            for (int i = 0; i < 8; ++i) bmax = lanes[i] > bmax ? lanes[i] : bmax;
+            for (; t < n; ++t) bmax = sg[t] > bmax ? sg[t] : bmax;
+            const float alpha = std::exp(m[g] - bmax);
+            vmax = _mm256_set1_ps(bmax);
+            __m256 vsum = _mm256_setzero_ps();
+            for (t = 0; t + 8 <= n; t += 8) {
+                const __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmax));
+                _mm256_storeu_ps(sg + t, e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            _mm256_store_ps(lanes, vsum);
+            float sum = 0.f;
+            for (int i = 0; i < 8; ++i) sum += lanes[i];
+            for (; t < n; ++t) {
+                sg[t] = std::exp(sg[t] - bmax);
+                sum += sg[t];
+            }
+            l[g] = l[g] * alpha + sum;
+            m[g] = bmax;
+            const __m256 va = _mm256_set1_ps(alpha);
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(acc + g * D + d, _mm256_mul_ps(va, _mm256_loadu_ps(acc + g * D + d)));
+        }
+        // 3. values
+        for (int g0 = 0; g0 < group; g0 += kHeadsPerPass) {
+            const int h = std::min(kHeadsPerPass, group - g0);
+            for (int c = 0; c < D / 32; ++c) {
+                const float* sg = sc + g0 * s_stride;
+                float* ag = acc + g0 * D;
+                if (h == 3) {
+                    weigh_values<DT, 3>(vrows, n, sg, s_stride, c, ag, D);
+                } else if (h == 2) {
+                    weigh_values<DT, 2>(vrows, n, sg, s_stride, c, ag, D);
+                } else {
+                    weigh_values<DT, 1>(vrows, n, sg, s_stride, c, ag, D);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        T* op = out + out_row * o_stride_t + static_cast<int64_t>(kvh * group + g) * o_stride_h;
+        const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
+        for (int d = 0; d < D; ++d) E::store(op, d, acc[g * D + d] * inv);
+    }
+}
+
+}  // namespace avx2
+#endif
+
 template <int DT, int FP8, int HEAD_DIM>
 void decode_pair(const typename Elem<DT>::T* q, const typename KVLoad<DT, (FP8 != 0)>::T* k_cache,
                  const typename KVLoad<DT, (FP8 != 0)>::T* v_cache, typename Elem<DT>::T* out,
@@ -911,6 +1130,20 @@ void decode_all(const void* q, const void* k_cache, const void* v_cache, void* o
                     scale, softcap, lut, k_scales[kvh * scale_stride],
                     v_scales[kvh * scale_stride], parts > 1 ? nullptr : sinks, stream,
                     parts > 1 ? states + item * group * state_floats : nullptr);
+                return;
+            }
+        }
+#endif
+#if defined(PAGEMILL_DECODE_AVX2)
+        if constexpr (FP8 == kNoBytes && (HEAD_DIM == 64 || HEAD_DIM == 128)) {
+            if (group <= avx2::kMaxGroup) {
+                avx2::decode_pair<DT, HEAD_DIM>(
+                    static_cast<const T*>(q), static_cast<const T*>(k_cache),
+                    static_cast<const T*>(v_cache), static_cast<T*>(out),
+                    block_tables + seq * table_stride, seq_lens[seq], row, row, kvh, group,
+                    block_size, num_kv_heads, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                    scale, window, softcap, k_scales[kvh * scale_stride],
+                    v_scales[kvh * scale_stride], sinks);
                 return;
             }
         }
