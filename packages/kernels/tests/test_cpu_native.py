@@ -196,6 +196,22 @@ def test_native_long_contexts_match_dense(lib, dtype, block_size, window, with_s
     assert err < TOL[dtype]
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_long_contexts_with_every_option_match_dense(lib, monkeypatch, threads, head_dim):
+    """Contexts over several of the vectorised paths' score chunks, a window starting
+    inside one, sinks and a soft-cap at once, on one thread and on four."""
+    ctx = [1, 15, 333, 337, 700, 1025, 1400, 90]
+    q, kc, vc, tables, lens = _batch(21, ctx, 9, 3, head_dim, 16, torch.float32)
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(22))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    out = torch.full_like(q, float("nan"))
+    cpu_native.paged_decode(lib, q, kc, vc, out, tables, lens, None, 0.2, 1200, 4.0, sinks=sinks)
+    ref = _dense(q, kc, vc, tables, lens, 0.2, 1200, 4.0, sinks)
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOL[torch.float32]
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(3, 3), (9, 3), (16, 2)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [0, 21])
