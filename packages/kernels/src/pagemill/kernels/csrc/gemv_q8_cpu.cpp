@@ -341,9 +341,8 @@ void tile_rows(const uint8_t* w, int64_t nb, const int8_t* xq, int64_t xq_stride
 // (|w * x16| * 32 < 2^31: the block's sum is exact, 254 * s1 + s2 as the other builds' two
 // sums). A vector holds 4 outputs x 4 inputs, so a block's two halves of 8 outputs end in
 // `vphaddd` lane order (0, 1, 4, 5 | 2, 3, 6, 7): the scales are permuted to it and the sums
-// put back in order once per tile. The tile's halves run one after the other, so that a
-// half's 2 x T accumulators, its T float sums and a widened weight vector fit the 16
-// registers; the second half reads the tile from L1.
+// put back in order once per tile.
+
 // One block's half h (8 outputs, in `vphaddd` order) of T rows into acc.
 template <int T>
 inline void half_block_x16(const uint8_t* blk, int h, const int16_t* x16, int64_t x_stride,

@@ -11,7 +11,8 @@
 // loop; the cut depends on the batch alone, so the result does not depend on the threads.
 // The portable path walks one block at a time with an online softmax; the AVX-512
 // path (below) takes chunks of up to a few thousand tokens in three passes: all scores,
-// then the weights, then the weighted V rows. A sliding window (window > 0: the last `window`
+// then the weights, then the weighted V rows, and so does the AVX2 path (`avx2::`, head
+// dims 64 and 128 on a CPU without AVX-512) in 256-bit vectors. A sliding window (window > 0: the last `window`
 // positions) starts the walk at the window's first block and skips the positions before
 // it; a soft-cap (softcap > 0) maps each scaled score s to softcap * tanh(s / softcap).
 // An 8-bit cache (kv_lut non-null: fp8 or int8) is read as bytes, through a 256-entry table
