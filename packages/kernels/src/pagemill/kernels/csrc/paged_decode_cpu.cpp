@@ -205,7 +205,7 @@ namespace avx2 {
 
 constexpr int kChunkTokens = 1024;
 constexpr int kHeadsPerPass = 3;  // 3 heads x 4 vectors: 12 of the 16 registers
-constexpr int kMaxGroup = 16;
+constexpr int kMaxGroup = kMaxFastGroup;
 // K rows asked for (towards L1) this many positions ahead of the scores, their V rows
 // towards L2; the values pass asks for each row's lines it reads again, kValueLead rows
 // ahead (towards L1: by then L2 may have let them go on a long chunk). Leads of 8 to 128 for
