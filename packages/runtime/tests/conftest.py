@@ -21,6 +21,9 @@ import torch
 # folder (an env var, so spawned engine processes see it too).
 os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
 os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
+# Torch's first-call check that no custom op aliases its inputs, on every compiled graph
+# (off in a served engine: see `model_runner.OP_ALIASING_CHECK_ENV`).
+os.environ.setdefault("PAGEMILL_CHECK_OP_ALIASING", "1")
 
 TINY_VOCAB_CORPUS = [
     "the quick brown fox jumps over the lazy dog",

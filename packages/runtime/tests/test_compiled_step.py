@@ -257,3 +257,22 @@ def test_cpp_wrapper_for_the_one_token_graph_only(
     outs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, m, out in zip(prompts, max_tokens, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, m)
+
+
+def test_first_call_aliasing_check_follows_its_switch(monkeypatch) -> None:
+    """The warm-up runs each graph's first call inside `first_call_checks`: torch's custom-op
+    aliasing check runs there only when PAGEMILL_CHECK_OP_ALIASING=1 (the suites' setting),
+    and torch's own setting is back afterwards."""
+    import torch._functorch.config as functorch_config
+
+    from pagemill.runtime.worker.model_runner import OP_ALIASING_CHECK_ENV, first_call_checks
+
+    before = functorch_config.check_custom_op_aliasing
+    for value, expected in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(OP_ALIASING_CHECK_ENV, value)
+        with first_call_checks():
+            assert functorch_config.check_custom_op_aliasing is expected
+        assert functorch_config.check_custom_op_aliasing == before
+    monkeypatch.setenv(OP_ALIASING_CHECK_ENV, "yes")
+    with pytest.raises(ValueError, match=OP_ALIASING_CHECK_ENV):
+        first_call_checks()

@@ -122,3 +122,74 @@ def test_the_filled_config_is_kept_and_read_back_unchanged(
     (other / "config.json").write_text(json.dumps(changed))
     assert ModelConfig.from_pretrained(other).rms_norm_eps == 0.125
     assert len(list((tmp_path / "hf-configs").iterdir())) == 2
+
+
+def test_a_core_start_reads_the_grammar_table_back_instead_of_the_tokenizer(
+    tiny_llama: tuple[Path, Any],
+    tokenizer: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first start builds xgrammar's table from the tokenizer and keeps it; the next
+    (same files) reads it back without loading the tokenizer and constrains the same
+    tokens; an edited tokenizer file, a torn entry or PAGEMILL_TOKENIZER_CACHE=0 build it
+    again from the tokenizer."""
+    import shutil
+
+    from pagemill.runtime.config import EngineConfig
+    from pagemill.runtime.engine import model_assets
+    from pagemill.runtime.engine.model_assets import ModelAssets
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama[0], folder)
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PAGEMILL_TOKENIZER_CACHE", raising=False)
+    loads: list[str] = []
+    real_load = model_assets.load_tokenizer
+
+    def counting_load(path: str) -> Any:
+        loads.append(path)
+        return real_load(path)
+
+    monkeypatch.setattr(model_assets, "load_tokenizer", counting_load)
+    config = EngineConfig(model=str(folder))
+    params = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
+    vocab = len(tokenizer)
+    eager = StructuredOutputManager(tokenizer, vocab, [tokenizer.eos_token_id], 2, prestart=False)
+
+    def start_and_mask() -> torch.Tensor:
+        manager = ModelAssets.load(config, tokenizer=False).structured_output_manager(
+            config, deferred=True
+        )
+        assert manager is not None
+        try:
+            _admit(manager, "r", params)
+            mask = manager.grammar_bitmask(["r"])
+            assert mask is not None
+            return mask.clone()
+        finally:
+            manager.shutdown()
+
+    try:
+        _admit(eager, "r", params)
+        want = eager.grammar_bitmask(["r"])
+        assert want is not None and not torch.all(want == -1)
+        assert torch.equal(start_and_mask(), want) and len(loads) == 1  # built, saved
+        [entry] = (tmp_path / "cache" / "tokenizer-info").iterdir()
+        assert torch.equal(start_and_mask(), want) and len(loads) == 1  # read back
+        entry.write_text(entry.read_text()[:100])  # torn: built again, rewritten
+        assert torch.equal(start_and_mask(), want) and len(loads) == 2
+        assert torch.equal(start_and_mask(), want) and len(loads) == 2
+        monkeypatch.setenv("PAGEMILL_TOKENIZER_CACHE", "0")
+        assert torch.equal(start_and_mask(), want) and len(loads) == 3
+        monkeypatch.delenv("PAGEMILL_TOKENIZER_CACHE")
+        special = json.loads((folder / "tokenizer_config.json").read_text())
+        special["model_max_length"] = 77  # any edit of a tokenizer file: a new key
+        (folder / "tokenizer_config.json").write_text(json.dumps(special))
+        assert torch.equal(start_and_mask(), want) and len(loads) == 4
+        assert len(list((tmp_path / "cache" / "tokenizer-info").iterdir())) == 2
+        monkeypatch.setenv("PAGEMILL_TOKENIZER_CACHE", "yes")
+        with pytest.raises(ValueError, match="PAGEMILL_TOKENIZER_CACHE"):
+            start_and_mask()
+    finally:
+        eager.shutdown()

@@ -78,10 +78,35 @@ class ModelAssets:
 
         if deferred:
             model_eos = self.model_config.eos_token_ids
+            vocab_size = self.model_config.vocab_size
 
             def load() -> tuple[Any, list[int]]:
-                tokenizer = _load_tokenizer(config, self.path)
-                return tokenizer, eos_ids(tokenizer, model_eos)
+                """The grammar table (read back from the tokenizer cache, or built from the
+                tokenizer and saved there) and the stop ids; (None, ids) without one."""
+                from pagemill.runtime.sample.structured_output.compiler import (
+                    build_tokenizer_info,
+                )
+                from pagemill.runtime.sample.structured_output.tokenizer_cache import (
+                    TokenizerInfoCache,
+                    info_key,
+                    tokenizer_cache_enabled,
+                )
+
+                where = _tokenizer_location(config, self.path)
+                cache = TokenizerInfoCache.default() if tokenizer_cache_enabled() else None
+                key = None if cache is None else info_key(where, vocab_size, model_eos)
+                if cache is not None and key is not None:
+                    hit = cache.load(key)
+                    if hit is not None:
+                        return hit
+                tokenizer = load_tokenizer(where)
+                stop = eos_ids(tokenizer, model_eos)
+                if tokenizer is None:
+                    return None, stop
+                info = build_tokenizer_info(tokenizer, vocab_size, stop)
+                if cache is not None and key is not None:
+                    cache.save(key, info, stop)
+                return info, stop
 
             return StructuredOutputManager.deferred(
                 load,
@@ -100,5 +125,9 @@ class ModelAssets:
         )
 
 
+def _tokenizer_location(config: EngineConfig, path: Path) -> str:
+    return resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path)
+
+
 def _load_tokenizer(config: EngineConfig, path: Path) -> Any | None:
-    return load_tokenizer(resolve_tokenizer(config.tokenizer) if config.tokenizer else str(path))
+    return load_tokenizer(_tokenizer_location(config, path))

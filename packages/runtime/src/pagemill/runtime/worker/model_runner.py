@@ -14,9 +14,11 @@ group and each layer reads its group's (`AttentionMetadata.groups`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -58,6 +60,30 @@ if TYPE_CHECKING:
     from pagemill.runtime.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
+
+# Set to 1 to run torch's check that no custom op's output aliases its inputs on the first
+# call of every compiled graph (the warm-up step), as torch does by default; the test suites
+# set it, and under CI=1 torch makes a violation an error. Off by default: the check runs
+# every op of the graph once through a Python dispatch mode, a second or more of a start on
+# a small machine (about a fifth of a warm start's graph loading), for a check of pagemill's
+# own ops that their tests make.
+OP_ALIASING_CHECK_ENV = "PAGEMILL_CHECK_OP_ALIASING"
+
+
+def op_aliasing_check_enabled() -> bool:
+    """`PAGEMILL_CHECK_OP_ALIASING` (0 or 1; unset: off); any other value is refused."""
+    value = os.environ.get(OP_ALIASING_CHECK_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{OP_ALIASING_CHECK_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def first_call_checks() -> contextlib.AbstractContextManager[object]:
+    """Around the warm-up: torch's first-call aliasing check of custom ops, as
+    `PAGEMILL_CHECK_OP_ALIASING` says."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(check_custom_op_aliasing=op_aliasing_check_enabled())
 
 
 @dataclass(slots=True)
@@ -455,7 +481,8 @@ class ModelRunner:
             self.input_batch = self._new_input_batch()
             self.requests = {}
             try:
-                self.execute_model(batch)
+                with first_call_checks():  # each graph's first call is this one
+                    self.execute_model(batch)
             finally:
                 self.input_batch, self.requests = saved
             if job is not None:

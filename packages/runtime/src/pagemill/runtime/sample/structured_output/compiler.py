@@ -19,6 +19,18 @@ if TYPE_CHECKING:  # imported where first used: it costs an engine's start secon
     import xgrammar as xgr
 
 
+def build_tokenizer_info(
+    tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+) -> xgr.TokenizerInfo:
+    """xgrammar's table of the Hugging Face `tokenizer`'s vocabulary, padded to the model's
+    `vocab_size`, with the model's own stop ids."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+    )
+
+
 class GrammarCompiler:
     """The tokenizer's `TokenizerInfo`, and an in-process compile (tests, tools)."""
 
@@ -30,6 +42,8 @@ class GrammarCompiler:
         max_threads: int = 1,
         cache_limit_bytes: int = -1,
     ) -> None:
+        """`tokenizer`: the Hugging Face tokenizer, or its `TokenizerInfo` already built
+        (read back by a warm start: see `tokenizer_cache`)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         # The model's own stop ids: once a grammar is complete, only these may follow.
@@ -46,11 +60,12 @@ class GrammarCompiler:
 
         with self._lock:
             if self._info is None:
-                self._info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer,
-                    vocab_size=self.vocab_size,
-                    stop_token_ids=self._stop_token_ids or None,
-                )
+                if isinstance(self._tokenizer, xgr.TokenizerInfo):
+                    self._info = self._tokenizer
+                else:
+                    self._info = build_tokenizer_info(
+                        self._tokenizer, self.vocab_size, self._stop_token_ids
+                    )
             return self._info
 
     def _get(self) -> xgr.GrammarCompiler:
