@@ -193,3 +193,28 @@ def test_a_core_start_reads_the_grammar_table_back_instead_of_the_tokenizer(
             start_and_mask()
     finally:
         eager.shutdown()
+
+
+def test_an_unreadable_tokenizer_file_means_no_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagemill.runtime.sample.structured_output.tokenizer_cache import info_key
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    key = info_key(str(tmp_path), 100, [2])
+    assert key is not None and key == info_key(str(tmp_path), 100, [2])
+    assert key != info_key(str(tmp_path), 101, [2]) != info_key(str(tmp_path), 100, [3])
+    (tmp_path / "vocab.json").mkdir()  # is_file() False: counted as absent
+    assert info_key(str(tmp_path), 100, [2]) == key
+    (tmp_path / "merges.txt").write_text("#")
+    assert info_key(str(tmp_path), 100, [2]) not in (None, key)
+    real_read = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self.name == "merges.txt":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    assert info_key(str(tmp_path), 100, [2]) is None
+    assert info_key(str(tmp_path / "absent"), 100, [2]) is None

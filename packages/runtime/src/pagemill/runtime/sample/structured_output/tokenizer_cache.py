@@ -68,7 +68,8 @@ def _version(package: str) -> str:
 
 def info_key(tokenizer_path: str, vocab_size: int, model_eos_ids: Sequence[int]) -> str | None:
     """The key of the table built from the tokenizer at `tokenizer_path`; None when it is not
-    a local folder (nothing to key it by)."""
+    a local folder or one of its files cannot be read (nothing to key it by: the table is
+    then built from the tokenizer, as without the cache)."""
     folder = Path(tokenizer_path).expanduser()
     if not folder.is_dir():
         return None
@@ -79,7 +80,11 @@ def info_key(tokenizer_path: str, vocab_size: int, model_eos_ids: Sequence[int])
     for name in _KEY_FILES:
         path = folder / name
         h.update(name.encode())
-        h.update(path.read_bytes() if path.is_file() else b"\0absent")
+        try:
+            h.update(path.read_bytes() if path.is_file() else b"\0absent")
+        except OSError as exc:
+            logger.warning("tokenizer cache: not used for %s (%s)", folder, exc)
+            return None
     return h.hexdigest()
 
 
