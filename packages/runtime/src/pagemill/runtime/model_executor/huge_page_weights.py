@@ -19,13 +19,13 @@ offers no transparent huge pages the mapping is ordinary pages and nothing else 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagemill.blockpool import huge_page_bytes, huge_page_zeros
+from pagemill.runtime.switches import env_switch
 
 HUGE_PAGE_WEIGHTS_ENV = "PAGEMILL_HUGE_PAGE_WEIGHTS"
 
@@ -51,10 +51,7 @@ _ALIGN = 128
 
 def huge_page_weights_enabled() -> bool:
     """`PAGEMILL_HUGE_PAGE_WEIGHTS` (0 or 1; unset: on)."""
-    value = os.environ.get(HUGE_PAGE_WEIGHTS_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{HUGE_PAGE_WEIGHTS_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch(HUGE_PAGE_WEIGHTS_ENV, default=True)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,8 @@ from typing import Any
 
 import torch
 
+from pagemill.runtime.switches import env_switch
+
 logger = logging.getLogger(__name__)
 
 # Set (to 1) to make `enforce_eager` the default, e.g. for a test suite that builds many
@@ -395,19 +397,13 @@ def compile_forward(
 
 def regional_enabled() -> bool:
     """Off unless `PAGEMILL_COMPILE_REGIONAL=1` (any value but 0 or 1 is refused)."""
-    value = os.environ.get(REGIONAL_ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{REGIONAL_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(REGIONAL_ENV, default=False)
 
 
 def compile_cache_enabled() -> bool:
     """On unless `PAGEMILL_COMPILE_CACHE=0`; any other value than 0 or 1 is refused, so a
     misspelt attempt to turn it off is not silently ignored."""
-    value = os.environ.get(COMPILE_CACHE_ENV, "1").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{COMPILE_CACHE_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch(COMPILE_CACHE_ENV, default=True)
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)

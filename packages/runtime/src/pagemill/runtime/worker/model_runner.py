@@ -18,7 +18,6 @@ import contextlib
 import copy
 import logging
 import math
-import os
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from pagemill.runtime.model_executor.layers.prepacked import prepack_dense_weigh
 from pagemill.runtime.model_executor.models.llama import ForwardOutput, LlamaForCausalLM
 from pagemill.runtime.sample.sampling_metadata import SamplingMetadata
 from pagemill.runtime.sampling_params import SamplingParams
+from pagemill.runtime.switches import env_switch
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
 from pagemill.runtime.worker.compilation import (
     CompileCache,
@@ -72,10 +72,7 @@ OP_ALIASING_CHECK_ENV = "PAGEMILL_CHECK_OP_ALIASING"
 
 def op_aliasing_check_enabled() -> bool:
     """`PAGEMILL_CHECK_OP_ALIASING` (0 or 1; unset: off); any other value is refused."""
-    value = os.environ.get(OP_ALIASING_CHECK_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{OP_ALIASING_CHECK_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(OP_ALIASING_CHECK_ENV, default=False)
 
 
 def first_call_checks() -> contextlib.AbstractContextManager[object]:

@@ -22,11 +22,12 @@ the layer falls back to `F.linear`.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagemill.runtime.switches import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,7 @@ _ATTR = "_pagemill_mkldnn"
 
 def prepack_enabled() -> bool:
     """On when `PAGEMILL_PREPACK_DENSE=1`; a value other than 0 or 1 is refused."""
-    value = os.environ.get(PREPACK_ENV, "0").strip()
-    if value not in ("0", "1", ""):
-        raise ValueError(f"{PREPACK_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch(PREPACK_ENV, default=False)
 
 
 def _version(t: torch.Tensor) -> int:

@@ -27,6 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagemill.runtime.switches import env_switch
+
 if TYPE_CHECKING:
     import xgrammar as xgr
 
@@ -53,10 +55,7 @@ _PACKAGES = ("xgrammar", "transformers", "tokenizers")
 
 def tokenizer_cache_enabled() -> bool:
     """`PAGEMILL_TOKENIZER_CACHE` (0 or 1; unset: on); any other value is refused."""
-    value = os.environ.get(TOKENIZER_CACHE_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{TOKENIZER_CACHE_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    return env_switch(TOKENIZER_CACHE_ENV, default=True)
 
 
 def _version(package: str) -> str:
