@@ -17,6 +17,8 @@ there.
     # A/B: warm starts of another checkout (git worktree add /tmp/base main) and of this
     # one, alternated in one run, with per-phase medians and paired ratios:
     python benchmarks/start_time.py --cold 0 --warm 5 --cache-dir DIR --baseline /tmp/base
+    # the same for cold starts (each side in a fresh cache folder per round):
+    python benchmarks/start_time.py --cold 2 --warm 0 --baseline /tmp/base
 
 Figures are printed (and written to --json, with every log line's time); nothing is asserted.
 """
@@ -184,16 +186,16 @@ def _median(values: list[float]) -> float:
     return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
 
 
-def _print_ab(starts: list[dict[str, Any]]) -> None:
+def _print_ab(starts: list[dict[str, Any]], base_kind: str, new_kind: str) -> None:
     """Per phase: the baseline's and this tree's medians, and the median of the ratios of
     the starts of the same round (new / baseline), which the load shifts less."""
-    base = [r for r in starts if r["kind"] == "baseline"]
-    new = [r for r in starts if r["kind"] == "warm"]
+    base = [r for r in starts if r["kind"] == base_kind]
+    new = [r for r in starts if r["kind"] == new_kind]
 
     def value(r: dict[str, Any], name: str) -> float | None:
         return r[name] if name in r else r["phases"].get(name)
 
-    names = ["wall_s", "cpu_healthy_s"] + [name for name, _ in PHASES]
+    names = ["wall_s", "cpu_healthy_s", "compiled_s"] + [name for name, _ in PHASES]
     print(f"{'':16} {'baseline':>9} {'this':>9} {'paired ratio':>13}")
     for name in names:
         pairs = [(value(b, name), value(n, name)) for b, n in zip(base, new)]
@@ -247,10 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pagemill-start-"))
     cache = args.cache_dir
     for i in range(args.cold):
-        cache = tmp / f"cold-{i}"
-        r = {"kind": "cold", **one_start(cache, serve_args, args.timeout)}
-        result["starts"].append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
+        # With a baseline, each round starts both cold (a fresh cache folder each), in
+        # alternating order; the warm starts below use this tree's last cold cache.
+        sides = [("cold", None)]
+        if args.baseline is not None:
+            sides = [("cold", None), ("cold baseline", args.baseline)][:: 1 if i % 2 else -1]
+        for kind, src in sides:
+            folder = tmp / f"{kind.replace(' ', '-')}-{i}"
+            r = {"kind": kind, **one_start(folder, serve_args, args.timeout, src)}
+            result["starts"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "log"}), flush=True)
+            if src is None:
+                cache = folder
     if cache is None:
         ap.error("--cold 0 needs --cache-dir (warm starts need a filled cache)")
     for i in range(args.warm):
@@ -266,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"cache folder: {cache}; load average {result['loadavg_start']} -> {result['loadavg_end']}"
     )
-    for kind in ("cold", "baseline", "warm"):
+    for kind in ("cold baseline", "cold", "baseline", "warm"):
         rows = [r for r in result["starts"] if r["kind"] == kind]
         if rows:
             walls = sorted(r["wall_s"] for r in rows)
@@ -277,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"(min {cpus[0]:.1f})"
             )
     if args.baseline is not None:
-        _print_ab(result["starts"])
+        if args.cold:
+            print("cold starts:")
+            _print_ab(result["starts"], "cold baseline", "cold")
+        if args.warm:
+            print("warm starts:")
+            _print_ab(result["starts"], "baseline", "warm")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagemill.kernels import cpu_native
+from pagemill.kernels import cpu_native, native_build
 from pagemill.kernels import gemv_q4_cpu as g4
 from pagemill.kernels import gemv_q8_cpu as g8
 
@@ -108,5 +108,5 @@ def test_switch_keeps_the_python_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_native.GEMV_OPS_ENV, "0")
     assert cpu_native.load_gemv_ops.__wrapped__() is False
     monkeypatch.setenv(cpu_native.GEMV_OPS_ENV, "1")
-    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
     assert cpu_native.load_gemv_ops.__wrapped__() is False

@@ -193,9 +193,9 @@ def test_op_in_a_compiled_graph() -> None:
 
 
 def test_no_compiler_means_no_kernel(monkeypatch) -> None:
-    from pagemill.kernels import cpu_native
+    from pagemill.kernels import native_build
 
-    monkeypatch.setattr(cpu_native, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build, "compiler", lambda: None)
     assert g.load.__wrapped__() is None
     monkeypatch.setenv("PAGEMILL_NATIVE_CPU_KERNELS", "0")
     assert g.load.__wrapped__() is None

@@ -497,11 +497,17 @@ for _name in (_NATIVE_PREFILL_ENV, _PREFILL_AMX_ENV):
     _switch(_name)
 
 
+def build_prefill() -> Path | None:
+    """The prefill kernel's library, built for this CPU (see `native_build`)."""
+    return cpu_native.build_shared(_PREFILL_SOURCE, "the CPU prefill kernel", "using SDPA")
+
+
 @functools.cache
 def _prefill_lib() -> ctypes.CDLL | None:
-    lib = cpu_native.build_library(_PREFILL_SOURCE, "the CPU prefill kernel", "using SDPA")
-    if lib is None:
+    target = build_prefill()
+    if target is None:
         return None
+    lib = ctypes.CDLL(str(target))
     fn = lib.pagemill_prefill_causal
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

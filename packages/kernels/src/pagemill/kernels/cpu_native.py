@@ -12,117 +12,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from pagemill.kernels import native_build
 from pagemill.kernels.kv_quant import decode_table, is_quantized_kv
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Set to 0 to keep the torch path (e.g. to compare the two).
-_ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PAGEMILL_CACHE_DIR")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "pagemill" / "kernels"
-
-
-def _compiler() -> str | None:
-    return (
-        shutil.which(os.environ.get("CXX") or "g++")
-        or shutil.which("c++")
-        or shutil.which("clang++")
-    )
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a library built for one CPU may not run on another."""
-    try:
-        flags = next(
-            (
-                line
-                for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith(("flags", "Features"))
-            ),
-            "",
-        )
-    except OSError:
-        flags = ""
-    return f"{platform.machine()}|{flags}"
-
-
-_BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-
-
-def build_shared(
-    sources: Path | Sequence[Path], what: str, fallback: str, extra_flags: Sequence[str] = ()
-) -> Path | None:
-    """`sources` built for this CPU into one shared library; its path, or None (logged,
-    naming `what` and the `fallback` that serves instead) when
-    `PAGEMILL_NATIVE_CPU_KERNELS=0`, without a compiler, or when the build fails.
-
-    Built once per machine into the cache folder, keyed by the sources (and the headers
-    beside them), the compiler, the CPU's features (what `-march=native` depends on) and
-    the flags; a build goes to a temporary file first and is renamed into place, so
-    concurrent builders never load half a library."""
-    if os.environ.get(_ENV, "1") == "0":
-        return None
-    cxx = _compiler()
-    if cxx is None:
-        logger.warning("no C++ compiler found for %s: %s", what, fallback)
-        return None
-    paths = [sources] if isinstance(sources, Path) else list(sources)
-    flags = [*_BASE_FLAGS, *extra_flags]
-    # The headers beside the sources (`#include "..."`) are part of what is built.
-    headers = sorted({h for p in paths for h in p.parent.glob("*.h")})
-    key = hashlib.sha256(
-        b"".join(p.read_bytes() for p in [*paths, *headers])
-        + cxx.encode()
-        + _cpu_signature().encode()
-        + " ".join(flags).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"{paths[0].stem}-{key}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            try:
-                # Flags after the sources: libraries (-l) resolve the objects before them.
-                subprocess.run(
-                    [cxx, *(str(p) for p in paths), *flags, "-o", str(out)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-                detail = getattr(e, "stderr", "") or str(e)
-                logger.warning("building %s failed (%s); %s", what, detail.strip()[-500:], fallback)
-                return None
-            os.replace(out, target)
-    return target
+# The builder's names as this module has long exported them (tests and benchmarks use them).
+build_shared = native_build.build_shared
+_cache_dir = native_build.cache_dir
 
 
 def build_library(
     source: Path, what: str, fallback: str, extra_flags: Sequence[str] = ()
 ) -> ctypes.CDLL | None:
     """`build_shared(source, ...)` loaded for ctypes; None where it gives none."""
-    target = build_shared(source, what, fallback, extra_flags)
+    target = native_build.build_shared(source, what, fallback, extra_flags)
     return None if target is None else ctypes.CDLL(str(target))
 
 
@@ -131,6 +44,15 @@ def build_library(
 # The arithmetic a GEMV build runs (its `PAGEMILL_GEMV_ISA`), by the value `<symbol>_isa()` returns.
 GEMV_ISA_NAMES = {0: "plain C++", 1: "AVX2", 2: "AVX-VNNI", 3: "AVX512-VNNI"}
 GEMV_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gemv_flags(isa: int | None = None) -> list[str]:
+    """A GEMV kernel source's own flags; the torch operators' library compiles it with the
+    same ones, so both libraries link one cached object."""
+    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
+    if isa is not None:
+        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
+    return flags
 
 
 def load_gemv(
@@ -144,10 +66,7 @@ def load_gemv(
     """A GEMV kernel library (`source`, entry point `symbol` returning a status int, and
     `<symbol>_isa()`) built for this CPU; `isa` forces one arithmetic (`GEMV_ISA_NAMES`;
     None: the best the host has). None where `build_library` gives none."""
-    flags = ["-ffp-contract=off"]  # the remainder plane rounds as the torch reference does
-    if isa is not None:
-        flags.append(f"-DPAGEMILL_GEMV_ISA={int(isa)}")
-    lib = build_library(source, what, fallback, flags)
+    lib = build_library(source, what, fallback, gemv_flags(isa))
     if lib is None:
         return None
     fn = getattr(lib, symbol)
@@ -185,31 +104,60 @@ def register_gemv_op(
 
 
 _CSRC = Path(__file__).parent / "csrc"
-_GEMV_OPS_SOURCES = (
-    _CSRC / "gemv_ops_cpu.cpp",
-    _CSRC / "gemv_q4_cpu.cpp",
-    _CSRC / "gemv_q8_cpu.cpp",
-)
 # Set to 0 to keep the Python custom ops over ctypes (`torch.ops.pagemill.gemv_q4` / `gemv_q8`).
 GEMV_OPS_ENV = "PAGEMILL_NATIVE_GEMV_OPS"
 _gemv_ops_loaded = False
 
 
-def _torch_op_flags() -> list[str]:
-    """Compiler flags of a library of C++ torch operators: the running torch's headers, ABI
-    and libraries, its version in the flags so that the build cache follows torch."""
+def _torch_op_flags() -> tuple[list[str], list[str]]:
+    """Compile and link flags of C++ torch operators: the running torch's headers, ABI and
+    libraries, its version among the compile flags so that the build cache follows torch."""
     root = Path(torch.__file__).parent
-    return [
+    compile_flags = [
         "-std=c++20",  # torch's headers need it (the later -std wins)
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-DPAGEMILL_TORCH_VERSION={torch.__version__}",
         f"-I{root / 'include'}",
         f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        f"-L{root / 'lib'}",
-        f"-Wl,-rpath,{root / 'lib'}",
-        "-lc10",
-        "-ltorch_cpu",
     ]
+    link_flags = [f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu"]
+    return compile_flags, link_flags
+
+
+def build_torch_ops() -> Path | None:
+    """The library of every CPU kernel as a C++ torch operator (`csrc/torch_ops_cpu.cpp`: the
+    GEMV operators and the decode attention / KV write ones), built once per machine and
+    torch; its path, or None where it cannot be built (one warning).
+
+    One library, not one per family: compiling against torch's headers is most of a build,
+    and one translation unit parses them once. The kernels themselves are the objects their
+    ctypes libraries link, compiled with the same flags."""
+    compile_flags, link_flags = _torch_op_flags()
+    return native_build.build_shared(
+        [
+            (_CSRC / "torch_ops_cpu.cpp", ["-ffp-contract=off", *compile_flags]),
+            (_CSRC / "gemv_q4_cpu.cpp", gemv_flags()),
+            (_CSRC / "gemv_q8_cpu.cpp", gemv_flags()),
+            _SOURCE,
+        ],
+        "the CPU kernels as torch operators",
+        "calling them through Python custom ops and ctypes",
+        link_flags=link_flags,
+    )
+
+
+def _load_torch_ops(use: str) -> bool:
+    """Build and load `build_torch_ops`'s library (a second load of it is a no-op: the
+    loader keeps one copy); whether it is loaded. `use` names what falls back."""
+    target = build_torch_ops()
+    if target is None:
+        return False
+    try:
+        torch.ops.load_library(str(target))
+    except (OSError, RuntimeError) as e:
+        logger.warning("loading %s failed (%s); %s", target, e, use)
+        return False
+    return True
 
 
 @functools.cache
@@ -227,19 +175,7 @@ def load_gemv_ops() -> bool:
         return True
     if os.environ.get(GEMV_OPS_ENV, "1") == "0":
         return False
-    flags = ["-ffp-contract=off", *_torch_op_flags()]  # as the ctypes builds (`load_gemv`)
-    target = build_shared(
-        _GEMV_OPS_SOURCES,
-        "the GEMV kernels as torch operators",
-        "calling them through Python custom ops",
-        flags,
-    )
-    if target is None:
-        return False
-    try:
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError) as e:
-        logger.warning("loading %s failed (%s); calling the GEMV kernels through Python", target, e)
+    if not _load_torch_ops("calling the GEMV kernels through Python"):
         return False
     for name in ("gemv_q4", "gemv_q8", "gemm_q4_amx", "gemm_q8_amx"):
         torch.library.register_fake(f"pagemill_native::{name}", _gemv_fake)
@@ -256,7 +192,6 @@ def _gemv_fake(x: torch.Tensor, blocks: torch.Tensor, n: int, planes: int = 2) -
 
 # ---- paged decode attention ---------------------------------------------------------------------
 
-_ATTENTION_OPS_SOURCES = (_CSRC / "paged_ops_cpu.cpp", _SOURCE)
 # Set to 0 to call the decode kernel and the KV write through ctypes only.
 ATTENTION_OPS_ENV = "PAGEMILL_NATIVE_ATTENTION_OPS"
 _attention_ops_loaded = False
@@ -270,27 +205,14 @@ def load_attention_ops() -> bool:
     torch operators; whether they are loaded.
 
     One call through them costs an aten op's dispatch, where the ctypes path converts two dozen
-    Python arguments per call, once per layer. Built like `load_gemv_ops` (torch's headers, a
-    longer first build); when it cannot be, the ctypes path serves (one warning)."""
+    Python arguments per call, once per layer. Built like `load_gemv_ops` (the same library);
+    when it cannot be, the ctypes path serves (one warning)."""
     global _attention_ops_loaded
     if _attention_ops_loaded:  # a library of operators loads once per process
         return True
     if os.environ.get(ATTENTION_OPS_ENV, "1") == "0":
         return False
-    target = build_shared(
-        _ATTENTION_OPS_SOURCES,
-        "the CPU decode attention and KV write as torch operators",
-        "calling them through ctypes",
-        _torch_op_flags(),
-    )
-    if target is None:
-        return False
-    try:
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError) as e:
-        logger.warning(
-            "loading %s failed (%s); calling the decode kernel through ctypes", target, e
-        )
+    if not _load_torch_ops("calling the decode kernel through ctypes"):
         return False
     torch.library.register_fake("pagemill_native::paged_decode", _paged_decode_fake)
     torch.library.register_fake("pagemill_native::paged_decode_out", _paged_decode_out_fake)
@@ -318,12 +240,18 @@ def _write_kv_cache_fake(*args: object, **kwargs: object) -> None:
     return None
 
 
+def build() -> Path | None:
+    """The decode kernel's ctypes library built for this CPU (see `native_build`)."""
+    return native_build.build_shared(_SOURCE, "the CPU decode kernel", "using the torch path")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel library, or None when it cannot be built here (see the log)."""
-    lib = build_library(_SOURCE, "the CPU decode kernel", "using the torch path")
-    if lib is None:
+    target = build()
+    if target is None:
         return None
+    lib = ctypes.CDLL(str(target))
     fn = lib.pagemill_paged_decode
     fn.restype = ctypes.c_int
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p

@@ -41,17 +41,25 @@ import torch
 from pagemill.kernels.cpu_native import (
     GEMV_DTYPE_CODES,
     GEMV_ISA_NAMES,
+    build_shared,
     check_planes,
     check_status,
+    gemv_flags,
     load_gemv,
     register_gemv_op,
 )
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv_q4_cpu.cpp"
+_WHAT, _FALLBACK = "the int4 CPU GEMV kernel", "using PyTorch's int4 kernel"
 QK = 32  # inputs per block
 ROWS = 16  # output rows per tile
 QS_BYTES = ROWS * QK // 2
 ISA_NAMES = GEMV_ISA_NAMES
+
+
+def build() -> Path | None:
+    """The library `load()` loads, built for this CPU (see `native_build`)."""
+    return build_shared(_SOURCE, _WHAT, _FALLBACK, gemv_flags())
 
 
 @functools.cache
@@ -63,8 +71,8 @@ def load(isa: int | None = None) -> ctypes.CDLL | None:
         _SOURCE,
         "pagemill_gemv_q4",
         [i32, ptr, i64, ptr, i32, ptr, i64, i64, i64, i64, i32, i32],
-        "the int4 CPU GEMV kernel",
-        "using PyTorch's int4 kernel",
+        _WHAT,
+        _FALLBACK,
         isa,
     )
 

@@ -38,8 +38,10 @@ import torch
 
 from pagemill.kernels.cpu_native import (
     GEMV_DTYPE_CODES,
+    build_shared,
     check_planes,
     check_status,
+    gemv_flags,
     load_gemv,
     register_gemv_op,
 )
@@ -68,10 +70,16 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv_q8_cpu.cpp"
+_WHAT, _FALLBACK = "the Q8_0 CPU GEMV kernel", "serving Q8_0 rows as int4x2"
 QK = 32  # inputs per block
 ROWS = 16  # output rows per tile
 QS_BYTES = ROWS * QK
 BLOCK_BYTES = 2 * ROWS + QS_BYTES
+
+
+def build() -> Path | None:
+    """The library `load()` loads, built for this CPU (see `native_build`)."""
+    return build_shared(_SOURCE, _WHAT, _FALLBACK, gemv_flags())
 
 
 @functools.cache
@@ -83,8 +91,8 @@ def load(isa: int | None = None) -> ctypes.CDLL | None:
         _SOURCE,
         "pagemill_gemv_q8",
         [i32, ptr, i64, ptr, ptr, i64, i64, i64, i64, i32, i32],
-        "the Q8_0 CPU GEMV kernel",
-        "serving Q8_0 rows as int4x2",
+        _WHAT,
+        _FALLBACK,
         isa,
     )
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pagemill.kernels.cpu_native import build_library
+from pagemill.kernels.native_build import build_shared
 
 logger = logging.getLogger(__name__)
 
@@ -27,12 +27,18 @@ _SOURCE = Path(__file__).parent / "csrc" / "sampler_cpu.cpp"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def build() -> Path | None:
+    """The library `load()` loads, built for this CPU (see `native_build`)."""
+    return build_shared(_SOURCE, "the sampler's CPU kernels", "the sampler uses torch")
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built library, or None when it cannot be built here (see the log)."""
-    lib = build_library(_SOURCE, "the sampler's CPU kernels", "the sampler uses torch")
-    if lib is None:
+    target = build()
+    if target is None:
         return None
+    lib = ctypes.CDLL(str(target))
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     row_args: list[type[Any]] = [i32, ptr, i64, ptr, i64, i64]  # dtype, x, stride, rows, n, vocab
     lib.pagemill_sampler_argmax.restype = i32

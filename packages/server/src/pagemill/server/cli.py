@@ -252,6 +252,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return worker_main(["--device", config.device, "--log-level", args.log_level])
     if args.ray or args.num_replicas is not None or args.max_replicas is not None:
         return _serve_on_ray(args, config)
+    from pagemill.runtime.model_executor.default_model import cache_dir
+    from pagemill.server import kernel_prebuild
+
+    # A first start's kernel builds run beside the model's preparation (held until exit).
+    prebuild = kernel_prebuild.start(config.device, cache_dir())  # noqa: F841
     check_model(config)
     lora_modules: list[tuple[str, str]] = []
     if args.lora_modules:

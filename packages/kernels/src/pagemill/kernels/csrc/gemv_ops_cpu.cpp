@@ -4,9 +4,8 @@
 // custom op every call also ran a Python function and a ctypes call; a decode step of a small
 // model makes over a hundred of them, each moving little data.
 //
-// Built by pagemill.kernels.cpu_native.load_gemv_ops together with the two kernel sources
-// (one library: the same -march=native builds the ctypes path loads), against the running
-// torch's headers and libraries. The checks mirror gemv_q4_cpu.supports / gemv_q8_cpu.supports;
+// Compiled as part of torch_ops_cpu.cpp against the running torch's headers and linked with
+// the two kernel sources' objects (the same -march=native objects the ctypes libraries hold). The checks mirror gemv_q4_cpu.supports / gemv_q8_cpu.supports;
 // the Python side registers the fake (meta) kernels.
 
 #include <ATen/Parallel.h>

@@ -3,10 +3,10 @@
 // call also marshals two dozen Python arguments; a decode step of a small model makes one of
 // each per layer, each moving little data at batch 1.
 //
-// Built by pagemill.kernels.cpu_native.load_attention_ops together with paged_decode_cpu.cpp
-// (one library, the same -march=native code the ctypes path loads), against the running
-// torch's headers. The checks mirror cpu_native.supports and kv_cache.write_kv_cache_cpu_native;
-// the Python side registers the fake (meta) kernels.
+// Compiled as part of torch_ops_cpu.cpp against the running torch's headers and linked with
+// paged_decode_cpu.cpp's object (the same -march=native code the ctypes path loads). The
+// checks mirror cpu_native.supports and kv_cache.write_kv_cache_cpu_native; the Python side
+// registers the fake (meta) kernels.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

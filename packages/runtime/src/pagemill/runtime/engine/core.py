@@ -276,6 +276,10 @@ class EngineCore:
         from pagemill.runtime.distributed.worker import PROFILE, InitKVCache
 
         cache = config.cache
+        if self.device.type == "cpu":
+            from pagemill.kernels.prebuild import prebuild
+
+            prebuild()  # the CPU kernels' libraries build side by side while the model loads
         torch.manual_seed(config.seed)
         model = load_model(
             model_path,

@@ -193,20 +193,25 @@ def _convert(gguf: Path, sha: str, target: Path) -> None:
     """Extract config, generation config and tokenizer (no weights) into `target`."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from pagemill.runtime.model_executor.gguf_once import parsed_once
+    from pagemill.runtime.model_executor.gguf_weights import GGUFCheckpoint
+    from pagemill.runtime.model_executor.loader import GGUF_INDEX_FILE
+
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config.architectures = ["LlamaForCausalLM"]
-        config.dtype = "float32"  # what the GGUF dequantizes to (see ensure_dense_weights)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(str(tmp))
-        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(
-            str(tmp)
-        )
+        with parsed_once(gguf):  # config, tokenizer and tensor table from one parse
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            config.architectures = ["LlamaForCausalLM"]
+            config.dtype = "float32"  # what the GGUF dequantizes to (see ensure_dense_weights)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(str(tmp))
+            GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tokenizer.save_pretrained(str(tmp))
+            GGUFCheckpoint(gguf, index_file=tmp / GGUF_INDEX_FILE)  # what the engine opens
         raw = json.loads((tmp / "config.json").read_text())
         raw.pop("quantization_config", None)
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))

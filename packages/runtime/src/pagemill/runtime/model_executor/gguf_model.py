@@ -24,6 +24,7 @@ takes effect while the runtime serves that architecture
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,7 +38,12 @@ from typing import Any
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES
 from pagemill.runtime.model_executor.default_model import cache_dir
 from pagemill.runtime.model_executor.gguf_arch import GGUF_ARCHS, Metadata, config_from_gguf
-from pagemill.runtime.model_executor.gguf_split import check_shards, gguf_shards, shards_by_name
+from pagemill.runtime.model_executor.gguf_split import (
+    check_shards,
+    gguf_shards,
+    open_gguf_checkpoint,
+    shards_by_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +172,18 @@ def prepare_gguf_folder(path: str | Path) -> Path:
     if meta is not None and _unchanged(path, meta):
         return target
     start = time.monotonic()
-    info = inspect_gguf(path)
+    from pagemill.runtime.model_executor.gguf_once import parsed_once
+    from pagemill.runtime.model_executor.loader import GGUF_INDEX_FILE
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
     try:
-        _extract(path, info, tmp)
+        with contextlib.ExitStack() as once:
+            for shard in shards:  # inspection, tokenizer and tensor table: one parse each
+                once.enter_context(parsed_once(shard))
+            info = inspect_gguf(path)
+            _extract(path, info, tmp)
+            open_gguf_checkpoint(path, index_file=tmp / GGUF_INDEX_FILE)  # the engine's table
         if target.exists():  # stale (the file changed) or half-written: replace it
             shutil.rmtree(target, ignore_errors=True)
         try:
