@@ -25,5 +25,14 @@ os.environ.setdefault("PAGEMILL_COMPILE_CACHE", "0")
 # A cold start with the cache on compiles before ready (tests that check or time the
 # compiled step); the tests about the background compile turn it on.
 os.environ.setdefault("PAGEMILL_COMPILE_BACKGROUND", "0")
+# The native kernels' builds depend on the machine and the sources alone: the many tests that
+# give an engine (or a server) a fresh cache folder share one folder of builds instead of
+# compiling every library again in each; the tests about building choose their own.
+if not os.environ.get("PAGEMILL_KERNEL_CACHE_DIR"):
+    _base = os.environ.get("PAGEMILL_CACHE_DIR")
+    _user = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["PAGEMILL_KERNEL_CACHE_DIR"] = (
+        os.path.join(_base, "kernels") if _base else os.path.join(_user, "pagemill", "kernels")
+    )
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -290,7 +290,7 @@ def test_build_key_covers_the_headers_beside_the_sources(tmp_path, monkeypatch):
         pytest.skip("no C++ compiler")
     from pathlib import Path
 
-    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "kernels"))
     src = tmp_path / "src"
     src.mkdir()
     (src / "value.h").write_text("inline int value() { return 1; }\n")

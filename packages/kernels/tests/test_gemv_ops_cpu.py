@@ -105,6 +105,7 @@ def test_operators_in_a_compiled_graph() -> None:
 
 def test_switch_keeps_the_python_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_native, "_gemv_ops_loaded", False)
+    monkeypatch.setattr(cpu_native, "_torch_ops_loaded", None)
     monkeypatch.setenv(cpu_native.GEMV_OPS_ENV, "0")
     assert cpu_native.load_gemv_ops.__wrapped__() is False
     monkeypatch.setenv(cpu_native.GEMV_OPS_ENV, "1")

@@ -5,7 +5,6 @@ loaders then load."""
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ def counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     wrapper.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {native_build.compiler()} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
-    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "cache" / "kernels"))
     log.touch()
     return log
 
@@ -134,8 +133,7 @@ def test_a_failed_build_is_reported_and_leaves_nothing(
     bad.write_text("this is not C++\n")
     assert native_build.build_shared(bad, "a broken kernel", "the fallback") is None
     assert "building a broken kernel failed" in caplog.text and "the fallback" in caplog.text
-    cache = Path(os.environ["PAGEMILL_CACHE_DIR"]) / "kernels"
-    assert not [p for p in cache.rglob("*") if p.suffix in (".o", ".so")]
+    assert not [p for p in native_build.cache_dir().rglob("*") if p.suffix in (".o", ".so")]
 
 
 def test_switched_off_builds_nothing(
@@ -175,7 +173,25 @@ def test_prebuild_builds_what_the_loaders_load() -> None:
     for name, lib in loaded.items():
         assert lib is not None and Path(lib._name) == paths[name], name
     assert cpu_native.load_gemv_ops() and cpu_native.load_attention_ops()
-    assert str(paths["torch operators"]) in torch.ops.loaded_libraries
+    loaded_ops = cpu_native._torch_ops_loaded
+    assert loaded_ops is not None and loaded_ops.name == paths["torch operators"].name
+    assert str(loaded_ops) in torch.ops.loaded_libraries
+
+
+def test_the_operators_load_once_whatever_folder_is_asked_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both operator loaders share one library, loaded once per process: a second copy (the
+    same build found in another cache folder) would define the operators again, which
+    aborts the process."""
+    from pagemill.kernels import cpu_native
+
+    if not cpu_native.load_gemv_ops():
+        pytest.skip("the torch operators cannot be built here")
+    first = cpu_native._torch_ops_loaded
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert cpu_native._load_torch_ops("nothing") and cpu_native._torch_ops_loaded == first
+    assert not (tmp_path / "elsewhere").exists()  # not even built there
 
 
 def test_the_build_process_touches_its_stamp_only_when_all_built(
@@ -189,3 +205,15 @@ def test_the_build_process_touches_its_stamp_only_when_all_built(
     builds = prebuild.builds()
     monkeypatch.setattr(prebuild, "builds", lambda: [*builds, ("broken", lambda: None)])
     assert prebuild.main(["--stamp", str(stamp)]) == 1 and not stamp.exists()
+
+
+def test_the_builds_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(native_build.CACHE_ENV, raising=False)
+    monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "c"))
+    assert native_build.cache_dir() == tmp_path / "c" / "kernels"
+    monkeypatch.setenv(native_build.CACHE_ENV, str(tmp_path / "k"))
+    assert native_build.cache_dir() == tmp_path / "k"  # its own folder wins
+    monkeypatch.delenv(native_build.CACHE_ENV)
+    monkeypatch.delenv("PAGEMILL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert native_build.cache_dir() == tmp_path / "x" / "pagemill" / "kernels"

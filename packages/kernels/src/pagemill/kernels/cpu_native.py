@@ -14,6 +14,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -146,18 +147,31 @@ def build_torch_ops() -> Path | None:
     )
 
 
+_torch_ops_loaded: Path | None = None  # the operators' library this process loaded
+_torch_ops_lock = threading.Lock()
+
+
 def _load_torch_ops(use: str) -> bool:
-    """Build and load `build_torch_ops`'s library (a second load of it is a no-op: the
-    loader keeps one copy); whether it is loaded. `use` names what falls back."""
-    target = build_torch_ops()
-    if target is None:
-        return False
-    try:
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError) as e:
-        logger.warning("loading %s failed (%s); %s", target, e, use)
-        return False
-    return True
+    """Build and load `build_torch_ops`'s library, once per process; whether it is loaded.
+    `use` names what falls back.
+
+    Once, whatever the cache folder says later: a second copy of the library (the same
+    build in another folder, as a test that points the cache elsewhere would find) would
+    define the `pagemill_native` operators again, which torch aborts the process for."""
+    global _torch_ops_loaded
+    with _torch_ops_lock:
+        if _torch_ops_loaded is not None:
+            return True
+        target = build_torch_ops()
+        if target is None:
+            return False
+        try:
+            torch.ops.load_library(str(target))
+        except (OSError, RuntimeError) as e:
+            logger.warning("loading %s failed (%s); %s", target, e, use)
+            return False
+        _torch_ops_loaded = target
+        return True
 
 
 @functools.cache

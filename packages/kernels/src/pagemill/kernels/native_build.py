@@ -10,7 +10,7 @@ the torch-operator library; the objects of one library compile side by side; and
 lock per output makes a second builder (another thread, or another process such as a
 start's background pre-build) wait for the first instead of compiling the same thing.
 
-Nothing here imports torch: the front end can build before the engine process exists.
+Nothing here imports torch (a torch-operator library's caller passes torch's flags).
 """
 
 from __future__ import annotations
@@ -49,8 +49,17 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+# Where the builds are kept, when not in the cache folder's kernels/ (builds depend on the
+# machine and the sources, not on what else a cache folder holds: several folders can share).
+CACHE_ENV = "PAGEMILL_KERNEL_CACHE_DIR"
+
+
 def cache_dir() -> Path:
-    """`$PAGEMILL_CACHE_DIR/kernels`, else the user cache folder's `pagemill/kernels`."""
+    """`$PAGEMILL_KERNEL_CACHE_DIR`, else `$PAGEMILL_CACHE_DIR/kernels`, else the user cache
+    folder's `pagemill/kernels`."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return Path(own)
     root = os.environ.get("PAGEMILL_CACHE_DIR")
     if root:
         return Path(root) / "kernels"

@@ -255,8 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagemill.runtime.model_executor.default_model import cache_dir
     from pagemill.server import kernel_prebuild
 
-    # A first start's kernel builds run beside the model's preparation (held until exit).
-    prebuild = kernel_prebuild.start(config.device, cache_dir())  # noqa: F841
+    kernel_prebuild.start(config.device, cache_dir())  # a first start's builds, meanwhile
     check_model(config)
     lora_modules: list[tuple[str, str]] = []
     if args.lora_modules:

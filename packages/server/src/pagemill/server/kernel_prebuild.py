@@ -11,12 +11,15 @@ Whether to start it must cost nothing on every other start: this module imports 
 torch nor the kernels package (whose import is torch's). The build process touches a
 stamp named by what the builds depend on (the kernels package's files, compiler, CPU,
 torch's version, the interpreter) once all of them succeeded; a start that finds the stamp
-starts nothing. The stamp only decides whether to start early: the loaders check each
-library's own key whatever it says.
+starts nothing, and nor does one while a build process runs (it holds a lock for its life).
+The stamp only decides whether to start early: the loaders check each library's own key
+whatever it says. A build process outlives a server that stops first (a bad model name,
+say): it finishes, and the next start uses what it built.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -28,6 +31,13 @@ import sys
 from pathlib import Path
 
 _ENV = "PAGEMILL_NATIVE_CPU_KERNELS"
+_CACHE_ENV = "PAGEMILL_KERNEL_CACHE_DIR"  # as `pagemill.kernels.native_build.cache_dir`
+# Held (`flock`) by the build process for its life, through a descriptor it inherits: a
+# start meanwhile, the stamp not yet written, starts no second one.
+_LOCK = ".prebuild.lock"
+# The build processes this process started: held so that they are not reported as leaked;
+# one that outlives a server that stopped early finishes, and the next start uses its work.
+_started: list[subprocess.Popen[bytes]] = []
 
 
 def _kernels_dir() -> Path | None:
@@ -35,6 +45,12 @@ def _kernels_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def kernel_dir(cache: Path) -> Path:
+    """Where the builds are kept for cache folder `cache` (`native_build.cache_dir`)."""
+    own = os.environ.get(_CACHE_ENV)
+    return Path(own) if own else cache / "kernels"
 
 
 def _stamp(cache: Path) -> Path | None:
@@ -65,7 +81,7 @@ def _stamp(cache: Path) -> Path | None:
         cpu = ""
     for part in (cxx, platform.machine(), cpu, torch_version, sys.executable):
         digest.update(b"\0" + part.encode())
-    return cache / "kernels" / f"prebuilt-{digest.hexdigest()[:16]}"
+    return kernel_dir(cache) / f"prebuilt-{digest.hexdigest()[:16]}"
 
 
 def start(device: str, cache: Path) -> subprocess.Popen[bytes] | None:
@@ -83,9 +99,22 @@ def start(device: str, cache: Path) -> subprocess.Popen[bytes] | None:
         return None
     if stamp is None or stamp.is_file():
         return None
-    return subprocess.Popen(
-        [sys.executable, "-m", "pagemill.kernels.prebuild", "--stamp", str(stamp)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(stamp.parent / _LOCK, "a")  # noqa: SIM115 (handed to the child below)
+    except OSError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a build process is running (another start's)
+            return None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pagemill.kernels.prebuild", "--stamp", str(stamp)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(lock.fileno(),),  # the lock lives as long as the child
+        )
+    _started.append(proc)
+    return proc
