@@ -27,9 +27,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# The builder's names as this module has long exported them (tests and benchmarks use them).
+# The builder's name as this module has long exported it (benchmarks and kernels use it).
 build_shared = native_build.build_shared
-_cache_dir = native_build.cache_dir
 
 
 def build_library(
