@@ -231,7 +231,7 @@ def test_many_json_schemas_validate(client: openai.OpenAI) -> None:
     One at a time: sent together, the 24 answers share steps whose row counts depend on
     when each arrives, and a packed layer's kernel (so its rounding) depends on the row
     count: each sampled answer was a draw of its own. Room: the grammar caps free
-    whitespace at `MAX_JSON_WHITESPACE` per gap, and a small model at T=0.7-1 may spend
+    whitespace at `MAX_JSON_WHITESPACE` in a row, and a small model at T=0.7-1 may spend
     most of every gap's allowance (newline after newline) — within the schema, but past a
     200-token limit. These schemas bound every value's length (product's two numbers
     aside), so an answer still unfinished at 600 tokens is one the grammar failed to

@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from pagemill.runtime import LLMEngine, SamplingParams, StructuredOutputsParams
 from pagemill.runtime.sample.structured_output import LIMITS, validate
@@ -140,23 +141,85 @@ def tokenizer_info(tiny_llama):
     return xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
 
 
+def _allowed(bitmask: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask[token // 32]) >> (token % 32)) & 1)
+
+
 @pytest.mark.parametrize("kind", ["json", "json_object"])
-def test_json_output_caps_whitespace_runs(tokenizer_info, kind: str) -> None:
-    """A sampled model must not spend max_tokens on the whitespace JSON allows anywhere."""
-    import xgrammar as xgr
+def test_json_output_caps_whitespace_runs(tiny_llama, kind: str) -> None:
+    """A sampled model must not spend max_tokens on the whitespace JSON allows anywhere:
+    past `MAX_JSON_WHITESPACE` characters in a row the manager bans whitespace, and only
+    whitespace; drafts that would go past it are cut and their rows ban it too."""
+    import transformers
 
     from pagemill.runtime.sample.structured_output.limits import MAX_JSON_WHITESPACE
+    from pagemill.runtime.sample.structured_output.manager import StructuredOutputManager
+
+    folder, _ = tiny_llama
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    manager = StructuredOutputManager(tok, len(tok), [tok.eos_token_id], 2, prestart=False)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = (
+        StructuredOutputsParams(json=schema)
+        if kind == "json"
+        else StructuredOutputsParams(json_object=True)
+    )
+    vocab = [bytes(t) for t in manager.compiler.tokenizer_info.decoded_vocab]
+    space, newline, one = vocab.index(b" "), vocab.index(b"\n"), vocab.index(b"1")
+    try:
+        manager.add_request("r", params)
+        manager.wait_any(["r"], 60)
+        assert manager.error("r") is None
+        manager.start("r")
+        assert not manager.accept_tokens({"r": tok.encode('{"a":', add_special_tokens=False)})
+        for n in range(MAX_JSON_WHITESPACE):
+            mask = manager.grammar_bitmask(["r"])
+            assert mask is not None and _allowed(mask[0], space), n
+            manager.accept_tokens({"r": newline if n == 0 else space})
+        mask = manager.grammar_bitmask(["r"])
+        assert mask is not None
+        assert not _allowed(mask[0], space) and not _allowed(mask[0], newline)
+        assert _allowed(mask[0], one)  # the value itself is still allowed
+        # Drafts: cut before the space past the cap; the draft rows say the same.
+        assert manager.validate_drafts({"r": [one, space]}) == {"r": [one, space]}
+        assert manager.validate_drafts({"r": [space, one]}) == {}
+        _, rows = manager.grammar_bitmasks(["r"], [0], [[one, space]])
+        assert rows is not None and _allowed(rows[1], space)  # "1" ended the run
+        _, rows = manager.grammar_bitmasks(["r"], [0], [[space, one]])
+        assert rows is not None and not _allowed(rows[0], space)
+        # The request itself has not moved: its next token still may not be a space.
+        mask = manager.grammar_bitmask(["r"])
+        assert mask is not None and not _allowed(mask[0], space)
+        manager.accept_tokens({"r": one})
+        mask = manager.grammar_bitmask(["r"])
+        assert mask is not None and _allowed(mask[0], space)  # a new run starts at 0
+    finally:
+        manager.shutdown()
+
+
+def test_json_grammars_stay_small(tokenizer_info) -> None:
+    """The whitespace cap is not in the grammar: xgrammar's own (`max_whitespace_cnt`)
+    gives each gap a grammar state per allowed character, each with a token mask; capped
+    at 32 there, this schema compiled to 2.9 GB on this 320-token vocabulary (1.1 MB
+    without), and a two-property one took 17 s to come back from a compile worker."""
+    import xgrammar as xgr
+
     from pagemill.runtime.sample.structured_output.worker import compile_key
 
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
-    compiled = compile_key(xgr.GrammarCompiler(tokenizer_info), (kind, schema))
-
-    def accepts(text: str) -> bool:
-        return xgr.GrammarMatcher(compiled).accept_string(text)
-
-    assert accepts('{\n  "a": 1\n}')  # pretty-printed is fine
-    assert accepts('{"a":' + " " * MAX_JSON_WHITESPACE + "1}")
-    assert not accepts('{"a":' + " " * (MAX_JSON_WHITESPACE + 1) + "1}")
+    props = {
+        f"f{i}": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"x": {"type": "number"}, "y": {"type": "boolean"}},
+            },
+        }
+        for i in range(12)
+    }
+    schema = json.dumps({"type": "object", "properties": props, "required": list(props)})
+    compiler = xgr.GrammarCompiler(tokenizer_info)
+    for kind in ("json", "json:compact"):
+        assert compile_key(compiler, (kind, schema)).memory_size_bytes < 8 << 20, kind
 
 
 def test_compact_json_and_gapless_schemas(tokenizer_info) -> None:
@@ -180,6 +243,9 @@ def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_i
     try:
         warm = workers.submit(("regex", "[ab]+"))  # workers started (forkserver warm)
         assert warm.future.result(timeout=120) is not None
+        deadline = time.monotonic() + 60  # both: the small one must not wait for a start
+        while not all(workers._workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         t0 = time.monotonic()
         runaway = workers.submit(RUNAWAY)
         small = workers.submit(

@@ -34,9 +34,10 @@ MAX_COUNT = 1_000
 MAX_ENUM = 1_000
 MAX_REPEAT = 1_000
 MAX_REPEAT_UNBOUNDED = 8
-# Whitespace characters JSON output may put between two tokens (room for pretty-printing
-# eight levels deep): without a cap a sampled model can spend every remaining token on
+# Whitespace characters JSON output may put in a row (room for pretty-printing eight
+# levels deep): without a cap a sampled model can spend every remaining token on
 # whitespace, which the grammar allows anywhere, and end at max_tokens with no value.
+# Enforced beside the grammar (`whitespace.WhitespaceCap`), strings included.
 MAX_JSON_WHITESPACE = 32
 
 LIMITS = {

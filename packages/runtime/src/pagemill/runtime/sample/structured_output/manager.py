@@ -27,7 +27,9 @@ import torch
 
 from pagemill.runtime.sample.structured_output.compiler import GrammarCompiler
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
+from pagemill.runtime.sample.structured_output.limits import MAX_JSON_WHITESPACE
 from pagemill.runtime.sample.structured_output.params import GrammarKey, StructuredOutputsParams
+from pagemill.runtime.sample.structured_output.whitespace import WhitespaceCap
 from pagemill.runtime.sample.structured_output.worker import (
     CompileJob,
     CompileWorkers,
@@ -56,6 +58,9 @@ class _Constrained:
     reasoning_end: frozenset[int] = frozenset()
     """While non-empty the request is still reasoning: its tokens are free and do not
     advance the matcher; the first of these tokens starts the grammar."""
+    ws_run: int | None = None
+    """JSON output: the whitespace characters it ends in (`WhitespaceCap`); None for
+    other grammars."""
 
 
 @dataclass(slots=True, eq=False)
@@ -118,6 +123,7 @@ class StructuredOutputManager:
         # Allocated with the workers (by xgrammar): a row is only read once a grammar is in.
         self._bitmask: torch.Tensor | None = None
         self._draft_bitmask: torch.Tensor | None = None
+        self._ws_cap: WhitespaceCap | None = None  # built with the workers, like the bitmask
         self.num_compiles = 0
         self._cache_bytes = 0
         if prestart:
@@ -211,6 +217,11 @@ class StructuredOutputManager:
                 # The workers stop with the manager (or at exit, or with the process).
                 weakref.finalize(self, workers.shutdown)
                 self._bitmask = xgr.allocate_token_bitmask(self.max_num_seqs, self.vocab_size)
+                self._ws_cap = WhitespaceCap(
+                    self._compiler.tokenizer_info.decoded_vocab,
+                    self.vocab_size,
+                    MAX_JSON_WHITESPACE,
+                )
                 self._workers = workers
             return self._workers
 
@@ -246,7 +257,10 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
         entry.waiters += 1
         reasoning_end = frozenset(params.reasoning_end_token_ids or ())
-        self._requests[request_id] = _Constrained(entry.future, key, reasoning_end=reasoning_end)
+        ws_run = 0 if key[0].partition(":")[0] in ("json", "json_object") else None
+        self._requests[request_id] = _Constrained(
+            entry.future, key, reasoning_end=reasoning_end, ws_run=ws_run
+        )
 
     def _evict(self) -> None:
         """Least recently used grammars nobody waits for go, until the cache holds at most
@@ -355,20 +369,21 @@ class StructuredOutputManager:
             if matcher is None:  # not admitted yet: cannot be sampled this step
                 continue
             reasoning = state.reasoning_end
+            ws = _WsRun(self._ws_cap, state.ws_run)
             spec = drafts_of.get(i)
             advanced = 0
             if spec is not None:
                 assert draft_mask is not None
                 start, drafts = spec
                 advanced, reasoning = _fill_draft_rows(
-                    matcher, reasoning, drafts, draft_mask, start
+                    matcher, reasoning, ws, drafts, draft_mask, start
                 )
                 if advanced < 0:  # a draft was rejected: the bonus row is never read
                     bitmask[i].copy_(draft_mask[start + len(drafts) - 1])
                     if advanced < -1:
                         matcher.rollback(-advanced - 1)
                     continue
-            _fill_row(matcher, reasoning, bitmask, i)
+            _fill_row(matcher, reasoning, ws, bitmask, i)
             if advanced:
                 matcher.rollback(advanced)
         return bitmask, draft_mask
@@ -403,15 +418,21 @@ class StructuredOutputManager:
             if matcher is None:
                 continue
             reasoning = state.reasoning_end
+            ws = _WsRun(self._ws_cap, state.ws_run)
             keep = advanced = 0
             for token in tokens:
                 if reasoning:
                     if token in reasoning:
                         reasoning = frozenset()
-                elif matcher.is_terminated() or not matcher.accept_token(token):
+                elif (
+                    matcher.is_terminated()
+                    or not ws.allows(token)
+                    or not matcher.accept_token(token)
+                ):
                     break
                 else:
                     advanced += 1
+                    ws.advance(token)
                 keep += 1
             if advanced:
                 matcher.rollback(advanced)
@@ -452,6 +473,8 @@ class StructuredOutputManager:
                     done[rid] = n
                 elif matcher.is_terminated():
                     done[rid] = n
+                if state.ws_run is not None and self._ws_cap is not None:
+                    state.ws_run = self._ws_cap.advance(state.ws_run, token)
                 if rid in done:
                     break
         return done
@@ -461,8 +484,35 @@ class StructuredOutputManager:
             self._workers.shutdown()
 
 
+class _WsRun:
+    """A request's whitespace run (`WhitespaceCap`) as a walk through drafts moves it,
+    without touching the request's own count."""
+
+    __slots__ = ("cap", "run")
+
+    def __init__(self, cap: WhitespaceCap | None, run: int | None) -> None:
+        self.cap = cap if run is not None else None
+        self.run = run or 0
+
+    def allows(self, token: int) -> bool:
+        return self.cap is None or self.cap.allows(self.run, token)
+
+    def advance(self, token: int) -> None:
+        if self.cap is not None:
+            self.run = self.cap.advance(self.run, token)
+
+    def restrict(self, bitmask: torch.Tensor, row: int) -> None:
+        mask = None if self.cap is None else self.cap.mask(self.run)
+        if mask is not None:
+            bitmask[row].bitwise_and_(mask)
+
+
 def _fill_row(
-    matcher: xgr.GrammarMatcher, reasoning: frozenset[int], bitmask: torch.Tensor, row: int
+    matcher: xgr.GrammarMatcher,
+    reasoning: frozenset[int],
+    ws: _WsRun,
+    bitmask: torch.Tensor,
+    row: int,
 ) -> None:
     """The mask of the next token in the matcher's current state."""
     if reasoning:
@@ -471,11 +521,13 @@ def _fill_row(
         bitmask[row].fill_(-1)  # the request ends with the token that terminated it
     else:
         matcher.fill_next_token_bitmask(bitmask, row)
+        ws.restrict(bitmask, row)
 
 
 def _fill_draft_rows(
     matcher: xgr.GrammarMatcher,
     reasoning: frozenset[int],
+    ws: _WsRun,
     drafts: Sequence[int],
     bitmask: torch.Tensor,
     start: int,
@@ -488,13 +540,14 @@ def _fill_draft_rows(
     advanced = 0
     for j, token in enumerate(drafts):
         row = start + j
-        _fill_row(matcher, reasoning, bitmask, row)
+        _fill_row(matcher, reasoning, ws, bitmask, row)
         if reasoning:
             if token in reasoning:
                 reasoning = frozenset()
             continue
-        if matcher.is_terminated() or not matcher.accept_token(token):
+        if matcher.is_terminated() or not ws.allows(token) or not matcher.accept_token(token):
             bitmask[row + 1 : start + len(drafts)] = bitmask[row]
             return -(advanced + 1), reasoning
         advanced += 1
+        ws.advance(token)
     return advanced, reasoning

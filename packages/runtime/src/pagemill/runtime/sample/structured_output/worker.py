@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagemill.runtime.sample.structured_output import limits
 from pagemill.runtime.sample.structured_output.params import GrammarKey
 
 logger = logging.getLogger(__name__)
@@ -77,13 +76,10 @@ def compile_key(compiler: Any, key: GrammarKey) -> Any:
     compact = style == "compact"
     if base == "json" or base == "json_object":
         # json_object: "an object", as a schema (xgrammar's built-in grammar takes any JSON
-        # value and cannot cap whitespace).
+        # value). Free whitespace is capped beside the grammar (`whitespace.WhitespaceCap`):
+        # xgrammar's own cap multiplies the compiled grammar's size by the cap.
         schema = text if base == "json" else '{"type": "object"}'
-        if compact:
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        return compiler.compile_json_schema(
-            schema, any_whitespace=True, max_whitespace_cnt=limits.MAX_JSON_WHITESPACE
-        )
+        return compiler.compile_json_schema(schema, any_whitespace=not compact)
     if base == "regex":
         return compiler.compile_regex(text)
     if base == "grammar":
