@@ -148,11 +148,15 @@ def _allowed(bitmask: torch.Tensor, token: int) -> bool:
 @pytest.mark.parametrize("kind", ["json", "json_object"])
 def test_json_output_caps_whitespace_runs(tiny_llama, kind: str) -> None:
     """A sampled model must not spend max_tokens on the whitespace JSON allows anywhere:
-    past `MAX_JSON_WHITESPACE` characters in a row the manager bans whitespace, and only
-    whitespace; drafts that would go past it are cut and their rows ban it too."""
+    past `MAX_JSON_WHITESPACE` characters in a row, or `MAX_JSON_NEWLINES` newlines, the
+    manager bans whitespace, and only whitespace; drafts that would go past it are cut and
+    their rows ban it too."""
     import transformers
 
-    from pagemill.runtime.sample.structured_output.limits import MAX_JSON_WHITESPACE
+    from pagemill.runtime.sample.structured_output.limits import (
+        MAX_JSON_NEWLINES,
+        MAX_JSON_WHITESPACE,
+    )
     from pagemill.runtime.sample.structured_output.manager import StructuredOutputManager
 
     folder, _ = tiny_llama
@@ -175,7 +179,8 @@ def test_json_output_caps_whitespace_runs(tiny_llama, kind: str) -> None:
         for n in range(MAX_JSON_WHITESPACE):
             mask = manager.grammar_bitmask(["r"])
             assert mask is not None and _allowed(mask[0], space), n
-            manager.accept_tokens({"r": newline if n == 0 else space})
+            assert _allowed(mask[0], newline) == (n < MAX_JSON_NEWLINES), n
+            manager.accept_tokens({"r": newline if n < MAX_JSON_NEWLINES else space})
         mask = manager.grammar_bitmask(["r"])
         assert mask is not None
         assert not _allowed(mask[0], space) and not _allowed(mask[0], newline)

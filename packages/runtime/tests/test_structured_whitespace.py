@@ -18,20 +18,28 @@ tokens = st.binary(min_size=0, max_size=6).map(
 )
 
 
-def longest_run(text: bytes) -> int:
-    return max(map(len, re.findall(rb"[ \t\n\r]+", text)), default=0)
+def fits(text: bytes, cap: int, newline_cap: int) -> bool:
+    """Every whitespace run within both caps."""
+    runs = re.findall(rb"[ \t\n\r]+", text)
+    return all(len(r) <= cap and r.count(b"\n") <= newline_cap for r in runs)
+
+
+def trailing(text: bytes) -> tuple[int, int]:
+    tail = text[len(text.rstrip(b" \t\n\r")) :]
+    return len(tail), tail.count(b"\n")
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     vocab=st.lists(tokens, min_size=1, max_size=24),
     cap=st.integers(0, 5),
+    newline_cap=st.integers(0, 3),
     picks=st.lists(st.integers(0, 10**6), max_size=40),
 )
-def test_no_run_past_the_cap_and_nothing_else_banned(vocab, cap, picks) -> None:
+def test_no_run_past_the_caps_and_nothing_else_banned(vocab, cap, newline_cap, picks) -> None:
     vocab = [*vocab, b"a"]  # a token that always fits, as JSON always has one
-    ws = WhitespaceCap(vocab, len(vocab), cap)
-    text, run = b"", 0
+    ws = WhitespaceCap(vocab, len(vocab), cap, newline_cap)
+    text, run = b"", (0, 0)
     for pick in picks:
         allowed = [t for t in range(len(vocab)) if ws.allows(run, t)]
         # The mask says the same as allows(), bit for bit.
@@ -40,12 +48,12 @@ def test_no_run_past_the_cap_and_nothing_else_banned(vocab, cap, picks) -> None:
         assert bits.tolist() == [ws.allows(run, t) for t in range(len(vocab))]
         # Exactly the tokens that keep every run within the cap are allowed.
         for t in range(len(vocab)):
-            assert ws.allows(run, t) == (longest_run(text + vocab[t]) <= cap), (text, vocab[t])
+            assert ws.allows(run, t) == fits(text + vocab[t], cap, newline_cap), (text, t)
         token = allowed[pick % len(allowed)]
         text += vocab[token]
         run = ws.advance(run, token)
-        assert run == len(text) - len(text.rstrip(b" \t\n\r"))
-        assert longest_run(text) <= cap
+        assert run == trailing(text)
+        assert fits(text, cap, newline_cap)
 
 
 def unpack(mask: torch.Tensor, vocab: list[bytes]) -> torch.Tensor:

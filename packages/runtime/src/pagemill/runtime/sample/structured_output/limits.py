@@ -39,6 +39,9 @@ MAX_REPEAT_UNBOUNDED = 8
 # whitespace, which the grammar allows anywhere, and end at max_tokens with no value.
 # Enforced beside the grammar (`whitespace.WhitespaceCap`), strings included.
 MAX_JSON_WHITESPACE = 32
+# Newlines in one such run (a blank line at most): blank line after blank line, a token
+# each, was how a sampled model still reached max_tokens within 32 characters a gap.
+MAX_JSON_NEWLINES = 2
 
 LIMITS = {
     "text_bytes": MAX_TEXT_BYTES,
@@ -50,6 +53,7 @@ LIMITS = {
     "repetition": MAX_REPEAT,
     "repetition_of_unbounded": MAX_REPEAT_UNBOUNDED,
     "json_whitespace_run": MAX_JSON_WHITESPACE,
+    "json_newlines_in_a_run": MAX_JSON_NEWLINES,
 }
 
 # Keywords whose meaning xgrammar enforces (or that carry no constraint).

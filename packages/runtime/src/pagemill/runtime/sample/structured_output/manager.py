@@ -27,9 +27,12 @@ import torch
 
 from pagemill.runtime.sample.structured_output.compiler import GrammarCompiler
 from pagemill.runtime.sample.structured_output.config import StructuredOutputsConfig
-from pagemill.runtime.sample.structured_output.limits import MAX_JSON_WHITESPACE
+from pagemill.runtime.sample.structured_output.limits import (
+    MAX_JSON_NEWLINES,
+    MAX_JSON_WHITESPACE,
+)
 from pagemill.runtime.sample.structured_output.params import GrammarKey, StructuredOutputsParams
-from pagemill.runtime.sample.structured_output.whitespace import WhitespaceCap
+from pagemill.runtime.sample.structured_output.whitespace import Run, WhitespaceCap
 from pagemill.runtime.sample.structured_output.worker import (
     CompileJob,
     CompileWorkers,
@@ -58,9 +61,9 @@ class _Constrained:
     reasoning_end: frozenset[int] = frozenset()
     """While non-empty the request is still reasoning: its tokens are free and do not
     advance the matcher; the first of these tokens starts the grammar."""
-    ws_run: int | None = None
-    """JSON output: the whitespace characters it ends in (`WhitespaceCap`); None for
-    other grammars."""
+    ws_run: Run | None = None
+    """JSON output: the whitespace it ends in (`WhitespaceCap`); None for other
+    grammars."""
 
 
 @dataclass(slots=True, eq=False)
@@ -221,6 +224,7 @@ class StructuredOutputManager:
                     self._compiler.tokenizer_info.decoded_vocab,
                     self.vocab_size,
                     MAX_JSON_WHITESPACE,
+                    MAX_JSON_NEWLINES,
                 )
                 self._workers = workers
             return self._workers
@@ -257,7 +261,8 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
         entry.waiters += 1
         reasoning_end = frozenset(params.reasoning_end_token_ids or ())
-        ws_run = 0 if key[0].partition(":")[0] in ("json", "json_object") else None
+        json = key[0].partition(":")[0] in ("json", "json_object")
+        ws_run = (0, 0) if json else None
         self._requests[request_id] = _Constrained(
             entry.future, key, reasoning_end=reasoning_end, ws_run=ws_run
         )
@@ -490,9 +495,9 @@ class _WsRun:
 
     __slots__ = ("cap", "run")
 
-    def __init__(self, cap: WhitespaceCap | None, run: int | None) -> None:
+    def __init__(self, cap: WhitespaceCap | None, run: Run | None) -> None:
         self.cap = cap if run is not None else None
-        self.run = run or 0
+        self.run = run or (0, 0)
 
     def allows(self, token: int) -> bool:
         return self.cap is None or self.cap.allows(self.run, token)

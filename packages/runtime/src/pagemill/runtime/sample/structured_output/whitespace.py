@@ -7,7 +7,9 @@ character still allowed, each with its own token mask over the whole vocabulary:
 vocabulary a two-property schema capped at 32 became a 41 MB compiled grammar (58 MB and
 seconds to hand back from a compile worker), a twelve-property one 1.1 GB. The grammar
 here allows any whitespace, and this table bans the tokens that would take the current
-run of whitespace characters (space, tab, newline, carriage return) past the cap.
+run of whitespace characters (space, tab, newline, carriage return) past `cap`
+characters or past `newline_cap` newlines: 32 characters of blank lines in every gap was
+how the default model still rambled to max_tokens (a token per newline).
 
 The run counts whitespace anywhere in the output, inside strings too: a JSON string holds
 no raw tab or newline, and 32 spaces in a row there is the same ramble. The grammar never
@@ -23,20 +25,14 @@ from collections.abc import Sequence
 import torch
 
 _WS = b" \t\n\r"
+_RUN = re.compile(rb"[ \t\n\r]+")
+
+Run = tuple[int, int]
+"""The whitespace a text ends in: (characters, newlines)."""
 
 
-def _leading(token: bytes) -> int:
-    return len(token) - len(token.lstrip(_WS))
-
-
-def _trailing(token: bytes) -> int:
-    return len(token) - len(token.rstrip(_WS))
-
-
-def _longest_inside(token: bytes) -> int:
-    """The longest whitespace run in a token past its leading run."""
-    runs = re.findall(rb"[ \t\n\r]+", token[_leading(token) :])
-    return max(map(len, runs), default=0)
+def _run(ws: bytes) -> Run:
+    return len(ws), ws.count(b"\n")
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
@@ -52,49 +48,66 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 class WhitespaceCap:
-    """Per-token whitespace counts of one vocabulary, and the mask for each run length."""
+    """Per-token whitespace counts of one vocabulary, and the mask for each run."""
 
-    def __init__(self, decoded_vocab: Sequence[bytes], vocab_size: int, cap: int) -> None:
+    def __init__(
+        self, decoded_vocab: Sequence[bytes], vocab_size: int, cap: int, newline_cap: int
+    ) -> None:
         self.cap = cap
+        self.newline_cap = newline_cap
         tokens = [bytes(t) for t in decoded_vocab][:vocab_size]
         tokens += [b""] * (vocab_size - len(tokens))  # padding rows of the LM head
         # What a token adds to the run it follows: all of itself when it is whitespace
         # (or empty: special tokens decode to nothing here), else its leading whitespace,
-        # which ends the run; a token holding a longer run further in is never allowed.
+        # which ends the run (the run after it is its trailing whitespace); a token that
+        # holds a run past the caps further in is never allowed.
         n = len(tokens)
         self._all_ws = [False] * n
-        self._need = [0] * n
-        self._trailing = [0] * n
+        self._need: list[Run] = [(0, 0)] * n
+        self._trailing: list[Run] = [(0, 0)] * n
+        never = (cap + 1, 0)
         for i, t in enumerate(tokens):
             rest = t.lstrip(_WS)
+            lead = t[: len(t) - len(rest)]
             if not rest:
                 self._all_ws[i] = True
-                self._need[i] = len(t)
+                self._need[i] = _run(t)
             elif len(rest.translate(None, _WS)) == len(rest):
-                self._need[i] = len(t) - len(rest)  # most tokens: " word" or "word"
+                self._need[i] = _run(lead)  # most tokens: " word" or "word"
             else:
-                self._need[i] = _leading(t) if _longest_inside(t) <= cap else cap + 1
-                self._trailing[i] = _trailing(t)
-        need = torch.tensor(self._need, dtype=torch.int64)
-        # masks[r]: the tokens allowed after a run of r characters; None where all are.
-        self._masks: list[torch.Tensor | None] = []
-        longest = int(need.max()) if vocab_size else 0
-        for run in range(cap + 1):
-            if run + longest <= cap:
-                self._masks.append(None)
-            else:
-                self._masks.append(pack_bitmask(need <= cap - run))
+                inside = [_run(r) for r in _RUN.findall(rest)]
+                fits = all(c <= cap and nl <= newline_cap for c, nl in inside)
+                self._need[i] = _run(lead) if fits else never
+                tail = rest[len(rest.rstrip(_WS)) :]
+                self._trailing[i] = _run(tail)
+        chars = torch.tensor([c for c, _ in self._need], dtype=torch.int64)
+        newlines = torch.tensor([nl for _, nl in self._need], dtype=torch.int64)
+        # masks[c][nl]: the tokens allowed after a run of c characters holding nl
+        # newlines; None where all are.
+        most_chars = int(chars.max()) if n else 0
+        most_newlines = int(newlines.max()) if n else 0
+        self._masks: list[list[torch.Tensor | None]] = [
+            [
+                None
+                if c + most_chars <= cap and nl + most_newlines <= newline_cap
+                else pack_bitmask((chars <= cap - c) & (newlines <= newline_cap - nl))
+                for nl in range(newline_cap + 1)
+            ]
+            for c in range(cap + 1)
+        ]
 
-    def mask(self, run: int) -> torch.Tensor | None:
-        """The bitmask row to AND into a row whose output ends in `run` whitespace
-        characters, or None when the cap bans nothing there."""
-        return self._masks[min(run, self.cap)]
+    def mask(self, run: Run) -> torch.Tensor | None:
+        """The bitmask row to AND into a row whose output ends in `run`, or None when
+        the caps ban nothing there."""
+        return self._masks[min(run[0], self.cap)][min(run[1], self.newline_cap)]
 
-    def allows(self, run: int, token: int) -> bool:
-        return run + self._need[token] <= self.cap
+    def allows(self, run: Run, token: int) -> bool:
+        chars, newlines = self._need[token]
+        return run[0] + chars <= self.cap and run[1] + newlines <= self.newline_cap
 
-    def advance(self, run: int, token: int) -> int:
+    def advance(self, run: Run, token: int) -> Run:
         """The run after `token` is emitted."""
         if self._all_ws[token]:
-            return run + self._need[token]
+            chars, newlines = self._need[token]
+            return run[0] + chars, run[1] + newlines
         return self._trailing[token]
