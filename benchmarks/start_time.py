@@ -2,7 +2,8 @@
 
 Each start is a fresh server process (`python -m pagemill.server.cli serve ...`, what
 `uv run pagemill serve` runs, without uv's own sync check), timed from launch until
-`/health` answers 200; then it is stopped. Reported per start: wall seconds, the CPU
+`/health` answers 200, then a one-token chat request (`first_request_s`: what the start
+left to the first request); then it is stopped. Reported per start: wall seconds, the CPU
 seconds the server used (user + system, from its rusage once it has exited) and when each
 phase's log line appeared (seconds after launch), so a slow start says where its time went.
 A cold start that compiles in the background (healthy first, serving eagerly) is kept
@@ -70,6 +71,29 @@ def _healthy(port: int) -> bool:
         return False
 
 
+def _first_request(port: int) -> float:
+    """Seconds a one-token chat completion takes, sent as soon as the server is healthy:
+    what a start left to the first request (the second takes ~0.1 s)."""
+    base = f"http://127.0.0.1:{port}"
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=60) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+    return time.perf_counter() - t
+
+
 def _tree_cpu(root: int) -> float | None:
     """CPU seconds (user + system) used so far by `root` and every live process under it
     (Linux /proc; None elsewhere): what a start cost up to now, whatever the load."""
@@ -134,11 +158,12 @@ def one_start(
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    wall = cpu_healthy = None
+    wall = cpu_healthy = first = None
     while time.perf_counter() - t0 < timeout and proc.poll() is None:
         if _healthy(port):
             wall = time.perf_counter() - t0
             cpu_healthy = _tree_cpu(proc.pid)
+            first = _first_request(port)
             break
         time.sleep(0.05)
     compiled = None
@@ -173,6 +198,8 @@ def one_start(
         "cpu_s": round(cpu, 2),
         # The server's and its children's CPU seconds when /health first answered.
         "cpu_healthy_s": None if cpu_healthy is None else round(cpu_healthy, 2),
+        # The first request's latency (one token, sent once healthy).
+        "first_request_s": None if first is None else round(first, 3),
         # A background compile's end (None: compiled before healthy, or not at all).
         "compiled_s": None if compiled is None else round(compiled, 2),
         "phases": phases,
@@ -195,7 +222,8 @@ def _print_ab(starts: list[dict[str, Any]], base_kind: str, new_kind: str) -> No
     def value(r: dict[str, Any], name: str) -> float | None:
         return r[name] if name in r else r["phases"].get(name)
 
-    names = ["wall_s", "cpu_healthy_s", "compiled_s"] + [name for name, _ in PHASES]
+    names = ["wall_s", "first_request_s", "cpu_healthy_s", "compiled_s"]
+    names += [name for name, _ in PHASES]
     print(f"{'':16} {'baseline':>9} {'this':>9} {'paired ratio':>13}")
     for name in names:
         pairs = [(value(b, name), value(n, name)) for b, n in zip(base, new)]
@@ -281,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             walls = sorted(r["wall_s"] for r in rows)
             cpus = sorted(r["cpu_s"] for r in rows)
+            firsts = sorted(r["first_request_s"] for r in rows)
             print(
                 f"{kind}: {len(rows)} start(s), wall median {walls[len(walls) // 2]:.1f} s "
                 f"(min {walls[0]:.1f}), CPU median {cpus[len(cpus) // 2]:.1f} s "
-                f"(min {cpus[0]:.1f})"
+                f"(min {cpus[0]:.1f}), first request median {_median(firsts):.2f} s"
             )
     if args.baseline is not None:
         if args.cold:

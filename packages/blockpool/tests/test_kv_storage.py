@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -113,6 +115,40 @@ def test_prefault_maps_the_pool_and_keeps_its_contents(background: bool) -> None
     assert (s.k_caches[1][3, 5, 2, :] == np.arange(64)).all()
     assert s.v_caches[0][255, 15, 3, 7] == 12345
     assert int(s.k_caches[0].astype(np.int64).sum()) == 0
+
+
+@linux_only
+def test_background_prefault_maps_only_while_its_gate_is_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a gate (an engine's idle flag) the background thread maps a chunk at a time,
+    and only while the gate is set: requests in flight are not slowed by it."""
+    import pagemill.blockpool.kv_storage as kv_storage
+
+    real = kv_storage.libc_madvise()
+    if real is None or real(0, 0, kv_storage.MADV_POPULATE_WRITE) != 0:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    calls: list[int] = []
+
+    def madvise(addr: int, n: int, advice: int) -> int:
+        if n:
+            calls.append(n)
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(kv_storage, "libc_madvise", lambda: madvise)
+    monkeypatch.setattr(kv_storage, "_PREFAULT_CHUNK", 1 << 20)
+    s = KVStorage(2, 256, 16, 4, 64, dtype="bfloat16", device="cpu")  # 2 MiB per array
+    gate = threading.Event()
+    before = _rss_kib()
+    assert s.prefault(background=True, gate=gate)
+    time.sleep(0.3)
+    assert not calls and not s.prefaulted  # closed: nothing mapped
+    assert _rss_kib() - before < s.nbytes // 1024 // 4
+    gate.set()
+    s.wait_prefaulted()
+    assert s.prefaulted
+    assert len(calls) == 8 and max(calls) <= 1 << 20  # 8 MiB in 1 MiB calls
+    assert _rss_kib() - before >= s.nbytes // 1024 * 9 // 10
 
 
 @linux_only

@@ -259,20 +259,51 @@ def test_cpp_wrapper_for_the_one_token_graph_only(
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, m)
 
 
+@torch.library.custom_op("pagemill_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_twice.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def test_first_call_aliasing_check_follows_its_switch(monkeypatch) -> None:
-    """The warm-up runs each graph's first call inside `first_call_checks`: torch's custom-op
-    aliasing check runs there only when PAGEMILL_CHECK_OP_ALIASING=1 (the suites' setting),
-    and torch's own setting is back afterwards."""
+    """torch's first-call aliasing check of custom ops runs on a compiled graph's first call
+    when PAGEMILL_CHECK_OP_ALIASING=1 (the suites' setting) and on no call otherwise: not
+    the warm-up's, and not the first request's after it (a check skipped only around the
+    warm-up ran there instead, a graph's first call counting as done only once checked)."""
+    import torch._dynamo  # first: runtime_wrappers alone is a circular import
+    import torch._functorch._aot_autograd.runtime_wrappers as runtime_wrappers
     import torch._functorch.config as functorch_config
 
-    from pagemill.runtime.worker.model_runner import OP_ALIASING_CHECK_ENV, first_call_checks
+    from pagemill.runtime.worker.model_runner import (
+        OP_ALIASING_CHECK_ENV,
+        apply_first_call_checks,
+    )
 
-    before = functorch_config.check_custom_op_aliasing
-    for value, expected in (("1", True), ("0", False), ("", False)):
+    checked: list[str] = []
+    real = runtime_wrappers._check_custom_op_aliasing
+
+    def count(name, *args, **kwargs):
+        checked.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(runtime_wrappers, "_check_custom_op_aliasing", count)
+    monkeypatch.setattr(  # torch's own setting is back after the test
+        functorch_config, "check_custom_op_aliasing", functorch_config.check_custom_op_aliasing
+    )
+    x = torch.ones(4)
+    for value, expected in (("1", 1), ("", 0), ("0", 0)):
         monkeypatch.setenv(OP_ALIASING_CHECK_ENV, value)
-        with first_call_checks():
-            assert functorch_config.check_custom_op_aliasing is expected
-        assert functorch_config.check_custom_op_aliasing == before
+        apply_first_call_checks()
+        torch._dynamo.reset()
+        checked.clear()
+        fn = torch.compile(lambda t: _twice(t) + 1, backend="aot_eager", fullgraph=True)
+        for _ in range(3):  # the warm-up's call, then requests' calls
+            assert torch.equal(fn(x), x * 2 + 1)
+        assert len(checked) == expected, (value, checked)
     monkeypatch.setenv(OP_ALIASING_CHECK_ENV, "yes")
     with pytest.raises(ValueError, match=OP_ALIASING_CHECK_ENV):
-        first_call_checks()
+        apply_first_call_checks()

@@ -85,3 +85,37 @@ def test_huge_pages_switch_refuses_other_values(
     monkeypatch.setenv("PAGEMILL_CPU_KV_HUGEPAGES", value)
     with pytest.raises(ValueError, match="PAGEMILL_CPU_KV_HUGEPAGES must be 0 or 1"):
         KVCache(CONFIG, 64, 16, torch.bfloat16, torch.device("cpu"))
+
+
+def test_the_engine_maps_its_pool_only_while_idle(tiny_llama) -> None:
+    """The engine's pool is mapped behind its `idle` flag: set from ready until a request
+    arrives, clear for every step, set again once no request is left."""
+    from pagemill.runtime import LLM, SamplingParams
+
+    folder, _ = tiny_llama
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=4 << 20,
+        enforce_eager=True,
+    )
+    core = llm.llm_engine.engine_core
+    assert core.idle.is_set()
+    seen: list[bool] = []
+    step = core._step
+
+    def spy():
+        seen.append(core.idle.is_set())
+        return step()
+
+    core._step = spy
+    outs = llm.generate(["hello world"] * 2, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert seen and not any(seen)
+    assert core.idle.is_set()
+    assert core.model_runner.kv_cache is not None
+    storage = core.model_runner.kv_cache.storage
+    assert storage is not None
+    storage.wait_prefaulted()  # finishes: the engine is idle
+    assert storage.prefaulted

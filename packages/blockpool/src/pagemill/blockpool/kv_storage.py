@@ -152,14 +152,20 @@ class KVStorage:
         self._huge_advised.append(advised)
         return raw.view(dtype).reshape(self.shape)
 
-    def prefault(self, background: bool = True) -> bool:
+    def prefault(self, background: bool = True, gate: threading.Event | None = None) -> bool:
         """Map every page of a CPU pool writable now, so steps do not pay page faults.
 
         With `MADV_POPULATE_WRITE` (Linux 5.14+) the contents are left alone, so it may run
         in a background thread while the pool is used (`background`; `wait_prefaulted`
         joins it). Where the kernel lacks it, each page is written with a zero instead:
         done at once, and only correct while the pool holds nothing yet (as at start-up).
-        Returns False for a CuPy pool (its memory is committed at allocation)."""
+        Returns False for a CuPy pool (its memory is committed at allocation).
+
+        `gate`: the background thread maps the next few MB only while it is set (an engine
+        sets it while idle). Populating pages, huge ones above all, slows everything else
+        the machine runs (in a small VM a 1 GiB pool took seconds, and the first requests
+        after a start waited for it), while a step that meets an unmapped page pays for
+        that page alone."""
         if self.backend != "numpy":
             return False
         arrays = self.k_caches + self.v_caches
@@ -168,10 +174,23 @@ class KVStorage:
             page = mmap.PAGESIZE
 
             def populate() -> None:
+                if background:
+                    _lowest_priority()
                 for a in arrays:
                     start = a.ctypes.data // page * page
                     end = a.ctypes.data + a.nbytes
-                    refused = madvise(start, end - start, MADV_POPULATE_WRITE) != 0
+                    refused = False
+                    # A chunk per call: the kernel holds the process's memory-map lock for
+                    # a whole call, and every mmap / munmap of the serving threads (torch's
+                    # large allocations) waits for it; one call per array held a warm
+                    # start's first request back for seconds.
+                    for lo in range(start, end, _PREFAULT_CHUNK):
+                        if gate is not None:
+                            gate.wait()
+                        n = min(_PREFAULT_CHUNK, end - lo)
+                        if madvise(lo, n, MADV_POPULATE_WRITE) != 0:
+                            refused = True
+                            break
                     if refused and not background:
                         # Writing zeros is only safe before the pool is used: in the
                         # background, a refused range just faults in on demand.
@@ -206,3 +225,19 @@ def _touch(array: Any) -> None:
     """Write a zero into every page of a zero-filled array (faults them in)."""
     flat = array.reshape(-1).view(np.uint8)
     flat[:: mmap.PAGESIZE] = 0
+
+
+# Bytes populated per madvise call in the background (two 2 MB huge pages): small enough
+# that the memory-map lock is free again within milliseconds.
+_PREFAULT_CHUNK = 4 << 20
+
+
+def _lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: per thread), so the
+    background prefault takes the cores only when the serving threads leave them idle."""
+    try:
+        import os
+
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -58,6 +59,7 @@ from pagemill.runtime.worker.kv_cache import kv_cache_groups, kv_sliding_window,
 from pagemill.runtime.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
+    apply_first_call_checks,
     compile_cache_has_entry,
 )
 from pagemill.scheduler import Request, RequestStatus, RequestUpdate, Scheduler, SchedulerConfig
@@ -186,6 +188,7 @@ class EngineCore:
             # than compiling a second set of graphs at every start.
             from pagemill.runtime.sample import row_kernels
 
+            apply_first_call_checks()
             seconds, loaded = compile_cached(
                 "sampler row kernels",
                 {"vocab": runner.vocab_size, "dtypes": (torch.float32,)},
@@ -201,10 +204,14 @@ class EngineCore:
         )
         if self._background_compile is not None:  # last: nothing else compiles from here
             runner.start_background_compile(self._background_compile, self.num_blocks)
+        # Set while no request is in the engine: the KV pools' pages are mapped in the
+        # background only then (`KVStorage.prefault`).
+        self.idle = threading.Event()
+        self.idle.set()
         if runner.kv_cache is not None:
-            runner.kv_cache.start_prefault()
+            runner.kv_cache.start_prefault(self.idle)
         if self.spec is not None:
-            self.spec.start_prefault()
+            self.spec.start_prefault(self.idle)
         if self.tp is not None:  # the workers' pools too (the watcher may be running)
             from pagemill.runtime.distributed.worker import PREFAULT
 
@@ -622,9 +629,12 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
+        self.idle.clear()
         out = self._step()
         if self._kv_events is not None:
             self._kv_events.after_step(out)
+        if not self.scheduler.has_unfinished_requests():
+            self.idle.set()
         return out
 
     def _step(self) -> EngineCoreOutputs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -105,12 +106,13 @@ class SpecDecoding:
         # engine is ready, as the target's: `start_prefault`).
         self.draft_runner: ModelRunner | None = getattr(proposer, "runner", None)
 
-    def start_prefault(self) -> None:
+    def start_prefault(self, gate: threading.Event | None = None) -> None:
         """Map the draft pool's pages in the background (the engine calls this once it is
-        ready, after its own pool's; a no-op without a draft pool or where it is done)."""
+        ready, after its own pool's, with its idle flag as `gate`; a no-op without a draft
+        pool or where it is done)."""
         runner = self.draft_runner
         if runner is not None and runner.kv_cache is not None:
-            runner.kv_cache.start_prefault()
+            runner.kv_cache.start_prefault(gate)
 
     @classmethod
     def create(

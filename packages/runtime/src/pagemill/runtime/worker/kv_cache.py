@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from typing import Any
 
 import torch
@@ -395,8 +396,9 @@ class KVCache:
             self.caches = [tensors[i] for i in layer_tensor_index(groups, num_layers)]
         self.scales = [LayerKVScales(device, dtype) for _ in range(config.num_hidden_layers)]
 
-    def start_prefault(self) -> None:
-        """Map a CPU pool's pages in a background thread (`KVStorage.prefault`), once.
+    def start_prefault(self, gate: threading.Event | None = None) -> None:
+        """Map a CPU pool's pages in a background thread (`KVStorage.prefault`), once;
+        with `gate`, only while it is set (the engine's idle flag).
 
         The engine calls this when it is ready rather than at allocation: populating
         transparent huge pages costs far more than 4 KB pages (zeroing, compaction) and,
@@ -404,7 +406,7 @@ class KVCache:
         requests need only the few blocks they fault in themselves."""
         if self._prefault_pending and self.storage is not None:
             self._prefault_pending = False
-            self.storage.prefault(background=True)
+            self.storage.prefault(background=True, gate=gate)
 
     @property
     def scales_pending(self) -> bool:

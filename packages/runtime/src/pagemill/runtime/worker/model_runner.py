@@ -14,7 +14,6 @@ group and each layer reads its group's (`AttentionMetadata.groups`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import copy
 import logging
 import math
@@ -64,9 +63,8 @@ logger = logging.getLogger(__name__)
 # Set to 1 to run torch's check that no custom op's output aliases its inputs on the first
 # call of every compiled graph (the warm-up step), as torch does by default; the test suites
 # set it, and under CI=1 torch makes a violation an error. Off by default: the check runs
-# every op of the graph once through a Python dispatch mode, a second or more of a start on
-# a small machine (about a fifth of a warm start's graph loading), for a check of pagemill's
-# own ops that their tests make.
+# every op of the graph once through a Python dispatch mode, a second or more on a small
+# machine, for a check of pagemill's own ops that their tests make.
 OP_ALIASING_CHECK_ENV = "PAGEMILL_CHECK_OP_ALIASING"
 
 
@@ -75,12 +73,16 @@ def op_aliasing_check_enabled() -> bool:
     return env_switch(OP_ALIASING_CHECK_ENV, default=False)
 
 
-def first_call_checks() -> contextlib.AbstractContextManager[object]:
-    """Around the warm-up: torch's first-call aliasing check of custom ops, as
-    `PAGEMILL_CHECK_OP_ALIASING` says."""
+def apply_first_call_checks() -> None:
+    """torch's first-call aliasing check of custom ops, on or off as
+    `PAGEMILL_CHECK_OP_ALIASING` says, for the whole process (torch's own setting).
+
+    Process-wide, not around the warm-up alone: torch counts a graph's first call as done
+    only once it has run the check, so a check skipped in the warm-up ran in the first
+    request's step instead (seconds of a warm start's first request on a small machine)."""
     import torch._functorch.config as functorch_config
 
-    return functorch_config.patch(check_custom_op_aliasing=op_aliasing_check_enabled())
+    functorch_config.check_custom_op_aliasing = op_aliasing_check_enabled()
 
 
 @dataclass(slots=True)
@@ -460,6 +462,7 @@ class ModelRunner:
         """Run each graph's throwaway step (its KV written from block `first_block` on);
         `job` counts the graphs ready."""
         self.compiled = True
+        apply_first_call_checks()  # each graph's first call is in this warm-up
         todo = self._warm_up_steps()
         start = time.perf_counter()
         logger.info(
@@ -478,8 +481,7 @@ class ModelRunner:
             self.input_batch = self._new_input_batch()
             self.requests = {}
             try:
-                with first_call_checks():  # each graph's first call is this one
-                    self.execute_model(batch)
+                self.execute_model(batch)
             finally:
                 self.input_batch, self.requests = saved
             if job is not None:
