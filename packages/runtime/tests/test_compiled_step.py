@@ -291,19 +291,21 @@ def test_first_call_aliasing_check_follows_its_switch(monkeypatch) -> None:
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(runtime_wrappers, "_check_custom_op_aliasing", count)
-    monkeypatch.setattr(  # torch's own setting is back after the test
-        functorch_config, "check_custom_op_aliasing", functorch_config.check_custom_op_aliasing
-    )
-    x = torch.ones(4)
-    for value, expected in (("1", 1), ("", 0), ("0", 0)):
-        monkeypatch.setenv(OP_ALIASING_CHECK_ENV, value)
-        apply_first_call_checks()
-        torch._dynamo.reset()
-        checked.clear()
-        fn = torch.compile(lambda t: _twice(t) + 1, backend="aot_eager", fullgraph=True)
-        for _ in range(3):  # the warm-up's call, then requests' calls
-            assert torch.equal(fn(x), x * 2 + 1)
-        assert len(checked) == expected, (value, checked)
-    monkeypatch.setenv(OP_ALIASING_CHECK_ENV, "yes")
-    with pytest.raises(ValueError, match=OP_ALIASING_CHECK_ENV):
-        apply_first_call_checks()
+    # Restored by hand: monkeypatch would delete the setting (a torch config module keeps
+    # it outside its __dict__), which hides it from every later compile in the process.
+    before = functorch_config.check_custom_op_aliasing
+    fn = torch.compile(lambda t: _twice(t) + 1, backend="aot_eager", fullgraph=True, dynamic=False)
+    try:
+        for size, (value, expected) in enumerate((("1", 1), ("", 0), ("0", 0)), 4):
+            monkeypatch.setenv(OP_ALIASING_CHECK_ENV, value)
+            apply_first_call_checks()
+            checked.clear()
+            x = torch.ones(size)  # a new shape: a new graph, with its own first call
+            for _ in range(3):  # the warm-up's call, then requests' calls
+                assert torch.equal(fn(x), x * 2 + 1)
+            assert len(checked) == expected, (value, checked)
+        monkeypatch.setenv(OP_ALIASING_CHECK_ENV, "yes")
+        with pytest.raises(ValueError, match=OP_ALIASING_CHECK_ENV):
+            apply_first_call_checks()
+    finally:
+        functorch_config.check_custom_op_aliasing = before
