@@ -168,6 +168,8 @@ class KVStorage:
         that page alone."""
         if self.backend != "numpy":
             return False
+        if not background:
+            gate = None  # mapping now, whatever the engine is doing
         arrays = self.k_caches + self.v_caches
         madvise = libc_madvise()
         if madvise is not None and madvise(0, 0, MADV_POPULATE_WRITE) == 0:

@@ -79,7 +79,7 @@ def apply_first_call_checks() -> None:
 
     Process-wide, not around the warm-up alone: torch counts a graph's first call as done
     only once it has run the check, so a check skipped in the warm-up ran in the first
-    request's step instead (seconds of a warm start's first request on a small machine)."""
+    request's step instead."""
     import torch._functorch.config as functorch_config
 
     functorch_config.check_custom_op_aliasing = op_aliasing_check_enabled()

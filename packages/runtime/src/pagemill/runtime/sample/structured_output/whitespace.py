@@ -58,9 +58,9 @@ class WhitespaceCap:
         tokens = [bytes(t) for t in decoded_vocab][:vocab_size]
         tokens += [b""] * (vocab_size - len(tokens))  # padding rows of the LM head
         # What a token adds to the run it follows: all of itself when it is whitespace
-        # (or empty: special tokens decode to nothing here), else its leading whitespace,
-        # which ends the run (the run after it is its trailing whitespace); a token that
-        # holds a run past the caps further in is never allowed.
+        # (or empty: padding rows), else its leading whitespace, which ends the run (the
+        # run after it is its trailing whitespace); a token that holds a run past the
+        # caps further in is never allowed.
         n = len(tokens)
         self._all_ws = [False] * n
         self._need: list[Run] = [(0, 0)] * n
