@@ -233,3 +233,69 @@ def test_refused_huge_page_advice_leaves_ordinary_pages(monkeypatch: pytest.Monk
     assert not s.huge_pages
     s.k_caches[0][255, 15, 3, 63] = 9
     assert s.k_caches[0].shape == (256, 16, 4, 64) and s.k_caches[0][255, 15, 3, 63] == 9
+
+
+def _mappings(lo: int, hi: int) -> list[tuple[int, int, int, str]]:
+    """(start, end, AnonHugePages KiB, VmFlags) of each of this process's mappings
+    overlapping [lo, hi), from /proc/self/smaps."""
+    out: list[tuple[int, int, int, str]] = []
+    start = end = huge = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=1)[0] if line.strip() else ""
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+            elif head == "AnonHugePages:":
+                huge = int(line.split()[1])
+            elif head == "VmFlags:" and start < hi and lo < end:
+                out.append((start, end, huge, line.split(":", 1)[1].strip()))
+    return out
+
+
+@thp_only
+def test_keep_small_pages_leaves_the_rest_of_the_pool_on_huge_pages() -> None:
+    """The blocks an engine warms up on stay on 4 KB pages (`MADV_NOHUGEPAGE` on the whole
+    huge pages around them), in every layer's K and V; the rest of each array still gets
+    huge pages from the prefault, and contents written before it are kept."""
+    # 8 KiB blocks, 512 of them: two huge pages per array.
+    s = KVStorage(2, 512, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)
+    huge = 2 << 20
+    assert s.keep_small_pages(250, 10)  # blocks 250-259 straddle the first page boundary
+    for a in s.k_caches + s.v_caches:
+        a[255, 0, 0, 0] = 7
+    assert s.prefault(background=False)
+    for a in s.k_caches + s.v_caches:
+        base = a.ctypes.data
+        maps = _mappings(base, base + 2 * huge)
+        small = [m for m in maps if "nh" in m[3].split()]
+        # Both huge pages hold a warm-up block: both are small pages, with nothing huge.
+        assert [(m[0], m[1]) for m in small] == [(base, base + 2 * huge)], maps
+        assert all(m[2] == 0 for m in small)
+        assert a[255, 0, 0, 0] == 7 and int(a.astype(np.int64).sum()) == 7
+
+
+@thp_only
+def test_keep_small_pages_takes_only_the_huge_pages_holding_the_blocks() -> None:
+    s = KVStorage(1, 1024, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)  # 8 MiB
+    huge = 2 << 20
+    assert s.keep_small_pages(0, 3)
+    assert s.prefault(background=False)
+    for a in s.k_caches + s.v_caches:
+        base = a.ctypes.data
+        maps = _mappings(base, base + 4 * huge)
+        small = [(m[0], m[1]) for m in maps if "nh" in m[3].split()]
+        assert small == [(base, base + huge)], maps
+        rest = [m for m in maps if m[1] > base + huge]
+        assert all("hg" in m[3].split() for m in rest), maps
+        # The kernel backs the rest with huge pages where it has them free (most of it).
+        assert sum(m[2] for m in rest) * 1024 >= huge, maps
+
+
+def test_keep_small_pages_without_huge_pages_or_blocks_is_a_no_op() -> None:
+    s = KVStorage(1, 64, 16, 4, 64, dtype="bfloat16", device="cpu")
+    assert not s.keep_small_pages(0, 8)
+    h = KVStorage(1, 64, 16, 4, 64, dtype="bfloat16", device="cpu", huge_pages=True)
+    assert not h.keep_small_pages(0, 0)
+    if h.huge_pages:
+        with pytest.raises(ValueError, match="first_block 64"):
+            h.keep_small_pages(64, 1)

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagemill.blockpool import KVStorage
 from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.engine.core import COMPILE_BACKGROUND_ENV
 from pagemill.runtime.worker import model_runner as model_runner_module
@@ -157,6 +158,47 @@ def test_blocking_when_switched_off(tiny_llama, tmp_path, monkeypatch) -> None:
     runner = LLM(str(folder), **ENGINE).llm_engine.engine_core.model_runner
     assert runner.background is None and runner.compiled
     assert calls == [threading.main_thread().name] * 2  # compiled before ready, here
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_the_warm_up_writes_only_blocks_kept_off_huge_pages(
+    tiny_llama, tmp_path, monkeypatch, background: bool
+) -> None:
+    """The warm-up's blocks are put on 4 KB pages before it writes them (a huge page's first
+    touch cost a warm start ~1 s in a small VM), and it writes no other block: before ready
+    (from block 0) and in the background (the pool's last blocks)."""
+    folder, _ = tiny_llama
+    _cold_env(monkeypatch, tmp_path)
+    if not background:
+        monkeypatch.setenv(COMPILE_BACKGROUND_ENV, "0")
+    calls: list[tuple[int, int, bool]] = []
+    keep = KVStorage.keep_small_pages
+
+    def spy(self: KVStorage, first_block: int, num_blocks: int) -> bool:
+        untouched = all(
+            not a[first_block : first_block + num_blocks].any()
+            for a in self.k_caches + self.v_caches
+        )
+        calls.append((first_block, num_blocks, untouched))
+        return keep(self, first_block, num_blocks)
+
+    monkeypatch.setattr(KVStorage, "keep_small_pages", spy)
+    monkeypatch.setattr(
+        model_runner_module,
+        "compile_forward",
+        lambda m, freezing=True, regional=None: m.forward,
+    )
+    llm = LLM(str(folder), **ENGINE)
+    core = llm.llm_engine.engine_core
+    runner = core.model_runner
+    assert (runner.background is not None) == background
+    if background:
+        assert core.wait_for_compile(120)
+    first = core.num_blocks if background else 0
+    count = runner.warm_up_blocks()
+    assert calls == [(first, count, True)]
+    written = {b for t in _kv(llm) for b in range(t.shape[0]) if bool(t[b].ne(0).any())}
+    assert written and written <= set(range(first, first + count))
 
 
 _START = """

@@ -27,6 +27,7 @@ import numpy as np
 # header that has them.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
 
 
 def huge_page_size() -> int:

@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from pagemill.blockpool.host_memory import (
+    MADV_NOHUGEPAGE,
     MADV_POPULATE_WRITE,
+    huge_page_size,
     huge_page_zeros,
     libc_madvise,
     zeros_mapping,
@@ -211,6 +213,37 @@ class KVStorage:
             _touch(a)
         self.prefaulted = True
         return True
+
+    def keep_small_pages(self, first_block: int, num_blocks: int) -> bool:
+        """Keep the huge pages holding blocks [first_block, first_block + num_blocks) of
+        every layer's K and V on 4 KB pages instead (`MADV_NOHUGEPAGE`); whether the kernel
+        took the advice everywhere (False for a pool without huge pages: nothing to do).
+
+        For the few blocks an engine writes before the pool is prefaulted (its compile
+        warm-up): a huge page's first touch can cost far more than the 4 KB pages a write
+        needs. In a VM whose host takes freed huge pages back (free page reporting), every
+        huge page is backed anew on its first touch, while freed 4 KB pages are reused
+        warm; a warm-up that writes a block per layer touches a huge page in every K and V
+        array. Only pages not yet populated change; the rest of the pool keeps its huge
+        pages (the decode kernel's reason for them)."""
+        if not self.huge_pages or num_blocks <= 0:
+            return False
+        if not 0 <= first_block < self.num_blocks:
+            raise ValueError(f"first_block {first_block} is not a block of {self.num_blocks}")
+        madvise = libc_madvise()
+        if madvise is None:
+            return False
+        huge = huge_page_size()
+        last = min(first_block + num_blocks, self.num_blocks)
+        took = True
+        for a in self.k_caches + self.v_caches:
+            block_bytes = a.nbytes // self.num_blocks
+            # The arrays start on a huge-page boundary (`huge_page_zeros`): whole huge pages
+            # around the range, so no huge page is left half advised.
+            lo = a.ctypes.data + first_block * block_bytes // huge * huge
+            hi = a.ctypes.data + -(-last * block_bytes // huge) * huge
+            took = madvise(lo, hi - lo, MADV_NOHUGEPAGE) == 0 and took
+        return took
 
     def wait_prefaulted(self) -> None:
         if self._prefault_thread is not None:

@@ -300,6 +300,7 @@ class ModelRunner:
         start = time.perf_counter()
         self.compile_cache = None
         self.compile_cache_loaded = False
+        self._warm_up_on_small_pages(0)
         if not compile_cache_enabled():
             self._forward = compile_forward(self.model)
             with model_trace_config():
@@ -348,6 +349,14 @@ class ModelRunner:
         key, parts = compile_cache_key(self.model, self.compile_settings())
         return CompileCache(CompileCache.root(), key, parts)
 
+    def _warm_up_on_small_pages(self, first_block: int) -> None:
+        """The warm-up's blocks on 4 KB pages (`KVStorage.keep_small_pages`): the warm-up runs
+        before the pool's prefault, and where a huge page's first touch is slow (in a VM) its
+        writes, a block in each layer's K and V, would pay one such touch per array."""
+        storage = None if self.kv_cache is None else self.kv_cache.storage
+        if storage is not None and first_block < storage.num_blocks:
+            storage.keep_small_pages(first_block, self.warm_up_blocks())
+
     def warm_up_blocks(self) -> int:
         """KV blocks the warm-up steps write: the longest one-request step's, or a block per
         request of the widest decode-only step, whichever is more."""
@@ -366,6 +375,7 @@ class ModelRunner:
         they share is read-only (weights, the pool's tensors). A compile that fails is
         logged once and leaves the engine eager for good.
         """
+        self._warm_up_on_small_pages(first_block)
         job = self.background = BackgroundCompile(total=len(self._warm_up_steps()))
         self.compile_cache = cache
         self.compile_cache_loaded = False
