@@ -241,6 +241,38 @@ def test_compact_json_and_gapless_schemas(tokenizer_info) -> None:
     assert xgr.GrammarMatcher(lone).accept_string("3")
 
 
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": -180, "maximum": 180},
+        {"exclusiveMinimum": -181, "exclusiveMaximum": 181},
+        {"minimum": 7, "maximum": 1234},
+    ],
+)
+def test_integer_bounds_hold_exactly(tokenizer_info, bounds: dict) -> None:
+    """An integer's bounds are enforced, not approximated (the limits accept them for that):
+    exactly the integers inside them complete the output. xgrammar 0.1 let 181-189 through
+    a maximum of 180 (a model sampling longitudes wrote 184)."""
+    import xgrammar as xgr
+
+    from pagemill.runtime.sample.structured_output.worker import compile_key
+
+    check(json={"type": "integer", **bounds})
+    grammar = compile_key(
+        xgr.GrammarCompiler(tokenizer_info), ("json", json.dumps({"type": "integer", **bounds}))
+    )
+    stop = tokenizer_info.stop_token_ids[0]
+    lo = bounds.get("minimum", bounds.get("exclusiveMinimum", 0) + 1)
+    hi = bounds.get("maximum", bounds.get("exclusiveMaximum", 0) - 1)
+
+    def completes(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        return matcher.accept_string(text) and matcher.accept_token(stop)
+
+    for value in [*range(-400, 400), *range(lo - 12, lo + 12), *range(hi - 12, hi + 12), 12340]:
+        assert completes(str(value)) == (lo <= value <= hi), value
+
+
 def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_info) -> None:
     # The deadline is CPU time, so "beside, not behind" is judged by order, not by the
     # wall clock: on a loaded 2-core box the small compile may wait for a core.
