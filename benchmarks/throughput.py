@@ -388,7 +388,14 @@ def step_time_table(
                     new = sum(len(c.token_ids) for c in out.outputs)
                     decoding[out.request_id] = decoding.get(out.request_id, 0) + new
                     if out.finished:
-                        raise RuntimeError(f"{out.request_id} finished during the step table")
+                        reason = out.outputs[0].finish_reason if out.outputs else None
+                        raise RuntimeError(
+                            f"{out.request_id} finished during the step table ({reason}): "
+                            f"{len(live)} requests of {args.step_context} prompt tokens and "
+                            "the tokens decoded at the smaller batch sizes may not fit the KV "
+                            "pool (an fp32 cache holds half a bf16 one's tokens); raise "
+                            "--kv-cache-gib or --step-max-tokens"
+                        )
             times, forwards, dense_times = [], [], []
             runner = engine.engine_core.model_runner
             dense_pass = dense.timer(n) if dense is not None else None
