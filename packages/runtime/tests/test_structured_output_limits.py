@@ -77,7 +77,9 @@ def check(**kw) -> None:
         ),
         (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),
         (dict(json={"type": "string", "maxLength": 100000}), "maxLength=100000"),
-        (dict(json={"type": "number", "minimum": 0, "maximum": 10}), "minimum, maximum can be"),
+        (dict(json={"minimum": 0, "maximum": 10}), "minimum, maximum can be enforced only"),
+        (dict(json={"type": "string", "exclusiveMinimum": 0}), "exclusiveMinimum can be"),
+        (dict(json={"type": ["number", "null"], "maximum": 1}), "maximum can be enforced"),
         (dict(json={"type": "integer", "multipleOf": 2}), "keyword.*multipleOf"),
     ],
 )
@@ -271,6 +273,59 @@ def test_integer_bounds_hold_exactly(tokenizer_info, bounds: dict) -> None:
 
     for value in [*range(-400, 400), *range(lo - 12, lo + 12), *range(hi - 12, hi + 12), 12340]:
         assert completes(str(value)) == (lo <= value <= hi), value
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"minimum": 0, "maximum": 10},
+        {"minimum": 0.5, "maximum": 2.25},
+        {"minimum": -3.75, "maximum": -1.5},
+        {"exclusiveMinimum": 0, "exclusiveMaximum": 1},
+        {"minimum": 0.001, "maximum": 5000},
+        {"maximum": -2.5},
+        {"exclusiveMinimum": 2.5},
+    ],
+)
+def test_number_bounds_hold(tokenizer_info, bounds: dict) -> None:
+    """A number's bounds are enforced (accepted by the limits since xgrammar 0.2.9): no value
+    outside them completes the output, and every one inside does when written in decimal
+    notation (an exponent is refused, as is "-0": narrower than JSON, never wrong)."""
+    import random
+    from decimal import Decimal
+
+    import xgrammar as xgr
+
+    from pagemill.runtime.sample.structured_output.worker import compile_key
+
+    schema = {"type": "number", **bounds}
+    check(json=schema)
+    grammar = compile_key(xgr.GrammarCompiler(tokenizer_info), ("json", json.dumps(schema)))
+    stop = tokenizer_info.stop_token_ids[0]
+
+    def inside(v: Decimal) -> bool:
+        d = {k: Decimal(str(x)) for k, x in bounds.items()}
+        return (
+            v >= d.get("minimum", v)
+            and v <= d.get("maximum", v)
+            and ("exclusiveMinimum" not in d or v > d["exclusiveMinimum"])
+            and ("exclusiveMaximum" not in d or v < d["exclusiveMaximum"])
+        )
+
+    rng = random.Random(0)
+    texts = set()
+    for _ in range(1500):
+        whole = rng.choice([0, 1, 2, 3, 5, 9, 10, 11, 99, 4999, 5000, 5001, rng.randrange(10**6)])
+        frac = rng.choice(["", ".0", ".5", ".25", ".75", ".001", ".0009", ".9999", ".50"])
+        texts.add(f"{rng.choice(['', '-'])}{whole}{frac}{rng.choice(['', '', 'e0', 'e-1'])}")
+    for text in sorted(texts):
+        matcher = xgr.GrammarMatcher(grammar)
+        completes = matcher.accept_string(text) and matcher.accept_token(stop)
+        value = Decimal(text)
+        if completes:
+            assert inside(value), text
+        elif "e" not in text and text.lstrip("-0.") != "":
+            assert not inside(value), text
 
 
 def test_runaway_compile_is_killed_at_its_deadline_and_blocks_nobody(tokenizer_info) -> None:

@@ -103,11 +103,12 @@ _SUPPORTED = frozenset(
         "strict",
     }
 )
-# Bounds xgrammar enforces exactly on integers only: on a "number" it both lets values past
-# the bound through (10.5 under maximum 10) and refuses values inside it (0.5 above
-# minimum 0), so there they are refused rather than half-honoured. (`multipleOf` it
-# ignores on every type, so it is not in _SUPPORTED.)
-_INTEGER_ONLY = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+# Bounds xgrammar enforces on an "integer" or a "number" (a "number" in decimal notation:
+# it refuses an exponent, never a value past the bound; 0.1 let values past an integer's
+# bound through, 0.2.9 does not). On a node of another or no type it drops them and lets any
+# value through, so there they are refused rather than ignored. (`multipleOf` it ignores on
+# every type, so it is not in _SUPPORTED.)
+_NUMERIC_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _FORMATS = frozenset(
     {
         "email",
@@ -159,12 +160,12 @@ def _walk(node: Any, root: Any, path: str, depth: int, state: dict[str, int]) ->
             f"{path}: unsupported JSON schema keyword(s) {', '.join(unknown)} "
             "(pagemill enforces only what it can; remove them)"
         )
-    bounds = [k for k in _INTEGER_ONLY if k in node]
-    if bounds and node.get("type") != "integer":
+    bounds = [k for k in _NUMERIC_BOUNDS if k in node]
+    if bounds and node.get("type") not in ("integer", "number"):
         raise ValueError(
-            f'{path}: {", ".join(bounds)} can be enforced only on "type": '
-            '"integer" (the grammar engine cannot bound a number exactly); '
-            "use an integer or remove them"
+            f'{path}: {", ".join(bounds)} can be enforced only beside "type": "integer" '
+            'or "type": "number" (elsewhere the grammar engine would drop them); add the '
+            "type or remove them"
         )
     fmt = node.get("format")
     if fmt is not None and fmt not in _FORMATS:
