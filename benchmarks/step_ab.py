@@ -15,10 +15,12 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `python-ops`: the KV write and attention through the Python custom ops in every graph
   (`LlamaAttention.direct_native_ops = False`), as before the graph called the C++
   operators directly;
-- `cpp-wrapper`: inductor's C++ wrapper for the graphs without the opaque attention plan
-  (`PAGEMILL_CPP_WRAPPER=1`, an experiment);
-- `python-wrapper`: no C++ wrapper at all (`PAGEMILL_CPP_WRAPPER=0`), against the
-  default's C++ wrapper for the one-token graph (`single`);
+- `cpp-wrapper-single`: inductor's C++ wrapper for the one-token graph only
+  (`PAGEMILL_CPP_WRAPPER=single`), the decode-only graphs of several requests on the Python
+  wrapper, against the default's C++ wrapper for every graph without the attention plan;
+- `cpp-wrapper-before`: `single`, its wrapper built as one -O3 unit with the fused loops
+  (`compilation.CPP_WRAPPER_BUILD_SEPARATE = False`): the default before both;
+- `python-wrapper`: no C++ wrapper at all (`PAGEMILL_CPP_WRAPPER=0`);
 - `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
   = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before;
 - `host-before`: both of the last two (the one-token graph's host path as before them);
@@ -77,7 +79,8 @@ VARIANTS = (
     "regional",
     "loops-before",
     "python-ops",
-    "cpp-wrapper",
+    "cpp-wrapper-single",
+    "cpp-wrapper-before",
     "python-wrapper",
     "float-inputs",
     "host-before",
@@ -119,8 +122,11 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         compilation.INDUCTOR_OPTIONS = {}
     elif name == "python-ops":
         LlamaAttention.direct_native_ops = False
-    elif name == "cpp-wrapper":
-        os.environ[compilation.CPP_WRAPPER_ENV] = "1"
+    elif name == "cpp-wrapper-single":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "single"
+    elif name == "cpp-wrapper-before":
+        os.environ[compilation.CPP_WRAPPER_ENV] = "single"
+        compilation.CPP_WRAPPER_BUILD_SEPARATE = False
     elif name == "python-wrapper":
         os.environ[compilation.CPP_WRAPPER_ENV] = "0"
     elif name == "float-inputs":
@@ -141,6 +147,7 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         LlamaAttention.direct_native_ops = True
         os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
         compilation.SPECIALIZE_FLOATS = True
+        compilation.CPP_WRAPPER_BUILD_SEPARATE = True
         if saved_regional is None:
             os.environ.pop(compilation.REGIONAL_ENV, None)
         else:

@@ -182,16 +182,19 @@ def test_key_changes_with_the_wrapper_and_float_settings(tiny_llama, monkeypatch
     llm = _eager(folder, dtype="float32")
     monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
     base = _key(llm)
-    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")  # the default
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "1")  # the default
     assert _key(llm) == base
     keys = {base}
-    for mode in ("0", "1"):
+    for mode in ("0", "single"):
         monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, mode)
         keys.add(_key(llm))
     monkeypatch.delenv(compilation.CPP_WRAPPER_ENV)
+    monkeypatch.setattr(compilation, "CPP_WRAPPER_BUILD_SEPARATE", False)
+    keys.add(_key(llm))
+    monkeypatch.setattr(compilation, "CPP_WRAPPER_BUILD_SEPARATE", True)
     monkeypatch.setattr(compilation, "SPECIALIZE_FLOATS", False)
     keys.add(_key(llm))
-    assert len(keys) == 4
+    assert len(keys) == 5
 
 
 def test_key_ignores_what_stays_out_of_the_graph(tiny_llama) -> None:

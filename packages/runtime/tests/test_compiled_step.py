@@ -220,8 +220,8 @@ def test_cpp_wrapper_mode_is_checked(monkeypatch) -> None:
     from pagemill.runtime.worker import compilation
 
     monkeypatch.delenv(compilation.CPP_WRAPPER_ENV, raising=False)
-    assert compilation.cpp_wrapper_mode() == "single"
-    for value, mode in (("", "single"), ("0", "0"), ("1", "1"), (" single ", "single")):
+    assert compilation.cpp_wrapper_mode() == "1"
+    for value, mode in (("", "1"), ("0", "0"), ("1", "1"), (" single ", "single")):
         monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, value)
         assert compilation.cpp_wrapper_mode() == mode
     monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "yes")
@@ -229,18 +229,21 @@ def test_cpp_wrapper_mode_is_checked(monkeypatch) -> None:
         compilation.cpp_wrapper_mode()
 
 
-@pytest.mark.slow  # a C++ wrapper's build adds tens of seconds to the tiny model's compile
-def test_cpp_wrapper_for_the_one_token_graph_only(
-    tiny_llama, hf_greedy, random_prompts, monkeypatch, caplog
+@pytest.mark.slow  # C++ wrappers' builds add tens of seconds to the tiny model's compile
+@pytest.mark.parametrize("mode", ["single", "1"])
+def test_cpp_wrapper_graphs(
+    tiny_llama, hf_greedy, random_prompts, monkeypatch, caplog, mode
 ) -> None:
     # `single`: the one-token graph (every batch-1 decode) gets a C++ wrapper, the token-
-    # dynamic graphs keep the Python one; tokens must not change either way.
+    # dynamic graphs keep the Python one. `1` (the default): the decode-only graphs of
+    # several requests get one too; the graphs that take the attention plan (prefill-like
+    # steps) cannot. Tokens must not change either way.
     if compile_unavailable_reason(torch.device("cpu")) is not None:
         pytest.skip(compile_unavailable_reason(torch.device("cpu")))
     from pagemill.runtime.worker import compilation
 
     monkeypatch.delenv(ENFORCE_EAGER_ENV, raising=False)
-    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, "single")
+    monkeypatch.setenv(compilation.CPP_WRAPPER_ENV, mode)
     folder, model = tiny_llama
     with caplog.at_level("INFO", logger=compilation.__name__):
         llm = LLM(str(folder), dtype="float32", max_num_seqs=4, kv_cache_memory_bytes=4 << 20)
@@ -249,9 +252,14 @@ def test_cpp_wrapper_for_the_one_token_graph_only(
         for r in caplog.records
         if r.getMessage().startswith("compile: a graph with cpp_wrapper=")
     ]
-    assert sorted(wrapped) == [False] * (len(wrapped) - 1) + [True]
+    assert llm.llm_engine.engine_core.model_runner.decode_graph_token_counts()
+    assert wrapped.count(False) >= 1  # the graphs that take the attention plan
+    if mode == "single":
+        assert wrapped.count(True) == 1
+    else:  # the one-token graph and at least one decode-only graph of several requests
+        assert wrapped.count(True) >= 2
     prompts = random_prompts([1, 7, 30], model.config.vocab_size, seed=31)
-    # The last request decodes alone for its last steps: on the one-token graph.
+    # Three requests decode together, then two, then the last alone: every decode graph.
     max_tokens = [3, 6, 14]
     params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
     outs = llm.generate(prompts, params, use_tqdm=False)

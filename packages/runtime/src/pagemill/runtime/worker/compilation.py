@@ -17,12 +17,13 @@ bound. Guards: dynamo would check every parameter and module attribute on every 
 (~3,700 guards, ~3 ms a step); the model does not change between steps, so only the
 inputs' guards are kept. Every graph is compiled at start-up.
 
-Per-call host cost of the one-token graph (a batch-1 decode, where the weights' streaming
-is most of the step and Python the rest): its floats (the norms' epsilons) are traced as
-constants (`model_trace_config`), not as inputs the frame's prologue wraps in a tensor
-each call, and it gets inductor's C++ wrapper (`CPP_WRAPPER_ENV`), which calls its ~300
-kernels and ops from C++; the token-dynamic graphs keep the Python wrapper, whose cold
-build is far cheaper and whose per-call cost is a smaller share of their larger steps.
+Per-call host cost (largest at batch 1, where the weights' streaming is most of the step
+and Python the rest): the floats (the norms' epsilons) are traced as constants
+(`model_trace_config`), not as inputs the frame's prologue wraps in a tensor each call, and
+the one-token graph and the decode-only graphs of several requests get inductor's C++
+wrapper (`CPP_WRAPPER_ENV`), which calls their ~300 kernels and ops from C++; the graphs
+that take the attention plan (prefill-like steps) keep the Python wrapper, whose per-call
+cost is a small share of their larger steps.
 
 Inductor's on-disk cache (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says
 otherwise) keeps the generated code, so a later start skips code generation and C++ builds.
@@ -186,20 +187,28 @@ def _private_forward(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 # packed/dense crossover's) is judged at that size.
 INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size": 1024}
 # Which graphs get a C++ wrapper (inductor's `cpp_wrapper`) instead of the Python one that
-# calls their kernels: `1` every graph that can have one (those without the attention plan,
-# an opaque Python object a C++ wrapper cannot pass: decode-only steps on the C++ decode
-# operator), `single` only the graph of a one-token step (no symbolic size: the batch-1
-# decode, where the wrapper's per-call Python is the largest share of the step; the
-# default), `0` none. A C++ wrapper makes that graph's cold compile several times longer
-# (the background compile of a cold start, not the time to healthy nor a warm start).
+# calls their kernels: `1` every graph that can have one (the default: those without the
+# attention plan, an opaque Python object a C++ wrapper cannot pass, i.e. the one-token
+# graph and the decode-only graphs of several requests on the C++ decode operator),
+# `single` only the graph of a one-token step (no symbolic size: the batch-1 decode), `0`
+# none. The Python wrapper pays interpreter time per kernel and op it calls (~250 in a
+# decode step of this model), whatever the batch size; the C++ one calls them from C++.
+# A C++ wrapper costs cold compile time (the background compile of a cold start, not the
+# time to healthy nor a warm start), which `CPP_WRAPPER_BUILD_SEPARATE` keeps down.
 CPP_WRAPPER_ENV = "PAGEMILL_CPP_WRAPPER"
 _CPP_WRAPPER_MODES = ("0", "1", "single")
+# Inductor's `cpp_wrapper_build_separate`: the wrapper (thousands of lines of straight-line
+# calls) compiles at -O1 and apart from the fused loops, which keep -O3. Built as one -O3
+# unit, the wrappers were most of a cold compile's C++ time; the wrapper's own code is not
+# where a step spends its time (the loops and the ops it calls are). Off only to measure it
+# (`benchmarks/step_ab.py --variant cpp-wrapper-before`).
+CPP_WRAPPER_BUILD_SEPARATE = True
 
 
 def cpp_wrapper_mode() -> str:
-    """`0`, `1` or `single` (see `CPP_WRAPPER_ENV`; unset: `single`); any other value is
+    """`0`, `1` or `single` (see `CPP_WRAPPER_ENV`; unset: `1`); any other value is
     refused."""
-    value = os.environ.get(CPP_WRAPPER_ENV, "single").strip() or "single"
+    value = os.environ.get(CPP_WRAPPER_ENV, "1").strip() or "1"
     if value not in _CPP_WRAPPER_MODES:
         raise ValueError(f"{CPP_WRAPPER_ENV} must be one of {_CPP_WRAPPER_MODES}, got {value!r}")
     return value
@@ -260,6 +269,8 @@ def _inductor_per_graph(options: dict[str, Any], single_only: bool = False) -> C
         if single_only and _has_symbolic_input(example_inputs):
             wrap = False
         patches = {**options, "cpp_wrapper": wrap}
+        if wrap:
+            patches["cpp_wrapper_build_separate"] = CPP_WRAPPER_BUILD_SEPARATE
         logger.info("compile: a graph with cpp_wrapper=%s", patches["cpp_wrapper"])
         return compile_fx(gm, example_inputs, config_patches=patches)
 
@@ -549,6 +560,7 @@ def compile_cache_key(
         "format": _CACHE_FORMAT,
         "regional": regional_enabled(),
         "cpp_wrapper": cpp_wrapper_mode(),
+        "cpp_wrapper_build_separate": CPP_WRAPPER_BUILD_SEPARATE,
         "specialize_floats": SPECIALIZE_FLOATS,
         # Class-wide switches (not in any module's own attributes) that change the graph.
         "classes": class_switches(model),
