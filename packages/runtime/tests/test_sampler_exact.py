@@ -210,3 +210,31 @@ def test_compiled_kernels_draw_like_eager_ones() -> None:
         compiled = _seeded_runs(dtype, kernels)
         assert all(r == compiled[0] for r in compiled)
         assert compiled == _seeded_runs(dtype, RowKernels(native=False))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("scale", [1 - 2e-7, 1 + 2e-7])
+def test_the_ends_of_u_draw_the_first_and_last_candidates_whatever_the_block_sums_rounding(
+    native: bool, scale: float
+) -> None:
+    """A block's sum is an fp32 sum, ~1e-7 of itself away from the float64 sum of its
+    weights; a candidate lighter than that rounding must still be the one a u next to 1
+    draws (it was skipped when the fp32 sum came out low), and the first one u = 0 draws."""
+    from pagemill.runtime.sample.row_kernels import BLOCK
+
+    kernels = RowKernels(native=native)
+    vocab = 3 * BLOCK + 5  # the last block is partial
+    x = torch.zeros(1, vocab)
+    x[0, -1] = -20.0  # weight ~2e-9: below the rounding of its block's sum
+    x[0, :40] = float("-inf")  # the first candidates are not at column 0
+    t = torch.ones(1)
+    thr_z = torch.full((1,), float("-inf"))
+    thr_id = torch.full((1,), vocab, dtype=torch.long)
+    peak = kernels.scaled_max(x, None, t)
+    sums = kernels.block_sums(x, None, t, peak, thr_z, thr_id).clone()
+    sums[0, -1] *= scale  # as an fp32 sum may round it, either way
+    ends = torch.tensor([1.0 - 2**-53])
+    got = kernels.pick(x, None, sums, ends, t, peak, thr_z, thr_id)
+    assert got.tolist() == [vocab - 1]
+    got = kernels.pick(x, None, sums, torch.zeros(1, dtype=torch.float64), t, peak, thr_z, thr_id)
+    assert got.tolist() == [40]

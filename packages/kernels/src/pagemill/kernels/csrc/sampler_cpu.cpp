@@ -250,13 +250,19 @@ void row_block_sums(const void* row, int64_t vocab, float t, float peak, const f
 }
 
 // The first candidate whose running weight exceeds u x the row's candidate mass (float64
-// running sums, blocks first), as `_pick_in_blocks` in the sampler does it: a target
+// running sums, blocks first), as `pick_in_blocks` in the sampler does it: a target
 // rounded past the last block (or column) with weight takes that one; weight 0 is never
-// chosen.
+// chosen. Within the chosen block the target is placed as a share of the block's mass:
+// `sums[b]` is an fp32 sum, ~1e-7 of itself away from the float64 sum of the weights walked
+// here, and a remainder measured against one but walked against the other skipped the
+// block's last candidates for a u near 1 (their weight below that rounding). `scratch`
+// holds nb + block doubles.
 template <typename L>
 int64_t row_pick(const void* row, int64_t vocab, float t, float peak, const float* tz,
                  const int64_t* ti, const float* sums, int64_t nb, int64_t block, double u,
-                 double* cum) {
+                 double* scratch) {
+    double* cum = scratch;
+    double* wb = scratch + nb;  // the chosen block's weights
     double acc = 0.0;
     int64_t last_b = 0;
     for (int64_t b = 0; b < nb; ++b) {
@@ -268,12 +274,11 @@ int64_t row_pick(const void* row, int64_t vocab, float t, float peak, const floa
     int64_t b = 0;
     while (b < nb && cum[b] <= target) ++b;
     if (b > last_b) b = last_b;
-    const double rest = target - (b > 0 ? cum[b - 1] : 0.0);
+    const double before = b > 0 ? cum[b - 1] : 0.0;
     const int64_t c0 = b * block;
-    double inner = 0.0;
-    int64_t last_j = 0;
-    int64_t chosen = -1;
     const int64_t c1 = std::min(vocab, c0 + block);
+    double total = 0.0;
+    int64_t last_j = 0;
 #if defined(PAGEMILL_SAMPLER_AVX2)
     alignas(32) float ws[8];
 #endif
@@ -290,14 +295,21 @@ int64_t row_pick(const void* row, int64_t vocab, float t, float peak, const floa
         float w = weight_exp(z - peak);
         if (tz && !(z > *tz || (z == *tz && c < *ti))) w = 0.0f;
 #endif
+        wb[j] = w > 0.0f ? static_cast<double>(w) : 0.0;
         if (w > 0.0f) {
             last_j = j;
-            inner += static_cast<double>(w);
-            if (chosen < 0 && inner > rest) chosen = j;
+            total += static_cast<double>(w);
         }
     }
-    if (chosen < 0 || chosen > last_j) chosen = last_j;
-    return c0 + chosen;
+    const double rest = sums[b] > 0.0f ? (target - before) / sums[b] * total : 0.0;
+    double inner = 0.0;
+    for (int64_t j = 0; j <= last_j; ++j) {
+        if (wb[j] > 0.0) {
+            inner += wb[j];
+            if (inner > rest) return c0 + j;
+        }
+    }
+    return c0 + last_j;
 }
 
 // Ranking of the sampler: larger z first, equal z by smaller token id (a sort's order).
@@ -480,18 +492,18 @@ int pagemill_sampler_pick(int dtype, const void* x, int64_t stride, const int64_
     if (dtype != 0 && dtype != 1) return -1;
 #pragma omp parallel num_threads(num_threads) if (n > 1)
     {
-        double* cum = new double[nb];
+        double* scratch = new double[nb + block];
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             const void* row = row_ptr(x, dtype, stride, rows, r);
             const float* tz = thr_z ? thr_z + r : nullptr;
             const int64_t* ti = thr_id ? thr_id + r : nullptr;
             out[r] = dtype == 0 ? row_pick<F32>(row, vocab, temperature[r], peak[r], tz, ti,
-                                                sums + r * nb, nb, block, u[r], cum)
+                                                sums + r * nb, nb, block, u[r], scratch)
                                 : row_pick<BF16>(row, vocab, temperature[r], peak[r], tz, ti,
-                                                 sums + r * nb, nb, block, u[r], cum);
+                                                 sums + r * nb, nb, block, u[r], scratch);
         }
-        delete[] cum;
+        delete[] scratch;
     }
     return 0;
 }

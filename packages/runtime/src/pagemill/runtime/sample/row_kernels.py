@@ -116,7 +116,10 @@ def pick_in_blocks(
 
     Sums are float64 from the blocks on. Rounding may put the target past the last block
     (or column) with any weight: it then takes that last one; a weight of 0 is never
-    chosen.
+    chosen. Within the block the target is placed as a share of the block's mass: its
+    `sums` entry is an fp32 sum, ~1e-7 of itself away from the float64 sum of the weights
+    walked here, and a remainder measured against one but walked against the other
+    skipped the block's last candidates for a u near 1.
     """
     n, nb = sums.shape
     vocab = x.shape[1]
@@ -136,7 +139,9 @@ def pick_in_blocks(
     keep = valid & ((z > tz) | ((z == tz) & (cols < ti)))
     w = torch.where(keep, w, 0.0)
     icum = w.double().cumsum(dim=-1)
-    j = torch.searchsorted(icum, target - before, right=True)
+    block_sum = sums.gather(1, b).double()
+    share = torch.where(block_sum > 0, (target - before) / block_sum, 0.0)
+    j = torch.searchsorted(icum, share * icum[:, -1:], right=True)
     inner = torch.arange(BLOCK, device=x.device)
     j = torch.minimum(j, torch.where(w > 0, inner, 0).amax(dim=-1, keepdim=True))
     return (b * BLOCK + j).squeeze(1)
