@@ -191,7 +191,7 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"size_asserts": False, "cpp.min_chunk_size":
 # attention plan, an opaque Python object a C++ wrapper cannot pass, i.e. the one-token
 # graph and the decode-only graphs of several requests on the C++ decode operator),
 # `single` only the graph of a one-token step (no symbolic size: the batch-1 decode), `0`
-# none. The Python wrapper pays interpreter time per kernel and op it calls (~250 in a
+# none. The Python wrapper pays interpreter time per kernel and op it calls (~300 in a
 # decode step of this model), whatever the batch size; the C++ one calls them from C++.
 # A C++ wrapper costs cold compile time (the background compile of a cold start, not the
 # time to healthy nor a warm start), which `CPP_WRAPPER_BUILD_SEPARATE` keeps down.
