@@ -418,3 +418,60 @@ def test_commands_after_shutdown_fail_instead_of_hanging() -> None:
     with pytest.raises(EngineDeadError):
         client.submit(lambda e: None).result(timeout=10)
     assert not client.is_dead
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_bench_serve_warms_up_on_prompts_it_does_not_measure(
+    monkeypatch: pytest.MonkeyPatch, warmup: bool
+) -> None:
+    """A warm-up on the measured prompts would let the server's prefix cache serve their
+    prefill, and the level would report a time to first token no fresh request sees."""
+    import asyncio
+
+    import httpx
+
+    from pagemill.server.bench import benchmark
+
+    def models(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": [{"id": "m"}]})
+
+    real_client = httpx.AsyncClient
+
+    def client(*args: object, **kwargs: object) -> httpx.AsyncClient:
+        return real_client(transport=httpx.MockTransport(models))
+
+    calls: list[tuple[list[list[int]], int]] = []
+
+    async def run_level(
+        base_url: str, model: str, prompts: list[list[int]], output_len: int, *rest: object
+    ) -> dict[str, object]:
+        calls.append((prompts, output_len))
+        return {
+            "completed": len(prompts),
+            "num_requests": len(prompts),
+            "output_throughput": 1.0,
+            "itl_over_decode_step": 1.0,
+            "tpot_over_decode_step": 1.0,
+            "server_cpu": None,
+        }
+
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    monkeypatch.setattr(benchmark, "run_level", run_level)
+    parser = build_parser()
+    args = parser.parse_args(
+        ["bench", "serve", "--concurrency", "4", "--num-prompts", "10", "--input-len", "8"]
+        + ([] if warmup else ["--no-warmup"])
+    )
+    asyncio.run(benchmark._run_all(args, "http://127.0.0.1:1"))
+
+    measured, out_len = calls[-1]
+    assert out_len == args.output_len
+    # The measured prompts are the ones the seed always drew.
+    assert measured == benchmark.make_prompts(10, 8, args.token_low, args.token_high, args.seed)
+    if warmup:
+        assert len(calls) == 2
+        warm, warm_len = calls[0]
+        assert len(warm) == 4 and warm_len == 4
+        assert not {tuple(p) for p in warm} & {tuple(p) for p in measured}
+    else:
+        assert len(calls) == 1

@@ -54,6 +54,19 @@ def make_prompts(num: int, input_len: int, low: int, high: int, seed: int) -> li
     return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
 
 
+def level_prompts(
+    count: int, warm: int, input_len: int, low: int, high: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """A level's `count` prompts and `warm` warm-up prompts, drawn apart.
+
+    The warm-up prompts come after the measured ones in the same stream: were they the
+    measured prompts themselves, a server with a prefix cache (pagemill's, llama-server's
+    slot cache) would serve their prefill from the warm-up's blocks and report a time to
+    first token no fresh request sees."""
+    drawn = make_prompts(count + warm, input_len, low, high, seed)
+    return drawn[:count], drawn[count:]
+
+
 async def _one_request(
     client: httpx.AsyncClient,
     url: str,
@@ -417,14 +430,19 @@ async def _run_all(
     if len(counts) != len(args.concurrency):
         raise ValueError("--num-prompts takes one count, or one per concurrency level")
     for i, (conc, count) in enumerate(zip(args.concurrency, counts)):
-        prompts = make_prompts(
-            count, args.input_len, args.token_low, args.token_high, args.seed + i
+        prompts, warm = level_prompts(
+            count,
+            min(conc, count) if args.warmup else 0,
+            args.input_len,
+            args.token_low,
+            args.token_high,
+            args.seed + i,
         )
-        if args.warmup:
+        if warm:
             await run_level(
                 base_url,
                 model,
-                prompts[: min(conc, len(prompts))],
+                warm,
                 4,
                 conc,
                 math.inf,
