@@ -13,7 +13,10 @@ Models, all from the default model's Q4_1 GGUF, built in one process and stepped
 - `int8 x0`: `PAGEMILL_CPU_INT8_ACTIVATIONS=0`, PyTorch's int4 kernel with bf16 activations
   (the Q8_0 LM head as two int4 planes);
 - `int8 x1`, `int8 x2`: pagemill's `gemv_q4` / `gemv_q8` with activations rounded to one
-  int8 plane per block of 32 (llama.cpp's rounding) or two (a residual plane).
+  int8 plane per block of 32 (llama.cpp's rounding) or two (a residual plane);
+- `x1 qkv+gate_up`, `x1 o+down`, `x1 head`: two planes but for the named layers, which get
+  one: which layers' inputs one plane hurts (one plane halves a compute-bound step's
+  integer work, so a group that took it harmlessly would be worth serving that way).
 
 The setting is read at import, so it is set on `Linear` before each model is built, and each
 model's layers are checked to be laid out for it. The text is cut into `--windows`
@@ -71,6 +74,15 @@ MODELS: dict[str, tuple[str, int, bool]] = {
     BASE: ("bfloat16", 0, False),
     "int8 x1": ("bfloat16", 1, False),
     "int8 x2": ("bfloat16", 2, False),
+    "x1 qkv+gate_up": ("bfloat16", 2, False),
+    "x1 o+down": ("bfloat16", 2, False),
+    "x1 head": ("bfloat16", 2, False),
+}
+# Two-plane models with some layers moved to one plane: which layers (module name suffixes).
+ONE_PLANE: dict[str, tuple[str, ...]] = {
+    "x1 qkv+gate_up": ("qkv_proj", "gate_up_proj"),
+    "x1 o+down": ("o_proj", "down_proj"),
+    "x1 head": ("logits_proj",),
 }
 
 CALLS: Counter[tuple[str, str]] = Counter()  # (model, path) -> calls
@@ -117,6 +129,15 @@ def build(name: str) -> tuple[Any, Any]:
     elif planes:
         assert all(m.int8_act == planes for m in layers if m.format != "dense"), formats
         assert model.logits_proj is not None and model.logits_proj.weight_format == "q8_0"
+        moved = [
+            m
+            for path, m in model.named_modules()
+            if isinstance(m, Linear) and path.endswith(ONE_PLANE.get(name, ()))
+        ]
+        assert bool(moved) == (name in ONE_PLANE), (name, len(moved))
+        for m in moved:
+            m.int8_act = 1
+        formats = Counter((m.weight_format, m.int8_act) for m in layers)
     else:
         assert all(m.int8_act == 0 for m in layers), formats
         assert any(m.weight_format == "int4" for m in layers), formats
