@@ -118,6 +118,15 @@ def test_a_burst_of_other_work_does_not_move_the_limit(tiny_llama, tmp_path, mon
         _hybrid(folder), tmp_path / "c.json", timer_with(lambda n, k: n == 4), rows
     )
     assert always == clean
+    # At 8 rows, the last packed wins, in both passes: the row counts the limit stands
+    # between are timed once more.
+    both = measure_packed_limits(
+        _hybrid(folder),
+        tmp_path / "d.json",
+        timer_with(lambda n, k: n == 8 and k <= PASSES),
+        rows,
+    )
+    assert both == clean
 
 
 def test_measured_limits_reach_the_layers_and_are_kept(tiny_llama, tmp_path, monkeypatch) -> None:
@@ -138,9 +147,18 @@ def test_measured_limits_reach_the_layers_and_are_kept(tiny_llama, tmp_path, mon
     for m in layers:
         assert m.packed_max_tokens == (8 if m is head else 2)
     assert packed_row_limits(model) == [2]  # the head is outside the compiled forward
-    # One measurement per layer kind and row count in each pass, not per layer.
+    # One measurement per layer kind and row count in each pass, not per layer; then one
+    # more of each kind at the two row counts its group's limit stands between.
     kinds = {layer_kind(m) for m in layers}
-    assert len(calls) == PASSES * 5 * len(kinds)
+    passes, confirm = calls[: PASSES * 5 * len(kinds)], calls[PASSES * 5 * len(kinds) :]
+    head_kind = layer_kind(head)
+    outs = {k: int(k.split(":")[1].split("x")[0]) for k in kinds}
+    assert sorted(passes) == sorted(
+        PASSES * [(outs[k], n) for k in kinds for n in (1, 2, 4, 8, 16)]
+    )
+    assert sorted(confirm) == sorted(
+        [(outs[k], n) for k in kinds for n in ((8, 16) if k == head_kind else (2, 4))]
+    )
     assert set(json.loads(path.read_text())) == kinds
 
     # A second start reads the file: nothing is timed, the same limits are set.
@@ -192,13 +210,15 @@ def test_int8_activation_layers_are_timed_at_large_batches(
     assert limits == {"lm_head": 2, "int8": 64}
     body = {layer_kind(m) for m in _packed(model) if m is not head}
     assert all(kind.endswith(":int8x1") for kind in body)  # not another path's timings
-    assert sorted(calls) == sorted(
-        PASSES
-        * (
-            [(head.out_features, n) for n in (1, 2)]
-            + [(int(k.split(":")[1].split("x")[0]), n) for k in body for n in (1, 2, 64, 128, 256)]
-        )
+    outs = [int(k.split(":")[1].split("x")[0]) for k in body]
+    passes = PASSES * (
+        [(head.out_features, n) for n in (1, 2)]
+        + [(out, n) for out in outs for n in (1, 2, 64, 128, 256)]
     )
+    # Then the limits' two row counts again: the head packed throughout (2 rows), the
+    # rest between 64 and 128.
+    confirm = [(head.out_features, 2)] + [(out, n) for out in outs for n in (64, 128)]
+    assert sorted(calls) == sorted(passes + confirm)
     assert json.loads(path.read_text())[min(body)]["rows"] == [1, 2, 64, 128, 256]
 
 

@@ -13,7 +13,9 @@ keeps its fastest pass: a burst of other work (a neighbour, the server's own pro
 starting) spoils a point in one pass, not in all. A time above the time of more rows on the
 same path is read as such a burst too (more rows never take less): each path's times are
 taken as their running minimum from the largest row count down before the crossover is
-read. Both matter because a result is kept for good: one start on a busy machine that saw
+read, and the two row counts each limit then stands between are timed once more (until
+the limit holds): a burst that spanned both passes at just those points does not decide.
+All of it matters because a result is kept for good: one start on a busy machine that saw
 dense win at 16 rows would serve every later 16-row step from the dense copies. Results
 are kept in a JSON file next to the compile cache, keyed by CPU features, torch version,
 thread count and the native kernels' sources, so later starts read them; a file that does
@@ -71,8 +73,10 @@ LARGE_ROW_COUNTS = (64, 128, 256)
 # last-level cache of most CPUs).
 REPS = 3
 SAMPLE_BYTES = 48 << 20
-# Passes over the whole table (see the module's docstring).
+# Passes over the whole table (see the module's docstring), then rounds of timing again
+# the two row counts each limit stands between, until it holds (`_confirm`).
 PASSES = 2
+CONFIRM_ROUNDS = 2
 # Past this per pass, the machine is too busy for the timings to mean anything. Generous: a slow
 # machine that is not busy at all (two cores without AVX-512, where fp32 dense copies and
 # packed kernels both take long at 256 rows) needs several times what a fast one does for
@@ -81,7 +85,7 @@ BUDGET_S = 20.0
 # Busy starts (measuring overran BUDGET_S) before the fixed table is kept for good.
 BUSY_ATTEMPTS = 3
 # Bump when what is measured, or how, changes: older results are then measured again.
-_FORMAT = 2
+_FORMAT = 3
 
 # (layers of one kind, rows) -> (packed seconds, dense seconds) per layer, and oneDNN seconds
 # on the dense weight third where the large side is AMX and a dense weight is there too
@@ -334,14 +338,16 @@ def measure_packed_limits(
                 BUSY_ATTEMPTS,
                 path,
             )
-        else:
+        known.update(fresh)
+        if elapsed <= total_budget:
+            measured = {g: members for g, members in groups.items() if members <= set(fresh)}
+            _confirm(known, kinds, measured, timer, start + total_budget)
             logger.info(
                 "packed vs dense: measured %d layer kinds in %.1f s (kept in %s)",
                 len(fresh),
-                elapsed,
+                time.perf_counter() - start,
                 path,
             )
-        known.update(fresh)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -354,17 +360,7 @@ def measure_packed_limits(
     for group, members in sorted(groups.items()):
         if any(known[k].get("busy") for k in members):
             continue  # keeps the table's limit
-        # The group's step time at each row count all its kinds were timed at: per-layer
-        # times times the layer counts.
-        shared = min((known[k]["rows"] for k in members), key=len)
-        counts = {k: len(kinds[k]) for k in members}
-        packed = _summed(known, counts, len(shared), "packed_ms")
-        dense = _summed(known, counts, len(shared), "dense_ms")
-        choice = [k for k in members if "onednn_ms" in known[k] and has_onednn_choice(kinds[k][0])]
-        # Kinds without the choice add their one large side to both sums.
-        onednn = _summed(known, counts, len(shared), "onednn_ms") if choice else dense
-        use_onednn = choice and _onednn_wins(shared, packed, dense, onednn)
-        limits[group] = crossover(shared, packed, onednn if use_onednn else dense)
+        limits[group], use_onednn, choice = _decide(known, kinds, members)
         for k in members:
             for layer in kinds[k]:
                 layer.packed_max_tokens = limits[group]
@@ -382,6 +378,67 @@ def measure_packed_limits(
             ),
         )
     return limits
+
+
+def _decide(
+    known: dict[str, Any], kinds: dict[str, list[Linear]], members: set[str]
+) -> tuple[int, bool, list[str]]:
+    """A group's limit from its kinds' timings: (limit, whether the large side is oneDNN on
+    the dense weight, the kinds that had that choice)."""
+    # The group's step time at each row count all its kinds were timed at: per-layer
+    # times times the layer counts.
+    shared = _shared_rows(known, members)
+    counts = {k: len(kinds[k]) for k in members}
+    packed = _summed(known, counts, len(shared), "packed_ms")
+    dense = _summed(known, counts, len(shared), "dense_ms")
+    choice = [k for k in members if "onednn_ms" in known[k] and has_onednn_choice(kinds[k][0])]
+    # Kinds without the choice add their one large side to both sums.
+    onednn = _summed(known, counts, len(shared), "onednn_ms") if choice else dense
+    use_onednn = bool(choice) and _onednn_wins(shared, packed, dense, onednn)
+    return crossover(shared, packed, onednn if use_onednn else dense), use_onednn, choice
+
+
+def _shared_rows(known: dict[str, Any], members: set[str]) -> list[int]:
+    """The row counts every kind of the group was timed at (the shortest list: the others
+    extend it)."""
+    shared: list[int] | None = None
+    for k in sorted(members):
+        rows: list[int] = known[k]["rows"]
+        if shared is None or len(rows) < len(shared):
+            shared = rows
+    assert shared is not None, "a group has kinds"
+    return list(shared)
+
+
+def _confirm(
+    known: dict[str, Any],
+    kinds: dict[str, list[Linear]],
+    groups: dict[str, set[str]],
+    timer: Timer,
+    deadline: float,
+) -> None:
+    """Time each freshly measured group's kinds once more at the two row counts its limit
+    stands between (the limit and the next), keeping the faster of each, until the limit
+    holds (`CONFIRM_ROUNDS` at most): a burst that spanned both passes at just those row
+    counts moves the limit, one elsewhere does not."""
+    for members in groups.values():
+        for _ in range(CONFIRM_ROUNDS):
+            if time.perf_counter() > deadline:
+                return
+            limit = _decide(known, kinds, members)[0]
+            shared = _shared_rows(known, members)
+            above = [n for n in shared if n > limit]
+            decisive = ([limit] if limit else []) + above[:1]
+            for kind in sorted(members):
+                entry = known[kind]
+                sample = sample_layers(kinds[kind])
+                for n in decisive:
+                    i = entry["rows"].index(n)
+                    for key, t in zip(("packed_ms", "dense_ms", "onednn_ms"), timer(sample, n)):
+                        if key in entry:
+                            entry[key][i] = min(entry[key][i], t * 1e3)
+            if _decide(known, kinds, members)[0] == limit:
+                break
 
 
 def _summed(known: dict[str, Any], counts: dict[str, int], n: int, key: str) -> list[float]:
