@@ -85,8 +85,9 @@ def test_running_min_lowers_a_time_above_a_later_one() -> None:
 
 def test_a_burst_of_other_work_does_not_move_the_limit(tiny_llama, tmp_path, monkeypatch) -> None:
     """A first start shares the machine with the server's other processes starting: a burst
-    that slows the packed path at a few row counts in one pass, or at one row count in every
-    pass while more rows time clean, must not hand those rows to the dense copies for good."""
+    that slows the packed path at a few row counts in one pass, at one row count in every
+    pass while more rows time clean, or at the limit's own row count in both passes, must
+    not hand those rows to the dense copies for good."""
     folder, _ = tiny_llama
     model = _hybrid(folder)
     monkeypatch.setenv(PACKED_LIMITS_ENV, "measure")

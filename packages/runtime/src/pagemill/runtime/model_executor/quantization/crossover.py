@@ -401,12 +401,7 @@ def _decide(
 def _shared_rows(known: dict[str, Any], members: set[str]) -> list[int]:
     """The row counts every kind of the group was timed at (the shortest list: the others
     extend it)."""
-    shared: list[int] | None = None
-    for k in sorted(members):
-        rows: list[int] = known[k]["rows"]
-        if shared is None or len(rows) < len(shared):
-            shared = rows
-    assert shared is not None, "a group has kinds"
+    shared = min((known[k]["rows"] for k in members), key=len)
     return list(shared)
 
 
