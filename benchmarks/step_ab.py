@@ -24,6 +24,11 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `float-inputs`: the model traced without `specialize_float` (`compilation.SPECIALIZE_FLOATS
   = False`): every norm's epsilon a graph input, wrapped in a new tensor per call, as before;
 - `host-before`: both of the last two (the one-token graph's host path as before them);
+- `per-layer-inputs`: every packed weight, norm weight and K/V cache its own graph input
+  (`Linear.read_from_arena = False`, `RMSNorm.gathered_params = ()`,
+  `LlamaAttention.read_kv_from_pool = False`), as before the graphs sliced them out of one
+  tensor each (`huge_page_weights.arena_view`, `gathered_params.gathered_view`,
+  `LlamaAttention._graph_kv`);
 - `explicit-fp32`: B with `dtype="float32"` asked for (a GGUF dequantized to dense fp32)
   against A's --dtype (run it with `--dtype auto` on a CPU without bf16 arithmetic, where
   auto is fp32 with the GGUF's rows packed for few-row steps).
@@ -84,6 +89,7 @@ VARIANTS = (
     "python-wrapper",
     "float-inputs",
     "host-before",
+    "per-layer-inputs",
     "explicit-fp32",
 )
 
@@ -99,8 +105,9 @@ def _mark_kv_static(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     """Build an engine inside: A when `name` is None, else B of that variant."""
+    from pagemill.runtime.model_executor.layers.linear import Linear
     from pagemill.runtime.model_executor.layers.prepacked import PREPACK_ENV
-    from pagemill.runtime.model_executor.models.llama import LlamaAttention
+    from pagemill.runtime.model_executor.models.llama import LlamaAttention, RMSNorm
     from pagemill.runtime.worker import compilation
 
     saved_env = os.environ.get(PREPACK_ENV)
@@ -131,6 +138,10 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         os.environ[compilation.CPP_WRAPPER_ENV] = "0"
     elif name == "float-inputs":
         compilation.SPECIALIZE_FLOATS = False
+    elif name == "per-layer-inputs":
+        Linear.read_from_arena = False
+        RMSNorm.gathered_params = ()
+        LlamaAttention.read_kv_from_pool = False
     elif name == "host-before":
         os.environ[compilation.CPP_WRAPPER_ENV] = "0"
         compilation.SPECIALIZE_FLOATS = False
@@ -145,6 +156,9 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         compilation.INDUCTOR_OPTIONS = saved_options
         LlamaAttention.rotate_qk_together = True
         LlamaAttention.direct_native_ops = True
+        Linear.read_from_arena = True
+        RMSNorm.gathered_params = ("weight",)
+        LlamaAttention.read_kv_from_pool = True
         os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
         compilation.SPECIALIZE_FLOATS = True
         compilation.CPP_WRAPPER_BUILD_SEPARATE = True

@@ -268,8 +268,11 @@ def test_keep_small_pages_leaves_the_rest_of_the_pool_on_huge_pages() -> None:
         base = a.ctypes.data
         maps = _mappings(base, base + 2 * huge)
         small = [m for m in maps if "nh" in m[3].split()]
-        # Both huge pages hold a warm-up block: both are small pages, with nothing huge.
-        assert [(m[0], m[1]) for m in small] == [(base, base + 2 * huge)], maps
+        # Both huge pages hold a warm-up block: both are small pages, with nothing huge (the
+        # arrays share one mapping, so the range the kernel reports may run on into the
+        # neighbouring arrays, advised alike).
+        assert len(small) == 1, maps
+        assert small[0][0] <= base and small[0][1] >= base + 2 * huge, maps
         assert all(m[2] == 0 for m in small)
         assert a[255, 0, 0, 0] == 7 and int(a.astype(np.int64).sum()) == 7
 

@@ -123,6 +123,10 @@ class KVStorage:
         self.shape: tuple[int, int, int, int] = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k_caches: list[Any] = []
         self.v_caches: list[Any] = []
+        # A CPU pool's one mapping (uint8) that every K and V array is a view of (None on
+        # CuPy): an embedder can view it once and slice each layer's arrays from it, e.g.
+        # so that a compiled graph takes one input for all of them instead of one each.
+        self.mapping: np.ndarray | None = None
         self._prefault_thread: threading.Thread | None = None
         self.prefaulted = False
         # Whether every CPU mapping took the huge-page advice (False on CuPy).
@@ -138,21 +142,29 @@ class KVStorage:
         self.nbytes: int = sum(int(a.nbytes) for a in self.k_caches + self.v_caches)
 
     def _allocate(self, xp: Any) -> None:
-        for _ in range(self.num_layers):
-            self.k_caches.append(self._zeros(xp))
-            self.v_caches.append(self._zeros(xp))
-
-    def _zeros(self, xp: Any) -> Any:
         if xp is not np:
-            return xp.zeros(self.shape, dtype=self.container_dtype)
+            for _ in range(self.num_layers):
+                self.k_caches.append(xp.zeros(self.shape, dtype=self.container_dtype))
+                self.v_caches.append(xp.zeros(self.shape, dtype=self.container_dtype))
+            return
         dtype = np.dtype(self.container_dtype)
         nbytes = int(np.prod(self.shape)) * dtype.itemsize
-        # The array keeps its mapping alive; mappings are page-aligned and read as zeros.
-        if not self._want_huge:
-            return zeros_mapping(nbytes).view(dtype).reshape(self.shape)
-        raw, advised = huge_page_zeros(nbytes)
-        self._huge_advised.append(advised)
-        return raw.view(dtype).reshape(self.shape)
+        # One mapping, each array starting on a page of its own (a huge page with huge
+        # pages: `keep_small_pages` advises whole huge pages of one array); mappings are
+        # page-aligned and read as zeros. The arrays keep the mapping alive.
+        align = huge_page_size() if self._want_huge else mmap.PAGESIZE
+        span = -(-nbytes // align) * align
+        total = span * 2 * self.num_layers
+        if self._want_huge:
+            raw, advised = huge_page_zeros(total)
+            self._huge_advised.append(advised)
+        else:
+            raw = zeros_mapping(total)
+        self.mapping = raw
+        for i in range(self.num_layers):
+            for j, arrays in enumerate((self.k_caches, self.v_caches)):
+                start = (2 * i + j) * span
+                arrays.append(raw[start : start + nbytes].view(dtype).reshape(self.shape))
 
     def prefault(self, background: bool = True, gate: threading.Event | None = None) -> bool:
         """Map every page of a CPU pool writable now, so steps do not pay page faults.

@@ -15,6 +15,16 @@ little, and doubling what moves would double the transient memory of the move.
 
 `PAGEMILL_HUGE_PAGE_WEIGHTS=0` leaves the weights where loading put them. Where the kernel
 offers no transparent huge pages the mapping is ordinary pages and nothing else changes.
+
+The mapping is also what a compiled graph reads its packed weights from (`arena_view`).
+Dynamo makes every tensor a graph reads from a module a graph input, and each input costs
+every call: the frame's bytecode fetches it by its attribute path, the wrapper passes it
+on, the C++ wrapper converts it to a pointer. A 30-layer model's 120 packed weights were
+120 of those per step, a noticeable share of a batch-1 step that is otherwise mostly
+streaming. So every module that had a buffer moved also holds the mapping itself
+(`packed_arena`, one tensor, which dynamo passes once however many modules reach it) and
+where in it each moved buffer lies (`arena_slots`): a layer's graph slices its weight out
+of the one input, a view the wrapper makes in C++.
 """
 
 from __future__ import annotations
@@ -75,6 +85,27 @@ class PlacedWeights:
         return f"{self.tensors} packed tensors ({size}) in one mapping, {where}"
 
 
+# (buffer name, byte offset in the mapping, shape) of a module's moved uint8 buffers.
+ArenaSlot = tuple[str, int, tuple[int, ...]]
+
+
+def arena_view(module: nn.Module, name: str) -> torch.Tensor | None:
+    """`module`'s moved uint8 buffer `name` as a slice of the mapping (`packed_arena`), or
+    None when it was not moved there. The same bytes as the buffer: a compiled graph reads
+    this one so that the mapping is its only input for every packed weight."""
+    arena = getattr(module, "packed_arena", None)
+    if arena is None:
+        return None
+    slots: tuple[ArenaSlot, ...] = getattr(module, "arena_slots", ())
+    for slot, offset, shape in slots:
+        if slot == name:
+            size = 1
+            for n in shape:
+                size *= n
+            return arena[offset : offset + size].view(shape)
+    return None
+
+
 def _targets(model: nn.Module) -> list[tuple[nn.Module, str]]:
     found = []
     for module in model.modules():
@@ -130,6 +161,13 @@ def place_packed_weights(model: nn.Module) -> PlacedWeights | None:
             view = arena[start : start + t.numel() * t.element_size()].view(t.dtype)
             moved[key] = view.view(t.shape).copy_(t)
         module._buffers[name] = moved[key]
+        if t.dtype == torch.uint8:
+            # Plain attributes, not buffers: the mapping is not the module's state.
+            module.packed_arena = arena
+            module.__dict__["arena_slots"] = (
+                *getattr(module, "arena_slots", ()),
+                (name, offsets[key], tuple(t.shape)),
+            )
         del t
     return PlacedWeights(
         tensors=len(moved),

@@ -25,6 +25,7 @@ from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.distributed.sharding import ShardLayout, shard_checkpoint
 from pagemill.runtime.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagemill.runtime.model_executor.default_model import ensure_dense_weights
+from pagemill.runtime.model_executor.gathered_params import gather_small_params
 from pagemill.runtime.model_executor.gguf_split import open_gguf_checkpoint, shards_by_name
 from pagemill.runtime.model_executor.huge_page_weights import place_packed_weights
 from pagemill.runtime.model_executor.model_source import gguf_for_folder, resolve_model
@@ -202,6 +203,7 @@ def load_model(
         model.load_weights(weights if layout is None else shard_checkpoint(weights, layout, dtype))
     model.eval()
     placed = place_packed_weights(model)  # onto huge pages: a batch-1 step streams them
+    gather_small_params(model)  # the norms' weights: one graph input for all of them
     _release_freed_memory()
     logger.info(
         "loaded %s (%s, %s, %s weights) in %.1f s",

@@ -23,7 +23,12 @@ and Python the rest): the floats (the norms' epsilons) are traced as constants
 the one-token graph and the decode-only graphs of several requests get inductor's C++
 wrapper (`CPP_WRAPPER_ENV`), which calls their ~300 kernels and ops from C++; the graphs
 that take the attention plan (prefill-like steps) keep the Python wrapper, whose per-call
-cost is a small share of their larger steps.
+cost is a small share of their larger steps. And the graph takes few inputs: each costs
+every call (dynamo's bytecode fetches it by its attribute path, the wrapper passes it on,
+the C++ wrapper turns it into a pointer), so the tensors every layer has one of are read as
+slices of the one tensor each kind lives in — the packed weights' mapping
+(`huge_page_weights.arena_view`), the norms' gathered weights (`gathered_params`), the KV
+pool (`LlamaAttention._graph_kv`) — rather than one input per layer and kind.
 
 Inductor's on-disk cache (under pagemill's cache folder unless TORCHINDUCTOR_CACHE_DIR says
 otherwise) keeps the generated code, so a later start skips code generation and C++ builds.

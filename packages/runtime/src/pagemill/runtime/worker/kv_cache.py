@@ -376,7 +376,22 @@ class KVCache:
         )
         if prefault:
             self.start_prefault()
-        if self.storage is not None:
+        # The CPU pool's one mapping as one tensor, every layer's K and V a view of it: a
+        # compiled graph then reads them all through one input (`bind_kv_caches`).
+        self.pool: torch.Tensor | None = None
+        if self.storage is not None and self.storage.mapping is not None:
+            mapping = self.storage.mapping
+            pool = _as_torch(mapping.view(self.storage.container_dtype), dtype, device)
+            self.pool = pool
+
+            def view(array: Any) -> torch.Tensor:
+                start = (array.ctypes.data - mapping.ctypes.data) // pool.element_size()
+                return pool[start : start + array.size].view(array.shape)
+
+            tensors = [
+                (view(k), view(v)) for k, v in zip(self.storage.k_caches, self.storage.v_caches)
+            ]
+        elif self.storage is not None:
             tensors = [
                 (_as_torch(k, dtype, device), _as_torch(v, dtype, device))
                 for k, v in zip(self.storage.k_caches, self.storage.v_caches)

@@ -546,6 +546,7 @@ class ModelRunner:
             cache.caches,
             cache.scales,
             None if groups is None else layer_group(groups, self.model_config.num_hidden_layers),
+            kv_pool=cache.pool,
         )
         self._bind_decode_buffers()
 

@@ -69,6 +69,7 @@ from pagemill.kernels import (
     silu_and_mul,
 )
 from pagemill.kernels.cpu_native import load_gemv_ops
+from pagemill.runtime.model_executor.huge_page_weights import arena_view
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import (
     INT4_GROUP_SIZES,
@@ -166,6 +167,11 @@ class Linear(nn.Module):
     # (`gemm_q4_amx`, bf16) instead of a dense copy, where the CPU has AMX. Read when a
     # layer is finalized.
     amx_packed = _amx_packed_switch()
+
+    # In a compiled graph, read the gemv kernels' packed blocks as slices of the one mapping
+    # they were moved into (`huge_page_weights.arena_view`) rather than as the layer's own
+    # buffer: one graph input for all of them instead of one each.
+    read_from_arena = True
 
     # Buffers (None until `finalize` packs the weight).
     qweight: torch.Tensor | None
@@ -555,16 +561,31 @@ class Linear(nn.Module):
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def _graph_qweight(self) -> torch.Tensor:
+        """The packed blocks as a compiled graph reads them (see `read_from_arena`)."""
+        if self.read_from_arena:
+            view = arena_view(self, "qweight")
+            if view is not None:
+                return view
+        assert self.qweight is not None
+        return self.qweight
+
     def _gemv_q4(self, x: torch.Tensor) -> torch.Tensor:
         # The kernel takes fp32 and bf16 as they are (it rounds to int8 either way).
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
+        compiling = torch.compiler.is_compiling()
         if self.native_gemv:  # the C++ operator: no Python between the graph and the kernel
             y = torch.ops.pagemill_native.gemv_q4(
-                xk, self.qweight, self.out_features, self.int8_act
+                xk,
+                self._graph_qweight() if compiling else self.qweight,
+                self.out_features,
+                self.int8_act,
             )
-        elif torch.compiler.is_compiling():
-            y = torch.ops.pagemill.gemv_q4(xk, self.qweight, self.out_features, self.int8_act)
+        elif compiling:
+            y = torch.ops.pagemill.gemv_q4(
+                xk, self._graph_qweight(), self.out_features, self.int8_act
+            )
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
             y = gemv_q4_cpu.gemv_q4(xk, self.qweight, self.out_features, planes=self.int8_act)
@@ -641,12 +662,18 @@ class Linear(nn.Module):
     def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
+        compiling = torch.compiler.is_compiling()
         if self.native_gemv:
             y = torch.ops.pagemill_native.gemv_q8(
-                xk, self.qweight, self.out_features, self.int8_act
+                xk,
+                self._graph_qweight() if compiling else self.qweight,
+                self.out_features,
+                self.int8_act,
             )
-        elif torch.compiler.is_compiling():
-            y = torch.ops.pagemill.gemv_q8(xk, self.qweight, self.out_features, self.int8_act)
+        elif compiling:
+            y = torch.ops.pagemill.gemv_q8(
+                xk, self._graph_qweight(), self.out_features, self.int8_act
+            )
         else:  # eager (the LM head runs outside the compiled forward): skip the dispatcher
             assert self.qweight is not None
             y = gemv_q8_cpu.gemv_q8(xk, self.qweight, self.out_features, planes=self.int8_act)

@@ -36,6 +36,7 @@ from pagemill.runtime.distributed.parallel_layers import (
 )
 from pagemill.runtime.distributed.parallel_state import TensorParallelGroup
 from pagemill.runtime.model_config import ModelConfig
+from pagemill.runtime.model_executor.gathered_params import gathered_view
 from pagemill.runtime.model_executor.layers import Linear
 from pagemill.runtime.model_executor.layers.prepacked import prepacked_linear
 from pagemill.runtime.model_executor.quantization.formats import QuantizedRows, dequantize
@@ -55,6 +56,10 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class RMSNorm(nn.Module):
+    # A compiled graph reads the weight from the model's one gathered tensor
+    # (`gathered_params`): one graph input for every norm instead of one each.
+    gathered_params = ("weight",)
+
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = _param(size, dtype=dtype)
@@ -63,7 +68,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual)
+        weight = gathered_view(self, "weight") if torch.compiler.is_compiling() else None
+        return rms_norm(x, self.weight if weight is None else weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -86,6 +92,10 @@ class LlamaAttention(nn.Module):
     # class-wide switch (in the compile cache's key) for `benchmarks/step_ab.py --variant
     # python-ops`.
     direct_native_ops = True
+    # In a compiled graph, slice the caches out of the pool they are views of (`_graph_kv`):
+    # one graph input for every layer's K and V instead of two a layer, each costing every
+    # call. A class-wide switch for `benchmarks/step_ab.py --variant per-layer-inputs`.
+    read_kv_from_pool = True
 
     def __init__(
         self,
@@ -119,6 +129,10 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner once the KV pool exists (views into KVStorage).
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # The pool both caches are views of, and where ((element offset, shape) of K, of V),
+        # when they are (bind_kv_caches): what a compiled graph reads them from.
+        self.kv_pool: torch.Tensor | None = None
+        self.kv_pool_slots: tuple[tuple[int, tuple[int, ...]], ...] = ()
         self.kv_scales: LayerKVScales | None = None  # read by an fp8 KV cache only
         # Attention sinks (gpt-oss): one fp32 logit per query head, set by models that have them.
         self.sinks: nn.Parameter | None = None
@@ -199,14 +213,10 @@ class LlamaAttention(nn.Module):
         tensors where they serve (the write on CPU caches in the compute dtype or fp8/int8;
         attention on decode-only steps, `meta.native_decode`), else one custom op each (see
         pagemill.kernels.ops), the attention op with the step's plan."""
-        assert self.k_cache is not None and self.v_cache is not None
+        k_cache, v_cache = self._graph_kv()
         direct = self.direct_native_ops
-        if not (
-            direct and direct_kv_write(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
-        ):
-            torch.ops.pagemill.write_kv_cache(
-                k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs
-            )
+        if not (direct and direct_kv_write(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)):
+            torch.ops.pagemill.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if (
             direct
             and meta.native_decode
@@ -215,8 +225,8 @@ class LlamaAttention(nn.Module):
         ):
             out = direct_decode(
                 q,
-                self.k_cache,
-                self.v_cache,
+                k_cache,
+                v_cache,
                 self.decode_tables[:t],
                 self.decode_lens[:t],
                 self.scale,
@@ -230,8 +240,8 @@ class LlamaAttention(nn.Module):
                 return out
         return torch.ops.pagemill.paged_attention(
             q,
-            self.k_cache,
-            self.v_cache,
+            k_cache,
+            v_cache,
             meta.plan,
             self.scale,
             self.window,
@@ -240,6 +250,44 @@ class LlamaAttention(nn.Module):
             vs,
             self.sinks,
         )
+
+    def _graph_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches as a compiled graph reads them: slices of the pool they are views of
+        (one graph input for every layer's caches, `read_kv_from_pool`), else themselves."""
+        assert self.k_cache is not None and self.v_cache is not None
+        pool = self.kv_pool
+        if not self.read_kv_from_pool or pool is None:
+            return self.k_cache, self.v_cache
+        (k_start, k_shape), (v_start, v_shape) = self.kv_pool_slots
+        k_size = v_size = 1
+        for n in k_shape:
+            k_size *= n
+        for n in v_shape:
+            v_size *= n
+        return (
+            pool[k_start : k_start + k_size].view(k_shape),
+            pool[v_start : v_start + v_size].view(v_shape),
+        )
+
+    def bind_pool(self, pool: torch.Tensor | None) -> None:
+        """Note where the bound caches lie in `pool` when both are contiguous views of it (a
+        1-D pool, e.g. `KVCache.pool`); otherwise the graph reads the caches themselves."""
+        self.kv_pool, self.kv_pool_slots = None, ()
+        k, v = self.k_cache, self.v_cache
+        if pool is None or k is None or v is None or pool.dim() != 1:
+            return
+        slots = []
+        for t in (k, v):
+            start, rem = divmod(t.data_ptr() - pool.data_ptr(), pool.element_size())
+            if (
+                rem
+                or t.dtype != pool.dtype
+                or not t.is_contiguous()
+                or not 0 <= start <= pool.numel() - t.numel()
+            ):
+                return
+            slots.append((start, tuple(t.shape)))
+        self.kv_pool, self.kv_pool_slots = pool, tuple(slots)
 
     def _rotates_qk_together(self, qkv: torch.Tensor) -> bool:
         """Whether q and k rotate as one tensor of heads straight from the projection
@@ -424,9 +472,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_scales: list[LayerKVScales] | None = None,
         kv_groups: list[int] | None = None,
+        kv_pool: torch.Tensor | None = None,
     ) -> None:
         """Bind each layer's KV tensors (and scales; `kv_groups`: each layer's KV cache
-        group, whose block table and slots it then reads from the step's metadata)."""
+        group, whose block table and slots it then reads from the step's metadata;
+        `kv_pool`: a 1-D tensor the KV tensors are views of, see `LlamaAttention.bind_pool`)."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"got KV caches for {len(kv_caches)} layers, model has {len(self.layers)}"
@@ -440,12 +490,14 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.v_cache = v
             layer.self_attn.kv_scales = sc
             layer.self_attn.kv_group = g
+            layer.self_attn.bind_pool(kv_pool)
 
     def unbind_kv_caches(self) -> None:
         for layer in self.decoder_layers():
             layer.self_attn.k_cache = None
             layer.self_attn.v_cache = None
             layer.self_attn.kv_scales = None
+            layer.self_attn.bind_pool(None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:

@@ -84,6 +84,7 @@ class EagleHeadBase(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_scales: list[LayerKVScales] | None = None,
         kv_groups: list[int] | None = None,
+        kv_pool: torch.Tensor | None = None,
     ) -> None:
         if len(kv_caches) != len(self.layers):
             raise ValueError(
@@ -92,11 +93,13 @@ class EagleHeadBase(nn.Module):
         for i, (layer, (k, v)) in enumerate(zip(self.decoder_layers(), kv_caches)):
             layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
             layer.self_attn.kv_scales = None if kv_scales is None else kv_scales[i]
+            layer.self_attn.bind_pool(kv_pool)
 
     def unbind_kv_caches(self) -> None:
         for layer in self.decoder_layers():
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
             layer.self_attn.kv_scales = None
+            layer.self_attn.bind_pool(None)
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         return [cast(LlamaDecoderLayer, layer) for layer in self.layers]
