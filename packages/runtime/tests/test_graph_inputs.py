@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagemill.kernels import gemv_q4_cpu
 from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.model_executor.gathered_params import gathered_view
-from pagemill.runtime.model_executor.huge_page_weights import arena_view
+from pagemill.runtime.model_executor.huge_page_weights import HUGE_PAGE_WEIGHTS_ENV, arena_view
 from pagemill.runtime.model_executor.layers.linear import Linear
 from pagemill.runtime.model_executor.models.llama import LlamaAttention, RMSNorm
 from pagemill.runtime.worker import compilation
 
 gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not gemv_q4_cpu.available(), reason="no C++ compiler")
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -52,7 +54,8 @@ def _same(view: torch.Tensor | None, t: torch.Tensor) -> None:
     assert torch.equal(view, t)
 
 
-def test_views_are_the_tensors_eager_code_reads(q4_gguf) -> None:
+def test_views_are_the_tensors_eager_code_reads(q4_gguf, monkeypatch) -> None:
+    monkeypatch.delenv(HUGE_PAGE_WEIGHTS_ENV, raising=False)
     llm = LLM(str(q4_gguf), dtype="bfloat16", enforce_eager=True, kv_cache_memory_bytes=1 << 20)
     model = llm.llm_engine.engine_core.model_runner.model
     packed = [m for m in model.modules() if isinstance(m, Linear) and m.native_gemv]
@@ -148,6 +151,7 @@ def test_compiled_graph_takes_no_per_layer_inputs(q4_gguf, tmp_path, monkeypatch
     monkeypatch.delenv(compilation.ENFORCE_EAGER_ENV, raising=False)
     monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))  # cold: the graphs trace
     monkeypatch.setenv("PAGEMILL_COMPILE_BACKGROUND", "0")
+    monkeypatch.delenv(HUGE_PAGE_WEIGHTS_ENV, raising=False)
     tokens, per_layer = _compiled_run(q4_gguf, monkeypatch)
     assert per_layer == []
     monkeypatch.setattr(Linear, "read_from_arena", False)

@@ -7,17 +7,18 @@ importing torch. bfloat16 has no NumPy dtype: it is stored in uint16 containers 
 raw bf16 bits, and the torch side reinterprets with `.view(torch.bfloat16)`. float8 formats
 are likewise stored as uint8 containers.
 
-On the CPU each array is its own anonymous memory mapping: zero pages the kernel fills in
-on first write, like `calloc`, so an idle pool costs no memory. A page's first write,
+On the CPU every array is a view of one anonymous memory mapping (`mapping`), each starting
+on a page of its own: zero pages the kernel fills in on first write, like `calloc`, so an
+idle pool costs no memory. A page's first write,
 though, is a page fault that costs far more than the write; without `prefault` those
 faults land inside the first steps that reach each block (a 2,048-token prefill then
 spends most of its KV write time faulting). `prefault` maps every page writable up front
 without touching its contents (Linux `MADV_POPULATE_WRITE`), so it is safe while the pool
 is in use.
 
-`huge_pages` asks the kernel for transparent huge pages on each CPU mapping
-(`MADV_HUGEPAGE`, before anything populates it; the mapping is laid out on whole, aligned
-huge pages). A block (a few KB) then never straddles a 4 KB page boundary, which is where
+`huge_pages` asks the kernel for transparent huge pages on the CPU mapping (`MADV_HUGEPAGE`,
+before anything populates it; the mapping is laid out on whole, aligned huge pages, and each
+array starts on one). A block (a few KB) then never straddles a 4 KB page boundary, which is where
 the CPU's hardware prefetchers stop, and the decode kernel's scattered block reads miss the
 TLB far less. Populating huge pages costs more up front (the kernel may compact memory to
 find them), which `prefault` pays in its background thread. Where the kernel has no THP the
