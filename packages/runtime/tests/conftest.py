@@ -9,6 +9,7 @@ last-bit rounding between two attention implementations at a near tie.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -204,3 +205,17 @@ def build_tiny_model() -> Callable[..., torch.nn.Module]:
     """`build_tiny_model(folder, arch, seed=0, **config_overrides)` saves and returns the HF
     model."""
     return build_model
+
+
+@pytest.fixture(scope="session")
+def write_gguf() -> Callable[..., Path]:
+    """test_gguf_model's GGUF writer, `write_gguf(model, hf_dir, out, qtype, arch=...)` (tests
+    import as files here, not as a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "_gguf_writer", Path(__file__).with_name("test_gguf_model.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    writer: Callable[..., Path] = module.write_gguf
+    return writer

@@ -9,7 +9,6 @@ compiled engine must generate what the eager one does.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -29,23 +28,12 @@ pytestmark = pytest.mark.skipif(not gemv_q4_cpu.available(), reason="no C++ comp
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _load_writer():  # type: ignore[no-untyped-def]
-    """test_gguf_model's GGUF writer (tests import as files here, not as a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "_gguf_writer_graph_inputs", Path(__file__).with_name("test_gguf_model.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_gguf
-
-
 @pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, build_tiny_model) -> Path:
+def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
     hf_dir = tmp_path_factory.mktemp("hf-q4-inputs")
     model = build_tiny_model(hf_dir, "llama", seed=5)
     out = tmp_path_factory.mktemp("gguf-q4-inputs") / "tiny-Q4_0.gguf"
-    return _load_writer()(model, hf_dir, out, gguf.GGMLQuantizationType.Q4_0)
+    return write_gguf(model, hf_dir, out, gguf.GGMLQuantizationType.Q4_0)
 
 
 def _same(view: torch.Tensor | None, t: torch.Tensor) -> None:

@@ -6,7 +6,6 @@ the warm model must equal the cold one tensor for tensor and generate the same t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -24,25 +23,12 @@ from pagemill.runtime.worker.compilation import COMPILE_CACHE_ENV, model_signatu
 gguf = pytest.importorskip("gguf")
 
 
-def _load_writer():  # type: ignore[no-untyped-def]
-    """test_gguf_model's GGUF writer (tests import as files here, not as a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "_gguf_writer", Path(__file__).with_name("test_gguf_model.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_gguf
-
-
-write_gguf = _load_writer()
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7], list(range(3, 40))]
 
 
 @pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, build_tiny_model) -> Path:
+def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
     hf_dir = tmp_path_factory.mktemp("hf-q4")
     model = build_tiny_model(hf_dir, "llama", seed=21)
     out = tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_0.gguf"

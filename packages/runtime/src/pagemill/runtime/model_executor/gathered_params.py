@@ -14,11 +14,15 @@ eager code reads (`module.weight`), are unchanged.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-# (parameter name, element offset in the gathered tensor, shape) of a module's parameters.
-GatheredSlot = tuple[str, int, tuple[int, ...]]
+# (name, element offset in a 1-D store, shape): where a tensor lies in the tensor it was
+# moved into (a module's gathered parameters here, its packed buffers in
+# `huge_page_weights`).
+Slot = tuple[str, int, tuple[int, ...]]
 
 # Each parameter starts 64 bytes into its own line: vector loads of a norm's weight stay
 # aligned as they were in a tensor of its own.
@@ -60,17 +64,20 @@ def gather_small_params(model: nn.Module) -> int:
     return sum(len(params) for params in groups.values())
 
 
+def slot_view(
+    store: torch.Tensor | None, slots: tuple[Slot, ...], name: str
+) -> torch.Tensor | None:
+    """The tensor `name` of `slots` ((name, element offset, shape) each) as a slice of the
+    1-D `store`, or None when `store` is None or `name` has no slot."""
+    if store is None:
+        return None
+    for slot, offset, shape in slots:
+        if slot == name:
+            return store[offset : offset + math.prod(shape)].view(shape)
+    return None
+
+
 def gathered_view(module: nn.Module, name: str) -> torch.Tensor | None:
     """`module`'s gathered parameter `name` as a slice of the gathered tensor, or None when
     it was not gathered: what a compiled graph reads instead of the parameter itself."""
-    store = getattr(module, "gathered", None)
-    if store is None:
-        return None
-    slots: tuple[GatheredSlot, ...] = getattr(module, "gathered_slots", ())
-    for slot, offset, shape in slots:
-        if slot == name:
-            size = 1
-            for n in shape:
-                size *= n
-            return store[offset : offset + size].view(shape)
-    return None
+    return slot_view(getattr(module, "gathered", None), getattr(module, "gathered_slots", ()), name)

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from pagemill.blockpool import huge_page_bytes, huge_page_zeros
+from pagemill.runtime.model_executor.gathered_params import slot_view
 from pagemill.runtime.switches import env_switch
 
 HUGE_PAGE_WEIGHTS_ENV = "PAGEMILL_HUGE_PAGE_WEIGHTS"
@@ -85,25 +86,13 @@ class PlacedWeights:
         return f"{self.tensors} packed tensors ({size}) in one mapping, {where}"
 
 
-# (buffer name, byte offset in the mapping, shape) of a module's moved uint8 buffers.
-ArenaSlot = tuple[str, int, tuple[int, ...]]
-
-
 def arena_view(module: nn.Module, name: str) -> torch.Tensor | None:
     """`module`'s moved uint8 buffer `name` as a slice of the mapping (`packed_arena`), or
     None when it was not moved there. The same bytes as the buffer: a compiled graph reads
     this one so that the mapping is its only input for every packed weight."""
-    arena = getattr(module, "packed_arena", None)
-    if arena is None:
-        return None
-    slots: tuple[ArenaSlot, ...] = getattr(module, "arena_slots", ())
-    for slot, offset, shape in slots:
-        if slot == name:
-            size = 1
-            for n in shape:
-                size *= n
-            return arena[offset : offset + size].view(shape)
-    return None
+    return slot_view(
+        getattr(module, "packed_arena", None), getattr(module, "arena_slots", ()), name
+    )
 
 
 def _targets(model: nn.Module) -> list[tuple[nn.Module, str]]:

@@ -561,9 +561,10 @@ class Linear(nn.Module):
             y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def _graph_qweight(self) -> torch.Tensor:
-        """The packed blocks as a compiled graph reads them (see `read_from_arena`)."""
-        if self.read_from_arena:
+    def _kernel_qweight(self) -> torch.Tensor:
+        """The packed blocks for the gemv operators: inside a compiled graph, their slice of
+        the one mapping (see `read_from_arena`), else the buffer."""
+        if self.read_from_arena and torch.compiler.is_compiling():
             view = arena_view(self, "qweight")
             if view is not None:
                 return view
@@ -574,17 +575,13 @@ class Linear(nn.Module):
         # The kernel takes fp32 and bf16 as they are (it rounds to int8 either way).
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        compiling = torch.compiler.is_compiling()
         if self.native_gemv:  # the C++ operator: no Python between the graph and the kernel
             y = torch.ops.pagemill_native.gemv_q4(
-                xk,
-                self._graph_qweight() if compiling else self.qweight,
-                self.out_features,
-                self.int8_act,
+                xk, self._kernel_qweight(), self.out_features, self.int8_act
             )
-        elif compiling:
+        elif torch.compiler.is_compiling():
             y = torch.ops.pagemill.gemv_q4(
-                xk, self._graph_qweight(), self.out_features, self.int8_act
+                xk, self._kernel_qweight(), self.out_features, self.int8_act
             )
         else:  # eager: skip the dispatcher
             assert self.qweight is not None
@@ -662,17 +659,13 @@ class Linear(nn.Module):
     def _gemv_q8(self, x: torch.Tensor) -> torch.Tensor:
         xk = x if x.dtype in (torch.float32, torch.bfloat16) else x.to(self.kernel_dtype)
         xk = xk.reshape(-1, self.in_features)
-        compiling = torch.compiler.is_compiling()
         if self.native_gemv:
             y = torch.ops.pagemill_native.gemv_q8(
-                xk,
-                self._graph_qweight() if compiling else self.qweight,
-                self.out_features,
-                self.int8_act,
+                xk, self._kernel_qweight(), self.out_features, self.int8_act
             )
-        elif compiling:
+        elif torch.compiler.is_compiling():
             y = torch.ops.pagemill.gemv_q8(
-                xk, self._graph_qweight(), self.out_features, self.int8_act
+                xk, self._kernel_qweight(), self.out_features, self.int8_act
             )
         else:  # eager (the LM head runs outside the compiled forward): skip the dispatcher
             assert self.qweight is not None

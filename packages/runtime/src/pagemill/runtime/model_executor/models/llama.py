@@ -13,6 +13,7 @@ returns hidden states; logits are computed separately and only for the rows that
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -259,14 +260,9 @@ class LlamaAttention(nn.Module):
         if not self.read_kv_from_pool or pool is None:
             return self.k_cache, self.v_cache
         (k_start, k_shape), (v_start, v_shape) = self.kv_pool_slots
-        k_size = v_size = 1
-        for n in k_shape:
-            k_size *= n
-        for n in v_shape:
-            v_size *= n
         return (
-            pool[k_start : k_start + k_size].view(k_shape),
-            pool[v_start : v_start + v_size].view(v_shape),
+            pool[k_start : k_start + math.prod(k_shape)].view(k_shape),
+            pool[v_start : v_start + math.prod(v_shape)].view(v_shape),
         )
 
     def bind_pool(self, pool: torch.Tensor | None) -> None:
