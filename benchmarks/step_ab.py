@@ -29,6 +29,9 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
   `LlamaAttention.read_kv_from_pool = False`), as before the graphs sliced them out of one
   tensor each (`huge_page_weights.arena_view`, `gathered_params.gathered_view`,
   `LlamaAttention._graph_kv`);
+- `host-layout-before`: B's decode-only steps laid out and planned on the general host
+  path (`ModelRunner.decode_fast_path = False` on B's runner: the tables written by torch
+  copies from the attention plan, `_layout`'s numpy calls); the graphs are the same;
 - `explicit-fp32`: B with `dtype="float32"` asked for (a GGUF dequantized to dense fp32)
   against A's --dtype (run it with `--dtype auto` on a CPU without bf16 arithmetic, where
   auto is fp32 with the GGUF's rows packed for few-row steps).
@@ -91,6 +94,7 @@ VARIANTS = (
     "host-before",
     "per-layer-inputs",
     "explicit-fp32",
+    "host-layout-before",
 )
 
 
@@ -189,6 +193,8 @@ def make_engine(args: argparse.Namespace, name: str | None, root: Path) -> Any:
             enforce_eager=args.enforce_eager,
         )
     runner = llm.llm_engine.engine_core.model_runner
+    if name == "host-layout-before":
+        runner.decode_fast_path = False  # an instance's: A keeps the class default
     for k, v in runner.kv_cache.caches:  # pre-fault the pool (see step_profile.py)
         k.view(torch.uint8).zero_()
         v.view(torch.uint8).zero_()

@@ -21,7 +21,11 @@ over all of the model's linear layers and LM head, eager, at the same batch size
 same process (`x lin`: the step / those linears, everything the step does beyond its GEMMs).
 Steps and linears are timed in turn, --step-rounds rounds of --step-iters each per batch
 size, so that both see the box in the same state (timed minutes apart, on a shared box,
-the linears alone moved by a tenth between runs and the ratio with them).
+the linears alone moved by a tenth between runs and the ratio with them). The read
+bandwidth behind the floor is measured the same way, once per round (`read_gb_s` per row,
+the median of its rounds): on a shared VM it moved between 31 and 56 GB/s within minutes,
+so one measurement at the start could put a row's floor far from the box it ran on (the
+start's figure stays in the JSON as `machine.read_gb_s`).
 
 Figures are printed (and written to --json); nothing is asserted.
 
@@ -236,6 +240,27 @@ class DenseLinears:
         return timed
 
 
+class ReadProbe:
+    """The machine's large-tensor read bandwidth now: a best of two sums over 512 MiB (far
+    beyond any cache) with torch's threads, as `machine_limits` measures it."""
+
+    def __init__(self, device: str) -> None:
+        dev = torch.device("cpu" if device == "auto" and not torch.cuda.is_available() else device)
+        self.x = torch.ones(128 << 20, dtype=torch.float32, device=dev)
+        self.device = str(dev)
+        self.x.sum()
+
+    def __call__(self) -> float:
+        best = float("inf")
+        for _ in range(2):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.x.sum()
+            _sync(self.device)
+            best = min(best, time.perf_counter() - t0)
+        return self.x.numel() * 4 / best / 1e9
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda") and torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -357,14 +382,19 @@ def wait_for_kv_prefault(llm: Any) -> None:
 
 
 def step_time_table(
-    llm: Any, args: argparse.Namespace, vocab_size: int, dense: DenseLinears | None = None
+    llm: Any,
+    args: argparse.Namespace,
+    vocab_size: int,
+    dense: DenseLinears | None = None,
+    read_probe: Callable[[], float] | None = None,
 ) -> list[dict[str, Any]]:
     """Median `engine.step()` time with exactly N requests decoding (no prefill in the step).
 
     Requests are added in increments and stay alive across rows (their contexts grow a
     little); only steps where every running request is past its prompt are timed. With
     `dense`, each batch size's --step-rounds rounds time --step-iters steps and then as
-    many passes of the dense linears at N rows.
+    many passes of the dense linears at N rows; with `read_probe`, each round ends with a
+    read-bandwidth measurement (the row's `read_gb_s`: their median).
     """
     from pagemill.runtime import SamplingParams
 
@@ -396,7 +426,7 @@ def step_time_table(
                             "pool (an fp32 cache holds half a bf16 one's tokens); raise "
                             "--kv-cache-gib or --step-max-tokens"
                         )
-            times, forwards, dense_times = [], [], []
+            times, forwards, dense_times, reads = [], [], [], []
             runner = engine.engine_core.model_runner
             dense_pass = dense.timer(n) if dense is not None else None
             for _ in range(args.step_rounds):
@@ -415,6 +445,8 @@ def step_time_table(
                         )
                 if dense_pass is not None:
                     dense_times += [dense_pass() for _ in range(args.step_iters)]
+                if read_probe is not None:
+                    reads.append(read_probe())
             med = statistics.median(times)
             # Host overhead: everything in the step but the model's forward and LM head
             # (scheduling, batch preparation, planning, sampling, detokenization, outputs).
@@ -430,6 +462,9 @@ def step_time_table(
                     "min_ms": min(times) * 1e3,
                 }
             )
+            if reads:
+                rows[-1]["read_gb_s"] = statistics.median(reads)
+                rows[-1]["read_gb_s_rounds"] = reads
             if dense_times:
                 rows[-1]["dense_linears_ms"] = statistics.median(dense_times) * 1e3
                 rows[-1]["x_linears"] = med / statistics.median(dense_times)
@@ -598,11 +633,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             dense = DenseLinears(linear_shapes(llm), args.device, served_dtype(args))
-            rows = step_time_table(llm, args, vocab_size, dense)
-            del dense
-            floor_ms = costs["step_bytes"] / (limits["read_gb_s"] * 1e9) * 1e3
+            probe = ReadProbe(args.device)
+            rows = step_time_table(llm, args, vocab_size, dense, probe)
+            del dense, probe
             roof = limits["bf16_gemm_gflop_s"] * 1e9 / costs["flops_per_token"]
             for row in rows:
+                read = row.get("read_gb_s", limits["read_gb_s"])
+                floor_ms = costs["step_bytes"] / (read * 1e9) * 1e3
                 row["floor_ms"] = floor_ms
                 row["x_floor"] = row["step_ms"] / floor_ms
                 row["roofline_tok_s"] = roof
@@ -633,16 +670,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = table["rows"]
         print(
             f"\npagemill decode step, {mode}: {table['step_bytes'] / 1e6:.0f} MB per small "
-            f"step, floor {rows[0]['floor_ms']:.2f} ms; GEMM roofline "
-            f"{rows[0]['roofline_tok_s']:.0f} tok/s"
+            f"step, floor per row from the read rate measured between its rounds; GEMM "
+            f"roofline {rows[0]['roofline_tok_s']:.0f} tok/s"
         )
         print(
-            f"{'batch':>6} {'step ms':>10} {'x floor':>8} {'forward ms':>11} {'host ms':>9} "
+            f"{'batch':>6} {'step ms':>10} {'read GB/s':>10} {'floor ms':>9} {'x floor':>8} "
+            f"{'forward ms':>11} {'host ms':>9} "
             f"{'host':>6} {'tok/s':>10} {'of roof':>8} {'linears ms':>11} {'x lin':>6}"
         )
         for row in rows:
             print(
-                f"{row['batch_size']:6d} {row['step_ms']:10.2f} {row['x_floor']:8.2f} "
+                f"{row['batch_size']:6d} {row['step_ms']:10.2f} "
+                f"{row.get('read_gb_s', float('nan')):10.1f} {row['floor_ms']:9.2f} "
+                f"{row['x_floor']:8.2f} "
                 f"{row['forward_ms']:11.2f} {row['host_ms']:9.2f} {row['host_share']:6.1%} "
                 f"{row['tokens_per_s']:10.1f} {row['of_roofline']:8.1%} "
                 f"{row['dense_linears_ms']:11.2f} {row['x_linears']:6.2f}"

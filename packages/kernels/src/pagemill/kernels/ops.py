@@ -232,6 +232,31 @@ def direct_kv_write(
     return False
 
 
+def direct_decode_serves(
+    dtype: torch.dtype,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> bool:
+    """Whether `direct_decode` takes a layer's caches and sinks for queries of `dtype` (a
+    query laid out as the model makes it: CPU, its last dimension contiguous); known before
+    a step, so a caller can skip the plan the fallback would need."""
+    return (
+        dtype in cpu_native.DTYPE_CODES
+        and k_cache.device.type == "cpu"
+        and (k_cache.dtype == dtype or is_quantized_kv(k_cache.dtype))
+        and k_cache.is_contiguous()
+        and k_cache.dim() == 4
+        and k_cache.shape[1] <= 256
+        and k_cache.shape[3] <= 256
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and v_cache.is_contiguous()
+        and (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()))
+        and cpu_native.attention_ops_loaded()
+    )
+
+
 def direct_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -252,13 +277,9 @@ def direct_decode(
     traced: the caller runs the custom op with the plan)."""
     if not (
         cpu_native.supports(q, k_cache)
-        and v_cache.shape == k_cache.shape
-        and v_cache.dtype == k_cache.dtype
-        and v_cache.is_contiguous()
         and tables.dtype == torch.int32
         and lens.dtype == torch.int32
-        and (sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()))
-        and cpu_native.attention_ops_loaded()
+        and direct_decode_serves(q.dtype, k_cache, v_cache, sinks)
     ):
         return None
     fp8 = is_quantized_kv(k_cache.dtype)

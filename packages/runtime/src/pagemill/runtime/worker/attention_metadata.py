@@ -12,6 +12,7 @@ attention layer takes its group's (`groups[kv_group]`); the top-level fields are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,12 +27,25 @@ class AttentionMetadata:
     `native_decode`: a decode-only step whose block tables and context lengths the runner
     has written into the layers' decode buffers (`LlamaAttention.decode_tables`), so a
     compiled graph calls the C++ decode operator with them instead of the attention custom
-    op with the plan; a graph of its own (dynamo guards on the flag)."""
+    op with the plan; a graph of its own (dynamo guards on the flag).
+
+    `plan` may be None on such a step: the graph does not read it, and planning is host
+    work on the batch-1 step's critical path, so it is built from `plan_source` only when
+    something runs attention eagerly (`attention_plan()`)."""
 
     slot_mapping: torch.Tensor
-    plan: AttentionPlan
+    plan: AttentionPlan | None
     groups: list[AttentionMetadata] | None = None
     native_decode: bool = False
+    plan_source: Callable[[], AttentionPlan] | None = None
+
+    def attention_plan(self) -> AttentionPlan:
+        """The step's plan, built on first use when the runner deferred it."""
+        if self.plan is None:
+            if self.plan_source is None:
+                raise RuntimeError("attention metadata without a plan or a way to build one")
+            self.plan = self.plan_source()
+        return self.plan
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata of KV cache group `group` (itself when there is one group)."""

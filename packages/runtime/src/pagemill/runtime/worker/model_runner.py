@@ -247,6 +247,11 @@ class ModelRunner:
         # Live requests (running or preempted) until they finish; rows come and go.
         self.requests: dict[str, CachedRequestState] = {}
         self._arange = np.arange(max(max_num_seqs, max_num_batched_tokens), dtype=np.int64)
+        # A decode-only step's query start locations and lengths (`_decode_layout`): the
+        # same for every such step, so sliced from these instead of rebuilt (nothing writes
+        # into a StepBatch's arrays; torch.from_numpy would warn about read-only ones).
+        self._decode_qsl = np.arange(max_num_seqs + 1, dtype=np.int32)
+        self._decode_q_lens = np.ones(max_num_seqs, dtype=np.int64)
         self._pin = device.type == "cuda"
         # On CPU the tensors are used where they are built; tests may force packing on.
         self.pack_inputs = device.type != "cpu"
@@ -286,6 +291,17 @@ class ModelRunner:
         # cache group and the context lengths; None without the C++ decode operator.
         self._decode_tables: list[torch.Tensor] | None = None
         self._decode_lens: torch.Tensor | None = None
+        # Whether every attention layer runs a compiled decode-only step on the C++ decode
+        # operator (`_bind_decode_buffers`): such steps then skip the attention plan, and
+        # write group 0's table and the lengths through these numpy views of the buffers.
+        self._plan_free_decode = False
+        self._decode_views: tuple[np.ndarray, np.ndarray] | None = None
+
+    # Decode-only steps take the lean host path (`_decode_layout`, `_plan_free_inputs`):
+    # a batch-1 step's host work runs after ~100 MB of weights went through the caches, so
+    # every distinct numpy and torch call on it costs a cache refill. Off (on an instance)
+    # only to measure it (`benchmarks/step_ab.py --variant host-layout-before`).
+    decode_fast_path = True
 
     def compile(self, cache: CompileCache | None = None) -> float:
         """Compile the forward (see `compilation`) and build its graphs now; returns seconds.
@@ -555,19 +571,25 @@ class ModelRunner:
         graph's decode-only steps read their block tables and context lengths from (see
         `AttentionMetadata.native_decode`): on CPU, when the C++ decode operator is loaded.
         One table per KV cache group, shared by the group's layers."""
-        self._decode_tables = self._decode_lens = None
+        self._decode_tables = self._decode_lens = self._decode_views = None
+        self._plan_free_decode = False
         if self.device.type != "cpu" or not cpu_native.attention_ops_loaded():
             return
         num_groups = 1 if self.kv_cache_groups is None else len(self.kv_cache_groups)
         shape = (self.max_num_seqs, self.max_blocks_per_seq)
         tables = [torch.zeros(shape, dtype=torch.int32) for _ in range(num_groups)]
         lens = torch.zeros(self.max_num_seqs, dtype=torch.int32)
+        layers = []
         for module in self.model.modules():
             group = getattr(module, "kv_group", None)
             if hasattr(module, "decode_tables") and isinstance(group, int):
                 module.decode_tables = tables[group]
                 module.decode_lens = lens
+                layers.append(module)
         self._decode_tables, self._decode_lens = tables, lens
+        self._decode_views = (tables[0].numpy(), lens.numpy())
+        serves = [getattr(m, "serves_native_decode", None) for m in layers]
+        self._plan_free_decode = bool(layers) and all(callable(f) and f(self.dtype) for f in serves)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
@@ -734,6 +756,70 @@ class ModelRunner:
             return None
         if n > self.max_num_seqs:
             raise ValueError(f"{n} scheduled requests exceed max_num_seqs={self.max_num_seqs}")
+        if self.decode_fast_path:
+            lean = self._decode_layout(scheduled)
+            if lean is not None:
+                return lean
+        return self._layout(scheduled)
+
+    def _decode_layout(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[StepBatch, list[str], SamplingMetadata] | None:
+        """`_layout` of the commonest step, with a fraction of its numpy calls: every
+        request of the persistent batch decodes one token, in its row's order, with no
+        drafts, prompt outputs, LoRA or second KV cache group; None for any other step
+        (`_layout` then lays it out, and raises what it finds wrong)."""
+        batch = self.input_batch
+        n = len(scheduled)
+        if self.lora is not None or len(batch.group_tables) > 1 or n != batch.num_reqs:
+            return None
+        row_of = batch.row_of
+        table, num_blocks, bs = batch.block_table, batch.num_blocks, self.block_size
+        # Per request: position, context length, slot, token id; laid out by one numpy
+        # call (each distinct numpy call costs far more here than the arithmetic).
+        cols: list[list[int]] = [[], [], [], []]
+        positions, seq_lens, slots, ids = cols
+        width = 0
+        for i, s in enumerate(scheduled):
+            if (
+                s.num_tokens != 1
+                or len(s.token_ids) != 1
+                or not s.sample
+                or s.spec_token_ids
+                or s.start_pos < s.request.num_prompt_tokens
+                or row_of.get(s.request_id) != i
+            ):
+                return None
+            pos = s.start_pos
+            blocks = num_blocks.item(i)
+            if pos >= blocks * bs:
+                return None  # beyond its table: `_layout` says so
+            width = max(width, blocks)
+            positions.append(pos)
+            seq_lens.append(pos + 1)
+            slots.append(table.item(i, pos // bs) * bs + pos % bs)
+            ids.append(s.token_ids[0])
+        laid = np.array(cols, dtype=np.int64)
+        self._prompt_work = None
+        self._spec_step = None
+        step = StepBatch(
+            torch.from_numpy(laid[3]),
+            laid[0],
+            laid[2],
+            self._decode_qsl[: n + 1],
+            laid[1],
+            np.ascontiguousarray(table[:n, :width]),
+            self._decode_q_lens[:n],
+            None,
+            n,
+        )
+        return step, [s.request_id for s in scheduled], batch.sampling_metadata()
+
+    def _layout(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[StepBatch, list[str], SamplingMetadata | None]:
+        """The step's layout in general: any mix of prompt chunks, decodes and drafts."""
+        n = len(scheduled)
         batch = self.input_batch
         row_of = batch.row_of
         rows = np.empty(n, dtype=np.int64)
@@ -878,6 +964,14 @@ class ModelRunner:
         self, batch: StepBatch, req_ids: list[str], metadata: SamplingMetadata | None
     ) -> StepInputs:
         """The batch's tensors on the device and the step's attention plan."""
+        if (
+            self.decode_fast_path
+            and self.compiled
+            and self._plan_free_decode
+            and batch.group_slots is None
+            and batch.input_ids.numel() == len(batch.seq_lens)
+        ):
+            return self._plan_free_inputs(batch, req_ids, metadata)
         tensors = [
             batch.input_ids,
             torch.from_numpy(batch.positions),
@@ -929,6 +1023,49 @@ class ModelRunner:
             req_ids,
             metadata,
             batch,
+        )
+
+    def _plan_free_inputs(
+        self, batch: StepBatch, req_ids: list[str], metadata: SamplingMetadata | None
+    ) -> StepInputs:
+        """A compiled decode-only step where every layer takes the C++ decode operator:
+        the tables and lengths go straight into the layers' decode buffers (numpy views, no
+        torch calls), and the plan, which only an eager run of the step would read, is left
+        to `AttentionMetadata.attention_plan`. CPU tensors: nothing moves."""
+        assert self._decode_views is not None
+        tables, lens = self._decode_views
+        n, width = batch.block_tables.shape
+        tables[:n, :width] = batch.block_tables
+        lens[:n] = batch.seq_lens
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(batch.slots),
+            plan=None,
+            native_decode=True,
+            plan_source=lambda: self._plan_of(batch),
+        )
+        return StepInputs(
+            batch.input_ids,
+            torch.from_numpy(batch.positions),
+            attn,
+            batch.sample_indices,
+            req_ids,
+            metadata,
+            batch,
+        )
+
+    def _plan_of(self, batch: StepBatch) -> AttentionPlan:
+        """The attention plan of a step laid out on the host (KV cache group 0), as
+        `_step_inputs` plans it."""
+        assert self.kv_cache is not None, "init_kv_cache first"
+        return plan_attention(
+            torch.from_numpy(batch.query_start_loc),
+            torch.from_numpy(batch.seq_lens.astype(np.int32)),
+            torch.from_numpy(batch.block_tables),
+            k_cache_shape=cache_shape(self.kv_cache.caches[0][0]),
+            num_heads=self.model_config.num_attention_heads,
+            dtype=self.dtype,
+            query_lens=batch.query_lens,
+            context_lens=batch.seq_lens,
         )
 
     def _fill_decode_buffers(self, plan: AttentionPlan, group: int) -> bool:

@@ -29,7 +29,7 @@ from pagemill.kernels import (
     silu_and_mul,
     write_kv_cache,
 )
-from pagemill.kernels.ops import direct_decode, direct_kv_write
+from pagemill.kernels.ops import direct_decode, direct_decode_serves, direct_kv_write
 from pagemill.kernels.rotary import apply_rotary_qk
 from pagemill.runtime.distributed.parallel_layers import (
     row_parallel_linear,
@@ -181,7 +181,7 @@ class LlamaAttention(nn.Module):
         if torch.compiler.is_compiling():
             out = self._compiled_attention(q, k, v, t, meta, ks, vs)
         else:
-            plan = meta.plan
+            plan = meta.attention_plan()
             write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping, ks, vs)
             out = paged_attention(
                 q,
@@ -239,6 +239,14 @@ class LlamaAttention(nn.Module):
             )
             if out is not None:
                 return out
+        if meta.plan is None:
+            # The runner defers the plan only where every layer's cache suits the C++
+            # decode operator (`serves_native_decode`): tracing a plan built here is not
+            # possible.
+            raise RuntimeError(
+                "a decode step without an attention plan reached a layer whose tensors the "
+                "C++ decode operator does not take"
+            )
         return torch.ops.pagemill.paged_attention(
             q,
             k_cache,
@@ -263,6 +271,18 @@ class LlamaAttention(nn.Module):
         return (
             pool[k_start : k_start + math.prod(k_shape)].view(k_shape),
             pool[v_start : v_start + math.prod(v_shape)].view(v_shape),
+        )
+
+    def serves_native_decode(self, dtype: torch.dtype) -> bool:
+        """Whether a compiled decode-only step (`AttentionMetadata.native_decode`) runs this
+        layer on the C++ decode operator whatever the batch, so the step needs no plan."""
+        return (
+            self.direct_native_ops
+            and self.decode_tables is not None
+            and self.decode_lens is not None
+            and self.k_cache is not None
+            and self.v_cache is not None
+            and direct_decode_serves(dtype, self.k_cache, self.v_cache, self.sinks)
         )
 
     def bind_pool(self, pool: torch.Tensor | None) -> None:
