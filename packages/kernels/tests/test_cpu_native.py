@@ -303,3 +303,38 @@ def test_build_key_covers_the_headers_beside_the_sources(tmp_path, monkeypatch):
     import ctypes
 
     assert ctypes.CDLL(str(first)).k() == 1 and ctypes.CDLL(str(second)).k() == 2
+
+
+def test_direct_decode_serves_what_direct_decode_takes():
+    """What `direct_decode_serves` says before a step is what `direct_decode` does with the
+    step's query: the caches it refuses are refused either way."""
+    from pagemill.kernels.ops import direct_decode, direct_decode_serves
+
+    if cpu_native.load() is None or not cpu_native.load_attention_ops():
+        pytest.skip("the C++ operators could not be built here")
+    k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    strided = k.transpose(1, 2).contiguous().transpose(1, 2)
+    cases = {
+        "served": (torch.bfloat16, k, v, None, True),
+        "fp32 sinks": (torch.bfloat16, k, v, torch.zeros(4), True),
+        "fp16 sinks": (torch.bfloat16, k, v, torch.zeros(4, dtype=torch.float16), False),
+        "cache in another dtype": (torch.bfloat16, k.float(), v.float(), None, False),
+        "v of another shape": (torch.bfloat16, k, v[:2], None, False),
+        "strided k": (torch.bfloat16, strided, v, None, False),
+        "head dim over 256": (
+            torch.bfloat16,
+            torch.randn(1, 16, 1, 320, dtype=torch.bfloat16),
+            torch.randn(1, 16, 1, 320, dtype=torch.bfloat16),
+            None,
+            False,
+        ),
+    }
+    for name, (dtype, kc, vc, sinks, expected) in cases.items():
+        assert direct_decode_serves(dtype, kc, vc, sinks) is expected, name
+        if kc.shape[-1] == 64 and kc.shape[2] == 2:
+            out = direct_decode(q.to(dtype), kc, vc, tables, lens, 0.125, sinks=sinks)
+            assert (out is not None) is expected, name

@@ -310,12 +310,17 @@ KV_FORMAT_CODES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.int8: 4}
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the native kernel serves these tensors (CPU, a float dtype, dense layouts;
     the cache in q's dtype or in fp8)."""
+    return q.device.type == "cpu" and q.stride(2) == 1 and supports_cache(q.dtype, k_cache)
+
+
+def supports_cache(dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+    """`supports` for any query of `dtype` laid out as it takes them (CPU, its last
+    dimension contiguous): what can be known of a layer before a step."""
     return (
-        q.device.type == "cpu"
-        and q.dtype in DTYPE_CODES
-        and (k_cache.dtype == q.dtype or is_quantized_kv(k_cache.dtype))
+        dtype in DTYPE_CODES
+        and k_cache.device.type == "cpu"
+        and (k_cache.dtype == dtype or is_quantized_kv(k_cache.dtype))
         and k_cache.is_contiguous()
-        and q.stride(2) == 1
         and k_cache.shape[1] <= 256
         and k_cache.shape[3] <= 256
     )

@@ -242,13 +242,8 @@ def direct_decode_serves(
     query laid out as the model makes it: CPU, its last dimension contiguous); known before
     a step, so a caller can skip the plan the fallback would need."""
     return (
-        dtype in cpu_native.DTYPE_CODES
-        and k_cache.device.type == "cpu"
-        and (k_cache.dtype == dtype or is_quantized_kv(k_cache.dtype))
-        and k_cache.is_contiguous()
-        and k_cache.dim() == 4
-        and k_cache.shape[1] <= 256
-        and k_cache.shape[3] <= 256
+        k_cache.dim() == 4
+        and cpu_native.supports_cache(dtype, k_cache)
         and v_cache.shape == k_cache.shape
         and v_cache.dtype == k_cache.dtype
         and v_cache.is_contiguous()
