@@ -219,3 +219,36 @@ def write_gguf() -> Callable[..., Path]:
     spec.loader.exec_module(module)
     writer: Callable[..., Path] = module.write_gguf
     return writer
+
+
+@pytest.fixture(scope="session")
+def compiled_llm_of() -> Callable[..., Any]:
+    """`compiled_llm_of(folder, **llm_kwargs)`: an `LLM` with its forward compiled (the
+    suite runs eager by default), or the test skipped where compiling is unavailable."""
+    from pagemill.runtime import LLM
+    from pagemill.runtime.worker.compilation import (
+        ENFORCE_EAGER_ENV,
+        compile_unavailable_reason,
+    )
+
+    def build(folder: object, **kwargs: Any) -> Any:
+        reason = compile_unavailable_reason(torch.device("cpu"))
+        if reason is not None:
+            pytest.skip(reason)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv(ENFORCE_EAGER_ENV, raising=False)
+            llm = LLM(str(folder), **kwargs)
+        assert llm.llm_engine.engine_core.model_runner.compiled
+        return llm
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
+    """A tiny random llama written as a Q4_0 GGUF (its int4 rows run `gemv_q4`)."""
+    gguf = pytest.importorskip("gguf")
+    hf_dir = tmp_path_factory.mktemp("hf-q4")
+    model = build_tiny_model(hf_dir, "llama", seed=21)
+    out = tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_0.gguf"
+    return write_gguf(model, hf_dir, out, gguf.GGMLQuantizationType.Q4_0)

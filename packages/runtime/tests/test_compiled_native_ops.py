@@ -11,12 +11,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from pagemill.kernels import cpu_native
 from pagemill.runtime import LLM, SamplingParams
-from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PY_ATTENTION = "pagemill::paged_attention"
@@ -25,22 +23,13 @@ NATIVE_DECODE = "pagemill_native::paged_decode"
 NATIVE_KV_WRITE = "pagemill_native::write_kv_cache"
 
 
-def _compiled(folder: object) -> LLM:
-    reason = compile_unavailable_reason(torch.device("cpu"))
-    if reason is not None:
-        pytest.skip(reason)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
-        llm = LLM(
-            str(folder),
-            dtype="float32",
-            max_num_batched_tokens=64,
-            max_num_seqs=4,
-            kv_cache_memory_bytes=16 * 16 * 512,
-            max_model_len=128,
-        )
-    assert llm.llm_engine.engine_core.model_runner.compiled
-    return llm
+SETTINGS = dict(
+    dtype="float32",
+    max_num_batched_tokens=64,
+    max_num_seqs=4,
+    kv_cache_memory_bytes=16 * 16 * 512,
+    max_model_len=128,
+)
 
 
 def _ops_of(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], Counter]:
@@ -52,11 +41,11 @@ def _ops_of(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[l
 
 
 @pytest.fixture(scope="module")
-def native_llm(tiny_llama) -> LLM:
+def native_llm(tiny_llama, compiled_llm_of) -> LLM:
     if not cpu_native.load_attention_ops():
         pytest.skip("the C++ attention operators cannot be built here")
     folder, _ = tiny_llama
-    return _compiled(folder)
+    return compiled_llm_of(folder, **SETTINGS)
 
 
 def test_compiled_decode_calls_no_python_attention_op(
@@ -89,13 +78,13 @@ def test_compiled_prefill_keeps_the_plan_path(
 
 
 def test_compiled_without_native_ops_uses_the_custom_ops(
-    tiny_llama, hf_greedy, random_prompts, monkeypatch
+    tiny_llama, hf_greedy, random_prompts, monkeypatch, compiled_llm_of
 ) -> None:
     # As with PAGEMILL_NATIVE_ATTENTION_OPS=0 (the operators, once loaded, stay loaded in
     # this process: the switch the runner and the trace read is patched instead).
     monkeypatch.setattr(cpu_native, "attention_ops_loaded", lambda: False)
     folder, model = tiny_llama
-    llm = _compiled(folder)
+    llm = compiled_llm_of(folder, **SETTINGS)
     runner = llm.llm_engine.engine_core.model_runner
     assert runner.decode_graph_token_counts() == []
     assert runner.compile_settings()["native_attention_ops"] is False

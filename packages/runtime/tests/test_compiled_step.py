@@ -22,24 +22,17 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def compiled_llm(tiny_llama) -> LLM:
-    reason = compile_unavailable_reason(torch.device("cpu"))
-    if reason is not None:
-        pytest.skip(reason)
+def compiled_llm(tiny_llama, compiled_llm_of) -> LLM:
     folder, _ = tiny_llama
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
-        # 8 blocks of 16 for prompts of up to 120 tokens: requests are preempted.
-        llm = LLM(
-            str(folder),
-            dtype="float32",
-            max_num_batched_tokens=64,
-            max_num_seqs=6,
-            kv_cache_memory_bytes=8 * 16 * 512,
-            max_model_len=128,
-        )
-    assert llm.llm_engine.engine_core.model_runner.compiled
-    return llm
+    # 8 blocks of 16 for prompts of up to 120 tokens: requests are preempted.
+    return compiled_llm_of(
+        folder,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        kv_cache_memory_bytes=8 * 16 * 512,
+        max_model_len=128,
+    )
 
 
 def test_compiled_greedy_matches_hf(compiled_llm, tiny_llama, hf_greedy, random_prompts) -> None:

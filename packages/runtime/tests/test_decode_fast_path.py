@@ -17,7 +17,6 @@ from pagemill.kernels import cpu_native
 from pagemill.runtime import LLM, SamplingParams
 from pagemill.runtime.worker import model_runner as model_runner_module
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
-from pagemill.runtime.worker.compilation import ENFORCE_EAGER_ENV, compile_unavailable_reason
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SETTINGS = dict(
@@ -45,18 +44,11 @@ def _same_batch(a: object, b: object) -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled_llm(tiny_llama) -> LLM:
+def compiled_llm(tiny_llama, compiled_llm_of) -> LLM:
     if not cpu_native.load_attention_ops():
         pytest.skip("the C++ attention operators cannot be built here")
-    reason = compile_unavailable_reason(torch.device("cpu"))
-    if reason is not None:
-        pytest.skip(reason)
     folder, _ = tiny_llama
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(ENFORCE_EAGER_ENV, raising=False)
-        llm = LLM(str(folder), **SETTINGS)  # type: ignore[arg-type]
-    assert llm.llm_engine.engine_core.model_runner.compiled
-    return llm
+    return compiled_llm_of(folder, **SETTINGS)
 
 
 def test_decode_layout_is_the_general_layout(tiny_llama, random_prompts, monkeypatch) -> None:

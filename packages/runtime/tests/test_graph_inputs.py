@@ -28,14 +28,6 @@ pytestmark = pytest.mark.skipif(not gemv_q4_cpu.available(), reason="no C++ comp
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
-    hf_dir = tmp_path_factory.mktemp("hf-q4-inputs")
-    model = build_tiny_model(hf_dir, "llama", seed=5)
-    out = tmp_path_factory.mktemp("gguf-q4-inputs") / "tiny-Q4_0.gguf"
-    return write_gguf(model, hf_dir, out, gguf.GGMLQuantizationType.Q4_0)
-
-
 def _same(view: torch.Tensor | None, t: torch.Tensor) -> None:
     assert view is not None
     assert view.data_ptr() == t.data_ptr() and view.shape == t.shape and view.dtype == t.dtype

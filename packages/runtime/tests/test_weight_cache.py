@@ -27,14 +27,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 7], list(range(3, 40))]
 
 
-@pytest.fixture(scope="module")
-def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
-    hf_dir = tmp_path_factory.mktemp("hf-q4")
-    model = build_tiny_model(hf_dir, "llama", seed=21)
-    out = tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_0.gguf"
-    return write_gguf(model, hf_dir, out, gguf.GGMLQuantizationType.Q4_0)
-
-
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PAGEMILL_CACHE_DIR", str(tmp_path / "cache"))
