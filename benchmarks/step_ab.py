@@ -32,6 +32,9 @@ A is the engine as it ships; B differs by one --variant of how the forward is co
 - `host-layout-before`: B's decode-only steps laid out and planned on the general host
   path (`ModelRunner.decode_fast_path = False` on B's runner: the tables written by torch
   copies from the attention plan, `_layout`'s numpy calls); the graphs are the same;
+- `dispatcher-calls`: B's C++ wrappers call the native operators through
+  `aoti_torch_call_dispatcher` (`PAGEMILL_NATIVE_C_SHIMS=0`) instead of their C entry
+  points (`cpu_native.c_shims`);
 - `explicit-fp32`: B with `dtype="float32"` asked for (a GGUF dequantized to dense fp32)
   against A's --dtype (run it with `--dtype auto` on a CPU without bf16 arithmetic, where
   auto is fp32 with the GGUF's rows packed for few-row steps).
@@ -95,6 +98,7 @@ VARIANTS = (
     "per-layer-inputs",
     "explicit-fp32",
     "host-layout-before",
+    "dispatcher-calls",
 )
 
 
@@ -109,6 +113,7 @@ def _mark_kv_static(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def variant(name: str | None, cache_root: Path) -> Iterator[None]:
     """Build an engine inside: A when `name` is None, else B of that variant."""
+    from pagemill.kernels.cpu_native import C_SHIMS_ENV
     from pagemill.runtime.model_executor.layers.linear import Linear
     from pagemill.runtime.model_executor.layers.prepacked import PREPACK_ENV
     from pagemill.runtime.model_executor.models.llama import LlamaAttention, RMSNorm
@@ -146,6 +151,8 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         Linear.read_from_arena = False
         RMSNorm.gathered_params = ()
         LlamaAttention.read_kv_from_pool = False
+    elif name == "dispatcher-calls":
+        os.environ[C_SHIMS_ENV] = "0"
     elif name == "host-before":
         os.environ[compilation.CPP_WRAPPER_ENV] = "0"
         compilation.SPECIALIZE_FLOATS = False
@@ -164,6 +171,7 @@ def variant(name: str | None, cache_root: Path) -> Iterator[None]:
         RMSNorm.gathered_params = ("weight",)
         LlamaAttention.read_kv_from_pool = True
         os.environ.pop(compilation.CPP_WRAPPER_ENV, None)
+        os.environ.pop(C_SHIMS_ENV, None)
         compilation.SPECIALIZE_FLOATS = True
         compilation.CPP_WRAPPER_BUILD_SEPARATE = True
         if saved_regional is None:

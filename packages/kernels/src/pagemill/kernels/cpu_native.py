@@ -17,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -170,7 +171,96 @@ def _load_torch_ops(use: str) -> bool:
             logger.warning("loading %s failed (%s); %s", target, e, use)
             return False
         _torch_ops_loaded = target
+        _export_c_shims(target)
         return True
+
+
+# The operators with a C entry point in csrc/aoti_shims_cpu.cpp (inductor's C shim ABI); a
+# graph compiled with a C++ wrapper calls these directly instead of going through
+# `aoti_torch_call_dispatcher` (see `c_shims`).
+C_SHIM_OPS = (
+    "gemv_q4",
+    "gemv_q8",
+    "gemm_q4_amx",
+    "gemm_q8_amx",
+    "gemm_q4_amx_silu_mul",
+    "paged_decode",
+    "paged_decode_out",
+    "write_kv_cache",
+    "write_kv_cache_quant",
+)
+# An argument's C type in that ABI, by its schema type.
+_SHIM_ARG_TYPES = {
+    "Tensor": "AtenTensorHandle",
+    "Optional[Tensor]": "AtenTensorHandle*",
+    "int": "int64_t",
+    "float": "double",
+    "bool": "int32_t",
+}
+# Set to 0 to have compiled graphs call the operators through the dispatcher (to compare).
+C_SHIMS_ENV = "PAGEMILL_NATIVE_C_SHIMS"
+_c_shims_exported = False
+
+
+def _export_c_shims(target: Path) -> None:
+    """Make the loaded library's symbols global (`RTLD_NOLOAD | RTLD_GLOBAL` reopens it in
+    place), so that a compiled wrapper loaded later resolves its calls to the shims there.
+    `torch.ops.load_library` opens it local to itself, where no other library sees them."""
+    global _c_shims_exported
+    try:
+        lib = ctypes.CDLL(str(target), mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        _c_shims_exported = all(hasattr(lib, f"aoti_torch_cpu_{name}") for name in C_SHIM_OPS)
+    except (OSError, AttributeError) as e:  # AttributeError: no RTLD_NOLOAD on this OS
+        logger.warning("the CPU operators' C entry points are not exported (%s)", e)
+        _c_shims_exported = False
+
+
+def c_shims() -> dict[torch._ops.OpOverload, list[str]]:
+    """Inductor's `aot_inductor.custom_ops_to_c_shims` for the loaded operators: each
+    operator's C entry point, which a graph compiled with a C++ wrapper then calls directly.
+    Through `aoti_torch_call_dispatcher` every call looks the operator up by name and boxes
+    its arguments and result; a batch-1 decode step makes a few hundred of them, each moving
+    little data. Empty where the library is not loaded, its symbols are not exported, or
+    `PAGEMILL_NATIVE_C_SHIMS=0`: the graphs then go through the dispatcher, as before.
+
+    A graph compiled with these holds calls to the symbols, so the library must be loaded
+    (and exported) before such a graph is loaded from a cache: every path to a compiled
+    forward builds the layers, which load the library, first."""
+    if not _c_shims_exported or os.environ.get(C_SHIMS_ENV, "1") == "0":
+        return {}
+    return _shim_table(C_SHIM_OPS)
+
+
+class _ShimTable(dict):
+    """`c_shims`'s mapping, picklable: it travels in the inductor config a compiled graph is
+    cached with (the compile cache's packages pickle their backends' configs), and an
+    OpOverload key does not pickle; this one pickles as its operators' names, and is rebuilt
+    from them (the library loaded, as it is before any cached graph loads)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[tuple[str, ...]]]:
+        return _shim_table, (tuple(op.name().removeprefix("pagemill_native::") for op in self),)
+
+
+def _shim_table(names: Sequence[str]) -> _ShimTable:
+    ops = torch.ops.pagemill_native
+    return _ShimTable({getattr(ops, name).default: [shim_declaration(name)] for name in names})
+
+
+def shim_declaration(name: str) -> str:
+    """The C declaration of operator `name`'s entry point, from its schema, in the form
+    inductor's C++ wrapper calls it: the arguments in order (see `_SHIM_ARG_TYPES`), then
+    one `AtenTensorHandle*` per result (one, passed null, for an operator returning
+    nothing). csrc/aoti_shims_cpu.cpp defines each to match."""
+    schema = getattr(torch.ops.pagemill_native, name).default._schema
+    args = []
+    for a in schema.arguments:
+        kind = str(a.type)
+        if kind not in _SHIM_ARG_TYPES:
+            raise TypeError(f"pagemill_native::{name}: no C shim type for {a.name}: {kind}")
+        args.append(f"{_SHIM_ARG_TYPES[kind]} {a.name}")
+    for i in range(max(1, len(schema.returns))):
+        args.append(f"AtenTensorHandle* ret{i}")
+    return f"AOTITorchError aoti_torch_cpu_{name}({', '.join(args)})"
 
 
 @functools.cache

@@ -276,10 +276,21 @@ def _inductor_per_graph(options: dict[str, Any], single_only: bool = False) -> C
         patches = {**options, "cpp_wrapper": wrap}
         if wrap:
             patches["cpp_wrapper_build_separate"] = CPP_WRAPPER_BUILD_SEPARATE
+            shims = _native_c_shims()
+            if shims:
+                patches["aot_inductor.custom_ops_to_c_shims"] = shims
         logger.info("compile: a graph with cpp_wrapper=%s", patches["cpp_wrapper"])
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     return backend
+
+
+def _native_c_shims() -> dict[Any, list[str]]:
+    """The C entry points a C++ wrapper calls the native CPU operators through
+    (`cpu_native.c_shims`; empty where they are not available)."""
+    from pagemill.kernels import cpu_native
+
+    return cpu_native.c_shims()
 
 
 def _set_inductor_cache_dir() -> None:
@@ -566,6 +577,8 @@ def compile_cache_key(
         "regional": regional_enabled(),
         "cpp_wrapper": cpp_wrapper_mode(),
         "cpp_wrapper_build_separate": CPP_WRAPPER_BUILD_SEPARATE,
+        # A graph compiled with the shims calls their symbols: not one to load without them.
+        "native_c_shims": bool(_native_c_shims()),
         "specialize_floats": SPECIALIZE_FLOATS,
         # Class-wide switches (not in any module's own attributes) that change the graph.
         "classes": class_switches(model),
