@@ -64,9 +64,9 @@ def test_switch_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _tiles() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    q = torch.randint(0, 16, (48, 96), generator=gen, dtype=torch.uint8)
-    s = (torch.rand(48, 3, generator=gen) * 0.02 + 1e-3).half().float()
-    m = (torch.randn(48, 3, generator=gen) * 0.01).half().float()
+    q = torch.randint(0, 16, (64, 96), generator=gen, dtype=torch.uint8)
+    s = (torch.rand(64, 3, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (torch.randn(64, 3, generator=gen) * 0.01).half().float()
     t4 = g4.pack_q4_blocks(q, s, m + 8 * s, 32)
     q8 = torch.randint(-128, 128, (32, 96), generator=gen, dtype=torch.int8)
     t8 = g8.pack_q8_blocks(q8, (torch.rand(32, 3, generator=gen) * 0.02 + 1e-3).half().float())
@@ -87,11 +87,14 @@ def test_a_compiled_graph_calls_the_shims_with_the_operators_results() -> None:
     amx = g4.amx_available() and g8.gemm_amx_available()
     ops = torch.ops.pagemill_native
 
-    def f(x, kc, vc, fc, tables, lens, slots, scale):  # type: ignore[no-untyped-def]
-        y = ops.gemv_q4(x, t4, 48) + ops.gemm_q4_amx(x, t4, 48, 2)  # AMX, or gemv_q4 without
+    def f(x, kc, vc, fc, tables, lens, slots, scale, rows, sinks):  # type: ignore[no-untyped-def]
+        # each output on its own: a sum of several would be rounded once by a fused loop
+        # and after each add by eager torch
+        y = ops.gemv_q4(x, t4, 48)
+        extra = [ops.gemm_q4_amx(x, t4, 48, 2)]  # AMX, or gemv_q4 without
         z = ops.gemv_q8(x, t8, 32, 1)
         if amx:
-            z = z + ops.gemm_q8_amx(x, t8, 32, True) + ops.gemm_q4_amx_silu_mul(x, t4, 48)[:, :24]
+            extra += [ops.gemm_q8_amx(x, t8, 32, True), ops.gemm_q4_amx_silu_mul(x, t4, 64)]
         k = y[:, :48].reshape(-1, 3, 16).repeat(1, 1, 4).to(kc.dtype)  # [3, 3, 64]
         v = (k.float() * 0.5).to(kc.dtype)
         ops.write_kv_cache(k, v, kc, vc, slots)
@@ -100,7 +103,9 @@ def test_a_compiled_graph_calls_the_shims_with_the_operators_results() -> None:
         a = ops.paged_decode(q, kc, vc, tables, lens, None, 0.125)
         b = torch.empty_like(q)
         ops.paged_decode_out(q, kc, vc, tables, lens, None, 0.125, 0, 0.0, None, None, None, b)
-        return a.float().sum(-1) + b.float().sum(-1) + z.sum(-1, keepdim=True)
+        # every optional argument given: rows, a window, softcap, fp8 scales, sinks
+        c = ops.paged_decode(q, fc, fc, tables, lens, rows, 0.125, 5, 2.0, scale, scale, sinks)
+        return y, z, a, b, c, *extra
 
     def inputs():  # type: ignore[no-untyped-def]
         gen = torch.Generator().manual_seed(1)
@@ -114,6 +119,8 @@ def test_a_compiled_graph_calls_the_shims_with_the_operators_results() -> None:
             torch.tensor([20, 7, 32], dtype=torch.int32),
             torch.tensor([2 * 16 + 4, 16 + 6, 3 * 16 + 15]),  # each request's last token
             torch.tensor(0.25),
+            torch.tensor([2, 0, 1]),
+            torch.randn(9, generator=gen),
         )
 
     want_args, got_args = inputs(), inputs()
@@ -124,7 +131,8 @@ def test_a_compiled_graph_calls_the_shims_with_the_operators_results() -> None:
         if amx or name not in ("gemm_q8_amx", "gemm_q4_amx_silu_mul"):
             assert f"aoti_torch_cpu_{name}(" in source, name
     assert "aoti_torch_call_dispatcher" not in source
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got, want):  # the operators' outputs, not reduced (inductor's order)
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
     for w, g in zip(want_args[1:4], got_args[1:4]):  # the caches the graph wrote
         assert torch.equal(w.view(torch.uint8), g.view(torch.uint8))
     torch._dynamo.reset()
