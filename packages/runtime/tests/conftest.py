@@ -244,6 +244,35 @@ def compiled_llm_of() -> Callable[..., Any]:
     return build
 
 
+# A small engine over `tiny_llama`: a 64-token step budget, four sequences and a KV pool of
+# 512 blocks of 16 tokens' fp32 worth, so a test's requests share few blocks.
+SMALL_ENGINE = dict(
+    dtype="float32",
+    max_num_batched_tokens=64,
+    max_num_seqs=4,
+    kv_cache_memory_bytes=16 * 16 * 512,
+    max_model_len=128,
+)
+
+
+@pytest.fixture(scope="session")
+def small_engine() -> dict[str, Any]:
+    """`SMALL_ENGINE`'s LLM keyword arguments (a fresh copy)."""
+    return dict(SMALL_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def native_compiled_llm(tiny_llama, compiled_llm_of, small_engine) -> Any:
+    """A compiled `small_engine` LLM over `tiny_llama` whose decode steps take the C++ KV
+    write and decode operators (skipped where those cannot be built); one per module."""
+    from pagemill.kernels import cpu_native
+
+    if not cpu_native.load_attention_ops():
+        pytest.skip("the C++ attention operators cannot be built here")
+    folder, _ = tiny_llama
+    return compiled_llm_of(folder, **small_engine)
+
+
 @pytest.fixture(scope="session")
 def q4_gguf(tmp_path_factory, build_tiny_model, write_gguf) -> Path:
     """A tiny random llama written as a Q4_0 GGUF (its int4 rows run `gemv_q4`)."""

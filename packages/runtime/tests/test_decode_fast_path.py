@@ -19,13 +19,6 @@ from pagemill.runtime.worker import model_runner as model_runner_module
 from pagemill.runtime.worker.attention_metadata import AttentionMetadata
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-SETTINGS = dict(
-    dtype="float32",
-    max_num_batched_tokens=64,
-    max_num_seqs=4,
-    kv_cache_memory_bytes=16 * 16 * 512,
-    max_model_len=128,
-)
 
 
 def _tokens(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -43,17 +36,11 @@ def _same_batch(a: object, b: object) -> None:
         assert getattr(a, field) == getattr(b, field), field
 
 
-@pytest.fixture(scope="module")
-def compiled_llm(tiny_llama, compiled_llm_of) -> LLM:
-    if not cpu_native.load_attention_ops():
-        pytest.skip("the C++ attention operators cannot be built here")
-    folder, _ = tiny_llama
-    return compiled_llm_of(folder, **SETTINGS)
-
-
-def test_decode_layout_is_the_general_layout(tiny_llama, random_prompts, monkeypatch) -> None:
+def test_decode_layout_is_the_general_layout(
+    tiny_llama, random_prompts, monkeypatch, small_engine
+) -> None:
     folder, model = tiny_llama
-    llm = LLM(str(folder), **SETTINGS)  # type: ignore[arg-type]
+    llm = LLM(str(folder), **small_engine)
     runner = llm.llm_engine.engine_core.model_runner
     lean_steps: list[int] = []
     general_steps = 0
@@ -83,9 +70,11 @@ def test_decode_layout_is_the_general_layout(tiny_llama, random_prompts, monkeyp
     assert _tokens(llm, prompts, max_tokens) == got
 
 
-def test_decode_layout_leaves_other_steps_to_the_general_path(tiny_llama, random_prompts) -> None:
+def test_decode_layout_leaves_other_steps_to_the_general_path(
+    tiny_llama, random_prompts, small_engine
+) -> None:
     folder, model = tiny_llama
-    llm = LLM(str(folder), **SETTINGS)  # type: ignore[arg-type]
+    llm = LLM(str(folder), **small_engine)
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
     seen: list[bool] = []
@@ -102,10 +91,10 @@ def test_decode_layout_leaves_other_steps_to_the_general_path(tiny_llama, random
 
 
 def test_compiled_decode_steps_plan_nothing(
-    compiled_llm, tiny_llama, hf_greedy, random_prompts, monkeypatch
+    native_compiled_llm, tiny_llama, hf_greedy, random_prompts, monkeypatch
 ) -> None:
     _, model = tiny_llama
-    runner = compiled_llm.llm_engine.engine_core.model_runner
+    runner = native_compiled_llm.llm_engine.engine_core.model_runner
     assert runner._plan_free_decode
     planned: list[int] = []
     real = model_runner_module.plan_attention
@@ -117,20 +106,20 @@ def test_compiled_decode_steps_plan_nothing(
     monkeypatch.setattr(model_runner_module, "plan_attention", counting)
     # One-token prompts: every step is decode-only, the first included.
     prompts = random_prompts([1, 1], model.config.vocab_size, seed=31)
-    got = _tokens(compiled_llm, prompts, [16, 16])
+    got = _tokens(native_compiled_llm, prompts, [16, 16])
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_greedy(model, prompt, 16)
     assert planned == []
     monkeypatch.setattr(runner, "decode_fast_path", False)
-    assert _tokens(compiled_llm, prompts, [16, 16]) == got
+    assert _tokens(native_compiled_llm, prompts, [16, 16]) == got
     assert planned  # the general path plans every step (so the count above can fail)
 
 
 def test_an_eager_run_of_a_plan_free_step_builds_the_plan(
-    compiled_llm, tiny_llama, random_prompts, monkeypatch
+    native_compiled_llm, tiny_llama, random_prompts, monkeypatch
 ) -> None:
     _, model = tiny_llama
-    runner = compiled_llm.llm_engine.engine_core.model_runner
+    runner = native_compiled_llm.llm_engine.engine_core.model_runner
     checked: list[int] = []
     real = runner._local_logits
 
@@ -151,15 +140,15 @@ def test_an_eager_run_of_a_plan_free_step_builds_the_plan(
 
     monkeypatch.setattr(runner, "_local_logits", eager_first)
     prompts = random_prompts([4, 7], model.config.vocab_size, seed=8)
-    _tokens(compiled_llm, prompts, [6, 6])
+    _tokens(native_compiled_llm, prompts, [6, 6])
     assert checked and max(checked) == 2
 
 
-def test_a_layer_the_decode_operator_does_not_take_keeps_the_plan(tiny_llama) -> None:
+def test_a_layer_the_decode_operator_does_not_take_keeps_the_plan(tiny_llama, small_engine) -> None:
     if not cpu_native.load_attention_ops():
         pytest.skip("the C++ attention operators cannot be built here")
     folder, _ = tiny_llama
-    llm = LLM(str(folder), **SETTINGS)  # type: ignore[arg-type]
+    llm = LLM(str(folder), **small_engine)
     runner = llm.llm_engine.engine_core.model_runner
     runner._bind_decode_buffers()
     assert runner._plan_free_decode
