@@ -613,6 +613,14 @@ inline __m512 transpose_sum(const __m512* v) {
                          _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
 }
 
+// 32 bf16 loaded as a vdpbf16ps operand. Cast from an integer vector instead
+// (`(__m512bh)_mm512_loadu_si512(p)`), GCC 12 stores every loaded vector to the stack and
+// reloads it: a store and a dependent reload per K row of the score loop.
+inline __m512bh load_bh(const void* p) {
+    typedef __m512bh m512bh_u __attribute__((aligned(1), may_alias));
+    return *static_cast<const m512bh_u*>(p);
+}
+
 constexpr int kTile = 16;
 constexpr int kMaxGroup = kMaxFastGroup;
 // What the score loop reads for the rows past a partial tile (a fp32 row of the largest D).
@@ -917,12 +925,11 @@ void decode_pair(const typename Elem<DT>::T* q, const void* k_cache, const void*
                     if constexpr (bf16dot) {
                         __m512bh qv[NV / 2];
                         for (int c = 0; c < NV / 2; ++c)
-                            qv[c] = (__m512bh)_mm512_load_si512(&qb[g][32 * c]);
+                            qv[c] = load_bh(&qb[g][32 * c]);
                         for (int j = 0; j < kTile; ++j) {
                             __m512 a = _mm512_setzero_ps();
                             for (int c = 0; c < NV / 2; ++c)
-                                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(krow[j] + 64 * c),
-                                                     qv[c]);
+                                a = _mm512_dpbf16_ps(a, load_bh(krow[j] + 64 * c), qv[c]);
                             part[j] = a;
                         }
                     } else {
