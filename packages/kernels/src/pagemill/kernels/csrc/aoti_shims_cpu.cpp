@@ -52,32 +52,20 @@ struct ShimEvent {
 
 }  // namespace
 
-PAGEMILL_SHIM aoti_torch_cpu_gemv_q4(AtenTensorHandle x, AtenTensorHandle blocks, int64_t n,
-                                     int64_t planes, AtenTensorHandle* ret0) {
-    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-        const ShimEvent event("pagemill_native::gemv_q4");
-        *ret0 = torch::aot_inductor::new_tensor_handle(
-            gemv_q4(shim_tensor(x), shim_tensor(blocks), n, planes));
-    });
-}
+// The packed-weight products taking (x, blocks, n, planes) and returning their output.
+#define PAGEMILL_PACKED_PRODUCT_SHIM(op)                                                      \
+    PAGEMILL_SHIM aoti_torch_cpu_##op(AtenTensorHandle x, AtenTensorHandle blocks, int64_t n,  \
+                                      int64_t planes, AtenTensorHandle* ret0) {               \
+        AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                                          \
+            const ShimEvent event("pagemill_native::" #op);                                   \
+            *ret0 = torch::aot_inductor::new_tensor_handle(                                   \
+                op(shim_tensor(x), shim_tensor(blocks), n, planes));                          \
+        });                                                                                   \
+    }
 
-PAGEMILL_SHIM aoti_torch_cpu_gemv_q8(AtenTensorHandle x, AtenTensorHandle blocks, int64_t n,
-                                     int64_t planes, AtenTensorHandle* ret0) {
-    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-        const ShimEvent event("pagemill_native::gemv_q8");
-        *ret0 = torch::aot_inductor::new_tensor_handle(
-            gemv_q8(shim_tensor(x), shim_tensor(blocks), n, planes));
-    });
-}
-
-PAGEMILL_SHIM aoti_torch_cpu_gemm_q4_amx(AtenTensorHandle x, AtenTensorHandle blocks, int64_t n,
-                                         int64_t planes, AtenTensorHandle* ret0) {
-    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-        const ShimEvent event("pagemill_native::gemm_q4_amx");
-        *ret0 = torch::aot_inductor::new_tensor_handle(
-            gemm_q4_amx(shim_tensor(x), shim_tensor(blocks), n, planes));
-    });
-}
+PAGEMILL_PACKED_PRODUCT_SHIM(gemv_q4)
+PAGEMILL_PACKED_PRODUCT_SHIM(gemv_q8)
+PAGEMILL_PACKED_PRODUCT_SHIM(gemm_q4_amx)
 
 PAGEMILL_SHIM aoti_torch_cpu_gemm_q8_amx(AtenTensorHandle x, AtenTensorHandle blocks, int64_t n,
                                          int32_t bf16_scales, AtenTensorHandle* ret0) {
